@@ -1,0 +1,276 @@
+"""The on-disk kernel cache: keys, per-key locks, atomic publish, verification.
+
+Layout under :func:`cache_dir` (all paths relative, so a copied cache still hits)::
+
+    v1/kernels/ab/<key>/   one published build: the artifact, meta.json (with its sha256),
+                           the source, the compiler log and, for nvcc, the PTX
+    v1/locks/<key>.lock    flock'd while a process builds <key>; holds the holder's pid
+    v1/tmp/<key>.<pid>.*   private build directories, renamed into kernels/ when complete
+    v1/failed/<name>-<key> the source and log of a failed compile, for reproduction
+    v1/index.sqlite        name, size, compile seconds, created, last used (see index.py)
+
+A key hashes everything that decides the artifact: the source, the content of every header it
+includes (found by scanning #include lines over the include path, so a header edit invalidates
+its users), the compiler and its version, the host compiler, flags, defines, arch, backend and
+the vitrail version. Never an absolute path.
+
+Crash safety: a build happens in a private temp dir, is fsync'd, and appears under kernels/ by
+one rename; the per-key lock is an flock, which the kernel drops when its holder dies. A reader
+checks meta.json's sha256 of the artifact before it loads anything, so a truncated or corrupted
+entry is rebuilt instead of loaded.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from vitrail import knobs
+from vitrail.jit.errors import CacheLockTimeout
+
+log = logging.getLogger("vitrail.jit")
+LAYOUT = "v1"
+META = "meta.json"
+
+
+def cache_dir() -> Path:
+    """The cache root for this user, created with mode 0700 (never the working directory)."""
+    explicit = knobs.CACHE_DIR.get()
+    if explicit:
+        root = Path(explicit).expanduser()
+    else:
+        xdg = os.environ.get("XDG_CACHE_HOME", "")
+        base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".cache"
+        root = base / "vitrail"
+    if not root.is_absolute():
+        raise ValueError(f"VITRAIL_CACHE_DIR={explicit!r} must be an absolute path")
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return root
+
+
+# ----------------------------------------------------------------------------------------- keys
+_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*([<"])([^>"\n]+)[>"]', re.M)
+# path -> ((mtime_ns, size, ino), sha256 hex, [(kind, spelled), ...]) for this process
+_scanned: dict[str, tuple[tuple[int, int, int], str, list[tuple[bytes, str]]]] = {}
+
+
+def _scan(path: str) -> tuple[str, list[tuple[bytes, str]]]:
+    st = os.stat(path)
+    sig = (st.st_mtime_ns, st.st_size, st.st_ino)
+    hit = _scanned.get(path)
+    if hit and hit[0] == sig:
+        return hit[1], hit[2]
+    data = Path(path).read_bytes()
+    includes = [(m.group(1), m.group(2).decode(errors="replace").strip())
+                for m in _INCLUDE.finditer(data)]
+    digest = hashlib.sha256(data).hexdigest()
+    _scanned[path] = (sig, digest, includes)
+    return digest, includes
+
+
+def header_closure(source: str, include_dirs: list[str]) -> list[tuple[str, str]]:
+    """(spelled include name, sha256 of content) for every header the source may include.
+
+    Conditional includes are all followed (a superset is safe: it can only make a key more
+    specific). Headers not found on the include path (libc, libstdc++, NVRTC built-ins) are keyed
+    by name; the host compiler's and NVRTC's versions are in the key for them.
+    """
+    seen: dict[str, str] = {}
+    found: set[tuple[str, str]] = set()
+    todo = [(None, kind, name) for kind, name in
+            ((m.group(1), m.group(2).decode(errors="replace").strip())
+             for m in _INCLUDE.finditer(source.encode()))]
+    while todo:
+        parent, kind, name = todo.pop()
+        path = _resolve(parent, kind, name, include_dirs)
+        if path is None:
+            found.add((name, "<not on include path>"))
+            continue
+        if path in seen:
+            found.add((name, seen[path]))
+            continue
+        digest, includes = _scan(path)
+        seen[path] = digest
+        found.add((name, digest))
+        parent_dir = os.path.dirname(path)
+        todo.extend((parent_dir, k, n) for k, n in includes)
+    return sorted(found)
+
+
+def _resolve(parent: str | None, kind: bytes, name: str, include_dirs: list[str]) -> str | None:
+    dirs = ([parent] if parent and kind == b'"' else []) + include_dirs
+    for d in dirs:
+        path = os.path.join(d, name)
+        if os.path.isfile(path):
+            return os.path.normpath(path)
+    return None
+
+
+def make_key(**parts: object) -> str:
+    """sha256 over a canonical JSON of the parts (sorted keys; lists keep their order)."""
+    blob = json.dumps(parts, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------- store
+@dataclass(frozen=True)
+class Entry:
+    """A verified, published build."""
+    key: str
+    dir: Path
+    meta: dict
+    artifact_bytes: bytes | None  # read for cubins (loaded from memory); None for shared libs
+
+    @property
+    def artifact(self) -> Path:
+        return self.dir / self.meta["artifact"]
+
+
+class KernelCache:
+    def __init__(self, root: Path | None = None):
+        self.root = (root or cache_dir()) / LAYOUT
+        for sub in ("kernels", "locks", "tmp", "failed", "trash"):
+            (self.root / sub).mkdir(mode=0o700, parents=True, exist_ok=True)
+
+    def entry_dir(self, key: str) -> Path:
+        return self.root / "kernels" / key[:2] / key
+
+    # -- reading ------------------------------------------------------------------------------
+    def lookup(self, key: str, read_artifact: bool) -> Entry | None:
+        """The published entry for key if it is complete and its checksum holds, else None."""
+        d = self.entry_dir(key)
+        try:
+            meta = json.loads((d / META).read_text())
+            data = (d / meta["artifact"]).read_bytes()
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("vitrail: cache entry %s is unreadable (%s); rebuilding it", d, e)
+            return None
+        if meta.get("key") != key or hashlib.sha256(data).hexdigest() != meta.get("sha256"):
+            log.warning("vitrail: cache entry %s failed its checksum (truncated or corrupted); "
+                        "rebuilding it", d)
+            return None
+        return Entry(key, d, meta, data if read_artifact else None)
+
+    # -- locking ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def lock(self, key: str, name: str) -> Iterator[None]:
+        """Hold the build lock of key; wait at most VITRAIL_LOCK_TIMEOUT seconds for it."""
+        path = self.root / "locks" / f"{key}.lock"
+        timeout = knobs.LOCK_TIMEOUT.get()
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            start, logged = time.monotonic(), False
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    waited = time.monotonic() - start
+                    holder = _read_pid(fd)
+                    if waited >= timeout:
+                        raise CacheLockTimeout(
+                            f"gave up after {waited:.0f} s waiting for the build lock of kernel "
+                            f"'{name}' at {path}, held by pid {holder}. If that process is stuck, "
+                            f"kill it; raise VITRAIL_LOCK_TIMEOUT to wait longer.") from None
+                    if not logged and waited > 1.0:
+                        log.warning("vitrail: waiting for kernel '%s': pid %s is compiling it "
+                                    "(lock %s)", name, holder, path)
+                        logged = True
+                    time.sleep(min(0.05 + waited / 20, 0.5))
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            yield
+        finally:
+            os.close(fd)  # closing the last descriptor releases the flock
+
+    # -- building and publishing --------------------------------------------------------------
+    def new_build_dir(self, key: str) -> Path:
+        """A private directory for one build; stale ones of this key (dead builders) go first.
+
+        Call it holding the key's lock: then no live process is building key.
+        """
+        for old in (self.root / "tmp").glob(f"{key}.*"):
+            shutil.rmtree(old, ignore_errors=True)
+        return Path(tempfile.mkdtemp(prefix=f"{key}.{os.getpid()}.", dir=self.root / "tmp"))
+
+    def publish(self, key: str, build: Path, meta: dict, read_artifact: bool) -> Entry:
+        """fsync the build, then make it the entry of key with one atomic rename."""
+        data = (build / meta["artifact"]).read_bytes()
+        meta = {**meta, "key": key, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+        (build / META).write_text(json.dumps(meta, indent=1, sort_keys=True))
+        for f in build.rglob("*"):
+            if f.is_file():
+                _fsync_path(f)
+        _fsync_path(build)
+        final = self.entry_dir(key)
+        final.parent.mkdir(mode=0o700, exist_ok=True)
+        if final.exists():  # a forced rebuild, or a corrupted entry: move it out of the way first
+            self.discard(final)
+        os.rename(build, final)
+        _fsync_path(final.parent)
+        return Entry(key, final, meta, data if read_artifact else None)
+
+    def discard(self, path: Path) -> None:
+        """Remove an entry directory: rename it away atomically, then delete it."""
+        trash = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=self.root / "trash"))
+        try:
+            os.rename(path, trash / path.name)
+        except FileNotFoundError:
+            pass
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def save_failure(self, name: str, key: str, build: Path) -> Path:
+        """Keep a failed build's source and log for reproduction; returns where."""
+        dest = self.root / "failed" / f"{_safe(name)}-{key[:16]}"
+        shutil.rmtree(dest, ignore_errors=True)
+        shutil.copytree(build, dest, ignore=shutil.ignore_patterns("keep"))
+        return dest
+
+    def entries(self) -> Iterator[tuple[str, Path, dict]]:
+        """(key, dir, meta) for every published entry on disk whose meta.json reads."""
+        for meta_path in (self.root / "kernels").glob(f"*/*/{META}"):
+            try:
+                meta = json.loads(meta_path.read_text())
+            except (OSError, ValueError):
+                meta = {}
+            yield meta_path.parent.name, meta_path.parent, meta
+
+
+def dir_size(path: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, f)).st_size
+    return total
+
+
+def _read_pid(fd: int) -> str:
+    try:
+        return os.pread(fd, 32, 0).decode().strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:80] or "kernel"

@@ -1,0 +1,303 @@
+"""``vitrail.jit.compile``: one call, two backends, through the cache.
+
+- ``backend="nvcc"`` builds a shared library. Its ``extern "C"`` entry points may hold host code
+  (CUTLASS device adapters, TMA descriptors) and are called from Python as ``module.entry(...)``.
+- ``backend="nvrtc"`` builds a cubin for device-only kernels, loaded through the driver API and
+  launched as ``module.kernel(name)[grid, block](...)`` (or through :class:`RawKernel`).
+
+The first call of a process for a given input computes the cache key (source + included headers
++ toolchain + options), then loads the artifact from disk or compiles it under the key's lock.
+Every later call with the same arguments is a dictionary lookup: no file is touched, no source
+is hashed.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from vitrail import __version__, knobs
+from vitrail.jit import toolchain
+from vitrail.jit.cache import LAYOUT, KernelCache, _safe, dir_size, header_closure, make_key
+from vitrail.jit.errors import CompileError, ToolchainError
+from vitrail.jit.index import Index
+from vitrail.jit.kernel import CubinModule
+from vitrail.jit.module import Module, SharedLibrary, parse_ptxas
+
+log = logging.getLogger("vitrail.jit")
+BACKENDS = ("nvcc", "nvrtc")
+_memo: dict[tuple, Module] = {}
+_memo_locks: dict[tuple, threading.Lock] = {}
+_memo_guard = threading.Lock()
+
+
+def compile(source: str, *, name: str, backend: str = "nvcc", arch: str | None = None,
+            flags: Sequence[str] = (), include_dirs: Sequence[str | os.PathLike] = (),
+            defines: Mapping[str, object] | None = None, kernels: Sequence[str] = ()) -> Module:
+    """Compile CUDA C++ ``source`` (or fetch it from the cache) and load it.
+
+    Args:
+        source: the translation unit.
+        name: a short name for logs, the cache index and saved sources.
+        backend: "nvcc" (shared library with host entry points) or "nvrtc" (device-only cubin).
+        arch: target such as "90a"; default :func:`toolchain.target_arch`.
+        flags: extra compiler flags (part of the cache key).
+        include_dirs: extra include directories; vitrail's, CUTLASS's and the toolkit's are added.
+        defines: macros, ``{"BLOCK": 128}`` -> ``-DBLOCK=128`` (None -> ``-DNAME``).
+        kernels: nvrtc only: name expressions of templated kernels to instantiate and look up,
+            e.g. ``["scale<float>"]`` (extern "C" kernels need none).
+    """
+    target = toolchain.Arch.parse(arch) if arch is not None else toolchain.target_arch()
+    memo_key = (source, name, backend, target.name, tuple(flags), tuple(map(str, include_dirs)),
+                tuple(sorted((defines or {}).items())), tuple(kernels))
+    hit = _memo.get(memo_key)
+    if hit is not None:
+        return hit
+    with _memo_guard:
+        lock = _memo_locks.setdefault(memo_key, threading.Lock())
+    with lock:  # threads of one process asking for one kernel compile it once
+        hit = _memo.get(memo_key)
+        if hit is None:
+            hit = _memo[memo_key] = _compile_uncached(
+                source, name, backend, target, list(flags), list(include_dirs), defines or {},
+                list(kernels))
+    return hit
+
+
+def clear_memory_cache() -> None:
+    """Forget loaded modules (the next compile() call goes to disk again); for tests and tools."""
+    _memo.clear()
+
+
+def _compile_uncached(source: str, name: str, backend: str, arch: toolchain.Arch,
+                      flags: list[str], include_dirs: list, defines: Mapping[str, object],
+                      kernels: list[str]) -> Module:
+    _check_inputs(source, name, backend, flags, include_dirs, defines, kernels)
+    if backend == "nvcc":  # every toolchain check happens before anything is written
+        tool = toolchain.nvcc()
+        tool_id = {"compiler": f"nvcc {tool.version_text}", "host": tool.host_compiler}
+    else:
+        tool = toolchain.nvrtc()
+        tool_id = {"compiler": f"nvrtc {tool.version_text}"}
+    tool.check_arch(arch)
+    dirs = [str(Path(d).resolve()) for d in include_dirs] + _standard_include_dirs()
+    define_flags = [f"-D{k}" if v is None else f"-D{k}={_define(v)}" for k, v in defines.items()]
+    key = make_key(layout=LAYOUT, vitrail=__version__, backend=backend, arch=arch.name,
+                   flags=flags, defines=define_flags, name=name, kernels=kernels, source=source,
+                   headers=header_closure(source, dirs), **tool_id)
+
+    cache = KernelCache()
+    index = Index(cache)
+    force = knobs.FORCE_RECOMPILE.get()
+    is_cubin = backend == "nvrtc"
+    entry = None if force else cache.lookup(key, read_artifact=is_cubin)
+    how = "disk"
+    if entry is None:
+        with cache.lock(key, name):
+            entry = None if force else cache.lookup(key, read_artifact=is_cubin)
+            if entry is None:
+                build = cache.new_build_dir(key)
+                try:
+                    builder = _build_nvcc if backend == "nvcc" else _build_nvrtc
+                    meta = builder(build, source, name, arch, flags, dirs, define_flags, kernels,
+                                   tool)
+                    entry = cache.publish(key, build, meta, read_artifact=is_cubin)
+                except _Failed as failed:
+                    (build / "build.log").write_text(f"$ {failed.command}\n{failed.log}")
+                    saved = cache.save_failure(name, key, build)
+                    raise CompileError(name, backend, _first_errors(failed.log, build, saved),
+                                       failed.command.replace(str(build), str(saved)), str(saved),
+                                       failed.log) from None
+                finally:
+                    shutil.rmtree(build, ignore_errors=True)
+                how = "compiled"
+                log.info("vitrail: compiled '%s' (%s, %s) in %.1f s", name, backend, arch.sm,
+                         entry.meta["compile_seconds"])
+    if how == "compiled":
+        index.record(key, entry.meta, dir_size(entry.dir))
+    else:
+        index.touch(key, entry.meta, entry.dir)
+    cls = SharedLibrary if backend == "nvcc" else CubinModule
+    return cls(entry, source, how)
+
+
+def _check_inputs(source, name, backend, flags, include_dirs, defines, kernels) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: expected one of {', '.join(BACKENDS)}")
+    if not isinstance(source, str) or not source.strip():
+        raise ValueError("source: expected the CUDA C++ source text, got an empty or non-str value")
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"name={name!r}: expected a non-empty name for the kernel")
+    for f in flags:
+        if not isinstance(f, str):
+            raise TypeError(f"flags: expected strings, got {f!r}")
+    for d in include_dirs:
+        if not Path(d).is_dir():
+            raise ValueError(f"include_dirs: {d} is not a directory")
+    for k in defines:
+        if not isinstance(k, str) or not re.fullmatch(r"[A-Za-z_]\w*", k):
+            raise ValueError(f"defines: {k!r} is not a macro name")
+    if kernels and backend != "nvrtc":
+        raise ValueError("kernels= names templated kernels to instantiate with NVRTC; with nvcc, "
+                         "instantiate them in the source")
+
+
+def _define(value: object) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    return str(value)
+
+
+def _standard_include_dirs() -> list[str]:
+    dirs = [str(toolchain.VITRAIL_INCLUDE)]
+    try:
+        dirs.append(toolchain.cutlass().include_dir)
+    except ToolchainError as e:  # only a source that includes CUTLASS needs it; say so if it fails
+        log.debug("vitrail: no CUTLASS headers on the include path: %s", e)
+    return dirs + toolchain.cuda_include_dirs()
+
+
+class _Failed(Exception):
+    def __init__(self, log_text: str, command: str):
+        self.log, self.command = log_text, command
+
+
+# ---------------------------------------------------------------------------------------- nvcc
+_NVCC_DEFAULTS = {"-std": "-std=c++17", "-O": "-O3"}
+
+
+def _build_nvcc(build: Path, source: str, name: str, arch: toolchain.Arch, flags: list[str],
+                dirs: list[str], defines: list[str], kernels: list[str],
+                tool: toolchain.Nvcc) -> dict:
+    src = build / f"{_safe(name)}.cu"
+    src.write_text(source)
+    keep = build / "keep"
+    keep.mkdir()
+    defaults = [v for k, v in _NVCC_DEFAULTS.items() if not any(f.startswith(k) for f in flags)]
+    cmd = [tool.path, "-shared", "-Xcompiler=-fPIC", *defaults, "-DNDEBUG",
+           "--expt-relaxed-constexpr", f"-gencode=arch={arch.compute},code={arch.sm}",
+           "-Xptxas=-v", "-lineinfo", "-keep", f"-keep-dir={keep}",
+           *(f"-I{d}" for d in dirs), *defines, *flags, "-o", str(build / "kernel.so"), str(src)]
+    command = shlex.join(cmd)
+    start = time.time()
+    out = _run_compiler(cmd, build, command)
+    (build / "build.log").write_text(f"$ {command}\n{out}")
+    ptx = keep / f"{src.stem}.ptx"
+    if ptx.is_file():
+        os.replace(ptx, build / "kernel.ptx")
+    shutil.rmtree(keep, ignore_errors=True)
+    return _meta(name, "nvcc", arch, "kernel.so", start, command, out, tool.version_text,
+                 source=src.name)
+
+
+def _run_compiler(cmd: list[str], build: Path, command: str) -> str:
+    timeout = knobs.COMPILE_TIMEOUT.get()
+    proc = subprocess.Popen(cmd, cwd=build, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise _Failed(f"{out}\nerror: killed after VITRAIL_COMPILE_TIMEOUT={timeout:.0f} s",
+                      command) from None
+    except BaseException:  # KeyboardInterrupt: take the compiler down with us
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    if proc.returncode != 0:
+        raise _Failed(out, command)
+    return out
+
+
+# --------------------------------------------------------------------------------------- NVRTC
+def _build_nvrtc(build: Path, source: str, name: str, arch: toolchain.Arch, flags: list[str],
+                 dirs: list[str], defines: list[str], kernels: list[str],
+                 tool: toolchain.Nvrtc) -> dict:
+    src_name = f"{_safe(name)}.cu"
+    (build / src_name).write_text(source)
+    opts = nvrtc_options(arch.sm, flags, dirs, defines)
+    command = "nvrtc " + shlex.join(opts)
+    start = time.time()
+    cubin, out, lowered = nvrtc_compile(source, src_name, opts, kernels, command, "CUBIN")
+    (build / "kernel.cubin").write_bytes(cubin)
+    (build / "build.log").write_text(f"$ {command}\n{out}")
+    return {**_meta(name, "nvrtc", arch, "kernel.cubin", start, command, out, tool.version_text,
+                    source=src_name), "lowered": lowered, "options": opts}
+
+
+def nvrtc_options(target: str, flags: list[str], dirs: list[str], defines: list[str]) -> list[str]:
+    std = [] if any(f.startswith("-std") or f.startswith("--std") for f in flags) else ["-std=c++17"]
+    return [f"-arch={target}", *std, "-DNDEBUG", "-Xptxas=-v", "-lineinfo",
+            *(f"-I{d}" for d in dirs), *defines, *flags]
+
+
+def nvrtc_compile(source: str, src_name: str, opts: list[str], kernels: list[str],
+                  command: str, output: str) -> tuple[bytes, str, dict[str, str]]:
+    """Compile with NVRTC; returns (CUBIN or PTX bytes, log, lowered names of ``kernels``)."""
+    from cuda.bindings import nvrtc
+    err, prog = nvrtc.nvrtcCreateProgram(source.encode(), src_name.encode(), 0, [], [])
+    _nvrtc_check(err, "nvrtcCreateProgram")
+    try:
+        for k in kernels:
+            _nvrtc_check(nvrtc.nvrtcAddNameExpression(prog, k.encode())[0], "add name " + k)
+        encoded = [o.encode() for o in opts]
+        (result,) = nvrtc.nvrtcCompileProgram(prog, len(encoded), encoded)
+        err, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        buf = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, buf)
+        out = buf.rstrip(b"\x00 ").decode(errors="replace")
+        if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise _Failed(out or str(result), command)
+        get_size = getattr(nvrtc, f"nvrtcGet{output}Size")
+        err, size = get_size(prog)
+        _nvrtc_check(err, f"nvrtcGet{output}Size")
+        data = b" " * size
+        _nvrtc_check(getattr(nvrtc, f"nvrtcGet{output}")(prog, data)[0], f"nvrtcGet{output}")
+        lowered = {}
+        for k in kernels:
+            err, low = nvrtc.nvrtcGetLoweredName(prog, k.encode())
+            _nvrtc_check(err, "nvrtcGetLoweredName " + k)
+            lowered[k] = low.decode()
+        return data, out, lowered
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def _nvrtc_check(err, what: str) -> None:
+    from cuda.bindings import nvrtc
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise ToolchainError(f"NVRTC {what} failed: {err}")
+
+
+# -------------------------------------------------------------------------------------- shared
+def _meta(name: str, backend: str, arch: toolchain.Arch, artifact: str, start: float,
+          command: str, out: str, compiler: str, source: str) -> dict:
+    return {"name": name, "backend": backend, "arch": arch.sm, "artifact": artifact,
+            "compile_seconds": round(time.time() - start, 3), "created": time.time(),
+            "command": command, "compiler": compiler, "vitrail": __version__, "source": source,
+            "resources": parse_ptxas(out)}
+
+
+_ERROR_LINE = re.compile(r"(error|catastrophic|fatal)\b", re.I)
+
+
+def _first_errors(out: str, build: Path, saved: Path, limit: int = 10) -> list[str]:
+    """The compiler's first error lines, with paths pointing at the saved copy of the source."""
+    lines = []
+    for line in out.splitlines():
+        if _ERROR_LINE.search(line) and not line.startswith("$ "):
+            line = line.replace(str(build), str(saved))
+            if re.match(r"[\w.-]+\.cu[(:]", line):  # NVRTC names the file without a directory
+                line = f"{saved}/{line}"
+            lines.append(line.strip())
+        if len(lines) >= limit:
+            break
+    return lines

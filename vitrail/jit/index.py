@@ -1,0 +1,96 @@
+"""The cache index (sqlite): name, size, compile seconds, created and last used, per key.
+
+The index is advisory: the directories under ``kernels/`` are the truth. A lost or corrupt index
+is rebuilt from them, an index write that fails (a read-only or busy cache) is logged and
+ignored, and :meth:`Index.sync` reconciles the two before ``vitrail cache ls`` or ``prune``.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import sqlite3
+import time
+from pathlib import Path
+from typing import Iterator
+
+from vitrail.jit.cache import KernelCache, dir_size
+
+log = logging.getLogger("vitrail.jit")
+_SCHEMA = """CREATE TABLE IF NOT EXISTS kernels (
+    key TEXT PRIMARY KEY, name TEXT, backend TEXT, arch TEXT, size INTEGER,
+    compile_seconds REAL, created REAL, last_used REAL)"""
+COLUMNS = ("key", "name", "backend", "arch", "size", "compile_seconds", "created", "last_used")
+
+
+class Index:
+    def __init__(self, cache: KernelCache):
+        self.cache = cache
+        self.path = cache.root / "index.sqlite"
+
+    @contextlib.contextmanager
+    def _db(self) -> Iterator[sqlite3.Connection]:
+        try:
+            db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+        except sqlite3.Error as e:  # e.g. a read-only cache directory
+            raise OSError(f"cannot open the cache index {self.path}: {e}") from e
+        try:
+            db.execute("PRAGMA synchronous=OFF")
+            db.execute(_SCHEMA)
+            yield db
+        except sqlite3.DatabaseError as e:
+            if "not a database" in str(e) or "malformed" in str(e):
+                log.warning("vitrail: the cache index %s is corrupt (%s); starting a new one",
+                            self.path, e)
+                db.close()
+                self.path.unlink(missing_ok=True)
+            raise
+        finally:
+            db.close()
+
+    def _write(self, sql: str, args: tuple) -> None:
+        try:
+            with self._db() as db:
+                db.execute(sql, args)
+        except (OSError, sqlite3.Error) as e:
+            log.debug("vitrail: cache index update skipped: %s", e)
+
+    def record(self, key: str, meta: dict, size: int) -> None:
+        now = time.time()
+        self._write("INSERT OR REPLACE INTO kernels VALUES (?,?,?,?,?,?,?,?)",
+                    (key, meta.get("name"), meta.get("backend"), meta.get("arch"), size,
+                     meta.get("compile_seconds"), meta.get("created", now), now))
+
+    def touch(self, key: str, meta: dict, dir: Path) -> None:
+        """Mark key used now; insert it if the index does not know it (e.g. a copied cache)."""
+        try:
+            with self._db() as db:
+                cur = db.execute("UPDATE kernels SET last_used=? WHERE key=?", (time.time(), key))
+                known = cur.rowcount > 0
+        except (OSError, sqlite3.Error) as e:
+            log.debug("vitrail: cache index update skipped: %s", e)
+            return
+        if not known:
+            self.record(key, meta, dir_size(dir))
+
+    def sync(self) -> list[dict]:
+        """Reconcile with the disk; returns one dict per published entry, oldest use first."""
+        on_disk = {key: (d, meta) for key, d, meta in self.cache.entries()}
+        with self._db() as db:
+            rows = {r[0]: dict(zip(COLUMNS, r)) for r in db.execute("SELECT * FROM kernels")}
+            for key in rows.keys() - on_disk.keys():
+                db.execute("DELETE FROM kernels WHERE key=?", (key,))
+                del rows[key]
+            for key in on_disk.keys() - rows.keys():
+                d, meta = on_disk[key]
+                created = meta.get("created", d.stat().st_mtime)
+                row = dict(key=key, name=meta.get("name", "?"), backend=meta.get("backend", "?"),
+                           arch=meta.get("arch", "?"), size=dir_size(d),
+                           compile_seconds=meta.get("compile_seconds"), created=created,
+                           last_used=created)
+                db.execute("INSERT OR REPLACE INTO kernels VALUES (?,?,?,?,?,?,?,?)",
+                           tuple(row[c] for c in COLUMNS))
+                rows[key] = row
+        return sorted(rows.values(), key=lambda r: (r["last_used"] or 0, r["key"]))
+
+    def forget(self, key: str) -> None:
+        self._write("DELETE FROM kernels WHERE key=?", (key,))

@@ -1,0 +1,250 @@
+"""Loaded artifacts: what the compiler made, how to call into it, and what it costs.
+
+- :class:`SharedLibrary` (nvcc): ``module.launch_add(x, y, n, 2.0)`` calls the ``extern "C"``
+  function ``launch_add``; its prototype is read from the source once, tensors become pointers,
+  and an omitted ``cudaStream_t`` parameter gets the current torch stream. A ``cudaError_t``
+  result that is not ``cudaSuccess`` raises :class:`LaunchError`.
+- :class:`CubinModule` (NVRTC): ``module.kernel("saxpy")[grid, block](...)`` (see kernel.py).
+
+Both report ``resources()`` (registers, shared memory, stack and spills per kernel, from ptxas),
+``ptx`` and ``sass`` (through cuobjdump, where the toolkit has it).
+"""
+from __future__ import annotations
+
+import ctypes
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from vitrail.jit.cache import Entry
+from vitrail.jit.errors import ArgumentError, LaunchError, ToolchainError
+from vitrail.jit.signature import (Param, Prototype, find_prototype, parse_signature, pointer_of,
+                                   result_is_checked, scalar_value, stream_of)
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What ptxas reported for one kernel (bytes, except registers and barriers)."""
+    registers: int = 0
+    shared: int = 0  # static shared memory; dynamic shared memory is set at launch
+    stack: int = 0
+    spill_stores: int = 0
+    spill_loads: int = 0
+    barriers: int = 0
+    mangled: str = ""
+
+    @property
+    def spills(self) -> bool:
+        return bool(self.spill_stores or self.spill_loads)
+
+
+_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_PROPS = re.compile(r"Function properties for (\S+)")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers")
+
+
+def parse_ptxas(log: str) -> dict[str, dict]:
+    """Per entry function (demangled where c++filt exists): ptxas's -v report as a dict."""
+    found: dict[str, dict] = {}
+    entry = props = None
+    for line in log.splitlines():
+        if m := _ENTRY.search(line):
+            entry = m.group(1)
+            found.setdefault(entry, {"mangled": entry})
+        elif m := _PROPS.search(line):
+            props = m.group(1)
+        elif (m := _FRAME.search(line)) and props in found:
+            found[props].update(stack=int(m.group(1)), spill_stores=int(m.group(2)),
+                                spill_loads=int(m.group(3)))
+        elif (m := _USED.search(line)) and entry in found:
+            smem = re.search(r"(\d+) bytes smem", line)
+            bars = re.search(r"used (\d+) barriers", line)
+            found[entry].update(registers=int(m.group(1)), shared=int(smem.group(1)) if smem else 0,
+                                barriers=int(bars.group(1)) if bars else 0)
+    names = _demangle(list(found))
+    return {names[i]: found[k] for i, k in enumerate(found)}
+
+
+def _demangle(names: list[str]) -> list[str]:
+    tool = shutil.which("cu++filt") or shutil.which("c++filt")
+    if not tool or not names:
+        return names
+    try:
+        out = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True,
+                             timeout=30).stdout.splitlines()
+    except (OSError, subprocess.TimeoutExpired):
+        return names
+    return out if len(out) == len(names) else names
+
+
+class Module:
+    """A verified build from the cache, loaded into this process."""
+
+    def __init__(self, entry: Entry, source: str, how: str):
+        self.entry, self.source = entry, source
+        self.how = how  # "compiled" (by this call) or "disk" (found in the cache)
+        meta = entry.meta
+        self.name, self.backend, self.arch, self.key = (meta["name"], meta["backend"],
+                                                        meta["arch"], entry.key)
+        self.path = entry.artifact
+
+    @property
+    def meta(self) -> dict:
+        return self.entry.meta
+
+    @property
+    def compile_seconds(self) -> float:
+        return self.meta["compile_seconds"]
+
+    def resources(self) -> dict[str, Resources]:
+        """Registers, static shared memory, stack and spills of each kernel, from ptxas."""
+        return {k: Resources(**v) for k, v in self.meta.get("resources", {}).items()}
+
+    @property
+    def log(self) -> str:
+        return (self.entry.dir / "build.log").read_text(errors="replace")
+
+    @property
+    def ptx(self) -> str:
+        path = self.entry.dir / "kernel.ptx"
+        if path.is_file():
+            return path.read_text(errors="replace")
+        raise ToolchainError(f"no PTX was kept for kernel '{self.name}'")
+
+    @property
+    def sass(self) -> str:
+        """The machine code, disassembled by cuobjdump (part of the CUDA toolkit)."""
+        from vitrail.jit import toolchain
+        tool = shutil.which("cuobjdump")
+        if tool is None:
+            try:
+                candidate = Path(toolchain.nvcc().path).parent / "cuobjdump"
+                tool = str(candidate) if candidate.is_file() else None
+            except ToolchainError:
+                pass
+        if tool is None:
+            raise ToolchainError("cuobjdump not found: install the CUDA toolkit's cuobjdump "
+                                 "(cuda-cuobjdump) and put it on PATH")
+        done = subprocess.run([tool, "-sass", str(self.path)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise ToolchainError(f"cuobjdump -sass {self.path} failed: {done.stderr.strip()}")
+        return done.stdout
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} '{self.name}' {self.backend} {self.arch} {self.key[:12]}>"
+
+
+class SharedLibrary(Module):
+    """An nvcc-built shared library; its extern "C" functions are attributes."""
+
+    def __init__(self, entry: Entry, source: str, how: str):
+        super().__init__(entry, source, how)
+        self._lib = ctypes.CDLL(str(self.path), mode=ctypes.RTLD_LOCAL)
+        self._entries: dict[str, EntryPoint] = {}
+
+    def function(self, name: str, signature: str | None = None) -> "EntryPoint":
+        """The entry point ``name``; its prototype from ``signature`` or else the source."""
+        ep = self._entries.get(name)
+        if ep is None or signature is not None:
+            proto = (parse_signature(signature, name) if signature is not None
+                     else find_prototype(self.source, name, kernel=False))
+            try:
+                fn = getattr(self._lib, name)
+            except AttributeError:
+                raise AttributeError(f"module '{self.name}' exports no function '{name}'; is it "
+                                     f'declared extern "C"?') from None
+            ep = self._entries[name] = EntryPoint(fn, proto, self.name)
+        return ep
+
+    def __getattr__(self, name: str) -> "EntryPoint":
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return self.function(name)
+
+
+class EntryPoint:
+    """A host function of a SharedLibrary, callable with tensors, numbers and streams."""
+
+    def __init__(self, fn, proto: Prototype, module: str):
+        self.proto, self.where = proto, f"{module}.{proto.name}"
+        for p in proto.params:
+            if p.kind == "opaque":
+                raise ArgumentError(
+                    f"{self.where}: parameter '{p.name}' has type '{p.type}', which cannot be "
+                    f"passed from Python; entry points take pointers, numbers and cudaStream_t")
+        fn.argtypes = [p.ctype for p in proto.params]
+        fn.restype = _restype(proto.result)
+        self._fn = fn
+        self._check = result_is_checked(proto.result)
+        self._params = proto.params
+        self._streams = [i for i, p in enumerate(proto.params) if p.kind == "stream"]
+
+    def __call__(self, *args, stream=None):
+        params = self._params
+        if len(args) != len(params):
+            args = self._fill_streams(args, stream)
+        values: list = []
+        device = None
+        for p, a in zip(params, args):
+            kind = p.kind
+            if kind == "pointer":
+                ptr, dev = pointer_of(a, p, self.where)
+                if dev is not None:
+                    if device is not None and dev != device:
+                        raise ArgumentError(f"{self.where}: argument '{p.name}' is on cuda:{dev} "
+                                            f"but an earlier one is on cuda:{device}")
+                    device = dev
+                values.append(ptr)
+            elif kind == "scalar":
+                values.append(scalar_value(a, p, self.where))
+            else:
+                values.append(a)  # streams: resolved below, once the device is known
+        for i in self._streams:
+            values[i] = stream_of(values[i], device)
+        result = _on_device(device, self._fn, values)
+        if self._check and result != 0:
+            raise LaunchError(f"{self.where} returned {_cuda_error_name(result)} ({result}) "
+                              f"[{self.proto}]")
+        return None if self._check else result
+
+    def _fill_streams(self, args: tuple, stream) -> tuple:
+        missing = len(self._params) - len(args)
+        if missing == len(self._streams) == 1 and self._streams[0] == len(self._params) - 1:
+            return (*args, stream)
+        raise ArgumentError(f"{self.where} takes {len(self._params)} arguments "
+                            f"({self.proto}), got {len(args)}")
+
+    def __repr__(self) -> str:
+        return f"<EntryPoint {self.proto}>"
+
+
+def _on_device(device: int | None, fn, values: list):
+    """Call fn with the given device current (torch's notion, which the runtime shares)."""
+    if device is not None:
+        import torch
+        if device != torch.cuda.current_device():
+            with torch.cuda.device(device):
+                return fn(*values)
+    return fn(*values)
+
+
+def _restype(result: str):
+    if result == "void":
+        return None
+    if result.endswith("*"):
+        return ctypes.c_void_p
+    if result_is_checked(result):
+        return ctypes.c_int
+    param: Param = parse_signature(f"{result} r", "result").params[0]
+    return param.ctype
+
+
+def _cuda_error_name(code: int) -> str:
+    try:
+        from cuda.bindings import runtime
+        return runtime.cudaGetErrorName(runtime.cudaError_t(code))[1].decode()
+    except Exception:
+        return "cudaError"

@@ -1,0 +1,91 @@
+"""Every ``VITRAIL_*`` environment variable, typed and documented, read in one place.
+
+Nothing else in vitrail reads ``os.environ`` for a ``VITRAIL_*`` name: add a knob here, with its
+documentation, and read it as ``knobs.NAME.get()``. Values are read at the moment of the call (so a
+test or a user may change the environment between calls); keep reads off per-launch paths.
+``vitrail doctor`` prints the table, and the README's knob list is generated from the same entries.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Generic, TypeVar
+
+T = TypeVar("T")
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _bool(name: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name}={raw!r}: expected one of 1/0, true/false, yes/no, on/off")
+
+
+def _float(name: str, raw: str) -> float:
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected a number") from None
+
+
+def _str(name: str, raw: str) -> str:
+    return raw
+
+
+@dataclass(frozen=True)
+class Knob(Generic[T]):
+    name: str
+    default: T
+    parse: Callable[[str, str], T]
+    doc: str
+
+    def get(self) -> T:
+        raw = os.environ.get(self.name)
+        if raw is None or (raw == "" and self.parse is not _bool):
+            return self.default
+        return self.parse(self.name, raw)
+
+    def is_set(self) -> bool:
+        return bool(os.environ.get(self.name))
+
+
+ALL: list[Knob] = []
+
+
+def _knob(name: str, default: T, parse: Callable[[str, str], T], doc: str) -> Knob[T]:
+    knob = Knob(name, default, parse, doc)
+    ALL.append(knob)
+    return knob
+
+
+CACHE_DIR = _knob(
+    "VITRAIL_CACHE_DIR", "", _str,
+    "Kernel cache directory. Default: $XDG_CACHE_HOME/vitrail, else ~/.cache/vitrail. "
+    "Created with mode 0700; never the working directory.")
+NVCC = _knob(
+    "VITRAIL_NVCC", "", _str,
+    "Path of the nvcc to use. Default: $CUDA_HOME/bin/nvcc, then nvcc on PATH, then "
+    "/usr/local/cuda/bin/nvcc.")
+ARCH = _knob(
+    "VITRAIL_ARCH", "", _str,
+    "Target GPU architecture, e.g. 90a, sm_90a or 9.0. Default: the current GPU "
+    "(sm_90a on Hopper), else TORCH_CUDA_ARCH_LIST. Set it to build on a machine with no GPU.")
+FORCE_RECOMPILE = _knob(
+    "VITRAIL_FORCE_RECOMPILE", False, _bool,
+    "1: ignore cached kernels on disk and compile each kernel again (once per process), "
+    "replacing the cached artifact.")
+LOCK_TIMEOUT = _knob(
+    "VITRAIL_LOCK_TIMEOUT", 900.0, _float,
+    "Seconds a process waits for another process compiling the same kernel before it gives up "
+    "with CacheLockTimeout.")
+COMPILE_TIMEOUT = _knob(
+    "VITRAIL_COMPILE_TIMEOUT", 1800.0, _float,
+    "Seconds one nvcc compile may run before it is killed and reported as a CompileError.")
+LOG = _knob(
+    "VITRAIL_LOG", "warning", _str,
+    "Log level of the 'vitrail' logger: debug, info (one line per compile), warning or error.")
