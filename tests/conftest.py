@@ -1,0 +1,43 @@
+"""Shared fixtures: every test gets a private cache directory and a clean module memo."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+import vitrail.jit as jit
+
+
+def has_gpu() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def has_nvcc() -> bool:
+    try:
+        jit.toolchain.nvcc()
+        return True
+    except jit.ToolchainError:
+        return False
+
+
+requires_gpu = pytest.mark.skipif(not has_gpu(), reason="needs a CUDA GPU")
+requires_nvcc = pytest.mark.skipif(not has_nvcc(), reason="needs nvcc")
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    """A fresh VITRAIL_CACHE_DIR per test; VITRAIL_ARCH=90a when no GPU is present."""
+    root = tmp_path / "vitrail-cache"
+    monkeypatch.setenv("VITRAIL_CACHE_DIR", str(root))
+    monkeypatch.delenv("VITRAIL_FORCE_RECOMPILE", raising=False)
+    if not has_gpu() and not os.environ.get("VITRAIL_ARCH"):
+        monkeypatch.setenv("VITRAIL_ARCH", "90a")
+    jit.clear_memory_cache()
+    yield root
+    jit.clear_memory_cache()
+    shutil.rmtree(root, ignore_errors=True)

@@ -1,0 +1,167 @@
+"""``vitrail doctor``: is this machine ready to compile and run vitrail kernels?
+
+Reports the toolchain (nvcc, host compiler, NVRTC, CUTLASS), the GPUs and target arch, the cache;
+builds a small CuTe kernel with nvcc and a kernel with NVRTC, runs both where a GPU exists and
+checks their results; says plainly what is missing and how to fix it.
+"""
+from __future__ import annotations
+
+import platform
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from vitrail import __version__, knobs
+
+# A CuTe kernel (tiles of a global tensor, one element per thread) and, in a kernel that is never
+# launched, a warpgroup fence: it only assembles for sm_90a, so the build proves the target.
+CUTE_SOURCE = r"""
+#include <cuda_runtime.h>
+#include <cute/tensor.hpp>
+#include <cute/arch/mma_sm90_gmma.hpp>
+
+template <int kBlock>
+__global__ void scale_kernel(const float* x, float* y, int n, float a) {
+  using namespace cute;
+  Tensor gx = make_tensor(make_gmem_ptr(x), make_shape(n));
+  Tensor gy = make_tensor(make_gmem_ptr(y), make_shape(n));
+  Tensor tile_x = local_tile(gx, Shape<Int<kBlock>>{}, make_coord(blockIdx.x));
+  Tensor tile_y = local_tile(gy, Shape<Int<kBlock>>{}, make_coord(blockIdx.x));
+  if (int(blockIdx.x) * kBlock + int(threadIdx.x) < n) {
+    tile_y(threadIdx.x) = a * tile_x(threadIdx.x);
+  }
+}
+
+__global__ void sm90a_probe() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  cute::warpgroup_arrive();
+#endif
+}
+
+extern "C" cudaError_t vitrail_doctor_scale(const float* x, float* y, int n, float a,
+                                            cudaStream_t stream) {
+  constexpr int kBlock = 128;
+  scale_kernel<kBlock><<<(n + kBlock - 1) / kBlock, kBlock, 0, stream>>>(x, y, n, a);
+  return cudaGetLastError();
+}
+"""
+
+NVRTC_SOURCE = r"""
+extern "C" __global__ void vitrail_doctor_saxpy(float a, const float* x, float* y, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = a * x[i] + y[i];
+}
+"""
+
+
+@dataclass
+class Check:
+    what: str
+    ok: bool | None  # None: not applicable here (e.g. no GPU to run on)
+    detail: str
+    fix: str = ""
+
+
+def _try(what: str, fn: Callable[[], str], fix: str = "") -> Check:
+    try:
+        return Check(what, True, fn())
+    except Exception as e:  # doctor reports every failure instead of stopping at the first
+        return Check(what, False, f"{type(e).__name__}: {e}".strip(), fix)
+
+
+def run_checks() -> list[Check]:
+    import torch
+
+    from vitrail import jit
+    from vitrail.jit import housekeeping, toolchain
+
+    checks = [Check("vitrail", True, f"{__version__} (python {platform.python_version()}, torch "
+                    f"{torch.__version__}, CUDA {torch.version.cuda or 'none'})")]
+
+    def nvcc() -> str:
+        t = toolchain.nvcc()
+        return f"{t.version_text} at {t.path} (toolkit {t.cuda_home}; host {t.host_compiler})"
+    checks.append(_try("nvcc", nvcc, "install the CUDA toolkit or set VITRAIL_NVCC / CUDA_HOME"))
+
+    def nvrtc() -> str:
+        t = toolchain.nvrtc()
+        return f"{t.version_text} ({t.library})"
+    checks.append(_try("NVRTC", nvrtc, "pip install nvidia-cuda-nvrtc cuda-bindings"))
+
+    def cutlass() -> str:
+        t = toolchain.cutlass()
+        return f"{t.version_text} at {t.include_dir} ({t.source})"
+    checks.append(_try("CUTLASS/CuTe", cutlass, "pip install nvidia-cutlass, or set CUTLASS_PATH"))
+
+    gpu = torch.cuda.is_available()
+    if gpu:
+        lines = []
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            lines.append(f"cuda:{i} {p.name}, sm_{p.major}{p.minor}, {p.multi_processor_count} "
+                         f"SMs, {p.total_memory / 2**30:.0f} GiB")
+        checks.append(Check("GPUs", True, "; ".join(lines)))
+    else:
+        checks.append(Check("GPUs", None, "none visible: kernels compile but cannot run here",
+                            "run on a machine with an NVIDIA GPU and driver"))
+    checks.append(_try("target arch", lambda: f"{toolchain.target_arch()} (from "
+                       f"{toolchain.target_arch().source})",
+                       "set VITRAIL_ARCH=90a (Hopper) to compile without a GPU"))
+
+    def cache() -> str:
+        i = housekeeping.info()
+        return (f"{i.root}: {i.entries} kernels, {housekeeping.format_size(i.size)}"
+                + (f", {i.failed} failed builds kept" if i.failed else ""))
+    checks.append(_try("cache", cache, "set VITRAIL_CACHE_DIR to a writable directory"))
+
+    n = 1000
+
+    def build_cute() -> str:
+        start = time.perf_counter()
+        mod = jit.compile(CUTE_SOURCE, name="doctor_cute", backend="nvcc")
+        regs = max((r.registers for r in mod.resources().values()), default=0)
+        return (f"{mod.arch}, {mod.how} in {time.perf_counter() - start:.1f} s, {regs} registers"
+                + ("" if "wgmma.fence" in mod.ptx else " (no sm_90a instructions)"))
+    checks.append(_try("nvcc build (CuTe)", build_cute))
+
+    def build_nvrtc() -> str:
+        start = time.perf_counter()
+        mod = jit.compile(NVRTC_SOURCE, name="doctor_nvrtc", backend="nvrtc")
+        return f"{mod.arch}, {mod.how} in {time.perf_counter() - start:.2f} s"
+    checks.append(_try("NVRTC build", build_nvrtc))
+
+    if gpu:
+        def run_cute() -> str:
+            x = torch.randn(n, device="cuda")
+            y = torch.full_like(x, float("nan"))
+            jit.compile(CUTE_SOURCE, name="doctor_cute").vitrail_doctor_scale(x, y, n, 3.0)
+            torch.testing.assert_close(y, 3.0 * x)
+            return f"scale of {n} floats matches torch"
+        checks.append(_try("nvcc kernel runs", run_cute))
+
+        def run_nvrtc() -> str:
+            x, y = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
+            expected = 2.0 * x + y
+            jit.RawKernel(NVRTC_SOURCE, "vitrail_doctor_saxpy")[(n + 255) // 256, 256](2.0, x, y, n)
+            torch.testing.assert_close(y, expected)
+            return f"saxpy of {n} floats matches torch"
+        checks.append(_try("NVRTC kernel runs", run_nvrtc))
+    return checks
+
+
+def main() -> int:
+    checks = run_checks()
+    width = max(len(c.what) for c in checks)
+    for c in checks:
+        mark = {True: "ok ", False: "FAIL", None: "-- "}[c.ok]
+        print(f"[{mark:4}] {c.what:<{width}}  {c.detail}")
+        if c.fix and c.ok is not True:
+            print(f"{'':7}{'':<{width}}  fix: {c.fix}")
+    set_knobs = [k for k in knobs.ALL if k.is_set()]
+    if set_knobs:
+        print("knobs: " + ", ".join(f"{k.name}={k.get()}" for k in set_knobs))
+    failed = [c for c in checks if c.ok is False]
+    print(f"\n{len(checks) - len(failed)} ok, {len(failed)} failed"
+          + ("" if failed else ": vitrail can compile" + (" and run" if any(
+              c.what.endswith("runs") for c in checks) else "") + " kernels here"))
+    return 1 if failed else 0
