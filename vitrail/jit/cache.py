@@ -60,13 +60,15 @@ def cache_dir() -> Path:
 
 # ----------------------------------------------------------------------------------------- keys
 _INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*([<"])([^>"\n]+)[>"]', re.M)
-# path -> ((mtime_ns, size, ino), sha256 hex, [(kind, spelled), ...]) for this process
-_scanned: dict[str, tuple[tuple[int, int, int], str, list[tuple[bytes, str]]]] = {}
+# path -> ((mtime_ns, ctime_ns, size, ino), sha256 hex, [(kind, spelled), ...]) for this process
+_scanned: dict[str, tuple[tuple[int, int, int, int], str, list[tuple[bytes, str]]]] = {}
+_RACY_NS = 2_000_000_000  # a file changed this recently may change again within one timestamp tick
 
 
 def _scan(path: str) -> tuple[str, list[tuple[bytes, str]]]:
     st = os.stat(path)
-    sig = (st.st_mtime_ns, st.st_size, st.st_ino)
+    # ctime as well as mtime: `cp -p`, `tar x` and `touch -r` put an old mtime on new content
+    sig = (st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino)
     hit = _scanned.get(path)
     if hit and hit[0] == sig:
         return hit[1], hit[2]
@@ -74,7 +76,8 @@ def _scan(path: str) -> tuple[str, list[tuple[bytes, str]]]:
     includes = [(m.group(1), m.group(2).decode(errors="replace").strip())
                 for m in _INCLUDE.finditer(data)]
     digest = hashlib.sha256(data).hexdigest()
-    _scanned[path] = (sig, digest, includes)
+    if time.time_ns() - st.st_ctime_ns > _RACY_NS:  # else a same-size rewrite in the same
+        _scanned[path] = (sig, digest, includes)     # tick (coarse timestamps) would look unchanged
     return digest, includes
 
 

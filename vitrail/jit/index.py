@@ -38,7 +38,7 @@ class Index:
             db.execute(_SCHEMA)
             yield db
         except sqlite3.DatabaseError as e:
-            if "not a database" in str(e) or "malformed" in str(e):
+            if _is_corrupt(e):
                 log.warning("vitrail: the cache index %s is corrupt (%s); starting a new one",
                             self.path, e)
                 db.close()
@@ -74,6 +74,14 @@ class Index:
 
     def sync(self) -> list[dict]:
         """Reconcile with the disk; returns one dict per published entry, oldest use first."""
+        try:
+            return self._sync()
+        except sqlite3.DatabaseError as e:
+            if not _is_corrupt(e):
+                raise
+            return self._sync()  # _db removed the corrupt file: rebuild the index from the disk
+
+    def _sync(self) -> list[dict]:
         on_disk = {key: (d, meta) for key, d, meta in self.cache.entries()}
         with self._db() as db:
             rows = {r[0]: dict(zip(COLUMNS, r)) for r in db.execute("SELECT * FROM kernels")}
@@ -94,3 +102,7 @@ class Index:
 
     def forget(self, key: str) -> None:
         self._write("DELETE FROM kernels WHERE key=?", (key,))
+
+
+def _is_corrupt(e: sqlite3.DatabaseError) -> bool:
+    return "not a database" in str(e) or "malformed" in str(e)
