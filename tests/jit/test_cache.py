@@ -110,7 +110,7 @@ def key_of(monkeypatch, source: str, **kw) -> str:
 
 def assert_verified(mod: jit.Module) -> dict:
     """The published artifact of mod matches its meta.json, and the cache accepts it."""
-    meta = json.loads((mod.entry.dir / "meta.json").read_text())
+    meta = json.loads((mod.dir / "meta.json").read_text())
     data = mod.path.read_bytes()
     assert meta["key"] == mod.key
     assert len(data) == meta["size"] > 0
@@ -266,7 +266,7 @@ def test_every_input_changes_the_key(change, monkeypatch):
     changed = nvrtc(**args)
     assert changed.how == "compiled"
     assert changed.key != base.key
-    assert changed.entry.dir != base.entry.dir
+    assert changed.dir != base.dir
     assert_verified(changed)
     if change == "arch":
         assert (base.arch, changed.arch) == ("sm_90a", "sm_80")
@@ -372,7 +372,7 @@ def test_a_copied_cache_dir_still_hits(backend, cache_dir, tmp_path, monkeypatch
     monkeypatch.setenv("VITRAIL_CACHE_DIR", str(moved))
     hit = fresh(source, name=name, backend=backend)
     assert hit.how == "disk" and hit.key == built.key
-    assert hit.entry.dir.is_relative_to(moved)
+    assert hit.dir.is_relative_to(moved)
     assert not cache_dir.exists()
     assert_verified(hit)
     if backend == "nvcc":
@@ -538,13 +538,13 @@ def _flipped_byte(mod_dir: Path, meta: dict) -> None:
 def test_a_corrupted_entry_is_detected_and_rebuilt(damage):
     built = nvrtc()
     meta = assert_verified(built)
-    damage(built.entry.dir, meta)
+    damage(built.dir, meta)
     assert KernelCache().lookup(built.key, read_artifact=True) is None
     rebuilt = nvrtc()
     assert rebuilt.how == "compiled" and rebuilt.key == built.key
     new_meta = assert_verified(rebuilt)
     assert new_meta["sha256"] == meta["sha256"]  # the same build again
-    assert hashlib.sha256(rebuilt.entry.artifact_bytes).hexdigest() == meta["sha256"]
+    assert hashlib.sha256(rebuilt._entry.artifact_bytes).hexdigest() == meta["sha256"]
     assert nvrtc().how == "disk"
 
 
@@ -636,7 +636,7 @@ def test_the_cache_dir_is_created_with_mode_0700(tmp_path, monkeypatch):
     root = tmp_path / "not" / "yet" / "cache"
     monkeypatch.setenv("VITRAIL_CACHE_DIR", str(root))
     mod = nvrtc()
-    assert mod.entry.dir.is_relative_to(root)
+    assert mod.dir.is_relative_to(root)
     assert stat.S_IMODE(root.stat().st_mode) == 0o700
     for sub in ("kernels", "locks", "tmp"):
         assert stat.S_IMODE((root / "v1" / sub).stat().st_mode) == 0o700
@@ -653,7 +653,7 @@ def test_without_vitrail_cache_dir_the_cache_goes_under_xdg_cache_home(tmp_path,
     monkeypatch.chdir(cwd)
     mod = nvrtc()
     assert mod.how == "compiled"
-    assert mod.entry.dir.is_relative_to(xdg / "vitrail")
+    assert mod.dir.is_relative_to(xdg / "vitrail")
     assert stat.S_IMODE((xdg / "vitrail").stat().st_mode) == 0o700
     assert list(cwd.iterdir()) == [] and list(home.iterdir()) == []
     assert_verified(mod)
@@ -714,7 +714,7 @@ def test_the_index_lists_entries_and_forgets_removed_ones():
         row = rows[mod.name]
         assert row["key"] == mod.key
         assert (row["backend"], row["arch"]) == ("nvrtc", arch)
-        assert row["size"] == dir_size(mod.entry.dir) > mod.path.stat().st_size > 0
+        assert row["size"] == dir_size(mod.dir) > mod.path.stat().st_size > 0
         assert row["compile_seconds"] == mod.compile_seconds >= 0
         assert start <= row["created"] <= row["last_used"] <= time.time()
 
@@ -723,7 +723,7 @@ def test_the_index_lists_entries_and_forgets_removed_ones():
     rows = {r["name"]: r for r in Index(KernelCache()).sync()}
     assert rows["beta"]["last_used"] > used  # a disk hit counts as a use
 
-    shutil.rmtree(a.entry.dir)
+    shutil.rmtree(a.dir)
     rows = Index(KernelCache()).sync()
     assert [r["name"] for r in rows] == ["beta"]
 

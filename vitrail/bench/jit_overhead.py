@@ -33,20 +33,27 @@ def build() -> None:
     jit.compile(NOOP_ENTRY, name="vitrail_noop_launch", backend="nvcc")
 
 
-def per_call_us(fn, calls: int = 2000, rounds: int = 7) -> float:
-    """Median over rounds of host microseconds per call (GPU synced between rounds only)."""
+def per_call_us(fns: dict, calls: int = 2000, rounds: int = 9) -> dict[str, float]:
+    """Median over rounds of host microseconds per call, for each function.
+
+    Rounds go round-robin over the functions, so a slower or faster spell of the machine
+    (shared hosts drift by tens of percent) falls on all of them alike. The GPU is synchronized
+    between rounds, never inside one.
+    """
     import torch
-    for _ in range(200):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
+    for fn in fns.values():
+        for _ in range(200):
             fn()
-        samples.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(samples)
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples[name].append((time.perf_counter() - start) / calls * 1e6)
+    torch.cuda.synchronize()
+    return {name: statistics.median(s) for name, s in samples.items()}
 
 
 @register("jit.launch_overhead", "host µs per cached call of a trivial kernel", build)
@@ -58,24 +65,23 @@ def run() -> list[Row]:
     raw = jit.RawKernel(NOOP_KERNEL, "vitrail_noop")
     launch = raw[1, 32]
     entry = jit.compile(NOOP_ENTRY, name="vitrail_noop_launch").vitrail_noop_launch
-    case = "trivial kernel"
-    rows = [
-        Row(case, "vitrail RawKernel (NVRTC)", per_call_us(lambda: launch(x, 1)), "µs/call"),
-        Row(case, "vitrail RawKernel, k[g, b](...)", per_call_us(lambda: raw[1, 32](x, 1)),
-            "µs/call"),
-        Row(case, "vitrail nvcc entry point", per_call_us(lambda: entry(x, 1)), "µs/call"),
-        Row(case, "torch Tensor.add_", per_call_us(lambda: x.add_(1.0)), "µs/call"),
-        Row(case, "vitrail jit.compile (memo hit)",
-            per_call_us(lambda: jit.compile(NOOP_ENTRY, name="vitrail_noop_launch")), "µs/call"),
-    ]
+    fns = {
+        "vitrail RawKernel, k[g, b](...)": lambda: raw[1, 32](x, 1),
+        "vitrail RawKernel, bound launcher": lambda: launch(x, 1),
+        "vitrail nvcc entry point": lambda: entry(x, 1),
+        "vitrail jit.compile (memo hit)":
+            lambda: jit.compile(NOOP_ENTRY, name="vitrail_noop_launch"),
+        "torch Tensor.add_": lambda: x.add_(1.0),
+    }
+    baseline = "CuPy RawKernel"
     try:
         import cupy
         import numpy as np
         ck = cupy.RawKernel(NOOP_KERNEL, "vitrail_noop")
         buf = cupy.zeros(1, dtype=cupy.float32)
         one = np.int32(1)
-        rows.append(Row(case, "CuPy RawKernel", per_call_us(lambda: ck((1,), (32,), (buf, one))),
-                        "µs/call", baseline=True))
+        fns[baseline] = lambda: ck((1,), (32,), (buf, one))
     except ImportError:
-        pass
-    return rows
+        baseline = "torch Tensor.add_"
+    return [Row("trivial kernel", name, us, "µs/call", baseline=name == baseline)
+            for name, us in per_call_us(fns).items()]

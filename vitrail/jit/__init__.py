@@ -5,14 +5,41 @@
 
     k = vitrail.jit.RawKernel(source, "saxpy")                # NVRTC: a device-only kernel
     k[(n + 255) // 256, 256](2.0, x, y, n)
-"""
-from vitrail.jit.compiler import clear_memory_cache, compile
-from vitrail.jit.errors import (ArgumentError, CacheLockTimeout, CompileError, LaunchError,
-                                ToolchainError, VitrailError)
-from vitrail.jit.kernel import CubinModule, Kernel, RawKernel
-from vitrail.jit.module import EntryPoint, Module, Resources, SharedLibrary
-from vitrail.jit.toolchain import Arch, target_arch
 
-__all__ = ["compile", "clear_memory_cache", "RawKernel", "Kernel", "Module", "SharedLibrary",
-           "CubinModule", "EntryPoint", "Resources", "Arch", "target_arch", "VitrailError",
-           "ToolchainError", "CompileError", "CacheLockTimeout", "LaunchError", "ArgumentError"]
+Names are loaded on first use, so tools that only look at the cache (``vitrail cache ls``)
+do not import torch.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_EXPORTS = {
+    "compile": "compiler", "clear_memory_cache": "compiler",
+    "RawKernel": "kernel", "Kernel": "kernel", "CubinModule": "kernel",
+    "Module": "module", "SharedLibrary": "module", "EntryPoint": "module", "Resources": "module",
+    "Arch": "toolchain", "target_arch": "toolchain",
+    "VitrailError": "errors", "ToolchainError": "errors", "CompileError": "errors",
+    "CacheLockTimeout": "errors", "LaunchError": "errors", "ArgumentError": "errors",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"vitrail.jit.{_EXPORTS[name]}"), name)
+        globals()[name] = value
+        return value
+    if name in ("toolchain", "cache", "index", "compiler", "module", "kernel", "signature",
+                "housekeeping", "errors"):
+        return importlib.import_module(f"vitrail.jit.{name}")
+    raise AttributeError(f"module 'vitrail.jit' has no attribute '{name}'")
+
+
+if TYPE_CHECKING:
+    from vitrail.jit.compiler import clear_memory_cache, compile
+    from vitrail.jit.errors import (ArgumentError, CacheLockTimeout, CompileError, LaunchError,
+                                    ToolchainError, VitrailError)
+    from vitrail.jit.kernel import CubinModule, Kernel, RawKernel
+    from vitrail.jit.module import EntryPoint, Module, Resources, SharedLibrary
+    from vitrail.jit.toolchain import Arch, target_arch

@@ -1,7 +1,7 @@
 """``vitrail.jit.compile``: one call, two backends, through the cache.
 
 - ``backend="nvcc"`` builds a shared library. Its ``extern "C"`` entry points may hold host code
-  (CUTLASS device adapters, TMA descriptors) and are called from Python as ``module.entry(...)``.
+  (CUTLASS device adapters, TMA descriptors) and are called from Python as ``module.launch_add(...)``.
 - ``backend="nvrtc"`` builds a cubin for device-only kernels, loaded through the driver API and
   launched as ``module.kernel(name)[grid, block](...)`` (or through :class:`RawKernel`).
 
@@ -12,6 +12,7 @@ is hashed.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import re
@@ -91,7 +92,7 @@ def _compile_uncached(source: str, name: str, backend: str, arch: toolchain.Arch
     dirs = [str(Path(d).resolve()) for d in include_dirs] + _standard_include_dirs()
     define_flags = [f"-D{k}" if v is None else f"-D{k}={_define(v)}" for k, v in defines.items()]
     key = make_key(layout=LAYOUT, vitrail=__version__, backend=backend, arch=arch.name,
-                   flags=flags, defines=define_flags, name=name, kernels=kernels, source=source,
+                   flags=flags, defines=sorted(define_flags), name=name, kernels=kernels, source=source,
                    headers=header_closure(source, dirs), **tool_id)
 
     cache = KernelCache()
@@ -165,6 +166,16 @@ def _standard_include_dirs() -> list[str]:
     return dirs + toolchain.cuda_include_dirs()
 
 
+def _die_with_parent() -> None:
+    """In the compiler's process: be killed when vitrail's process dies (Linux), so a killed
+    build leaves no orphaned nvcc behind."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 class _Failed(Exception):
     def __init__(self, log_text: str, command: str):
         self.log, self.command = log_text, command
@@ -201,7 +212,7 @@ def _build_nvcc(build: Path, source: str, name: str, arch: toolchain.Arch, flags
 def _run_compiler(cmd: list[str], build: Path, command: str) -> str:
     timeout = knobs.COMPILE_TIMEOUT.get()
     proc = subprocess.Popen(cmd, cwd=build, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True, preexec_fn=_die_with_parent)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

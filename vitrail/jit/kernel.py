@@ -14,27 +14,29 @@ import ctypes
 import struct
 import threading
 
+import torch
+
 from vitrail.jit.cache import Entry
 from vitrail.jit.errors import ArgumentError, LaunchError
 from vitrail.jit.module import Module
-from vitrail.jit.signature import (Prototype, find_prototype, opaque_bytes, parse_signature,
-                                   pointer_of, scalar_value, stream_of)
+from vitrail.jit.signature import (Marshaller, Prototype, current_device, find_prototype,
+                                   parse_signature, stream_of)
 
 _driver_lock = threading.Lock()
-_driver_ready = False
+_DRIVER = None  # cuda.bindings.driver, once cuInit has run
 _primary: dict[int, object] = {}
 _STATIC_SMEM_LIMIT = 48 * 1024
 
 
 def _driver():
-    global _driver_ready
-    from cuda.bindings import driver
-    if not _driver_ready:
+    global _DRIVER
+    if _DRIVER is None:
         with _driver_lock:
-            if not _driver_ready:
+            if _DRIVER is None:
+                from cuda.bindings import driver
                 _check(driver.cuInit(0)[0], "cuInit")
-                _driver_ready = True
-    return driver
+                _DRIVER = driver
+    return _DRIVER
 
 
 def _check(err, what: str) -> None:
@@ -96,81 +98,82 @@ class Kernel:
     def __init__(self, module: CubinModule, lowered: str, proto: Prototype):
         self.module, self.lowered, self.proto = module, lowered, proto
         self.where = f"kernel '{proto.name}' ({module.name})"
-        self._params = proto.params
-        self._function = None
+        self._kernel = None  # the context-independent CUkernel
+        self._functions: dict[int, object] = {}  # device -> CUfunction in its primary context
         self._smem_set: dict[int, int] = {}
-        n = len(proto.params)
-        self._packer = None
-        if all(p.kind != "opaque" for p in proto.params):
-            fmts = [_slot_format(p) for p in proto.params]
-            body = "".join(f + "x" * (8 - struct.calcsize("<" + f)) for f in fmts)
-            self._packer = struct.Struct("<" + "Q" * n + body)
-            self._offsets = [8 * n + 8 * i for i in range(n)]
+        self._launches: dict[object, _Launch] = {}  # (grid, block) as written -> launcher
+        self._local = threading.local()  # a reusable parameter buffer per thread
+        # The parameter buffer: n pointers, then one 8-byte slot per value. cuLaunchKernel copies
+        # the values during the call, so each thread reuses one buffer. Opaque (struct) values
+        # have sizes known only at the call: they take the general path.
+        if proto.params and all(p.kind != "opaque" for p in proto.params):
+            n = len(proto.params)
+            body = "".join(f + "x" * (8 - struct.calcsize("<" + f))
+                           for f in map(_slot_format, proto.params))
+            values = struct.Struct("<" + body)
+            local, pack_into = self._local, values.pack_into
+
+            def pack(*v):
+                try:
+                    buf, base = local.slot
+                except AttributeError:
+                    buf = ctypes.create_string_buffer(8 * n + values.size)
+                    base = ctypes.addressof(buf)
+                    struct.pack_into(f"<{n}Q", buf, 0, *[base + 8 * (n + i) for i in range(n)])
+                    local.slot = buf, base
+                pack_into(buf, 8 * n, *v)
+                return base
+            self._marshal = Marshaller(proto, self.where, pack)
+        else:
+            self._marshal = Marshaller(proto, self.where, self._pack_general)
 
     def __getitem__(self, config) -> "_Launch":
+        try:
+            return self._launches[config]
+        except (KeyError, TypeError):  # a new configuration, or an unhashable one (lists)
+            pass
         try:
             grid, block = config
         except (TypeError, ValueError):
             raise ArgumentError(f"{self.where}: launch as kernel[grid, block](...)") from None
-        return _Launch(self, _dim3(grid, "grid", self.where), _dim3(block, "block", self.where))
+        launch = _Launch(self, _dim3(grid, "grid", self.where), _dim3(block, "block", self.where))
+        if len(self._launches) < 256:
+            try:
+                self._launches[config] = launch
+            except TypeError:
+                pass
+        return launch
 
-    def launch(self, grid, block, args, shared_mem: int = 0, stream=None) -> None:
-        self[grid, block](*args, shared_mem=shared_mem, stream=stream)
-
-    def _handle(self):
-        if self._function is None:
-            driver = _driver()
-            err, k = driver.cuLibraryGetKernel(self.module._load(), self.lowered.encode())
+    def _function(self, device: int):
+        """The CUfunction of this kernel in device's primary context (made current if none is)."""
+        driver = _driver()
+        if self._kernel is None:
+            err, kernel = driver.cuLibraryGetKernel(self.module._load(), self.lowered.encode())
             _check(err, f"looking up {self.where}")
-            self._kernel = k
-            self._function = driver.CUfunction(int(k))
-        return self._function
+            self._kernel = kernel
+        err, ctx = driver.cuCtxGetCurrent()
+        if int(err) != 0 or not int(ctx):
+            _make_current(device)
+        err, fn = driver.cuKernelGetFunction(self._kernel)
+        _check(err, f"loading {self.where} on cuda:{device}")
+        self._functions[device] = fn
+        return fn
 
-    def _marshal(self, args: tuple) -> tuple[list, int | None]:
-        params = self._params
-        if len(args) != len(params):
-            raise ArgumentError(f"{self.where} takes {len(params)} arguments ({self.proto}), "
-                                f"got {len(args)}")
-        values: list = []
-        device = None
-        for p, a in zip(params, args):
-            kind = p.kind
-            if kind == "pointer":
-                ptr, dev = pointer_of(a, p, self.where)
-                if dev is not None:
-                    if device is not None and dev != device:
-                        raise ArgumentError(f"{self.where}: argument '{p.name}' is on cuda:{dev} "
-                                            f"but an earlier one is on cuda:{device}")
-                    device = dev
-                values.append(ptr)
-            elif kind == "scalar":
-                values.append(scalar_value(a, p, self.where))
-            elif kind == "stream":
-                values.append(a)
-            else:
-                values.append(opaque_bytes(a, p, self.where))
-        for i, p in enumerate(params):
-            if p.kind == "stream":
-                values[i] = stream_of(values[i], device)
-        return values, device
-
-    def _param_buffer(self, values: list):
-        if self._packer is not None:
-            buf = ctypes.create_string_buffer(self._packer.size or 1)
-            base = ctypes.addressof(buf)
-            self._packer.pack_into(buf, 0, *[base + o for o in self._offsets], *values)
-            return buf, base
+    def _pack_general(self, *values) -> int:
+        """The address of a void*[] of the values (valid until this thread's next launch)."""
+        if not values:
+            return 0
         held = [ctypes.create_string_buffer(v if p.kind == "opaque" else
                                             struct.pack("<" + _slot_format(p), v))
-                for p, v in zip(self._params, values)]
+                for p, v in zip(self.proto.params, values)]
         array = (ctypes.c_void_p * len(held))(*[ctypes.addressof(h) for h in held])
-        return (array, held), ctypes.addressof(array)
+        self._local.held = (held, array)  # alive until this thread's next launch
+        return ctypes.addressof(array)
 
     def _raise_smem_limit(self, device: int, shared_mem: int) -> None:
         driver = _driver()
         attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        self._handle()
-        _check(driver.cuKernelSetAttribute(attr, shared_mem, self._kernel, device)[0],
+        _check(driver.cuFuncSetAttribute(self._functions[device], attr, shared_mem)[0],
                f"{self.where}: raising its dynamic shared memory limit to {shared_mem} bytes")
         self._smem_set[device] = shared_mem
 
@@ -179,41 +182,43 @@ class Kernel:
 
 
 class _Launch:
-    __slots__ = ("kernel", "grid", "block")
+    """A kernel bound to a grid and block shape; calling it launches."""
+    __slots__ = ("kernel", "grid", "block", "empty")
 
     def __init__(self, kernel: Kernel, grid: tuple, block: tuple):
         self.kernel, self.grid, self.block = kernel, grid, block
+        self.empty = not (grid[0] and grid[1] and grid[2])  # an empty grid launches nothing
 
     def __call__(self, *args, shared_mem: int = 0, stream=None) -> None:
         k = self.kernel
-        values, device = k._marshal(args)
-        grid, block = self.grid, self.block
-        if not (grid[0] and grid[1] and grid[2]):
-            return  # an empty grid: nothing to do
-        import torch
-        current = torch.cuda.current_device()
-        if device is None:
-            device = current
-        if shared_mem > _STATIC_SMEM_LIMIT and k._smem_set.get(device, 0) < shared_mem:
-            k._raise_smem_limit(device, shared_mem)
-        handle = stream_of(stream, device)
-        keep, params = k._param_buffer(values) if values else (None, 0)
-        driver = _driver()
-        f = k._handle()
-        if device != current:
+        params, device = k._marshal(args, None)  # packed into this thread's buffer
+        if self.empty:
+            return
+        current = current_device()
+        if device is not None and device != current:
             with torch.cuda.device(device):
-                err = driver.cuLaunchKernel(f, *grid, *block, shared_mem, handle, params, 0)[0]
-        else:
-            err = driver.cuLaunchKernel(f, *grid, *block, shared_mem, handle, params, 0)[0]
-        if int(err) == 201:  # CUDA_ERROR_INVALID_CONTEXT: a new thread with no context yet
+                return self(*args, shared_mem=shared_mem, stream=stream)
+        fn = k._functions.get(current) or k._function(current)
+        if shared_mem > _STATIC_SMEM_LIMIT and k._smem_set.get(current, 0) < shared_mem:
+            k._raise_smem_limit(current, shared_mem)
+        handle = _current_stream(current) if stream is None else stream_of(stream, current)
+        err = _DRIVER.cuLaunchKernel(fn, *self.grid, *self.block, shared_mem, handle, params, 0)[0]
+        if err:
+            self._failed(err, fn, current, shared_mem, handle, params)
+
+    def _failed(self, err, fn, device: int, shared_mem: int, handle: int, params: int) -> None:
+        if int(err) == 201:  # CUDA_ERROR_INVALID_CONTEXT: a thread with no context yet
             _make_current(device)
-            err = driver.cuLaunchKernel(f, *grid, *block, shared_mem, handle, params, 0)[0]
+            err = _DRIVER.cuLaunchKernel(fn, *self.grid, *self.block, shared_mem, handle, params,
+                                         0)[0]
         if int(err) != 0:
-            name = driver.cuGetErrorName(err)[1]
-            raise LaunchError(f"launching {k.where} with grid {grid}, block {block}, "
-                              f"shared_mem {shared_mem} failed: "
+            name = _DRIVER.cuGetErrorName(err)[1]
+            raise LaunchError(f"launching {self.kernel.where} with grid {self.grid}, block "
+                              f"{self.block}, shared_mem {shared_mem} failed: "
                               f"{name.decode() if name else int(err)}")
-        del keep
+
+
+_current_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None
 
 
 def _slot_format(p) -> str:

@@ -18,10 +18,12 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from vitrail.jit.cache import Entry
 from vitrail.jit.errors import ArgumentError, LaunchError, ToolchainError
-from vitrail.jit.signature import (Param, Prototype, find_prototype, parse_signature, pointer_of,
-                                   result_is_checked, scalar_value, stream_of)
+from vitrail.jit.signature import (Marshaller, Param, Prototype, current_device, find_prototype,
+                                   parse_signature, result_is_checked)
 
 
 @dataclass(frozen=True)
@@ -69,22 +71,28 @@ def parse_ptxas(log: str) -> dict[str, dict]:
 
 
 def _demangle(names: list[str]) -> list[str]:
-    tool = shutil.which("cu++filt") or shutil.which("c++filt")
-    if not tool or not names:
+    """Itanium-demangle the C++ names (extern "C" names stay as they are), with binutils'
+    c++filt where it exists."""
+    mangled = [n for n in names if n.startswith("_Z")]
+    tool = shutil.which("c++filt")
+    if not tool or not mangled:
         return names
     try:
-        out = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True,
+        out = subprocess.run([tool], input="\n".join(mangled), capture_output=True, text=True,
                              timeout=30).stdout.splitlines()
     except (OSError, subprocess.TimeoutExpired):
         return names
-    return out if len(out) == len(names) else names
+    if len(out) != len(mangled):
+        return names
+    plain = dict(zip(mangled, out))
+    return [plain.get(n, n) for n in names]
 
 
 class Module:
     """A verified build from the cache, loaded into this process."""
 
     def __init__(self, entry: Entry, source: str, how: str):
-        self.entry, self.source = entry, source
+        self._entry, self.source = entry, source
         self.how = how  # "compiled" (by this call) or "disk" (found in the cache)
         meta = entry.meta
         self.name, self.backend, self.arch, self.key = (meta["name"], meta["backend"],
@@ -92,8 +100,13 @@ class Module:
         self.path = entry.artifact
 
     @property
+    def dir(self) -> Path:
+        """The cache entry: artifact, source, meta.json, build log."""
+        return self._entry.dir
+
+    @property
     def meta(self) -> dict:
-        return self.entry.meta
+        return self._entry.meta
 
     @property
     def compile_seconds(self) -> float:
@@ -105,11 +118,11 @@ class Module:
 
     @property
     def log(self) -> str:
-        return (self.entry.dir / "build.log").read_text(errors="replace")
+        return (self._entry.dir / "build.log").read_text(errors="replace")
 
     @property
     def ptx(self) -> str:
-        path = self.entry.dir / "kernel.ptx"
+        path = self._entry.dir / "kernel.ptx"
         if path.is_file():
             return path.read_text(errors="replace")
         raise ToolchainError(f"no PTX was kept for kernel '{self.name}'")
@@ -138,7 +151,12 @@ class Module:
 
 
 class SharedLibrary(Module):
-    """An nvcc-built shared library; its extern "C" functions are attributes."""
+    """An nvcc-built shared library; its extern "C" functions are attributes.
+
+    ``module.function(name)`` always works; attribute access is the short form for names that
+    are not also attributes of a module (name, key, path, dir, arch, backend, how, log, meta,
+    source, ptx, sass, resources).
+    """
 
     def __init__(self, entry: Entry, source: str, how: str):
         super().__init__(entry, source, how)
@@ -179,56 +197,24 @@ class EntryPoint:
         fn.restype = _restype(proto.result)
         self._fn = fn
         self._check = result_is_checked(proto.result)
-        self._params = proto.params
-        self._streams = [i for i, p in enumerate(proto.params) if p.kind == "stream"]
+        self._marshal = Marshaller(proto, self.where)
 
     def __call__(self, *args, stream=None):
-        params = self._params
-        if len(args) != len(params):
-            args = self._fill_streams(args, stream)
-        values: list = []
-        device = None
-        for p, a in zip(params, args):
-            kind = p.kind
-            if kind == "pointer":
-                ptr, dev = pointer_of(a, p, self.where)
-                if dev is not None:
-                    if device is not None and dev != device:
-                        raise ArgumentError(f"{self.where}: argument '{p.name}' is on cuda:{dev} "
-                                            f"but an earlier one is on cuda:{device}")
-                    device = dev
-                values.append(ptr)
-            elif kind == "scalar":
-                values.append(scalar_value(a, p, self.where))
-            else:
-                values.append(a)  # streams: resolved below, once the device is known
-        for i in self._streams:
-            values[i] = stream_of(values[i], device)
-        result = _on_device(device, self._fn, values)
-        if self._check and result != 0:
-            raise LaunchError(f"{self.where} returned {_cuda_error_name(result)} ({result}) "
-                              f"[{self.proto}]")
-        return None if self._check else result
-
-    def _fill_streams(self, args: tuple, stream) -> tuple:
-        missing = len(self._params) - len(args)
-        if missing == len(self._streams) == 1 and self._streams[0] == len(self._params) - 1:
-            return (*args, stream)
-        raise ArgumentError(f"{self.where} takes {len(self._params)} arguments "
-                            f"({self.proto}), got {len(args)}")
+        values, device = self._marshal(args, stream)
+        if device is not None and device != current_device():
+            with torch.cuda.device(device):  # the runtime launches on the current device
+                result = self._fn(*values)
+        else:
+            result = self._fn(*values)
+        if self._check:
+            if result != 0:
+                raise LaunchError(f"{self.where} returned {_cuda_error_name(result)} ({result}) "
+                                  f"[{self.proto}]")
+            return None
+        return result
 
     def __repr__(self) -> str:
         return f"<EntryPoint {self.proto}>"
-
-
-def _on_device(device: int | None, fn, values: list):
-    """Call fn with the given device current (torch's notion, which the runtime shares)."""
-    if device is not None:
-        import torch
-        if device != torch.cuda.current_device():
-            with torch.cuda.device(device):
-                return fn(*values)
-    return fn(*values)
 
 
 def _restype(result: str):

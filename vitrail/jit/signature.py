@@ -19,8 +19,13 @@ import ctypes
 import re
 import struct
 from dataclasses import dataclass
+from typing import Callable
+
+import torch
 
 from vitrail.jit.errors import ArgumentError
+
+_Tensor = torch.Tensor
 
 # spelled type -> (struct format, ctypes type)
 _SCALARS: dict[str, tuple[str, type]] = {}
@@ -211,7 +216,6 @@ def result_is_checked(result: str) -> bool:
 # ----------------------------------------------------------------------------------- arguments
 def pointer_of(arg: object, param: Param, where: str) -> tuple[int, int | None]:
     """(address, CUDA device index or None) of a pointer argument; refuses host memory."""
-    import torch
     if isinstance(arg, torch.Tensor):
         if arg.device.type != "cuda":
             raise ArgumentError(f"{where}: argument '{param.name}' ({param.type}) is a tensor on "
@@ -263,9 +267,7 @@ def _c_contiguous(shape: tuple, strides: tuple, typestr: str) -> bool:
 def stream_of(arg: object, device: int | None) -> int:
     """A raw CUDA stream handle; None means the current torch stream of ``device``."""
     if arg is None:
-        import torch
-        return torch._C._cuda_getCurrentRawStream(
-            torch.cuda.current_device() if device is None else device)
+        return torch._C._cuda_getCurrentRawStream(current_device() if device is None else device)
     if isinstance(arg, int):
         return arg
     handle = getattr(arg, "cuda_stream", None)  # torch.cuda.Stream
@@ -331,3 +333,121 @@ def opaque_bytes(arg: object, param: Param, where: str) -> bytes:
     raise ArgumentError(f"{where}: argument '{param.name}' has type '{param.type}', which vitrail "
                         f"cannot build from {type(arg).__name__}; pass a ctypes instance, a NumPy "
                         f"scalar or bytes of that type, or give the kernel an explicit signature")
+
+
+def current_device() -> int:
+    """torch's current CUDA device (which the CUDA runtime shares), without torch's lazy-init
+    checks once CUDA is initialized."""
+    if torch.cuda.is_initialized():
+        return torch._C._cuda_getDevice()
+    return torch.cuda.current_device()
+
+
+class Marshaller:
+    """Turns one call's Python arguments into C values for a prototype; built once per function.
+
+    ``marshaller(args, stream)`` returns (C values, the CUDA device of the pointer arguments or
+    None). The body is generated per prototype, straight-line code with a fast path for the
+    common case of each parameter (a contiguous CUDA tensor, an int in range, a float); anything
+    else goes to that parameter's checking converter, which accepts the other kinds (arrays,
+    DLPack, NumPy scalars...) and raises the precise errors. Generated as Triton generates its
+    launchers: a loop over per-parameter closures costs more than the launch it prepares.
+    """
+
+    def __init__(self, proto: Prototype, where: str, pack: Callable | None = None):
+        """With ``pack(*values)`` given, the call returns (pack's result, device) instead of
+        building a list: the kernel launcher packs the values straight into its buffer."""
+        self.proto, self.where = proto, where
+        self.n = len(proto.params)
+        self._streams = [i for i, p in enumerate(proto.params) if p.kind == "stream"]
+        self._call = self._generate(pack)
+
+    def __call__(self, args: tuple, stream: object = None) -> tuple[object, int | None]:
+        return self._call(args, stream)
+
+    def _generate(self, pack: Callable | None) -> Callable:
+        n = self.n
+        names = ", ".join(f"a{i}" for i in range(n)) + ("," if n == 1 else "")
+        lines = ["def marshal(args, stream):", f"    if len(args) != {n}:",
+                 "        args = fill(args, stream)", "    device = None"]
+        if n:
+            lines.append(f"    {names} = args")
+        for i, p in enumerate(self.proto.params):
+            lines += [f"    {line}" for line in _fast_path(i, p)]
+        for i in self._streams:
+            lines.append(f"    v{i} = stream_of(v{i}, device)")
+        values = ", ".join(f"v{i}" for i in range(n))
+        lines.append(f"    return pack({values}), device" if pack else
+                     f"    return [{values}], device")
+        scope = {"Tensor": torch.Tensor, "stream_of": stream_of, "fill": self._fill_stream,
+                 "pack": pack,
+                 "mixed": self._mixed_devices,
+                 "slow": [_converter(p, self.where) for p in self.proto.params]}
+        exec(compile("\n".join(lines), f"<vitrail marshal {self.where}>", "exec"), scope)
+        return scope["marshal"]
+
+    def _fill_stream(self, args: tuple, stream: object) -> tuple:
+        if len(args) == self.n - 1 and self._streams == [self.n - 1]:
+            return (*args, stream)
+        raise ArgumentError(f"{self.where} takes {self.n} arguments ({self.proto}), got "
+                            f"{len(args)}")
+
+    def _mixed_devices(self, args: tuple) -> None:
+        seen = [(p.name, pointer_of(a, p, self.where)[1])
+                for p, a in zip(self.proto.params, args) if p.kind == "pointer"]
+        raise ArgumentError(f"{self.where}: arguments are on different GPUs: "
+                            + ", ".join(f"'{name}' on cuda:{d}" for name, d in seen
+                                        if d is not None))
+
+
+def _fast_path(i: int, p: Param) -> list[str]:
+    """Generated lines that set v{i} (and the call's device) from argument a{i}."""
+    if p.kind == "pointer":
+        return [f"if type(a{i}) is Tensor and a{i}.is_cuda and a{i}.is_contiguous():",
+                f"    v{i} = a{i}.data_ptr()",
+                f"    d = a{i}.get_device()",
+                "else:",
+                f"    v{i}, d = slow[{i}](a{i})",
+                "if d is not None and d != device:",
+                "    if device is not None:",
+                "        mixed(args)",
+                "    device = d"]
+    if p.kind == "scalar" and p.fmt in "bBhHiIqQ":
+        bits = 8 * struct.calcsize(p.fmt)
+        lo, hi = (0, 2**bits - 1) if p.fmt.isupper() else (-(2**(bits - 1)), 2**(bits - 1) - 1)
+        return [f"v{i} = a{i} if type(a{i}) is int and {lo} <= a{i} <= {hi} "
+                f"else slow[{i}](a{i})[0]"]
+    if p.kind == "scalar" and p.fmt in "fd":
+        return [f"v{i} = a{i} if type(a{i}) is float else slow[{i}](a{i})[0]"]
+    if p.kind == "stream":
+        return [f"v{i} = a{i}"]  # resolved once the device is known
+    return [f"v{i} = slow[{i}](a{i})[0]"]
+
+
+def _converter(p: Param, where: str) -> Callable[[object], tuple[object, int | None]]:
+    if p.kind == "pointer":
+        def pointer(arg):
+            if type(arg) is _Tensor and arg.is_cuda and arg.is_contiguous():
+                return arg.data_ptr(), arg.get_device()
+            return pointer_of(arg, p, where)
+        return pointer
+    if p.kind == "scalar" and p.fmt in "bBhHiIqQ":
+        bits = 8 * struct.calcsize(p.fmt)
+        lo, hi = (0, 2**bits - 1) if p.fmt.isupper() else (-(2**(bits - 1)), 2**(bits - 1) - 1)
+
+        def integer(arg):
+            if type(arg) is int and lo <= arg <= hi:
+                return arg, None
+            return scalar_value(arg, p, where), None
+        return integer
+    if p.kind == "scalar" and p.fmt in "fd":
+        def real(arg):
+            if type(arg) is float:
+                return arg, None
+            return scalar_value(arg, p, where), None
+        return real
+    if p.kind == "scalar":
+        return lambda arg: (scalar_value(arg, p, where), None)
+    if p.kind == "stream":
+        return lambda arg: (arg, None)  # resolved once the device is known
+    return lambda arg: (opaque_bytes(arg, p, where), None)

@@ -61,6 +61,10 @@ class Arch:
     @classmethod
     def parse(cls, text: str, source: str = "argument") -> "Arch":
         """Accept 90a, sm_90a, compute_90a, 9.0, 9.0a (and a trailing +PTX, which is ignored)."""
+        return _parse_arch(cls, text, source)
+
+    @classmethod
+    def _parse(cls, text: str, source: str) -> "Arch":
         raw = text.strip().lower().removesuffix("+ptx")
         m = (re.fullmatch(r"(?:sm_|compute_)?(\d+)(\d)([af]?)", raw)
              or re.fullmatch(r"(\d+)\.(\d)([af]?)", raw))
@@ -76,6 +80,11 @@ class Arch:
         return cls(major, minor, "a" if major >= 9 else "", source)
 
 
+@functools.lru_cache(maxsize=64)
+def _parse_arch(cls: type, text: str, source: str) -> Arch:
+    return cls._parse(text, source)
+
+
 def target_arch(device: int | None = None) -> Arch:
     """The arch to compile for: VITRAIL_ARCH, else the GPU's, else TORCH_CUDA_ARCH_LIST."""
     override = knobs.ARCH.get()
@@ -83,7 +92,7 @@ def target_arch(device: int | None = None) -> Arch:
         return Arch.parse(override, "VITRAIL_ARCH")
     cap = _device_capability(device)
     if cap is not None:
-        return Arch.of_capability(*cap, source=f"GPU {cap[2]}")
+        return Arch.of_capability(cap[0], cap[1], source=f"GPU {cap[2]}")
     listed = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
     if listed:
         archs = [Arch.parse(a, "TORCH_CUDA_ARCH_LIST") for a in re.split(r"[;\s,]+", listed) if a]
@@ -101,11 +110,16 @@ def _device_capability(device: int | None) -> tuple[int, int, str] | None:
         import torch
         if not torch.cuda.is_available():
             return None
-        index = torch.cuda.current_device() if device is None else device
-        major, minor = torch.cuda.get_device_capability(index)
-        return major, minor, torch.cuda.get_device_name(index)
+        return _capability_of(torch.cuda.current_device() if device is None else device)
     except Exception:  # a broken driver counts as no GPU; doctor reports the details
         return None
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_of(index: int) -> tuple[int, int, str]:
+    import torch
+    major, minor = torch.cuda.get_device_capability(index)
+    return major, minor, torch.cuda.get_device_name(index)
 
 
 # ----------------------------------------------------------------------------------------- nvcc
@@ -296,13 +310,13 @@ def _find_cutlass(cutlass_path: str) -> Cutlass:
                 f"{include}/cute/tensor.hpp); point it at a CUTLASS checkout, or unset it to use "
                 f"the nvidia-cutlass package")
     else:
-        try:
-            import cutlass_library
-        except ImportError:
+        import importlib.util
+        spec = importlib.util.find_spec("cutlass_library")  # locate it; importing needs more
+        if spec is None or not spec.submodule_search_locations:
             raise ToolchainError(
                 f"CUTLASS headers not found: pip install nvidia-cutlass (>= "
-                f"{_fmt(CUTLASS_MIN)}), or set CUTLASS_PATH to a CUTLASS checkout") from None
-        include = Path(cutlass_library.__file__).resolve().parent / "source" / "include"
+                f"{_fmt(CUTLASS_MIN)}), or set CUTLASS_PATH to a CUTLASS checkout")
+        include = Path(list(spec.submodule_search_locations)[0]).resolve() / "source" / "include"
         source = "nvidia-cutlass"
         if not (include / "cute" / "tensor.hpp").is_file():
             raise ToolchainError(f"the nvidia-cutlass package has no headers at {include}; "
