@@ -261,23 +261,25 @@ def nvrtc_compile(source: str, src_name: str, opts: list[str], kernels: list[str
             _nvrtc_check(nvrtc.nvrtcAddNameExpression(prog, k.encode())[0], "add name " + k)
         encoded = [o.encode() for o in opts]
         (result,) = nvrtc.nvrtcCompileProgram(prog, len(encoded), encoded)
+        # Output buffers are bytearrays: NVRTC writes into them, and a one-byte bytes object
+        # would be CPython's shared b" " (an empty log has size 1).
         err, size = nvrtc.nvrtcGetProgramLogSize(prog)
-        buf = b" " * size
+        buf = bytearray(size)
         nvrtc.nvrtcGetProgramLog(prog, buf)
-        out = buf.rstrip(b"\x00 ").decode(errors="replace")
+        out = bytes(buf).rstrip(b"\x00 ").decode(errors="replace")
         if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise _Failed(out or str(result), command)
         get_size = getattr(nvrtc, f"nvrtcGet{output}Size")
         err, size = get_size(prog)
         _nvrtc_check(err, f"nvrtcGet{output}Size")
-        data = b" " * size
+        data = bytearray(size)
         _nvrtc_check(getattr(nvrtc, f"nvrtcGet{output}")(prog, data)[0], f"nvrtcGet{output}")
         lowered = {}
         for k in kernels:
             err, low = nvrtc.nvrtcGetLoweredName(prog, k.encode())
             _nvrtc_check(err, "nvrtcGetLoweredName " + k)
             lowered[k] = low.decode()
-        return data, out, lowered
+        return bytes(data), out, lowered
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 

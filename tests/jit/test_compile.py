@@ -1,0 +1,149 @@
+"""Compiling without a GPU: diagnostics, options, the CuTe build for sm_90a, argument checks."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import vitrail.jit as jit
+from tests.conftest import requires_nvcc
+from vitrail.doctor import CUTE_SOURCE
+
+BAD = "// a kernel with a typo\n__global__ void k(float* x) {\n  x[0] = undefined_name;\n}\n"
+
+
+@requires_nvcc
+def test_nvcc_compile_error_names_file_line_command_and_saved_source():
+    with pytest.raises(jit.CompileError) as info:
+        jit.compile(BAD, name="typo", backend="nvcc")
+    e = info.value
+    saved = Path(e.source_path)
+    assert (saved / "typo.cu").read_text() == BAD
+    assert "undefined_name" in (saved / "build.log").read_text()
+    assert e.errors and "typo.cu(3)" in e.errors[0] and "undefined_name" in e.errors[0]
+    assert e.errors[0].startswith(str(saved))  # the path points at the saved copy
+    assert "nvcc" in e.command and "-gencode=arch=compute_90a,code=sm_90a" in e.command
+    assert str(saved) in e.command  # the command reproduces the build from the saved copy
+    text = str(e)
+    assert "typo.cu(3)" in text and e.command in text and str(saved) in text
+
+
+def test_nvrtc_compile_error_names_file_line_and_saved_source():
+    with pytest.raises(jit.CompileError) as info:
+        jit.compile(BAD, name="typo_rtc", backend="nvrtc")
+    e = info.value
+    saved = Path(e.source_path)
+    assert (saved / "typo_rtc.cu").read_text() == BAD
+    assert any("typo_rtc.cu(3)" in line and "undefined_name" in line for line in e.errors)
+    assert e.errors[0].startswith(str(saved))
+    assert e.command.startswith("nvrtc ") and "-arch=sm_90a" in e.command
+
+
+def test_a_failed_compile_publishes_nothing_and_is_retried():
+    with pytest.raises(jit.CompileError):
+        jit.compile(BAD, name="typo_rtc", backend="nvrtc")
+    jit.clear_memory_cache()
+    with pytest.raises(jit.CompileError):  # not cached as a failure: compiled, and fails, again
+        jit.compile(BAD, name="typo_rtc", backend="nvrtc")
+
+
+@requires_nvcc
+@pytest.mark.slow
+def test_cute_kernel_builds_for_sm90a_without_a_gpu(monkeypatch):
+    monkeypatch.setenv("VITRAIL_ARCH", "90a")
+    mod = jit.compile(CUTE_SOURCE, name="doctor_cute", backend="nvcc")
+    assert mod.arch == "sm_90a" and mod.path.name == "kernel.so"
+    assert "wgmma.fence.sync.aligned" in mod.ptx  # an sm_90a-only instruction assembled
+    res = mod.resources()
+    scale = next(r for name, r in res.items() if name.startswith("void scale_kernel<128>"))
+    assert 0 < scale.registers <= 64 and not scale.spills and scale.stack == 0
+    assert str(mod.function("vitrail_doctor_scale").proto) == (
+        "cudaError_t vitrail_doctor_scale(float* x, float* y, int n, float a, "
+        "cudaStream_t stream)")
+
+
+@requires_nvcc
+def test_entry_point_checks_arguments_before_any_gpu_work():
+    src = ('#include <cuda_runtime.h>\nextern "C" cudaError_t run(const float* x, int n, '
+           'cudaStream_t s) { return cudaSuccess; }\n'
+           'extern "C" int entry(int v) { return v + 1; }\n')
+    mod = jit.compile(src, name="checks")
+    with pytest.raises(jit.ArgumentError, match=r"run: argument 'x' \(float\*\) is a tensor on cpu"):
+        mod.run(torch.zeros(4), 4)
+    with pytest.raises(jit.ArgumentError, match=r"takes 3 arguments"):
+        mod.run(0)
+    with pytest.raises(jit.ArgumentError, match=r"'n'.*outside"):
+        mod.run(0, 2**31, 0)
+    assert mod.function("entry")(41) == 42  # a name that is also a module attribute
+    with pytest.raises(AttributeError, match="exports no function 'missing'"):
+        mod.function("missing", signature="void(int)")
+
+
+def test_defines_and_include_dirs(tmp_path):
+    (tmp_path / "tile.h").write_text("#define TILE_FROM_HEADER 32\n")
+    src = ('#include "tile.h"\n#if BLOCK != 128 || TILE_FROM_HEADER != 32 || !defined(FLAG)\n'
+           '#error "wrong configuration"\n#endif\n'
+           'extern "C" __global__ void k(float* x) { x[threadIdx.x] = BLOCK; }\n')
+    mod = jit.compile(src, name="cfg", backend="nvrtc", defines={"BLOCK": 128, "FLAG": None},
+                      include_dirs=[tmp_path])
+    assert "k" in mod.resources()
+    with pytest.raises(jit.CompileError, match="wrong configuration"):
+        jit.compile(src, name="cfg", backend="nvrtc", defines={"BLOCK": 64, "FLAG": None},
+                    include_dirs=[tmp_path])
+
+
+def test_templated_nvrtc_kernel_is_lowered_and_typed():
+    src = "template <typename T, int N> __global__ void fill(T* x, T v) { x[N] = v; }\n"
+    kernel = jit.RawKernel(src, "fill<double, 3>").compile()
+    assert kernel.lowered == kernel.module.meta["lowered"]["fill<double, 3>"]
+    assert kernel.lowered.startswith("_Z4fill")
+    assert [p.type for p in kernel.proto.params] == ["double*", "double"]
+    assert "void fill<double, 3>(double*, double)" in kernel.module.resources()
+
+
+def test_nvrtc_outputs_leave_the_interpreter_intact():
+    """Regression: a one-byte NVRTC log (no ptxas output, as for PTX) was written into
+    CPython's shared b" " object, turning spaces into NUL bytes process-wide."""
+    mod = jit.compile('extern "C" __global__ void k(float* x) { x[0] = 1.f; }', name="k",
+                      backend="nvrtc")
+    assert ".entry k" in mod.ptx  # the PTX compile has an empty log
+    assert b" " == bytes([32]) and " ".encode() == b"\x20"
+
+
+@requires_nvcc
+def test_user_flags_replace_defaults():
+    src = ("#include <cuda_runtime.h>\n#if __cplusplus < 202002L\n#error need C++20\n#endif\n"
+           'extern "C" int version() { return (int)(__cplusplus / 100); }\n')
+    with pytest.raises(jit.CompileError, match="need C\\+\\+20"):
+        jit.compile(src, name="std")
+    mod = jit.compile(src, name="std", flags=["-std=c++20"])
+    assert "-std=c++20" in mod.meta["command"] and "-std=c++17" not in mod.meta["command"]
+    assert mod.version() >= 2020
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(backend="clang"), "backend='clang'"),
+    (dict(source="  "), "source"),
+    (dict(include_dirs=["/no/such/dir"]), "include_dirs: /no/such/dir"),
+    (dict(defines={"2BAD": 1}), "defines: '2BAD'"),
+    (dict(kernels=["k<int>"]), "kernels="),
+    (dict(name=""), "name"),
+])
+def test_bad_arguments_are_named(kwargs, message):
+    args = dict(source="__global__ void k() {}", name="k", backend="nvcc") | kwargs
+    source = args.pop("source")
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        jit.compile(source, **args)
+
+
+@pytest.mark.skipif(shutil.which("cuobjdump") is not None, reason="cuobjdump is present")
+def test_sass_without_cuobjdump_says_what_to_install():
+    mod = jit.compile('extern "C" __global__ void k() {}', name="k", backend="nvrtc")
+    try:
+        text = mod.sass  # the toolkit next to nvcc may still have it
+    except jit.ToolchainError as e:
+        assert "cuobjdump" in str(e)
+    else:
+        assert "k" in text
