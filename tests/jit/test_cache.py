@@ -628,7 +628,9 @@ def test_a_read_only_home_does_not_matter(tmp_path):
         home.chmod(0o755)
     assert out["how"] == ["compiled", "compiled"] and out["value"] == 10
     assert all(Path(p).is_relative_to(cache) for p in out["paths"])
-    assert list(home.iterdir()) == []  # root may write to a 0555 dir: check nothing did
+    # root may write to a 0555 dir: check nothing did. ~/.nv is the CUDA driver's own JIT
+    # cache, made when the driver starts on a machine with a GPU: not vitrail's.
+    assert [p for p in home.iterdir() if p.name != ".nv"] == []
 
 
 @needs_nvrtc

@@ -147,3 +147,20 @@ def test_sass_without_cuobjdump_says_what_to_install():
         assert "cuobjdump" in str(e)
     else:
         assert "k" in text
+
+
+def test_resources_survive_nvrtc_serving_a_cubin_from_the_driver_cache(monkeypatch):
+    """On a machine with a driver, NVRTC may serve a cubin from ~/.nv/ComputeCache and print no
+    ptxas report; vitrail then asks again with a source the cache has not seen."""
+    from vitrail.jit import compiler
+    real, calls = compiler.nvrtc_compile, []
+
+    def first_call_hits_the_driver_cache(source, *args):
+        calls.append(source)
+        data, out, lowered = real(source, *args)
+        return (data, "", lowered) if len(calls) == 1 else (data, out, lowered)
+    monkeypatch.setattr(compiler, "nvrtc_compile", first_call_hits_the_driver_cache)
+    src = 'extern "C" __global__ void k(float* x) { x[threadIdx.x] *= 2.f; }\n'
+    mod = jit.compile(src, name="cached_by_driver", backend="nvrtc")
+    assert len(calls) == 2 and calls[0] == src and calls[1].startswith(src) and calls[1] != src
+    assert mod.resources()["k"].registers > 0
