@@ -25,7 +25,9 @@ def _cache(args: argparse.Namespace) -> int:
         print(f"{'key':<14}{'name':<28}{'backend':<8}{'arch':<9}{'size':>10}{'compile s':>11}  "
               f"{'created':<17}{'last used':<17}")
         for r in rows:
-            print(f"{r['key'][:12]:<14}{str(r['name'])[:27]:<28}{r['backend']:<8}{r['arch']:<9}"
+            name, backend, arch = (str(r[c] if r[c] is not None else "?")
+                                   for c in ("name", "backend", "arch"))  # a damaged meta.json
+            print(f"{r['key'][:12]:<14}{name[:27]:<28}{backend:<8}{arch:<9}"
                   f"{hk.format_size(r['size'] or 0):>10}{r['compile_seconds'] or 0:>11.1f}  "
                   f"{_when(r['created']):<17}{_when(r['last_used']):<17}")
     elif args.action == "clear":

@@ -16,6 +16,7 @@ Python needs no hand-written ctypes. Each parameter gets a *kind*:
 from __future__ import annotations
 
 import ctypes
+import math
 import re
 import struct
 from dataclasses import dataclass
@@ -98,7 +99,7 @@ def find_prototype(source: str, name: str, *, kernel: bool) -> Prototype:
             continue
         start = max(text.rfind(c, 0, m.start()) for c in ";{}") + 1
         prefix = text[start:m.start()]
-        if not prefix.strip() or "=" in prefix or re.search(r"\b(return|if|while|for)\b", prefix):
+        if not _declares(prefix):
             continue
         if kernel != ("__global__" in prefix):
             continue
@@ -110,6 +111,46 @@ def find_prototype(source: str, name: str, *, kernel: bool) -> Prototype:
     what = "__global__ kernel" if kernel else 'host function (extern "C")'
     raise ArgumentError(f"no {what} named '{base}' is declared in the source; declare it, or give "
                         f"its signature explicitly")
+
+
+# words after which `name(` is a call or an expression, never a declaration
+_STATEMENT_WORDS = {"return", "if", "while", "for", "switch", "case", "default", "else", "do",
+                    "goto", "throw", "delete", "new", "sizeof", "alignof", "typeid", "co_return",
+                    "co_yield", "co_await", "and", "or", "not"}
+_DECORATION = re.compile(r'extern\s+"C"|\[\[|__\w+__\s*\(|__attribute__\s*\(|__declspec\s*\('
+                         r"|alignas\s*\(|\btemplate\s*<")
+_MACRO_CALL = re.compile(r"\b[A-Z_][A-Z0-9_]*\s*\(")
+
+
+def _declares(prefix: str) -> bool:
+    """Whether the text before ``name(`` can be a declaration's specifiers (``extern "C" int``,
+    ``template <class T = float> __global__ void __launch_bounds__(256, 1)``) rather than the
+    start of a call statement (``else``, ``case 0:``, ``(void)``, ``for (;;)``, ``x =``)."""
+    words = _strip_balanced(prefix, _DECORATION)
+    if set(re.findall(r"\w+", words)) & _STATEMENT_WORDS:
+        return False
+    words = _strip_balanced(words, _MACRO_CALL).strip()  # MY_BOUNDS(256) __global__ void
+    if not words or any(c in words for c in "=()"):
+        return False
+    return not words.replace("::", "").endswith(":")  # a label, or a case
+
+
+def _strip_balanced(text: str, pattern: re.Pattern) -> str:
+    """text without each match of pattern and the rest of its (...), <...> or [[...]]."""
+    rest, i = [], 0
+    while (m := pattern.search(text, i)) is not None:
+        rest.append(text[i:m.start()])
+        i = m.end()
+        opener = m.group()[-1]
+        if opener not in "(<[":  # extern "C"
+            continue
+        closer = {"(": ")", "<": ">", "[": "]"}[opener]
+        depth = 2 if opener == "[" else 1
+        while i < len(text) and depth:
+            depth += (text[i] == opener) - (text[i] == closer)
+            i += 1
+    rest.append(text[i:])
+    return " ".join(rest)
 
 
 def _substitute(param: str, prefix: str, name: str) -> str:
@@ -163,8 +204,7 @@ def _split(params: str) -> list[str]:
 
 
 def _result_type(prefix: str) -> str:
-    text = re.sub(r'extern\s+"C"|template\s*<.*>|__launch_bounds__\s*\(.*?\)|__declspec\(.*?\)'
-                  r"|__attribute__\s*\(\(.*?\)\)", " ", prefix, flags=re.S)
+    text = _strip_balanced(_strip_balanced(prefix, _DECORATION), _MACRO_CALL)
     words = [w for w in re.findall(r"[\w:]+|\*", text)
              if w not in {"__global__", "__host__", "static", "inline", "__forceinline__",
                           "__noinline__", "extern", "constexpr"}]
@@ -288,11 +328,11 @@ def scalar_value(arg: object, param: Param, where: str) -> object:
             arg = _number(arg, param, where, float)
         return float(arg)
     if param.fmt == "e":
-        return struct.unpack("<H", struct.pack("<e", float(_number(arg, param, where, float))))[0]
+        return struct.unpack("<H", _pack("<e", float(_number(arg, param, where, float))))[0]
     if param.fmt == "bf16":
         return _bf16_bits(float(_number(arg, param, where, float)))
     if param.fmt == "?":
-        return bool(arg)
+        return bool(_number(arg, param, where, bool))
     value = _number(arg, param, where, int)
     if isinstance(value, float) and not value.is_integer():
         raise ArgumentError(f"{where}: argument '{param.name}' ({param.type}) got {arg!r}; "
@@ -309,6 +349,9 @@ def scalar_value(arg: object, param: Param, where: str) -> object:
 def _number(arg: object, param: Param, where: str, kind: type) -> object:
     if isinstance(arg, (int, float)):
         return arg
+    if isinstance(arg, (str, bytes, bytearray)):  # int("3") would take it
+        raise ArgumentError(f"{where}: argument '{param.name}' ({param.type}) got "
+                            f"{type(arg).__name__} {arg!r}; expected a number")
     try:  # NumPy and torch scalars, 0-d tensors on the CPU
         return kind(arg.item() if hasattr(arg, "item") else arg)  # type: ignore[call-overload]
     except (TypeError, ValueError, RuntimeError):
@@ -316,8 +359,17 @@ def _number(arg: object, param: Param, where: str, kind: type) -> object:
                             f"{type(arg).__name__}; expected a number") from None
 
 
+def _pack(fmt: str, value: float) -> bytes:
+    """struct.pack of a float; a value that rounds past the largest finite one becomes +-inf
+    (what IEEE round-to-nearest, NumPy and CUDA's conversions give) instead of OverflowError."""
+    try:
+        return struct.pack(fmt, value)
+    except OverflowError:
+        return struct.pack(fmt, math.copysign(math.inf, value))
+
+
 def _bf16_bits(value: float) -> int:
-    bits = struct.unpack("<I", struct.pack("<f", value))[0]
+    bits = struct.unpack("<I", _pack("<f", value))[0]
     if (bits & 0x7F800000) == 0x7F800000 and bits & 0x7FFFFF:  # NaN stays NaN
         return (bits >> 16) | 0x40
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF  # round to nearest even

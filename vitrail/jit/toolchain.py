@@ -321,7 +321,13 @@ def _find_cutlass(cutlass_path: str) -> Cutlass:
         if not (include / "cute" / "tensor.hpp").is_file():
             raise ToolchainError(f"the nvidia-cutlass package has no headers at {include}; "
                                  f"reinstall it, or set CUTLASS_PATH")
-    text = (include / "cutlass" / "version.h").read_text(errors="replace")
+    version_h = include / "cutlass" / "version.h"
+    if not version_h.is_file():
+        raise ToolchainError(
+            f"CUTLASS at {include} ({source}) has no cutlass/version.h, so its version is "
+            f"unknown; vitrail needs CUTLASS >= {_fmt(CUTLASS_MIN)}: point CUTLASS_PATH at a "
+            f"complete CUTLASS checkout, or pip install -U nvidia-cutlass")
+    text = version_h.read_text(errors="replace")
     parts = [re.search(rf"#define CUTLASS_{k}\s+(\d+)", text) for k in ("MAJOR", "MINOR", "PATCH")]
     version = tuple(int(p.group(1)) if p else 0 for p in parts)
     if version[:2] < CUTLASS_MIN:

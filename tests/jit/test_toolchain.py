@@ -1,0 +1,383 @@
+"""Toolchain discovery on a machine with no GPU: arch parsing and selection, nvcc, CUTLASS, NVRTC.
+
+The nvcc tests that need a particular version or target list use small bash scripts standing in
+for nvcc (VITRAIL_NVCC points at them); the rest use the real toolkit. Every failure must be a
+ToolchainError that names the tool, the version found and the version needed, raised before
+anything is written.
+"""
+from __future__ import annotations
+
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import vitrail.jit as jit
+from vitrail.jit import toolchain
+from vitrail.jit.toolchain import Arch, Nvrtc
+from vitrail.jit.errors import ToolchainError
+
+
+@pytest.fixture(autouse=True)
+def _fresh_memos():
+    """The discovery memos are keyed on the environment; clear them anyway, so no test sees
+    another's fake toolchain."""
+    toolchain._find_nvcc.cache_clear()
+    toolchain._find_cutlass.cache_clear()
+    yield
+    toolchain._find_nvcc.cache_clear()
+    toolchain._find_cutlass.cache_clear()
+
+
+def _real_nvcc() -> toolchain.Nvcc | None:
+    try:
+        return toolchain.nvcc()
+    except ToolchainError:
+        return None
+
+
+def _real_nvrtc() -> Nvrtc | None:
+    try:
+        return toolchain.nvrtc()
+    except ToolchainError:
+        return None
+
+
+needs_nvcc = pytest.mark.skipif(_real_nvcc() is None, reason="needs nvcc")
+needs_nvrtc = pytest.mark.skipif(_real_nvrtc() is None, reason="needs NVRTC")
+
+
+# ----------------------------------------------------------------------------------- Arch.parse
+@pytest.mark.parametrize("text, major, minor, suffix, sm", [
+    ("90a", 9, 0, "a", "sm_90a"),
+    ("sm_90a", 9, 0, "a", "sm_90a"),
+    ("compute_90a", 9, 0, "a", "sm_90a"),
+    ("9.0", 9, 0, "", "sm_90"),
+    ("9.0a", 9, 0, "a", "sm_90a"),
+    ("100a", 10, 0, "a", "sm_100a"),
+    ("8.6+PTX", 8, 6, "", "sm_86"),
+    ("sm_80", 8, 0, "", "sm_80"),
+    (" SM_120F ", 12, 0, "f", "sm_120f"),
+])
+def test_arch_parse_accepts(text, major, minor, suffix, sm):
+    arch = Arch.parse(text, "test")
+    assert (arch.major, arch.minor, arch.suffix) == (major, minor, suffix)
+    assert arch.sm == sm == str(arch)
+    assert arch.compute == sm.replace("sm_", "compute_")
+    assert arch.name == sm.removeprefix("sm_")
+    assert arch.source == "test"
+
+
+@pytest.mark.parametrize("text", ["hopper", "9", "", "sm_", "90b", "9.0.1"])
+def test_arch_parse_rejects_with_the_value_named(text):
+    with pytest.raises(ToolchainError) as e:
+        Arch.parse(text, "VITRAIL_ARCH")
+    assert f"VITRAIL_ARCH={text!r}" in str(e.value)
+    assert "not a GPU architecture" in str(e.value)
+
+
+def test_of_capability_uses_the_arch_specific_target_from_hopper_on():
+    assert Arch.of_capability(9, 0, "x").sm == "sm_90a"
+    assert Arch.of_capability(10, 0, "x").sm == "sm_100a"
+    assert Arch.of_capability(8, 9, "x").sm == "sm_89"
+    assert Arch.of_capability(8, 0, "x").sm == "sm_80"
+
+
+# ---------------------------------------------------------------------------------- target_arch
+@pytest.fixture
+def no_arch(monkeypatch):
+    """No VITRAIL_ARCH, no TORCH_CUDA_ARCH_LIST and (on a GPU host too) no visible GPU."""
+    monkeypatch.delenv("VITRAIL_ARCH", raising=False)
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.setattr(toolchain, "_device_capability", lambda device=None: None)
+    return monkeypatch
+
+
+def test_vitrail_arch_wins_over_everything(no_arch):
+    no_arch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    no_arch.setattr(toolchain, "_device_capability", lambda device=None: (8, 0, "A100"))
+    no_arch.setenv("VITRAIL_ARCH", "sm_100a")
+    arch = toolchain.target_arch()
+    assert arch.sm == "sm_100a" and arch.source == "VITRAIL_ARCH"
+    no_arch.setenv("VITRAIL_ARCH", "8.9")
+    assert toolchain.target_arch().sm == "sm_89"
+
+
+def test_a_bad_vitrail_arch_is_reported(no_arch):
+    no_arch.setenv("VITRAIL_ARCH", "hopper")
+    with pytest.raises(ToolchainError, match=r"VITRAIL_ARCH='hopper'"):
+        toolchain.target_arch()
+
+
+@pytest.mark.parametrize("listed, sm", [
+    ("8.0;9.0", "sm_90a"),        # Hopper is promoted to the arch-specific target
+    ("8.0 8.6", "sm_86"),
+    ("9.0;8.0", "sm_90a"),        # the highest, whatever the order
+    ("7.5,8.0+PTX", "sm_80"),
+    ("8.0;9.0a", "sm_90a"),
+    ("9.0;10.0", "sm_100a"),
+])
+def test_torch_cuda_arch_list_without_a_gpu(no_arch, listed, sm):
+    no_arch.setenv("TORCH_CUDA_ARCH_LIST", listed)
+    arch = toolchain.target_arch()
+    assert arch.sm == sm
+    assert arch.source == "TORCH_CUDA_ARCH_LIST"
+
+
+def test_no_gpu_and_no_setting_asks_for_vitrail_arch(no_arch):
+    with pytest.raises(ToolchainError) as e:
+        toolchain.target_arch()
+    assert "VITRAIL_ARCH" in str(e.value)
+    assert "no GPU" in str(e.value)
+
+
+@pytest.mark.parametrize("cap, sm", [((9, 0, "H100"), "sm_90a"), ((8, 0, "A100"), "sm_80"),
+                                     ((10, 0, "B200"), "sm_100a")])
+def test_the_gpu_decides_when_vitrail_arch_is_unset(no_arch, cap, sm):
+    no_arch.setenv("TORCH_CUDA_ARCH_LIST", "7.5")  # the GPU wins over the list
+    no_arch.setattr(toolchain, "_device_capability", lambda device=None: cap)
+    arch = toolchain.target_arch()
+    assert arch.sm == sm
+    assert cap[2] in arch.source and "GPU" in arch.source
+
+
+def test_device_capability_is_none_without_a_gpu():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    assert toolchain._device_capability(None) is None
+
+
+# ----------------------------------------------------------------------------------------- nvcc
+def _fake_nvcc(tmp_path: Path, release: str, gpu_codes: str = "sm_80 sm_90",
+               dryrun: str = "") -> Path:
+    """A bash script answering the three probes nvcc() makes (and failing anything else)."""
+    major, minor = release.split(".")[:2]
+    script = tmp_path / f"fake-nvcc-{release}-{len(list(tmp_path.iterdir()))}" / "bin" / "nvcc"
+    script.parent.mkdir(parents=True)
+    (script.parent / "dryrun.txt").write_text(dryrun)
+    script.write_text(textwrap.dedent(f"""\
+        #!/bin/bash
+        case "$1" in
+          --version)
+            echo "nvcc: NVIDIA (R) Cuda compiler driver"
+            echo "Cuda compilation tools, release {major}.{minor}, V{release}"
+            echo "Build cuda_{major}.{minor}.r{major}.{minor}/compiler.0_0";;
+          --list-gpu-code) printf '%s\\n' {gpu_codes};;
+          --dryrun) cat "$(dirname "$0")/dryrun.txt" >&2;;
+          *) echo "fake nvcc: unexpected $*" >&2; exit 1;;
+        esac
+        """))
+    script.chmod(0o755)
+    return script
+
+
+def test_a_missing_vitrail_nvcc_names_nvcc_and_the_version_needed(monkeypatch, tmp_path):
+    missing = tmp_path / "nowhere" / "nvcc"
+    monkeypatch.setenv("VITRAIL_NVCC", str(missing))
+    with pytest.raises(ToolchainError) as e:
+        toolchain.nvcc()
+    msg = str(e.value)
+    assert "nvcc not found" in msg
+    assert f"{missing} (VITRAIL_NVCC)" in msg
+    assert "nvcc >= 12.4" in msg
+
+
+def test_a_non_executable_vitrail_nvcc_is_not_found(monkeypatch, tmp_path):
+    script = _fake_nvcc(tmp_path, "13.0.88")
+    script.chmod(0o644)
+    monkeypatch.setenv("VITRAIL_NVCC", str(script))
+    with pytest.raises(ToolchainError, match="nvcc not found"):
+        toolchain.nvcc()
+
+
+def test_an_old_nvcc_is_refused_with_both_versions(monkeypatch, tmp_path):
+    script = _fake_nvcc(tmp_path, "11.8.89")
+    monkeypatch.setenv("VITRAIL_NVCC", str(script))
+    with pytest.raises(ToolchainError) as e:
+        toolchain.nvcc()
+    msg = str(e.value)
+    assert "11.8.89" in msg and "12.4" in msg
+    assert str(script) in msg
+
+
+def test_nvcc_just_below_the_minimum_is_refused_and_the_minimum_accepted(monkeypatch, tmp_path):
+    monkeypatch.setenv("VITRAIL_NVCC", str(_fake_nvcc(tmp_path, "12.3.107")))
+    with pytest.raises(ToolchainError, match=r"12\.3\.107.*>= 12\.4"):
+        toolchain.nvcc()
+    monkeypatch.setenv("VITRAIL_NVCC", str(_fake_nvcc(tmp_path, "12.4.99")))
+    assert toolchain.nvcc().version == (12, 4, 99)
+
+
+def test_an_unreadable_version_is_reported(monkeypatch, tmp_path):
+    script = tmp_path / "nvcc"
+    script.write_text("#!/bin/bash\necho 'hello, I am not nvcc'\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("VITRAIL_NVCC", str(script))
+    with pytest.raises(ToolchainError, match="(?s)could not read the version .*I am not nvcc"):
+        toolchain.nvcc()
+
+
+def test_an_nvcc_that_cannot_target_the_arch(monkeypatch, tmp_path):
+    monkeypatch.setenv("VITRAIL_NVCC", str(_fake_nvcc(tmp_path, "13.0.88", gpu_codes="sm_80")))
+    tool = toolchain.nvcc()
+    assert tool.version == (13, 0, 88) and tool.version_text == "13.0.88"
+    assert tool.gpu_codes == frozenset({"sm_80"})
+    tool.check_arch(Arch.parse("80"))  # fine
+    with pytest.raises(ToolchainError) as e:
+        tool.check_arch(Arch.parse("90a", "VITRAIL_ARCH"))
+    msg = str(e.value)
+    assert "sm_90a" in msg and "13.0.88" in msg and "sm_80" in msg and "VITRAIL_ARCH" in msg
+
+
+def test_a_wrapper_nvcc_reports_its_toolkit_through_dryrun(monkeypatch, tmp_path):
+    top = tmp_path / "toolkit"
+    (top / "targets" / "include" / "cccl").mkdir(parents=True)
+    dryrun = (f'#$ TOP={top}/bin/..\n'
+              f'#$ INCLUDES="-I{top}/targets/include" "-I{tmp_path}/does-not-exist"\n'
+              f'#$ SYSTEM_INCLUDES="-isystem" "{top}/targets/include/cccl"')
+    script = _fake_nvcc(tmp_path, "13.0.88", dryrun=dryrun)
+    monkeypatch.setenv("VITRAIL_NVCC", str(script))
+    tool = toolchain.nvcc()
+    assert tool.path == str(script)
+    assert tool.cuda_home == str(top)
+    assert tool.include_dirs == (str(top / "targets" / "include"),
+                                 str(top / "targets" / "include" / "cccl"))
+
+
+def test_changing_vitrail_nvcc_re_runs_the_lookup(monkeypatch, tmp_path):
+    monkeypatch.setenv("VITRAIL_NVCC", str(_fake_nvcc(tmp_path, "12.8.93")))
+    assert toolchain.nvcc().version == (12, 8, 93)
+    monkeypatch.setenv("VITRAIL_NVCC", str(_fake_nvcc(tmp_path, "12.9.86")))
+    assert toolchain.nvcc().version == (12, 9, 86)
+
+
+@needs_nvcc
+def test_the_real_nvcc():
+    tool = toolchain.nvcc()
+    assert tool.version[:2] >= toolchain.NVCC_MIN
+    assert os.access(tool.path, os.X_OK)
+    assert any((Path(d) / "cuda_runtime.h").is_file() for d in tool.include_dirs)
+    assert all(Path(d).is_dir() for d in tool.include_dirs)
+    assert tool.host_compiler.strip() and "\n" not in tool.host_compiler
+    assert "sm_90" in tool.gpu_codes
+    tool.check_arch(Arch.parse("90a"))
+    with pytest.raises(ToolchainError, match="sm_35"):  # dropped by CUDA 12.0
+        tool.check_arch(Arch.parse("35"))
+    assert toolchain.cuda_include_dirs() == list(tool.include_dirs)
+
+
+def test_compile_fails_before_any_side_effect(monkeypatch, tmp_path, cache_dir):
+    monkeypatch.setenv("VITRAIL_NVCC", str(tmp_path / "no-such-nvcc"))
+    src = 'extern "C" int x(int a) { return a; }\n'
+    with pytest.raises(ToolchainError, match="nvcc not found"):
+        jit.compile(src, name="x")
+    assert not cache_dir.exists()
+    # an nvcc that is found but too old: the same
+    monkeypatch.setenv("VITRAIL_NVCC", str(_fake_nvcc(tmp_path, "11.8.89")))
+    with pytest.raises(ToolchainError, match="11.8.89"):
+        jit.compile(src, name="x")
+    # and one that cannot build for the arch
+    monkeypatch.setenv("VITRAIL_NVCC", str(_fake_nvcc(tmp_path, "13.0.88", gpu_codes="sm_80")))
+    with pytest.raises(ToolchainError, match="sm_90a"):
+        jit.compile(src, name="x", arch="90a")
+    assert not cache_dir.exists()
+
+
+@needs_nvrtc
+def test_nvrtc_arch_check_fails_before_any_side_effect(monkeypatch, cache_dir):
+    real = toolchain.nvrtc()
+    monkeypatch.setattr(toolchain, "nvrtc", lambda: Nvrtc(real.version, real.library,
+                                                           frozenset({80})))
+    with pytest.raises(ToolchainError, match="sm_90a"):
+        jit.compile('extern "C" __global__ void k() {}', name="k", backend="nvrtc", arch="90a")
+    assert not cache_dir.exists()
+
+
+# -------------------------------------------------------------------------------------- CUTLASS
+def _fake_cutlass(root: Path, major: int, minor: int, patch: int = 0,
+                  version_h: bool = True) -> Path:
+    (root / "include" / "cute").mkdir(parents=True)
+    (root / "include" / "cute" / "tensor.hpp").write_text("#pragma once\n")
+    if version_h:
+        (root / "include" / "cutlass").mkdir()
+        (root / "include" / "cutlass" / "version.h").write_text(textwrap.dedent(f"""\
+            #pragma once
+            #define CUTLASS_MAJOR {major}
+            #define CUTLASS_MINOR {minor}
+            #define CUTLASS_PATCH {patch}
+            """))
+    return root
+
+
+def test_the_installed_cutlass(monkeypatch):
+    monkeypatch.delenv("CUTLASS_PATH", raising=False)
+    try:
+        found = toolchain.cutlass()
+    except ToolchainError as e:
+        pytest.skip(f"nvidia-cutlass is not installed: {e}")
+    assert found.source == "nvidia-cutlass"
+    assert found.version[:2] >= (3, 6)
+    assert found.version_text == ".".join(map(str, found.version))
+    assert (Path(found.include_dir) / "cute" / "tensor.hpp").is_file()
+    assert (Path(found.include_dir) / "cutlass" / "cutlass.h").is_file()
+
+
+def test_cutlass_path_without_headers(monkeypatch, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.setenv("CUTLASS_PATH", str(empty))
+    with pytest.raises(ToolchainError) as e:
+        toolchain.cutlass()
+    assert f"CUTLASS_PATH={empty}" in str(e.value)
+    assert "cute/tensor.hpp" in str(e.value)
+
+
+def test_an_old_cutlass_names_the_version_found_and_needed(monkeypatch, tmp_path):
+    root = _fake_cutlass(tmp_path / "cutlass-2.11", 2, 11)
+    monkeypatch.setenv("CUTLASS_PATH", str(root))
+    with pytest.raises(ToolchainError) as e:
+        toolchain.cutlass()
+    msg = str(e.value)
+    assert "2.11.0" in msg and ">= 3.6" in msg and "CUTLASS_PATH" in msg
+
+
+def test_cutlass_path_at_a_checkout_or_at_its_include_dir(monkeypatch, tmp_path):
+    root = _fake_cutlass(tmp_path / "cutlass-3.9", 3, 9, 2)
+    for path in (root, root / "include"):
+        monkeypatch.setenv("CUTLASS_PATH", str(path))
+        found = toolchain.cutlass()
+        assert found.include_dir == str(root / "include")
+        assert found.version == (3, 9, 2) and found.source == "CUTLASS_PATH"
+
+
+def test_cutlass_path_without_version_h_is_a_toolchain_error(monkeypatch, tmp_path):
+    # was a bare FileNotFoundError, which escaped every compile (CUTLASS is optional there)
+    root = _fake_cutlass(tmp_path / "partial", 0, 0, version_h=False)
+    monkeypatch.setenv("CUTLASS_PATH", str(root))
+    with pytest.raises(ToolchainError, match="version.h"):
+        toolchain.cutlass()
+
+
+# ---------------------------------------------------------------------------------------- NVRTC
+@needs_nvrtc
+def test_the_real_nvrtc():
+    found = toolchain.nvrtc()
+    assert found.version >= toolchain.NVRTC_MIN
+    assert found.version_text == f"{found.version[0]}.{found.version[1]}"
+    assert Path(found.library).is_file() and "nvrtc" in Path(found.library).name
+    assert 90 in found.supported and 80 in found.supported
+    found.check_arch(Arch.parse("90a"))
+
+
+def test_nvrtc_check_arch_rejects_an_unsupported_arch():
+    old = Nvrtc((12, 4), "/opt/libnvrtc.so.12", frozenset({75, 80}))
+    old.check_arch(Arch.parse("80"))
+    with pytest.raises(ToolchainError) as e:
+        old.check_arch(Arch.parse("90a"))
+    msg = str(e.value)
+    assert "sm_90a" in msg and "12.4" in msg and "/opt/libnvrtc.so.12" in msg
+    assert "sm_75, sm_80" in msg
+    # an empty list (NVRTC that does not say) accepts anything
+    Nvrtc((12, 4), "x", frozenset()).check_arch(Arch.parse("100a"))
