@@ -287,3 +287,15 @@ def test_tensor_on_another_device():
     torch.testing.assert_close(y, expected - x)
     with pytest.raises(jit.ArgumentError, match="cuda:0"):
         k[1, 128](1.0, torch.zeros(100, device="cuda:0"), y, 100)
+
+
+def test_launches_take_the_c_launcher_where_python_headers_exist():
+    import sysconfig
+    from pathlib import Path
+
+    from vitrail.jit import kernel, launcher
+    jit.RawKernel(SAXPY, "saxpy")[1, 32](1.0, None, None, 0)  # resolves the launch function
+    if (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file():
+        assert launcher.get() is not None and kernel._LAUNCH is launcher.get()
+    else:
+        assert kernel._LAUNCH is kernel._launch_through_bindings

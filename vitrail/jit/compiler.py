@@ -239,16 +239,21 @@ def _build_nvrtc(build: Path, source: str, name: str, arch: toolchain.Arch, flag
     command = "nvrtc " + shlex.join(opts)
     start = time.time()
     cubin, out, lowered = nvrtc_compile(source, src_name, opts, kernels, command, "CUBIN")
+    probe = ""
     if "Compiling entry function" not in out and "__global__" in source:
-        # NVRTC goes through the driver's compute cache (~/.nv/ComputeCache): on a hit, ptxas
-        # does not run and prints no resource report. Ask once more with a source the driver
-        # has not seen (a unique comment) for the report; the cubin stays the first one.
-        nonce = f"\n// vitrail: resource report {uuid.uuid4().hex}\n"
-        out = nvrtc_compile(source + nonce, src_name, opts, kernels, command, "CUBIN")[1]
+        # NVRTC goes through the driver's compute cache (~/.nv/ComputeCache), keyed by what
+        # reaches ptxas: on a hit, ptxas does not run and prints no resource report. Compile
+        # once more with an empty, uniquely named kernel added, which the cache has not seen,
+        # for the report; the cubin stays the first one, and the probe leaves the report.
+        probe = f"vitrail_resource_probe_{uuid.uuid4().hex}"
+        probed = f'{source}\nextern "C" __global__ void {probe}() {{}}\n'
+        out = nvrtc_compile(probed, src_name, opts, kernels, command, "CUBIN")[1]
     (build / "kernel.cubin").write_bytes(cubin)
     (build / "build.log").write_text(f"$ {command}\n{out}")
-    return {**_meta(name, "nvrtc", arch, "kernel.cubin", start, command, out, tool.version_text,
-                    source=src_name), "lowered": lowered, "options": opts}
+    meta = _meta(name, "nvrtc", arch, "kernel.cubin", start, command, out, tool.version_text,
+                 source=src_name)
+    meta["resources"].pop(probe, None)
+    return {**meta, "lowered": lowered, "options": opts}
 
 
 def nvrtc_options(target: str, flags: list[str], dirs: list[str], defines: list[str]) -> list[str]:

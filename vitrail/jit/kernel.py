@@ -24,6 +24,7 @@ from vitrail.jit.signature import (Marshaller, Prototype, current_device, find_p
 
 _driver_lock = threading.Lock()
 _DRIVER = None  # cuda.bindings.driver, once cuInit has run
+_LAUNCH = None  # launch(function, gx, gy, gz, bx, by, bz, smem, stream, params) -> CUresult
 _primary: dict[int, object] = {}
 _STATIC_SMEM_LIMIT = 48 * 1024
 
@@ -37,6 +38,18 @@ def _driver():
                 _check(driver.cuInit(0)[0], "cuInit")
                 _DRIVER = driver
     return _DRIVER
+
+
+def _launch_through_bindings(fn, gx, gy, gz, bx, by, bz, smem, stream, params) -> int:
+    return int(_DRIVER.cuLaunchKernel(fn, gx, gy, gz, bx, by, bz, smem, stream, params, 0)[0])
+
+
+def _launcher():
+    global _LAUNCH
+    if _LAUNCH is None:
+        from vitrail.jit import launcher
+        _LAUNCH = launcher.get() or _launch_through_bindings
+    return _LAUNCH
 
 
 def _check(err, what: str) -> None:
@@ -99,7 +112,7 @@ class Kernel:
         self.module, self.lowered, self.proto = module, lowered, proto
         self.where = f"kernel '{proto.name}' ({module.name})"
         self._kernel = None  # the context-independent CUkernel
-        self._functions: dict[int, object] = {}  # device -> CUfunction in its primary context
+        self._functions: dict[int, int] = {}  # device -> CUfunction (handle) in its primary ctx
         self._smem_set: dict[int, int] = {}
         self._launches: dict[object, _Launch] = {}  # (grid, block) as written -> launcher
         self._local = threading.local()  # a reusable parameter buffer per thread
@@ -156,8 +169,9 @@ class Kernel:
             _make_current(device)
         err, fn = driver.cuKernelGetFunction(self._kernel)
         _check(err, f"loading {self.where} on cuda:{device}")
-        self._functions[device] = fn
-        return fn
+        _launcher()
+        self._functions[device] = int(fn)
+        return int(fn)
 
     def _pack_general(self, *values) -> int:
         """The address of a void*[] of the values (valid until this thread's next launch)."""
@@ -173,7 +187,8 @@ class Kernel:
     def _raise_smem_limit(self, device: int, shared_mem: int) -> None:
         driver = _driver()
         attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        _check(driver.cuFuncSetAttribute(self._functions[device], attr, shared_mem)[0],
+        function = driver.CUfunction(self._functions[device])
+        _check(driver.cuFuncSetAttribute(function, attr, shared_mem)[0],
                f"{self.where}: raising its dynamic shared memory limit to {shared_mem} bytes")
         self._smem_set[device] = shared_mem
 
@@ -202,17 +217,16 @@ class _Launch:
         if shared_mem > _STATIC_SMEM_LIMIT and k._smem_set.get(current, 0) < shared_mem:
             k._raise_smem_limit(current, shared_mem)
         handle = _current_stream(current) if stream is None else stream_of(stream, current)
-        err = _DRIVER.cuLaunchKernel(fn, *self.grid, *self.block, shared_mem, handle, params, 0)[0]
+        err = _LAUNCH(fn, *self.grid, *self.block, shared_mem, handle, params)
         if err:
             self._failed(err, fn, current, shared_mem, handle, params)
 
     def _failed(self, err, fn, device: int, shared_mem: int, handle: int, params: int) -> None:
         if int(err) == 201:  # CUDA_ERROR_INVALID_CONTEXT: a thread with no context yet
             _make_current(device)
-            err = _DRIVER.cuLaunchKernel(fn, *self.grid, *self.block, shared_mem, handle, params,
-                                         0)[0]
-        if int(err) != 0:
-            name = _DRIVER.cuGetErrorName(err)[1]
+            err = _LAUNCH(fn, *self.grid, *self.block, shared_mem, handle, params)
+        if err:
+            name = _DRIVER.cuGetErrorName(_DRIVER.CUresult(err))[1]
             raise LaunchError(f"launching {self.kernel.where} with grid {self.grid}, block "
                               f"{self.block}, shared_mem {shared_mem} failed: "
                               f"{name.decode() if name else int(err)}")

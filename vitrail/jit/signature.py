@@ -387,10 +387,15 @@ def opaque_bytes(arg: object, param: Param, where: str) -> bytes:
                         f"scalar or bytes of that type, or give the kernel an explicit signature")
 
 
+_cuda_ready = False
+
+
 def current_device() -> int:
-    """torch's current CUDA device (which the CUDA runtime shares), without torch's lazy-init
-    checks once CUDA is initialized."""
-    if torch.cuda.is_initialized():
+    """torch's current CUDA device (which the CUDA runtime shares); once CUDA is initialized,
+    the plain C call without torch's lazy-init checks."""
+    global _cuda_ready
+    if _cuda_ready or torch.cuda.is_initialized():
+        _cuda_ready = True
         return torch._C._cuda_getDevice()
     return torch.cuda.current_device()
 
@@ -455,9 +460,9 @@ class Marshaller:
 def _fast_path(i: int, p: Param) -> list[str]:
     """Generated lines that set v{i} (and the call's device) from argument a{i}."""
     if p.kind == "pointer":
-        return [f"if type(a{i}) is Tensor and a{i}.is_cuda and a{i}.is_contiguous():",
+        return [f"if type(a{i}) is Tensor and (d := a{i}.get_device()) >= 0 "  # -1: on the CPU
+                f"and a{i}.is_contiguous():",
                 f"    v{i} = a{i}.data_ptr()",
-                f"    d = a{i}.get_device()",
                 "else:",
                 f"    v{i}, d = slow[{i}](a{i})",
                 "if d is not None and d != device:",
