@@ -108,9 +108,12 @@ def target_arch(device: int | None = None) -> Arch:
 def _device_capability(device: int | None) -> tuple[int, int, str] | None:
     try:
         import torch
-        if not torch.cuda.is_available():
+        if not torch.cuda.is_initialized() and not torch.cuda.is_available():
             return None
-        return _capability_of(torch.cuda.current_device() if device is None else device)
+        if device is None:
+            from vitrail.jit.signature import current_device
+            device = current_device()
+        return _capability_of(device)
     except Exception:  # a broken driver counts as no GPU; doctor reports the details
         return None
 
