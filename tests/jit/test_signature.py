@@ -18,8 +18,8 @@ import torch
 
 from vitrail.jit.errors import ArgumentError
 from vitrail.jit.module import parse_ptxas
-from vitrail.jit.signature import (Marshaller, Param, Prototype, find_prototype, parse_signature,
-                                   pointer_of, scalar_value, stream_of)
+from vitrail.jit.arguments import Marshaller, pointer_of, scalar_value, stream_of
+from vitrail.jit.signature import Param, Prototype, find_prototype, parse_signature
 
 
 def kinds(proto: Prototype) -> list[tuple[str, str, str]]:

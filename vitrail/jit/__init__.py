@@ -31,15 +31,15 @@ def __getattr__(name: str):
         globals()[name] = value
         return value
     if name in ("toolchain", "cache", "index", "compiler", "module", "kernel", "signature",
-                "housekeeping", "errors"):
+                "arguments", "launcher", "housekeeping", "errors"):
         return importlib.import_module(f"vitrail.jit.{name}")
     raise AttributeError(f"module 'vitrail.jit' has no attribute '{name}'")
 
 
-if TYPE_CHECKING:
-    from vitrail.jit.compiler import clear_memory_cache, compile
-    from vitrail.jit.errors import (ArgumentError, CacheLockTimeout, CompileError, LaunchError,
-                                    ToolchainError, VitrailError)
-    from vitrail.jit.kernel import CubinModule, Kernel, RawKernel
-    from vitrail.jit.module import EntryPoint, Module, Resources, SharedLibrary
-    from vitrail.jit.toolchain import Arch, target_arch
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads these
+    from vitrail.jit.compiler import clear_memory_cache, compile  # noqa: F401
+    from vitrail.jit.errors import (ArgumentError, CacheLockTimeout, CompileError,  # noqa: F401
+                                    LaunchError, ToolchainError, VitrailError)
+    from vitrail.jit.kernel import CubinModule, Kernel, RawKernel  # noqa: F401
+    from vitrail.jit.module import EntryPoint, Module, Resources, SharedLibrary  # noqa: F401
+    from vitrail.jit.toolchain import Arch, target_arch  # noqa: F401

@@ -19,8 +19,8 @@ import torch
 from vitrail.jit.cache import Entry
 from vitrail.jit.errors import ArgumentError, LaunchError
 from vitrail.jit.module import Module
-from vitrail.jit.signature import (Marshaller, Prototype, current_device, find_prototype,
-                                   parse_signature, stream_of)
+from vitrail.jit.arguments import Marshaller, current_device, stream_of
+from vitrail.jit.signature import Prototype, find_prototype, parse_signature
 
 _driver_lock = threading.Lock()
 _DRIVER = None  # cuda.bindings.driver, once cuInit has run

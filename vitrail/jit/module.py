@@ -22,8 +22,9 @@ import torch
 
 from vitrail.jit.cache import Entry
 from vitrail.jit.errors import ArgumentError, LaunchError, ToolchainError
-from vitrail.jit.signature import (Marshaller, Param, Prototype, current_device, find_prototype,
-                                   parse_signature, result_is_checked)
+from vitrail.jit.arguments import Marshaller, current_device
+from vitrail.jit.signature import (Param, Prototype, find_prototype, parse_signature,
+                                   result_is_checked)
 
 
 @dataclass(frozen=True)

@@ -111,7 +111,7 @@ def _device_capability(device: int | None) -> tuple[int, int, str] | None:
         if not torch.cuda.is_initialized() and not torch.cuda.is_available():
             return None
         if device is None:
-            from vitrail.jit.signature import current_device
+            from vitrail.jit.arguments import current_device
             device = current_device()
         return _capability_of(device)
     except Exception:  # a broken driver counts as no GPU; doctor reports the details
