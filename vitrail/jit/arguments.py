@@ -182,10 +182,12 @@ class Marshaller:
         self.proto, self.where = proto, where
         self.n = len(proto.params)
         self._streams = [i for i, p in enumerate(proto.params) if p.kind == "stream"]
-        self._call = self._generate(pack)
+        # function(args, stream) -> (values or pack's result, device): callers on the per-call
+        # path hold this generated function itself, one Python frame fewer than __call__.
+        self.function = self._generate(pack)
 
     def __call__(self, args: tuple, stream: object = None) -> tuple[object, int | None]:
-        return self._call(args, stream)
+        return self.function(args, stream)
 
     def _generate(self, pack: Callable | None) -> Callable:
         n = self.n

@@ -136,9 +136,9 @@ class Kernel:
                     local.slot = buf, base
                 pack_into(buf, 8 * n, *v)
                 return base
-            self._marshal = Marshaller(proto, self.where, pack)
+            self._marshal = Marshaller(proto, self.where, pack).function
         else:
-            self._marshal = Marshaller(proto, self.where, self._pack_general)
+            self._marshal = Marshaller(proto, self.where, self._pack_general).function
 
     def __getitem__(self, config) -> "_Launch":
         try:
@@ -198,10 +198,11 @@ class Kernel:
 
 class _Launch:
     """A kernel bound to a grid and block shape; calling it launches."""
-    __slots__ = ("kernel", "grid", "block", "empty")
+    __slots__ = ("kernel", "grid", "block", "dims", "empty")
 
     def __init__(self, kernel: Kernel, grid: tuple, block: tuple):
         self.kernel, self.grid, self.block = kernel, grid, block
+        self.dims = (*grid, *block)
         self.empty = not (grid[0] and grid[1] and grid[2])  # an empty grid launches nothing
 
     def __call__(self, *args, shared_mem: int = 0, stream=None) -> None:
@@ -217,14 +218,14 @@ class _Launch:
         if shared_mem > _STATIC_SMEM_LIMIT and k._smem_set.get(current, 0) < shared_mem:
             k._raise_smem_limit(current, shared_mem)
         handle = _current_stream(current) if stream is None else stream_of(stream, current)
-        err = _LAUNCH(fn, *self.grid, *self.block, shared_mem, handle, params)
+        err = _LAUNCH(fn, *self.dims, shared_mem, handle, params)
         if err:
             self._failed(err, fn, current, shared_mem, handle, params)
 
     def _failed(self, err, fn, device: int, shared_mem: int, handle: int, params: int) -> None:
         if int(err) == 201:  # CUDA_ERROR_INVALID_CONTEXT: a thread with no context yet
             _make_current(device)
-            err = _LAUNCH(fn, *self.grid, *self.block, shared_mem, handle, params)
+            err = _LAUNCH(fn, *self.dims, shared_mem, handle, params)
         if err:
             name = _DRIVER.cuGetErrorName(_DRIVER.CUresult(err))[1]
             raise LaunchError(f"launching {self.kernel.where} with grid {self.grid}, block "

@@ -198,7 +198,7 @@ class EntryPoint:
         fn.restype = _restype(proto.result)
         self._fn = fn
         self._check = result_is_checked(proto.result)
-        self._marshal = Marshaller(proto, self.where)
+        self._marshal = Marshaller(proto, self.where).function
 
     def __call__(self, *args, stream=None):
         values, device = self._marshal(args, stream)
