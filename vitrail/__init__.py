@@ -1,8 +1,11 @@
 """vitrail: write, compile, tune and call custom GPU kernels from Python.
 
 Layers (see DESIGN.md): ``vitrail.jit`` compiles and caches CUDA C++ and calls it on torch
-tensors; ``vitrail.cli`` is the ``vitrail`` command (doctor, cache, bench).
+tensors; ``vitrail.tune`` chooses configs (``vitrail.settings``, ``vitrail.PickAny``,
+``vitrail.PickBest``); ``vitrail.op`` binds the two; ``vitrail.profile`` times;
+``vitrail.cli`` is the ``vitrail`` command.
 """
+import importlib as _importlib
 import logging as _logging
 
 __version__ = "0.1.0"
@@ -20,3 +23,15 @@ def _configure_logging() -> None:
 
 
 _configure_logging()
+
+
+_LAZY = {"settings": "vitrail.tune.settings", "PickAny": "vitrail.tune.settings",
+         "PickBest": "vitrail.tune.settings"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:  # loaded on first use, so `import vitrail` stays light
+        value = getattr(_importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'vitrail' has no attribute '{name}'")

@@ -1,9 +1,13 @@
-"""The ``vitrail`` command: doctor, cache, bench."""
+"""The ``vitrail`` command: doctor, cache, bench, tune, precompile."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
+
+# Modules whose import registers vitrail's ops (vitrail.op.REGISTRY); --module adds others.
+OP_MODULES: list[str] = []
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -57,6 +61,89 @@ def _bench(args: argparse.Namespace) -> int:
                       list_only=args.list)
 
 
+def _load_ops(extra: list[str]) -> dict:
+    from vitrail.op import REGISTRY
+    for name in OP_MODULES + list(extra or []):
+        importlib.import_module(name)
+    return REGISTRY
+
+
+def _select_ops(names: list[str], registry: dict, command: str):
+    unknown = [n for n in names if n not in registry]
+    if unknown:
+        known = ", ".join(sorted(registry)) or "none registered"
+        raise SystemExit(f"vitrail {command}: unknown op(s) {', '.join(unknown)}; known: {known}")
+    return [registry[n] for n in (names or sorted(registry))]
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from vitrail.tune import TuningStore
+    store = TuningStore()
+    what = args.what
+    if what in ("export", "import"):
+        if not args.file:
+            print(f"vitrail tune {what}: FILE is required", file=sys.stderr)
+            return 2
+        if what == "export":
+            n = store.export(args.file, op=args.op)
+            print(f"exported {n} tuning records to {args.file}")
+        else:
+            added, kept = store.import_(args.file, overwrite=args.overwrite)
+            print(f"imported {added} tuning records from {args.file}"
+                  + (f"; kept {kept} already here (--overwrite replaces them)" if kept else ""))
+        return 0
+    if what == "ls":
+        records = store.records(args.op)
+        for r in records:
+            best = min((t["ms"] for t in r.timings if t.get("ms") is not None), default=None)
+            shown = f"{best * 1e3:.1f} us" if best is not None else "-"
+            print(f"{r.key.op:<24}{r.key.gpu:<26}{r.key.problem[:40]:<42}{r.config.label:<36}"
+                  f"{shown:>10}")
+        print(f"{len(records)} records in {store.path}")
+        return 0
+    registry = _load_ops(args.module)
+    (op,) = _select_ops([what], registry, "tune")
+    if op.make_problem is None or not args.shape:
+        print(f"vitrail tune {what}: give --shape (e.g. --shape 4096x4096)", file=sys.stderr)
+        return 2
+    import torch
+
+    import vitrail
+    if not torch.cuda.is_available():
+        print("vitrail tune: no GPU is visible: tuning times kernels on one", file=sys.stderr)
+        return 1
+    shape = tuple(int(d) for d in args.shape.lower().split("x"))
+    key, problem, call_args = op.make_problem(shape, args.dtype)
+    with vitrail.settings(policy=vitrail.PickBest, verbose=True, max_workers=args.workers):
+        config = op.config(key, problem, call_args)
+    print(f"{op.name} {args.shape} {args.dtype}: {config.label}")
+    return 0
+
+
+def _precompile(args: argparse.Namespace) -> int:
+    registry = _load_ops(args.module)
+    ops = _select_ops(args.ops, registry, "precompile")
+    if not ops:
+        print("vitrail precompile: no ops are registered yet")
+        return 0
+    failed = 0
+    for op in ops:
+        start = time.perf_counter()
+        failures = op.precompile(arch=args.arch, max_workers=args.workers, verbose=True)
+        configs = len(op.default_configs(_limits(args.arch)))
+        print(f"{op.name}: {configs - len(failures)}/{configs} default configs built in "
+              f"{time.perf_counter() - start:.1f} s")
+        for config, error in failures.items():
+            print(f"  {config.label}: {error}")
+        failed += len(failures)
+    return 1 if failed else 0
+
+
+def _limits(arch: str | None):
+    from vitrail.tune import limits
+    return limits(arch=arch)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vitrail", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -73,6 +160,27 @@ def main(argv: list[str] | None = None) -> int:
                        help="build the benchmarks' kernels without running them")
     bench.add_argument("--out", default="results", help="folder for the JSON results")
     bench.set_defaults(fn=_bench)
+    tune = sub.add_parser("tune", help="tune an op for a shape (PickBest), or list, export and "
+                          "import tuning records")
+    tune.add_argument("what", help="an op name, or ls | export | import")
+    tune.add_argument("file", nargs="?", help="export/import: the JSON file")
+    tune.add_argument("--shape", help="the problem's shape, e.g. 4096x4096")
+    tune.add_argument("--dtype", default="float32", help="the problem's dtype (torch name)")
+    tune.add_argument("--op", help="ls/export: only this op's records")
+    tune.add_argument("--overwrite", action="store_true",
+                      help="import: replace records this machine already has")
+    tune.add_argument("--workers", type=int, help="compile processes (default: cores/memory)")
+    tune.add_argument("--module", action="append", default=[],
+                      help="import this module first (it registers more ops)")
+    tune.set_defaults(fn=_tune)
+    pre = sub.add_parser("precompile", help="build ops' default configs into the cache ahead of "
+                         "time (for CI images and releases)")
+    pre.add_argument("ops", nargs="*", help="ops to build (default: all registered)")
+    pre.add_argument("--arch", help="target, e.g. 90a (default: this GPU, or VITRAIL_ARCH)")
+    pre.add_argument("--workers", type=int, help="compile processes (default: cores/memory)")
+    pre.add_argument("--module", action="append", default=[],
+                     help="import this module first (it registers more ops)")
+    pre.set_defaults(fn=_precompile)
     args = parser.parse_args(argv)
     return args.fn(args)
 

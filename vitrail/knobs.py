@@ -89,3 +89,12 @@ COMPILE_TIMEOUT = _knob(
 LOG = _knob(
     "VITRAIL_LOG", "warning", _str,
     "Log level of the 'vitrail' logger: debug, info (one line per compile), warning or error.")
+POLICY = _knob(
+    "VITRAIL_POLICY", "PickAny", _str,
+    "Default tuning policy: PickAny (the tuning store's config, else the heuristic's; compiles "
+    "one) or PickBest (on a store miss, compile the candidates in parallel, time them, keep the "
+    "fastest). vitrail.settings(policy=...) overrides it in a scope.")
+TUNE_WORKERS = _knob(
+    "VITRAIL_TUNE_WORKERS", 0.0, _float,
+    "Processes compiling candidate configs in parallel (PickBest, precompile). 0: as many as "
+    "cores and memory allow (about 2 GiB per nvcc).")

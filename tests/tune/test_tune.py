@@ -1,0 +1,347 @@
+"""CPU tests of vitrail.tune: spaces, settings, the store, the policies with a fake timer."""
+from __future__ import annotations
+
+import json
+import math
+import threading
+
+import pytest
+import torch
+
+import vitrail
+from vitrail import cli
+from vitrail.jit.toolchain import Arch
+from vitrail.tune import (Config, Limits, PickAny, PickBest, Space, TuningError, TuningStore,
+                          bucket, limits, max_registers, max_shared, max_threads, pick,
+                          problem_key, require, settings, tuner)
+from vitrail.tune.store import Record, RecordKey
+
+H100 = Limits(arch=Arch(9, 0, "a"), max_threads_per_block=1024, max_shared_per_block=227 << 10,
+              shared_per_sm=228 << 10, registers_per_sm=65536, max_registers_per_thread=255,
+              max_cluster_size=8, sm_count=132, source="GPU Fake H100")
+SMALL = Limits(arch=Arch(8, 6), max_threads_per_block=1024, max_shared_per_block=99 << 10,
+               shared_per_sm=100 << 10, registers_per_sm=65536, max_registers_per_thread=255,
+               max_cluster_size=1, sm_count=None, source="arch table")
+
+
+def gemm_space() -> Space:
+    smem = lambda c: (c.BM + c.BN) * c.BK * 2 * c.STAGES  # noqa: E731 (bf16 A and B tiles)
+    return Space({"BM": [64, 128, 256], "BN": [64, 128, 256], "BK": [64], "STAGES": [2, 4, 8]},
+                 constraints=[max_shared(smem), max_threads(lambda c: 2 * c.BM),
+                              max_registers(lambda c: c.BN // 4 + 32, lambda c: 2 * c.BM)],
+                 heuristic=lambda m, lim: {"BM": 128 if m >= 128 else 64, "BN": 128, "BK": 64,
+                                           "STAGES": 4})
+
+
+# ---------------------------------------------------------------------------------- spaces
+def test_space_enumerates_and_filters_by_the_targets_limits():
+    space = gemm_space()
+    assert space.size == 27 and len(list(space.all())) == 27
+    big = space.config(BM=256, BN=256, BK=64, STAGES=8)  # 512 KiB of tiles
+    assert space.reasons(big, H100) == [f"{512 << 10} B of shared memory > {227 << 10} B on sm_90a"]
+    valid_h100, valid_small = space.valid(H100), space.valid(SMALL)
+    assert big not in valid_h100
+    # (BM+BN)*64*2*STAGES <= 227 KiB on Hopper, <= 99 KiB on sm_86: count by hand
+    def fits(cap):
+        return sum((bm + bn) * 64 * 2 * st <= cap for bm in (64, 128, 256)
+                   for bn in (64, 128, 256) for st in (2, 4, 8))
+    assert len(valid_h100) == fits(227 << 10) and len(valid_small) == fits(99 << 10)
+    assert set(valid_small) < set(valid_h100)
+
+
+def test_constraint_helpers_say_why():
+    c = Config([("T", 48)])
+    assert "not a positive multiple of 32" in max_threads(lambda c: c.T)(c, H100)
+    assert "2048 threads per CTA > 1024" in max_threads(lambda c: 2048)(c, H100)
+    assert max_threads(lambda c: 64)(c, H100) is None
+    assert "300 registers per thread > 255" in max_registers(lambda c: 300, lambda c: 32)(c, H100)
+    assert "128 registers x 1024 threads" in max_registers(lambda c: 128, lambda c: 1024)(c, H100)
+    assert require(lambda c, lim: c.T % 32 == 0, "T={T} on {arch}")(c, H100) == "T=48 on sm_90a"
+
+
+def test_heuristic_default_and_its_validation():
+    space = gemm_space()
+    assert space.default(4096, H100) == space.config(BM=128, BN=128, BK=64, STAGES=4)
+    assert space.default(64, H100).BM == 64
+    greedy = Space(space.params, constraints=space.constraints,
+                   heuristic=lambda m, lim: {"BM": 256, "BN": 256, "BK": 64, "STAGES": 8})
+    with pytest.raises(ValueError, match="heuristic chose BM=256,BN=256,BK=64,STAGES=8.*shared"):
+        greedy.default(4096, H100)
+    plain = Space({"A": [1, 2]}, constraints=[require(lambda c, lim: c.A == 2, "A=1 is slow")])
+    assert plain.default(None, H100) == Config([("A", 2)])  # no heuristic: first valid config
+
+
+def test_configs_are_immutable_hashable_and_round_trip():
+    space = gemm_space()
+    c = space.config(BM=64, BN=128, BK=64, STAGES=2)
+    assert c.label == "BM=64,BN=128,BK=64,STAGES=2" and c.BN == 128 and c["STAGES"] == 2
+    assert hash(c) == hash(space.config(BM=64, BN=128, BK=64, STAGES=2)) and {c: 1}[c] == 1
+    with pytest.raises(AttributeError):
+        c.BM = 256
+    assert c.replace(STAGES=4).STAGES == 4 and c.STAGES == 2
+    assert Config.from_json(c.to_json()) == c
+    with pytest.raises(ValueError, match="BM=96 is not one of"):
+        space.config(BM=96, BN=128, BK=64, STAGES=2)
+    with pytest.raises(ValueError, match="missing \\['STAGES'\\]"):
+        space.config(BM=64, BN=128, BK=64)
+    with pytest.raises(ValueError, match="params\\['X'\\]"):
+        Space({"X": []})
+
+
+def test_limits_without_a_gpu_come_from_the_arch_table(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    h = limits(arch="90a")
+    assert (h.max_shared_per_block, h.sm_count, h.source) == (227 << 10, None, "arch table")
+    assert limits(arch="86").max_shared_per_block == 99 << 10
+    assert limits(arch="80").max_cluster_size == 1 and h.max_cluster_size == 8
+
+
+# -------------------------------------------------------------------------------- settings
+def test_settings_scope_nest_and_stay_per_thread(monkeypatch):
+    monkeypatch.delenv("VITRAIL_POLICY", raising=False)
+    assert vitrail.tune.current().policy is PickAny
+    seen = {}
+    with settings(policy=PickBest, max_workers=3) as outer:
+        assert outer.policy is PickBest and outer.max_workers == 3
+        with settings(max_configs=5) as inner:
+            assert (inner.policy, inner.max_workers, inner.max_configs) == (PickBest, 3, 5)
+        t = threading.Thread(target=lambda: seen.update(policy=vitrail.tune.current().policy))
+        t.start()
+        t.join()
+        assert vitrail.tune.current().max_configs == 64
+    assert seen["policy"] is PickAny  # another thread does not see this thread's scope
+    assert vitrail.tune.current().policy is PickAny
+    with pytest.raises(TypeError, match="unknown option\\(s\\) polcy"):
+        with settings(polcy=PickBest):
+            pass
+    with pytest.raises(ValueError, match="max_workers=0"):
+        with settings(max_workers=0):
+            pass
+
+
+def test_policy_from_env_and_process_defaults(monkeypatch):
+    monkeypatch.setenv("VITRAIL_POLICY", "pickbest")
+    assert vitrail.tune.current().policy is PickBest
+    monkeypatch.setenv("VITRAIL_POLICY", "fastest")
+    with pytest.raises(ValueError, match="VITRAIL_POLICY='fastest'"):
+        vitrail.tune.current()
+    monkeypatch.setenv("VITRAIL_POLICY", "any")
+    try:
+        vitrail.tune.set_defaults(policy=PickBest)
+        assert vitrail.tune.current().policy is PickBest  # process defaults beat the env
+    finally:
+        vitrail.tune.reset_defaults()
+    assert vitrail.tune.current().policy is PickAny
+
+
+# ----------------------------------------------------------------------------------- store
+def key(problem="p", **kw) -> RecordKey:
+    return RecordKey(**{"op": "op", "source_hash": "abc", "problem": problem,
+                        "gpu": "Fake H100", "sms": 132, "vitrail": "0.1.0", **kw})
+
+
+def test_store_keys_keep_records_apart(tmp_path):
+    store = TuningStore(tmp_path / "t.sqlite")
+    c1, c2 = Config([("B", 1)]), Config([("B", 2)])
+    store.put(Record(key(), c1, [{"config": {"B": 1}, "ms": 0.5, "error": None}]))
+    for other in (key("q"), key(gpu="A100"), key(sms=114), key(source_hash="def"),
+                  key(vitrail="0.2.0"), key(op="op2")):
+        assert store.get(other) is None
+        store.put(Record(other, c2))
+    assert store.get(key()).config == c1 and store.get(key()).timings[0]["ms"] == 0.5
+    assert len(store.records()) == 7 and len(store.records("op2")) == 1
+    assert TuningStore(tmp_path / "t.sqlite").get(key("q")).config == c2  # survives a restart
+
+
+def test_export_import_round_trip_and_conflicts(tmp_path):
+    src = TuningStore(tmp_path / "a.sqlite")
+    for i in range(3):
+        src.put(Record(key(f"p{i}"), Config([("B", i)]), [{"config": {"B": i}, "ms": i + 1.0,
+                                                          "error": None}]))
+    assert src.export(tmp_path / "out.json") == 3
+    doc = json.loads((tmp_path / "out.json").read_text())
+    assert doc["format"] == "vitrail-tuning" and len(doc["records"]) == 3
+    dst = TuningStore(tmp_path / "b.sqlite")
+    dst.put(Record(key("p0"), Config([("B", 9)])))  # measured here: kept
+    assert dst.import_(tmp_path / "out.json") == (2, 1)
+    assert dst.get(key("p0")).config == Config([("B", 9)])
+    assert dst.get(key("p2")).config == Config([("B", 2)]) and dst.get(key("p2")).timings
+    assert dst.import_(tmp_path / "out.json", overwrite=True) == (3, 0)
+    assert dst.get(key("p0")).config == Config([("B", 0)])
+    (tmp_path / "bad.json").write_text('{"records": []}')
+    with pytest.raises(ValueError, match="not a vitrail tuning export"):
+        dst.import_(tmp_path / "bad.json")
+
+
+def test_cli_export_import(tmp_path, capsys):
+    TuningStore().put(Record(key(), Config([("B", 3)])))
+    assert cli.main(["tune", "export", str(tmp_path / "x.json")]) == 0
+    assert "exported 1 tuning records" in capsys.readouterr().out
+    TuningStore().put(Record(key(), Config([("B", 4)])))
+    assert cli.main(["tune", "import", str(tmp_path / "x.json")]) == 0
+    assert "kept 1 already here" in capsys.readouterr().out
+    assert cli.main(["tune", "import", str(tmp_path / "x.json"), "--overwrite"]) == 0
+    assert TuningStore().get(key()).config == Config([("B", 3)])
+    assert cli.main(["tune", "ls"]) == 0 and "1 records" in capsys.readouterr().out
+    assert cli.main(["tune", "export"]) == 2
+
+
+def test_problem_keys_bucket_shapes_and_see_layout_and_alignment():
+    assert [bucket(n) for n in (1, 16, 17, 1000, 1024, 1025)] == [1, 16, 32, 1024, 1024, 2048]
+    a = torch.empty(1000, 512, dtype=torch.bfloat16)
+    assert problem_key(a) == problem_key(torch.empty(1024, 512, dtype=torch.bfloat16))
+    assert problem_key(a) != problem_key(a.float())
+    assert problem_key(a).startswith("bfloat16[1024,512]o10a16")
+    assert problem_key(a.t()).startswith("bfloat16[512,1024]o01")  # column-major
+    assert problem_key(a[:, 1:]).endswith("a2")  # a 2-byte offset: 2-byte alignment
+    assert problem_key(a, alpha=2.0) == problem_key(a) + ";alpha=2.0"
+
+
+# ---------------------------------------------------------------------------------- policies
+class Recorder:
+    """A fake run/timer pair: each config's time comes from a table; calls are recorded."""
+
+    def __init__(self, times: dict, raising: set = frozenset()):
+        self.times, self.raising, self.runs = times, raising, []
+
+    def run(self, config, args):
+        self.runs.append((config.label, args))
+        if config.label in self.raising:
+            raise RuntimeError("too many resources requested for launch")
+
+    def timer(self, fn):
+        fn()
+        return self.times[self.runs[-1][0]]
+
+
+@pytest.fixture
+def fake_compile(monkeypatch):
+    """compile_all with failures chosen by the test, and no compiler involved."""
+    failing = {}
+    calls = []
+
+    def compile_all(jobs, **kw):
+        calls.append([c.label for c, _ in jobs])
+        return {c: failing[c.label] for c, _ in jobs if c.label in failing}
+    monkeypatch.setattr(tuner, "compile_all", compile_all)
+    return failing, calls
+
+
+def small_tunable() -> tuner.Tunable:
+    space = Space({"B": [1, 2, 3, 4]}, heuristic=lambda p, lim: {"B": 2})
+    return tuner.Tunable("fake", space, lambda c: {"source": "", "name": "fake"}, "h1")
+
+
+def test_pick_any_uses_the_store_else_the_heuristic(tmp_path, fake_compile):
+    t, store = small_tunable(), TuningStore(tmp_path / "s.sqlite")
+    rec = Recorder({})
+    with settings(policy=PickAny):
+        assert pick(t, "p", None, run=rec.run, lim=H100, store=store, timer=rec.timer).B == 2
+        store.put(Record(tuner.record_key(t, "p", H100), Config([("B", 4)])))
+        assert pick(t, "p", None, run=rec.run, lim=H100, store=store, timer=rec.timer).B == 4
+    assert rec.runs == [] and fake_compile[1] == []  # PickAny times and compiles nothing
+
+
+def test_pick_best_times_every_candidate_on_scratch_copies_and_stores(tmp_path, fake_compile):
+    t, store = small_tunable(), TuningStore(tmp_path / "s.sqlite")
+    rec = Recorder({"B=1": 3.0, "B=2": 2.0, "B=3": 0.5, "B=4": 1.0})
+    x = torch.randn(8)
+    before = x.clone()
+    with settings(policy=PickBest):
+        best = pick(t, "p", None, run=rec.run, args=(x, 7), lim=H100, store=store,
+                    timer=rec.timer)
+    assert best.B == 3
+    assert [label for label, _ in rec.runs] == ["B=2", "B=1", "B=3", "B=4"]  # heuristic first
+    for _, (scratch, seven) in rec.runs:
+        assert scratch is not x and torch.equal(scratch, before) and seven == 7
+    assert torch.equal(x, before)
+    record = store.get(tuner.record_key(t, "p", H100))
+    assert record.config.B == 3 and sorted(r["ms"] for r in record.timings) == [0.5, 1, 2, 3]
+    rec.runs.clear()
+    with settings(policy=PickBest):  # stored: a second pick times nothing
+        assert pick(t, "p", None, run=rec.run, lim=H100, store=store, timer=rec.timer).B == 3
+    assert rec.runs == [] and len(fake_compile[1]) == 1
+
+
+def test_failures_score_inf_and_all_failing_lists_why(tmp_path, fake_compile):
+    failing, _ = fake_compile
+    t, store = small_tunable(), TuningStore(tmp_path / "s.sqlite")
+    failing["B=3"] = "compile error: too many registers"
+    rec = Recorder({"B=1": 3.0, "B=2": 2.0, "B=3": 0.1, "B=4": 1.0}, raising={"B=4"})
+    with settings(policy=PickBest):
+        assert pick(t, "p", None, run=rec.run, lim=H100, store=store, timer=rec.timer).B == 2
+    timings = {json.dumps(r["config"]): r for r in
+               store.get(tuner.record_key(t, "p", H100)).timings}
+    assert timings['{"B": 3}']["ms"] is None and "too many registers" in timings['{"B": 3}']["error"]
+    assert timings['{"B": 4}']["ms"] is None and "RuntimeError" in timings['{"B": 4}']["error"]
+    with settings(policy=PickBest, allow_failure=False):
+        with pytest.raises(TuningError, match="B=3 failed: compile error"):
+            pick(t, "q", None, run=rec.run, lim=H100, store=store, timer=rec.timer)
+    failing.update({"B=1": "e1", "B=2": "e2"})
+    rec.raising = {"B=4"}
+    with settings(policy=PickBest):
+        with pytest.raises(TuningError) as info:
+            pick(t, "r", None, run=rec.run, lim=H100, store=store, timer=rec.timer)
+    message = str(info.value)
+    assert "every candidate config of 'fake' failed" in message
+    assert all(s in message for s in ("B=1: e1", "B=2: e2", "B=3: compile error", "B=4: Runtime"))
+
+
+def test_max_configs_and_no_gpu(tmp_path, fake_compile):
+    t = small_tunable()
+    rec = Recorder({"B=1": 1.0, "B=2": 2.0, "B=3": 3.0, "B=4": 4.0})
+    with settings(policy=PickBest, max_configs=2):
+        assert pick(t, "p", None, run=rec.run, lim=H100, store=TuningStore(tmp_path / "s"),
+                    timer=rec.timer).B == 1
+    assert fake_compile[1][-1] == ["B=2", "B=1"]
+    with settings(policy=PickBest):
+        with pytest.raises(TuningError, match="needs a GPU"):
+            pick(t, "p", None, run=rec.run, lim=SMALL, store=TuningStore(tmp_path / "s"))
+
+
+def test_a_stale_record_outside_the_space_is_tuned_again(tmp_path, fake_compile):
+    t, store = small_tunable(), TuningStore(tmp_path / "s.sqlite")
+    store.put(Record(tuner.record_key(t, "p", H100), Config([("B", 9)])))
+    with settings(policy=PickAny):
+        assert pick(t, "p", None, lim=H100, store=store).B == 2
+
+
+# ---------------------------------------------------------------------- compiling, precompile
+def test_compile_all_builds_in_parallel_processes_and_reports_failures():
+    src = 'extern "C" __global__ void k(float* x) { x[0] = VALUE; }\n'
+    jobs = [(Config([("VALUE", v)]), dict(source=src, name="k", backend="nvrtc", arch="90a",
+                                          defines={"VALUE": v}))
+            for v in ("1.f", "2.f", "syntax error")]
+    failures = tuner.compile_all(jobs, max_workers=2)
+    assert list(failures) == [Config([("VALUE", "syntax error")])]
+    assert failures[Config([("VALUE", "syntax error")])].startswith("compile error:")
+    from vitrail import jit
+    assert jit.compile(src, name="k", backend="nvrtc", arch="90a",
+                       defines={"VALUE": "2.f"}).how == "disk"  # built by a worker
+
+
+def test_worker_count_is_bounded():
+    assert tuner.worker_count(None, 1) == 1
+    assert 1 <= tuner.worker_count(None, 100) <= 100
+    assert tuner.worker_count(1, 100) == 1
+
+
+def test_precompile_for_hopper_without_a_gpu(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["precompile", "tests.scale", "--arch", "90a", "--workers", "2",
+                     "--module", "tests.tune.scale_op"]) == 0
+    assert "tests.scale: 2/2 default configs built" in capsys.readouterr().out
+    from tests.tune.scale_op import OP
+    from vitrail import jit
+    for config in OP.default_configs(limits(arch="90a")):
+        assert jit.compile(**OP.render(config), arch="90a").how == "disk"
+    with pytest.raises(SystemExit, match="unknown op\\(s\\) nope"):
+        cli.main(["precompile", "nope", "--module", "tests.tune.scale_op"])
+
+
+def test_no_inf_leaks_into_exports(tmp_path):
+    store = TuningStore(tmp_path / "s.sqlite")
+    store.put(Record(key(), Config([("B", 1)]), [{"config": {"B": 1}, "ms": None, "error": "x"}]))
+    store.export(tmp_path / "e.json")
+    text = (tmp_path / "e.json").read_text()
+    assert "Infinity" not in text and not math.isnan(len(text))

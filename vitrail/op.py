@@ -1,0 +1,105 @@
+"""An Op: a tunable kernel family bound to the JIT, from problem to launch in one call.
+
+    op(problem_key, problem, *args)
+      -> config   (memoized per problem and policy; else the tuning store, the heuristic, or
+                   PickBest's tuning: vitrail.tune)
+      -> module   (vitrail.jit.compile of the config's rendered source: cached in memory and on
+                   disk; one compiled config serves every shape it can implement)
+      -> launch(module, config, *args) on the current stream
+
+Ops register themselves by name, so ``vitrail tune OP`` and ``vitrail precompile`` find them.
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+from typing import Any, Callable, Iterable
+
+from vitrail.tune.settings import current
+from vitrail.tune.space import Config, Limits, Space, limits
+from vitrail.tune.tuner import Tunable, compile_all, pick
+
+REGISTRY: dict[str, "Op"] = {}
+
+
+class Op:
+    """A kernel family: a space of configs, how to render and launch one, and examples.
+
+    Args:
+        name: unique name (the tuning store's key and the CLI's).
+        space: the static parameters, their constraints and heuristic.
+        kernel_source: the kernel's own code (template text, headers' text): its hash keys the
+            tuning store, so a changed kernel is tuned afresh.
+        render: config -> keyword arguments of ``vitrail.jit.compile`` (source, name, ...).
+        launch: (module, config, *args) -> None; runs the compiled config on the arguments.
+        examples: problem descriptions for ``precompile`` (the heuristic's configs for them are
+            built ahead of time) and ``vitrail tune``.
+        make_problem: (shape, dtype) -> (problem_key, problem, args) for ``vitrail tune``.
+    """
+
+    def __init__(self, name: str, *, space: Space, kernel_source: str,
+                 render: Callable[[Config], dict], launch: Callable[..., None],
+                 examples: Iterable[Any] = (),
+                 make_problem: Callable[[tuple[int, ...], str], tuple[str, Any, tuple]] | None
+                 = None, register: bool = True):
+        self.name, self.space, self.render, self.launch = name, space, render, launch
+        self.examples = list(examples)
+        self.make_problem = make_problem
+        self.tunable = Tunable(name, space, render,
+                               hashlib.sha256(kernel_source.encode()).hexdigest()[:16])
+        self._configs: dict[tuple, Config] = {}
+        self._modules: dict[Config, Any] = {}
+        self._lock = threading.Lock()
+        if register:
+            REGISTRY[name] = self
+
+    def config(self, problem_key: str, problem: Any, args: tuple = ()) -> Config:
+        """The config for this problem under the current settings (tuning it if they say so)."""
+        s = current()
+        memo = (problem_key, s.policy)
+        hit = self._configs.get(memo)
+        if hit is None:
+            with self._lock:
+                hit = self._configs.get(memo)
+                if hit is None:
+                    hit = pick(self.tunable, problem_key, problem, run=self._run, args=args,
+                               settings=s)
+                    self._configs[memo] = hit
+        return hit
+
+    def module(self, config: Config):
+        mod = self._modules.get(config)
+        if mod is None:
+            from vitrail import jit
+            mod = self._modules[config] = jit.compile(**self.render(config))
+        return mod
+
+    def __call__(self, problem_key: str, problem: Any, *args: Any) -> None:
+        config = self.config(problem_key, problem, args)
+        self.launch(self.module(config), config, *args)
+
+    def _run(self, config: Config, args: tuple) -> None:
+        self.launch(self.module(config), config, *args)
+
+    def default_configs(self, lim: Limits) -> list[Config]:
+        """The heuristic's configs for the examples (what precompile builds), without repeats."""
+        seen: list[Config] = []
+        for problem in self.examples or [None]:
+            config = self.space.default(problem, lim)
+            if config not in seen:
+                seen.append(config)
+        return seen
+
+    def precompile(self, *, arch: str | None = None, max_workers: int | None = None,
+                   verbose: bool = False) -> dict[Config, str]:
+        """Build the default configs into the cache; returns {config: error} of failures."""
+        lim = limits(arch=arch)
+        jobs = []
+        for config in self.default_configs(lim):
+            kwargs = dict(self.render(config))
+            kwargs.setdefault("arch", lim.arch.name)
+            jobs.append((config, kwargs))
+        return compile_all(jobs, max_workers=max_workers, verbose=verbose, label=self.name)
+
+    def __repr__(self) -> str:
+        return f"<Op '{self.name}': {len(self.space.params)} parameters, {self.space.size} configs>"

@@ -1,0 +1,104 @@
+"""Tuning policies and the settings that choose between them: global, by env, or scoped.
+
+    vitrail.settings(policy=vitrail.PickBest, max_workers=8)   # context manager, per thread/task
+    vitrail.tune.settings.set_defaults(policy=vitrail.PickBest)  # for the whole process
+    VITRAIL_POLICY=PickBest                                       # for every process
+
+Scoped settings live in a ContextVar, so threads and asyncio tasks each see their own scope.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from dataclasses import dataclass
+from typing import Iterator
+
+from vitrail import knobs
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    doc: str
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+PickAny = Policy("PickAny", "the tuning store's config if there is one, else the heuristic's")
+PickBest = Policy("PickBest", "on a store miss: compile candidates in parallel, time each, keep "
+                              "the fastest and store it")
+POLICIES = {p.name.lower(): p for p in (PickAny, PickBest)}
+
+
+def policy_named(name: str, source: str = "policy") -> Policy:
+    key = name.strip().lower()
+    found = POLICIES.get(key) or POLICIES.get(f"pick{key}")
+    if found is None:
+        raise ValueError(f"{source}={name!r}: expected PickAny or PickBest")
+    return found
+
+
+@dataclass(frozen=True)
+class Settings:
+    policy: Policy = PickAny
+    max_workers: int | None = None  # compile processes; None: bounded by cores and memory
+    max_configs: int = 64  # candidates timed by PickBest (the heuristic's first)
+    allow_failure: bool = True  # a candidate that fails to compile or launch scores inf
+    verbose: bool = False  # progress and a table of timings on stderr
+    deterministic: bool = False  # with torch.distributed: rank 0 picks, every rank runs it
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.policy, Policy):
+            raise TypeError(f"policy={self.policy!r}: expected vitrail.PickAny or "
+                            f"vitrail.PickBest")
+        if self.max_workers is not None and self.max_workers < 1:
+            raise ValueError(f"max_workers={self.max_workers}: expected a positive number")
+        if self.max_configs < 1:
+            raise ValueError(f"max_configs={self.max_configs}: expected a positive number")
+
+
+_defaults: Settings | None = None
+_scoped: contextvars.ContextVar[Settings | None] = contextvars.ContextVar("vitrail_settings",
+                                                                          default=None)
+
+
+def _from_env() -> Settings:
+    workers = int(knobs.TUNE_WORKERS.get())
+    return Settings(policy=policy_named(knobs.POLICY.get(), "VITRAIL_POLICY"),
+                    max_workers=workers or None)
+
+
+def current() -> Settings:
+    """The settings in force here: the innermost scope, else the process defaults, else env."""
+    scoped = _scoped.get()
+    if scoped is not None:
+        return scoped
+    return _defaults if _defaults is not None else _from_env()
+
+
+def set_defaults(**changes) -> Settings:
+    """Change the process-wide defaults (what applies outside every ``settings`` scope)."""
+    global _defaults
+    _defaults = dataclasses.replace(_defaults or _from_env(), **changes)
+    return _defaults
+
+
+def reset_defaults() -> None:
+    global _defaults
+    _defaults = None
+
+
+@contextlib.contextmanager
+def settings(**changes) -> Iterator[Settings]:
+    """Override settings within a ``with`` block (nested scopes stack)."""
+    unknown = set(changes) - {f.name for f in dataclasses.fields(Settings)}
+    if unknown:
+        raise TypeError(f"settings: unknown option(s) {', '.join(sorted(unknown))}; expected "
+                        f"{', '.join(f.name for f in dataclasses.fields(Settings))}")
+    token = _scoped.set(dataclasses.replace(current(), **changes))
+    try:
+        yield _scoped.get()
+    finally:
+        _scoped.reset(token)

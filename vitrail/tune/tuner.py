@@ -1,0 +1,281 @@
+"""Choosing a config: PickAny (store, else heuristic) or PickBest (compile, time, keep the best).
+
+PickBest on a store miss: the candidates (the heuristic's first, then the space's valid configs,
+at most ``max_configs``) are compiled in parallel by spawned processes into the kernel cache;
+each is then loaded and timed on scratch copies of the call's arguments (the caller's tensors,
+outputs included, are never written); a config that fails to compile or launch scores inf and
+is reported; the record goes to the tuning store, so no process tunes that problem again.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import multiprocessing
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from vitrail import __version__
+from vitrail.jit.errors import VitrailError
+from vitrail.tune.settings import PickAny, Settings, current
+from vitrail.tune.space import Config, Limits, Space, limits
+from vitrail.tune.store import Record, RecordKey, TuningStore
+
+log = logging.getLogger("vitrail.tune")
+_GIB = 1 << 30
+
+
+class TuningError(VitrailError):
+    """Tuning could not choose a config: every candidate failed, or tuning is not allowed here."""
+
+
+@dataclass(frozen=True)
+class Tunable:
+    """What the tuner needs of a kernel family.
+
+    ``render(config)`` returns the keyword arguments of ``vitrail.jit.compile`` for one config
+    (they travel to compile processes, so they must be picklable); ``source_hash`` identifies
+    the kernel's code, so a new kernel version does not reuse old timings.
+    """
+    name: str
+    space: Space
+    render: Callable[[Config], dict]
+    source_hash: str
+
+
+def pick(tunable: Tunable, problem_key: str, problem: Any, *,
+         run: Callable[[Config, tuple], None] | None = None, args: tuple = (),
+         lim: Limits | None = None, timer: Callable[[Callable[[], None]], float] | None = None,
+         store: TuningStore | None = None, settings: Settings | None = None) -> Config:
+    """The config to use for one problem under the current settings.
+
+    ``run(config, args)`` compiles (through the cache) and launches config on args; PickBest
+    calls it on scratch copies, through ``timer`` (default: vitrail.profile.bench's median).
+    """
+    s = settings or current()
+    lim = lim or limits()
+    if s.deterministic and _distributed():
+        return _pick_on_rank0(tunable, problem_key, problem, run, args, lim, timer, store, s)
+    return _pick_here(tunable, problem_key, problem, run, args, lim, timer, store, s)
+
+
+def _pick_here(tunable, problem_key, problem, run, args, lim, timer, store, s) -> Config:
+    store = store or TuningStore()
+    key = record_key(tunable, problem_key, lim)
+    record = store.get(key) if key is not None else None
+    if record is not None:
+        stored = _in_space(tunable.space, record.config)  # None: the space changed since
+        if stored is not None and not tunable.space.reasons(stored, lim):
+            return stored
+    if s.policy is PickAny:
+        return tunable.space.default(problem, lim)
+    if run is None:
+        raise TuningError(f"PickBest for '{tunable.name}' needs a way to run candidates")
+    _refuse_capture(tunable.name)
+    if key is None:
+        raise TuningError(f"PickBest for '{tunable.name}' needs a GPU to time candidates on")
+    candidates = candidates_for(tunable.space, problem, lim, s.max_configs)
+    failures = compile_all([(c, tunable.render(c)) for c in candidates],
+                           max_workers=s.max_workers, verbose=s.verbose, label=tunable.name)
+    timings = []
+    for config in candidates:
+        error = failures.get(config)
+        ms = math.inf
+        if error is None:
+            try:
+                scratch = scratch_copy(args)
+                ms = (timer or _default_timer)(lambda: run(config, scratch))
+            except Exception as e:  # a launch failure is a score, not a crash
+                error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if error is not None and not s.allow_failure:
+            raise TuningError(f"'{tunable.name}' config {config.label} failed: {error}")
+        timings.append({"config": dict(config), "ms": None if math.isinf(ms) else ms,
+                        "error": error})
+    ok = [(t["ms"], i) for i, t in enumerate(timings) if t["ms"] is not None]
+    if not ok:
+        why = "\n".join(f"  {c.label}: {t['error']}" for c, t in zip(candidates, timings))
+        raise TuningError(f"every candidate config of '{tunable.name}' failed for problem "
+                          f"{problem_key}:\n{why}")
+    best = candidates[min(ok)[1]]
+    store.put(Record(key, best, timings))
+    if s.verbose:
+        _print_timings(tunable.name, problem_key, candidates, timings, best)
+    return best
+
+
+def record_key(tunable: Tunable, problem_key: str, lim: Limits) -> RecordKey | None:
+    """The store key on this GPU (None without one: records are per GPU model)."""
+    if lim.sm_count is None:
+        return None
+    gpu = lim.source.removeprefix("GPU ")
+    return RecordKey(tunable.name, tunable.source_hash, problem_key, gpu, lim.sm_count,
+                     __version__)
+
+
+def candidates_for(space: Space, problem: Any, lim: Limits, max_configs: int) -> list[Config]:
+    """The heuristic's config first (when it has one), then the valid configs in space order."""
+    valid = space.valid(lim)
+    if not valid:
+        raise TuningError(f"no config of the space can run on {lim}")
+    first = []
+    if space.heuristic is not None:
+        first = [space.default(problem, lim)]
+    return (first + [c for c in valid if c not in first])[:max_configs]
+
+
+def scratch_copy(args: Sequence[Any]) -> tuple:
+    """The arguments with every tensor replaced by a copy of the same strides and values."""
+    import torch
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            copy = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
+            out.append(copy.copy_(a))
+        else:
+            out.append(a)
+    return tuple(out)
+
+
+def _default_timer(fn: Callable[[], None]) -> float:
+    from vitrail.profile import bench
+    return bench(fn).median
+
+
+def _refuse_capture(name: str) -> None:
+    import torch
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise TuningError(
+            f"'{name}' would be tuned while the current stream is being captured into a CUDA "
+            f"graph, where nothing can be timed; run it once before capturing (tuning is "
+            f"stored, and a tuned op captures and replays), or use vitrail.PickAny")
+
+
+# ------------------------------------------------------------------------------ compiling
+def compile_all(jobs: list[tuple[Config, dict]], *, max_workers: int | None = None,
+                verbose: bool = False, label: str = "") -> dict[Config, str]:
+    """Compile every (config, jit.compile kwargs) into the cache; returns {config: error} for
+    the ones that failed. Spawned processes, at most as many as cores and memory allow."""
+    workers = worker_count(max_workers, len(jobs))
+    progress = _Progress(len(jobs), f"compiling {label} configs", verbose)
+    failures: dict[Config, str] = {}
+    if workers <= 1:
+        for config, kwargs in jobs:
+            error = _compile_job(kwargs)
+            if error:
+                failures[config] = error
+            progress.step()
+        progress.done()
+        return failures
+    context = multiprocessing.get_context("spawn")  # CUDA state does not survive a fork
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        futures = {pool.submit(_compile_job, kwargs): config for config, kwargs in jobs}
+        for future in as_completed(futures):
+            try:
+                error = future.result()
+            except Exception as e:  # a worker that died (e.g. out of memory)
+                error = f"compile process failed: {type(e).__name__}: {e}"
+            if error:
+                failures[futures[future]] = error
+            progress.step()
+    progress.done()
+    return failures
+
+
+def _compile_job(kwargs: dict) -> str | None:
+    from vitrail import jit
+    try:
+        jit.compile(**kwargs)
+        return None
+    except jit.CompileError as e:
+        return "compile error: " + (e.errors[0] if e.errors else str(e).splitlines()[0])
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def worker_count(requested: int | None, jobs: int) -> int:
+    """Processes for jobs compiles: the request, bounded by cores, ~2 GiB of memory each, jobs."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    memory = _available_memory() // (2 * _GIB) or 1
+    return max(1, min(requested or cores, cores, memory, jobs))
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * _GIB
+
+
+class _Progress:
+    """A one-line progress bar on stderr, shown when verbose or when stderr is a terminal."""
+
+    def __init__(self, total: int, what: str, verbose: bool):
+        self.total, self.what, self.done_count = total, what, 0
+        self.enabled = total > 1 and (verbose or sys.stderr.isatty())
+        self.start = time.monotonic()
+
+    def step(self) -> None:
+        self.done_count += 1
+        if self.enabled:
+            width = 24
+            filled = width * self.done_count // self.total
+            sys.stderr.write(f"\rvitrail: {self.what} [{'#' * filled}{'.' * (width - filled)}] "
+                             f"{self.done_count}/{self.total} "
+                             f"{time.monotonic() - self.start:.0f} s")
+            sys.stderr.flush()
+
+    def done(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
+def _print_timings(name: str, problem_key: str, candidates: list[Config], timings: list[dict],
+                   best: Config) -> None:
+    print(f"vitrail: tuned '{name}' for {problem_key}:", file=sys.stderr)
+    for config, t in sorted(zip(candidates, timings),
+                            key=lambda ct: ct[1]["ms"] if ct[1]["ms"] is not None else math.inf):
+        mark = " <- best" if config == best else ""
+        shown = f"{t['ms'] * 1e3:10.1f} us" if t["ms"] is not None else f"  failed: {t['error']}"
+        print(f"  {config.label:<40}{shown}{mark}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------- distributed
+def _distributed() -> bool:
+    try:
+        import torch.distributed as dist
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    except ImportError:
+        return False
+
+
+def _pick_on_rank0(tunable, problem_key, problem, run, args, lim, timer, store, s) -> Config:
+    """Rank 0 chooses (tuning if its policy says so); every rank gets its choice."""
+    import torch.distributed as dist
+    chosen = [None]
+    if dist.get_rank() == 0:
+        chosen[0] = _pick_here(tunable, problem_key, problem, run, args, lim, timer, store,
+                               s).to_json()
+    dist.broadcast_object_list(chosen, src=0)
+    config = _in_space(tunable.space, Config.from_json(chosen[0]))
+    if config is None:
+        raise TuningError(f"rank 0 chose {chosen[0]} for '{tunable.name}', which is not in this "
+                          f"rank's space: are all ranks running the same vitrail?")
+    return config
+
+
+def _in_space(space: Space, config: Config) -> Config | None:
+    """config rebuilt in the space's parameter order, or None if the space has no such config."""
+    try:
+        return space.config(**dict(config))
+    except ValueError:
+        return None
