@@ -1,0 +1,24 @@
+"""Timing and profiling done once, right, for everyone: benchmarks, the tuner and tests use it.
+
+- :func:`bench` times a GPU function with CUDA events after warm-up, the L2 flushed before each
+  call, and returns a :class:`Timing` (median, min, max, mean, spread, samples) in milliseconds.
+- :func:`peaks` measures (once per machine, then cached) the GPU's copy bandwidth and bf16
+  matmul throughput; :func:`roofline` turns FLOPs, bytes and milliseconds into TFLOP/s, GB/s
+  and percentages of those peaks.
+- :func:`trace` writes a Chrome trace with torch.profiler; :func:`ncu` builds (and runs) an
+  Nsight Compute command line for one kernel.
+- :func:`plot_sweep` and :func:`plot_bench` draw PNGs (needs ``pip install "vitrail[plot]"``;
+  matplotlib is imported only when a plot is drawn).
+
+Neither torch nor matplotlib is imported by ``import vitrail.profile``. The submodules share
+their names with the functions they define, so ``vitrail.profile.bench`` is the function; reach
+a module as ``importlib.import_module("vitrail.profile.bench")``.
+"""
+from vitrail.profile.bench import Timing, bench, timing_from_samples
+from vitrail.profile.peaks import Peaks, peaks
+from vitrail.profile.plot import plot_bench, plot_sweep
+from vitrail.profile.roofline import Roofline, roofline
+from vitrail.profile.trace import NcuCommand, NcuError, ncu, trace
+
+__all__ = ["bench", "Timing", "timing_from_samples", "peaks", "Peaks", "roofline", "Roofline",
+           "trace", "ncu", "NcuCommand", "NcuError", "plot_sweep", "plot_bench"]

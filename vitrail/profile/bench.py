@@ -1,0 +1,166 @@
+"""Time a GPU function once, right, for everyone: CUDA events, warm-up, a flushed L2.
+
+Every benchmark, tuner and test in vitrail times GPU work through :func:`bench`, so they all
+measure the same thing the same way: ``warmup`` untimed calls, then ``rep`` calls each between a
+pair of CUDA events recorded on the current stream, with the L2 cache flushed before each timed
+call (outside the events) so a kernel never reads its inputs from a cache that a real model
+would have evicted. The host synchronizes once, after the last call: a sync inside the loop
+would let the GPU run dry between calls and time the host instead.
+
+:func:`timing_from_samples` turns the per-call milliseconds into a :class:`Timing`; it is pure
+Python, so the statistics are tested without a GPU.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+# Where the device does not report its L2 size, flush with a buffer this large (more than twice
+# any L2 shipped so far: H100 50 MiB, B200 126 MiB).
+FALLBACK_FLUSH_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Statistics of ``rep`` timed calls, in milliseconds.
+
+    ``spread`` is (p90 - p10) / median: the width of the middle 80% of the samples relative to
+    the median (0.02 = the calls agree within about 2%). Compare medians; a large spread says the
+    machine was noisy (clocks, other processes) and the comparison is weak.
+    """
+    median: float
+    min: float
+    max: float
+    mean: float
+    spread: float
+    samples: tuple[float, ...]
+    rep: int
+
+    def __str__(self) -> str:
+        return (f"{_fmt_ms(self.median)} median (min {_fmt_ms(self.min)}, "
+                f"max {_fmt_ms(self.max)}, spread {self.spread:.1%}, {self.rep} reps)")
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) with linear interpolation between order statistics
+    (numpy's default "linear" method)."""
+    if not samples:
+        raise ValueError("percentile of no samples")
+    if not 0 <= q <= 100:
+        raise ValueError(f"q={q!r}: expected a percentile between 0 and 100")
+    ordered = sorted(samples)
+    pos = (len(ordered) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def timing_from_samples(samples_ms: Sequence[float]) -> Timing:
+    """A :class:`Timing` from per-call times in milliseconds (at least one; each finite and
+    non-negative)."""
+    try:
+        samples = tuple(float(s) for s in samples_ms)
+    except (TypeError, ValueError):
+        raise TypeError(f"samples_ms: expected a sequence of numbers (milliseconds), got "
+                        f"{samples_ms!r:.80}") from None
+    if not samples:
+        raise ValueError("samples_ms: expected at least one sample, got none")
+    bad = [s for s in samples if not math.isfinite(s) or s < 0]
+    if bad:
+        raise ValueError(f"samples_ms: every sample must be a finite, non-negative number of "
+                         f"milliseconds; got {bad[0]!r}")
+    median = percentile(samples, 50)
+    width = percentile(samples, 90) - percentile(samples, 10)
+    spread = width / median if median > 0 else (0.0 if width == 0 else math.inf)
+    return Timing(median=median, min=min(samples), max=max(samples),
+                  mean=math.fsum(samples) / len(samples), spread=spread, samples=samples,
+                  rep=len(samples))
+
+
+def bench(fn: Callable[[], Any], *, warmup: int = 25, rep: int = 100, flush_l2: bool = True,
+          device: Any = None) -> Timing:
+    """Time ``fn()`` on the GPU: ``warmup`` untimed calls (a count, not milliseconds), then
+    ``rep`` calls, each between two CUDA events on the current stream of ``device``.
+
+    ``fn`` must enqueue its work on the current stream (as vitrail's ops and torch do); work on
+    other streams is not timed. With ``flush_l2``, a buffer of twice the L2 size is zeroed before
+    each timed call, outside the events. ``device``: None (the current device), an index, a
+    string such as ``"cuda:1"`` or a ``torch.device``. Raises RuntimeError where no GPU is visible.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn: expected a callable taking no arguments, got {type(fn).__name__}")
+    warmup = check_count("warmup", warmup, minimum=0)
+    rep = check_count("rep", rep, minimum=1)
+    import torch
+    dev = cuda_device(device, "bench")
+    with torch.cuda.device(dev):
+        flush = _flush_buffer(dev) if flush_l2 else None
+        for _ in range(warmup):
+            fn()
+        stream = torch.cuda.current_stream(dev)
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+        for start, end in zip(starts, ends):
+            if flush is not None:
+                flush.zero_()
+            start.record(stream)
+            fn()
+            end.record(stream)
+        torch.cuda.synchronize(dev)
+    return timing_from_samples([s.elapsed_time(e) for s, e in zip(starts, ends)])
+
+
+def l2_flush_bytes(device: Any) -> int:
+    """Bytes to write to evict the L2 of device: twice its L2 size, else 256 MiB."""
+    import torch
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0
+    return 2 * int(l2) if l2 > 0 else FALLBACK_FLUSH_BYTES
+
+
+def _flush_buffer(device: Any) -> Any:
+    import torch
+    return torch.empty(l2_flush_bytes(device) // 4, dtype=torch.int32, device=device)
+
+
+def cuda_device(device: Any, what: str) -> Any:
+    """The torch.device of a CUDA device given as None, an index, a string or a torch.device;
+    RuntimeError where no GPU is visible, ValueError for a non-CUDA or absent device."""
+    import torch
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"vitrail.profile.{what} needs a CUDA GPU and a CUDA build of torch; "
+                           f"none is visible here (torch {torch.__version__}, "
+                           f"torch.cuda.is_available() is False)")
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    try:
+        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    except (TypeError, RuntimeError, ValueError):
+        raise ValueError(f"device: expected None, a CUDA device index, 'cuda:N' or a "
+                         f"torch.device, got {device!r}") from None
+    if dev.type != "cuda":
+        raise ValueError(f"device: expected a CUDA device, got {device!r}")
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if not 0 <= dev.index < torch.cuda.device_count():
+        raise ValueError(f"device: {device!r} does not exist; {torch.cuda.device_count()} "
+                         f"CUDA device(s) are visible")
+    return dev
+
+
+def check_count(name: str, value: Any, *, minimum: int) -> int:
+    """value as an int >= minimum, else an error naming the argument."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name}: expected an integer, got {value!r}")
+    try:
+        count = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected an integer, got {value!r}") from None
+    if count < minimum:
+        raise ValueError(f"{name}: expected an integer >= {minimum}, got {count}")
+    return count
+
+
+def _fmt_ms(ms: float) -> str:
+    return f"{ms:.3f} ms" if ms >= 1 else f"{ms * 1e3:.2f} µs"
