@@ -110,7 +110,16 @@ def main(names: list[str], out_dir: str = "results", compile_only: bool = False,
               "results": results}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(report, indent=1))
-    print(f"\nresults written to {path}")
+    stem = out / f"bench-{time.strftime('%Y%m%d-%H%M%S')}"
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    print(f"\nresults written to {stem.with_suffix('.json')}")
+    for b in selected:
+        png = stem.parent / f"{stem.name}-{b.name}.png"
+        try:
+            from vitrail.profile import plot_bench
+            rows = [Row(**{k: v for k, v in r.items() if k != "ratio"}) for r in results[b.name]]
+            plot_bench(rows, png, title=f"{b.name} on {props.name}: {b.description}")
+            print(f"plot written to {png}")
+        except ImportError as e:  # matplotlib is an optional extra
+            print(f"no plot: {e}")
     return 0

@@ -83,7 +83,7 @@ def plot_sweep(results: Any, path: str | os.PathLike, *, title: str, x: str = "c
         sub += f", the best {len(shown)} shown"
     if xerr:
         sub += "; whiskers: p10-p90 of the samples"
-    ax.set_title(f"{title}\n{sub}", fontsize=10)
+    ax.set_title(f"{_wrap(title, 9)}\n{sub}", fontsize=10)
     return _save(fig, path)
 
 
@@ -150,7 +150,7 @@ def plot_bench(rows: Iterable[Any], path: str | os.PathLike, *, title: str) -> P
                      label=f"{i} (baseline)" if i in baseline_impls else i) for i in impls]
     axes[0].legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0),
                    title="ratio = speed vs baseline", title_fontsize=7)
-    axes[0].set_title(title, fontsize=11)
+    fig.suptitle(_wrap(title, width), fontsize=11)  # over the whole figure, legend included
     return _save(fig, path)
 
 
@@ -169,6 +169,12 @@ def _save(fig: Any, path: str | os.PathLike) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png", dpi=120)
     return out
+
+
+def _wrap(title: str, inches: float) -> str:
+    """Break a long title into lines that fit a figure this many inches wide."""
+    import textwrap
+    return "\n".join(textwrap.fill(line, max(30, int(inches * 11))) for line in title.split("\n"))
 
 
 def _check_title(title: Any) -> None:
