@@ -123,6 +123,7 @@ class FakeCuda:
                 "current_device": lambda: 0, "device": lambda d: contextlib.nullcontext(),
                 "current_stream": lambda d=None: "stream", "Event": Event,
                 "synchronize": lambda d=None: fake.log.append("sync"),
+                "_sleep": lambda cycles: fake.log.append("hold"),
                 "get_device_properties": lambda d: SimpleNamespace(L2_cache_size=l2_bytes)}.items():
             monkeypatch.setattr(torch.cuda, name, value)
         self.flush_sizes: list[int] = []
@@ -137,8 +138,9 @@ def test_events_surround_each_call_the_flush_stays_outside_and_one_sync_ends_it(
     cuda = FakeCuda(monkeypatch)
     t = bench(lambda: cuda.log.append("fn"), warmup=2, rep=3)
     # events 0-2 start the timed calls, 3-5 end them
-    assert cuda.log == ["fn", "fn", "flush", "ev0", "fn", "ev3", "flush", "ev1", "fn", "ev4",
-                        "flush", "ev2", "fn", "ev5", "sync"]
+    # the GPU is held while the host queues the timed calls, then each call is bracketed
+    assert cuda.log == ["fn", "fn", "hold", "flush", "ev0", "fn", "ev3", "flush", "ev1", "fn",
+                        "ev4", "flush", "ev2", "fn", "ev5", "sync"]
     assert t.samples == pytest.approx((0.1, 0.2, 0.3)) and t.rep == 3
     assert cuda.flush_sizes == [100 << 20]  # one buffer, twice the 50 MiB L2
 
@@ -146,7 +148,7 @@ def test_events_surround_each_call_the_flush_stays_outside_and_one_sync_ends_it(
 def test_without_flush_nothing_is_written_between_calls(monkeypatch):
     cuda = FakeCuda(monkeypatch)
     bench(lambda: cuda.log.append("fn"), warmup=0, rep=2, flush_l2=False)
-    assert cuda.log == ["ev0", "fn", "ev2", "ev1", "fn", "ev3", "sync"]
+    assert cuda.log == ["hold", "ev0", "fn", "ev2", "ev1", "fn", "ev3", "sync"]
     assert cuda.flush_sizes == []
 
 
@@ -171,3 +173,14 @@ def test_devices_are_accepted_in_every_spelling_and_checked(monkeypatch):
 
 def test_timing_type_is_exported():
     assert isinstance(timing_from_samples([1.0]), Timing)
+
+
+def test_the_gpu_hold_covers_the_hosts_queueing_and_is_capped(monkeypatch):
+    FakeCuda(monkeypatch)
+    spun = []
+    monkeypatch.setattr(torch.cuda, "_sleep", spun.append)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d: SimpleNamespace(L2_cache_size=1 << 20, clock_rate=2_000_000))
+    bench_mod._hold_gpu(torch.device("cuda", 0), 1e-3)  # 1 ms at 2 GHz
+    bench_mod._hold_gpu(torch.device("cuda", 0), 60.0)  # capped
+    assert spun == [2_000_000, int(bench_mod.MAX_HOLD_S * 2e9)]

@@ -78,12 +78,17 @@ class CubinModule(Module):
         self._cubin = entry.artifact_bytes
         self._library = None
         self._lock = threading.Lock()
+        self._kernels: dict[tuple[str, str | None], Kernel] = {}
 
     def kernel(self, name: str, signature: str | None = None) -> "Kernel":
-        lowered = self.meta.get("lowered", {}).get(name, name)
-        proto = (parse_signature(signature, name) if signature is not None
-                 else find_prototype(self.source, name, kernel=True))
-        return Kernel(self, lowered, proto)
+        """The kernel ``name`` (parsed, and its launcher generated, once per name)."""
+        found = self._kernels.get((name, signature))
+        if found is None:
+            lowered = self.meta.get("lowered", {}).get(name, name)
+            proto = (parse_signature(signature, name) if signature is not None
+                     else find_prototype(self.source, name, kernel=True))
+            found = self._kernels[(name, signature)] = Kernel(self, lowered, proto)
+        return found
 
     def _load(self):
         with self._lock:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import operator
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -97,11 +98,16 @@ def bench(fn: Callable[[], Any], *, warmup: int = 25, rep: int = 100, flush_l2: 
     dev = cuda_device(device, "bench")
     with torch.cuda.device(dev):
         flush = _flush_buffer(dev) if flush_l2 else None
+        began = time.perf_counter()
         for _ in range(warmup):
             fn()
+        host_per_call = (time.perf_counter() - began) / warmup if warmup else DEFAULT_HOST_S
         stream = torch.cuda.current_stream(dev)
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+        # Keep the GPU busy while the host queues the timed loop: otherwise a short kernel's
+        # events also bracket the host's launch latency (the GPU idles between them).
+        _hold_gpu(dev, rep * (host_per_call + EVENT_HOST_S) * 1.25)
         for start, end in zip(starts, ends):
             if flush is not None:
                 flush.zero_()
@@ -110,6 +116,23 @@ def bench(fn: Callable[[], Any], *, warmup: int = 25, rep: int = 100, flush_l2: 
             end.record(stream)
         torch.cuda.synchronize(dev)
     return timing_from_samples([s.elapsed_time(e) for s, e in zip(starts, ends)])
+
+
+DEFAULT_HOST_S = 50e-6  # host seconds per call assumed when there is no warm-up to measure
+EVENT_HOST_S = 10e-6  # host seconds to record a pair of events (and launch a flush)
+MAX_HOLD_S = 0.5
+
+
+def _hold_gpu(device: Any, seconds: float) -> None:
+    """Enqueue a GPU spin of about ``seconds`` (at most MAX_HOLD_S) on the current stream."""
+    import torch
+    sleep = getattr(torch.cuda, "_sleep", None)
+    if sleep is None:
+        return
+    khz = getattr(torch.cuda.get_device_properties(device), "clock_rate", 0) or 1_500_000
+    cycles = int(min(seconds, MAX_HOLD_S) * khz * 1e3)
+    if cycles > 0:
+        sleep(cycles)
 
 
 def l2_flush_bytes(device: Any) -> int:
