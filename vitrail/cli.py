@@ -117,7 +117,27 @@ def _tune(args: argparse.Namespace) -> int:
     with vitrail.settings(policy=vitrail.PickBest, verbose=True, max_workers=args.workers):
         config = op.config(key, problem, call_args)
     print(f"{op.name} {args.shape} {args.dtype}: {config.label}")
+    _plot_sweep(op, key, args)
     return 0
+
+
+def _plot_sweep(op, key: str, args: argparse.Namespace) -> None:
+    """A PNG of every candidate's time, from the tuning store's record of this problem."""
+    from pathlib import Path
+
+    from vitrail.tune import TuningStore, limits, tuner
+    record = TuningStore().get(tuner.record_key(op.tunable, key, limits()))
+    if record is None or not record.timings:
+        return
+    path = Path(args.out) / f"tune-{op.name}-{args.shape}-{args.dtype}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        from vitrail.profile import plot_sweep
+        plot_sweep([(t["config"], t["ms"]) for t in record.timings], path,
+                   title=f"{op.name} {args.shape} {args.dtype} on {record.key.gpu}")
+        print(f"sweep plotted to {path}")
+    except ImportError as e:  # matplotlib is an optional extra
+        print(f"no plot: {e}")
 
 
 def _precompile(args: argparse.Namespace) -> int:
@@ -170,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     tune.add_argument("--overwrite", action="store_true",
                       help="import: replace records this machine already has")
     tune.add_argument("--workers", type=int, help="compile processes (default: cores/memory)")
+    tune.add_argument("--out", default="results", help="folder for the sweep's PNG")
     tune.add_argument("--module", action="append", default=[],
                       help="import this module first (it registers more ops)")
     tune.set_defaults(fn=_tune)

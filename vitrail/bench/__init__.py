@@ -21,6 +21,8 @@ _MODULES = ["vitrail.bench.jit_overhead"]
 
 @dataclass
 class Row:
+    """One implementation on one case. ``ms`` with ``flops`` and/or ``bytes`` (the work's floor:
+    each input read once, each output written once) puts the row on this GPU's roofline."""
     case: str
     impl: str
     value: float
@@ -28,6 +30,9 @@ class Row:
     lower_is_better: bool = True
     baseline: bool = False
     extra: dict = field(default_factory=dict)
+    ms: float | None = None
+    flops: float = 0.0
+    bytes: float = 0.0
 
 
 @dataclass
@@ -67,12 +72,34 @@ def ratios(rows: list[Row]) -> list[tuple[Row, float | None]]:
     return out
 
 
-def print_table(bench: Benchmark, rows: list[Row]) -> None:
+def roofline_of(row: Row, peaks) -> dict | None:
+    """TFLOP/s, GB/s and % of the measured roofline of a row that says what work it did."""
+    if row.ms is None or not (row.flops or row.bytes) or row.ms <= 0:
+        return None
+    from vitrail.profile import roofline
+    r = roofline(flops=row.flops, bytes=row.bytes, ms=row.ms, peaks=peaks)
+    return {"tflops": r.tflops, "gbps": r.gbps,
+            "pct_roofline": r.pct_roofline if peaks is not None else None}
+
+
+def print_table(bench: Benchmark, rows: list[Row], peaks=None) -> None:
     print(f"\n{bench.name}: {bench.description}")
-    print(f"  {'case':<22}{'implementation':<34}{'value':>12}  {'unit':<10}{'vs baseline':>12}")
-    for r, ratio in ratios(rows):
+    roofs = [roofline_of(r, peaks) for r in rows]
+    on_roof = any(roofs)
+    head = f"  {'case':<22}{'implementation':<34}{'value':>12}  {'unit':<10}"
+    if on_roof:
+        head += f"{'TFLOP/s':>9}{'GB/s':>8}{'% roof':>8}"
+    print(head + f"{'vs baseline':>12}")
+    for (r, ratio), roof in zip(ratios(rows), roofs):
         mark = "baseline" if r.baseline else (f"{ratio:.2f}x" if ratio else "-")
-        print(f"  {r.case:<22}{r.impl:<34}{r.value:>12.2f}  {r.unit:<10}{mark:>12}")
+        line = f"  {r.case:<22}{r.impl:<34}{r.value:>12.2f}  {r.unit:<10}"
+        if on_roof:
+            if roof:
+                pct = f"{roof['pct_roofline']:.0f}%" if roof["pct_roofline"] is not None else "-"
+                line += f"{roof['tflops']:>9.1f}{roof['gbps']:>8.0f}{pct:>8}"
+            else:
+                line += f"{'-':>9}{'-':>8}{'-':>8}"
+        print(line + f"{mark:>12}")
 
 
 def main(names: list[str], out_dir: str = "results", compile_only: bool = False,
@@ -99,13 +126,17 @@ def main(names: list[str], out_dir: str = "results", compile_only: bool = False,
             b.build()
             print(f"built {b.name} in {time.perf_counter() - start:.1f} s")
         return 0
+    from vitrail.profile import peaks as measure_peaks
+    peaks = measure_peaks()  # measured once per machine, then read from the cache
     results = {}
     for b in selected:
         rows = b.run()
-        print_table(b, rows)
-        results[b.name] = [{**asdict(r), "ratio": ratio} for r, ratio in ratios(rows)]
+        print_table(b, rows, peaks)
+        results[b.name] = [{**asdict(r), "ratio": ratio, "roofline": roofline_of(r, peaks)}
+                           for r, ratio in ratios(rows)]
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     report = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+              "peaks": {"copy_gbps": peaks.copy_gbps, "bf16_tflops": peaks.bf16_tflops},
               "python": platform.python_version(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
               "results": results}
     out = Path(out_dir)
@@ -117,7 +148,8 @@ def main(names: list[str], out_dir: str = "results", compile_only: bool = False,
         png = stem.parent / f"{stem.name}-{b.name}.png"
         try:
             from vitrail.profile import plot_bench
-            rows = [Row(**{k: v for k, v in r.items() if k != "ratio"}) for r in results[b.name]]
+            rows = [Row(**{k: v for k, v in r.items() if k not in ("ratio", "roofline")})
+                    for r in results[b.name]]
             plot_bench(rows, png, title=f"{b.name} on {props.name}: {b.description}")
             print(f"plot written to {png}")
         except ImportError as e:  # matplotlib is an optional extra

@@ -1,0 +1,35 @@
+"""The bench registry's table: ratios to the baseline and the roofline columns."""
+from __future__ import annotations
+
+import pytest
+
+from vitrail.bench import Benchmark, Row, print_table, ratios, roofline_of
+from vitrail.profile import Peaks
+
+PEAKS = Peaks(copy_gbps=3000.0, bf16_tflops=800.0)
+
+
+def test_ratios_are_speedups_over_the_baseline_either_way():
+    rows = [Row("c", "base", 10.0, "us", baseline=True), Row("c", "fast", 5.0, "us"),
+            Row("d", "base", 100.0, "GB/s", lower_is_better=False, baseline=True),
+            Row("d", "fast", 300.0, "GB/s", lower_is_better=False), Row("e", "alone", 1.0, "us")]
+    assert [r for _, r in ratios(rows)] == [1.0, 2.0, 1.0, 3.0, None]
+
+
+def test_roofline_columns_from_the_work_a_row_did(capsys):
+    # a 1 GiB copy (read + written) in 1 ms: 2147 GB/s, 71.6% of a 3000 GB/s peak
+    copy = Row("copy 1 GiB", "vitrail", 1.0, "ms", ms=1.0, bytes=2 * 2**30)
+    gemm = Row("gemm 8192^3", "vitrail", 2.0, "ms", ms=2.0, flops=2 * 8192**3,
+               bytes=3 * 2 * 8192**2)
+    plain = Row("copy 1 GiB", "torch", 1.1, "ms", baseline=True)
+    roof = roofline_of(copy, PEAKS)
+    assert roof["gbps"] == pytest.approx(2 * 2**30 / 1e-3 / 1e9)
+    assert roof["pct_roofline"] == pytest.approx(100 * 2.147483648 / 3.0, rel=1e-6)
+    g = roofline_of(gemm, PEAKS)
+    assert g["tflops"] == pytest.approx(2 * 8192**3 / 2e-3 / 1e12)
+    assert g["pct_roofline"] == pytest.approx(100 * g["tflops"] / 800.0)
+    assert roofline_of(plain, PEAKS) is None
+    print_table(Benchmark("b", "desc", lambda: [], lambda: None), [copy, plain, gemm], PEAKS)
+    out = capsys.readouterr().out
+    assert "% roof" in out and "72%" in out and "2147" in out and f"{g['pct_roofline']:.0f}%" in out
+    assert "1.10x" in out  # the vitrail copy against the torch baseline of its case
