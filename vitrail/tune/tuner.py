@@ -87,7 +87,7 @@ def _pick_here(tunable, problem_key, problem, run, args, lim, timer, store, s) -
         if error is None:
             try:
                 scratch = scratch_copy(args)
-                ms = (timer or _default_timer)(lambda: run(config, scratch))
+                ms = (timer or _default_timer)(lambda c=config, a=scratch: run(c, a))
             except Exception as e:  # a launch failure is a score, not a crash
                 error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         if error is not None and not s.allow_failure:
