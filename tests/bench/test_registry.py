@@ -13,7 +13,20 @@ def test_ratios_are_speedups_over_the_baseline_either_way():
     rows = [Row("c", "base", 10.0, "us", baseline=True), Row("c", "fast", 5.0, "us"),
             Row("d", "base", 100.0, "GB/s", lower_is_better=False, baseline=True),
             Row("d", "fast", 300.0, "GB/s", lower_is_better=False), Row("e", "alone", 1.0, "us")]
-    assert [r for _, r in ratios(rows)] == [1.0, 2.0, 1.0, 3.0, None]
+    assert [vs for _, vs in ratios(rows)] == [{"base": 1.0}, {"base": 2.0}, {"base": 1.0},
+                                              {"base": 3.0}, {}]
+
+
+def test_every_baseline_gets_a_column(capsys):
+    rows = [Row("softmax 32768x4096", "torch eager", 4.0, "ms", baseline=True),
+            Row("softmax 32768x4096", "torch.compile", 2.0, "ms", baseline=True),
+            Row("softmax 32768x4096", "vitrail", 1.0, "ms")]
+    assert ratios(rows)[2][1] == {"torch eager": 4.0, "torch.compile": 2.0}
+    print_table(Benchmark("softmax", "d", lambda: [], lambda: None), rows)
+    lines = capsys.readouterr().out.strip().splitlines()  # title, header, one line per row
+    assert "vs torch eager" in lines[1] and "vs torch.compile" in lines[1]
+    assert lines[2].split()[-2:] == ["baseline", "0.50x"]  # eager is half compile's speed
+    assert lines[4].split()[-2:] == ["4.00x", "2.00x"]
 
 
 def test_roofline_columns_from_the_work_a_row_did(capsys):

@@ -59,17 +59,17 @@ def load() -> dict[str, Benchmark]:
     return REGISTRY
 
 
-def ratios(rows: list[Row]) -> list[tuple[Row, float | None]]:
-    """Each row with its speed ratio to its case's baseline (> 1: faster than the baseline)."""
-    base = {r.case: r for r in rows if r.baseline}
-    out = []
-    for r in rows:
-        b = base.get(r.case)
-        if b is None or not r.value or not b.value:
-            out.append((r, None))
-        else:
-            out.append((r, b.value / r.value if r.lower_is_better else r.value / b.value))
-    return out
+def speedup(row: Row, base: Row) -> float | None:
+    """How many times faster row is than base (> 1: faster), whichever way the unit points."""
+    if not row.value or not base.value:
+        return None
+    return base.value / row.value if row.lower_is_better else row.value / base.value
+
+
+def ratios(rows: list[Row]) -> list[tuple[Row, dict[str, float | None]]]:
+    """Each row with its speedup over every baseline of its case, by baseline implementation."""
+    bases = [r for r in rows if r.baseline]
+    return [(r, {b.impl: speedup(r, b) for b in bases if b.case == r.case}) for r in rows]
 
 
 def roofline_of(row: Row, peaks) -> dict | None:
@@ -83,23 +83,29 @@ def roofline_of(row: Row, peaks) -> dict | None:
 
 
 def print_table(bench: Benchmark, rows: list[Row], peaks=None) -> None:
+    """One line per row: its value, its place on the roofline (when it says what work it did),
+    and its speedup over each baseline (one column per baseline implementation)."""
     print(f"\n{bench.name}: {bench.description}")
     roofs = [roofline_of(r, peaks) for r in rows]
     on_roof = any(roofs)
-    head = f"  {'case':<22}{'implementation':<34}{'value':>12}  {'unit':<10}"
+    baselines = list(dict.fromkeys(r.impl for r in rows if r.baseline))
+    cw = max([len("case")] + [len(r.case) for r in rows]) + 2
+    iw = max([len("implementation")] + [len(r.impl) for r in rows]) + 2
+    head = f"  {'case':<{cw}}{'implementation':<{iw}}{'value':>12}  {'unit':<10}"
     if on_roof:
         head += f"{'TFLOP/s':>9}{'GB/s':>8}{'% roof':>8}"
-    print(head + f"{'vs baseline':>12}")
-    for (r, ratio), roof in zip(ratios(rows), roofs):
-        mark = "baseline" if r.baseline else (f"{ratio:.2f}x" if ratio else "-")
-        line = f"  {r.case:<22}{r.impl:<34}{r.value:>12.2f}  {r.unit:<10}"
+    print(head + "".join(f"{'vs ' + b[:16]:>20}" for b in baselines))
+    for (r, vs), roof in zip(ratios(rows), roofs):
+        marks = ["baseline" if r.baseline and b == r.impl else
+                 f"{vs[b]:.2f}x" if vs.get(b) else "-" for b in baselines]
+        line = f"  {r.case:<{cw}}{r.impl:<{iw}}{r.value:>12.2f}  {r.unit:<10}"
         if on_roof:
             if roof:
                 pct = f"{roof['pct_roofline']:.0f}%" if roof["pct_roofline"] is not None else "-"
                 line += f"{roof['tflops']:>9.1f}{roof['gbps']:>8.0f}{pct:>8}"
             else:
                 line += f"{'-':>9}{'-':>8}{'-':>8}"
-        print(line + f"{mark:>12}")
+        print(line + "".join(f"{m:>20}" for m in marks))
 
 
 def main(names: list[str], out_dir: str = "results", compile_only: bool = False,
@@ -132,8 +138,8 @@ def main(names: list[str], out_dir: str = "results", compile_only: bool = False,
     for b in selected:
         rows = b.run()
         print_table(b, rows, peaks)
-        results[b.name] = [{**asdict(r), "ratio": ratio, "roofline": roofline_of(r, peaks)}
-                           for r, ratio in ratios(rows)]
+        results[b.name] = [{**asdict(r), "speedup_over": vs, "roofline": roofline_of(r, peaks)}
+                           for r, vs in ratios(rows)]
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     report = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
               "peaks": {"copy_gbps": peaks.copy_gbps, "bf16_tflops": peaks.bf16_tflops},
@@ -148,7 +154,7 @@ def main(names: list[str], out_dir: str = "results", compile_only: bool = False,
         png = stem.parent / f"{stem.name}-{b.name}.png"
         try:
             from vitrail.profile import plot_bench
-            rows = [Row(**{k: v for k, v in r.items() if k not in ("ratio", "roofline")})
+            rows = [Row(**{k: v for k, v in r.items() if k not in ("speedup_over", "roofline")})
                     for r in results[b.name]]
             plot_bench(rows, png, title=f"{b.name} on {props.name}: {b.description}")
             print(f"plot written to {png}")
