@@ -17,16 +17,23 @@ def has_gpu() -> bool:
         return False
 
 
-def has_nvcc() -> bool:
+def has_tool(find) -> bool:
+    """Whether a toolchain lookup (vitrail.jit.toolchain.nvcc, .nvrtc...) finds its tool."""
     try:
-        jit.toolchain.nvcc()
+        find()
         return True
     except jit.ToolchainError:
         return False
 
 
+def has_nvcc() -> bool:
+    return has_tool(jit.toolchain.nvcc)
+
+
 requires_gpu = pytest.mark.skipif(not has_gpu(), reason="needs a CUDA GPU")
 requires_nvcc = pytest.mark.skipif(not has_nvcc(), reason="needs nvcc")
+requires_nvrtc = pytest.mark.skipif(not has_tool(jit.toolchain.nvrtc),
+                                    reason="needs NVRTC (cuda-bindings)")
 
 
 @pytest.fixture(autouse=True)

@@ -14,6 +14,7 @@ import pytest
 
 import vitrail
 import vitrail.jit as jit
+from tests.conftest import requires_nvrtc
 from vitrail import knobs
 from vitrail.cli import main
 from vitrail.jit import housekeeping as hk
@@ -23,15 +24,6 @@ REPO = Path(vitrail.__file__).resolve().parents[1]
 PACKAGE = REPO / "vitrail"
 
 
-def _has_nvrtc() -> bool:
-    try:
-        jit.toolchain.nvrtc()
-        return True
-    except jit.ToolchainError:
-        return False
-
-
-needs_nvrtc = pytest.mark.skipif(not _has_nvrtc(), reason="needs NVRTC (cuda-bindings)")
 
 KERNEL = r"""
 extern "C" __global__ void %s(float* y, int n) {
@@ -65,7 +57,7 @@ def test_cache_info_on_an_empty_cache(capsys, cache_dir):
     assert code == 0 and out.strip() == "the cache is empty"
 
 
-@needs_nvrtc
+@requires_nvrtc
 def test_cache_ls_prune_and_clear(capsys, cache_dir):
     alpha, beta = build("alpha"), build("beta", 2)
     code, out, err = run(capsys, "cache", "ls")
@@ -88,7 +80,7 @@ def test_cache_ls_prune_and_clear(capsys, cache_dir):
     assert run(capsys, "cache", "ls")[1].strip() == "the cache is empty"
 
 
-@needs_nvrtc
+@requires_nvrtc
 def test_prune_removes_the_least_recently_used_first(capsys, cache_dir):
     old, recent = build("old"), build("recent", 2)
     assert build("old").how == "disk"  # a disk hit counts as a use: now "recent" is the oldest
@@ -102,7 +94,7 @@ def test_prune_removes_the_least_recently_used_first(capsys, cache_dir):
     assert code == 0 and out.startswith("removed 0 kernels") and old.dir.is_dir()
 
 
-@needs_nvrtc
+@requires_nvrtc
 def test_cache_clear_removes_kernels_and_failed_builds(capsys, cache_dir):
     build("alpha"), build("beta", 2)
     with pytest.raises(jit.CompileError):
@@ -127,7 +119,7 @@ def test_cache_clear_removes_kernels_and_failed_builds(capsys, cache_dir):
     assert re.search(r"^failed builds kept:\s+0$", out, re.M)
 
 
-@needs_nvrtc
+@requires_nvrtc
 def test_damaged_entries_are_listed_and_pruned(capsys, cache_dir):
     garbage, nulls, good = build("garbage"), build("nulls", 2), build("good", 3)
     (garbage.dir / "meta.json").write_bytes(b"\x00not json")
