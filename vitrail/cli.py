@@ -6,8 +6,6 @@ import importlib
 import sys
 import time
 
-# Modules whose import registers vitrail's ops (vitrail.op.REGISTRY); --module adds others.
-OP_MODULES: list[str] = []
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -62,8 +60,10 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _load_ops(extra: list[str]) -> dict:
+    from vitrail import ops
     from vitrail.op import REGISTRY
-    for name in OP_MODULES + list(extra or []):
+    ops.load_all()  # vitrail's op families register themselves; --module adds others
+    for name in extra or []:
         importlib.import_module(name)
     return REGISTRY
 

@@ -15,6 +15,7 @@ import hashlib
 import threading
 from typing import Any, Callable, Iterable
 
+from vitrail.jit.errors import LaunchError
 from vitrail.tune.settings import current
 from vitrail.tune.space import Config, Limits, Space, limits
 from vitrail.tune.tuner import Tunable, compile_all, pick
@@ -76,7 +77,10 @@ class Op:
 
     def __call__(self, problem_key: str, problem: Any, *args: Any) -> None:
         config = self.config(problem_key, problem, args)
-        self.launch(self.module(config), config, *args)
+        try:
+            self.launch(self.module(config), config, *args)
+        except LaunchError as e:  # say which op and config; the kernel's own words follow
+            raise LaunchError(f"op '{self.name}', config {dict(config)}: {e}") from e
 
     def _run(self, config: Config, args: tuple) -> None:
         self.launch(self.module(config), config, *args)

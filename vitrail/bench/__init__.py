@@ -9,6 +9,7 @@ ratio to the baseline and writes everything, with the device's description, to J
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import platform
 import time
@@ -54,7 +55,13 @@ def register(name: str, description: str, build: Callable[[], None]):
 
 
 def load() -> dict[str, Benchmark]:
-    for m in _MODULES:
+    """Import the registry's modules: vitrail's own, and each op family's ``bench.py``."""
+    from vitrail import ops
+    modules = list(_MODULES)
+    for family in ops.families():
+        if importlib.util.find_spec(f"vitrail.ops.{family}.bench") is not None:
+            modules.append(f"vitrail.ops.{family}.bench")
+    for m in modules:
         importlib.import_module(m)
     return REGISTRY
 
