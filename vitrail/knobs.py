@@ -98,3 +98,8 @@ TUNE_WORKERS = _knob(
     "VITRAIL_TUNE_WORKERS", 0.0, _float,
     "Processes compiling candidate configs in parallel (PickBest, precompile). 0: as many as "
     "cores and memory allow (about 2 GiB per nvcc).")
+TUNE_DEVICES = _knob(
+    "VITRAIL_TUNE_DEVICES", "current", _str,
+    "GPUs PickBest times candidate configs on: current (the arguments' GPU), all (every local "
+    "GPU of the same model, sharing the candidates) or indices such as 0,1. "
+    "vitrail.settings(devices=...) overrides it in a scope.")

@@ -360,3 +360,87 @@ def test_vitrail_tune_plots_the_stored_sweep(tmp_path, monkeypatch, capsys):
     png = tmp_path / "tune-tests.scale-16x16-float32.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert f"sweep plotted to {png}" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- several GPUs
+def test_devices_setting_is_validated_and_read_from_the_environment(monkeypatch):
+    assert tuner.Settings().devices == "current"
+    assert tuner.Settings(devices="ALL").devices == "all"
+    assert tuner.Settings(devices="1,0").devices == (1, 0)
+    assert tuner.Settings(devices=[2]).devices == (2,)
+    for bad in ("some", (), (0, 0), (-1,), (True,), (0.5,), "0,x"):
+        with pytest.raises(ValueError, match="devices="):
+            tuner.Settings(devices=bad)
+    monkeypatch.setenv("VITRAIL_TUNE_DEVICES", "all")
+    assert vitrail.tune.current().devices == "all"
+    monkeypatch.setenv("VITRAIL_TUNE_DEVICES", "gpu0")
+    with pytest.raises(ValueError, match="VITRAIL_TUNE_DEVICES='gpu0'"):
+        vitrail.tune.current()
+    # the current device only, and no GPU here: one timing stream, no switching
+    assert tuner.timing_devices("current", (), "t") == [None]
+    if not torch.cuda.is_available():
+        assert tuner.timing_devices("all", (), "t") == [None]
+
+
+def test_timing_spreads_candidates_over_gpus_and_corrects_for_a_slow_one(monkeypatch):
+    """Two fake GPUs, the second 25% slow: each candidate is timed once (the reference on
+    both), on the GPU's own thread, and the second GPU's timings are scaled back."""
+    here = threading.local()
+    monkeypatch.setattr(tuner, "_device_scope", lambda d: _FakeDevice(here, d))
+    true_ms = {"B=2": 2.0, "B=1": 3.0, "B=3": 0.5, "B=4": 1.0}
+    runs = []
+
+    def run(config, args):
+        runs.append((config.label, here.device, threading.current_thread().name, args))
+
+    def timer(fn):
+        fn()
+        return true_ms[runs[-1][0]] * (1.25 if here.device == 1 else 1.0)
+
+    space = Space({"B": [1, 2, 3, 4]}, heuristic=lambda p, lim: {"B": 2})
+    candidates = tuner.candidates_for(space, None, H100, 64)
+    x = torch.randn(4)
+    timings = tuner.time_candidates("fake", candidates, {}, run, (x, 7), timer, [0, 1], True)
+    assert [t["config"]["B"] for t in timings] == [2, 1, 3, 4]
+    for t in timings:
+        assert t["ms"] == pytest.approx(true_ms[f"B={t['config']['B']}"])
+    assert {t["device"] for t in timings} == {0, 1}
+    timed_on = sorted((label, device) for label, device, _, _ in runs)
+    assert timed_on == [("B=1", 1), ("B=2", 0), ("B=2", 1), ("B=3", 0), ("B=4", 1)]
+    assert all(name.startswith("vitrail-tune") for _, _, name, _ in runs)
+    assert all(a[0] is not x and torch.equal(a[0], x) and a[1] == 7 for *_, a in runs)
+    slow = next(t for t in timings if t["device"] == 1 and t["config"]["B"] == 1)
+    assert slow["raw_ms"] == pytest.approx(3.75)
+
+
+def test_timing_on_several_gpus_keeps_failures_and_their_policy(monkeypatch):
+    here = threading.local()
+    monkeypatch.setattr(tuner, "_device_scope", lambda d: _FakeDevice(here, d))
+
+    def run(config, args):
+        if config.B == 3:
+            raise RuntimeError("too many resources requested for launch")
+
+    space = Space({"B": [1, 2, 3, 4]}, heuristic=lambda p, lim: {"B": 2})
+    candidates = tuner.candidates_for(space, None, H100, 64)
+    failures = {candidates[1]: "compile error: boom"}  # B=1
+    timings = tuner.time_candidates("fake", candidates, failures, run, (), lambda fn: fn() or 1.0,
+                                    [0, 1], True)
+    by_b = {t["config"]["B"]: t for t in timings}
+    assert by_b[1]["ms"] is None and "boom" in by_b[1]["error"]
+    assert by_b[3]["ms"] is None and "RuntimeError" in by_b[3]["error"]
+    assert by_b[2]["ms"] == by_b[4]["ms"] == 1.0
+    with pytest.raises(TuningError, match="B=3 failed"):
+        tuner.time_candidates("fake", candidates, {}, run, (), lambda fn: fn() or 1.0, [0, 1],
+                              False)
+
+
+class _FakeDevice:
+    def __init__(self, here, device):
+        self.here, self.device = here, device
+
+    def __enter__(self):
+        self.here.device = self.device
+
+    def __exit__(self, *exc):
+        self.here.device = None

@@ -85,3 +85,26 @@ def test_a_second_process_benchmarks_nothing():
                           env=os.environ.copy(), cwd=os.getcwd(), timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == chosen.label
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_pick_best_spreads_timing_over_the_local_gpus():
+    from vitrail.profile import bench
+    x = torch.randn(N, device="cuda:0")
+    y = torch.full_like(x, float("nan"))
+    x_before = x.clone()
+    key = problem_key(x)
+    with vitrail.settings(policy=vitrail.PickBest, devices="all"):
+        chosen = OP.config(key, N, (y, x, 3.0))
+    assert torch.equal(x, x_before) and torch.isnan(y).all()
+    lim = limits()
+    record = TuningStore().get(tuner.record_key(OP.tunable, key, lim))
+    used = {t["device"] for t in record.timings}
+    assert used == set(range(torch.cuda.device_count())), used
+    by_hand = {}
+    for config in OP.space.valid(lim):
+        module = OP.module(config)
+        by_hand[config] = bench(lambda: OP.launch(module, config, y, x, 3.0)).median
+    assert by_hand[chosen] <= 1.15 * min(by_hand.values()), (chosen, by_hand[chosen])
+    OP(key, N, y, x, 3.0)
+    torch.testing.assert_close(y, 3.0 * x)

@@ -48,6 +48,9 @@ class Settings:
     allow_failure: bool = True  # a candidate that fails to compile or launch scores inf
     verbose: bool = False  # progress and a table of timings on stderr
     deterministic: bool = False  # with torch.distributed: rank 0 picks, every rank runs it
+    # GPUs PickBest times candidates on: "current", "all" (every local GPU of the arguments'
+    # model, candidates shared among them) or a tuple of device indices
+    devices: str | tuple[int, ...] = "current"
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, Policy):
@@ -57,6 +60,29 @@ class Settings:
             raise ValueError(f"max_workers={self.max_workers}: expected a positive number")
         if self.max_configs < 1:
             raise ValueError(f"max_configs={self.max_configs}: expected a positive number")
+        object.__setattr__(self, "devices", parse_devices(self.devices))
+
+
+def parse_devices(value, source: str = "devices") -> str | tuple[int, ...]:
+    """"current", "all", or a non-empty tuple of distinct device indices ("0,1" is accepted)."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("current", "all"):
+            return text
+        try:
+            value = [int(v) for v in text.split(",")]
+        except ValueError:
+            raise ValueError(f"{source}={value!r}: expected 'current', 'all' or device indices "
+                             f"such as '0,1'") from None
+    try:
+        indices = tuple(int(v) for v in value if not isinstance(v, bool) and int(v) == v)
+        ok = indices and len(indices) == len(tuple(value)) and min(indices) >= 0
+    except (TypeError, ValueError):
+        ok = False
+    if not ok or len(set(indices)) != len(indices):
+        raise ValueError(f"{source}={value!r}: expected 'current', 'all' or distinct "
+                         f"non-negative device indices")
+    return indices
 
 
 _defaults: Settings | None = None
@@ -67,7 +93,8 @@ _scoped: contextvars.ContextVar[Settings | None] = contextvars.ContextVar("vitra
 def _from_env() -> Settings:
     workers = int(knobs.TUNE_WORKERS.get())
     return Settings(policy=policy_named(knobs.POLICY.get(), "VITRAIL_POLICY"),
-                    max_workers=workers or None)
+                    max_workers=workers or None,
+                    devices=parse_devices(knobs.TUNE_DEVICES.get(), "VITRAIL_TUNE_DEVICES"))
 
 
 def current() -> Settings:

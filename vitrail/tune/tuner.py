@@ -80,20 +80,9 @@ def _pick_here(tunable, problem_key, problem, run, args, lim, timer, store, s) -
     candidates = candidates_for(tunable.space, problem, lim, s.max_configs)
     failures = compile_all([(c, tunable.render(c)) for c in candidates],
                            max_workers=s.max_workers, verbose=s.verbose, label=tunable.name)
-    timings = []
-    for config in candidates:
-        error = failures.get(config)
-        ms = math.inf
-        if error is None:
-            try:
-                scratch = scratch_copy(args)
-                ms = (timer or _default_timer)(lambda c=config, a=scratch: run(c, a))
-            except Exception as e:  # a launch failure is a score, not a crash
-                error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        if error is not None and not s.allow_failure:
-            raise TuningError(f"'{tunable.name}' config {config.label} failed: {error}")
-        timings.append({"config": dict(config), "ms": None if math.isinf(ms) else ms,
-                        "error": error})
+    devices = timing_devices(s.devices, args, tunable.name)
+    timings = time_candidates(tunable.name, candidates, failures, run, args,
+                              timer or _default_timer, devices, s.allow_failure)
     ok = [(t["ms"], i) for i, t in enumerate(timings) if t["ms"] is not None]
     if not ok:
         why = "\n".join(f"  {c.label}: {t['error']}" for c, t in zip(candidates, timings))
@@ -126,17 +115,123 @@ def candidates_for(space: Space, problem: Any, lim: Limits, max_configs: int) ->
     return (first + [c for c in valid if c not in first])[:max_configs]
 
 
-def scratch_copy(args: Sequence[Any]) -> tuple:
-    """The arguments with every tensor replaced by a copy of the same strides and values."""
+def scratch_copy(args: Sequence[Any], device: Any = None) -> tuple:
+    """The arguments with every tensor replaced by a copy of the same strides and values (on
+    ``device`` when one is given, else on the tensor's own)."""
     import torch
     out = []
     for a in args:
         if isinstance(a, torch.Tensor):
-            copy = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
+            where = a.device if device is None or a.device.type != "cuda" else device
+            copy = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=where)
             out.append(copy.copy_(a))
         else:
             out.append(a)
     return tuple(out)
+
+
+# --------------------------------------------------------------------------------- timing
+def timing_devices(requested: str | tuple[int, ...], args: Sequence[Any],
+                   name: str) -> list[int | None]:
+    """The GPUs to time candidates on: ``[None]`` (the current device, no switching) for
+    ``"current"``; for ``"all"`` or a tuple of indices, the arguments' GPU first, then the other
+    visible GPUs of the same model (name and SM count): timings from another model would rank
+    configs for the wrong chip, so a tuple naming one is refused."""
+    if requested == "current":
+        return [None]
+    import torch
+    if not torch.cuda.is_available():
+        return [None]
+    home = next((a.device.index for a in args
+                 if isinstance(a, torch.Tensor) and a.device.type == "cuda"), None)
+    home = torch.cuda.current_device() if home is None else home
+    count = torch.cuda.device_count()
+    if requested == "all":
+        chosen = [home] + [i for i in range(count) if i != home and _model(i) == _model(home)]
+    else:
+        missing = [i for i in requested if not 0 <= i < count]
+        if missing:
+            raise TuningError(f"settings(devices={requested}) for '{name}': no GPU {missing[0]}; "
+                              f"{count} visible")
+        other = [i for i in requested if _model(i) != _model(home)]
+        if other:
+            raise TuningError(
+                f"settings(devices={requested}) for '{name}': GPU {other[0]} is a "
+                f"{_model(other[0])[0]}, not a {_model(home)[0]} like the arguments' GPU {home}; "
+                f"timings must come from the chip the config will run on")
+        chosen = sorted(set(requested), key=lambda i: (i != home, i))
+    return chosen if len(chosen) > 1 else [None]
+
+
+def _model(index: int) -> tuple[str, int]:
+    import torch
+    p = torch.cuda.get_device_properties(index)
+    return p.name, p.multi_processor_count
+
+
+def time_candidates(name: str, candidates: list[Config], failures: dict[Config, str],
+                    run: Callable[[Config, tuple], None], args: tuple,
+                    timer: Callable[[Callable[[], None]], float], devices: list[int | None],
+                    allow_failure: bool) -> list[dict]:
+    """One timing record per candidate, in candidate order: ``{"config", "ms", "error"}``, plus
+    ``"device"`` when timed on several GPUs.
+
+    Several GPUs share the candidates round-robin, one host thread each (the host waits on
+    events with the GIL released, so the GPUs run at once). Each GPU also times the first
+    candidate, the reference, and its timings are scaled by reference-on-first-GPU over
+    reference-on-this-GPU, so a GPU running a few percent slow does not skew the ranking.
+    """
+    if len(devices) == 1:
+        return [_time_one(name, c, failures, run, args, timer, None, allow_failure)
+                for c in candidates]
+    from concurrent.futures import ThreadPoolExecutor
+    reference = candidates[0]
+    shares = {d: [reference] + [c for i, c in enumerate(candidates)
+                                if i % len(devices) == k and c != reference]
+              for k, d in enumerate(devices)}
+
+    def time_share(device):
+        with _device_scope(device):
+            return [_time_one(name, c, failures, run, args, timer, device, allow_failure)
+                    for c in shares[device]]
+
+    with ThreadPoolExecutor(len(devices), thread_name_prefix="vitrail-tune") as pool:
+        results = dict(zip(devices, pool.map(time_share, devices)))
+    base = results[devices[0]][0]["ms"]
+    timed: dict[Config, dict] = {}
+    for device in devices:
+        ref = results[device][0]["ms"]
+        scale = base / ref if base and ref else 1.0
+        for config, t in zip(shares[device], results[device]):
+            if config == reference and device != devices[0]:
+                continue  # the reference's own record is the first GPU's
+            t["device"] = device
+            if t["ms"] is not None:
+                t["raw_ms"], t["ms"] = t["ms"], t["ms"] * scale
+            timed[config] = t
+    return [timed[c] for c in candidates]
+
+
+def _time_one(name, config, failures, run, args, timer, device, allow_failure) -> dict:
+    error = failures.get(config)
+    ms = math.inf
+    if error is None:
+        try:
+            scratch = scratch_copy(args, device)
+            ms = timer(lambda c=config, a=scratch: run(c, a))
+        except Exception as e:  # a launch failure is a score, not a crash
+            error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    if error is not None and not allow_failure:
+        raise TuningError(f"'{name}' config {config.label} failed: {error}")
+    return {"config": dict(config), "ms": None if math.isinf(ms) else ms, "error": error}
+
+
+def _device_scope(device: int | None):
+    import contextlib
+    if device is None:
+        return contextlib.nullcontext()
+    import torch
+    return torch.cuda.device(device)
 
 
 def _default_timer(fn: Callable[[], None]) -> float:
