@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +20,7 @@ from vitrail.tune import (Config, Limits, PickAny, PickBest, Space, TuningError,
                           problem_key, require, settings, tuner)
 from vitrail.tune.store import Record, RecordKey
 
+REPO = Path(__file__).resolve().parents[2]
 H100 = Limits(arch=Arch(9, 0, "a"), max_threads_per_block=1024, max_shared_per_block=227 << 10,
               shared_per_sm=228 << 10, registers_per_sm=65536, max_registers_per_thread=255,
               max_cluster_size=8, sm_count=132, source="GPU Fake H100")
@@ -318,6 +323,23 @@ def test_compile_all_builds_in_parallel_processes_and_reports_failures():
     from vitrail import jit
     assert jit.compile(src, name="k", backend="nvrtc", arch="90a",
                        defines={"VALUE": "2.f"}).how == "disk"  # built by a worker
+
+
+def test_compile_all_works_from_a_script_without_a_main_guard(tmp_path):
+    """Compile processes never re-run the caller's script (multiprocessing's spawn would, and
+    a script with no ``if __name__ == "__main__"`` guard then broke every job)."""
+    script = tmp_path / "tune_me.py"
+    script.write_text(
+        "from vitrail.tune import Config, tuner\n"
+        "print('script body ran')\n"
+        "src = 'extern \"C\" __global__ void k(float* x) { x[0] = VALUE; }'\n"
+        "jobs = [(Config([('VALUE', v)]), dict(source=src, name='k', backend='nvrtc', "
+        "arch='90a', defines={'VALUE': v})) for v in ('1.f', '2.f', '3.f')]\n"
+        "print('failures:', tuner.compile_all(jobs, max_workers=3))\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["script body ran", "failures: {}"]
 
 
 def test_worker_count_is_bounded():

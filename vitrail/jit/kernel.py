@@ -211,21 +211,24 @@ class _Launch:
         self.empty = not (grid[0] and grid[1] and grid[2])  # an empty grid launches nothing
 
     def __call__(self, *args, shared_mem: int = 0, stream=None) -> None:
-        k = self.kernel
-        params, device = k._marshal(args, None)  # packed into this thread's buffer
+        params, device = self.kernel._marshal(args, None)  # packed into this thread's buffer
         if self.empty:
             return
         current = current_device()
-        if device is not None and device != current:
+        if device is not None and device != current:  # the tensors' GPU, for this launch only
             with torch.cuda.device(device):
-                return self(*args, shared_mem=shared_mem, stream=stream)
-        fn = k._functions.get(current) or k._function(current)
-        if shared_mem > _STATIC_SMEM_LIMIT and k._smem_set.get(current, 0) < shared_mem:
-            k._raise_smem_limit(current, shared_mem)
-        handle = _current_stream(current) if stream is None else stream_of(stream, current)
+                return self._launch(device, params, shared_mem, stream)
+        self._launch(current, params, shared_mem, stream)
+
+    def _launch(self, device: int, params: int, shared_mem: int, stream) -> None:
+        k = self.kernel
+        fn = k._functions.get(device) or k._function(device)
+        if shared_mem > _STATIC_SMEM_LIMIT and k._smem_set.get(device, 0) < shared_mem:
+            k._raise_smem_limit(device, shared_mem)
+        handle = _current_stream(device) if stream is None else stream_of(stream, device)
         err = _LAUNCH(fn, *self.dims, shared_mem, handle, params)
         if err:
-            self._failed(err, fn, current, shared_mem, handle, params)
+            self._failed(err, fn, device, shared_mem, handle, params)
 
     def _failed(self, err, fn, device: int, shared_mem: int, handle: int, params: int) -> None:
         if int(err) == 201:  # CUDA_ERROR_INVALID_CONTEXT: a thread with no context yet

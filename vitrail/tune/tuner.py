@@ -1,7 +1,7 @@
 """Choosing a config: PickAny (store, else heuristic) or PickBest (compile, time, keep the best).
 
 PickBest on a store miss: the candidates (the heuristic's first, then the space's valid configs,
-at most ``max_configs``) are compiled in parallel by spawned processes into the kernel cache;
+at most ``max_configs``) are compiled in parallel, one process each, into the kernel cache;
 each is then loaded and timed on scratch copies of the call's arguments (the caller's tensors,
 outputs included, are never written); a config that fails to compile or launch scores inf and
 is reported; the record goes to the tuning store, so no process tunes that problem again.
@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import logging
 import math
-import multiprocessing
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import as_completed
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -252,26 +251,27 @@ def _refuse_capture(name: str) -> None:
 def compile_all(jobs: list[tuple[Config, dict]], *, max_workers: int | None = None,
                 verbose: bool = False, label: str = "") -> dict[Config, str]:
     """Compile every (config, jit.compile kwargs) into the cache; returns {config: error} for
-    the ones that failed. Spawned processes, at most as many as cores and memory allow."""
+    the ones that failed. One process per job (vitrail.tune.compile_job), at most as many at
+    once as cores and memory allow; a process that dies fails its own job only."""
     workers = worker_count(max_workers, len(jobs))
     progress = _Progress(len(jobs), f"compiling {label} configs", verbose)
     failures: dict[Config, str] = {}
     if workers <= 1:
+        from vitrail.tune.compile_job import run
         for config, kwargs in jobs:
-            error = _compile_job(kwargs)
+            error = run(kwargs)
             if error:
                 failures[config] = error
             progress.step()
         progress.done()
         return failures
-    context = multiprocessing.get_context("spawn")  # CUDA state does not survive a fork
-    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-        futures = {pool.submit(_compile_job, kwargs): config for config, kwargs in jobs}
+    from concurrent.futures import ThreadPoolExecutor
+    env = _child_env()
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="vitrail-compile") as pool:
+        futures = {pool.submit(_compile_in_process, kwargs, env): config
+                   for config, kwargs in jobs}
         for future in as_completed(futures):
-            try:
-                error = future.result()
-            except Exception as e:  # a worker that died (e.g. out of memory)
-                error = f"compile process failed: {type(e).__name__}: {e}"
+            error = future.result()
             if error:
                 failures[futures[future]] = error
             progress.step()
@@ -279,15 +279,30 @@ def compile_all(jobs: list[tuple[Config, dict]], *, max_workers: int | None = No
     return failures
 
 
-def _compile_job(kwargs: dict) -> str | None:
-    from vitrail import jit
-    try:
-        jit.compile(**kwargs)
-        return None
-    except jit.CompileError as e:
-        return "compile error: " + (e.errors[0] if e.errors else str(e).splitlines()[0])
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
+def _compile_in_process(kwargs: dict, env: dict) -> str | None:
+    import json
+    import pickle
+    import subprocess
+    done = subprocess.run([sys.executable, "-m", "vitrail.tune.compile_job"],
+                          input=pickle.dumps(kwargs), capture_output=True, env=env)
+    lines = done.stdout.decode(errors="replace").strip().splitlines()
+    if done.returncode == 0 and lines:
+        try:
+            return json.loads(lines[-1])["error"]
+        except (ValueError, KeyError, TypeError):
+            pass
+    why = (f"killed by signal {-done.returncode} (out of memory?)" if done.returncode < 0
+           else f"exit status {done.returncode}")
+    tail = done.stderr.decode(errors="replace").strip().splitlines()[-1:]
+    return f"compile process failed: {why}" + (f": {tail[0]}" if tail else "")
+
+
+def _child_env() -> dict:
+    """This process's environment, with its import path, so children import the same vitrail."""
+    env = dict(os.environ)
+    paths = [p for p in sys.path if p and os.path.isdir(p)]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    return env
 
 
 def worker_count(requested: int | None, jobs: int) -> int:
