@@ -179,3 +179,25 @@ def test_the_c_launcher_builds_and_needs_only_the_driver():
         assert "libcuda.so.1" in str(e)
     else:
         assert callable(launch)
+
+
+@requires_nvcc
+def test_build_fills_the_cache_without_loading_or_importing_torch(cache_dir):
+    """compiler.build (what compile processes run) needs no torch; is_built sees its result and
+    compile() then loads it from disk."""
+    import subprocess
+    import sys
+    src = ('#include <cuda_runtime.h>\n__global__ void one(float* x) { x[0] = 1.f; }\n'
+           'extern "C" cudaError_t launch_one(float* x, cudaStream_t s) {\n'
+           '  one<<<1, 1, 0, s>>>(x); return cudaGetLastError(); }\n')
+    from vitrail.jit.compiler import is_built
+    assert not is_built(src, name="one", arch="90a")
+    code = ("import sys\nfrom vitrail.jit.compiler import build\n"
+            f"print(build({src!r}, name='one', arch='90a'), 'torch' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["compiled", "False"]
+    assert is_built(src, name="one", arch="90a")
+    assert not is_built(src.replace("1.f", "2.f"), name="one", arch="90a")
+    assert jit.compile(src, name="one", arch="90a").how == "disk"

@@ -24,15 +24,17 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from vitrail import __version__, knobs
 from vitrail.jit import toolchain
 from vitrail.jit.cache import LAYOUT, KernelCache, _safe, dir_size, header_closure, make_key
 from vitrail.jit.errors import CompileError, ToolchainError
 from vitrail.jit.index import Index
-from vitrail.jit.kernel import CubinModule
-from vitrail.jit.module import Module, SharedLibrary, parse_ptxas
+from vitrail.jit.ptxas import parse_ptxas
+
+if TYPE_CHECKING:  # loading imports torch; building does not (vitrail.tune.compile_job)
+    from vitrail.jit.module import Module
 
 log = logging.getLogger("vitrail.jit")
 BACKENDS = ("nvcc", "nvrtc")
@@ -82,6 +84,40 @@ def clear_memory_cache() -> None:
 def _compile_uncached(source: str, name: str, backend: str, arch: toolchain.Arch,
                       flags: list[str], include_dirs: list, defines: Mapping[str, object],
                       kernels: list[str]) -> Module:
+    entry, how = _build(source, name, backend, arch, flags, include_dirs, defines, kernels)
+    from vitrail.jit.kernel import CubinModule
+    from vitrail.jit.module import SharedLibrary
+    cls = SharedLibrary if backend == "nvcc" else CubinModule
+    return cls(entry, source, how)
+
+
+def build(source: str, *, name: str, backend: str = "nvcc", arch: str | None = None,
+          flags: Sequence[str] = (), include_dirs: Sequence[str | os.PathLike] = (),
+          defines: Mapping[str, object] | None = None, kernels: Sequence[str] = ()) -> str:
+    """What :func:`compile` does short of loading: the artifact is in the cache afterwards.
+    Returns "disk" (it was) or "compiled". Imports no torch and touches no GPU, for compile
+    processes and machines without one."""
+    target = toolchain.Arch.parse(arch) if arch is not None else toolchain.target_arch()
+    return _build(source, name, backend, target, list(flags), list(include_dirs), defines or {},
+                  list(kernels))[1]
+
+
+def is_built(source: str, *, name: str, backend: str = "nvcc", arch: str | None = None,
+             flags: Sequence[str] = (), include_dirs: Sequence[str | os.PathLike] = (),
+             defines: Mapping[str, object] | None = None, kernels: Sequence[str] = ()) -> bool:
+    """Whether the kernel :func:`compile` would return is in the cache already (checked by key
+    and checksum; nothing is built, loaded or locked)."""
+    target = toolchain.Arch.parse(arch) if arch is not None else toolchain.target_arch()
+    if knobs.FORCE_RECOMPILE.get():
+        return False
+    key = _key(source, name, backend, target, list(flags), list(include_dirs), defines or {},
+               list(kernels))[0]
+    return KernelCache().lookup(key, read_artifact=backend == "nvrtc") is not None
+
+
+def _key(source: str, name: str, backend: str, arch: toolchain.Arch, flags: list[str],
+         include_dirs: list, defines: Mapping[str, object], kernels: list[str]):
+    """(cache key, the tool, include dirs, -D flags): everything a build depends on."""
     _check_inputs(source, name, backend, flags, include_dirs, defines, kernels)
     if backend == "nvcc":  # every toolchain check happens before anything is written
         tool = toolchain.nvcc()
@@ -95,7 +131,13 @@ def _compile_uncached(source: str, name: str, backend: str, arch: toolchain.Arch
     key = make_key(layout=LAYOUT, vitrail=__version__, backend=backend, arch=arch.name,
                    flags=flags, defines=sorted(define_flags), name=name, kernels=kernels, source=source,
                    headers=header_closure(source, dirs), **tool_id)
+    return key, tool, dirs, define_flags
 
+
+def _build(source: str, name: str, backend: str, arch: toolchain.Arch, flags: list[str],
+           include_dirs: list, defines: Mapping[str, object], kernels: list[str]):
+    key, tool, dirs, define_flags = _key(source, name, backend, arch, flags, include_dirs,
+                                         defines, kernels)
     cache = KernelCache()
     index = Index(cache)
     force = knobs.FORCE_RECOMPILE.get()
@@ -127,8 +169,7 @@ def _compile_uncached(source: str, name: str, backend: str, arch: toolchain.Arch
         index.record(key, entry.meta, dir_size(entry.dir))
     else:
         index.touch(key, entry.meta, entry.dir)
-    cls = SharedLibrary if backend == "nvcc" else CubinModule
-    return cls(entry, source, how)
+    return entry, how
 
 
 def _check_inputs(source, name, backend, flags, include_dirs, defines, kernels) -> None:

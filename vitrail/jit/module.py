@@ -12,7 +12,6 @@ Both report ``resources()`` (registers, shared memory, stack and spills per kern
 from __future__ import annotations
 
 import ctypes
-import re
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ import torch
 
 from vitrail.jit.cache import Entry
 from vitrail.jit.errors import ArgumentError, LaunchError, ToolchainError
+from vitrail.jit.ptxas import parse_ptxas  # noqa: F401 (part of this module's interface)
 from vitrail.jit.arguments import Marshaller, current_device
 from vitrail.jit.signature import (Param, Prototype, find_prototype, parse_signature,
                                    result_is_checked)
@@ -43,50 +43,6 @@ class Resources:
         return bool(self.spill_stores or self.spill_loads)
 
 
-_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
-_PROPS = re.compile(r"Function properties for (\S+)")
-_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
-_USED = re.compile(r"Used (\d+) registers")
-
-
-def parse_ptxas(log: str) -> dict[str, dict]:
-    """Per entry function (demangled where c++filt exists): ptxas's -v report as a dict."""
-    found: dict[str, dict] = {}
-    entry = props = None
-    for line in log.splitlines():
-        if m := _ENTRY.search(line):
-            entry = m.group(1)
-            found.setdefault(entry, {"mangled": entry})
-        elif m := _PROPS.search(line):
-            props = m.group(1)
-        elif (m := _FRAME.search(line)) and props in found:
-            found[props].update(stack=int(m.group(1)), spill_stores=int(m.group(2)),
-                                spill_loads=int(m.group(3)))
-        elif (m := _USED.search(line)) and entry in found:
-            smem = re.search(r"(\d+) bytes smem", line)
-            bars = re.search(r"used (\d+) barriers", line)
-            found[entry].update(registers=int(m.group(1)), shared=int(smem.group(1)) if smem else 0,
-                                barriers=int(bars.group(1)) if bars else 0)
-    names = _demangle(list(found))
-    return {names[i]: found[k] for i, k in enumerate(found)}
-
-
-def _demangle(names: list[str]) -> list[str]:
-    """Itanium-demangle the C++ names (extern "C" names stay as they are), with binutils'
-    c++filt where it exists."""
-    mangled = [n for n in names if n.startswith("_Z")]
-    tool = shutil.which("c++filt")
-    if not tool or not mangled:
-        return names
-    try:
-        out = subprocess.run([tool], input="\n".join(mangled), capture_output=True, text=True,
-                             timeout=30).stdout.splitlines()
-    except (OSError, subprocess.TimeoutExpired):
-        return names
-    if len(out) != len(mangled):
-        return names
-    plain = dict(zip(mangled, out))
-    return [plain.get(n, n) for n in names]
 
 
 class Module:

@@ -13,11 +13,13 @@ import sys
 
 
 def run(kwargs: dict) -> str | None:
-    from vitrail import jit
+    """Build one kernel into the cache (no loading, no torch); None, or why it failed."""
+    from vitrail.jit.compiler import build
+    from vitrail.jit.errors import CompileError
     try:
-        jit.compile(**kwargs)
+        build(**kwargs)
         return None
-    except jit.CompileError as e:
+    except CompileError as e:
         return "compile error: " + (e.errors[0] if e.errors else str(e).splitlines()[0])
     except Exception as e:
         return f"{type(e).__name__}: {e}"

@@ -267,6 +267,9 @@ def compile_all(jobs: list[tuple[Config, dict]], *, max_workers: int | None = No
         return failures
     from concurrent.futures import ThreadPoolExecutor
     env = _child_env()
+    jobs = [(config, kwargs) for config, kwargs in jobs if not _built(kwargs)] or jobs[:0]
+    for _ in range(progress.total - len(jobs)):
+        progress.step()  # already in the cache: no process started for them
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="vitrail-compile") as pool:
         futures = {pool.submit(_compile_in_process, kwargs, env): config
                    for config, kwargs in jobs}
@@ -295,6 +298,15 @@ def _compile_in_process(kwargs: dict, env: dict) -> str | None:
            else f"exit status {done.returncode}")
     tail = done.stderr.decode(errors="replace").strip().splitlines()[-1:]
     return f"compile process failed: {why}" + (f": {tail[0]}" if tail else "")
+
+
+def _built(kwargs: dict) -> bool:
+    """Whether the kernel is in the cache already (its key is computed here, nothing built)."""
+    from vitrail.jit.compiler import is_built
+    try:
+        return is_built(**kwargs)
+    except Exception:  # let the compile process find and report what is wrong
+        return False
 
 
 def _child_env() -> dict:
