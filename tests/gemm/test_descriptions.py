@@ -1,0 +1,198 @@
+"""CPU tests of the GEMM descriptions: validation, emitted C++, can_implement reasons."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vitrail.gemm import (GemmOperation, LinearCombination, MathInstruction, TensorDescription,
+                          TileDescription)
+from vitrail.gemm.arguments import GemmArguments, describe
+
+
+def make_op(dtype="bf16", layouts="rrr", epilogue=None, **tile):
+    a, b, d = (("row" if x == "r" else "col") for x in layouts)
+    return GemmOperation(A=TensorDescription(dtype, a), B=TensorDescription(dtype, b),
+                         D=TensorDescription(epilogue.element_output if epilogue else dtype, d),
+                         math=MathInstruction(dtype, dtype), tile=TileDescription(**tile),
+                         epilogue=epilogue)
+
+
+# ------------------------------------------------------------------------------ validation
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(tile_shape=(64, 128, 64)), "cooperative schedule splits tile M"),
+    (dict(tile_shape=(256, 128, 64), kernel_schedule="pingpong"), "pingpong"),
+    (dict(tile_shape=(128, 24, 64)), "tile N must be a multiple of 16"),
+    (dict(cluster_shape=(3, 1, 1)), "powers of two"),
+    (dict(cluster_shape=(4, 4, 1)), r"m \* n <= 8"),
+    (dict(kernel_schedule="pingpong", tile_shape=(64, 128, 64), tile_scheduler="stream_k"),
+     "stream-K scheduler needs the cooperative"),
+    (dict(kernel_schedule="warp"), "kernel_schedule"),
+    (dict(stages=1), "stages"),
+])
+def test_tile_description_refuses(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        TileDescription(**kwargs)
+
+
+def test_math_instruction_refuses():
+    with pytest.raises(ValueError, match="do not pair"):
+        MathInstruction("bf16", "f16")
+    with pytest.raises(ValueError, match="use 'tf32'"):
+        MathInstruction("f32", "f32")
+    with pytest.raises(ValueError, match="SIMT is not implemented"):
+        MathInstruction("bf16", "bf16", opcode_class="simt")
+    with pytest.raises(ValueError, match="for FP8"):
+        MathInstruction("bf16", "bf16", math_operation="multiply_add_fast_accum")
+    with pytest.raises(ValueError, match="64 x N x 16"):
+        MathInstruction("bf16", "bf16", instruction_shape=(64, 128, 32))
+    assert MathInstruction("e4m3", "e5m2").k_step == 32
+    assert MathInstruction("bf16", "bf16", instruction_shape=(64, 256, 16)).k_step == 16
+
+
+def test_operation_refuses():
+    with pytest.raises(ValueError, match="A must be 'row' and B 'col'"):
+        make_op("tf32", "rrr", LinearCombination("f32"))
+    with pytest.raises(ValueError, match="D.element=bf16 does not match"):
+        GemmOperation(A=TensorDescription("bf16"), B=TensorDescription("bf16"),
+                      D=TensorDescription("bf16"), math=MathInstruction("bf16", "bf16"),
+                      epilogue=LinearCombination("f16"))
+    with pytest.raises(ValueError, match="not implemented yet"):
+        GemmOperation(A=TensorDescription("bf16"), B=TensorDescription("bf16"),
+                      D=TensorDescription("bf16"), math=MathInstruction("bf16", "bf16"),
+                      mode="array")
+    with pytest.raises(ValueError, match="stream-K tile scheduler"):
+        GemmOperation(A=TensorDescription("bf16"), B=TensorDescription("bf16"),
+                      D=TensorDescription("bf16"), math=MathInstruction("bf16", "bf16"),
+                      mode="split_k_serial")
+    with pytest.raises(ValueError, match="shared memory"):
+        make_op(tile_shape=(256, 256, 128))
+    with pytest.raises(ValueError, match="multiple of 64 bytes"):
+        make_op("e4m3", "rcr", LinearCombination("bf16"), tile_shape=(128, 128, 48))
+    with pytest.raises(ValueError, match="16-byte alignment"):
+        TensorDescription("bf16", alignment=4)
+    with pytest.raises(ValueError, match="activation"):
+        LinearCombination("bf16", activation="swish")
+    with pytest.raises(ValueError, match="bias"):
+        LinearCombination("bf16", bias="both")
+
+
+# ---------------------------------------------------------------------------------- emitter
+def test_emitted_source_plain():
+    src = make_op().emit()
+    assert 'extern "C" int vitrail_gemm(' in src
+    assert 'extern "C" int64_t vitrail_gemm_workspace(' in src
+    assert "KernelTmaWarpSpecializedCooperative" in src
+    assert "using ElementC = void;" in src  # no source: C is never read
+    assert "Sm90SrcFetch" not in src and "ActClamp" not in src
+    assert "gemm_universal_adapter" not in src  # the minimal instantiation
+    assert "Shape<_128, _128, _64>" in src and "PersistentScheduler" in src
+    assert "cutlass::layout::RowMajor" in src
+
+
+def test_emitted_source_fused():
+    epi = LinearCombination("bf16", element_source="bf16", bias="col", activation="gelu_tanh",
+                            clamp=True)
+    op = make_op("f16", "rcc", epilogue=epi, tile_shape=(128, 256, 64), cluster_shape=(2, 1, 1),
+                 tile_scheduler="stream_k")
+    src = op.emit()
+    assert "Sm90SrcFetch<cutlass::bfloat16_t>" in src
+    assert "Sm90RowBroadcast<0, TileShape, cutlass::bfloat16_t" in src  # N values: a row
+    assert "ActClamp<4, true>" in src
+    assert "StreamKScheduler" in src and "Decomposition::SplitK" in src
+    assert "using ElementA = cutlass::half_t;" in src
+    assert "using LayoutB = cutlass::layout::ColumnMajor;" in src
+    assert "Shape<_2, _1, _1>" in src
+    assert op.name.endswith("lincomb_c_biascol_gelu_tanh_clamp")
+    row = make_op(epilogue=LinearCombination("bf16", bias="row")).emit()
+    assert "Sm90ColBroadcast<0, TileShape, cutlass::bfloat16_t" in row
+
+
+def test_emitted_source_fp8_scales():
+    epi = LinearCombination("bf16", scale_a="row", scale_b="tensor")
+    op = GemmOperation(A=TensorDescription("e4m3", "row"), B=TensorDescription("e5m2", "col"),
+                       D=TensorDescription("bf16"), math=MathInstruction(
+                           "e4m3", "e5m2", math_operation="multiply_add_fast_accum"),
+                       tile=TileDescription((128, 128, 128)), epilogue=epi)
+    src = op.emit()
+    assert "KernelTmaWarpSpecializedCooperativeFP8FastAccum" in src
+    assert "cutlass::float_e4m3_t" in src and "cutlass::float_e5m2_t" in src
+    assert "Sm90ColBroadcast<0, TileShape, float" in src  # row-wise scale_a: one per row
+    assert "static_cast<float const*>(scale_b)" in src  # per-tensor scale_b: a device scalar
+    with pytest.raises(ValueError, match="for FP8"):
+        make_op(epilogue=LinearCombination("bf16", scale_a="tensor"))
+
+
+def test_distinct_configs_distinct_sources():
+    ops = [make_op(), make_op(cluster_shape=(2, 1, 1)), make_op("f16"),
+           make_op(layouts="crr"), make_op(epilogue=LinearCombination("bf16", activation="relu"))]
+    assert len({op.key() for op in ops}) == len(ops)
+    assert len({op.name for op in ops}) == len(ops)
+
+
+# ---------------------------------------------------------------------------- can_implement
+def args_for(op, a, b, d, **kw):
+    L = a.shape[0] if a.dim() == 3 else 1
+    return GemmArguments(A=describe(a, "a", op.A.layout), B=describe(b, "b", op.B.layout),
+                         D=describe(d, "d", op.D.layout), M=a.shape[-2], N=b.shape[-1],
+                         K=a.shape[-1], L=L, **kw)
+
+
+def test_can_implement_accepts_and_reads_transposes():
+    op = make_op(layouts="rcr")
+    a = torch.randn(100, 64, dtype=torch.bfloat16)
+    b = torch.randn(40, 64, dtype=torch.bfloat16).t()  # K x N, K contiguous: 'col'
+    d = torch.empty(100, 40, dtype=torch.bfloat16)
+    args = args_for(op, a, b, d)
+    assert args.B.layout == "col" and args.B.ld == 64
+    assert op.can_implement(args) == []
+
+
+def test_can_implement_reasons():
+    op = make_op()
+    a = torch.randn(100, 64, dtype=torch.bfloat16)
+    d = torch.empty(100, 40, dtype=torch.bfloat16)
+    b_col = torch.randn(40, 64, dtype=torch.bfloat16).t()
+    why = op.can_implement(args_for(op, a, b_col, d))
+    assert len(why) == 1 and "B is col-major" in why[0] and "'row'" in why[0]
+
+    b = torch.randn(64, 40, dtype=torch.bfloat16)
+    odd = torch.randn(100, 70, dtype=torch.bfloat16)[:, :64]  # leading stride 70
+    why = op.can_implement(args_for(op, odd, b, d))
+    assert any("leading stride 70 is not a multiple of 8" in w for w in why)
+
+    shifted = torch.randn(100 * 64 + 1, dtype=torch.bfloat16)[1:].view(100, 64)
+    why = op.can_implement(args_for(op, shifted, b, d))
+    assert any("not 16-byte aligned" in w for w in why)
+
+    why = op.can_implement(args_for(op, a.half(), b, d))
+    assert any("A has dtype f16, the operation takes bf16" in w for w in why)
+
+    why = op.can_implement(args_for(op, a, b, d, splits=4))
+    assert any("stream-K" in w for w in why)
+
+    bias = torch.randn(40, dtype=torch.bfloat16)
+    why = op.can_implement(args_for(op, a, b, d, bias=bias))
+    assert any("epilogue has none" in w for w in why)
+
+    with_bias = make_op(epilogue=LinearCombination("bf16", bias="row"))
+    why = with_bias.can_implement(args_for(with_bias, a, b, d, bias=bias))
+    assert any("must be 100 contiguous values" in w for w in why)
+    assert with_bias.can_implement(args_for(with_bias, a, b, d,
+                                            bias=torch.randn(100, dtype=torch.bfloat16))) == []
+
+    a3 = torch.randn(1, 100, 64, dtype=torch.bfloat16).expand(3, 100, 64)
+    b3 = torch.randn(3, 64, 40, dtype=torch.bfloat16)
+    d3 = torch.empty(3, 100, 40, dtype=torch.bfloat16)
+    why = op.can_implement(args_for(op, a3, b3, d3))
+    assert any("broadcast over the batch" in w for w in why)
+    assert op.can_implement(args_for(op, a3.contiguous(), b3, d3)) == []
+
+
+def test_degenerate_dims_get_aligned_strides():
+    op = make_op(layouts="rcr")
+    a = torch.randn(1, 64, dtype=torch.bfloat16)  # one row: its row stride is never used
+    b = torch.randn(64, 1, dtype=torch.bfloat16)  # one column: strides (1, 1)
+    d = torch.empty(1, 1, dtype=torch.bfloat16)
+    args = args_for(op, a, b, d)
+    assert args.B.layout == "col" and args.B.ld % 8 == 0  # the aligned reading of (1, 1)
+    assert op.can_implement(args) == []

@@ -1,0 +1,16 @@
+"""vitrail.gemm: GEMM kernels described in Python and emitted on CUTLASS 3 (sm_90a).
+
+A ``GemmOperation`` (operands as ``TensorDescription``, a ``MathInstruction``, a
+``TileDescription``, an epilogue functor such as ``LinearCombination``) emits the C++ of one
+CUTLASS 3 kernel (TMA, wgmma, warp specialization, persistent or stream-K scheduler), compiles it
+through vitrail.jit, and runs it on ``GemmArguments`` built from torch tensors, NumPy, CuPy or
+DLPack arrays. The torch ops on top live in ``vitrail.ops.gemm``.
+"""
+from vitrail.gemm.descriptions import (DTYPES, KERNEL_SCHEDULES, TILE_SCHEDULERS,
+                                       MathInstruction, TensorDescription, TileDescription)
+from vitrail.gemm.epilogue import ACTIVATIONS, LinearCombination
+from vitrail.gemm.operation import GemmOperation, compile_many
+
+__all__ = ["DTYPES", "KERNEL_SCHEDULES", "TILE_SCHEDULERS", "MathInstruction",
+           "TensorDescription", "TileDescription", "ACTIVATIONS", "LinearCombination",
+           "GemmOperation", "compile_many"]

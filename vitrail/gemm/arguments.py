@@ -1,0 +1,301 @@
+"""The runtime side of a GEMM: arguments from arrays, the checks TMA imposes, and the launch.
+
+``GemmArguments.from_tensors`` takes torch tensors, CuPy arrays (``__cuda_array_interface__``),
+DLPack-capable CUDA arrays (zero-copy views) and NumPy arrays (copied to the GPU; an output
+given as a NumPy array is copied back by ``args.sync()``). Matrices are 2-D (M x K) or 3-D
+batched (L x M x K); layouts and strides are read from the arrays, never assumed.
+
+``reasons(op, args)`` is ``GemmOperation.can_implement``: each reason names the operand and
+what to change (a layout, an alignment, a dtype).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from vitrail.gemm.descriptions import DTYPES, bits
+from vitrail.jit.errors import ArgumentError, LaunchError
+
+_TORCH_NAMES = {v[2]: k for k, v in DTYPES.items() if k != "tf32"}
+_SM_COUNT: dict[int, int] = {}
+
+
+def dtype_name(t: torch.Tensor) -> str:
+    return _TORCH_NAMES.get(str(t.dtype).removeprefix("torch."), str(t.dtype))
+
+
+def as_cuda_tensor(x: Any, name: str) -> tuple[torch.Tensor, Any]:
+    """(a CUDA tensor viewing or holding x, the NumPy array to copy results back to or None)."""
+    if x is None or isinstance(x, torch.Tensor):
+        if x is not None and x.device.type != "cuda":
+            raise ArgumentError(f"gemm: {name} is a tensor on {x.device}; pass a CUDA tensor "
+                                f"(or a NumPy array, which is copied)")
+        return x, None
+    if hasattr(x, "__cuda_array_interface__"):
+        return torch.as_tensor(x, device="cuda"), None
+    if hasattr(x, "__dlpack__"):
+        dev_type = int(x.__dlpack_device__()[0]) if hasattr(x, "__dlpack_device__") else 2
+        if dev_type in (2, 13):
+            return torch.from_dlpack(x), None
+    import numpy as np
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(x)).cuda(), x
+    raise ArgumentError(f"gemm: {name} got {type(x).__name__}; expected a torch tensor, a CuPy, "
+                        f"DLPack or NumPy array")
+
+
+@dataclass
+class Operand:
+    """One matrix operand as the kernel sees it."""
+    ptr: int
+    dtype: str
+    rows: int
+    cols: int
+    layout: Optional[str]  # 'row', 'col', or None (neither dimension is contiguous)
+    ld: int
+    batch_stride: int
+    strides: tuple
+
+
+def describe(t: torch.Tensor, name: str, want: str | None = None) -> Operand:
+    """Layout and strides of a 2-D or 3-D tensor; ``want`` breaks ties of degenerate shapes."""
+    if t.dim() not in (2, 3):
+        raise ArgumentError(f"gemm: {name} must be 2-D (rows x cols) or 3-D (batch x rows x "
+                            f"cols), got shape {tuple(t.shape)}")
+    rows, cols = t.shape[-2], t.shape[-1]
+    sr, sc = t.stride(-2), t.stride(-1)
+    align = max(1, 128 // bits(dtype_name(t))) if dtype_name(t) in DTYPES else 1
+    options = {}  # layout -> leading stride, for each layout the strides allow
+    if sc == 1 or cols == 1:
+        options["row"] = sr if rows > 1 else _round_up(max(cols, 1), align)
+    if sr == 1 or rows == 1:
+        options["col"] = sc if cols > 1 else _round_up(max(rows, 1), align)
+    order = ("col", "row") if want == "col" else ("row", "col")
+    ranked = [o for o in order if o in options and options[o] % align == 0] + \
+        [o for o in order if o in options]
+    layout = ranked[0] if ranked else None
+    ld = options.get(layout, 0)
+    L = t.shape[0] if t.dim() == 3 else 1
+    if L > 1:
+        batch = t.stride(0)
+    else:  # never used to address anything; keep it aligned and non-zero for TMA
+        batch = _round_up(max(ld * (rows if layout == "row" else cols), 1), align)
+    return Operand(t.data_ptr(), dtype_name(t), rows, cols, layout, ld, batch, tuple(t.stride()))
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+@dataclass
+class GemmArguments:
+    """Everything one launch needs besides the compiled operation (all runtime values)."""
+    A: Operand
+    B: Operand
+    D: Operand
+    M: int
+    N: int
+    K: int
+    L: int
+    C: Optional[Operand] = None
+    bias: Optional[torch.Tensor] = None
+    bias_batch_stride: int = 0
+    scale_a: Optional[torch.Tensor] = None
+    scale_b: Optional[torch.Tensor] = None
+    alpha: float = 1.0
+    beta: float = 0.0
+    slope: float = 0.01
+    lo: float = float("-inf")
+    hi: float = float("inf")
+    splits: int = 1
+    device: int = 0
+    keep: list = field(default_factory=list, repr=False)  # tensors that must outlive the launch
+    host_out: Any = field(default=None, repr=False)  # (NumPy D, CUDA D) for sync()
+
+    @classmethod
+    def from_tensors(cls, op, a, b, d=None, *, c=None, bias=None, scale_a=None, scale_b=None,
+                     alpha: float = 1.0, beta: float = 0.0, slope: float = 0.01,
+                     lo: float = float("-inf"), hi: float = float("inf"),
+                     splits: int = 1) -> "GemmArguments":
+        """Arguments for ``op`` on a (M x K), b (K x N), d (M x N; allocated when None), and
+        optionally c (M x N), bias (M or N values) and FP8 scales; batched when 3-D."""
+        a, _ = as_cuda_tensor(a, "a")
+        b, _ = as_cuda_tensor(b, "b")
+        c, _ = as_cuda_tensor(c, "c")
+        bias, _ = as_cuda_tensor(bias, "bias")
+        scale_a, _ = as_cuda_tensor(scale_a, "scale_a")
+        scale_b, _ = as_cuda_tensor(scale_b, "scale_b")
+        if a.shape[-1] != b.shape[-2]:
+            raise ArgumentError(f"gemm: a is {tuple(a.shape)} and b is {tuple(b.shape)}: a's "
+                                f"columns must equal b's rows")
+        M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
+        L = max(a.shape[0] if a.dim() == 3 else 1, b.shape[0] if b.dim() == 3 else 1)
+        for name, t in (("a", a), ("b", b)):
+            if t.dim() == 3 and t.shape[0] != L:
+                raise ArgumentError(f"gemm: {name} has batch {t.shape[0]}, expected {L}")
+        if L > 1:  # a 2-D operand of a batched problem is shared: batch stride 0
+            a = a if a.dim() == 3 else a.expand(L, *a.shape)
+            b = b if b.dim() == 3 else b.expand(L, *b.shape)
+        host = None
+        if d is None:
+            dtype = getattr(torch, DTYPES[op.D.element][2])
+            shape = (L, M, N) if L > 1 else (M, N)
+            d = torch.empty(shape, dtype=dtype, device=a.device)
+            if op.D.layout == "col":
+                d = d.transpose(-1, -2).contiguous().transpose(-1, -2)
+        else:
+            d, np_d = as_cuda_tensor(d, "d")
+            if np_d is not None:
+                host = (np_d, d)
+        if tuple(d.shape[-2:]) != (M, N):
+            raise ArgumentError(f"gemm: d has shape {tuple(d.shape)}, expected (..., {M}, {N})")
+        args = cls(A=describe(a, "a", op.A.layout), B=describe(b, "b", op.B.layout),
+                   D=describe(d, "d", op.D.layout), M=M, N=N, K=K, L=L,
+                   alpha=float(alpha), beta=float(beta), slope=float(slope), lo=float(lo),
+                   hi=float(hi), splits=int(splits), device=a.device.index or 0,
+                   keep=[a, b, d], host_out=host)
+        if c is not None:
+            if L > 1 and c.dim() == 2:
+                c = c.expand(L, *c.shape)
+            args.C = describe(c, "c", op.D.layout)
+            args.keep.append(c)
+        if bias is not None:
+            args.bias = bias
+            args.bias_batch_stride = bias.stride(0) if bias.dim() == 2 and L > 1 else 0
+            args.keep.append(bias)
+        args.scale_a, args.scale_b = scale_a, scale_b
+        args.keep += [s for s in (scale_a, scale_b) if s is not None]
+        return args
+
+    @property
+    def output(self) -> torch.Tensor:
+        return self.keep[2]
+
+    def sync(self):
+        """Wait for the GPU; copy a NumPy output back. Returns the output (array or tensor)."""
+        torch.cuda.synchronize(self.device)
+        if self.host_out is not None:
+            np_d, d = self.host_out
+            np_d[...] = d.cpu().numpy()
+            return np_d
+        return self.output
+
+
+def _operand_reasons(name: str, x: Operand | None, want_dtype: str, want_layout: str,
+                     L: int) -> list[str]:
+    if x is None:
+        return [f"{name} is missing"]
+    why = []
+    mem = "f32" if want_dtype == "tf32" else want_dtype
+    if x.dtype != mem:
+        why.append(f"{name} has dtype {x.dtype}, the operation takes {mem}")
+        return why
+    if x.layout != want_layout:
+        found = x.layout or f"neither (strides {x.strides})"
+        why.append(f"{name} is {found}-major in memory, the operation takes '{want_layout}' "
+                   f"(transpose, or use an operation with {name}.layout='{x.layout}')")
+        return why
+    align = 128 // bits(mem)
+    if x.ptr % 16:
+        why.append(f"{name}'s address is not 16-byte aligned (TMA needs it): copy it to an "
+                   f"aligned buffer")
+    if x.ld % align:
+        why.append(f"{name}'s leading stride {x.ld} is not a multiple of {align} elements "
+                   f"(16 bytes, TMA needs it): pad the leading dimension")
+    if L > 1 and x.batch_stride == 0:
+        why.append(f"{name} is broadcast over the batch (batch stride 0), which the TMA "
+                   f"descriptors here do not take: materialize it")
+    elif x.batch_stride % align:
+        why.append(f"{name}'s batch stride {x.batch_stride} is not a multiple of {align} "
+                   f"elements (16 bytes)")
+    return why
+
+
+def reasons(op, args: GemmArguments) -> list[str]:
+    """Why op cannot run args; [] when it can."""
+    why = []
+    for name, v in (("M", args.M), ("N", args.N), ("K", args.K), ("L", args.L)):
+        if not 1 <= v < 2**31:
+            why.append(f"{name}={v} is outside [1, 2^31) (empty problems are the caller's "
+                       f"to handle)")
+    why += _operand_reasons("A", args.A, op.math.element_a, op.A.layout, args.L)
+    why += _operand_reasons("B", args.B, op.math.element_b, op.B.layout, args.L)
+    why += _operand_reasons("D", args.D, op.D.element, op.D.layout, args.L)
+    epi = op.epilogue
+    if epi.has_source:
+        why += _operand_reasons("C", args.C, epi.element_source, op.D.layout, args.L)
+    elif args.C is not None:
+        why.append("C is given but the operation's epilogue reads no source")
+    if args.D is not None and args.D.layout is not None and args.L > 1 and args.D.batch_stride \
+            == 0:
+        pass  # reported above
+    if epi.bias is None and args.bias is not None:
+        why.append("a bias is given but the operation's epilogue has none")
+    if epi.bias is not None:
+        n = args.M if epi.bias == "row" else args.N
+        b = args.bias
+        if b is None:
+            why.append(f"the operation adds a bias ({epi.bias}) but none is given")
+        elif dtype_name(b) != epi.element_bias:
+            why.append(f"bias has dtype {dtype_name(b)}, the operation takes {epi.element_bias}")
+        elif b.shape[-1] != n or b.stride(-1) != 1 or b.dim() > 2:
+            why.append(f"bias must be {n} contiguous values ({epi.bias} bias), optionally one "
+                       f"row per batch; got shape {tuple(b.shape)}, strides {b.stride()}")
+    for name, kind, n in (("scale_a", epi.scale_a, args.M), ("scale_b", epi.scale_b, args.N)):
+        s = getattr(args, name)
+        if kind is None and s is not None:
+            why.append(f"{name} is given but the operation has no {name}")
+        elif kind is not None:
+            want = 1 if kind == "tensor" else n
+            if s is None or s.dtype != torch.float32 or s.numel() != want or (
+                    want > 1 and not s.is_contiguous()):
+                got = "none" if s is None else f"{s.dtype} {tuple(s.shape)}"
+                why.append(f"{name} must be {want} contiguous float32 value(s) ({kind}), got "
+                           f"{got}")
+    if args.splits != 1 and op.tile.tile_scheduler != "stream_k":
+        why.append(f"splits={args.splits} needs the stream-K tile scheduler")
+    if args.splits < 0:
+        why.append(f"splits={args.splits} must be >= 0 (0: stream-K heuristic)")
+    return why
+
+
+def _sm_count(device: int) -> int:
+    n = _SM_COUNT.get(device)
+    if n is None:
+        n = _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return n
+
+
+def launch(op, module, args: GemmArguments, stream=None) -> None:
+    """Call the compiled entry point (checks already done by can_implement)."""
+    from vitrail.gemm.emitter import CODES
+    sm = _sm_count(args.device)
+    workspace, ws_bytes = 0, 0
+    if op.tile.tile_scheduler == "stream_k":
+        ws_bytes = module.function("vitrail_gemm_workspace")(args.M, args.N, args.K, args.L,
+                                                              args.splits, sm)
+        if ws_bytes:
+            buf = torch.empty(ws_bytes, dtype=torch.uint8, device=f"cuda:{args.device}")
+            args.keep.append(buf)
+            workspace = buf.data_ptr()
+    if stream is None:
+        stream = torch._C._cuda_getCurrentRawStream(args.device)
+    c = args.C
+    ptr = (lambda t: 0 if t is None else t.data_ptr())
+    values = (args.A.ptr, args.B.ptr, c.ptr if c else 0, args.D.ptr, ptr(args.bias),
+              ptr(args.scale_a), ptr(args.scale_b), args.M, args.N, args.K, args.L,
+              args.A.ld, args.A.batch_stride, args.B.ld, args.B.batch_stride,
+              c.ld if c else 0, c.batch_stride if c else 0, args.D.ld, args.D.batch_stride,
+              args.bias_batch_stride, args.alpha, args.beta, args.slope, args.lo, args.hi,
+              args.splits, workspace, ws_bytes, sm)
+    fn = module.function("vitrail_gemm")
+    if torch.cuda.current_device() != args.device:
+        with torch.cuda.device(args.device):
+            code = fn(*values, stream=stream)
+    else:
+        code = fn(*values, stream=stream)
+    if code:
+        what = CODES.get(code) or f"CUDA error {code}"
+        raise LaunchError(f"{op.name}: {what}")

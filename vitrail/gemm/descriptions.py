@@ -1,0 +1,190 @@
+"""What a GEMM kernel is made of, described in Python: math instruction, tiles, operands, mode.
+
+The descriptions follow CUTLASS 3's concepts (and PyCUTLASS's names) so that someone who knows
+CUTLASS reads them at once, and each one validates itself when built: a description that cannot
+become a working sm_90a kernel raises ``ValueError`` saying which field to change. Everything
+here is static (template arguments); sizes, strides, pointers and scalars stay runtime arguments
+of the compiled kernel (see ``GemmOperation.can_implement`` for the runtime checks).
+
+Operand layouts use BLAS terms on the logical matrices A (M x K), B (K x N), C and D (M x N):
+``row`` means the last index is contiguous (A row-major is K-major, B row-major is N-major).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+# name -> (C++ type, bits, torch dtype name)
+DTYPES: dict[str, tuple[str, int, str]] = {
+    "bf16": ("cutlass::bfloat16_t", 16, "bfloat16"),
+    "f16": ("cutlass::half_t", 16, "float16"),
+    "f32": ("float", 32, "float32"),
+    "tf32": ("float", 32, "float32"),  # fp32 in memory, TF32 on the tensor cores
+    "e4m3": ("cutlass::float_e4m3_t", 8, "float8_e4m3fn"),
+    "e5m2": ("cutlass::float_e5m2_t", 8, "float8_e5m2"),
+}
+FP8 = ("e4m3", "e5m2")
+LAYOUTS = ("row", "col")
+KERNEL_SCHEDULES = ("cooperative", "pingpong")
+TILE_SCHEDULERS = ("persistent", "stream_k")
+MODES = ("gemm", "batched", "split_k_serial", "split_k_parallel", "array")
+IMPLEMENTED_MODES = ("gemm", "batched", "split_k_serial")
+SMEM_BYTES_SM90 = 227 * 1024  # opt-in shared memory per CTA on sm_90
+
+
+def _check_dtype(what: str, name: str, allowed=tuple(DTYPES)) -> None:
+    if name not in allowed:
+        raise ValueError(f"{what}: expected one of {', '.join(allowed)}, got {name!r}")
+
+
+def bits(dtype: str) -> int:
+    return DTYPES[dtype][1]
+
+
+def cpp_type(dtype: str) -> str:
+    return DTYPES[dtype][0]
+
+
+@dataclass(frozen=True)
+class MathInstruction:
+    """The tensor-core instruction family: operand and accumulator types, op class, math op.
+
+    On sm_90 the CollectiveBuilder picks the wgmma shape from the tile (64 x tile_N x K-step);
+    ``instruction_shape`` may be given to state it, and is checked against that rule.
+    ``math_operation``: "multiply_add" (exact accumulation), or "multiply_add_fast_accum"
+    (FP8 only: accumulate in the tensor core's reduced-precision mode, as cuBLAS's fast mode).
+    """
+    element_a: str
+    element_b: str
+    element_accumulator: str = "f32"
+    opcode_class: str = "tensorop"
+    math_operation: str = "multiply_add"
+    instruction_shape: Optional[tuple[int, int, int]] = None
+
+    def __post_init__(self):
+        _check_dtype("MathInstruction.element_a", self.element_a)
+        _check_dtype("MathInstruction.element_b", self.element_b)
+        _check_dtype("MathInstruction.element_accumulator", self.element_accumulator, ("f32",))
+        if self.opcode_class != "tensorop":
+            raise ValueError(f"MathInstruction.opcode_class={self.opcode_class!r}: only "
+                             f"'tensorop' (wgmma) kernels are emitted for sm_90; SIMT is not "
+                             f"implemented")
+        if self.math_operation not in ("multiply_add", "multiply_add_fast_accum"):
+            raise ValueError(f"MathInstruction.math_operation={self.math_operation!r}: expected "
+                             f"'multiply_add' or 'multiply_add_fast_accum'")
+        a, b = self.element_a, self.element_b
+        if (a in FP8) != (b in FP8) or (a not in FP8 and a != b):
+            raise ValueError(f"MathInstruction: element_a={a} and element_b={b} do not pair: "
+                             f"both must be the same 16/32-bit type, or both FP8")
+        if a == "f32":
+            raise ValueError("MathInstruction: element 'f32' has no wgmma; use 'tf32' (fp32 in "
+                             "memory, TF32 multiplies)")
+        if self.math_operation == "multiply_add_fast_accum" and a not in FP8:
+            raise ValueError("MathInstruction: 'multiply_add_fast_accum' is for FP8 operands")
+        if self.instruction_shape is not None:
+            m, n, k = self.instruction_shape
+            if m != 64 or n % 8 or not 8 <= n <= 256 or k * bits(a) != 256:
+                raise ValueError(f"MathInstruction.instruction_shape={self.instruction_shape}: "
+                                 f"wgmma is 64 x N x (32 bytes of K) with N a multiple of 8 "
+                                 f"up to 256; for {a} that is 64 x N x {256 // bits(a)}")
+
+    @property
+    def k_step(self) -> int:
+        return 256 // bits(self.element_a)
+
+
+@dataclass(frozen=True)
+class TileDescription:
+    """The CTA tile (M, N, K), the cluster, the pipeline stages (0: as many as fit), the kernel
+    schedule (warp-specialized 'cooperative' or 'pingpong') and the tile scheduler ('persistent'
+    or 'stream_k', which also serves split-K)."""
+    tile_shape: tuple[int, int, int] = (128, 128, 64)
+    cluster_shape: tuple[int, int, int] = (1, 1, 1)
+    stages: int = 0
+    kernel_schedule: str = "cooperative"
+    tile_scheduler: str = "persistent"
+
+    def __post_init__(self):
+        tm, tn, tk = self.tile_shape
+        if self.kernel_schedule not in KERNEL_SCHEDULES:
+            raise ValueError(f"TileDescription.kernel_schedule={self.kernel_schedule!r}: expected "
+                             f"one of {', '.join(KERNEL_SCHEDULES)}")
+        if self.tile_scheduler not in TILE_SCHEDULERS:
+            raise ValueError(f"TileDescription.tile_scheduler={self.tile_scheduler!r}: expected "
+                             f"one of {', '.join(TILE_SCHEDULERS)}")
+        if self.kernel_schedule == "cooperative" and tm not in (128, 256):
+            raise ValueError(f"TileDescription.tile_shape={self.tile_shape}: the cooperative "
+                             f"schedule splits tile M over 2 warpgroups of 64 rows: tile M must "
+                             f"be 128 or 256")
+        if self.kernel_schedule == "pingpong" and tm not in (64, 128):
+            raise ValueError(f"TileDescription.tile_shape={self.tile_shape}: the pingpong "
+                             f"schedule gives each warpgroup a whole tile: tile M must be 64 "
+                             f"or 128")
+        if tn % 16 or not 16 <= tn <= 256:
+            raise ValueError(f"TileDescription.tile_shape={self.tile_shape}: tile N must be a "
+                             f"multiple of 16 from 16 to 256 (a wgmma N)")
+        if tk <= 0 or tk % 16:
+            raise ValueError(f"TileDescription.tile_shape={self.tile_shape}: tile K must be a "
+                             f"positive multiple of 16")
+        cm, cn, ck = self.cluster_shape
+        if ck != 1 or cm < 1 or cn < 1 or cm & (cm - 1) or cn & (cn - 1) or cm * cn > 8:
+            raise ValueError(f"TileDescription.cluster_shape={self.cluster_shape}: expected "
+                             f"(m, n, 1) with powers of two and m * n <= 8")
+        if self.tile_scheduler == "stream_k" and self.kernel_schedule != "cooperative":
+            raise ValueError("TileDescription: the stream-K scheduler needs the cooperative "
+                             "kernel schedule")
+        if self.stages < 0 or self.stages == 1:
+            raise ValueError(f"TileDescription.stages={self.stages}: expected 0 (auto) or >= 2")
+
+    @property
+    def threads(self) -> int:
+        return 384  # one producer warpgroup + two consumer warpgroups, both schedules
+
+
+@dataclass(frozen=True)
+class TensorDescription:
+    """One operand in global memory: element type, layout ('row' or 'col') and alignment in
+    elements (the guaranteed divisor of leading strides and base addresses; TMA needs 16
+    bytes)."""
+    element: str
+    layout: str = "row"
+    alignment: int = 0  # 0: 16 bytes' worth
+
+    def __post_init__(self):
+        _check_dtype("TensorDescription.element", self.element)
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"TensorDescription.layout={self.layout!r}: expected 'row' or 'col'")
+        full = 128 // bits(self.element)
+        if self.alignment == 0:
+            object.__setattr__(self, "alignment", full)
+        elif self.alignment != full:
+            raise ValueError(f"TensorDescription.alignment={self.alignment}: the TMA kernels need "
+                             f"16-byte alignment, {full} elements of {self.element}; operands "
+                             f"with less are copied to aligned buffers by the torch ops")
+
+    @property
+    def cpp_layout(self) -> str:
+        return "cutlass::layout::RowMajor" if self.layout == "row" else \
+            "cutlass::layout::ColumnMajor"
+
+
+def k_major(operand: str, desc: TensorDescription) -> bool:
+    """Whether operand 'a' (M x K) or 'b' (K x N) is contiguous along K."""
+    return desc.layout == ("row" if operand == "a" else "col")
+
+
+@dataclass(frozen=True)
+class Mode:
+    """How the problem maps to the kernel: 'gemm' and 'batched' (one kernel: the batch count L
+    is a runtime argument), 'split_k_serial' (stream-K scheduler with a split count at run time,
+    partial tiles reduced in a workspace); 'split_k_parallel' and 'array' are described but not
+    implemented yet."""
+    kind: str = "gemm"
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self):
+        if self.kind not in MODES:
+            raise ValueError(f"mode={self.kind!r}: expected one of {', '.join(MODES)}")
+        if self.kind not in IMPLEMENTED_MODES:
+            raise ValueError(f"mode={self.kind!r} is not implemented yet (implemented: "
+                             f"{', '.join(IMPLEMENTED_MODES)})")
