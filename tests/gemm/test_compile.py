@@ -1,0 +1,44 @@
+"""Compile-only builds of two representative GEMM operations for sm_90a (CI has no GPU): the
+torch op's default kernel (bf16, persistent, 2x1 cluster) and a fused-epilogue kernel (fp16,
+C + column bias + gelu_tanh + clamp, B column-major, stream-K). Built in parallel: two builds,
+about 80 s each on one core."""
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import requires_nvcc
+
+
+@pytest.mark.slow
+@requires_nvcc
+def test_compile_representative_operations(monkeypatch):
+    monkeypatch.setenv("VITRAIL_ARCH", "90a")
+    from vitrail.gemm import (GemmOperation, LinearCombination, MathInstruction,
+                              TensorDescription, TileDescription, compile_many)
+    from vitrail.ops.gemm.configs import Problem, default_kinds
+    from vitrail.ops.gemm.launch import op_for
+    from vitrail.tune import limits
+
+    lim = limits(arch="90a")
+    op = op_for(default_kinds()[0])
+    config = op.space.default(Problem(4096, 4096, 4096), lim)
+    from vitrail.ops.gemm.configs import operation
+    plain = operation(default_kinds()[0], config)
+    fused = GemmOperation(
+        A=TensorDescription("f16", "row"), B=TensorDescription("f16", "col"),
+        D=TensorDescription("f16", "row"), math=MathInstruction("f16", "f16"),
+        tile=TileDescription((128, 128, 64), (1, 2, 1), tile_scheduler="stream_k"),
+        epilogue=LinearCombination("f16", element_source="f16", bias="col",
+                                   activation="gelu_tanh", clamp=True))
+    failures = compile_many([plain, fused], arch="90a", max_workers=2)
+    assert not failures, failures
+    for g in (plain, fused):
+        mod = g.compile(arch="90a")  # from the cache now
+        assert mod.how == "disk"
+        assert "wgmma.mma_async" in mod.ptx and "cp.async.bulk.tensor" in mod.ptx
+        res = mod.resources()
+        kernel = [r for name, r in res.items() if "GemmUniversal" in name]
+        assert kernel and not any(r.spills for r in kernel), res
+        mod.function("vitrail_gemm")  # the entry points load
+        mod.function("vitrail_gemm_workspace")
+    assert op.module(config).key == plain.compile(arch="90a").key  # the op's kernel is this one

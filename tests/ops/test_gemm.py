@@ -1,0 +1,285 @@
+"""vitrail.ops mm / bmm / gemm / scaled_mm / grouped_mm: argument errors, fake impls and configs
+on the CPU; values against an fp64 reference (every dtype, layouts, epilogues, odd shapes,
+non-contiguous and misaligned inputs), autograd, opcheck and torch.compile on a GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import requires_gpu
+from tests.ops.shared_cache import cache_dir  # noqa: F401
+from vitrail.jit.errors import ArgumentError
+
+def family():
+    """The gemm family's module (vitrail.ops.gemm, whose attribute name is also a function)."""
+    import importlib
+    return importlib.import_module("vitrail.ops.gemm")
+
+
+ULP = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -11}
+
+
+# ------------------------------------------------------------------------------ CPU tests
+def test_argument_errors():
+    ops = family()
+    cpu = torch.randn(4, 8, dtype=torch.bfloat16)
+    with pytest.raises(ArgumentError, match="a must be on a CUDA device"):
+        ops.mm(cpu, cpu.t())
+    meta = lambda *s, dt=torch.bfloat16: torch.empty(*s, device="meta", dtype=dt)  # noqa: E731
+    with pytest.raises(ArgumentError, match="must be on a CUDA device"):
+        ops.gemm(meta(4, 8), meta(8, 3))
+
+
+def test_fake_impls_shapes_and_dtypes():
+    meta = lambda *s, dt=torch.bfloat16: torch.empty(*s, device="meta", dtype=dt)  # noqa: E731
+    out = torch.ops.vitrail.gemm(meta(5, 7), meta(7, 3), None, meta(3), 1.0, 0.0, "gelu", 0.01,
+                                 None, None, torch.float32)
+    assert out.shape == (5, 3) and out.dtype == torch.float32
+    out = torch.ops.vitrail.gemm(meta(4, 5, 7), meta(7, 3), None, None, 1.0, 0.0, None, 0.01,
+                                 None, None, None)
+    assert out.shape == (4, 5, 3) and out.dtype == torch.bfloat16
+    e4 = torch.float8_e4m3fn
+    out = torch.ops.vitrail.scaled_mm(meta(5, 32, dt=e4), meta(32, 16, dt=e4),
+                                      meta((), dt=torch.float32), meta((), dt=torch.float32),
+                                      None, torch.bfloat16, False)
+    assert out.shape == (5, 16) and out.dtype == torch.bfloat16
+
+
+def test_heuristic_and_space():
+    from vitrail.ops.gemm import configs
+    from vitrail.tune import limits
+    lim = limits(arch="90a")
+    for kind in configs.default_kinds():
+        space = configs.space(kind)
+        valid = space.valid(lim)
+        assert 0 < len(valid) < space.size  # the descriptions refuse some combinations
+        big = space.default(configs.Problem(8192, 8192, 8192), lim)
+        assert (big.tile, big.cluster, big.scheduler) == ("128x256x64", "2x1", "persistent")
+        skinny = space.default(configs.Problem(64, 8192, 8192), lim)
+        assert skinny.scheduler == "stream_k"
+        reason = space.reasons(space.config(tile="64x128x64", cluster="1x1",
+                                            schedule="cooperative", scheduler="persistent"), lim)
+        assert reason and "cooperative schedule" in reason[0]
+    assert configs.space(configs.default_kinds()[0]).reasons(
+        big, limits(arch="80"))[0].startswith("the GEMM kernels are sm_90a")
+
+
+# ------------------------------------------------------------------------------ GPU tests
+@pytest.fixture
+def poison():
+    from vitrail.ops.gemm import launch
+    launch.POISON = True
+    yield
+    launch.POISON = False
+
+
+def assert_matches(out, ref64, torch_out, dtype):
+    """Our error against fp64 is at most 2x torch's own error in the same dtype, plus an ulp."""
+    assert out.shape == ref64.shape, (out.shape, ref64.shape)
+    assert not torch.isnan(out).any(), "NaN in the output (an element was not written)"
+    scale = ref64.abs().max().item() + 1e-6
+    err = (out.double() - ref64).abs().max().item()
+    terr = (torch_out.double() - ref64).abs().max().item()
+    assert err <= 2 * terr + ULP[dtype] * scale, f"error {err:.3g} vs torch {terr:.3g} " \
+                                                 f"(scale {scale:.3g})"
+
+
+def rand(*shape, dtype=torch.bfloat16):
+    return torch.randn(*shape, device="cuda").to(dtype)
+
+
+def layout(t: torch.Tensor, how: str) -> torch.Tensor:
+    """The same values in another memory layout: 'row', 'col' (a transposed view), 'slice'
+    (a column slice, leading stride padded), 'offset' (address not 16-byte aligned)."""
+    if how == "row":
+        return t.contiguous()
+    if how == "col":
+        return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+    if how == "slice":
+        big = torch.empty(*t.shape[:-1], t.shape[-1] + 3, dtype=t.dtype, device=t.device)
+        big[..., 1:t.shape[-1] + 1] = t
+        return big[..., 1:t.shape[-1] + 1]
+    if how == "offset":
+        flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+        view = flat[1:].view(t.shape)
+        view.copy_(t)
+        return view
+    raise ValueError(how)
+
+
+SHAPES = [(1, 1, 1), (7, 7, 7), (1000, 7, 4097), (7, 1000, 1000), (4097, 1000, 7),
+          (1000, 4097, 1000), (128, 256, 64), (1, 4097, 4097)]
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("M,N,K", SHAPES)
+def test_mm_values(dtype, M, N, K, poison):
+    ops = family()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    a, b = rand(M, K, dtype=dtype), rand(K, N, dtype=dtype)
+    ref = a.double() @ b.double()
+    assert_matches(ops.mm(a, b), ref, a @ b, dtype)
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("la,lb", [("row", "col"), ("col", "row"), ("col", "col"),
+                                   ("slice", "row"), ("offset", "col"), ("row", "slice")])
+def test_mm_layouts(dtype, la, lb, poison):
+    ops = family()
+    a, b = rand(1000, 520, dtype=dtype), rand(520, 300, dtype=dtype)
+    ref = a.double() @ b.double()
+    a2, b2 = layout(a, la), layout(b, lb)
+    assert_matches(ops.mm(a2, b2), ref, a @ b, dtype)
+
+
+@requires_gpu
+def test_transposed_views_are_not_copied(monkeypatch):
+    ops = family()
+    from vitrail.ops.gemm import launch
+    copies = []
+    real = launch.aligned
+
+    def spy(t, want):
+        out = real(t, want)
+        copies.append(out[0].data_ptr() != t.data_ptr())
+        return out
+    monkeypatch.setattr(launch, "aligned", spy)
+    a, b = rand(256, 512), rand(384, 512)
+    ops.mm(a, b.t())
+    ops.mm(a.t().contiguous().t(), b.t())
+    assert copies == [False, False, False, False]
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_bmm(dtype, poison):
+    ops = family()
+    a, b = rand(3, 1000, 72, dtype=dtype), rand(3, 72, 520, dtype=dtype)
+    assert_matches(ops.bmm(a, b), a.double() @ b.double(), torch.bmm(a, b), dtype)
+    bt = layout(b, "col")
+    assert_matches(ops.bmm(a, bt), a.double() @ b.double(), torch.bmm(a, b), dtype)
+    # a batch against one matrix (folded into M) and a broadcast batch (materialized)
+    b2 = rand(72, 520, dtype=dtype)
+    assert_matches(ops.gemm(a, b2), a.double() @ b2.double(), a @ b2, dtype)
+    a1 = rand(1, 1000, 72, dtype=dtype).expand(3, -1, -1)
+    assert_matches(ops.bmm(a1, b), a1.double() @ b.double(), torch.bmm(a1, b), dtype)
+
+
+EPILOGUES = [
+    dict(bias="col"), dict(bias="row"), dict(c=True, alpha=0.5, beta=-2.0),
+    dict(bias="col", activation="relu"), dict(bias="col", activation="gelu"),
+    dict(bias="col", activation="gelu_tanh", c=True, beta=0.5),
+    dict(activation="silu"), dict(activation="sigmoid"), dict(activation="tanh"),
+    dict(activation="hardswish", bias="row"), dict(activation="leaky_relu", slope=0.2),
+    dict(bias="col", activation="gelu", clamp_min=-0.1, clamp_max=0.3),
+]
+
+
+@requires_gpu
+@pytest.mark.parametrize("epi", EPILOGUES, ids=lambda e: "-".join(f"{k}={v}" for k, v in e.items()))
+@pytest.mark.parametrize("M,N,K", [(1000, 4097, 520), (7, 1000, 4097)])
+def test_gemm_epilogues(epi, M, N, K, poison):
+    ops = family()
+    from vitrail.ops.gemm.reference import gemm_reference
+    epi = dict(epi)
+    a, b = rand(M, K), rand(K, N)
+    kw = {k: epi[k] for k in ("alpha", "beta", "activation", "slope", "clamp_min", "clamp_max")
+          if k in epi}
+    c = rand(M, N) if epi.get("c") else None
+    bias = {"col": rand(N), "row": rand(M, 1), None: None}[epi.get("bias")]
+    out = ops.gemm(a, b, c, bias=bias, **kw)
+    rkw = dict(kw)
+    rkw["activation_name"] = rkw.pop("activation", None)
+    ref = gemm_reference(a, b, c, bias=bias, out_dtype=torch.float64, **rkw)
+    torch_out = gemm_reference(a, b, c, bias=bias, compute_dtype=torch.float32, **rkw)
+    assert_matches(out, ref, torch_out, torch.bfloat16)
+
+
+@requires_gpu
+def test_out_dtype_and_empty(poison):
+    ops = family()
+    a, b = rand(300, 256), rand(256, 200)
+    out = ops.mm(a, b, out_dtype=torch.float32)
+    assert out.dtype == torch.float32
+    assert_matches(out, a.double() @ b.double(), (a.float() @ b.float()), torch.float32)
+    for (M, N, K) in [(0, 5, 8), (5, 0, 8), (5, 8, 0)]:
+        x, y = rand(M, K), rand(K, N)
+        r, t = ops.mm(x, y), torch.mm(x, y)
+        assert r.shape == t.shape and r.dtype == t.dtype and torch.equal(r, t)
+    assert ops.bmm(rand(0, 5, 8), rand(0, 8, 3)).shape == (0, 5, 3)
+
+
+@requires_gpu
+def test_autograd_matches_torch():
+    ops = family()
+    a = rand(130, 72).requires_grad_()
+    b = rand(72, 96).requires_grad_()
+    bias = rand(96).requires_grad_()
+    c = rand(130, 96).requires_grad_()
+    out = ops.gemm(a, b, c, beta=0.5, bias=bias, activation="gelu")
+    g = rand(130, 96)
+    grads = torch.autograd.grad(out, (a, b, c, bias), g)
+    a2, b2, c2, bias2 = (t.detach().double().requires_grad_() for t in (a, b, c, bias))
+    ref = torch.nn.functional.gelu(a2 @ b2 + 0.5 * c2 + bias2)
+    refs = torch.autograd.grad(ref, (a2, b2, c2, bias2), g.double())
+    for ours, r in zip(grads, refs):
+        err = (ours.double() - r).abs().max().item()
+        assert err <= 0.03 * r.abs().max().item(), err
+    x = rand(4, 33, 40).requires_grad_()
+    y = rand(40, 24).requires_grad_()
+    gx, gy = torch.autograd.grad(ops.gemm(x, y).float().sum(), (x, y))
+    rx, ry = torch.autograd.grad((x.double() @ y.double()).sum(), (x, y))
+    assert (gx.double() - rx).abs().max() <= 0.02 * rx.abs().max()
+    assert (gy.double() - ry).abs().max() <= 0.02 * ry.abs().max()
+
+
+@requires_gpu
+def test_opcheck_and_compile():
+    ops = family()
+    a, b, bias = rand(64, 32), rand(32, 48), rand(48)
+    torch.library.opcheck(torch.ops.vitrail.gemm.default,
+                          (a, b, None, bias, 1.0, 0.0, "relu", 0.01, None, None, None))
+    f = torch.compile(lambda x, y, z: ops.gemm(x, y, bias=z, activation="relu") * 2,
+                      fullgraph=True)
+    torch.testing.assert_close(f(a, b, bias), 2 * ops.gemm(a, b, bias=bias, activation="relu"))
+
+
+@requires_gpu
+@pytest.mark.parametrize("da,db", [(torch.float8_e4m3fn, torch.float8_e4m3fn),
+                                   (torch.float8_e4m3fn, torch.float8_e5m2)])
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_scaled_mm(da, db, rowwise, poison):
+    ops = family()
+    M, N, K = 1000, 528, 4096
+    a = (rand(M, K, dtype=torch.float32) * 0.5).to(da)
+    b = (rand(N, K, dtype=torch.float32) * 0.5).to(db).t()  # column-major, as torch wants
+    if rowwise:
+        sa = torch.rand(M, 1, device="cuda") + 0.5
+        sb = torch.rand(1, N, device="cuda") + 0.5
+    else:
+        sa, sb = torch.tensor(0.75, device="cuda"), torch.tensor(1.25, device="cuda")
+    bias = rand(N)
+    out = ops.scaled_mm(a, b, sa, sb, bias=bias, out_dtype=torch.bfloat16)
+    ref = (a.double() @ b.double()) * sa.double() * sb.double() + bias.double()
+    theirs = torch._scaled_mm(a, b, sa, sb, bias=bias, out_dtype=torch.bfloat16)
+    assert_matches(out, ref, theirs, torch.bfloat16)
+
+
+@requires_gpu
+def test_grouped_mm(poison):
+    ops = family()
+    K, N = 256, 136
+    ends = torch.tensor([100, 100, 357, 400], device="cuda", dtype=torch.int32)
+    a, b = rand(420, K), rand(4, K, N)
+    out = ops.grouped_mm(a, b, ends)
+    starts = [0] + ends.tolist()[:-1]
+    for g, (s, e) in enumerate(zip(starts, ends.tolist())):
+        if e > s:
+            ref = a[s:e].double() @ b[g].double()
+            assert_matches(out[s:e], ref, a[s:e] @ b[g], torch.bfloat16)
+    assert (out[400:] == 0).all()
+    xs, ys = [rand(33, 64), rand(70, 128)], [rand(64, 24), rand(128, 40)]
+    for o, x, y in zip(ops.grouped_mm(xs, ys), xs, ys):
+        assert_matches(o, x.double() @ y.double(), x @ y, torch.bfloat16)

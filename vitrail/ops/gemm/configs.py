@@ -1,0 +1,117 @@
+"""The GEMM family's tuning space and heuristic, and the mapping config -> GemmOperation.
+
+A *kind* is what the tensors fix (dtypes, layouts, epilogue); a *config* is what we choose
+(tile, cluster, kernel schedule, tile scheduler); one Op per kind (built on first use) holds the
+space over configs, so PickBest tunes tiles, never dtypes. Constraints are the descriptions' own
+validation: a config that cannot become a kernel is refused with the description's reason.
+
+Heuristic (H100, 132 SMs): 128x256x64 cooperative with a 2x1 cluster for large 16-bit problems
+(the stock CUTLASS config that reached 764 TFLOP/s at 8192^3); when the output has too few tiles
+to fill the GPU and K is long (e.g. 64 x 8192 x 8192), 128x128 tiles on the stream-K scheduler,
+which splits K across CTAs; TF32 uses K tiles of 32, FP8 K tiles of 128 (and 128x128 tiles
+without fast accumulation, whose second accumulator makes 128x256 spill: measured, 168
+registers with spills).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from vitrail.gemm import (GemmOperation, LinearCombination, MathInstruction, TensorDescription,
+                          TileDescription)
+from vitrail.tune import Space
+from vitrail.tune.space import Config, Limits
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What the call's tensors fix: element types, layouts, epilogue."""
+    element: str  # bf16, f16, tf32, e4m3/e5m2 (A; B may differ for FP8)
+    element_b: str
+    layout_a: str
+    layout_b: str
+    epilogue: LinearCombination
+    fast_accum: bool = False
+
+    @property
+    def name(self) -> str:
+        return (f"gemm.{self.element}{'' if self.element_b == self.element else '_' + self.element_b}"
+                f".{self.layout_a[0]}{self.layout_b[0]}r.{self.epilogue.tag}"
+                + (".fast" if self.fast_accum else ""))
+
+
+@dataclass(frozen=True)
+class Problem:
+    M: int
+    N: int
+    K: int
+    L: int = 1
+
+
+TILES = ["128x256x64", "128x128x64", "256x128x64", "64x128x64", "64x256x64", "128x128x32",
+         "128x256x32", "128x128x128", "128x256x128", "64x128x128"]
+CLUSTERS = ["1x1", "2x1", "1x2"]
+
+
+def operation(kind: Kind, config: Config) -> GemmOperation:
+    """The GemmOperation of kind under config (ValueError: the description's reason)."""
+    tm, tn, tk = (int(x) for x in config["tile"].split("x"))
+    cm, cn = (int(x) for x in config["cluster"].split("x"))
+    math = MathInstruction(kind.element, kind.element_b, math_operation=(
+        "multiply_add_fast_accum" if kind.fast_accum else "multiply_add"))
+    return GemmOperation(
+        A=TensorDescription(kind.element, kind.layout_a),
+        B=TensorDescription(kind.element_b, kind.layout_b),
+        D=TensorDescription(kind.epilogue.element_output, "row"), math=math,
+        tile=TileDescription((tm, tn, tk), (cm, cn, 1), 0, config["schedule"],
+                             config["scheduler"]),
+        epilogue=kind.epilogue)
+
+
+def _valid(kind: Kind):
+    def check(c: Config, lim: Limits) -> Optional[str]:
+        if lim.arch.major != 9:
+            return f"the GEMM kernels are sm_90a (Hopper); the target is {lim.arch}"
+        try:
+            operation(kind, c)
+        except ValueError as e:
+            return str(e)
+        return None
+    return check
+
+
+def heuristic(kind: Kind):
+    def choose(problem: Optional[Problem], lim: Limits) -> dict:
+        bits = {"bf16": 16, "f16": 16, "tf32": 32}.get(kind.element, 8)
+        tk = {16: 64, 32: 32, 8: 128}[bits]
+        big = {"tile": f"128x256x{tk}", "cluster": "2x1", "schedule": "cooperative",
+               "scheduler": "persistent"}
+        if bits == 32:
+            big["tile"] = "128x128x32"
+        if bits == 8 and not kind.fast_accum:  # two accumulators (promotion): 128x256 spills
+            big["tile"] = "128x128x128"
+        if problem is None:
+            return big
+        sms = lim.sm_count or 132
+        tiles = -(-problem.M // 128) * -(-problem.N // 256) * problem.L
+        if tiles < sms // 2 and problem.K >= 2048:
+            return {"tile": f"128x128x{tk}" if bits != 32 else "128x128x32", "cluster": "1x1",
+                    "schedule": "cooperative", "scheduler": "stream_k"}
+        return big
+    return choose
+
+
+def space(kind: Kind) -> Space:
+    return Space({"tile": TILES, "cluster": CLUSTERS, "schedule": ["cooperative", "pingpong"],
+                  "scheduler": ["persistent", "stream_k"]},
+                 constraints=[_valid(kind)], heuristic=heuristic(kind))
+
+
+# what `vitrail precompile gemm` builds: the heuristic's configs for these kinds and problems
+def default_kinds() -> list[Kind]:
+    plain = LinearCombination("bf16")
+    return [Kind("bf16", "bf16", "row", "row", plain), Kind("bf16", "bf16", "row", "col", plain),
+            Kind("f16", "f16", "row", "row", LinearCombination("f16"))]
+
+
+DEFAULT_PROBLEMS = [Problem(4096, 4096, 4096), Problem(64, 8192, 8192)]

@@ -1,0 +1,212 @@
+"""From torch tensors to a GEMM launch: layouts read from strides, aligned copies where TMA
+cannot read an operand, the kind's Op, and the fallbacks.
+
+Layouts: each operand's majorness comes from its strides (a transposed view is read as a
+column-major operand, no copy). An operand TMA cannot take (no unit stride, an address or a
+leading/batch stride that is not a multiple of 16 bytes, a batch broadcast with stride 0) is
+copied into an aligned buffer (leading dimension padded to 16 bytes) and the kernel runs on the
+copy; a one-time warning says so. An output row whose length is not a multiple of 16 bytes is
+computed into a padded buffer and copied out (torch returns contiguous results).
+
+Fallbacks to torch, each with a one-time warning: GPUs other than Hopper (sm_90), and fp32
+inputs when torch.get_float32_matmul_precision() is 'highest' (the kernel's fp32 mode is TF32;
+the accurate 3xTF32 mode is not implemented yet).
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+
+from vitrail.gemm import LinearCombination, emitter
+from vitrail.gemm import arguments as gargs
+from vitrail.gemm.epilogue import ACTIVATION_FUNCTOR
+from vitrail.op import Op
+from vitrail.ops.gemm import configs
+from vitrail.ops.gemm.configs import Kind, Problem
+from vitrail.ops.gemm.reference import gemm_reference
+from vitrail.tune import bucket
+
+ELEMENTS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "tf32",
+            torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+OUT_ELEMENTS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+_OPS: dict[Kind, Op] = {}
+_WARNED: set[str] = set()
+_HOPPER: dict[int, bool] = {}
+POISON = False  # tests set it: outputs start as NaN, so an unwritten element fails
+RECORD: Optional[list] = None  # a list: record (kind, problem) and launch nothing (precompile)
+
+
+def warn_once(key: str, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, stacklevel=3)
+
+
+def op_for(kind: Kind) -> Op:
+    """The Op of one kind (tensors' dtypes, layouts, epilogue), built on first use."""
+    op = _OPS.get(kind)
+    if op is None:
+        ops_of = {}
+
+        def gemm_operation(config):
+            g = ops_of.get(config)
+            if g is None:
+                g = ops_of[config] = configs.operation(kind, config)
+            return g
+
+        def render(config):
+            return gemm_operation(config).compile_kwargs()
+
+        def launch(module, config, a, b, c, d, bias, scale_a, scale_b, alpha, beta, slope, lo,
+                   hi, splits):
+            g = gemm_operation(config)
+            args = gargs.GemmArguments.from_tensors(
+                g, a, b, d, c=c, bias=bias, scale_a=scale_a, scale_b=scale_b, alpha=alpha,
+                beta=beta, slope=slope, lo=lo, hi=hi, splits=splits)
+            why = g.can_implement(args)
+            if why:  # the caller prepared the operands; this is a bug, say what
+                raise RuntimeError(f"vitrail gemm: {g.name} cannot run the prepared operands: "
+                                   + "; ".join(why))
+            gargs.launch(g, module, args)
+
+        op = _OPS[kind] = Op(kind.name, space=configs.space(kind),
+                             kernel_source=emitter._TEMPLATE + ACTIVATION_FUNCTOR + kind.name,
+                             render=render, launch=launch, examples=configs.DEFAULT_PROBLEMS)
+    return op
+
+
+def is_hopper(device: torch.device) -> bool:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    hit = _HOPPER.get(index)
+    if hit is None:
+        hit = _HOPPER[index] = torch.cuda.get_device_capability(index) == (9, 0)
+    return hit
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def aligned(t: torch.Tensor, want: Optional[str]) -> tuple[torch.Tensor, str]:
+    """(t, its layout) when TMA can read t as is (in layout ``want`` if given), else an aligned
+    copy in layout ``want`` (default row) and that layout."""
+    info = gargs.describe(t, "operand", want)
+    align = 16 // t.element_size()
+    L = t.shape[0] if t.dim() == 3 else 1
+    ok = (info.layout is not None and (want is None or info.layout == want)
+          and info.ptr % 16 == 0 and info.ld % align == 0
+          and (L == 1 or (info.batch_stride != 0 and info.batch_stride % align == 0)))
+    if ok:
+        return t, info.layout
+    layout = want or "row"
+    if want is None or info.layout is None or info.layout == want:
+        warn_once("copy", "vitrail.ops.gemm: an operand whose strides or address are not "
+                          "16-byte aligned (or that is broadcast over the batch) is copied into "
+                          "an aligned buffer before the TMA kernel reads it")
+    rows, cols = t.shape[-2], t.shape[-1]
+    lead = t.shape[:-2]
+    if layout == "row":
+        buf = torch.empty(*lead, rows, _round_up(max(cols, 1), align), dtype=t.dtype,
+                          device=t.device)
+        view = buf[..., :cols]
+    else:
+        buf = torch.empty(*lead, cols, _round_up(max(rows, 1), align), dtype=t.dtype,
+                          device=t.device)
+        view = buf[..., :rows].transpose(-1, -2)
+    view.copy_(t)
+    return view, layout
+
+
+def run(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+        alpha: float, beta: float, activation: Optional[str], slope: float,
+        clamp_min: Optional[float], clamp_max: Optional[float], out_dtype: torch.dtype, *,
+        scale_a: Optional[torch.Tensor] = None, scale_b: Optional[torch.Tensor] = None,
+        fast_accum: bool = False, splits: int = 1) -> torch.Tensor:
+    """D = clamp(act(alpha * [scales] * a @ b + beta * c + bias)) on checked operands.
+
+    a: (M, K) or (L, M, K); b: (K, N) or (L, K, N); c broadcastable to D; bias (N,) per
+    column or (M, 1) per row. Returns a new contiguous D of dtype out_dtype."""
+    M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
+    batched = a.dim() == 3 or b.dim() == 3
+    L = max(a.shape[0] if a.dim() == 3 else 1, b.shape[0] if b.dim() == 3 else 1)
+    shape = (L, M, N) if batched else (M, N)
+    if M == 0 or N == 0 or L == 0:
+        return torch.empty(shape, dtype=out_dtype, device=a.device)
+    use_c = c is not None and beta != 0
+    if K == 0 or not is_hopper(a.device) or (
+            a.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"):
+        if K != 0:
+            why = ("fp32 inputs with torch.get_float32_matmul_precision() == 'highest' (the "
+                   "kernel computes in TF32; the accurate mode is not implemented yet)"
+                   if is_hopper(a.device) else
+                   f"{torch.cuda.get_device_name(a.device)} is not a Hopper GPU (the kernels "
+                   f"are sm_90a)")
+            warn_once(f"torch:{why}", f"vitrail.ops.gemm runs torch's matmul here: {why}")
+        compute = torch.float32 if a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) \
+            else a.dtype
+        return gemm_reference(a, b, c if use_c else None, alpha=alpha, beta=beta, bias=bias,
+                              activation_name=activation, slope=slope, clamp_min=clamp_min,
+                              clamp_max=clamp_max, scale_a=scale_a, scale_b=scale_b,
+                              out_dtype=out_dtype, compute_dtype=torch.float32
+                              if compute in (torch.float16, torch.bfloat16) else compute
+                              ).contiguous()
+
+    # a batch of A against one B: fold the batch into M (no copy of B per batch)
+    fold = (a.dim() == 3 and b.dim() == 2 and (bias is None or bias.dim() == 1)
+            and a.stride(-1) == 1 and a.stride(0) == M * a.stride(1))
+    if fold:
+        out = run(a.reshape(L * M, K), b, None if not use_c else c.expand(shape).reshape(L * M, N),
+                  bias, alpha, beta, activation, slope, clamp_min, clamp_max, out_dtype,
+                  scale_a=scale_a, scale_b=scale_b, fast_accum=fast_accum, splits=splits)
+        return out.view(shape)
+
+    element = ELEMENTS[a.dtype]
+    k_major = element in ("tf32", "e4m3", "e5m2")
+    a_t, la = aligned(a, "row" if k_major else None)
+    b_t, lb = aligned(b, "col" if k_major else None)
+    align_d = 16 // torch.empty((), dtype=out_dtype).element_size()
+    n_pad = _round_up(N, align_d)
+    d_buf = torch.empty(*shape[:-1], n_pad, dtype=out_dtype, device=a.device)
+    if POISON:
+        d_buf.fill_(float("nan"))
+    d = d_buf[..., :N]
+    c_t = None
+    if use_c:
+        c_t, _ = aligned(c.expand(shape) if tuple(c.shape) != shape else c, "row")
+        if c_t.dtype != out_dtype:
+            c_t = c_t.to(out_dtype)
+            c_t, _ = aligned(c_t, "row")
+    bias_kind = bias_t = None
+    if bias is not None:
+        bias_kind = "col" if bias.dim() == 1 else "row"
+        bias_t = bias.reshape(-1)
+        if bias_t.dtype != out_dtype:
+            bias_t = bias_t.to(out_dtype)
+        bias_t = bias_t.contiguous()
+    sa_kind = None if scale_a is None else ("tensor" if scale_a.numel() == 1 else "row")
+    sb_kind = None if scale_b is None else ("tensor" if scale_b.numel() == 1 else "col")
+    out_el = OUT_ELEMENTS[out_dtype]
+    epi = LinearCombination(out_el, element_source=out_el if use_c else None, bias=bias_kind,
+                            activation=activation,
+                            clamp=clamp_min is not None or clamp_max is not None,
+                            scale_a=sa_kind, scale_b=sb_kind)
+    kind = Kind(element, ELEMENTS[b.dtype], la, lb, epi, fast_accum)
+    problem = Problem(M, N, K, L)
+    key = f"M{bucket(M)}N{bucket(N)}K{bucket(K)}L{bucket(L)}"
+    lo = float("-inf") if clamp_min is None else float(clamp_min)
+    hi = float("inf") if clamp_max is None else float(clamp_max)
+    sa = None if scale_a is None else scale_a.reshape(-1).contiguous()
+    sb = None if scale_b is None else scale_b.reshape(-1).contiguous()
+    if RECORD is not None:
+        RECORD.append((kind, problem))
+        return torch.zeros(shape, dtype=out_dtype, device=a.device)
+    op_for(kind)(key, problem, a_t, b_t, c_t, d, bias_t, sa, sb, float(alpha), float(beta),
+                 float(slope), lo, hi, splits)
+    return d if n_pad == N else d.contiguous()
+
+
+# the default kinds' Ops exist from import on, so `vitrail precompile` and `vitrail tune` see them
+for _kind in configs.default_kinds():
+    op_for(_kind)
