@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from tests.conftest import requires_gpu
-from tests.ops.shared_cache import cache_dir  # noqa: F401
 from vitrail.jit.errors import ArgumentError
 
 def family():
@@ -17,6 +16,15 @@ def family():
 
 
 ULP = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -11}
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    """A private cache per test, or VITRAIL_SHARED_CACHE (kernels built beforehand in parallel)."""
+    import os
+    root = os.environ.get("VITRAIL_SHARED_CACHE") or str(tmp_path / "vitrail-cache")
+    monkeypatch.setenv("VITRAIL_CACHE_DIR", root)
+    yield root
 
 
 # ------------------------------------------------------------------------------ CPU tests
