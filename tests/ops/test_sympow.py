@@ -1,0 +1,382 @@
+"""sympow, sympow_mma and mma_sympow_bwd against the explicit tensor-power reference.
+
+CPU: the reference's math (order, the inner-product identity), the kernels' index tables
+replayed in torch, argument errors, fake implementations, compile-only builds for sm_90a.
+GPU: every op against the reference on fresh random inputs (NaN-poisoned outputs, odd sizes,
+non-contiguous inputs, every dtype, powers 1-4, several d and d_tile), gradients against autograd
+through the reference, opcheck, torch.compile(fullgraph=True), peak memory of the fused paths.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+
+import pytest
+import torch
+
+from tests.conftest import requires_gpu, requires_nvrtc
+from vitrail.jit.errors import ArgumentError
+from vitrail.ops.sympow.reference import (
+    mma_sympow_bwd_reference,
+    multiplicity,
+    sympow_dim,
+    sympow_mma_reference,
+    sympow_reference,
+)
+
+S = importlib.import_module("vitrail.ops.sympow")
+configs = importlib.import_module("vitrail.ops.sympow.configs")
+F64 = torch.float64
+
+
+# ------------------------------------------------------------------ CPU: the math
+def test_order_matches_the_definition():
+    x = torch.randn(3, 4, dtype=F64)
+    z = sympow_reference(x, 2, d_tile=2)
+    a, b = x[:, :2], x[:, 2:]
+    outer = lambda u, v: (u[:, :, None] * v[:, None, :]).flatten(1)
+    want = torch.cat([outer(a, a), math.sqrt(2) * outer(a, b), outer(b, b)], dim=1)
+    torch.testing.assert_close(z, want)
+    assert z.shape[1] == sympow_dim(4, 2, 2) == 12
+    assert multiplicity((0, 0, 1, 2)) == 12 and multiplicity((1, 1, 1)) == 1
+
+
+@pytest.mark.parametrize("power,d,d_tile", [(1, 16, 4), (2, 16, 1), (2, 32, 8), (3, 12, 2),
+                                            (3, 16, 4), (4, 8, 1), (4, 16, 4)])
+def test_inner_product_identity(power, d, d_tile):
+    x, y = torch.randn(5, d, dtype=F64), torch.randn(5, d, dtype=F64)
+    zx, zy = sympow_reference(x, power, d_tile), sympow_reference(y, power, d_tile)
+    assert zx.shape[-1] == sympow_dim(d, power, d_tile)
+    torch.testing.assert_close((zx * zy).sum(-1), (x * y).sum(-1) ** power)
+
+
+def _replay_forward(x, power, d_tile, dc):
+    """What sympow_fwd computes, from its group table, in torch."""
+    gidx, gcoef, _, _ = configs.tables(x.shape[-1], power, d_tile, dc, "cpu")
+    cols = []
+    for packed, coef in zip(gidx.tolist(), gcoef.tolist()):
+        packed &= 0xFFFFFFFF
+        v = torch.full(x.shape[:-1], coef, dtype=x.dtype)
+        for l in range(power - 1):
+            v = v * x[..., (packed >> (8 * l)) & 255]
+        last = packed >> 24
+        cols += [v * x[..., last + b] for b in range(d_tile)]
+    return torch.stack(cols, -1)
+
+
+def _replay_backward(x, dz, power, d_tile, dc):
+    """What sympow_bwd computes, from its tuple table, in torch."""
+    _, _, tidx, tcoef = configs.tables(x.shape[-1], power, d_tile, dc, "cpu")
+    t, block = d_tile, d_tile ** power
+    dx = torch.zeros_like(x)
+    for j, (packed, coef) in enumerate(zip(tidx.tolist(), tcoef.tolist())):
+        packed &= 0xFFFFFFFF
+        starts = [(packed >> (8 * l)) & 255 for l in range(power)]
+        frags = [x[:, s:s + t] for s in starts]
+        g = dz[:, j * block:(j + 1) * block].reshape((-1,) + (t,) * power)
+        for l in range(power):
+            v = g * coef
+            for m in range(power):
+                if m != l:
+                    shape = [1] * (power + 1)
+                    shape[0], shape[m + 1] = -1, t
+                    v = v * frags[m].reshape(shape)
+            dims = [i + 1 for i in range(power) if i != l]
+            dx[:, starts[l]:starts[l] + t] += v.sum(dims) if dims else v
+    return dx
+
+
+@pytest.mark.parametrize("power,d,d_tile", [(1, 8, 2), (2, 8, 1), (2, 16, 4), (3, 8, 2),
+                                            (4, 8, 2)])
+@pytest.mark.parametrize("dc", [True, False])
+def test_kernel_tables_reproduce_the_reference(power, d, d_tile, dc):
+    torch.manual_seed(power * 10 + d + d_tile)
+    x = torch.randn(3, d, dtype=F64)
+    tol = {"rtol": 1e-5, "atol": 1e-5}  # the tables hold float32 coefficients
+    torch.testing.assert_close(_replay_forward(x, power, d_tile, dc),
+                               sympow_reference(x, power, d_tile, duplicate_correction=dc), **tol)
+    xr = x.clone().requires_grad_(True)
+    z = sympow_reference(xr, power, d_tile, duplicate_correction=dc)
+    dz = torch.randn_like(z)
+    (want,) = torch.autograd.grad(z, xr, dz)
+    torch.testing.assert_close(_replay_backward(x, dz, power, d_tile, dc), want, **tol)
+
+
+def test_mma_references_agree_with_autograd():
+    a, b = torch.randn(2, 5, 8, dtype=F64), torch.randn(2, sympow_dim(8, 2, 2), 3, dtype=F64)
+    ar = a.clone().requires_grad_(True)
+    c = sympow_mma_reference(ar, b, -1, 2, 2, scale_a=0.5)
+    g = torch.randn_like(c)
+    (want,) = torch.autograd.grad(c, ar, g)
+    got = mma_sympow_bwd_reference(g, b.transpose(1, 2), a, -1, 2, 2, scale_a=0.5)
+    torch.testing.assert_close(got, want)
+
+
+# ------------------------------------------------------------------ CPU: errors, fakes
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(power=5), "power must be an int from 1 to 4"),
+    (dict(power=2, d_tile=3), "d_tile must be one of"),
+    (dict(power=2, d_tile=5, d=10), "d_tile must be one of"),
+    (dict(power=2, d=512), "1 to 256 features"),
+    (dict(power=2, d_tile=8, d=36), "must divide"),
+    (dict(power=4, d_tile=8), "over the kernels' limit of 512; use d_tile <= 4"),
+])
+def test_unsupported_problems_are_refused_clearly(kwargs, message):
+    d = kwargs.pop("d", 64)
+    with pytest.raises(ArgumentError, match=message):
+        configs.check_support("sympow", d, kwargs.pop("power"), kwargs.pop("d_tile", 1))
+
+
+def test_bad_tensors_are_named():
+    with pytest.raises(ArgumentError, match="sympow: x must be on a CUDA device"):
+        S.sympow(torch.randn(4, 16), 2)
+    with pytest.raises(ArgumentError, match="sympow_mma: a must be on a CUDA device"):
+        S.sympow_mma(torch.randn(2, 4, 16), torch.randn(2, 136, 8), -1, 2)
+
+
+def test_fake_implementations_give_shapes():
+    x = torch.empty(3, 5, 64, device="meta", dtype=torch.bfloat16)
+    assert torch.ops.vitrail.sympow(x, 2, 8, True).shape == (3, 5, 2304)
+    assert torch.ops.vitrail.sympow_bwd(x, x.new_empty(3, 5, 2304), 2, 8, True).shape == x.shape
+    a = torch.empty(4, 100, 64, device="meta")
+    b = torch.empty(4, 2304, 32, device="meta")
+    assert torch.ops.vitrail.sympow_mma(a, b, -1, 2, 8, 1.0, True).shape == (4, 100, 32)
+    a2 = torch.empty(4, 64, 100, device="meta")
+    b2 = torch.empty(4, 100, 32, device="meta")
+    assert torch.ops.vitrail.sympow_mma(a2, b2, -2, 2, 8, 1.0, True).shape == (4, 2304, 32)
+    g = torch.empty(4, 100, 32, device="meta")
+    assert torch.ops.vitrail.mma_sympow_bwd(g, b.transpose(1, 2), a, -1, 2, 8, 1.0,
+                                            True).shape == a.shape
+
+
+@pytest.mark.slow
+@requires_nvrtc
+@pytest.mark.parametrize("dtype,power,d_tile", [(torch.bfloat16, 2, 8), (torch.float32, 4, 4),
+                                                (torch.float16, 3, 2)])
+def test_kernels_build_for_sm90a_without_spills(dtype, power, d_tile):
+    for kind in ("elementwise", "mma"):
+        op = S._op(kind, dtype, power, d_tile)
+        config = op.space.default({"vec": 8 if dtype != torch.float32 else 4}, _lim())
+        res = op.module(config).resources()
+        assert res and all(r.spill_stores == 0 and r.stack == 0 for r in res.values()), res
+
+
+def _lim():
+    from vitrail.tune import limits
+    return limits()
+
+
+# ------------------------------------------------------------------ GPU helpers
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+EPS = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11, torch.float32: 2 ** -23}
+
+
+def _close(got, ref, base, what, factor=3.0, floor_rel=4 * EPS[torch.float32]):
+    """got's error against ref (fp32/fp64) is at most factor x base's (torch in got's dtype)
+    plus a floor relative to the largest value (fp32 rounding of long sums)."""
+    got, ref, base = got.double(), ref.double(), base.double()
+    assert not got.isnan().any(), f"{what}: NaN (an element was not written)"
+    err = (got - ref).abs().max().item()
+    floor = floor_rel * ref.abs().max().item() + 1e-30
+    bound = factor * (base - ref).abs().max().item() + floor
+    assert err <= bound, f"{what}: max error {err:.3g} over {bound:.3g}"
+
+
+def _nan(shape, dtype):
+    return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+
+
+# ------------------------------------------------------------------ GPU: sympow
+SYMPOW_CASES = [(1, 16, 4), (2, 16, 1), (2, 64, 8), (2, 32, 16), (3, 24, 2), (3, 32, 8),
+                (4, 16, 1), (4, 32, 4), (2, 256, 16)]
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("power,d,d_tile", SYMPOW_CASES)
+def test_sympow_forward_backward(dtype, power, d, d_tile):
+    torch.manual_seed(power * 1000 + d + d_tile)
+    rows = 37 if d <= 64 else 5
+    x = torch.randn(rows, d, device="cuda", dtype=dtype)
+    D = sympow_dim(d, power, d_tile)
+    z = S._sympow_impl(x, power, d_tile, True, out=_nan((rows, D), dtype))
+    ref = sympow_reference(x, power, d_tile)
+    _close(z, ref, ref.to(dtype), f"sympow p={power} d={d} t={d_tile}")
+    dz = torch.randn(rows, D, device="cuda", dtype=dtype)
+    dx = S._sympow_bwd_impl(x, dz, power, d_tile, True, out=_nan((rows, d), dtype))
+    xr = x.double().requires_grad_(True)
+    (want,) = torch.autograd.grad(sympow_reference(xr, power, d_tile), xr, dz.double())
+    # the baseline: the exact gradient rounded to dtype; the kernel sums in fp32 and rounds once
+    _close(dx, want, want.to(dtype), f"sympow backward p={power} d={d} t={d_tile}",
+           floor_rel=2e-6)
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sympow_dims_batches_noncontiguous_and_identity(dtype):
+    x = torch.randn(3, 40, 5, 2, device="cuda", dtype=dtype)[..., 0]  # non-contiguous
+    y = torch.randn(3, 40, 5, device="cuda", dtype=dtype)
+    z = S.sympow(x, 2, 8, dim=1)
+    assert z.shape == (3, sympow_dim(40, 2, 8), 5)
+    ref = sympow_reference(x, 2, 8, dim=1)
+    _close(z, ref, ref.to(dtype), "sympow dim=1")
+    for p, t in [(2, 8), (3, 4), (4, 2)]:
+        ip = (S.sympow(x.float(), p, t, dim=1) * S.sympow(y.float(), p, t, dim=1)).sum(1)
+        want = ((x.double() * y.double()).sum(1)) ** p
+        torch.testing.assert_close(ip.double(), want, rtol=2e-4, atol=1e-3 * want.abs().max())
+    with pytest.raises(ArgumentError, match="sympow: x must have dtype float32, float16, "
+                       "bfloat16, got float64"):
+        S.sympow(x.double(), 2, 8, dim=1)
+    with pytest.raises(ArgumentError, match="sympow_mma: b must have 2304 rows"):
+        S.sympow_mma(torch.randn(2, 5, 64, device="cuda"), torch.randn(2, 2300, 8, device="cuda"),
+                     -1, 2, 8)
+    for shape in [(0, 16), (16,)]:
+        e = torch.randn(shape, device="cuda", dtype=dtype)
+        assert S.sympow(e, 2, 4).shape == shape[:-1] + (sympow_dim(16, 2, 4),)
+
+
+@requires_gpu
+def test_sympow_autograd_opcheck_and_compile():
+    x = torch.randn(33, 32, device="cuda", requires_grad=True)
+    z = S.sympow(x, 3, 4)
+    g = torch.randn_like(z)
+    (got,) = torch.autograd.grad(z, x, g)
+    xr = x.detach().double().requires_grad_(True)
+    (want,) = torch.autograd.grad(sympow_reference(xr, 3, 4), xr, g.double())
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+    xs = torch.randn(9, 16, device="cuda", dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.vitrail.sympow.default, (xs, 2, 4, True))
+    torch.library.opcheck(torch.ops.vitrail.sympow_bwd.default,
+                          (xs, torch.randn(9, 160, device="cuda", dtype=torch.bfloat16), 2, 4,
+                           True))
+    f = torch.compile(lambda t: S.sympow(t, 2, 4).square().sum(), fullgraph=True)
+    xc = torch.randn(7, 16, device="cuda", requires_grad=True)
+    f(xc).backward()
+    xe = xc.detach().clone().requires_grad_(True)
+    S.sympow(xe, 2, 4).square().sum().backward()
+    torch.testing.assert_close(xc.grad, xe.grad, rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------ GPU: fused matmuls
+MMA_CASES = [(1, 32, 8), (2, 16, 1), (2, 64, 8), (2, 32, 4), (3, 16, 4), (4, 16, 2)]
+
+
+def _operands(expand_dim, power, d, d_tile, dtype, P=3, M=70, N=40, K=90):
+    D = sympow_dim(d, power, d_tile)
+    if expand_dim == -1:
+        a, b = torch.randn(P, M, d), torch.randn(P, D, N) / math.sqrt(D)
+    else:
+        a, b = torch.randn(P, d, K), torch.randn(P, K, N) / math.sqrt(K)
+    return a.cuda().to(dtype), b.cuda().to(dtype)
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("expand_dim", [-1, -2])
+@pytest.mark.parametrize("power,d,d_tile", MMA_CASES)
+def test_sympow_mma_and_its_backward(dtype, expand_dim, power, d, d_tile):
+    torch.manual_seed(power * 100 + d + d_tile - expand_dim)
+    a, b = _operands(expand_dim, power, d, d_tile, dtype)
+    scale = 0.75
+    rows = a.shape[1] if expand_dim == -1 else sympow_dim(d, power, d_tile)
+    c = S._mma_impl(a, b, expand_dim, power, d_tile, scale, True,
+                    out=_nan((a.shape[0], rows, b.shape[-1]), dtype))
+    ref = sympow_mma_reference(a, b, expand_dim, power, d_tile, scale)
+    unfused = (sympow_reference(a, power, d_tile, expand_dim).to(dtype) * scale) @ b
+    _close(c, ref, unfused, f"sympow_mma {expand_dim} p={power} d={d} t={d_tile}")
+    g = torch.randn_like(c)
+    bt = b.transpose(1, 2)
+    got = S._mma_bwd_impl(g, bt, a, expand_dim, power, d_tile, scale, True,
+                          out=_nan(a.shape, dtype))
+    want = mma_sympow_bwd_reference(g, bt, a, expand_dim, power, d_tile, scale)
+    # the unfused path in dtype: a @ b rounded to dtype (torch.bmm), then sympow's backward
+    eye = torch.eye(bt.shape[-1], device="cuda", dtype=dtype).expand(a.shape[0], -1, -1)
+    base = mma_sympow_bwd_reference(g @ bt, eye, a, expand_dim, power, d_tile, scale).to(dtype)
+    _close(got, want, base, f"mma_sympow_bwd {expand_dim} p={power} d={d} t={d_tile}",
+           factor=4.0, floor_rel=2e-6)
+
+
+@requires_gpu
+@pytest.mark.parametrize("expand_dim", [-1, -2])
+def test_sympow_mma_autograd_batches_opcheck_compile(expand_dim):
+    d, p, t = 32, 2, 8
+    D = sympow_dim(d, p, t)
+    if expand_dim == -1:
+        a, b = torch.randn(2, 3, 50, d), torch.randn(2, 3, D, 24) / math.sqrt(D)
+    else:
+        a, b = torch.randn(2, 3, d, 50), torch.randn(2, 3, 50, 24) / 8
+    a = a.cuda().requires_grad_(True)
+    b = b.cuda().requires_grad_(True)
+    c = S.sympow_mma(a, b, expand_dim, p, t, scale_a=0.5)
+    g = torch.randn_like(c)
+    da, db = torch.autograd.grad(c, (a, b), g)
+    ar, br = a.detach().double().requires_grad_(True), b.detach().double().requires_grad_(True)
+    cr = sympow_reference(ar, p, t, expand_dim) * 0.5 @ br
+    ra, rb = torch.autograd.grad(cr, (ar, br), g.double())
+    torch.testing.assert_close(c.double(), cr, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(da.double(), ra, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(db.double(), rb, rtol=1e-4, atol=1e-4)
+    a3 = a.detach().reshape((6,) + a.shape[2:]).to(torch.bfloat16)
+    b3 = b.detach().reshape((6,) + b.shape[2:]).to(torch.bfloat16)
+    torch.library.opcheck(torch.ops.vitrail.sympow_mma.default, (a3, b3, expand_dim, p, t, 0.5,
+                                                                 True))
+    c3 = torch.ops.vitrail.sympow_mma(a3, b3, expand_dim, p, t, 0.5, True)
+    torch.library.opcheck(torch.ops.vitrail.mma_sympow_bwd.default,
+                          (torch.randn_like(c3), b3.transpose(1, 2), a3, expand_dim, p, t, 0.5,
+                           True))
+    f = torch.compile(lambda u, v: S.sympow_mma(u, v, expand_dim, p, t).sum(), fullgraph=True)
+    ac, bc = a.detach().clone().requires_grad_(True), b.detach().clone().requires_grad_(True)
+    f(ac, bc).backward()
+    ae, be = a.detach().clone().requires_grad_(True), b.detach().clone().requires_grad_(True)
+    S.sympow_mma(ae, be, expand_dim, p, t).sum().backward()
+    torch.testing.assert_close(ac.grad, ae.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(bc.grad, be.grad, rtol=1e-4, atol=1e-4)
+
+
+@requires_gpu
+def test_fused_paths_never_hold_the_expansion():
+    P, M, d, N, p, t = 16, 2048, 64, 64, 2, 8
+    D = sympow_dim(d, p, t)
+    expanded = P * M * D * 2
+    a = torch.randn(P, M, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    b = (torch.randn(P, D, N, device="cuda") / 48).to(torch.bfloat16).requires_grad_(True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    c = S.sympow_mma(a, b, -1, p, t)
+    c.sum().backward()
+    torch.cuda.synchronize()
+    grew = torch.cuda.max_memory_allocated() - start
+    assert grew < expanded / 4, f"peak grew by {grew} bytes; the expansion is {expanded}"
+
+
+# ------------------------------------------------------------------ GPU: the example
+def _example():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).parents[2] / "examples" / "power_attention" / "power_attention.py"
+    spec = importlib.util.spec_from_file_location("power_attention_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@requires_gpu
+def test_power_attention_example_matches_unfused_and_trains():
+    ex = _example()
+    torch.manual_seed(0)
+    q, k = (torch.nn.functional.normalize(torch.randn(2, 2, 256, 32, device="cuda"), dim=-1)
+            for _ in range(2))
+    v = torch.randn(2, 2, 256, 16, device="cuda")
+    args = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    ref = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    y = ex.power_attention(*args, chunk=64, fused=True)
+    yr = ex.power_attention(*ref, chunk=64, fused=False)
+    torch.testing.assert_close(y, yr, rtol=1e-4, atol=1e-4)
+    g = torch.randn_like(y)
+    y.backward(g)
+    yr.backward(g)
+    for got, want in zip(args, ref):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-3, atol=1e-3)
+    losses = ex.train(steps=4, T=256, width=64)
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses

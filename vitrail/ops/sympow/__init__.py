@@ -1,0 +1,369 @@
+"""The sympow family: power attention's tiled symmetric power and the matmuls fused with it.
+
+    sympow(x, power, d_tile=1, dim=-1, duplicate_correction=True)          x -> sympow(x)
+    sympow_mma(a, b, expand_dim, power, d_tile=1, scale_a=1.0, duplicate_correction=True)
+        sympow(a along expand_dim) * scale_a @ b, the expansion never stored
+        (a [*, M, d] with expand_dim=-1 expands K; a [*, d, K] with expand_dim=-2 expands M)
+    mma_sympow_bwd(a, b, c, expand_dim, power, d_tile=1, scale_a=1.0, duplicate_correction=True)
+        the gradient wrt c of <sympow(c along expand_dim) * scale_a, a @ b>, fused the same way
+
+Interface and feature order follow vidrial 0.2.1's ``sympow`` (reference.py has the math).
+What the kernels support is in configs.py. Order in this module: kernels and Ops, the
+implementations, custom ops with fake implementations, autograd, public functions.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from vitrail.jit.errors import ArgumentError
+from vitrail.op import Op
+from vitrail.ops.common import check_dim, check_same_device, check_tensor, plain_eager
+from vitrail.ops.sympow import configs
+from vitrail.ops.sympow.configs import DTYPES
+from vitrail.ops.sympow.configs import MMA_TILE as TILE
+from vitrail.ops.sympow.reference import sympow_dim
+
+__all__ = ["mma_sympow_bwd", "sympow", "sympow_dim", "sympow_mma"]
+
+_HERE = Path(__file__).parent
+_COMMON = (_HERE / "sympow_common.cuh").read_text()
+SOURCES = {"elementwise": _COMMON + (_HERE / "sm90_sympow.cuh").read_text(),
+           "mma": _COMMON + (_HERE / "sm80_sympow_mma.cuh").read_text()}
+_DT_NAME = {0: "f32", 1: "f16", 2: "bf16"}
+
+# ---------------------------------------------------------------- kernels and Ops
+_OPS: dict[tuple, Op] = {}
+
+
+def _op(kind: str, dtype: torch.dtype, power: int, d_tile: int) -> Op:
+    """The Op of one kernel source for one (dtype, power, d_tile): those are compile-time
+    statics the problem fixes; the Op's space holds what may be tuned."""
+    key = (kind, dtype, power, d_tile)
+    op = _OPS.get(key)
+    if op is None:
+        tid = DTYPES[dtype]
+        statics = {"T_ID": tid, "POW": power, "TILE": d_tile}
+        name = f"sympow.{kind}.{_DT_NAME[tid]}.p{power}.t{d_tile}"
+        source = SOURCES[kind]
+
+        def render(config, statics=statics, name=name, source=source):
+            defines = dict(statics)
+            if kind == "elementwise":
+                defines["VEC"] = config.VEC
+            return dict(source=source, name=name.replace(".", "_"), backend="nvrtc",
+                        defines=defines)
+
+        space = configs.ELEMENTWISE if kind == "elementwise" else configs.MMA
+        op = _OPS[key] = Op(name, space=space, kernel_source=source, render=render,
+                            launch=_launch, register=key in _EXAMPLES,
+                            examples=[{"vec": 8}] if kind == "elementwise" else [None])
+    return op
+
+
+_EXAMPLES = {("elementwise", torch.bfloat16, 2, 8), ("mma", torch.bfloat16, 2, 8)}
+
+
+def _launch(module, config, kernel: str, grid, smem: int, *args) -> None:
+    module.kernel(kernel)[grid, 256](*args, shared_mem=smem)
+
+
+def _run(kind, dtype, power, d_tile, vec, kernel, grid, smem, *args) -> None:
+    op = _op(kind, dtype, power, d_tile)
+    op(f"vec={vec}", {"vec": vec}, kernel, grid, smem, *args)
+
+
+# ---------------------------------------------------------------- implementations
+def _sympow_impl(x: torch.Tensor, power: int, d_tile: int, dc: bool,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    d = x.shape[-1]
+    D = configs.check_support("sympow", d, power, d_tile)
+    x = x.contiguous()
+    z = out if out is not None else x.new_empty(x.shape[:-1] + (D,))
+    rows = x.numel() // d if d else 0
+    if rows == 0:
+        return z
+    gidx, gcoef, _, _ = configs.tables(d, power, d_tile, dc, x.device)
+    vec = configs.vector_width(x.dtype, d_tile ** power, z)
+    total = rows * (D // vec)
+    grid = min((total + 255) // 256, 1 << 20)
+    _run("elementwise", x.dtype, power, d_tile, vec, "sympow_fwd", grid, 0,
+         z, x, gidx, gcoef, rows, d, D, 1.0)
+    return z
+
+
+def _sympow_bwd_impl(x: torch.Tensor, dz: torch.Tensor, power: int, d_tile: int,
+                     dc: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    d = x.shape[-1]
+    D = configs.check_support("sympow backward", d, power, d_tile)
+    x, dz = x.contiguous(), dz.to(x.dtype).contiguous()
+    dx = out if out is not None else torch.empty_like(x)
+    rows = x.numel() // d if d else 0
+    if rows == 0:
+        return dx
+    _, _, tidx, tcoef = configs.tables(d, power, d_tile, dc, x.device)
+    tuples = tidx.numel()
+    vec = configs.vector_width(x.dtype, d_tile ** power, dz)
+    per_block = max(1, min(64, -(-1024 // tuples), 12288 // d))
+    grid = -(-rows // per_block)
+    _run("elementwise", x.dtype, power, d_tile, vec, "sympow_bwd", grid, per_block * d * 4,
+         dx, x, dz, tidx, tcoef, rows, d, D, tuples, per_block, 1.0)
+    return dx
+
+
+def _vec_ok(t: torch.Tensor) -> int:
+    """1 when t's rows can be read in 16-byte vectors (row bytes and address multiples of 16)."""
+    return int(t.shape[-1] * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0)
+
+
+def _smem(kind: str, dtype: torch.dtype, d: int) -> int:
+    es = torch.empty((), dtype=dtype).element_size()
+    pad = 4 if dtype == torch.float32 else 8
+    tiles = TILE * (TILE + pad) * es * 2 + TILE * 8
+    a16 = lambda b: (b + 15) // 16 * 16
+    if kind == "mma_k":
+        return a16(TILE * (d + 1) * 4) + tiles
+    if kind == "mma_m":
+        return a16(d * TILE * 4) + tiles
+    g = TILE * (TILE + 1) * 4 + 32
+    if kind == "bwd_k":
+        return a16(2 * TILE * (d + 1) * 4) + g + tiles
+    return 2 * d * TILE * 4 + g + tiles
+
+
+def _mma_impl(a: torch.Tensor, b: torch.Tensor, expand_dim: int, power: int, d_tile: int,
+              scale: float, dc: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    """a [P, M, d] (expand_dim -1) or [P, d, K] (-2), b [P, K', N] -> [P, M', N]."""
+    a, b = a.contiguous(), b.contiguous()
+    P, N = a.shape[0], b.shape[-1]
+    d = a.shape[expand_dim]
+    D = configs.check_support("sympow_mma", d, power, d_tile)
+    gidx, gcoef, _, _ = configs.tables(d, power, d_tile, dc, a.device)
+    groups = gidx.numel()
+    if expand_dim == -1:
+        M = a.shape[1]
+        c = out if out is not None else a.new_empty((P, M, N))
+        grid = (P, -(-M // TILE), -(-N // TILE))
+        if c.numel():
+            _run("mma", a.dtype, power, d_tile, 0, "sympow_mma_k", grid,
+                 _smem("mma_k", a.dtype, d), c, a, b, gidx, gcoef, M, N, d, D, groups,
+                 float(scale), _vec_ok(b))
+    else:
+        K = a.shape[2]
+        c = out if out is not None else a.new_empty((P, D, N))
+        grid = (P, -(-D // TILE), -(-N // TILE))
+        if c.numel():
+            if K == 0:
+                return c.zero_()
+            _run("mma", a.dtype, power, d_tile, 0, "sympow_mma_m", grid,
+                 _smem("mma_m", a.dtype, d), c, a, b, gidx, gcoef, K, N, d, D, groups,
+                 float(scale), _vec_ok(b))
+    return c
+
+
+def _mma_bwd_impl(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, expand_dim: int,
+                  power: int, d_tile: int, scale: float, dc: bool,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """c [P, M, d] (-1) or [P, d, K] (-2); a @ b has c's expanded shape."""
+    c = c.contiguous()
+    a, b = a.to(c.dtype).contiguous(), b.to(c.dtype).contiguous()
+    P, n = c.shape[0], a.shape[-1]
+    d = c.shape[expand_dim]
+    D = configs.check_support("mma_sympow_bwd", d, power, d_tile)
+    gidx, gcoef, _, _ = configs.tables(d, power, d_tile, dc, c.device)
+    out = out if out is not None else torch.empty_like(c)
+    if not out.numel():
+        return out
+    if n == 0:
+        return out.zero_()
+    if expand_dim == -1:
+        M = c.shape[1]
+        _run("mma", c.dtype, power, d_tile, 0, "mma_sympow_bwd_k", (P, -(-M // TILE)),
+             _smem("bwd_k", c.dtype, d), out, c, a, b, gidx, gcoef, M, n, d, D, gidx.numel(),
+             float(scale), _vec_ok(a), _vec_ok(b))
+    else:
+        K = c.shape[2]
+        _run("mma", c.dtype, power, d_tile, 0, "mma_sympow_bwd_m", (P, -(-K // TILE)),
+             _smem("bwd_m", c.dtype, d), out, c, a, b, gidx, gcoef, K, n, d, D, gidx.numel(),
+             float(scale), _vec_ok(a), _vec_ok(b))
+    return out
+
+
+# ---------------------------------------------------------------- custom ops
+@torch.library.custom_op("vitrail::sympow", mutates_args=())
+def _sympow_op(x: torch.Tensor, power: int, d_tile: int,
+               duplicate_correction: bool) -> torch.Tensor:
+    return _sympow_impl(x, power, d_tile, duplicate_correction)
+
+
+@_sympow_op.register_fake
+def _(x, power, d_tile, duplicate_correction):
+    return x.new_empty(x.shape[:-1] + (sympow_dim(x.shape[-1], power, d_tile),))
+
+
+@torch.library.custom_op("vitrail::sympow_bwd", mutates_args=())
+def _sympow_bwd_op(x: torch.Tensor, dz: torch.Tensor, power: int, d_tile: int,
+                   duplicate_correction: bool) -> torch.Tensor:
+    return _sympow_bwd_impl(x, dz, power, d_tile, duplicate_correction)
+
+
+@_sympow_bwd_op.register_fake
+def _(x, dz, power, d_tile, duplicate_correction):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("vitrail::sympow_mma", mutates_args=())
+def _sympow_mma_op(a: torch.Tensor, b: torch.Tensor, expand_dim: int, power: int, d_tile: int,
+                   scale_a: float, duplicate_correction: bool) -> torch.Tensor:
+    return _mma_impl(a, b, expand_dim, power, d_tile, scale_a, duplicate_correction)
+
+
+@_sympow_mma_op.register_fake
+def _(a, b, expand_dim, power, d_tile, scale_a, duplicate_correction):
+    rows = a.shape[1] if expand_dim == -1 else sympow_dim(a.shape[1], power, d_tile)
+    return a.new_empty((a.shape[0], rows, b.shape[-1]))
+
+
+@torch.library.custom_op("vitrail::mma_sympow_bwd", mutates_args=())
+def _mma_sympow_bwd_op(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, expand_dim: int,
+                       power: int, d_tile: int, scale_a: float,
+                       duplicate_correction: bool) -> torch.Tensor:
+    return _mma_bwd_impl(a, b, c, expand_dim, power, d_tile, scale_a, duplicate_correction)
+
+
+@_mma_sympow_bwd_op.register_fake
+def _(a, b, c, expand_dim, power, d_tile, scale_a, duplicate_correction):
+    return torch.empty_like(c, memory_format=torch.contiguous_format)
+
+
+# ---------------------------------------------------------------- autograd
+def _sympow_setup(ctx, inputs, output):
+    x, power, d_tile, dc = inputs
+    ctx.save_for_backward(x)
+    ctx.args = (power, d_tile, dc)
+
+
+def _sympow_backward(ctx, dz):
+    (x,) = ctx.saved_tensors
+    return torch.ops.vitrail.sympow_bwd(x, dz, *ctx.args), None, None, None
+
+
+torch.library.register_autograd("vitrail::sympow", _sympow_backward, setup_context=_sympow_setup)
+
+
+def _mma_setup(ctx, inputs, output):
+    a, b, expand_dim, power, d_tile, scale, dc = inputs
+    ctx.save_for_backward(a, b)
+    ctx.args = (expand_dim, power, d_tile, scale, dc)
+
+
+def _mma_backward(ctx, dc_out):
+    a, b = ctx.saved_tensors
+    expand_dim, power, d_tile, scale, dc = ctx.args
+    da = db = None
+    dc_out = dc_out.to(a.dtype)
+    if ctx.needs_input_grad[0]:  # dE = dC @ b^T, contracted through sympow's derivative
+        da = torch.ops.vitrail.mma_sympow_bwd(dc_out, b.transpose(1, 2), a, expand_dim, power,
+                                               d_tile, scale, dc)
+    if ctx.needs_input_grad[1]:  # db = E^T @ dC, and E^T is sympow of a^T along the other side
+        db = torch.ops.vitrail.sympow_mma(a.transpose(1, 2), dc_out, -3 - expand_dim, power,
+                                           d_tile, scale, dc)
+    return da, db, None, None, None, None, None
+
+
+torch.library.register_autograd("vitrail::sympow_mma", _mma_backward, setup_context=_mma_setup)
+
+
+# ---------------------------------------------------------------- public functions
+def _check_float(op: str, name: str, t) -> None:
+    check_tensor(op, name, t, dtypes=configs.DTYPES)
+
+
+def sympow(x: torch.Tensor, power: int, d_tile: int = 1, dim: int = -1,
+           duplicate_correction: bool = True) -> torch.Tensor:
+    """The tiled symmetric power of x along dim: that dimension's d features become
+    D = C(d/d_tile + power - 1, power) * d_tile**power (vidrial 0.2.1's order)."""
+    _check_float("sympow", "x", x)
+    if x.dim() == 0:
+        raise ArgumentError("sympow: x must have at least 1 dimension, got a scalar")
+    dim = check_dim("sympow", dim, x.dim())
+    configs.check_support("sympow", x.shape[dim], power, d_tile)
+    xl = x.movedim(dim, -1)
+    dc = bool(duplicate_correction)
+    if plain_eager(x):
+        z = _sympow_impl(xl, power, d_tile, dc)
+    else:
+        z = torch.ops.vitrail.sympow(xl, power, d_tile, dc)
+    return z.movedim(-1, dim)
+
+
+def _flatten(op: str, a: torch.Tensor, b: torch.Tensor, expand_dim: int):
+    if a.dim() < 2 or b.dim() != a.dim():
+        raise ArgumentError(f"{op}: a and b must have the same number (>= 2) of dimensions, "
+                            f"got shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.shape[:-2] != b.shape[:-2]:
+        raise ArgumentError(f"{op}: a and b must have the same batch dimensions, got "
+                            f"{tuple(a.shape[:-2])} and {tuple(b.shape[:-2])}")
+    if expand_dim not in (-1, -2, a.dim() - 1, a.dim() - 2):
+        raise ArgumentError(f"{op}: expand_dim must be -1 (expand K) or -2 (expand M), got "
+                            f"{expand_dim}")
+    return a.reshape((-1,) + a.shape[-2:]), (-1 if expand_dim in (-1, a.dim() - 1) else -2)
+
+
+def sympow_mma(a: torch.Tensor, b: torch.Tensor, expand_dim: int, power: int, d_tile: int = 1,
+               scale_a: float = 1.0, duplicate_correction: bool = True) -> torch.Tensor:
+    """sympow(a along expand_dim) * scale_a @ b without storing the expansion.
+
+    expand_dim=-1: a [*, M, d], b [*, D, N] -> [*, M, N] (the query side of power attention).
+    expand_dim=-2: a [*, d, K], b [*, K, N] -> [*, D, N] (the state update side)."""
+    op = "sympow_mma"
+    _check_float(op, "a", a)
+    check_tensor(op, "b", b, dtypes=[a.dtype])
+    check_same_device(op, a=a, b=b)
+    a3, ed = _flatten(op, a, b, expand_dim)
+    d = a3.shape[ed]
+    D = configs.check_support(op, d, power, d_tile)
+    want = D if ed == -1 else a3.shape[2]
+    if b.shape[-2] != want:
+        raise ArgumentError(f"{op}: b must have {want} rows ({'D = sympow_dim(d)' if ed == -1 else 'K, as a has columns'}), "
+                            f"got shape {tuple(b.shape)}")
+    b3 = b.reshape((-1,) + b.shape[-2:])
+    dc = bool(duplicate_correction)
+    if plain_eager(a, b):
+        c = _mma_impl(a3, b3, ed, power, d_tile, float(scale_a), dc)
+    else:
+        c = torch.ops.vitrail.sympow_mma(a3, b3, ed, power, d_tile, float(scale_a), dc)
+    return c.reshape(a.shape[:-2] + c.shape[-2:])
+
+
+def mma_sympow_bwd(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, expand_dim: int,
+                   power: int, d_tile: int = 1, scale_a: float = 1.0,
+                   duplicate_correction: bool = True) -> torch.Tensor:
+    """The gradient wrt c of <sympow(c along expand_dim) * scale_a, a @ b>, with a @ b (the size
+    of the expansion) never stored. c [*, M, d] (expand_dim=-1): a [*, M, n], b [*, n, D];
+    c [*, d, K] (expand_dim=-2): a [*, D, n], b [*, n, K]. Returns c's shape."""
+    op = "mma_sympow_bwd"
+    _check_float(op, "c", c)
+    check_tensor(op, "a", a, dtypes=[c.dtype])
+    check_tensor(op, "b", b, dtypes=[c.dtype])
+    check_same_device(op, a=a, b=b, c=c)
+    c3, ed = _flatten(op, c, a, expand_dim)
+    if b.shape[:-2] != c.shape[:-2]:
+        raise ArgumentError(f"{op}: b must have c's batch dimensions {tuple(c.shape[:-2])}, got "
+                            f"{tuple(b.shape[:-2])}")
+    d = c3.shape[ed]
+    D = configs.check_support(op, d, power, d_tile)
+    rows, cols = (c3.shape[1], D) if ed == -1 else (D, c3.shape[2])
+    if a.shape[-2] != rows or b.shape[-1] != cols or a.shape[-1] != b.shape[-2]:
+        raise ArgumentError(f"{op}: a @ b must have shape (..., {rows}, {cols}) (c expanded), "
+                            f"got a {tuple(a.shape)} and b {tuple(b.shape)}")
+    a3 = a.reshape((-1,) + a.shape[-2:])
+    b3 = b.reshape((-1,) + b.shape[-2:])
+    dc = bool(duplicate_correction)
+    if plain_eager(a, b, c):
+        out = _mma_bwd_impl(a3, b3, c3, ed, power, d_tile, float(scale_a), dc)
+    else:
+        out = torch.ops.vitrail.mma_sympow_bwd(a3, b3, c3, ed, power, d_tile, float(scale_a),
+                                               dc)
+    return out.reshape(c.shape)

@@ -1,0 +1,107 @@
+"""What the sympow kernels support, their config spaces, and the index tables they read.
+
+Support (checked by ``check_support``, refused with a clear error otherwise): power 1 to 4,
+d (the expanded dimension's size) at most 256, d_tile in {1, 2, 4, 8, 16} dividing d, and
+d_tile ** power at most 512 (p=2: d_tile <= 16; p=3: <= 8; p=4: <= 4). The bounds come from the
+kernels: tile indices are packed as bytes (d <= 256), and the backward keeps a whole t^p block
+of one tuple in registers.
+
+The kernels walk the output in *groups*: a group is one tuple with its leading p-1 digits fixed,
+so its t features differ only in the last factor's digit. A group's table entry packs the
+indices of its p-1 leading input features (bytes 0-2) and the first index of its last tile
+(byte 3), with its multiplicity coefficient beside it. The backward kernel walks whole tuples:
+one entry per tuple with each factor's first tile index (bytes 0-3) and its coefficient.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from vitrail.jit.errors import ArgumentError
+from vitrail.ops.sympow.reference import multiplicity, sympow_dim, tuples
+from vitrail.tune import Space, require
+
+D_TILES = (1, 2, 4, 8, 16)
+MAX_D = 256
+MAX_BLOCK = 512          # d_tile ** power
+DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+# The fused matmuls' CTA tile (BM x BN x BK) and threads; fixed for now (one config).
+MMA_TILE = 64
+MMA_THREADS = 256
+
+
+def check_support(op: str, d: int, power: int, d_tile: int) -> int:
+    """Refuse what the kernels do not implement; returns D."""
+    if not isinstance(power, int) or isinstance(power, bool) or not 1 <= power <= 4:
+        raise ArgumentError(f"{op}: power must be an int from 1 to 4, got {power!r}")
+    if not isinstance(d_tile, int) or isinstance(d_tile, bool) or d_tile not in D_TILES:
+        raise ArgumentError(f"{op}: d_tile must be one of {D_TILES}, got {d_tile!r}")
+    if d < 1 or d > MAX_D:
+        raise ArgumentError(f"{op}: the expanded dimension must have 1 to {MAX_D} features, "
+                            f"got {d}")
+    if d % d_tile:
+        raise ArgumentError(f"{op}: d_tile={d_tile} must divide the expanded dimension's "
+                            f"size d={d}")
+    if power > 1 and d_tile ** power > MAX_BLOCK:
+        best = max(t for t in D_TILES if t ** power <= MAX_BLOCK and d % t == 0)
+        raise ArgumentError(f"{op}: d_tile**power = {d_tile}**{power} = {d_tile ** power} is "
+                            f"over the kernels' limit of {MAX_BLOCK}; use d_tile <= {best}")
+    return sympow_dim(d, power, d_tile)
+
+
+_TABLES: dict[tuple, tuple[torch.Tensor, ...]] = {}
+
+
+def _pack(values) -> int:
+    packed = 0
+    for i, v in enumerate(values):
+        packed |= int(v) << (8 * i)
+    return packed - (1 << 32) if packed >= 1 << 31 else packed
+
+
+def tables(d: int, power: int, d_tile: int, duplicate_correction: bool,
+           device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(group_index int32, group_coef float32, tuple_index int32, tuple_coef float32) on device,
+    built once per (d, power, d_tile, duplicate_correction, device)."""
+    key = (d, power, d_tile, bool(duplicate_correction), str(device))
+    hit = _TABLES.get(key)
+    if hit is not None:
+        return hit
+    n, t = d // d_tile, d_tile
+    g_idx, g_coef, t_idx, t_coef = [], [], [], []
+    for tup in tuples(n, power):
+        coef = math.sqrt(multiplicity(tup)) if duplicate_correction else 1.0
+        t_idx.append(_pack([i * t for i in tup]))
+        t_coef.append(coef)
+        for lead in range(t ** (power - 1)):
+            digits = [(lead // t ** (power - 2 - l)) % t for l in range(power - 1)]
+            leading = [tup[l] * t + digits[l] for l in range(power - 1)]
+            leading += [0] * (3 - len(leading))
+            g_idx.append(_pack(leading + [tup[-1] * t]))
+            g_coef.append(coef)
+    made = (torch.tensor(g_idx, dtype=torch.int32), torch.tensor(g_coef, dtype=torch.float32),
+            torch.tensor(t_idx, dtype=torch.int32), torch.tensor(t_coef, dtype=torch.float32))
+    made = tuple(m.to(device) for m in made)
+    _TABLES[key] = made
+    return made
+
+
+# Elementwise kernels: VEC is how many features one thread writes (forward) or loads at once
+# (backward); 16 bytes at most. The problem fixes dtype, power and d_tile (module statics).
+ELEMENTWISE = Space({"VEC": [1, 2, 4, 8]},
+                    constraints=[require(lambda c, lim: c.VEC <= 8, "VEC over 8")],
+                    heuristic=lambda problem, lim: {"VEC": problem["vec"]})
+
+MMA = Space({"THREADS": [MMA_THREADS]}, heuristic=lambda problem, lim: {"THREADS": MMA_THREADS})
+
+
+def vector_width(dtype: torch.dtype, block: int, *tensors: torch.Tensor) -> int:
+    """The widest vector (elements, 16 bytes at most) that divides the t^p block and keeps every
+    tensor's address aligned to the vector's size."""
+    size = torch.empty((), dtype=dtype).element_size()
+    v = 16 // size
+    while v > 1 and (block % v or any(t.data_ptr() % (v * size) for t in tensors)):
+        v //= 2
+    return v
