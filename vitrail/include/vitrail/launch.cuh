@@ -1,0 +1,59 @@
+// launch.cuh: launching kernels from an extern "C" entry point and reporting errors.
+//
+// Entry points return cudaError_t; vitrail.jit turns a non-zero result into jit.LaunchError and
+// vitrail.op.Op prefixes the op's name and config. VITRAIL_TRY returns the first failing call's
+// error from the entry point; launch_cluster launches with a thread-block cluster (sm_90) through
+// cudaLaunchKernelEx, raising the kernel's dynamic shared memory limit first when it needs more
+// than the default 48 KiB.
+#pragma once
+#include <cuda_runtime.h>
+
+// Return the error of a CUDA runtime call from the enclosing function (an entry point).
+#define VITRAIL_TRY(expr)                        \
+  do {                                           \
+    cudaError_t vitrail_err_ = (expr);           \
+    if (vitrail_err_ != cudaSuccess) return vitrail_err_; \
+  } while (0)
+
+namespace vitrail {
+
+// Refuse arguments the kernel cannot implement (an entry point's can_implement check).
+inline cudaError_t require(bool ok) { return ok ? cudaSuccess : cudaErrorInvalidValue; }
+
+inline unsigned ceil_div(long long a, long long b) { return (unsigned)((a + b - 1) / b); }
+
+// Allow a kernel more than 48 KiB of dynamic shared memory (no-op below that).
+template <class Kernel>
+inline cudaError_t allow_shared(Kernel kernel, size_t bytes) {
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+}
+
+// Launch kernel<<<grid, block, smem, stream>>>(args...) with clusters of `cluster` CTAs along x
+// (1: an ordinary launch); returns the launch's error.
+template <class... Params, class... Args>
+inline cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                          cudaStream_t stream, int cluster, Args... args) {
+  VITRAIL_TRY(allow_shared(kernel, smem));
+  if (cluster <= 1) {
+    kernel<<<grid, block, smem, stream>>>(args...);
+    return cudaGetLastError();
+  }
+  if (cluster > 8)
+    VITRAIL_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = cluster;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
+}
+
+}  // namespace vitrail

@@ -1,0 +1,166 @@
+// tile_copy.cuh: moving data between slabs (global), tiles (shared) and fragments (registers).
+//
+// - Frg<T, N>: N elements of T in registers, moved as one vector (16 bytes when N*sizeof(T) is 16).
+// - load_frg / store_frg: global <-> registers, one vector per call; the predicated overloads
+//   touch only the first `valid` elements (the edge of a row) and fill the rest.
+// - copy_async / async_commit / async_wait<K>: cp.async 16-byte global -> shared copies with zero
+//   fill for out-of-range chunks (sm_80+), for multistage pipelines (K groups left in flight).
+// - TileCopy<T, Threads>: a CTA copies a rows x cols tile (cols contiguous, row stride ld) between
+//   a slab and a tile in 16-byte chunks, predicated at the slab's edges.
+// - Bulk: sm_90 TMA bulk copies (cp.async.bulk) global -> shared completing on an mbarrier, and
+//   shared -> global committed as bulk groups (see pipeline.cuh for staged use).
+// Built on CuTe's arch layer (cute/arch/copy_sm80.hpp, copy_sm90_*.hpp).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <cstdint>
+
+#include <cute/arch/copy_sm80.hpp>
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+
+namespace vitrail {
+
+// Elements of T in one 16-byte vector.
+template <class T> inline constexpr int kVec = 16 / int(sizeof(T));
+
+// Unsigned integer type of a given byte size (the register type a vector moves as).
+template <int Bytes> struct Bits;
+template <> struct Bits<1> { using type = uint8_t; };
+template <> struct Bits<2> { using type = uint16_t; };
+template <> struct Bits<4> { using type = uint32_t; };
+template <> struct Bits<8> { using type = uint2; };
+template <> struct Bits<16> { using type = uint4; };
+
+// N elements of T held in registers; moves as one vector of N*sizeof(T) bytes.
+template <class T, int N>
+struct alignas(N * sizeof(T)) Frg {
+  using Raw = typename Bits<N * sizeof(T)>::type;
+  static constexpr int size = N;
+  union {
+    T v[N];
+    Raw raw;
+  };
+  __device__ __forceinline__ T& operator[](int i) { return v[i]; }
+  __device__ __forceinline__ const T& operator[](int i) const { return v[i]; }
+};
+
+// ---------------------------------------------------------------- conversions to/from float
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <class T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+// Any of the three float types to any other (through float; exact where the target can hold it).
+template <class To, class From> __device__ __forceinline__ To convert(From x) {
+  return from_float<To>(to_float(x));
+}
+template <> __device__ __forceinline__ float convert<float, float>(float x) { return x; }
+
+// ---------------------------------------------------------------- global <-> registers
+// One vector load; p must be aligned to the vector's size.
+template <int N, class T>
+__device__ __forceinline__ Frg<T, N> load_frg(const T* __restrict__ p) {
+  Frg<T, N> f;
+  f.raw = *reinterpret_cast<const typename Frg<T, N>::Raw*>(p);
+  return f;
+}
+// The first `valid` elements from p (a full vector load when valid >= N), the rest `fill`.
+template <int N, class T>
+__device__ __forceinline__ Frg<T, N> load_frg(const T* __restrict__ p, int valid, T fill) {
+  if (valid >= N) return load_frg<N>(p);
+  Frg<T, N> f;
+#pragma unroll
+  for (int i = 0; i < N; ++i) f.v[i] = i < valid ? p[i] : fill;
+  return f;
+}
+template <int N, class T>
+__device__ __forceinline__ void store_frg(T* __restrict__ p, const Frg<T, N>& f) {
+  *reinterpret_cast<typename Frg<T, N>::Raw*>(p) = f.raw;
+}
+template <int N, class T>
+__device__ __forceinline__ void store_frg(T* __restrict__ p, const Frg<T, N>& f, int valid) {
+  if (valid >= N) {
+    store_frg<N>(p, f);
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+    if (i < valid) p[i] = f.v[i];
+}
+
+// ---------------------------------------------------------------- cp.async (sm_80+)
+// 16 bytes global -> shared; zero-filled when !pred (the source is then not read).
+__device__ __forceinline__ void copy_async(void* smem, const void* gmem, bool pred) {
+  cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
+      *reinterpret_cast<const cute::uint128_t*>(gmem), *reinterpret_cast<cute::uint128_t*>(smem),
+      pred);
+}
+__device__ __forceinline__ void async_commit() { cute::cp_async_fence(); }
+template <int InFlight> __device__ __forceinline__ void async_wait() {
+  cute::cp_async_wait<InFlight>();
+}
+
+// A CTA of Threads threads copies rows x cols tiles of T, cols contiguous, in 16-byte chunks.
+// cols must be a multiple of kVec<T>; global rows start 16-byte aligned (ld multiple of kVec).
+template <class T, int Threads>
+struct TileCopy {
+  static constexpr int V = kVec<T>;
+
+  // slab (row stride ld, valid_rows x valid_cols in range) -> tile (row stride tile_ld),
+  // asynchronously; chunks outside the slab's valid region are zero-filled.
+  __device__ static void g2s_async(T* tile, int tile_ld, const T* slab, long long ld, int rows,
+                                   int cols, int valid_rows, int valid_cols) {
+    const int chunks_per_row = cols / V;
+    for (int c = threadIdx.x; c < rows * chunks_per_row; c += Threads) {
+      int r = c / chunks_per_row, k = (c % chunks_per_row) * V;
+      bool ok = r < valid_rows && k + V <= valid_cols;
+      const T* src = ok ? slab + r * ld + k : slab;  // never form an out-of-range address
+      copy_async(tile + r * tile_ld + k, src, ok);
+    }
+  }
+  // tile -> slab with ordinary 16-byte stores, elementwise at a ragged right edge.
+  __device__ static void s2g(T* slab, long long ld, const T* tile, int tile_ld, int rows, int cols,
+                             int valid_rows, int valid_cols) {
+    const int chunks_per_row = cols / V;
+    for (int c = threadIdx.x; c < rows * chunks_per_row; c += Threads) {
+      int r = c / chunks_per_row, k = (c % chunks_per_row) * V;
+      if (r >= valid_rows || k >= valid_cols) continue;
+      Frg<T, V> f = *reinterpret_cast<const Frg<T, V>*>(tile + r * tile_ld + k);
+      store_frg<V>(slab + r * ld + k, f, valid_cols - k);
+    }
+  }
+};
+
+// ---------------------------------------------------------------- TMA bulk copies (sm_90)
+struct Bulk {
+  // One thread: make the barrier expect `count` arrivals.
+  __device__ static void init(uint64_t* mbar, int count) {
+    cute::initialize_barrier(*mbar, count);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  // One thread: arrive on mbar expecting `bytes` more bytes, then start the copy of `bytes` bytes
+  // (a multiple of 16, both addresses 16-byte aligned) from gmem into smem.
+  __device__ static void load(void* smem, const void* gmem, int bytes, uint64_t* mbar) {
+    cute::set_barrier_transaction_bytes(*mbar, bytes);
+    cute::SM90_BULK_COPY_G2S::copy(gmem, mbar, smem, bytes);
+  }
+  // Any thread: wait until the barrier's phase `phase` completes (the bytes have landed).
+  __device__ static void wait(uint64_t* mbar, int phase) { cute::wait_barrier(*mbar, phase); }
+  // One thread, after a barrier over the threads that wrote smem: start smem -> gmem.
+  // Writers must call fence_shared() before that barrier.
+  __device__ static void store(void* gmem, const void* smem, int bytes) {
+    cute::SM90_BULK_COPY_S2G::copy(smem, gmem, bytes);
+  }
+  __device__ static void fence_shared() { cute::tma_store_fence(); }
+  __device__ static void commit() { cute::tma_store_arrive(); }
+  // Wait until at most InFlight committed store groups are still reading shared memory.
+  template <int InFlight> __device__ static void store_wait() { cute::tma_store_wait<InFlight>(); }
+};
+
+}  // namespace vitrail
