@@ -1,0 +1,51 @@
+"""`vitrail bench copy`: contiguous, converting and transposing copies, GB/s beside torch."""
+from __future__ import annotations
+
+from vitrail.bench import Row, register
+
+
+def build() -> None:
+    import torch
+
+    from vitrail.ops.copy import FLAT_OPS, TILED_OPS
+    from vitrail.tune import limits
+    lim = limits()
+    for op in (FLAT_OPS[torch.bfloat16, torch.float32, 4], TILED_OPS[torch.bfloat16, torch.bfloat16],
+               TILED_OPS[torch.float32, torch.float32]):
+        op.module(op.space.default(None, lim))
+
+
+@register("copy", "vitrail.ops.copy vs torch copy_ / contiguous()", build)
+def run() -> list[Row]:
+    import torch
+
+    import vitrail.ops as ops
+    from vitrail.ops.softmax.bench import copy_gbps, rows_for
+    ceiling = copy_gbps()
+    print(f"  copy bandwidth this run: {ceiling:.0f} GB/s")
+    rows = []
+    for dt in ("bfloat16", "float32"):
+        dtype = getattr(torch, dt)
+        x = torch.randn(16384, 16384, device="cuda", dtype=dtype)
+        out = torch.empty_like(x)
+        nb = 2 * x.numel() * x.element_size()
+        rows += rows_for(f"contiguous {dt} 16384^2", {
+            "vitrail": lambda: ops.copy(x, out=out),
+            "torch eager": lambda: out.copy_(x)}, nb, ceiling)
+        xt = x.t()
+        ct = torch.compile(lambda t: t.contiguous() + 0)
+        rows += rows_for(f"transpose {dt} 16384^2", {
+            "vitrail": lambda: ops.copy(xt, out=out),
+            "torch eager": lambda: out.copy_(xt),
+            "torch.compile": lambda: ct(xt)}, nb, ceiling)
+        x3 = torch.randn(64, 512, 1024, device="cuda", dtype=dtype).permute(0, 2, 1)
+        o3 = torch.empty(x3.shape, device="cuda", dtype=dtype)
+        rows += rows_for(f"permute(0,2,1) {dt} 64x512x1024", {
+            "vitrail": lambda: ops.copy(x3, out=o3),
+            "torch eager": lambda: o3.copy_(x3)}, 2 * x3.numel() * x3.element_size(), ceiling)
+    x = torch.randn(16384, 16384, device="cuda", dtype=torch.bfloat16)
+    o = torch.empty(x.shape, device="cuda", dtype=torch.float32)
+    rows += rows_for("bf16->fp32 16384^2", {
+        "vitrail": lambda: ops.copy(x, out=o),
+        "torch eager": lambda: o.copy_(x)}, x.numel() * 6, ceiling)
+    return rows

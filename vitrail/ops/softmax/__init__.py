@@ -1,0 +1,246 @@
+"""vitrail.ops.softmax: softmax and log_softmax along any dim, forward and backward, at HBM speed.
+
+Order (quack's): kernels and their Ops, the custom ops, autograd, the public functions. The
+kernels (sm90_softmax.cuh) take rows with a contiguous last dim and any row stride; another
+``dim`` or a strided last dim is moved into place first (an extra pass, correct but slower).
+On the lean eager path (``plain_eager``) a call goes straight to the kernel; otherwise through
+``torch.ops.vitrail.softmax_fwd`` / ``softmax_bwd`` (fake impls registered, so
+``torch.compile(fullgraph=True)`` traces them without a graph break).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from vitrail.jit.errors import LaunchError
+from vitrail.op import Op
+from vitrail.ops.common import FLOATS, check_dim, check_tensor, plain_eager
+from vitrail.ops.softmax import configs
+from vitrail.tune import Space, bucket
+
+HERE = Path(__file__).resolve().parent
+KERNEL = (HERE / "sm90_softmax.cuh").read_text()
+
+_ENTRY = {
+    "fwd": r"""
+extern "C" cudaError_t softmax_fwd(void* y, const void* x, long long rows, int n, long long ldx,
+                                   long long ldy, cudaStream_t stream) {
+  return vitrail::softmax::launch_fwd<T, V, TPR, THREADS, ITERS, CLUSTER, IS_LOG>(
+      (T*)y, (const T*)x, rows, n, ldx, ldy, stream);
+}""",
+    "bwd": r"""
+extern "C" cudaError_t softmax_bwd(void* dx, const void* y, const void* dy, long long rows, int n,
+                                   long long ldy, long long lddy, long long lddx,
+                                   cudaStream_t stream) {
+  return vitrail::softmax::launch_bwd<T, V, TPR, THREADS, ITERS, CLUSTER, IS_LOG>(
+      (T*)dx, (const T*)y, (const T*)dy, rows, n, ldy, lddy, lddx, stream);
+}""",
+    "chunked": r"""
+extern "C" cudaError_t softmax_chunked(void* out, void* stats, const void* a, const void* b,
+                                       long long rows, int n, int chunk, long long lda,
+                                       long long ldb, long long ldo, cudaStream_t stream) {
+  return vitrail::softmax::launch_chunked<T, V, MODE, IS_LOG>(
+      (T*)out, stats, (const T*)a, (const T*)b, rows, n, chunk, lda, ldb, ldo, stream);
+}""",
+}
+
+
+def _source(kind: str, dtype: torch.dtype, v: int, log: bool, mode: int = 0) -> str:
+    head = (f'#include "sm90_softmax.cuh"\nusing T = {configs.CTYPES[dtype]};\n'
+            f"constexpr int V = {v};\nconstexpr bool IS_LOG = {str(log).lower()};\n"
+            f"constexpr int MODE = {mode};\n//CONSTS\n")
+    return head + _ENTRY[kind]
+
+
+def _render(kind: str, dtype: torch.dtype, v: int, log: bool, mode: int = 0):
+    def render(config) -> dict:
+        consts = "".join(f"constexpr int {k} = {config[k]};\n"
+                         for k in ("TPR", "THREADS", "ITERS", "CLUSTER") if k in config)
+        return dict(source=_source(kind, dtype, v, log, mode) .replace("//CONSTS\n", consts),
+                    name=f"softmax_{kind}", include_dirs=[str(HERE)], flags=["-std=c++17"])
+    return render
+
+
+def _launch_fwd(module, config, y, x):
+    rows, n = x.shape
+    module.softmax_fwd(y.data_ptr(), x.data_ptr(), rows, n, x.stride(0), y.stride(0))
+
+
+def _launch_bwd(module, config, dx, y, dy):
+    rows, n = y.shape
+    module.softmax_bwd(dx.data_ptr(), y.data_ptr(), dy.data_ptr(), rows, n, y.stride(0),
+                       dy.stride(0), dx.stride(0))
+
+
+def _launch_chunked(module, config, out, stats, a, b):
+    rows, n = a.shape
+    module.softmax_chunked(out.data_ptr(), stats.data_ptr(), a.data_ptr(), b.data_ptr(), rows, n,
+                           config.CHUNK, a.stride(0), b.stride(0), out.stride(0))
+
+
+def _dname(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+OPS: dict[tuple, Op] = {}
+for _dt in configs.CTYPES:
+    for _v in (configs.vec(_dt), 1):
+        for _log in (False, True):
+            _base = f"{'log_softmax' if _log else 'softmax'}.{{}}.{_dname(_dt)}.v{_v}"
+            OPS["fwd", _dt, _v, _log] = Op(
+                _base.format("fwd"), space=configs.space(_v, 1), kernel_source=KERNEL,
+                render=_render("fwd", _dt, _v, _log), launch=_launch_fwd,
+                examples=[4096] if _v > 1 else [])
+            OPS["bwd", _dt, _v, _log] = Op(
+                _base.format("bwd"), space=configs.space(_v, 2), kernel_source=KERNEL,
+                render=_render("bwd", _dt, _v, _log), launch=_launch_bwd,
+                examples=[4096] if _v > 1 else [])
+            for _mode, _kind in ((0, "fwd"), (2 if _log else 1, "bwd")):
+                OPS["chunked", _kind, _dt, _v, _log] = Op(
+                    _base.format(f"{_kind}_chunked"), kernel_source=KERNEL,
+                    space=Space({"CHUNK": [8192, 16384, 32768, 65536]},
+                                heuristic=lambda p, lim: {"CHUNK": 32768}),
+                    render=_render("chunked", _dt, _v, _log, _mode), launch=_launch_chunked)
+
+
+def _aligned(v: int, *ts: torch.Tensor) -> bool:
+    size = ts[0].element_size()
+    return all(t.data_ptr() % 16 == 0 and (t.shape[0] <= 1 or t.stride(0) % v == 0)
+               for t in ts) and size * v == 16
+
+
+def _run_fwd(y2: torch.Tensor, x2: torch.Tensor, log: bool) -> None:
+    rows, n = x2.shape
+    v = configs.vec(x2.dtype)
+    if not _aligned(v, x2, y2):
+        v = 1
+    key = f"n{bucket(n)};rows{bucket(rows)}"
+    if n > configs.max_register_row(v, 1):
+        op = OPS["chunked", "fwd", x2.dtype, v, log]
+        stats = torch.empty(rows, math.ceil(n / 8192) * 2, dtype=torch.float32, device=x2.device)
+        op(key, n, y2, stats, x2, x2)
+    else:
+        OPS["fwd", x2.dtype, v, log](key, bucket(n), y2, x2)
+
+
+def _run_bwd(dx2, y2, dy2, log: bool) -> None:
+    rows, n = y2.shape
+    v = configs.vec(y2.dtype)
+    if not _aligned(v, y2, dy2, dx2):
+        v = 1
+    key = f"n{bucket(n)};rows{bucket(rows)}"
+    if n > configs.max_register_row(v, 2):
+        op = OPS["chunked", "bwd", y2.dtype, v, log]
+        stats = torch.empty(rows, math.ceil(n / 8192) * 2, dtype=torch.float32, device=y2.device)
+        op(key, n, dx2, stats, y2, dy2)
+    else:
+        OPS["bwd", y2.dtype, v, log](key, bucket(n), dx2, y2, dy2)
+
+
+def _rows(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """t as (rows, n) with the softmax dim last and contiguous (a view where possible)."""
+    t = t.movedim(dim, -1) if t.dim() else t.reshape(1)
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        t = t.contiguous()
+    n = t.shape[-1]
+    try:
+        return t.view(-1, n)
+    except RuntimeError:
+        return t.reshape(-1, n)
+
+
+def _forward(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if x.numel() == 0:
+        return y
+    x2 = _rows(x, dim)
+    inplace = x.dim() == 0 or dim == x.dim() - 1
+    y2 = y.view(-1, x2.shape[1]) if inplace else torch.empty_like(x2)
+    _run_fwd(y2, x2, log)
+    if not inplace:
+        y.copy_(y2.view(x.movedim(dim, -1).shape).movedim(-1, dim))
+    return y
+
+
+def _backward(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+    dx = torch.empty_like(y, memory_format=torch.contiguous_format)
+    if y.numel() == 0:
+        return dx
+    y2, dy2 = _rows(y, dim), _rows(dy, dim)
+    inplace = y.dim() == 0 or dim == y.dim() - 1
+    dx2 = dx.view(-1, y2.shape[1]) if inplace else torch.empty_like(y2)
+    _run_bwd(dx2, y2, dy2, log)
+    if not inplace:
+        dx.copy_(dx2.view(y.movedim(dim, -1).shape).movedim(-1, dim))
+    return dx
+
+
+# ------------------------------------------------------------------ custom ops and autograd
+@torch.library.custom_op("vitrail::softmax_fwd", mutates_args=())
+def softmax_fwd(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+    return _forward(x, dim, log)
+
+
+@softmax_fwd.register_fake
+def _(x, dim, log):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("vitrail::softmax_bwd", mutates_args=())
+def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+    return _backward(y, dy, dim, log)
+
+
+@softmax_bwd.register_fake
+def _(y, dy, dim, log):
+    return torch.empty_like(y, memory_format=torch.contiguous_format)
+
+
+def _setup(ctx, inputs, output):
+    _, ctx.dim, ctx.log = inputs
+    ctx.save_for_backward(output)
+
+
+def _grad(ctx, dy):
+    (y,) = ctx.saved_tensors
+    return softmax_bwd(y, dy, ctx.dim, ctx.log), None, None
+
+
+torch.library.register_autograd("vitrail::softmax_fwd", _grad, setup_context=_setup)
+
+
+# ------------------------------------------------------------------ public functions
+def _call(name: str, x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+    check_tensor(name, "x", x, dtypes=FLOATS)
+    d = check_dim(name, dim, x.dim())
+    if plain_eager(x):
+        if x.device.index != torch.cuda.current_device():
+            with torch.cuda.device(x.device):
+                return _forward(x, d, log)
+        return _forward(x, d, log)
+    return softmax_fwd(x, d, log)
+
+
+def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """softmax(x) along ``dim``: fp32, fp16, bf16; any shape, strides and dim; autograd."""
+    return _call("vitrail.ops.softmax", x, dim, False)
+
+
+def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """log_softmax(x) along ``dim``: fp32, fp16, bf16; any shape, strides and dim; autograd."""
+    return _call("vitrail.ops.log_softmax", x, dim, True)
+
+
+__all__ = ["softmax", "log_softmax", "softmax_fwd", "softmax_bwd", "OPS", "LaunchError"]
+
+
+# vitrail.ops.softmax is both this package and the public function: importing the package sets the
+# attribute vitrail.ops.softmax to the module, so the module itself calls the function.
+class _CallableModule(__import__("types").ModuleType):
+    def __call__(self, *args, **kwargs):
+        return softmax(*args, **kwargs)
+
+
+__import__("sys").modules[__name__].__class__ = _CallableModule

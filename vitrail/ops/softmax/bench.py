@@ -1,0 +1,84 @@
+"""`vitrail bench softmax`: softmax and log_softmax forward and backward, GB/s and % of the copy
+bandwidth measured in the same run, beside torch eager and torch.compile."""
+from __future__ import annotations
+
+from vitrail.bench import Row, register
+
+CASES = [((32768, 4096), "bfloat16"), ((32768, 4096), "float32"), ((4096, 32768), "bfloat16"),
+         ((65536, 512), "bfloat16"), ((65536, 128), "float32"), ((16, 262144), "bfloat16"),
+         ((8, 1 << 20), "float32")]
+
+
+def build() -> None:
+    import torch
+
+    from vitrail.ops.softmax import OPS
+    from vitrail.tune import limits
+    lim = limits()
+    for (rows, n), dt in CASES[:3]:
+        dtype = getattr(torch, dt)
+        v = 16 // torch.empty((), dtype=dtype).element_size()
+        for kind in ("fwd", "bwd"):
+            op = OPS[kind, dtype, v, False]
+            op.module(op.space.default(n, lim))
+
+
+def copy_gbps(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth now (bytes read + written), the ceiling of this run."""
+    import torch
+
+    from vitrail.profile import bench
+    a = torch.empty(nbytes // 4, device="cuda")
+    b = torch.empty_like(a)
+    t = bench(lambda: b.copy_(a), rep=30)
+    return 2 * nbytes / t.median / 1e6
+
+
+def rows_for(case: str, impls: dict, nbytes: float, ceiling: float) -> list[Row]:
+    from vitrail.profile import bench
+    out = []
+    for impl, fn in impls.items():
+        try:
+            ms = bench(fn, rep=50).median
+        except Exception as e:  # torch.compile may refuse a case: report, keep going
+            print(f"  {case} {impl}: {type(e).__name__}: {str(e)[:120]}")
+            continue
+        gbps = nbytes / ms / 1e6
+        out.append(Row(case, impl, gbps, "GB/s", lower_is_better=False,
+                       baseline=impl == "torch eager", ms=ms, bytes=nbytes,
+                       extra={"pct_of_copy": 100 * gbps / ceiling, "copy_gbps": ceiling}))
+        print(f"  {case:<34}{impl:<16}{gbps:8.0f} GB/s  {100 * gbps / ceiling:5.1f}% of copy")
+    return out
+
+
+@register("softmax", "softmax/log_softmax fwd+bwd, GB/s vs torch", build)
+def run() -> list[Row]:
+    import torch
+
+    import vitrail.ops as ops
+    from vitrail.ops.softmax import softmax_bwd
+    ceiling = copy_gbps()
+    print(f"  copy bandwidth this run: {ceiling:.0f} GB/s")
+    rows = []
+    cfwd = torch.compile(lambda t: torch.softmax(t, -1))
+    cbwd = torch.compile(lambda y, g: y * (g - (g * y).sum(-1, keepdim=True)))
+    for (m, n), dt in CASES:
+        dtype = getattr(torch, dt)
+        x = torch.randn(m, n, device="cuda", dtype=dtype)
+        y = torch.softmax(x, -1)
+        dy = torch.randn_like(x)
+        nb = 2 * x.numel() * x.element_size()
+        case = f"fwd {dt} {m}x{n}"
+        rows += rows_for(case, {"vitrail": lambda: ops.softmax(x),
+                                "torch eager": lambda: torch.softmax(x, -1),
+                                "torch.compile": lambda: cfwd(x)}, nb, ceiling)
+        if n <= 4096 and dt == "bfloat16":
+            rows += rows_for(f"log fwd {dt} {m}x{n}",
+                             {"vitrail": lambda: ops.log_softmax(x),
+                              "torch eager": lambda: torch.log_softmax(x, -1)}, nb, ceiling)
+        case = f"bwd {dt} {m}x{n}"
+        rows += rows_for(case, {
+            "vitrail": lambda: softmax_bwd(y, dy, 1, False),
+            "torch eager": lambda: torch._softmax_backward_data(dy, y, -1, x.dtype),
+            "torch.compile": lambda: cbwd(y, dy)}, 1.5 * nb, ceiling)
+    return rows

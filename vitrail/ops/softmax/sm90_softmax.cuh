@@ -1,0 +1,261 @@
+// sm90_softmax.cuh: softmax and log_softmax over the rows of a 2-D slab, forward and backward.
+//
+// Rows that fit on chip stay in registers and are read once: a row belongs to a group of TPR
+// threads (a few lanes, a warp, or a whole CTA) times Cluster CTAs of a thread-block cluster
+// (sm_90, reductions through distributed shared memory); each thread holds Iters 16-byte vectors
+// of it, vector i of a thread at column ((rank * Iters + i) * TPR + t) * V, so neighbouring threads
+// read neighbouring vectors. Forward: max, sum of exp, then write; backward: one sum, then write.
+// Rows longer than a config holds use the chunked path (two kernels: per-chunk statistics with an
+// online max/sum, then normalize), which reads the input twice but has no length limit.
+//
+// Constraints (checked by the entry points, refused with cudaErrorInvalidValue):
+//   - the last dim is contiguous; row strides (ld*) and base pointers are multiples of V elements
+//     (16 bytes; the Python side picks V = 1 otherwise);
+//   - n <= TPR * Iters * V * Cluster for the register path.
+// Math in fp32: y = exp(x - max) / sum; log: y = (x - max) - log(sum). A row of -inf gives NaN
+// and a NaN anywhere in a row makes the row NaN, as in torch.
+#pragma once
+#include <vitrail/launch.cuh>
+#include <vitrail/smart_reduce.cuh>
+#include <vitrail/tile_copy.cuh>
+
+namespace vitrail::softmax {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+__device__ __forceinline__ float exp_of(float d) { return exp2f(d * kLog2e); }
+
+template <class T, int V, int TPR, int Threads, int Iters, int Cluster, bool IsLog>
+__global__ void __launch_bounds__(Threads)
+fwd_kernel(T* __restrict__ y, const T* __restrict__ x, long long rows, int n, long long ldx,
+           long long ldy) {
+  using Reduce = SmartReduce<TPR, Cluster>;
+  constexpr int RowsPerCta = Threads / TPR;
+  __shared__ float scratch[2][Threads / 32 + 2];
+  const int t = threadIdx.x % TPR;
+  const int rank = Cluster > 1 ? int(blockIdx.x % Cluster) : 0;
+  const long long row = (long long)(blockIdx.x / Cluster) * RowsPerCta + threadIdx.x / TPR;
+  const bool live = row < rows;
+  const T* xr = x + (live ? row : 0) * ldx;
+  const T neg_inf = from_float<T>(-__builtin_huge_valf());
+
+  Frg<T, V> frg[Iters];
+#pragma unroll
+  for (int i = 0; i < Iters; ++i) {
+    const int col = ((rank * Iters + i) * TPR + t) * V;
+    frg[i] = load_frg<V>(xr + col, live ? n - col : 0, neg_inf);
+  }
+  float m = -__builtin_huge_valf();
+#pragma unroll
+  for (int i = 0; i < Iters; ++i)
+#pragma unroll
+    for (int k = 0; k < V; ++k) m = fmaxf(m, to_float(frg[i][k]));
+  m = Reduce::reduce(m, Max{}, scratch[0]);
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < Iters; ++i)
+#pragma unroll
+    for (int k = 0; k < V; ++k) s += exp_of(to_float(frg[i][k]) - m);
+  s = Reduce::reduce(s, Sum{}, scratch[1]);
+  const float scale = IsLog ? __log2f(s) * kLn2 : 1.f / s;
+  if (live) {
+    T* yr = y + row * ldy;
+#pragma unroll
+    for (int i = 0; i < Iters; ++i) {
+      const int col = ((rank * Iters + i) * TPR + t) * V;
+      Frg<T, V> out;
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const float d = to_float(frg[i][k]) - m;
+        out[k] = from_float<T>(IsLog ? d - scale : exp_of(d) * scale);
+      }
+      store_frg<V>(yr + col, out, n - col);
+    }
+  }
+  Reduce::cluster_done();
+}
+
+// dx = y * (dy - sum(dy * y));  log: dx = dy - exp(y) * sum(dy).
+template <class T, int V, int TPR, int Threads, int Iters, int Cluster, bool IsLog>
+__global__ void __launch_bounds__(Threads)
+bwd_kernel(T* __restrict__ dx, const T* __restrict__ y, const T* __restrict__ dy, long long rows,
+           int n, long long ldy, long long lddy, long long lddx) {
+  using Reduce = SmartReduce<TPR, Cluster>;
+  constexpr int RowsPerCta = Threads / TPR;
+  __shared__ float scratch[Threads / 32 + 2];
+  const int t = threadIdx.x % TPR;
+  const int rank = Cluster > 1 ? int(blockIdx.x % Cluster) : 0;
+  const long long row = (long long)(blockIdx.x / Cluster) * RowsPerCta + threadIdx.x / TPR;
+  const bool live = row < rows;
+  const T* yr = y + (live ? row : 0) * ldy;
+  const T* dyr = dy + (live ? row : 0) * lddy;
+  const T zero = from_float<T>(0.f);
+
+  Frg<T, V> fy[Iters], fdy[Iters];
+#pragma unroll
+  for (int i = 0; i < Iters; ++i) {
+    const int col = ((rank * Iters + i) * TPR + t) * V;
+    const int valid = live ? n - col : 0;
+    fy[i] = load_frg<V>(yr + col, valid, zero);
+    fdy[i] = load_frg<V>(dyr + col, valid, zero);
+  }
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < Iters; ++i)
+#pragma unroll
+    for (int k = 0; k < V; ++k)
+      s += IsLog ? to_float(fdy[i][k]) : to_float(fdy[i][k]) * to_float(fy[i][k]);
+  s = Reduce::reduce(s, Sum{}, scratch);
+  if (live) {
+    T* dxr = dx + row * lddx;
+#pragma unroll
+    for (int i = 0; i < Iters; ++i) {
+      const int col = ((rank * Iters + i) * TPR + t) * V;
+      Frg<T, V> out;
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const float yv = to_float(fy[i][k]), g = to_float(fdy[i][k]);
+        out[k] = from_float<T>(IsLog ? g - exp_of(yv) * s : yv * (g - s));
+      }
+      store_frg<V>(dxr + col, out, n - col);
+    }
+  }
+  Reduce::cluster_done();
+}
+
+// ------------------------------------------------------------------ chunked path (long rows)
+// Running (max, sum of exp(x - max)); combining two is associative. A -inf max means "nothing
+// finite yet": its sum stays 0 and contributes nothing.
+struct MaxSum {
+  float m, s;
+};
+struct CombineMaxSum {
+  __device__ __forceinline__ MaxSum operator()(MaxSum a, MaxSum b) const {
+    const float m = fmaxf(a.m, b.m);
+    if (m == -__builtin_huge_valf()) return {m, a.s + b.s};
+    return {m, a.s * exp_of(a.m - m) + b.s * exp_of(b.m - m)};
+  }
+};
+struct SumOp {
+  __device__ __forceinline__ MaxSum operator()(MaxSum a, MaxSum b) const { return {0.f, a.s + b.s}; }
+};
+
+constexpr int kChunkThreads = 256;
+
+// Stage 1: per (row, chunk) statistics into stats[row * chunks + c]. Forward: (max, sum exp);
+// backward: (0, sum(dy * y)) or (0, sum(dy)).
+template <class T, int V, int Mode>  // Mode 0: forward, 1: softmax bwd, 2: log_softmax bwd
+__global__ void __launch_bounds__(kChunkThreads)
+chunk_stats(MaxSum* stats, const T* __restrict__ a, const T* __restrict__ b, int n, int chunk,
+            long long lda, long long ldb) {
+  __shared__ MaxSum scratch[kChunkThreads / 32];
+  const int c = blockIdx.x, chunks = gridDim.x;
+  const long long row = blockIdx.y;
+  const T* ar = a + row * lda;
+  const T* br = b + row * ldb;
+  const int end = min(n, (c + 1) * chunk);
+  MaxSum acc{Mode == 0 ? -__builtin_huge_valf() : 0.f, 0.f};
+  for (int col = c * chunk + threadIdx.x * V; col < end; col += kChunkThreads * V) {
+    Frg<T, V> fa = load_frg<V>(ar + col, end - col, from_float<T>(Mode == 0 ? -__builtin_huge_valf() : 0.f));
+    if constexpr (Mode == 0) {
+      float m = acc.m;
+#pragma unroll
+      for (int k = 0; k < V; ++k) m = fmaxf(m, to_float(fa[k]));
+      if (m != -__builtin_huge_valf()) {
+        float s = acc.s * exp_of(acc.m - m);
+#pragma unroll
+        for (int k = 0; k < V; ++k) s += exp_of(to_float(fa[k]) - m);
+        acc = {m, s};
+      } else {  // nothing above -inf yet: a -inf vector adds nothing, a NaN poisons the sum
+#pragma unroll
+        for (int k = 0; k < V; ++k)
+          if (isnan(to_float(fa[k]))) acc.s = __builtin_nanf("");
+      }
+    } else {
+      Frg<T, V> fb = load_frg<V>(br + col, end - col, from_float<T>(0.f));
+#pragma unroll
+      for (int k = 0; k < V; ++k) acc.s += Mode == 1 ? to_float(fa[k]) * to_float(fb[k]) : to_float(fb[k]);
+    }
+  }
+  if constexpr (Mode == 0) acc = SmartReduce<kChunkThreads>::reduce(acc, CombineMaxSum{}, scratch);
+  else acc = SmartReduce<kChunkThreads>::reduce(acc, SumOp{}, scratch);
+  if (threadIdx.x == 0) stats[row * chunks + c] = acc;
+}
+
+// Stage 2: combine the row's chunk statistics, then write the chunk. Forward: a = x, b unused;
+// backward: a = y, b = dy.
+template <class T, int V, int Mode, bool IsLog>
+__global__ void __launch_bounds__(kChunkThreads)
+chunk_apply(T* __restrict__ out, const MaxSum* stats, const T* __restrict__ a,
+            const T* __restrict__ b, int n, int chunk, long long lda, long long ldb,
+            long long ldo) {
+  const int c = blockIdx.x, chunks = gridDim.x;
+  const long long row = blockIdx.y;
+  MaxSum tot = stats[row * chunks];
+  for (int j = 1; j < chunks; ++j) {
+    MaxSum o = stats[row * chunks + j];
+    tot = Mode == 0 ? CombineMaxSum{}(tot, o) : MaxSum{0.f, tot.s + o.s};
+  }
+  // Forward on a row of -inf or NaN: tot.m is -inf; x - (-inf) ... gives NaN as torch does.
+  const float scale = Mode == 0 ? (IsLog ? __log2f(tot.s) * kLn2 : 1.f / tot.s) : tot.s;
+  const T* ar = a + row * lda;
+  const T* br = b + row * ldb;
+  T* orow = out + row * ldo;
+  const int end = min(n, (c + 1) * chunk);
+  for (int col = c * chunk + threadIdx.x * V; col < end; col += kChunkThreads * V) {
+    Frg<T, V> fa = load_frg<V>(ar + col, end - col, from_float<T>(0.f)), fb, o;
+    if constexpr (Mode != 0) fb = load_frg<V>(br + col, end - col, from_float<T>(0.f));
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      float r;
+      if constexpr (Mode == 0) {
+        const float d = to_float(fa[k]) - tot.m;
+        r = IsLog ? d - scale : exp_of(d) * scale;
+      } else if constexpr (Mode == 1) {
+        r = to_float(fa[k]) * (to_float(fb[k]) - scale);
+      } else {
+        r = to_float(fb[k]) - exp_of(to_float(fa[k])) * scale;
+      }
+      o[k] = from_float<T>(r);
+    }
+    store_frg<V>(orow + col, o, end - col);
+  }
+}
+
+// ------------------------------------------------------------------ host entry helpers
+template <class T, int V, int TPR, int Threads, int Iters, int Cluster, bool IsLog>
+cudaError_t launch_fwd(T* y, const T* x, long long rows, int n, long long ldx, long long ldy,
+                       cudaStream_t stream) {
+  VITRAIL_TRY(require(n >= 1 && n <= TPR * Iters * V * Cluster && ldx % V == 0 && ldy % V == 0));
+  const long long ctas = (rows + Threads / TPR - 1) / (Threads / TPR) * Cluster;
+  return launch(fwd_kernel<T, V, TPR, Threads, Iters, Cluster, IsLog>, dim3((unsigned)ctas),
+                dim3(Threads), 0, stream, Cluster, y, x, rows, n, ldx, ldy);
+}
+
+template <class T, int V, int TPR, int Threads, int Iters, int Cluster, bool IsLog>
+cudaError_t launch_bwd(T* dx, const T* y, const T* dy, long long rows, int n, long long ldy,
+                       long long lddy, long long lddx, cudaStream_t stream) {
+  VITRAIL_TRY(require(n >= 1 && n <= TPR * Iters * V * Cluster && ldy % V == 0 &&
+                      lddy % V == 0 && lddx % V == 0));
+  const long long ctas = (rows + Threads / TPR - 1) / (Threads / TPR) * Cluster;
+  return launch(bwd_kernel<T, V, TPR, Threads, Iters, Cluster, IsLog>, dim3((unsigned)ctas),
+                dim3(Threads), 0, stream, Cluster, dx, y, dy, rows, n, ldy, lddy, lddx);
+}
+
+// Chunked path: stats holds rows * ceil(n / chunk) MaxSum (8 bytes each); chunk % V == 0.
+template <class T, int V, int Mode, bool IsLog>
+cudaError_t launch_chunked(T* out, void* stats, const T* a, const T* b, long long rows, int n,
+                           int chunk, long long lda, long long ldb, long long ldo,
+                           cudaStream_t stream) {
+  VITRAIL_TRY(require(n >= 1 && chunk % V == 0 && lda % V == 0 && ldb % V == 0 && ldo % V == 0 &&
+                      rows <= 65535));
+  const dim3 grid(ceil_div(n, chunk), (unsigned)rows);
+  chunk_stats<T, V, Mode><<<grid, kChunkThreads, 0, stream>>>((MaxSum*)stats, a, b, n, chunk, lda, ldb);
+  VITRAIL_TRY(cudaGetLastError());
+  chunk_apply<T, V, Mode, IsLog><<<grid, kChunkThreads, 0, stream>>>(out, (const MaxSum*)stats, a, b,
+                                                                     n, chunk, lda, ldb, ldo);
+  return cudaGetLastError();
+}
+
+}  // namespace vitrail::softmax
