@@ -10,7 +10,8 @@ from vitrail.gemm.descriptions import (DTYPES, KERNEL_SCHEDULES, TILE_SCHEDULERS
                                        MathInstruction, TensorDescription, TileDescription)
 from vitrail.gemm.epilogue import ACTIVATIONS, LinearCombination
 from vitrail.gemm.operation import GemmOperation, compile_many
+from vitrail.gemm.arguments import GemmArguments
 
 __all__ = ["DTYPES", "KERNEL_SCHEDULES", "TILE_SCHEDULERS", "MathInstruction",
            "TensorDescription", "TileDescription", "ACTIVATIONS", "LinearCombination",
-           "GemmOperation", "compile_many"]
+           "GemmOperation", "compile_many", "GemmArguments"]

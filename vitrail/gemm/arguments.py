@@ -256,8 +256,9 @@ def reasons(op, args: GemmArguments) -> list[str]:
                            f"{got}")
     if args.splits != 1 and op.tile.tile_scheduler != "stream_k":
         why.append(f"splits={args.splits} needs the stream-K tile scheduler")
-    if args.splits < 0:
-        why.append(f"splits={args.splits} must be >= 0 (0: stream-K heuristic)")
+    if args.splits < 1:
+        why.append(f"splits={args.splits} must be >= 1 (1: the stream-K scheduler's own "
+                   f"heuristic; more: split K into that many parts)")
     return why
 
 

@@ -196,8 +196,6 @@ def emit(op) -> str:
             "  using Decomposition = decltype(args.scheduler.decomposition_mode);\n"
             "  if (splits > 1) { args.scheduler.splits = splits;\n"
             "    args.scheduler.decomposition_mode = Decomposition::SplitK; }\n"
-            "  else if (splits == 1) args.scheduler.decomposition_mode = "
-            "Decomposition::DataParallel;\n"
             "  else args.scheduler.decomposition_mode = Decomposition::Heuristic;")
     preamble, callbacks, callback_args = epi.emit("TileShape")
     has_c = epi.has_source

@@ -162,6 +162,9 @@ def run(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], bias: Optio
                   scale_a=scale_a, scale_b=scale_b, fast_accum=fast_accum, splits=splits)
         return out.view(shape)
 
+    if batched:  # a 2-D operand of a batched product is shared by every batch: materialized
+        a = a if a.dim() == 3 else a.expand(L, *a.shape)
+        b = b if b.dim() == 3 else b.expand(L, *b.shape)
     element = ELEMENTS[a.dtype]
     k_major = element in ("tf32", "e4m3", "e5m2")
     a_t, la = aligned(a, "row" if k_major else None)
