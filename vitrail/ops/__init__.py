@@ -23,9 +23,13 @@ __all__ = list(_EXPORTS)
 def __getattr__(name: str):
     family = _EXPORTS.get(name)
     if family is not None:
-        value = getattr(importlib.import_module(f"vitrail.ops.{family}"), name)
-        globals()[name] = value
-        return value
+        module = importlib.import_module(f"vitrail.ops.{family}")
+        # bind every name of the family now: importing the family binds the subpackage under
+        # its own name (vitrail.ops.gemm), which would shadow a function of that name
+        for other, fam in _EXPORTS.items():
+            if fam == family and hasattr(module, other):
+                globals()[other] = getattr(module, other)
+        return getattr(module, name)
     raise AttributeError(f"module 'vitrail.ops' has no attribute '{name}'")
 
 
