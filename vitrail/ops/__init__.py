@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import sys
+import types
 
 # public name -> the op family that defines it
 _EXPORTS = {
@@ -20,17 +22,28 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str):
-    family = _EXPORTS.get(name)
-    if family is not None:
-        module = importlib.import_module(f"vitrail.ops.{family}")
-        # bind every name of the family now: importing the family binds the subpackage under
-        # its own name (vitrail.ops.gemm), which would shadow a function of that name
-        for other, fam in _EXPORTS.items():
-            if fam == family and hasattr(module, other):
-                globals()[other] = getattr(module, other)
-        return getattr(module, name)
-    raise AttributeError(f"module 'vitrail.ops' has no attribute '{name}'")
+class _Ops(types.ModuleType):
+    """vitrail.ops itself. A public name always means the function: importing a family binds
+    the subpackage under its own name (``vitrail.ops.softmax`` the package), which would
+    otherwise shadow the function of that name. The packages stay reachable by import
+    (``from vitrail.ops.softmax import reference``)."""
+
+    def __getattribute__(self, name: str):
+        family = _EXPORTS.get(name)
+        if family is None:
+            return super().__getattribute__(name)
+        fn = _FUNCTIONS.get(name)
+        if fn is None:
+            fn = _FUNCTIONS[name] = getattr(importlib.import_module(f"vitrail.ops.{family}"),
+                                            name)
+        return fn
+
+    def __dir__(self):
+        return sorted(set(super().__dir__()) | set(_EXPORTS))
+
+
+_FUNCTIONS: dict = {}
+sys.modules[__name__].__class__ = _Ops
 
 
 def families() -> list[str]:

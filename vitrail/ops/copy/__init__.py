@@ -203,13 +203,3 @@ def copy(x: torch.Tensor, *, out: torch.Tensor | None = None,
 
 
 __all__ = ["copy", "copy_op", "copy_out_op", "FLAT_OPS", "TILED_OPS"]
-
-
-# vitrail.ops.copy is both this package and the public function: importing the package sets the
-# attribute vitrail.ops.copy to the module, so the module itself calls the function.
-class _CallableModule(__import__("types").ModuleType):
-    def __call__(self, *args, **kwargs):
-        return copy(*args, **kwargs)
-
-
-__import__("sys").modules[__name__].__class__ = _CallableModule

@@ -234,13 +234,3 @@ def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 __all__ = ["softmax", "log_softmax", "softmax_fwd", "softmax_bwd", "OPS", "LaunchError"]
-
-
-# vitrail.ops.softmax is both this package and the public function: importing the package sets the
-# attribute vitrail.ops.softmax to the module, so the module itself calls the function.
-class _CallableModule(__import__("types").ModuleType):
-    def __call__(self, *args, **kwargs):
-        return softmax(*args, **kwargs)
-
-
-__import__("sys").modules[__name__].__class__ = _CallableModule
