@@ -39,6 +39,11 @@ def test_compile_representative_operations(monkeypatch):
         res = mod.resources()
         kernel = [r for name, r in res.items() if "GemmUniversal" in name]
         assert kernel and not any(r.spills for r in kernel), res
-        mod.function("vitrail_gemm")  # the entry points load
+        run = mod.function("vitrail_gemm")  # the entry points load and check (no GPU needed)
         mod.function("vitrail_gemm_workspace")
+        args = [16, 32, 48, 64, 0, 0, 0, 128, 128, 128, 1, 128, 0, 128, 0, 128, 0, 128, 0, 0,
+                1.0, 0.0, 0.01, float("-inf"), float("inf"), 1, 0, 0, 132]
+        assert run(*args[:7], 0, *args[8:], stream=0) == -3  # M = 0
+        assert run(17, *args[1:], stream=0) == -1  # A not 16-byte aligned
+        assert run(*args[:11], 100, *args[12:], stream=0) == -2  # lda not 16 bytes' multiple
     assert op.module(config).key == plain.compile(arch="90a").key  # the op's kernel is this one

@@ -72,6 +72,110 @@ def test_heuristic_and_space():
         big, limits(arch="80"))[0].startswith("the GEMM kernels are sm_90a")
 
 
+@pytest.fixture
+def record(monkeypatch):
+    """launch.run on CPU tensors, recording (kind, problem, prepared operands) instead of
+    launching: the host-side preparation (layouts, copies, kinds) is tested without a GPU."""
+    from vitrail.ops.gemm import launch
+    monkeypatch.setattr(launch, "is_hopper", lambda device: True)
+    monkeypatch.setattr(launch, "_WARNED", set())
+    launch.RECORD = []
+    yield launch.RECORD
+    launch.RECORD = None
+
+
+def prepared_reasons(kind, problem, tensors):
+    """can_implement of the heuristic's operation on the prepared operands."""
+    from vitrail.gemm.arguments import GemmArguments, describe
+    from vitrail.ops.gemm import configs
+    from vitrail.tune import limits
+    a, b, c, d, bias, sa, sb = tensors
+    op = configs.operation(kind, configs.space(kind).default(problem, limits(arch="90a")))
+    args = GemmArguments(A=describe(a, "a", op.A.layout), B=describe(b, "b", op.B.layout),
+                         D=describe(d, "d", op.D.layout), M=problem.M, N=problem.N,
+                         K=problem.K, L=problem.L, bias=bias, scale_a=sa, scale_b=sb,
+                         C=None if c is None else describe(c, "c", "row"))
+    return op.can_implement(args)
+
+
+def test_preparation_layouts_and_copies(record):
+    from vitrail.ops.gemm.launch import run
+    bf = torch.bfloat16
+    a, w = torch.randn(100, 64, dtype=bf), torch.randn(40, 64, dtype=bf)
+    plain = (None, None, 1.0, 0.0, None, 0.01, None, None)
+    out = run(a, w.t(), *plain, bf)  # a transposed view: 'col', read as is
+    kind, problem, tensors = record[-1]
+    assert (kind.layout_a, kind.layout_b) == ("row", "col") and out.shape == (100, 40)
+    assert tensors[1].data_ptr() == w.data_ptr()  # no copy
+    assert prepared_reasons(kind, problem, tensors) == []
+    a_col = torch.randn(64, 128, dtype=bf).t()  # M-major, leading stride 128
+    run(a_col, w.t(), *plain, bf)
+    assert (record[-1][0].layout_a, record[-1][0].layout_b) == ("col", "col")
+    assert record[-1][2][0].data_ptr() == a_col.data_ptr()
+    with pytest.warns(UserWarning, match="aligned buffer"):  # M-major, stride 100: copied
+        run(a.t().contiguous().t(), w.t(), *plain, bf)
+    assert record[-1][0].layout_a == "row" and prepared_reasons(*record[-1]) == []
+    odd = torch.randn(100, 70, dtype=bf)[:, 3:67]  # misaligned address and leading stride
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the note is given once per process, not again
+        run(odd, w.t(), *plain, bf)
+    kind, problem, tensors = record[-1]
+    assert tensors[0].data_ptr() != odd.data_ptr() and torch.equal(tensors[0], odd)
+    assert prepared_reasons(kind, problem, tensors) == []
+    # N = 7: D is computed into a padded buffer and returned contiguous
+    out = run(a, torch.randn(64, 7, dtype=bf), *plain, bf)
+    assert out.is_contiguous() and out.shape == (100, 7)
+    assert prepared_reasons(*record[-1]) == []
+
+
+def test_preparation_epilogues_batches_and_fp8(record):
+    from vitrail.ops.gemm.launch import run
+    bf = torch.bfloat16
+    a, b = torch.randn(3, 50, 24, dtype=bf), torch.randn(24, 40, dtype=bf)
+    c, bias_row = torch.randn(40, dtype=bf), torch.randn(50, 1, dtype=torch.float32)
+    out = run(a.transpose(1, 2).contiguous().transpose(1, 2), b, c, bias_row, 2.0, 0.5, "gelu",
+              0.01, None, 1.0, torch.float32)
+    kind, problem, tensors = record[-1]
+    assert out.shape == (3, 50, 40) and out.dtype == torch.float32 and problem.L == 3
+    epi = kind.epilogue
+    assert (epi.bias, epi.element_bias, epi.element_source, epi.activation, epi.clamp) == \
+        ("row", "f32", "f32", "gelu", True)
+    assert tensors[1].stride(0) != 0  # the shared B is materialized per batch
+    assert prepared_reasons(kind, problem, tensors) == []
+    run(a, b, None, torch.randn(40, dtype=bf), 1.0, 0.0, None, 0.01, None, None, bf)
+    kind, problem, tensors = record[-1]
+    assert problem.M == 150 and problem.L == 1 and kind.epilogue.bias == "col"  # folded
+    f32 = torch.randn(33, 20), torch.randn(20, 16)
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")  # TF32 allowed: the kernel's fp32 mode
+    try:
+        run(*f32, *(None, None, 1.0, 0.0, None, 0.01, None, None), torch.float32)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    kind, problem, tensors = record[-1]
+    assert (kind.element, kind.layout_a, kind.layout_b) == ("tf32", "row", "col")  # K-major
+    assert prepared_reasons(kind, problem, tensors) == []
+    e4 = torch.randn(64, 128).to(torch.float8_e4m3fn)
+    e5 = torch.randn(48, 128).to(torch.float8_e5m2).t()
+    run(e4, e5, None, None, 1.0, 0.0, None, 0.0, None, None, bf,
+        scale_a=torch.rand(64, 1), scale_b=torch.tensor(2.0), fast_accum=True)
+    kind, problem, tensors = record[-1]
+    assert (kind.element, kind.element_b, kind.fast_accum) == ("e4m3", "e5m2", True)
+    assert (kind.epilogue.scale_a, kind.epilogue.scale_b) == ("row", "tensor")
+    assert prepared_reasons(kind, problem, tensors) == []
+    for M, N, K in [(0, 5, 8), (5, 0, 8)]:
+        empty = run(torch.randn(M, K, dtype=bf), torch.randn(K, N, dtype=bf), *plain_args(), bf)
+        assert empty.shape == (M, N)
+    z = run(torch.randn(5, 0, dtype=bf), torch.randn(0, 6, dtype=bf), torch.ones(5, 6, dtype=bf),
+            None, 1.0, 2.0, None, 0.01, None, None, bf)
+    assert torch.equal(z, torch.full((5, 6), 2.0, dtype=bf))  # K = 0: beta * c
+
+
+def plain_args():
+    return (None, None, 1.0, 0.0, None, 0.01, None, None)
+
+
 # ------------------------------------------------------------------------------ GPU tests
 @pytest.fixture
 def poison():
@@ -90,6 +194,17 @@ def assert_matches(out, ref64, torch_out, dtype):
     terr = (torch_out.double() - ref64).abs().max().item()
     assert err <= 2 * terr + ULP[dtype] * scale, f"error {err:.3g} vs torch {terr:.3g} " \
                                                  f"(scale {scale:.3g})"
+
+
+class tf32:
+    """fp32 matmuls in TF32 for torch and vitrail (vitrail's fp32 kernel is TF32; at the
+    default 'highest' precision vitrail runs torch)."""
+    def __enter__(self):
+        self.before = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("high")
+
+    def __exit__(self, *exc):
+        torch.set_float32_matmul_precision(self.before)
 
 
 def rand(*shape, dtype=torch.bfloat16):
@@ -124,10 +239,10 @@ SHAPES = [(1, 1, 1), (7, 7, 7), (1000, 7, 4097), (7, 1000, 1000), (4097, 1000, 7
 @pytest.mark.parametrize("M,N,K", SHAPES)
 def test_mm_values(dtype, M, N, K, poison):
     ops = family()
-    torch.backends.cuda.matmul.allow_tf32 = True
     a, b = rand(M, K, dtype=dtype), rand(K, N, dtype=dtype)
     ref = a.double() @ b.double()
-    assert_matches(ops.mm(a, b), ref, a @ b, dtype)
+    with tf32():
+        assert_matches(ops.mm(a, b), ref, a @ b, dtype)
 
 
 @requires_gpu
@@ -165,6 +280,11 @@ def test_transposed_views_are_not_copied(monkeypatch):
 def test_bmm(dtype, poison):
     ops = family()
     a, b = rand(3, 1000, 72, dtype=dtype), rand(3, 72, 520, dtype=dtype)
+    with tf32():
+        check_bmm(ops, a, b, dtype)
+
+
+def check_bmm(ops, a, b, dtype):
     assert_matches(ops.bmm(a, b), a.double() @ b.double(), torch.bmm(a, b), dtype)
     bt = layout(b, "col")
     assert_matches(ops.bmm(a, bt), a.double() @ b.double(), torch.bmm(a, b), dtype)

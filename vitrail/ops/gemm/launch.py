@@ -203,7 +203,7 @@ def run(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], bias: Optio
     sa = None if scale_a is None else scale_a.reshape(-1).contiguous()
     sb = None if scale_b is None else scale_b.reshape(-1).contiguous()
     if RECORD is not None:
-        RECORD.append((kind, problem))
+        RECORD.append((kind, problem, (a_t, b_t, c_t, d, bias_t, sa, sb)))
         return torch.zeros(shape, dtype=out_dtype, device=a.device)
     op_for(kind)(key, problem, a_t, b_t, c_t, d, bias_t, sa, sb, float(alpha), float(beta),
                  float(slope), lo, hi, splits)
