@@ -105,9 +105,17 @@ def _sympow_bwd_impl(x: torch.Tensor, dz: torch.Tensor, power: int, d_tile: int,
     _, _, tidx, tcoef = configs.tables(d, power, d_tile, dc, x.device)
     tuples = tidx.numel()
     vec = configs.vector_width(x.dtype, d_tile ** power, dz)
-    per_block = max(1, min(64, -(-1024 // tuples), 12288 // d))
+    es, block = x.element_size(), d_tile ** power
+    staged = 32 <= block * es <= 128  # as STAGE in sm90_sympow.cuh
+    if staged:  # about one stage of 256 tuples per CTA
+        per_block = max(1, min(64, 256 // tuples, 12288 // d))
+    else:
+        per_block = max(1, min(64, -(-1024 // tuples), 12288 // d))
+    smem = (per_block * d + 3) // 4 * 16
+    if staged:
+        smem += 256 * (block * es + 16)
     grid = -(-rows // per_block)
-    _run("elementwise", x.dtype, power, d_tile, vec, "sympow_bwd", grid, per_block * d * 4,
+    _run("elementwise", x.dtype, power, d_tile, vec, "sympow_bwd", grid, smem,
          dx, x, dz, tidx, tcoef, rows, d, D, tuples, per_block, 1.0)
     return dx
 
@@ -118,18 +126,19 @@ def _vec_ok(t: torch.Tensor) -> int:
 
 
 def _smem(kind: str, dtype: torch.dtype, d: int) -> int:
+    """Dynamic shared memory of a fused kernel (the carving in sm80_sympow_mma.cuh)."""
     es = torch.empty((), dtype=dtype).element_size()
     pad = 4 if dtype == torch.float32 else 8
-    tiles = TILE * (TILE + pad) * es * 2 + TILE * 8
-    a16 = lambda b: (b + 15) // 16 * 16
+    tile = TILE * (TILE + pad) * es  # one stage of sA or sB
+    a16 = lambda b: (b + 15) // 16 * 16  # noqa: E731
     if kind == "mma_k":
-        return a16(TILE * (d + 1) * 4) + tiles
+        return a16(TILE * (d + 1) * 4) + 3 * tile
     if kind == "mma_m":
-        return a16(d * TILE * 4) + tiles
-    g = TILE * (TILE + 1) * 4 + 32
+        return 2 * d * TILE * es + 3 * tile + TILE * 8
+    g = TILE * (TILE + 1) * 4 + 32  # sG and alignment
     if kind == "bwd_k":
-        return a16(2 * TILE * (d + 1) * 4) + g + tiles
-    return 2 * d * TILE * 4 + g + tiles
+        return a16(2 * TILE * (d + 1) * 4) + g + 4 * tile
+    return 2 * d * TILE * 4 + g + 4 * tile
 
 
 def _mma_impl(a: torch.Tensor, b: torch.Tensor, expand_dim: int, power: int, d_tile: int,
@@ -158,7 +167,7 @@ def _mma_impl(a: torch.Tensor, b: torch.Tensor, expand_dim: int, power: int, d_t
                 return c.zero_()
             _run("mma", a.dtype, power, d_tile, 0, "sympow_mma_m", grid,
                  _smem("mma_m", a.dtype, d), c, a, b, gidx, gcoef, K, N, d, D, groups,
-                 float(scale), _vec_ok(b))
+                 float(scale), _vec_ok(a), _vec_ok(b))
     return c
 
 

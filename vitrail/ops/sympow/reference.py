@@ -34,9 +34,13 @@ def multiplicity(tup: tuple[int, ...]) -> int:
 
 
 def sympow_dim(d: int, power: int, d_tile: int = 1) -> int:
-    """D, the number of features of sympow(x) for d input features."""
+    """D, the number of features of sympow(x) for d input features: C(n+p-1, p) * t^p with
+    n = d / t (integer arithmetic only, so symbolic sizes in fake tensors work too)."""
     n = d // d_tile
-    return math.comb(n + power - 1, power) * d_tile ** power
+    count = 1
+    for i in range(power):
+        count = count * (n + i)
+    return count // math.factorial(power) * d_tile ** power
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor:

@@ -30,15 +30,16 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
 }
 __device__ __forceinline__ int align16(int bytes) { return (bytes + 15) & ~15; }
 
-// ---- global -> shared tile loads (64 x 64 elements of T) ----
-// Rows [row0, row0 + 64) and columns [col0, col0 + 64) of a row-major matrix with `ld`
-// elements per row, `rows` x `cols` valid; the rest is zero.
+// ---- global -> shared tile loads (nrows x 64 elements of T) ----
+// Rows [row0, row0 + nrows) and columns [col0, col0 + 64) of a row-major matrix with `ld`
+// elements per row, `rows` x `cols` valid; the rest is zero. vec: 16-byte cp.async (the caller
+// waits with wait_loads() and a barrier), else element by element.
 __device__ __forceinline__ void load_tile(T* s, int lds, const T* g, long long ld, long long row0,
                                           long long col0, long long rows, long long cols,
-                                          bool vec) {
+                                          bool vec, int nrows = 64) {
   if (vec) {
     constexpr int E = 16 / sizeof(T);
-    for (int i = threadIdx.x; i < 64 * 64 / E; i += THREADS) {
+    for (int i = threadIdx.x; i < nrows * (64 / E); i += THREADS) {
       const int r = i / (64 / E), c = (i % (64 / E)) * E;
       const bool ok = row0 + r < rows && col0 + c < cols;
       const T* src = ok ? g + (row0 + r) * ld + col0 + c : g;
@@ -47,12 +48,31 @@ __device__ __forceinline__ void load_tile(T* s, int lds, const T* g, long long l
     }
     asm volatile("cp.async.commit_group;\n" ::);
   } else {
-    for (int i = threadIdx.x; i < 64 * 64; i += THREADS) {
+    for (int i = threadIdx.x; i < nrows * 64; i += THREADS) {
       const int r = i / 64, c = i % 64;
       const bool ok = row0 + r < rows && col0 + c < cols;
       s[r * lds + c] = ok ? g[(row0 + r) * ld + col0 + c] : from_f<T>(0.f);
     }
   }
+}
+// Two neighbouring elements of shared memory as floats, and back.
+__device__ __forceinline__ float2 load2(const T* p) {
+#if T_ID == 0
+  return *reinterpret_cast<const float2*>(p);
+#elif T_ID == 1
+  return __half22float2(*reinterpret_cast<const __half2*>(p));
+#else
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
+#endif
+}
+__device__ __forceinline__ void store2(T* p, float a, float b) {
+#if T_ID == 0
+  *reinterpret_cast<float2*>(p) = make_float2(a, b);
+#elif T_ID == 1
+  *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b);
+#else
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+#endif
 }
 __device__ __forceinline__ void wait_loads() { asm volatile("cp.async.wait_group 0;\n" ::); }
 
@@ -145,20 +165,14 @@ __device__ __forceinline__ void for_each(const Acc& acc, F f) {
 }
 #endif
 
-// The group table entries of 64-feature tile `ft` (coefficient 0 past the last group).
-__device__ __forceinline__ void load_groups(int* sGi, float* sGc, const int* gidx,
-                                            const float* gcoef, long long ft, long long groups,
-                                            float scale) {
-  if (threadIdx.x < GPT) {
-    const long long g = ft * GPT + threadIdx.x;
-    sGi[threadIdx.x] = g < groups ? gidx[g] : 0;
-    sGc[threadIdx.x] = g < groups ? gcoef[g] * scale : 0.f;
-  }
-}
 __device__ __forceinline__ unsigned lead_index(unsigned packed, int l) {
   return (packed >> (8 * l)) & 255u;
 }
 }  // namespace smma
+
+// Each mainloop below is two-stage: the tiles of step s+1 are on their way (cp.async) while
+// step s builds its expanded tile and multiplies. One barrier at the top of a step makes the
+// step's tiles visible and retires the previous step's readers of the buffers refilled next.
 
 // C[P, M, N] = (sympow(A[P, M, d] along its rows) * scale) @ B[P, D, N]   (expand K)
 extern "C" __global__ void __launch_bounds__(256)
@@ -169,11 +183,12 @@ sympow_mma_k(T* __restrict__ C, const T* __restrict__ A, const T* __restrict__ B
   extern __shared__ __align__(16) char smem[];
   const long long p = blockIdx.x;
   const int m0 = blockIdx.y * BM, n0 = blockIdx.z * BN, ldx = d + 1;
-  float* sX = reinterpret_cast<float*>(smem);
+  float* sX = reinterpret_cast<float*>(smem);  // [BM][d + 1]: the rows being expanded
   T* sA = reinterpret_cast<T*>(smem + align16(BM * ldx * 4));
-  T* sB = sA + BM * LDA;
-  int* sGi = reinterpret_cast<int*>(sB + BK * LDB);
-  float* sGc = reinterpret_cast<float*>(sGi + BK);
+  T* sB = sA + BM * LDA;  // two stages
+  const T* Bp = B + p * D * N;
+  const int nK = (D + BK - 1) / BK;
+  load_tile(sB, LDB, Bp, N, 0, n0, D, N, b_vec);
   const T* Ap = A + p * M * d;
   for (int i = threadIdx.x; i < BM * d; i += THREADS) {
     const int r = i / d, c = i - r * d;
@@ -185,13 +200,17 @@ sympow_mma_k(T* __restrict__ C, const T* __restrict__ A, const T* __restrict__ B
   const int m = (warp & 1) * 32 + lane;
   const float* xr = sX + m * ldx;
   constexpr int SV = (TILE * sizeof(T) >= 16) ? 16 / sizeof(T) : TILE;  // elements per store
-  for (int kt = 0; kt * BK < D; ++kt) {
-    load_tile(sB, LDB, B + p * D * N, N, (long long)kt * BK, n0, D, N, b_vec);
-    load_groups(sGi, sGc, gidx, gcoef, kt, groups, scale);
+  for (int kt = 0; kt < nK; ++kt) {
+    const int cur = kt & 1;
+    wait_loads();
     __syncthreads();
+    if (kt + 1 < nK)
+      load_tile(sB + (cur ^ 1) * BK * LDB, LDB, Bp, N, (long long)(kt + 1) * BK, n0, D, N, b_vec);
     for (int gl = warp >> 1; gl < GPT; gl += THREADS / 64) {  // lanes: rows; warps: groups
-      const unsigned packed = (unsigned)sGi[gl];
-      float prefix = sGc[gl];
+      const long long g = (long long)kt * GPT + gl;
+      const bool ok = g < groups;
+      const unsigned packed = ok ? (unsigned)__ldg(gidx + g) : 0u;
+      float prefix = ok ? __ldg(gcoef + g) * scale : 0.f;
 #pragma unroll
       for (int l = 0; l < POW - 1; ++l) prefix *= xr[lead_index(packed, l)];
       const float* xl = xr + (packed >> 24);
@@ -203,10 +222,8 @@ sympow_mma_k(T* __restrict__ C, const T* __restrict__ A, const T* __restrict__ B
         *reinterpret_cast<Vec<SV>*>(sA + m * LDA + gl * TILE + b) = v;
       }
     }
-    wait_loads();
     __syncthreads();
-    mma_tile(acc, sA, sB);
-    __syncthreads();
+    mma_tile(acc, sA, sB + cur * BK * LDB);
   }
   T* Cp = C + p * M * N;
   for_each(acc, [&](int r, int c, float v) {
@@ -218,57 +235,74 @@ sympow_mma_k(T* __restrict__ C, const T* __restrict__ A, const T* __restrict__ B
 extern "C" __global__ void __launch_bounds__(256)
 sympow_mma_m(T* __restrict__ C, const T* __restrict__ A, const T* __restrict__ B,
              const int* __restrict__ gidx, const float* __restrict__ gcoef, int K, int N, int d,
-             int D, long long groups, float scale, int b_vec) {
+             int D, long long groups, float scale, int a_vec, int b_vec) {
   using namespace smma;
   extern __shared__ __align__(16) char smem[];
   const long long p = blockIdx.x;
   const int f0 = blockIdx.y * BM, n0 = blockIdx.z * BN;
-  float* sX = reinterpret_cast<float*>(smem);  // [d][BK]
-  T* sA = reinterpret_cast<T*>(smem + align16(d * BK * 4));
-  T* sB = sA + BM * LDA;
-  int* sGi = reinterpret_cast<int*>(sB + BK * LDB);
+  T* sX = reinterpret_cast<T*>(smem);  // two stages of [d][BK]: the columns being expanded
+  T* sA = sX + 2 * d * BK;
+  T* sB = sA + BM * LDA;               // two stages
+  int* sGi = reinterpret_cast<int*>(sB + 2 * BK * LDB);
   float* sGc = reinterpret_cast<float*>(sGi + BK);
-  load_groups(sGi, sGc, gidx, gcoef, blockIdx.y, groups, scale);
+  if (threadIdx.x < GPT) {  // this CTA's groups, the same for every step
+    const long long g = (long long)blockIdx.y * GPT + threadIdx.x;
+    sGi[threadIdx.x] = g < groups ? gidx[g] : 0;
+    sGc[threadIdx.x] = g < groups ? gcoef[g] * scale : 0.f;
+  }
   const T* Ap = A + p * d * K;
+  const T* Bp = B + p * K * N;
+  const int nK = (K + BK - 1) / BK;
+  load_tile(sX, BK, Ap, K, 0, 0, d, K, a_vec, d);
+  load_tile(sB, LDB, Bp, N, 0, n0, K, N, b_vec);
   Acc acc;
   zero(acc);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int kt = 0; kt * BK < K; ++kt) {
-    const int k0 = kt * BK;
-    load_tile(sB, LDB, B + p * K * N, N, k0, n0, K, N, b_vec);
-    for (int i = threadIdx.x; i < d * BK; i += THREADS) {
-      const int r = i / BK, c = i % BK;
-      sX[i] = k0 + c < K ? to_f(Ap[(long long)r * K + k0 + c]) : 0.f;
-    }
+  for (int kt = 0; kt < nK; ++kt) {
+    const int cur = kt & 1;
+    wait_loads();
     __syncthreads();
+    if (kt + 1 < nK) {
+      const long long k1 = (long long)(kt + 1) * BK;
+      load_tile(sX + (cur ^ 1) * d * BK, BK, Ap, K, 0, k1, d, K, a_vec, d);
+      load_tile(sB + (cur ^ 1) * BK * LDB, LDB, Bp, N, k1, n0, K, N, b_vec);
+    }
+    const T* xs = sX + cur * d * BK + 2 * lane;
     for (int gl = warp; gl < GPT; gl += THREADS / 32) {  // lanes: column pairs; warps: groups
       const unsigned packed = (unsigned)sGi[gl];
       float2 prefix = make_float2(sGc[gl], sGc[gl]);
 #pragma unroll
       for (int l = 0; l < POW - 1; ++l) {
-        const float2 x = *reinterpret_cast<const float2*>(sX + lead_index(packed, l) * BK + 2 * lane);
+        const float2 x = load2(xs + lead_index(packed, l) * BK);
         prefix.x *= x.x;
         prefix.y *= x.y;
       }
-      const float* xl = sX + (packed >> 24) * BK + 2 * lane;
+      const T* xl = xs + (packed >> 24) * BK;
 #pragma unroll
       for (int b = 0; b < TILE; ++b) {
-        const float2 x = *reinterpret_cast<const float2*>(xl + b * BK);
-        T* dst = sA + (gl * TILE + b) * LDA + 2 * lane;
-        dst[0] = from_f<T>(prefix.x * x.x);
-        dst[1] = from_f<T>(prefix.y * x.y);
+        const float2 x = load2(xl + b * BK);
+        store2(sA + (gl * TILE + b) * LDA + 2 * lane, prefix.x * x.x, prefix.y * x.y);
       }
     }
-    wait_loads();
     __syncthreads();
-    mma_tile(acc, sA, sB);
-    __syncthreads();
+    mma_tile(acc, sA, sB + cur * BK * LDB);
   }
   T* Cp = C + p * D * N;
   for_each(acc, [&](int r, int c, float v) {
     if (f0 + r < D && n0 + c < N) Cp[(long long)(f0 + r) * N + n0 + c] = from_f<T>(v);
   });
 }
+
+namespace smma {
+// Adds TILE values to acc[last + b] (stride `step` apart) and clears them.
+__device__ __forceinline__ void flush(float* acc, int step, unsigned last, float (&v)[TILE]) {
+#pragma unroll
+  for (int b = 0; b < TILE; ++b) {
+    atomicAdd(acc + (last + b) * step, v[b]);
+    v[b] = 0.f;
+  }
+}
+}  // namespace smma
 
 // dc[P, M, d] = gradient wrt c of <sympow(c[P, M, d] along rows) * scale, a[P, M, n] @ b[P, n, D]>
 extern "C" __global__ void __launch_bounds__(256)
@@ -280,14 +314,18 @@ mma_sympow_bwd_k(T* __restrict__ dc, const T* __restrict__ c, const T* __restric
   extern __shared__ __align__(16) char smem[];
   const long long p = blockIdx.x;
   const int m0 = blockIdx.y * BM, ldx = d + 1;
-  float* sX = reinterpret_cast<float*>(smem);
-  float* sAcc = sX + BM * ldx;
-  float* sG = reinterpret_cast<float*>(smem + align16(2 * BM * ldx * 4));
+  float* sX = reinterpret_cast<float*>(smem);  // [BM][d + 1]: c's rows
+  float* sAcc = sX + BM * ldx;                 // [BM][d + 1]: their gradient
+  float* sG = reinterpret_cast<float*>(smem + align16(2 * BM * ldx * 4));  // [64][LDG]
   T* sA = reinterpret_cast<T*>(sG + 64 * LDG + 4);
-  sA = reinterpret_cast<T*>((reinterpret_cast<size_t>(sA) + 15) & ~size_t(15));
-  T* sB = sA + BM * LDA;
-  int* sGi = reinterpret_cast<int*>(sB + BK * LDB);
-  float* sGc = reinterpret_cast<float*>(sGi + BK);
+  sA = reinterpret_cast<T*>((reinterpret_cast<size_t>(sA) + 15) & ~size_t(15));  // two stages
+  T* sB = sA + 2 * BM * LDA;                                                      // two stages
+  const T* Ap = a + p * M * n;
+  const T* Bp = b + p * n * D;
+  const int nF = (D + BK - 1) / BK, nN = (n + BK - 1) / BK, steps = nF * nN;
+  const bool a_resident = nN == 1;  // a's tile is the same for every feature tile
+  load_tile(sA, LDA, Ap, n, m0, 0, M, n, a_vec);
+  load_tile(sB, LDB, Bp, D, 0, 0, n, D, b_vec);
   const T* cp = c + p * M * d;
   for (int i = threadIdx.x; i < BM * d; i += THREADS) {
     const int r = i / d, col = i - r * d;
@@ -298,24 +336,39 @@ mma_sympow_bwd_k(T* __restrict__ dc, const T* __restrict__ c, const T* __restric
   const int m = (warp & 1) * 32 + lane;
   const float* xr = sX + m * ldx;
   float* accr = sAcc + m * ldx;
-  for (int ft = 0; ft * BK < D; ++ft) {
-    Acc acc;
-    zero(acc);
-    for (int nt = 0; nt * BK < n; ++nt) {
-      load_tile(sA, LDA, a + p * M * n, n, m0, (long long)nt * BK, M, n, a_vec);
-      load_tile(sB, LDB, b + p * n * D, D, (long long)nt * BK, (long long)ft * BK, n, D, b_vec);
-      wait_loads();
-      __syncthreads();
-      mma_tile(acc, sA, sB);
-      __syncthreads();
-    }
-    for_each(acc, [&](int r, int col, float v) { sG[r * LDG + col] = v; });
-    load_groups(sGi, sGc, gidx, gcoef, ft, groups, scale);
+  constexpr int PER = GPT / 4;  // groups per warp pair: consecutive, so a tuple's last-factor
+                                // gradients gather in registers before one flush
+  Acc acc;
+  for (int s = 0; s < steps; ++s) {
+    const int ft = s / nN, nt = s - ft * nN, cur = s & 1;
+    wait_loads();
     __syncthreads();
-    for (int gl = warp >> 1; gl < GPT; gl += THREADS / 64) {  // lanes: rows; warps: groups
-      const float coef = sGc[gl];
-      if (coef == 0.f) continue;
-      const unsigned packed = (unsigned)sGi[gl];
+    if (s + 1 < steps) {
+      const int ft1 = (s + 1) / nN, nt1 = (s + 1) - ft1 * nN;
+      if (!a_resident)
+        load_tile(sA + (cur ^ 1) * BM * LDA, LDA, Ap, n, m0, (long long)nt1 * BK, M, n, a_vec);
+      load_tile(sB + (cur ^ 1) * BK * LDB, LDB, Bp, D, (long long)nt1 * BK, (long long)ft1 * BK,
+                n, D, b_vec);
+    }
+    if (nt == 0) zero(acc);
+    mma_tile(acc, sA + (a_resident ? 0 : cur) * BM * LDA, sB + cur * BK * LDB);
+    if (nt != nN - 1) continue;
+    for_each(acc, [&](int r, int col, float v) { sG[r * LDG + col] = v; });
+    __syncthreads();
+    float lastg[TILE];
+#pragma unroll
+    for (int bb = 0; bb < TILE; ++bb) lastg[bb] = 0.f;
+    unsigned held = 0xFFFFFFFFu;  // the last-factor tile whose gradients lastg holds
+    for (int gl = (warp >> 1) * PER; gl < (warp >> 1) * PER + PER; ++gl) {  // lanes: rows
+      const long long g = (long long)ft * GPT + gl;
+      if (g >= groups) break;
+      const unsigned packed = (unsigned)__ldg(gidx + g);
+      const float coef = __ldg(gcoef + g) * scale;
+      const unsigned last = packed >> 24;
+      if (last != held) {
+        if (held != 0xFFFFFFFFu) flush(accr, 1, held, lastg);
+        held = last;
+      }
       float xs[POW > 1 ? POW - 1 : 1];
       float lead = coef;
 #pragma unroll
@@ -323,13 +376,12 @@ mma_sympow_bwd_k(T* __restrict__ dc, const T* __restrict__ c, const T* __restric
         xs[l] = xr[lead_index(packed, l)];
         lead *= xs[l];
       }
-      const unsigned last = packed >> 24;
-      const float* g = sG + m * LDG + gl * TILE;
+      const float* gr = sG + m * LDG + gl * TILE;
       float dot = 0.f;
 #pragma unroll
       for (int bb = 0; bb < TILE; ++bb) {
-        atomicAdd(accr + last + bb, g[bb] * lead);
-        dot += g[bb] * xr[last + bb];
+        lastg[bb] += gr[bb] * lead;
+        dot += gr[bb] * xr[last + bb];
       }
 #pragma unroll
       for (int l = 0; l < POW - 1; ++l) {
@@ -340,8 +392,9 @@ mma_sympow_bwd_k(T* __restrict__ dc, const T* __restrict__ c, const T* __restric
         atomicAdd(accr + lead_index(packed, l), v);
       }
     }
-    __syncthreads();
+    if (held != 0xFFFFFFFFu) flush(accr, 1, held, lastg);
   }
+  __syncthreads();
   T* out = dc + p * M * d;
   for (int i = threadIdx.x; i < BM * d; i += THREADS) {
     const int r = i / d, col = i - r * d;
@@ -359,14 +412,18 @@ mma_sympow_bwd_m(T* __restrict__ dc, const T* __restrict__ c, const T* __restric
   extern __shared__ __align__(16) char smem[];
   const long long p = blockIdx.x;
   const int k0 = blockIdx.y * BK;
-  float* sX = reinterpret_cast<float*>(smem);  // [d][BK]
-  float* sAcc = sX + d * BK;
-  float* sG = sAcc + d * BK;  // [64][LDG]
+  float* sX = reinterpret_cast<float*>(smem);  // [d][BK]: c's columns
+  float* sAcc = sX + d * BK;                   // [d][BK]: their gradient
+  float* sG = sAcc + d * BK;                   // [64][LDG]
   T* sA = reinterpret_cast<T*>(sG + 64 * LDG + 4);
-  sA = reinterpret_cast<T*>((reinterpret_cast<size_t>(sA) + 15) & ~size_t(15));
-  T* sB = sA + BM * LDA;
-  int* sGi = reinterpret_cast<int*>(sB + BK * LDB);
-  float* sGc = reinterpret_cast<float*>(sGi + BK);
+  sA = reinterpret_cast<T*>((reinterpret_cast<size_t>(sA) + 15) & ~size_t(15));  // two stages
+  T* sB = sA + 2 * BM * LDA;                                                      // two stages
+  const T* Ap = a + p * D * n;
+  const T* Bp = b + p * n * K;
+  const int nF = (D + BM - 1) / BM, nN = (n + BK - 1) / BK, steps = nF * nN;
+  const bool b_resident = nN == 1;  // b's tile is the same for every feature tile
+  load_tile(sA, LDA, Ap, n, 0, 0, D, n, a_vec);
+  load_tile(sB, LDB, Bp, K, 0, k0, n, K, b_vec);
   const T* cp = c + p * d * K;
   for (int i = threadIdx.x; i < d * BK; i += THREADS) {
     const int r = i / BK, col = i % BK;
@@ -374,28 +431,41 @@ mma_sympow_bwd_m(T* __restrict__ dc, const T* __restrict__ c, const T* __restric
     sAcc[i] = 0.f;
   }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int ft = 0; ft * BM < D; ++ft) {
-    Acc acc;
-    zero(acc);
-    for (int nt = 0; nt * BK < n; ++nt) {
-      load_tile(sA, LDA, a + p * D * n, n, (long long)ft * BM, (long long)nt * BK, D, n, a_vec);
-      load_tile(sB, LDB, b + p * n * K, K, (long long)nt * BK, k0, n, K, b_vec);
-      wait_loads();
-      __syncthreads();
-      mma_tile(acc, sA, sB);
-      __syncthreads();
-    }
-    for_each(acc, [&](int r, int col, float v) { sG[r * LDG + col] = v; });
-    load_groups(sGi, sGc, gidx, gcoef, ft, groups, scale);
+  constexpr int PER = GPT >= 8 ? GPT / 8 : 1;  // consecutive groups per warp
+  Acc acc;
+  for (int s = 0; s < steps; ++s) {
+    const int ft = s / nN, nt = s - ft * nN, cur = s & 1;
+    wait_loads();
     __syncthreads();
-    for (int gl = warp; gl < GPT; gl += THREADS / 32) {  // lanes: column pairs; warps: groups
-      const float coef = sGc[gl];
-      if (coef == 0.f) continue;
-      const unsigned packed = (unsigned)sGi[gl];
-      const unsigned last = packed >> 24;
+    if (s + 1 < steps) {
+      const int ft1 = (s + 1) / nN, nt1 = (s + 1) - ft1 * nN;
+      load_tile(sA + (cur ^ 1) * BM * LDA, LDA, Ap, n, (long long)ft1 * BM, (long long)nt1 * BK,
+                D, n, a_vec);
+      if (!b_resident)
+        load_tile(sB + (cur ^ 1) * BK * LDB, LDB, Bp, K, (long long)nt1 * BK, k0, n, K, b_vec);
+    }
+    if (nt == 0) zero(acc);
+    mma_tile(acc, sA + cur * BM * LDA, sB + (b_resident ? 0 : cur) * BK * LDB);
+    if (nt != nN - 1) continue;
+    for_each(acc, [&](int r, int col, float v) { sG[r * LDG + col] = v; });
+    __syncthreads();
 #pragma unroll
-      for (int cc = 0; cc < 2; ++cc) {
-        const int col = 2 * lane + cc;
+    for (int cc = 0; cc < 2; ++cc) {  // lanes: columns 2 * lane + cc; warps: groups
+      const int col = 2 * lane + cc;
+      float lastg[TILE];
+#pragma unroll
+      for (int bb = 0; bb < TILE; ++bb) lastg[bb] = 0.f;
+      unsigned held = 0xFFFFFFFFu;
+      for (int gl = warp * PER; gl < warp * PER + PER && gl < GPT; ++gl) {
+        const long long g = (long long)ft * GPT + gl;
+        if (g >= groups) break;
+        const unsigned packed = (unsigned)__ldg(gidx + g);
+        const float coef = __ldg(gcoef + g) * scale;
+        const unsigned last = packed >> 24;
+        if (last != held) {
+          if (held != 0xFFFFFFFFu) flush(sAcc + col, BK, held, lastg);
+          held = last;
+        }
         float xs[POW > 1 ? POW - 1 : 1];
         float lead = coef;
 #pragma unroll
@@ -406,9 +476,9 @@ mma_sympow_bwd_m(T* __restrict__ dc, const T* __restrict__ c, const T* __restric
         float dot = 0.f;
 #pragma unroll
         for (int bb = 0; bb < TILE; ++bb) {
-          const float g = sG[(gl * TILE + bb) * LDG + col];
-          atomicAdd(sAcc + (last + bb) * BK + col, g * lead);
-          dot += g * sX[(last + bb) * BK + col];
+          const float gv = sG[(gl * TILE + bb) * LDG + col];
+          lastg[bb] += gv * lead;
+          dot += gv * sX[(last + bb) * BK + col];
         }
 #pragma unroll
         for (int l = 0; l < POW - 1; ++l) {
@@ -419,9 +489,10 @@ mma_sympow_bwd_m(T* __restrict__ dc, const T* __restrict__ c, const T* __restric
           atomicAdd(sAcc + lead_index(packed, l) * BK + col, v);
         }
       }
+      if (held != 0xFFFFFFFFu) flush(sAcc + col, BK, held, lastg);
     }
-    __syncthreads();
   }
+  __syncthreads();
   T* out = dc + p * d * K;
   for (int i = threadIdx.x; i < d * BK; i += THREADS) {
     const int r = i / BK, col = i % BK;
