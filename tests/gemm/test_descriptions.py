@@ -196,3 +196,24 @@ def test_degenerate_dims_get_aligned_strides():
     args = args_for(op, a, b, d)
     assert args.B.layout == "col" and args.B.ld % 8 == 0  # the aligned reading of (1, 1)
     assert op.can_implement(args) == []
+
+
+def test_grouped_operation_emits_and_refuses():
+    from vitrail.gemm.grouped import GroupedGemmOperation
+    op = GroupedGemmOperation(A=TensorDescription("bf16", "row"), B=TensorDescription("bf16", "col"),
+                              D=TensorDescription("bf16", "row"),
+                              math=MathInstruction("bf16", "bf16"),
+                              tile=TileDescription((128, 256, 64), (2, 1, 1)))
+    src = op.emit()
+    assert "GroupProblemShape" in src and "KernelPtrArrayTmaWarpSpecializedCooperative" in src
+    assert "cutlass::layout::ColumnMajor*" in src and "kGrouped" in src
+    assert 'extern "C" int vitrail_grouped_gemm(' in src
+    assert "gemm_universal_adapter" not in src
+    with pytest.raises(ValueError, match="grouped persistent"):
+        GroupedGemmOperation(A=TensorDescription("bf16"), B=TensorDescription("bf16"),
+                             D=TensorDescription("bf16"), math=MathInstruction("bf16", "bf16"),
+                             tile=TileDescription(tile_scheduler="stream_k"))
+    with pytest.raises(ValueError, match="K-major"):
+        GroupedGemmOperation(A=TensorDescription("e4m3"), B=TensorDescription("e4m3"),
+                             D=TensorDescription("bf16"), math=MathInstruction("e4m3", "e4m3"),
+                             tile=TileDescription((128, 128, 128)))

@@ -421,5 +421,14 @@ def test_grouped_mm(poison):
             assert_matches(out[s:e], ref, a[s:e] @ b[g], torch.bfloat16)
     assert (out[400:] == 0).all()
     xs, ys = [rand(33, 64), rand(70, 128)], [rand(64, 24), rand(128, 40)]
-    for o, x, y in zip(ops.grouped_mm(xs, ys), xs, ys):
+    for o, x, y in zip(ops.grouped_mm(xs, ys), xs, ys):  # one grouped launch
         assert_matches(o, x.double() @ y.double(), x @ y, torch.bfloat16)
+    xs, ys = [rand(33, 7), rand(70, 128)], [rand(7, 24), rand(128, 40)]
+    for o, x, y in zip(ops.grouped_mm(xs, ys), xs, ys):  # K = 7: a loop of gemm
+        assert_matches(o, x.double() @ y.double(), x @ y, torch.bfloat16)
+    a, bt = rand(420, 72), rand(4, 136, 72).transpose(1, 2)  # column-major weights
+    out = ops.grouped_mm(a, bt, ends)
+    for g, (s, e) in enumerate(zip(starts, ends.tolist())):
+        if e > s:
+            assert_matches(out[s:e], a[s:e].double() @ bt[g].double(), a[s:e] @ bt[g],
+                           torch.bfloat16)

@@ -10,8 +10,8 @@ aligned copies and fallbacks).
          slope=0.01, clamp_min=None, clamp_max=None)
         = clamp(act(alpha * a @ b + beta * c + bias)); bias (N,) per column or (M, 1) per row.
 
-``grouped_mm`` runs one GEMM per group (a loop of the gemm kernel): the grouped kernel
-(CUTLASS's sm90 array/grouped collectives) is not implemented yet.
+``grouped_mm`` (grouped.py) runs CUTLASS's sm90 grouped (pointer-array) kernel in one launch
+for bf16/fp16, else a loop of gemm launches; no autograd yet.
 """
 from __future__ import annotations
 
@@ -190,6 +190,7 @@ def bmm(a: Tensor, b: Tensor, *, out_dtype: Optional[torch.dtype] = None) -> Ten
     return _gemm(a, b, None, None, 1.0, 0.0, None, 0.0, None, None, out_dtype)
 
 
-from vitrail.ops.gemm.fp8 import grouped_mm, scaled_mm  # noqa: E402
+from vitrail.ops.gemm.fp8 import scaled_mm  # noqa: E402
+from vitrail.ops.gemm.grouped import grouped_mm  # noqa: E402
 
 __all__ = ["gemm", "mm", "bmm", "scaled_mm", "grouped_mm"]

@@ -45,9 +45,14 @@ def _jobs():
 
 
 def build() -> None:
+    import torch
+
+    from vitrail.ops.gemm.grouped import operation as grouped_operation
     from vitrail.tune import compile_all, limits
     lim = limits()
-    jobs = [(i, dict(op.render(c), arch=lim.arch.name)) for i, (op, c) in enumerate(_jobs())]
+    kwargs = [op.render(c) for op, c in _jobs()]
+    kwargs.append(grouped_operation(torch.bfloat16, "row").compile_kwargs())
+    jobs = [(i, dict(kw, arch=lim.arch.name)) for i, kw in enumerate(kwargs)]
     failures = compile_all(jobs, verbose=True, label="gemm bench")
     for i, error in failures.items():
         print(f"  build failed: {error[:2000]}")
@@ -107,7 +112,7 @@ def run() -> list[Row]:
     ends = torch.tensor(ms, device="cuda").cumsum(0).to(torch.int32)
     starts = [0] + ends.tolist()[:-1]
     loop = lambda: [a[s:e] @ w[g] for g, (s, e) in enumerate(zip(starts, ends.tolist()))]  # noqa
-    fns = {"vitrail (loop of gemm)": lambda: grouped_mm(a, w, ends), "torch.matmul loop": loop}
+    fns = {"vitrail grouped_mm": lambda: grouped_mm(a, w, ends), "torch.matmul loop": loop}
     if hasattr(torch, "_grouped_mm"):
         wt = w.transpose(-1, -2).contiguous().transpose(-1, -2)
         fns["torch._grouped_mm"] = lambda: torch._grouped_mm(a, wt, ends)

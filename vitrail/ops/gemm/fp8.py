@@ -1,14 +1,10 @@
-"""scaled_mm (FP8 with per-tensor or row-wise scales) and grouped_mm (a list of problems, or a
-packed MoE form with group offsets).
+"""scaled_mm: FP8 GEMMs with per-tensor or row-wise scales.
 
 scaled_mm: D = (scale_a * scale_b * (a @ b) + bias) in out_dtype, a (M, K) and b (K, N) of
 float8_e4m3fn or float8_e5m2; scale_a () / (1,) or (M, 1), scale_b () / (1,) or (1, N), fp32 on
 the device (read by the kernel's epilogue: no host sync). wgmma reads FP8 operands K-major, so
 a should be row-major and b column-major (as torch._scaled_mm requires); other layouts are
 copied. No autograd (as torch._scaled_mm).
-
-grouped_mm runs the gemm kernel once per group; a true grouped kernel (one launch, CUTLASS's
-sm90 grouped collectives) is not implemented yet.
 """
 from __future__ import annotations
 
@@ -74,46 +70,3 @@ def scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, *,
         return run(a, b, None, bias, 1.0, 0.0, None, 0.0, None, None, out_dtype,
                    scale_a=scale_a, scale_b=scale_b, fast_accum=use_fast_accum)
     return _scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum)
-
-
-def grouped_mm(a, b, offsets: Optional[Tensor] = None, *,
-               out_dtype: Optional[torch.dtype] = None):
-    """Grouped GEMM, two forms:
-
-    - lists: ``grouped_mm([a0, a1, ...], [b0, b1, ...])`` -> ``[a0 @ b0, a1 @ b1, ...]``;
-    - packed (MoE): ``grouped_mm(a, b, offsets)`` with a (total_M, K), b (G, K, N) and
-      offsets (G,) int32 on the device: the cumulative ends of each group's rows in a;
-      returns (total_M, N) with rows offsets[g-1]:offsets[g] = a[those rows] @ b[g].
-
-    One gemm launch per group for now (the offsets are read on the host: one sync).
-    """
-    from vitrail.ops.gemm import gemm
-    name = "vitrail.ops.grouped_mm"
-    if isinstance(a, (list, tuple)):
-        if not isinstance(b, (list, tuple)) or len(a) != len(b):
-            raise ArgumentError(f"{name}: with a list a, b must be a list of the same length")
-        if offsets is not None:
-            raise ArgumentError(f"{name}: offsets are for the packed form, not lists")
-        return [gemm(x, y, out_dtype=out_dtype) for x, y in zip(a, b)]
-    check_tensor(name, "a", a, ndim=2)
-    check_tensor(name, "b", b, ndim=3)
-    if offsets is None:
-        raise ArgumentError(f"{name}: the packed form needs offsets (G,) of group row ends")
-    check_tensor(name, "offsets", offsets, dtypes=(torch.int32, torch.int64), ndim=1)
-    if offsets.shape[0] != b.shape[0]:
-        raise ArgumentError(f"{name}: offsets has {offsets.shape[0]} groups, b has {b.shape[0]}")
-    if a.shape[1] != b.shape[1]:
-        raise ArgumentError(f"{name}: a {tuple(a.shape)} and b {tuple(b.shape)}: K differs")
-    ends = offsets.tolist()
-    if any(e2 < e1 for e1, e2 in zip([0] + ends, ends)) or (ends and ends[-1] > a.shape[0]):
-        raise ArgumentError(f"{name}: offsets must be non-decreasing and at most {a.shape[0]}, "
-                            f"got {ends}")
-    out = torch.empty(a.shape[0], b.shape[2], dtype=out_dtype or a.dtype, device=a.device)
-    if ends and ends[-1] < a.shape[0]:
-        out[ends[-1]:].zero_()
-    start = 0
-    for g, end in enumerate(ends):
-        if end > start:
-            out[start:end] = gemm(a[start:end], b[g], out_dtype=out_dtype)
-        start = end
-    return out

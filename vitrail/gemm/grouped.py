@@ -1,0 +1,208 @@
+"""GroupedGemmOperation: many independent GEMMs (each its own M, N, K, pointers and leading
+strides) in one launch, on CUTLASS 3's sm90 pointer-array collectives (TMA descriptors updated
+per group on the device, the grouped persistent tile scheduler).
+
+The problem sizes, pointers and leading strides are device arrays (int32 (G, 3); int64 (G,)),
+so a MoE layer can build them from its group offsets on the GPU with no host sync. Epilogue:
+D = alpha * acc (no C, bias or activation yet). Emitted, like GemmOperation, as a minimal
+translation unit with two ``extern "C"`` entry points: ``vitrail_grouped_gemm`` and
+``vitrail_grouped_gemm_workspace`` (bytes of workspace for G groups: the TMA descriptors).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vitrail.gemm.descriptions import (FP8, MathInstruction, TensorDescription, TileDescription,
+                                       cpp_type, k_major)
+
+_TEMPLATE = r"""// vitrail grouped GEMM: @NAME@
+#include <cuda_runtime.h>
+#include <cstdint>
+#include <cutlass/cutlass.h>
+#include <cutlass/numeric_types.h>
+#include <cute/tensor.hpp>
+#include <cutlass/gemm/gemm.h>
+#include <cutlass/gemm/group_array_problem_shape.hpp>
+#include <cutlass/gemm/dispatch_policy.hpp>
+#include <cutlass/gemm/collective/collective_mma_decl.hpp>
+@MAINLOOP_INCLUDES@
+#include <cutlass/gemm/collective/builders/sm90_gmma_builder.inl>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/gemm/kernel/tile_scheduler.hpp>
+#include <cutlass/gemm/kernel/@KERNEL_HEADER@>
+#include <cutlass/device_kernel.h>
+
+namespace vitrail_grouped_impl {
+using namespace cute;
+using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
+using ElementA = @ELEMENT_A@;
+using ElementB = @ELEMENT_B@;
+using ElementD = @ELEMENT_D@;
+using TileShape = Shape<@TILE@>;
+using ClusterShape = Shape<@CLUSTER@>;
+
+using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+    cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+    void, cutlass::layout::RowMajor*, @ALIGN_D@, ElementD, cutlass::layout::RowMajor*, @ALIGN_D@,
+    @EPILOGUE_SCHEDULE@, cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>
+    >::CollectiveOp;
+
+using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
+    ElementA, @LAYOUT_A@*, @ALIGN_A@, ElementB, @LAYOUT_B@*, @ALIGN_B@, float,
+    TileShape, ClusterShape,
+    cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+        sizeof(typename CollectiveEpilogue::SharedStorage))>,
+    @KERNEL_SCHEDULE@>::CollectiveOp;
+
+using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop,
+                                                        CollectiveEpilogue>;
+using StrideA = typename GemmKernel::InternalStrideA;
+using StrideB = typename GemmKernel::InternalStrideB;
+using StrideD = typename GemmKernel::InternalStrideD;
+using Shape3 = typename ProblemShape::UnderlyingProblemShape;
+// the Python side passes int64 leading strides and int32 (M, N, K) triples
+static_assert(sizeof(StrideA) == 8 && sizeof(StrideB) == 8 && sizeof(StrideD) == 8);
+static_assert(sizeof(Shape3) == 12);
+
+typename GemmKernel::Arguments make_arguments(int groups, const void* sizes, const void* ptr_a,
+    const void* ptr_b, void* ptr_d, const void* stride_a, const void* stride_b,
+    const void* stride_d, float alpha, int sm_count) {
+  cutlass::KernelHardwareInfo hw;
+  cudaGetDevice(&hw.device_id);
+  hw.sm_count = sm_count;
+  typename GemmKernel::Arguments args{
+      cutlass::gemm::GemmUniversalMode::kGrouped,
+      {groups, const_cast<Shape3*>(static_cast<Shape3 const*>(sizes)), nullptr},
+      {static_cast<ElementA const**>(const_cast<void*>(ptr_a)),
+       static_cast<StrideA*>(const_cast<void*>(stride_a)),
+       static_cast<ElementB const**>(const_cast<void*>(ptr_b)),
+       static_cast<StrideB*>(const_cast<void*>(stride_b))},
+      {{}, nullptr, nullptr, static_cast<ElementD**>(ptr_d),
+       static_cast<StrideD*>(const_cast<void*>(stride_d))},
+      hw};
+  args.epilogue.thread.alpha = alpha;
+  args.epilogue.thread.beta = 0.f;
+  return args;
+}
+}  // namespace vitrail_grouped_impl
+using namespace vitrail_grouped_impl;
+
+extern "C" int64_t vitrail_grouped_gemm_workspace(int groups, int sm_count) {
+  auto args = make_arguments(groups, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                             nullptr, 1.f, sm_count);
+  return static_cast<int64_t>(GemmKernel::get_workspace_size(args));
+}
+
+extern "C" int vitrail_grouped_gemm(int groups, const void* sizes, const void* ptr_a,
+    const void* ptr_b, void* ptr_d, const void* stride_a, const void* stride_b,
+    const void* stride_d, float alpha, void* workspace, int64_t workspace_bytes, int sm_count,
+    cudaStream_t stream) {
+  if (groups <= 0) return -3;
+  auto args = make_arguments(groups, sizes, ptr_a, ptr_b, ptr_d, stride_a, stride_b, stride_d,
+                             alpha, sm_count);
+  if (static_cast<int64_t>(GemmKernel::get_workspace_size(args)) > workspace_bytes) return -4;
+  if (GemmKernel::initialize_workspace(args, workspace, stream) != cutlass::Status::kSuccess)
+    return -5;
+  typename GemmKernel::Params params = GemmKernel::to_underlying_arguments(args, workspace);
+  constexpr int smem = GemmKernel::SharedStorageSize;
+  static cudaError_t attr = cudaFuncSetAttribute(
+      cutlass::device_kernel<GemmKernel>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (attr != cudaSuccess) return static_cast<int>(attr);
+  cudaLaunchConfig_t config{};
+  config.gridDim = GemmKernel::get_grid_shape(params);
+  config.blockDim = GemmKernel::get_block_shape();
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = cute::size<0>(ClusterShape{});
+  attribute[0].val.clusterDim.y = cute::size<1>(ClusterShape{});
+  attribute[0].val.clusterDim.z = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  return static_cast<int>(cudaLaunchKernelEx(&config, cutlass::device_kernel<GemmKernel>, params));
+}
+"""
+
+
+@dataclass(frozen=True)
+class GroupedGemmOperation:
+    """G independent GEMMs D_g = alpha * A_g @ B_g in one launch; every A_g has layout A, every
+    B_g layout B, every D_g is row-major (static); sizes, pointers and strides are per group at
+    run time (device arrays). Tile scheduler: the grouped persistent one (fixed)."""
+    A: TensorDescription
+    B: TensorDescription
+    D: TensorDescription
+    math: MathInstruction
+    tile: TileDescription = field(default_factory=TileDescription)
+
+    def __post_init__(self):
+        if self.D.layout != "row":
+            raise ValueError("GroupedGemmOperation: D must be 'row' (row-major outputs)")
+        if self.D.element not in ("bf16", "f16", "f32"):
+            raise ValueError(f"GroupedGemmOperation: D.element={self.D.element}: expected bf16, "
+                             f"f16 or f32")
+        if self.tile.tile_scheduler != "persistent":
+            raise ValueError("GroupedGemmOperation: the tile scheduler is the grouped "
+                             "persistent one; leave TileDescription.tile_scheduler='persistent'")
+        a = self.math.element_a
+        if (a in FP8 or a == "tf32") and not (k_major("a", self.A) and k_major("b", self.B)):
+            raise ValueError(f"GroupedGemmOperation: {a} needs A 'row' and B 'col' (K-major)")
+        for name, desc, elem in (("A", self.A, a), ("B", self.B, self.math.element_b)):
+            if desc.element != elem:
+                raise ValueError(f"GroupedGemmOperation: {name}.element={desc.element} does not "
+                                 f"match the math instruction's {elem}")
+
+    @property
+    def name(self) -> str:
+        tm, tn, tk = self.tile.tile_shape
+        cm, cn, _ = self.tile.cluster_shape
+        lay = self.A.layout[0] + self.B.layout[0] + "r"
+        return (f"grouped_{self.math.element_a}_{lay}_{self.D.element}_{tm}x{tn}x{tk}_c{cm}x{cn}_"
+                f"{self.tile.kernel_schedule[:4]}"
+                + ("_fast" if self.math.math_operation == "multiply_add_fast_accum" else ""))
+
+    def emit(self) -> str:
+        t = self.tile
+        schedule = {"cooperative": "KernelPtrArrayTmaWarpSpecializedCooperative",
+                    "pingpong": "KernelPtrArrayTmaWarpSpecializedPingpong"}[t.kernel_schedule]
+        if self.math.math_operation == "multiply_add_fast_accum":
+            schedule += "FP8FastAccum"
+        mainloops = ["sm90_mma_array_tma_gmma_ss_warpspecialized.hpp"]
+        if self.math.element_a in FP8:
+            mainloops.append("sm90_mma_array_tma_gmma_ss_warpspecialized_fp8.hpp")
+        tm, tn, tk = t.tile_shape
+        cm, cn, ck = t.cluster_shape
+        subs = {
+            "NAME": self.name,
+            "MAINLOOP_INCLUDES": "\n".join(f"#include <cutlass/gemm/collective/{h}>"
+                                           for h in mainloops),
+            "KERNEL_HEADER": f"sm90_gemm_array_tma_warpspecialized_{t.kernel_schedule}.hpp",
+            "ELEMENT_A": cpp_type(self.math.element_a), "ELEMENT_B": cpp_type(self.math.element_b),
+            "ELEMENT_D": cpp_type(self.D.element),
+            "LAYOUT_A": self.A.cpp_layout, "LAYOUT_B": self.B.cpp_layout,
+            "ALIGN_A": str(self.A.alignment), "ALIGN_B": str(self.B.alignment),
+            "ALIGN_D": str(self.D.alignment),
+            "TILE": f"_{tm}, _{tn}, _{tk}", "CLUSTER": f"_{cm}, _{cn}, _{ck}",
+            "KERNEL_SCHEDULE": f"cutlass::gemm::{schedule}",
+            "EPILOGUE_SCHEDULE": {"cooperative": "cutlass::epilogue::"
+                                                 "PtrArrayTmaWarpSpecializedCooperative",
+                                  "pingpong": "cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong"
+                                  }[t.kernel_schedule],
+        }
+        text = _TEMPLATE
+        for k, v in subs.items():
+            text = text.replace(f"@{k}@", v)
+        return text
+
+    def compile_kwargs(self, arch: str | None = None) -> dict:
+        kw = dict(source=self.emit(), name=self.name, backend="nvcc")
+        if arch is not None:
+            kw["arch"] = arch
+        return kw
+
+    def compile(self, arch: str | None = None):
+        from vitrail import jit
+        return jit.compile(**self.compile_kwargs(arch))

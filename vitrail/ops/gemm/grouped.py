@@ -1,0 +1,191 @@
+"""grouped_mm: a list of GEMMs, or the packed MoE form (rows of a split by group offsets, one
+weight matrix per group), in one launch of the grouped kernel (vitrail.gemm.grouped).
+
+The packed form builds the per-group sizes, pointers and strides on the GPU from the offsets
+(no host sync); invalid offsets raise through ``torch._assert_async`` (a device-side assert, as
+torch's own async checks). Rows after the last offset are zeroed by a small NVRTC kernel that
+reads the last offset on the device. Operands the grouped kernel cannot take (not 16-byte
+aligned, fp32, fp8) run as a loop of ``gemm`` launches (with a host sync for the offsets).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from vitrail.gemm import MathInstruction, TensorDescription, TileDescription
+from vitrail.gemm.arguments import _sm_count, describe
+from vitrail.gemm.emitter import CODES
+from vitrail.gemm.grouped import GroupedGemmOperation
+from vitrail.jit.errors import ArgumentError, LaunchError
+from vitrail.ops.common import check_tensor
+from vitrail.ops.gemm.launch import is_hopper
+
+ELEMENTS = {torch.bfloat16: "bf16", torch.float16: "f16"}
+_MODULES: dict = {}
+_ZERO_TAIL = r"""
+extern "C" __global__ void vitrail_zero_tail(uint4* out, const long long* end, long long rows,
+                                             long long row_chunks) {
+  long long first = end[0] * row_chunks, total = rows * row_chunks;
+  for (long long i = first + blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+       i += (long long)gridDim.x * blockDim.x)
+    out[i] = make_uint4(0, 0, 0, 0);
+}
+"""
+
+
+def operation(dtype: torch.dtype, layout_b: str) -> GroupedGemmOperation:
+    el = ELEMENTS[dtype]
+    return GroupedGemmOperation(A=TensorDescription(el, "row"), B=TensorDescription(el, layout_b),
+                                D=TensorDescription(el, "row"), math=MathInstruction(el, el),
+                                tile=TileDescription((128, 256, 64), (2, 1, 1)))
+
+
+def _module(op: GroupedGemmOperation):
+    mod = _MODULES.get(op)
+    if mod is None:
+        mod = _MODULES[op] = op.compile()
+    return mod
+
+
+def _aligned(ptr: int, *strides_bytes: int) -> bool:
+    return ptr % 16 == 0 and all(s % 16 == 0 for s in strides_bytes)
+
+
+def _launch(op, sizes, ptr_a, ptr_b, ptr_d, lda, ldb, ldd, groups: int, device) -> None:
+    mod = _module(op)
+    sm = _sm_count(device.index or 0)
+    ws = mod.function("vitrail_grouped_gemm_workspace")(groups, sm)
+    buf = torch.empty(max(ws, 1), dtype=torch.uint8, device=device)
+    code = mod.function("vitrail_grouped_gemm")(groups, sizes, ptr_a, ptr_b, ptr_d, lda, ldb, ldd,
+                                                1.0, buf, ws, sm)
+    if code:
+        raise LaunchError(f"{op.name}: {CODES.get(code) or f'CUDA error {code}'}")
+
+
+def _packed_kernel(a: Tensor, b: Tensor, ends: Tensor, out: Tensor) -> bool:
+    """Run the packed form on the grouped kernel; False when it cannot take these operands."""
+    if a.dtype not in ELEMENTS or not is_hopper(a.device):
+        return False
+    G, K, N = b.shape
+    es = a.element_size()
+    info = describe(b, "b")
+    if (a.stride(1) != 1 or info.layout is None or b.stride(0) == 0
+            or not _aligned(a.data_ptr(), a.stride(0) * es)
+            or not _aligned(b.data_ptr(), info.ld * es, b.stride(0) * es)
+            or not _aligned(out.data_ptr(), out.stride(0) * es)):
+        return False
+    dev = a.device
+    ends64 = ends.to(torch.int64)
+    counts = torch.diff(ends64, prepend=ends64.new_zeros(1))
+    torch._assert_async(((counts >= 0).all() & (ends64[-1] <= a.shape[0])),
+                        "vitrail.ops.grouped_mm: offsets must be non-decreasing and at most "
+                        "a.shape[0]")
+    starts = ends64 - counts
+    sizes = torch.stack([counts, torch.full_like(counts, N), torch.full_like(counts, K)], 1)
+    sizes = sizes.to(torch.int32).contiguous()
+    ptr_a = starts * (a.stride(0) * es) + a.data_ptr()
+    ptr_b = torch.arange(G, device=dev, dtype=torch.int64) * (b.stride(0) * es) + b.data_ptr()
+    ptr_d = starts * (out.stride(0) * es) + out.data_ptr()
+    full = lambda v: torch.full((G,), v, dtype=torch.int64, device=dev)  # noqa: E731
+    _launch(operation(a.dtype, info.layout), sizes, ptr_a, ptr_b, ptr_d, full(a.stride(0)),
+            full(info.ld), full(out.stride(0)), G, dev)
+    chunks = out.stride(0) * es // 16
+    if a.shape[0]:
+        from vitrail import jit
+        kernel = _MODULES.get("zero") or _MODULES.setdefault(
+            "zero", jit.RawKernel(_ZERO_TAIL, "vitrail_zero_tail"))
+        blocks = min(1024, max(1, (a.shape[0] * chunks + 255) // 256))
+        kernel[blocks, 256](out, ends64[-1:], a.shape[0], chunks)
+    return True
+
+
+def _list_kernel(xs, ys) -> Optional[list]:
+    """The list form on the grouped kernel; None when it cannot take these operands."""
+    if not xs or xs[0].dtype not in ELEMENTS or not is_hopper(xs[0].device):
+        return None
+    dtype, dev = xs[0].dtype, xs[0].device
+    es = xs[0].element_size()
+    infos_b = [describe(y, "b") for y in ys]
+    layout_b = infos_b[0].layout
+    outs = [torch.empty(x.shape[0], y.shape[1], dtype=dtype, device=dev) for x, y in zip(xs, ys)]
+    for x, y, ib, o in zip(xs, ys, infos_b, outs):
+        if (x.dtype != dtype or y.dtype != dtype or x.dim() != 2 or y.dim() != 2
+                or x.shape[1] != y.shape[0] or x.stride(1) != 1 or ib.layout != layout_b
+                or not _aligned(x.data_ptr(), x.stride(0) * es)
+                or not _aligned(y.data_ptr(), ib.ld * es)
+                or not _aligned(o.data_ptr(), o.stride(0) * es) or min(x.shape[0], y.shape[1],
+                                                                       x.shape[1]) == 0):
+            return None
+    host = torch.tensor([[x.shape[0], y.shape[1], x.shape[1]] for x, y in zip(xs, ys)],
+                        dtype=torch.int32)
+    ptrs = torch.tensor([[x.data_ptr(), y.data_ptr(), o.data_ptr(), x.stride(0), ib.ld,
+                          o.stride(0)] for x, y, o, ib in zip(xs, ys, outs, infos_b)],
+                        dtype=torch.int64)
+    sizes = host.to(dev, non_blocking=False)
+    p = ptrs.to(dev).t().contiguous()
+    _launch(operation(dtype, layout_b), sizes, p[0], p[1], p[2], p[3], p[4], p[5], len(xs), dev)
+    return outs
+
+
+def grouped_mm(a, b, offsets: Optional[Tensor] = None, *,
+               out_dtype: Optional[torch.dtype] = None):
+    """Grouped GEMM, two forms:
+
+    - lists: ``grouped_mm([a0, a1, ...], [b0, b1, ...])`` -> ``[a0 @ b0, a1 @ b1, ...]``;
+    - packed (MoE): ``grouped_mm(a, b, offsets)`` with a (total_M, K), b (G, K, N) and
+      offsets (G,) int32/int64 on the device, the cumulative row ends of the groups in a;
+      returns (total_M, N) whose rows offsets[g-1]:offsets[g] are a[those rows] @ b[g] and
+      whose rows after offsets[-1] are zero.
+
+    bf16/fp16 with 16-byte aligned rows run one grouped kernel launch; anything else runs a
+    loop of ``gemm`` launches. No autograd yet.
+    """
+    from vitrail.ops.gemm import gemm
+    name = "vitrail.ops.grouped_mm"
+    if isinstance(a, (list, tuple)):
+        if not isinstance(b, (list, tuple)) or len(a) != len(b):
+            raise ArgumentError(f"{name}: with a list a, b must be a list of the same length")
+        if offsets is not None:
+            raise ArgumentError(f"{name}: offsets are for the packed form, not lists")
+        for i, (x, y) in enumerate(zip(a, b)):
+            check_tensor(name, f"a[{i}]", x, ndim=2)
+            check_tensor(name, f"b[{i}]", y, ndim=2)
+            if x.shape[1] != y.shape[0]:
+                raise ArgumentError(f"{name}: a[{i}] {tuple(x.shape)} and b[{i}] "
+                                    f"{tuple(y.shape)} cannot be multiplied")
+        same = not a or out_dtype in (None, a[0].dtype)
+        grads = torch.is_grad_enabled() and any(t.requires_grad for t in (*a, *b))
+        if a and same and not grads:
+            outs = _list_kernel(list(a), list(b))
+            if outs is not None:
+                return outs
+        return [gemm(x, y, out_dtype=out_dtype) for x, y in zip(a, b)]
+    check_tensor(name, "a", a, ndim=2)
+    check_tensor(name, "b", b, ndim=3)
+    if offsets is None:
+        raise ArgumentError(f"{name}: the packed form needs offsets (G,) of group row ends")
+    check_tensor(name, "offsets", offsets, dtypes=(torch.int32, torch.int64), ndim=1)
+    if offsets.shape[0] != b.shape[0]:
+        raise ArgumentError(f"{name}: offsets has {offsets.shape[0]} groups, b has {b.shape[0]}")
+    if a.shape[1] != b.shape[1]:
+        raise ArgumentError(f"{name}: a {tuple(a.shape)} and b {tuple(b.shape)}: K differs")
+    if a.dtype != b.dtype:
+        raise ArgumentError(f"{name}: a and b must have one dtype, got {a.dtype} and {b.dtype}")
+    out = torch.empty(a.shape[0], b.shape[2], dtype=out_dtype or a.dtype, device=a.device)
+    if (out.dtype == a.dtype and b.shape[0] and a.shape[1] and b.shape[2]
+            and not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))
+            and _packed_kernel(a, b, offsets, out)):
+        return out
+    ends = offsets.tolist()
+    if any(e2 < e1 for e1, e2 in zip([0] + ends, ends)) or (ends and ends[-1] > a.shape[0]):
+        raise ArgumentError(f"{name}: offsets must be non-decreasing and at most {a.shape[0]}, "
+                            f"got {ends}")
+    out[ends[-1] if ends else 0:].zero_()
+    start = 0
+    for g, end in enumerate(ends):
+        if end > start:
+            out[start:end] = gemm(a[start:end], b[g], out_dtype=out_dtype)
+        start = end
+    return out
