@@ -1,0 +1,84 @@
+"""The description API on a GPU: GemmOperation.run on NumPy, DLPack and torch arguments, split-K
+(serial, on the stream-K scheduler), can_implement refusing a misaligned operand."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import requires_gpu
+from vitrail.gemm import (GemmArguments, GemmOperation, LinearCombination, MathInstruction,
+                          TensorDescription, TileDescription)
+from vitrail.jit.errors import ArgumentError
+
+# one kernel for every test here (fp16, all row-major, C read, stream-K scheduler)
+OP = GemmOperation(A=TensorDescription("f16", "row"), B=TensorDescription("f16", "row"),
+                   D=TensorDescription("f16", "row"), math=MathInstruction("f16", "f16"),
+                   tile=TileDescription((128, 128, 64), (1, 1, 1), tile_scheduler="stream_k"),
+                   epilogue=LinearCombination("f16", element_source="f16"),
+                   mode="split_k_serial")
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    import os
+    root = os.environ.get("VITRAIL_SHARED_CACHE") or str(tmp_path / "vitrail-cache")
+    monkeypatch.setenv("VITRAIL_CACHE_DIR", root)
+    yield root
+
+
+def close(out, ref, scale=None):
+    ref = np.asarray(ref, dtype=np.float64)
+    err = np.abs(np.asarray(out, dtype=np.float64) - ref).max()
+    assert err <= 2.0 ** -9 * (scale or np.abs(ref).max()), err
+
+
+@requires_gpu
+def test_numpy_in_and_out():
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((300, 520)).astype(np.float16)
+    b = rng.standard_normal((520, 200)).astype(np.float16)
+    c = rng.standard_normal((300, 200)).astype(np.float16)
+    d = np.full((300, 200), np.nan, dtype=np.float16)
+    args = GemmArguments.from_tensors(OP, a, b, d, c=c, alpha=0.5, beta=2.0)
+    assert OP.can_implement(args) == []
+    OP.run(args)
+    out = args.sync()
+    assert out is d and not np.isnan(d).any()
+    close(d, 0.5 * (a.astype(np.float64) @ b) + 2.0 * c)
+
+
+class Capsule:
+    """A DLPack producer that is not a torch tensor."""
+    def __init__(self, t):
+        self.t = t
+
+    def __dlpack__(self, stream=None):
+        return self.t.__dlpack__()
+
+    def __dlpack_device__(self):
+        return self.t.__dlpack_device__()
+
+
+@requires_gpu
+@pytest.mark.parametrize("splits", [1, 3])
+def test_dlpack_and_split_k(splits):
+    a = torch.randn(7, 4096, device="cuda", dtype=torch.float16)
+    b = torch.randn(4096, 1000, device="cuda", dtype=torch.float16)
+    c = torch.randn(7, 1000, device="cuda", dtype=torch.float16)
+    d = torch.full((7, 1000), float("nan"), device="cuda", dtype=torch.float16)
+    args = GemmArguments.from_tensors(OP, Capsule(a), Capsule(b), d, c=c, beta=1.0,
+                                      splits=splits)
+    OP.run(args)
+    ref = a.double() @ b.double() + c.double()
+    close(d.cpu(), ref.cpu())
+
+
+@requires_gpu
+def test_run_refuses_with_reasons():
+    a = torch.randn(64, 70, device="cuda", dtype=torch.float16)[:, :64]  # leading stride 70
+    b = torch.randn(64, 32, device="cuda", dtype=torch.float16)
+    c = torch.randn(64, 32, device="cuda", dtype=torch.float16)
+    args = GemmArguments.from_tensors(OP, a, b, c=c)
+    with pytest.raises(ArgumentError, match="leading stride 70 is not a multiple of 8"):
+        OP.run(args)
