@@ -15,7 +15,7 @@ for bf16/fp16, else a loop of gemm launches; no autograd yet.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -95,7 +95,7 @@ def _gemm_fake(a, b, c, bias, alpha, beta, activation, slope, clamp_min, clamp_m
 
 
 def _gemm_setup(ctx, inputs, output):
-    a, b, c, bias, alpha, beta, activation, slope, lo, hi, out_dtype = inputs
+    a, b, c, bias, alpha, beta, activation, slope, lo, hi, _ = inputs
     ctx.save_for_backward(a, b, c, bias)
     ctx.params = (alpha, beta, activation, slope, lo, hi)
     ctx.c_shape = None if c is None else tuple(c.shape)

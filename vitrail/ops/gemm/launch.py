@@ -73,8 +73,43 @@ def op_for(kind: Kind) -> Op:
 
         op = _OPS[kind] = Op(kind.name, space=configs.space(kind),
                              kernel_source=emitter._TEMPLATE + ACTIVATION_FUNCTOR + kind.name,
-                             render=render, launch=launch, examples=configs.DEFAULT_PROBLEMS)
+                             render=render, launch=launch, examples=configs.DEFAULT_PROBLEMS,
+                             make_problem=lambda shape, dtype: make_problem(kind, shape))
     return op
+
+
+_TORCH = {"bf16": torch.bfloat16, "f16": torch.float16, "tf32": torch.float32,
+          "f32": torch.float32, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def make_problem(kind: Kind, shape: tuple) -> tuple:
+    """(problem key, problem, launch arguments) of random operands for ``vitrail tune`` (shape
+    M x N x K, or M x N x K x L); dtypes and layouts are the kind's."""
+    if len(shape) not in (3, 4):
+        raise ValueError(f"shape {shape}: expected M x N x K or M x N x K x L")
+    M, N, K = shape[:3]
+    L = shape[3] if len(shape) == 4 else 1
+    dev = "cuda"
+    lead = (L,) if L > 1 else ()
+
+    def matrix(rows, cols, el, layout):
+        t = torch.randn(*lead, rows, cols, device=dev).to(_TORCH[el])
+        return t if layout == "row" else t.transpose(-1, -2).contiguous().transpose(-1, -2)
+    epi = kind.epilogue
+    a = matrix(M, K, kind.element, kind.layout_a)
+    b = matrix(K, N, kind.element_b, kind.layout_b)
+    d = torch.empty(*lead, M, N, device=dev, dtype=_TORCH[epi.element_output])
+    c = matrix(M, N, epi.element_source, "row") if epi.has_source else None
+    bias = None
+    if epi.bias:
+        bias = torch.randn(M if epi.bias == "row" else N, device=dev).to(_TORCH[epi.element_bias])
+    sa = None if epi.scale_a is None else torch.rand(1 if epi.scale_a == "tensor" else M,
+                                                     device=dev)
+    sb = None if epi.scale_b is None else torch.rand(1 if epi.scale_b == "tensor" else N,
+                                                     device=dev)
+    key = f"M{bucket(M)}N{bucket(N)}K{bucket(K)}L{bucket(L)}"
+    return key, Problem(M, N, K, L), (a, b, c, d, bias, sa, sb, 1.0, 0.5, 0.01, float("-inf"),
+                                      float("inf"), 1)
 
 
 def is_hopper(device: torch.device) -> bool:
