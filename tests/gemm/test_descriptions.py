@@ -217,3 +217,26 @@ def test_grouped_operation_emits_and_refuses():
         GroupedGemmOperation(A=TensorDescription("e4m3"), B=TensorDescription("e4m3"),
                              D=TensorDescription("bf16"), math=MathInstruction("e4m3", "e4m3"),
                              tile=TileDescription((128, 128, 128)))
+
+
+def test_every_valid_config_of_the_space_emits():
+    """What PickBest may compile: every config the constraints let through is a description
+    that emits, and no two share a kernel name."""
+    from vitrail.ops.gemm import configs
+    from vitrail.tune import limits
+    lim = limits(arch="90a")
+    for kind in configs.default_kinds():
+        valid = configs.space(kind).valid(lim)
+        names = {configs.operation(kind, c).name for c in valid}
+        assert len(names) == len(valid)
+        for c in valid:
+            assert "vitrail_gemm(" in configs.operation(kind, c).emit()
+
+
+def test_host_arrays_are_refused_or_copied():
+    from vitrail.gemm.arguments import as_cuda_tensor
+    from vitrail.jit.errors import ArgumentError
+    with pytest.raises(ArgumentError, match="a tensor on cpu"):
+        as_cuda_tensor(torch.zeros(3), "a")
+    with pytest.raises(ArgumentError, match="expected a torch tensor, a CuPy"):
+        as_cuda_tensor([1, 2, 3], "b")
