@@ -63,21 +63,27 @@ def _render(kind: str, dtype: torch.dtype, v: int, log: bool, mode: int = 0):
     return render
 
 
+def _ld(t: torch.Tensor) -> int:
+    """The row stride the kernels see: a single row's stride is never used (and may not be a
+    multiple of the vector width, e.g. 1 for a [1, n] tensor), so it is passed as 0."""
+    return t.stride(0) if t.shape[0] > 1 else 0
+
+
 def _launch_fwd(module, config, y, x):
     rows, n = x.shape
-    module.softmax_fwd(y.data_ptr(), x.data_ptr(), rows, n, x.stride(0), y.stride(0))
+    module.softmax_fwd(y.data_ptr(), x.data_ptr(), rows, n, _ld(x), _ld(y))
 
 
 def _launch_bwd(module, config, dx, y, dy):
     rows, n = y.shape
-    module.softmax_bwd(dx.data_ptr(), y.data_ptr(), dy.data_ptr(), rows, n, y.stride(0),
-                       dy.stride(0), dx.stride(0))
+    module.softmax_bwd(dx.data_ptr(), y.data_ptr(), dy.data_ptr(), rows, n, _ld(y), _ld(dy),
+                       _ld(dx))
 
 
 def _launch_chunked(module, config, out, stats, a, b):
     rows, n = a.shape
     module.softmax_chunked(out.data_ptr(), stats.data_ptr(), a.data_ptr(), b.data_ptr(), rows, n,
-                           config.CHUNK, a.stride(0), b.stride(0), out.stride(0))
+                           config.CHUNK, _ld(a), _ld(b), _ld(out))
 
 
 def _dname(dtype: torch.dtype) -> str:
