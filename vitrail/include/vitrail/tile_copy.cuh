@@ -144,10 +144,15 @@ struct Bulk {
     cute::initialize_barrier(*mbar, count);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  // One thread: arrive on mbar expecting `bytes` more bytes, then start the copy of `bytes` bytes
-  // (a multiple of 16, both addresses 16-byte aligned) from gmem into smem.
-  __device__ static void load(void* smem, const void* gmem, int bytes, uint64_t* mbar) {
+  // One thread: arrive on mbar, announcing `bytes` more bytes of copies in this phase (the phase
+  // completes when the arrivals are in and the announced bytes have landed). Announce each copy
+  // once: here, or through Pipeline::expect.
+  __device__ static void expect(uint64_t* mbar, int bytes) {
     cute::set_barrier_transaction_bytes(*mbar, bytes);
+  }
+  // One thread: start the copy of `bytes` bytes (a multiple of 16, both addresses 16-byte
+  // aligned) from gmem into smem, completing on mbar, whose phase must expect them.
+  __device__ static void load(void* smem, const void* gmem, int bytes, uint64_t* mbar) {
     cute::SM90_BULK_COPY_G2S::copy(gmem, mbar, smem, bytes);
   }
   // Any thread: wait until the barrier's phase `phase` completes (the bytes have landed).
