@@ -1,8 +1,5 @@
-"""Shared fixtures: every test gets a private cache directory and a clean module memo."""
+"""What tests ask of the machine (a GPU, nvcc, NVRTC); the cache fixture is in ../conftest.py."""
 from __future__ import annotations
-
-import os
-import shutil
 
 import pytest
 
@@ -36,15 +33,3 @@ requires_nvrtc = pytest.mark.skipif(not has_tool(jit.toolchain.nvrtc),
                                     reason="needs NVRTC (cuda-bindings)")
 
 
-@pytest.fixture(autouse=True)
-def cache_dir(tmp_path, monkeypatch):
-    """A fresh VITRAIL_CACHE_DIR per test; VITRAIL_ARCH=90a when no GPU is present."""
-    root = tmp_path / "vitrail-cache"
-    monkeypatch.setenv("VITRAIL_CACHE_DIR", str(root))
-    monkeypatch.delenv("VITRAIL_FORCE_RECOMPILE", raising=False)
-    if not has_gpu() and not os.environ.get("VITRAIL_ARCH"):
-        monkeypatch.setenv("VITRAIL_ARCH", "90a")
-    jit.clear_memory_cache()
-    yield root
-    jit.clear_memory_cache()
-    shutil.rmtree(root, ignore_errors=True)

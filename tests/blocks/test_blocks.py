@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import requires_gpu, requires_nvcc
-from tests.ops.shared_cache import cache_dir  # noqa: F401
+
+pytestmark = pytest.mark.warm_cache
+
 
 SOURCE = (Path(__file__).parent / "blocks_test.cu").read_text()
 

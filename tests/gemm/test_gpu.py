@@ -18,13 +18,7 @@ OP = GemmOperation(A=TensorDescription("f16", "row"), B=TensorDescription("f16",
                    epilogue=LinearCombination("f16", element_source="f16"),
                    mode="split_k_serial")
 
-
-@pytest.fixture(autouse=True)
-def cache_dir(tmp_path, monkeypatch):
-    import os
-    root = os.environ.get("VITRAIL_SHARED_CACHE") or str(tmp_path / "vitrail-cache")
-    monkeypatch.setenv("VITRAIL_CACHE_DIR", root)
-    yield root
+pytestmark = pytest.mark.warm_cache
 
 
 def close(out, ref, scale=None):

@@ -17,14 +17,7 @@ def family():
 
 ULP = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -11}
 
-
-@pytest.fixture(autouse=True)
-def cache_dir(tmp_path, monkeypatch):
-    """A private cache per test, or VITRAIL_SHARED_CACHE (kernels built beforehand in parallel)."""
-    import os
-    root = os.environ.get("VITRAIL_SHARED_CACHE") or str(tmp_path / "vitrail-cache")
-    monkeypatch.setenv("VITRAIL_CACHE_DIR", root)
-    yield root
+pytestmark = pytest.mark.warm_cache
 
 
 # ------------------------------------------------------------------------------ CPU tests

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from tests.conftest import requires_gpu, requires_nvcc
-from tests.ops.shared_cache import cache_dir  # noqa: F401
+
+pytestmark = pytest.mark.warm_cache
+
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
