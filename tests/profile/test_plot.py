@@ -110,6 +110,18 @@ def test_bench_mappings_and_units_in_separate_panels(tmp_path):
     assert two[1] > one[1] * 1.5
 
 
+def test_a_wide_range_of_values_is_drawn_on_a_log_scale(tmp_path):
+    from vitrail.profile.plot import needs_log_scale
+    assert not needs_log_scale([1.0, 19.0]) and not needs_log_scale([0.0, 5.0])
+    assert needs_log_scale([0.12, 135.0]) and not needs_log_scale([])
+    rows = [Row("sympow bwd", "torch autograd", 135.1, "ms", baseline=True),
+            Row("sympow bwd", "vitrail", 2.29, "ms"),
+            Row("sympow fwd", "torch eager", 0.92, "ms", baseline=True),
+            Row("sympow fwd", "vitrail", 0.12, "ms")]
+    width, height = png_size(plot_bench(rows, tmp_path / "log.png", title="wide range"))
+    assert width > 600 and height > 300
+
+
 @pytest.mark.parametrize("rows, match", [
     ([], "rows"), ([{"case": "a", "impl": "b", "value": 1.0}], r"rows\[0\]: missing unit"),
     ([{"case": "a", "impl": "b", "value": -1.0, "unit": "ms"}], r"rows\[0\]: value"),

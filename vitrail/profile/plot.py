@@ -87,13 +87,17 @@ def plot_sweep(results: Any, path: str | os.PathLike, *, title: str, x: str = "c
     return _save(fig, path)
 
 
+LOG_SPAN = 20  # a panel whose values span more than this factor is drawn on a log scale
+
+
 def plot_bench(rows: Iterable[Any], path: str | os.PathLike, *, title: str) -> Path:
     """Grouped bars of benchmark rows: one group per case, one bar per implementation.
 
     ``rows``: :class:`vitrail.bench.Row` objects or mappings with ``case``, ``impl``, ``value``,
     ``unit`` and optionally ``lower_is_better`` and ``baseline``. Each case's baseline bar is
     hatched and outlined, and every other bar is annotated with its speed ratio to it (> 1x:
-    faster). Rows of different units go to separate panels. Returns the path of the PNG written.
+    faster). Rows of different units go to separate panels; a panel whose values span more than
+    LOG_SPAN times is drawn on a log scale. Returns the path of the PNG written.
     """
     _check_title(title)
     data = [_bench_row(r, i) for i, r in enumerate(rows)]
@@ -116,6 +120,8 @@ def plot_bench(rows: Iterable[Any], path: str | os.PathLike, *, title: str) -> P
         per_case = max(len(v) for v in by_case.values())
         bar_w = 0.8 / per_case
         top = max(r["value"] for r in mine)
+        positive = [r["value"] for r in mine if r["value"] > 0]
+        log = needs_log_scale(positive)  # else the small bars vanish beside the large
         for ci, case in enumerate(cases):
             base = next((r for r in by_case[case] if r["baseline"]), None)
             for ii, r in enumerate(by_case[case]):
@@ -133,15 +139,20 @@ def plot_bench(rows: Iterable[Any], path: str | os.PathLike, *, title: str) -> P
                     note = f"{ratio:.2f}x"
                 else:
                     note = _num(r["value"])
-                ax.text(pos, r["value"] + top * 0.01, note, ha="center", va="bottom",
+                where = r["value"] * 1.08 if log else r["value"] + top * 0.01
+                ax.text(pos, where, note, ha="center", va="bottom",
                         fontsize=7, rotation=90 if per_case > 4 else 0)
         ax.set_xticks(range(len(cases)), cases, fontsize=8,
                       rotation=20 if len(cases) > 4 else 0)
-        ax.set_ylim(0, top * 1.18)
+        if log:
+            ax.set_yscale("log")
+            ax.set_ylim(min(positive) / 2, top * 4)
+        else:
+            ax.set_ylim(0, top * 1.18)
         lower = all(r["lower_is_better"] for r in mine)
         higher = not any(r["lower_is_better"] for r in mine)
         better = " (lower is better)" if lower else " (higher is better)" if higher else ""
-        ax.set_ylabel(f"{unit}{better}")
+        ax.set_ylabel(f"{unit}{', log scale' if log else ''}{better}")
         ax.grid(axis="y", alpha=0.3)
         ax.set_axisbelow(True)
     from matplotlib.patches import Patch
@@ -155,6 +166,12 @@ def plot_bench(rows: Iterable[Any], path: str | os.PathLike, *, title: str) -> P
 
 
 # ---------------------------------------------------------------------------------- helpers
+def needs_log_scale(values: Iterable[float]) -> bool:
+    """Whether bars of these (positive) values span more than LOG_SPAN times."""
+    values = [v for v in values if v > 0]
+    return bool(values) and max(values) > LOG_SPAN * min(values)
+
+
 def _matplotlib() -> Any:
     try:
         from matplotlib.figure import Figure
