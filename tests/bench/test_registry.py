@@ -46,3 +46,5 @@ def test_roofline_columns_from_the_work_a_row_did(capsys):
     out = capsys.readouterr().out
     assert "% roof" in out and "72%" in out and "2147" in out and f"{g['pct_roofline']:.0f}%" in out
     assert "1.10x" in out  # the vitrail copy against the torch baseline of its case
+    copy_line = next(line for line in out.splitlines() if "2147" in line)
+    assert copy_line.split()[-4] == "-"  # a copy did no FLOPs: no TFLOP/s shown, not 0.0

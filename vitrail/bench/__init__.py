@@ -109,7 +109,9 @@ def print_table(bench: Benchmark, rows: list[Row], peaks=None) -> None:
         if on_roof:
             if roof:
                 pct = f"{roof['pct_roofline']:.0f}%" if roof["pct_roofline"] is not None else "-"
-                line += f"{roof['tflops']:>9.1f}{roof['gbps']:>8.0f}{pct:>8}"
+                tflops = f"{roof['tflops']:.1f}" if r.flops else "-"  # only the work counted
+                gbps = f"{roof['gbps']:.0f}" if r.bytes else "-"
+                line += f"{tflops:>9}{gbps:>8}{pct:>8}"
             else:
                 line += f"{'-':>9}{'-':>8}{'-':>8}"
         print(line + "".join(f"{m:>20}" for m in marks))
