@@ -267,7 +267,7 @@ def compile_all(jobs: list[tuple[Config, dict]], *, max_workers: int | None = No
         return failures
     from concurrent.futures import ThreadPoolExecutor
     env = _child_env()
-    jobs = [(config, kwargs) for config, kwargs in jobs if not _built(kwargs)] or jobs[:0]
+    jobs = [(config, kwargs) for config, kwargs in jobs if not _built(kwargs)]
     for _ in range(progress.total - len(jobs)):
         progress.step()  # already in the cache: no process started for them
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="vitrail-compile") as pool:
