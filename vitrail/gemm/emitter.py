@@ -142,27 +142,7 @@ extern "C" int vitrail_gemm(
   auto args = make_arguments(A, B, C, D, bias, scale_a, scale_b, M, N, K, L, lda, batch_a, ldb,
                              batch_b, ldc, batch_c, ldd, batch_d, bias_batch_stride, alpha, beta,
                              slope, lo, hi, splits, sm_count);
-  if (static_cast<int64_t>(GemmKernel::get_workspace_size(args)) > workspace_bytes) return -4;
-  if (GemmKernel::initialize_workspace(args, workspace, stream) != cutlass::Status::kSuccess)
-    return -5;
-  typename GemmKernel::Params params = GemmKernel::to_underlying_arguments(args, workspace);
-  constexpr int smem = GemmKernel::SharedStorageSize;
-  static cudaError_t attr = cudaFuncSetAttribute(
-      cutlass::device_kernel<GemmKernel>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (attr != cudaSuccess) return static_cast<int>(attr);
-  cudaLaunchConfig_t config{};
-  config.gridDim = GemmKernel::get_grid_shape(params);
-  config.blockDim = GemmKernel::get_block_shape();
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeClusterDimension;
-  attribute[0].val.clusterDim.x = cute::size<0>(ClusterShape{});
-  attribute[0].val.clusterDim.y = cute::size<1>(ClusterShape{});
-  attribute[0].val.clusterDim.z = 1;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  return static_cast<int>(cudaLaunchKernelEx(&config, cutlass::device_kernel<GemmKernel>, params));
+@LAUNCH@
 }
 """
 
@@ -227,7 +207,36 @@ def emit(op) -> str:
         "C_STRIDES": (" || ldc % (128 / cutlass::sizeof_bits<ElementC>::value) || batch_c % "
                       "(128 / cutlass::sizeof_bits<ElementC>::value)") if has_c else "",
     }
-    text = _TEMPLATE
-    for k, v in subs.items():
-        text = text.replace(f"@{k}@", v)
-    return text
+    return fill(_TEMPLATE, subs)
+
+
+# The end of every entry point (plain and grouped): workspace, parameters, and the launch with
+# the cluster shape as a launch attribute (no GemmUniversalAdapter: it pulls in far more code).
+LAUNCH = r"""  if (static_cast<int64_t>(GemmKernel::get_workspace_size(args)) > workspace_bytes) return -4;
+  if (GemmKernel::initialize_workspace(args, workspace, stream) != cutlass::Status::kSuccess)
+    return -5;
+  typename GemmKernel::Params params = GemmKernel::to_underlying_arguments(args, workspace);
+  constexpr int smem = GemmKernel::SharedStorageSize;
+  static cudaError_t attr = cudaFuncSetAttribute(
+      cutlass::device_kernel<GemmKernel>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (attr != cudaSuccess) return static_cast<int>(attr);
+  cudaLaunchConfig_t config{};
+  config.gridDim = GemmKernel::get_grid_shape(params);
+  config.blockDim = GemmKernel::get_block_shape();
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = cute::size<0>(ClusterShape{});
+  attribute[0].val.clusterDim.y = cute::size<1>(ClusterShape{});
+  attribute[0].val.clusterDim.z = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  return static_cast<int>(cudaLaunchKernelEx(&config, cutlass::device_kernel<GemmKernel>, params));"""
+
+
+def fill(template: str, subs: dict[str, str]) -> str:
+    """template with every @KEY@ replaced by subs[KEY], and @LAUNCH@ by the shared launch."""
+    for k, v in {**subs, "LAUNCH": LAUNCH}.items():
+        template = template.replace(f"@{k}@", v)
+    return template

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 from vitrail.gemm.descriptions import (FP8, MathInstruction, TensorDescription, TileDescription,
                                        cpp_type, k_major)
+from vitrail.gemm.emitter import fill
+from vitrail.gemm.operation import Buildable
 
 _TEMPLATE = r"""// vitrail grouped GEMM: @NAME@
 #include <cuda_runtime.h>
@@ -102,33 +104,13 @@ extern "C" int vitrail_grouped_gemm(int groups, const void* sizes, const void* p
   if (groups <= 0) return -3;
   auto args = make_arguments(groups, sizes, ptr_a, ptr_b, ptr_d, stride_a, stride_b, stride_d,
                              alpha, sm_count);
-  if (static_cast<int64_t>(GemmKernel::get_workspace_size(args)) > workspace_bytes) return -4;
-  if (GemmKernel::initialize_workspace(args, workspace, stream) != cutlass::Status::kSuccess)
-    return -5;
-  typename GemmKernel::Params params = GemmKernel::to_underlying_arguments(args, workspace);
-  constexpr int smem = GemmKernel::SharedStorageSize;
-  static cudaError_t attr = cudaFuncSetAttribute(
-      cutlass::device_kernel<GemmKernel>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (attr != cudaSuccess) return static_cast<int>(attr);
-  cudaLaunchConfig_t config{};
-  config.gridDim = GemmKernel::get_grid_shape(params);
-  config.blockDim = GemmKernel::get_block_shape();
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeClusterDimension;
-  attribute[0].val.clusterDim.x = cute::size<0>(ClusterShape{});
-  attribute[0].val.clusterDim.y = cute::size<1>(ClusterShape{});
-  attribute[0].val.clusterDim.z = 1;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  return static_cast<int>(cudaLaunchKernelEx(&config, cutlass::device_kernel<GemmKernel>, params));
+@LAUNCH@
 }
 """
 
 
 @dataclass(frozen=True)
-class GroupedGemmOperation:
+class GroupedGemmOperation(Buildable):
     """G independent GEMMs D_g = alpha * A_g @ B_g in one launch; every A_g has layout A, every
     B_g layout B, every D_g is row-major (static); sizes, pointers and strides are per group at
     run time (device arrays). Tile scheduler: the grouped persistent one (fixed)."""
@@ -192,17 +174,5 @@ class GroupedGemmOperation:
                                   "pingpong": "cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong"
                                   }[t.kernel_schedule],
         }
-        text = _TEMPLATE
-        for k, v in subs.items():
-            text = text.replace(f"@{k}@", v)
-        return text
+        return fill(_TEMPLATE, subs)
 
-    def compile_kwargs(self, arch: str | None = None) -> dict:
-        kw = dict(source=self.emit(), name=self.name, backend="nvcc")
-        if arch is not None:
-            kw["arch"] = arch
-        return kw
-
-    def compile(self, arch: str | None = None):
-        from vitrail import jit
-        return jit.compile(**self.compile_kwargs(arch))

@@ -27,8 +27,24 @@ from vitrail.gemm.descriptions import (FP8, IMPLEMENTED_MODES, MODES, SMEM_BYTES
 from vitrail.gemm.epilogue import LinearCombination
 
 
+class Buildable:
+    """What every emitted operation (plain or grouped) does with its ``emit()`` and ``name``."""
+
+    def compile_kwargs(self, arch: str | None = None) -> dict:
+        """The keyword arguments of vitrail.jit.compile (picklable, for parallel builds)."""
+        kw = dict(source=self.emit(), name=self.name, backend="nvcc")
+        if arch is not None:
+            kw["arch"] = arch
+        return kw
+
+    def compile(self, arch: str | None = None):
+        """Build (or fetch from the cache) and load this operation; returns the module."""
+        from vitrail import jit
+        return jit.compile(**self.compile_kwargs(arch))
+
+
 @dataclass(frozen=True)
-class GemmOperation:
+class GemmOperation(Buildable):
     """A GEMM kernel: operands, math, tiles, epilogue and mode (all static).
 
     D = epilogue(A @ B) per batch; A is M x K, B is K x N, C and D are M x N. ``C`` is needed
@@ -130,18 +146,6 @@ class GemmOperation:
     def emit(self) -> str:
         """The C++ translation unit of this operation."""
         return emitter.emit(self)
-
-    def compile_kwargs(self, arch: str | None = None) -> dict:
-        """The keyword arguments of vitrail.jit.compile (picklable, for parallel builds)."""
-        kw = dict(source=self.emit(), name=self.name, backend="nvcc")
-        if arch is not None:
-            kw["arch"] = arch
-        return kw
-
-    def compile(self, arch: str | None = None):
-        """Build (or fetch from the cache) and load this operation; returns the module."""
-        from vitrail import jit
-        return jit.compile(**self.compile_kwargs(arch))
 
     def key(self) -> str:
         return hashlib.sha256(self.emit().encode()).hexdigest()[:16]

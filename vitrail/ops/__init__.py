@@ -25,8 +25,9 @@ __all__ = list(_EXPORTS)
 class _Ops(types.ModuleType):
     """vitrail.ops itself. A public name always means the function: importing a family binds
     the subpackage under its own name (``vitrail.ops.softmax`` the package), which would
-    otherwise shadow the function of that name. The packages stay reachable by import
-    (``from vitrail.ops.softmax import reference``)."""
+    otherwise shadow the function of that name. The packages stay reachable by from-import
+    (``from vitrail.ops.softmax import reference``); ``import vitrail.ops.softmax.reference as r``
+    does not work, since Python resolves it through the attribute, the function."""
 
     def __getattribute__(self, name: str):
         family = _EXPORTS.get(name)
