@@ -72,9 +72,8 @@ def record(monkeypatch):
     from vitrail.ops.gemm import launch
     monkeypatch.setattr(launch, "is_hopper", lambda device: True)
     monkeypatch.setattr(launch, "_WARNED", set())
-    launch.RECORD = []
-    yield launch.RECORD
-    launch.RECORD = None
+    monkeypatch.setattr(launch, "RECORD", [])  # restored after the test (a precompile pass
+    yield launch.RECORD                           # may have set its own)
 
 
 def prepared_reasons(kind, problem, tensors):

@@ -23,27 +23,31 @@ __all__ = list(_EXPORTS)
 
 
 class _Ops(types.ModuleType):
-    """vitrail.ops itself. A public name always means the function: importing a family binds
-    the subpackage under its own name (``vitrail.ops.softmax`` the package), which would
-    otherwise shadow the function of that name. The packages stay reachable by from-import
-    (``from vitrail.ops.softmax import reference``); ``import vitrail.ops.softmax.reference as r``
-    does not work, since Python resolves it through the attribute, the function."""
+    """vitrail.ops itself. A public name always means the function, also in the module's
+    ``__dict__`` (which torch.compile reads directly). Importing a family makes Python bind the
+    subpackage under its own name (``vitrail.ops.softmax``, the package), which would shadow the
+    function of that name: that binding is replaced by the function as it happens. The packages
+    stay reachable by from-import (``from vitrail.ops.softmax import reference``);
+    ``import vitrail.ops.softmax.reference as r`` does not work, since Python resolves it
+    through the attribute, the function."""
 
-    def __getattribute__(self, name: str):
-        family = _EXPORTS.get(name)
-        if family is None:
-            return super().__getattribute__(name)
-        fn = _FUNCTIONS.get(name)
-        if fn is None:
-            fn = _FUNCTIONS[name] = getattr(importlib.import_module(f"vitrail.ops.{family}"),
-                                            name)
-        return fn
-
-    def __dir__(self):
-        return sorted(set(super().__dir__()) | set(_EXPORTS))
+    def __setattr__(self, name: str, value) -> None:
+        if (isinstance(value, types.ModuleType) and value.__name__ == f"{__name__}.{name}"
+                and name in _EXPORTS and hasattr(value, name)):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
 
 
-_FUNCTIONS: dict = {}
+def __getattr__(name: str):
+    """A public name's first use: import its family (which binds the name, see _Ops)."""
+    family = _EXPORTS.get(name)
+    if family is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    fn = getattr(importlib.import_module(f"{__name__}.{family}"), name)
+    globals()[name] = fn
+    return fn
+
+
 sys.modules[__name__].__class__ = _Ops
 
 
