@@ -100,7 +100,8 @@ class AccurateF32Operation(Buildable):
     @property
     def name(self) -> str:
         tm, tn, tk = self.tile_shape
-        return (f"gemm_f32x3_{self.layout_a[0]}{self.layout_b[0]}r_{tm}x{tn}x{tk}_"
+        wm, wn, _ = self.warp_shape
+        return (f"gemm_f32x3_{self.layout_a[0]}{self.layout_b[0]}r_{tm}x{tn}x{tk}_w{wm}x{wn}_"
                 f"s{self.stages}_sm80")
 
     def emit(self) -> str:
