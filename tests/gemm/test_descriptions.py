@@ -56,10 +56,10 @@ def test_operation_refuses():
         GemmOperation(A=TensorDescription("bf16"), B=TensorDescription("bf16"),
                       D=TensorDescription("bf16"), math=MathInstruction("bf16", "bf16"),
                       epilogue=LinearCombination("f16"))
-    with pytest.raises(ValueError, match="not implemented yet"):
+    with pytest.raises(ValueError, match="expected one of gemm, batched"):
         GemmOperation(A=TensorDescription("bf16"), B=TensorDescription("bf16"),
                       D=TensorDescription("bf16"), math=MathInstruction("bf16", "bf16"),
-                      mode="array")
+                      mode="arrays")
     with pytest.raises(ValueError, match="stream-K tile scheduler"):
         GemmOperation(A=TensorDescription("bf16"), B=TensorDescription("bf16"),
                       D=TensorDescription("bf16"), math=MathInstruction("bf16", "bf16"),

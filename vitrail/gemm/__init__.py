@@ -4,14 +4,19 @@ A ``GemmOperation`` (operands as ``TensorDescription``, a ``MathInstruction``, a
 ``TileDescription``, an epilogue functor such as ``LinearCombination``) emits the C++ of one
 CUTLASS 3 kernel (TMA, wgmma, warp specialization, persistent or stream-K scheduler), compiles it
 through vitrail.jit, and runs it on ``GemmArguments`` built from torch tensors, NumPy, CuPy or
-DLPack arrays. The torch ops on top live in ``vitrail.ops.gemm``.
+DLPack arrays. Modes: gemm, batched, split_k_serial (stream-K), split_k_parallel (split_k.py),
+array (array.py, lists of tensors: ``ArrayArguments``); ``AccurateF32Operation`` is the 3xTF32
+fp32 GEMM (fast_f32.py). The torch ops on top live in ``vitrail.ops.gemm``.
 """
 from vitrail.gemm.descriptions import (DTYPES, KERNEL_SCHEDULES, TILE_SCHEDULERS,
                                        MathInstruction, TensorDescription, TileDescription)
 from vitrail.gemm.epilogue import ACTIVATIONS, LinearCombination
 from vitrail.gemm.operation import GemmOperation, compile_many
 from vitrail.gemm.arguments import GemmArguments
+from vitrail.gemm.array import ArrayArguments
+from vitrail.gemm.fast_f32 import AccurateF32Operation
 
 __all__ = ["DTYPES", "KERNEL_SCHEDULES", "TILE_SCHEDULERS", "MathInstruction",
            "TensorDescription", "TileDescription", "ACTIVATIONS", "LinearCombination",
-           "GemmOperation", "compile_many", "GemmArguments"]
+           "GemmOperation", "compile_many", "GemmArguments", "ArrayArguments",
+           "AccurateF32Operation"]

@@ -254,8 +254,13 @@ def reasons(op, args: GemmArguments) -> list[str]:
                 got = "none" if s is None else f"{s.dtype} {tuple(s.shape)}"
                 why.append(f"{name} must be {want} contiguous float32 value(s) ({kind}), got "
                            f"{got}")
-    if args.splits != 1 and op.tile.tile_scheduler != "stream_k":
-        why.append(f"splits={args.splits} needs the stream-K tile scheduler")
+    split_k = op.mode == "split_k_parallel"
+    if args.splits != 1 and op.tile.tile_scheduler != "stream_k" and not split_k:
+        why.append(f"splits={args.splits} needs the stream-K tile scheduler or mode "
+                   f"'split_k_parallel'")
+    if split_k and args.L != 1:
+        why.append(f"mode 'split_k_parallel' takes one problem (L=1), got L={args.L}: use an "
+                   f"operation of mode 'batched' for batches")
     if args.splits < 1:
         why.append(f"splits={args.splits} must be >= 1 (1: the stream-K scheduler's own "
                    f"heuristic; more: split K into that many parts)")
@@ -274,7 +279,7 @@ def launch(op, module, args: GemmArguments, stream=None) -> None:
     from vitrail.gemm.emitter import CODES
     sm = _sm_count(args.device)
     workspace, ws_bytes = 0, 0
-    if op.tile.tile_scheduler == "stream_k":
+    if op.tile.tile_scheduler == "stream_k" or op.mode == "split_k_parallel":
         ws_bytes = module.function("vitrail_gemm_workspace")(args.M, args.N, args.K, args.L,
                                                               args.splits, sm)
         if ws_bytes:

@@ -28,7 +28,7 @@ LAYOUTS = ("row", "col")
 KERNEL_SCHEDULES = ("cooperative", "pingpong")
 TILE_SCHEDULERS = ("persistent", "stream_k")
 MODES = ("gemm", "batched", "split_k_serial", "split_k_parallel", "array")
-IMPLEMENTED_MODES = ("gemm", "batched", "split_k_serial")
+IMPLEMENTED_MODES = MODES
 SMEM_BYTES_SM90 = 227 * 1024  # opt-in shared memory per CTA on sm_90
 
 
@@ -177,8 +177,9 @@ def k_major(operand: str, desc: TensorDescription) -> bool:
 class Mode:
     """How the problem maps to the kernel: 'gemm' and 'batched' (one kernel: the batch count L
     is a runtime argument), 'split_k_serial' (stream-K scheduler with a split count at run time,
-    partial tiles reduced in a workspace); 'split_k_parallel' and 'array' are described but not
-    implemented yet."""
+    partial tiles reduced in a workspace), 'split_k_parallel' (K slices as a batched GEMM into
+    an fp32 workspace, then a reduction applying the epilogue: split_k.py) and 'array' (a batch
+    given as arrays of pointers to equal-shaped matrices: array.py)."""
     kind: str = "gemm"
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 

@@ -118,14 +118,14 @@ bool aligned(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
 }  // namespace vitrail_gemm_impl
 using namespace vitrail_gemm_impl;
 
-extern "C" int64_t vitrail_gemm_workspace(int M, int N, int K, int L, int splits, int sm_count) {
+@LINKAGE@ int64_t @WORKSPACE_ENTRY@(int M, int N, int K, int L, int splits, int sm_count) {
   auto args = make_arguments(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
                              M, N, K, L, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1.f, 0.f, 0.f, 0.f, 0.f,
                              splits, sm_count);
   return static_cast<int64_t>(GemmKernel::get_workspace_size(args));
 }
 
-extern "C" int vitrail_gemm(
+@LINKAGE@ int @ENTRY@(
     const void* A, const void* B, const void* C, void* D, const void* bias,
     const void* scale_a, const void* scale_b, int M, int N, int K, int L,
     int64_t lda, int64_t batch_a, int64_t ldb, int64_t batch_b, int64_t ldc, int64_t batch_c,
@@ -147,8 +147,10 @@ extern "C" int vitrail_gemm(
 """
 
 
-def emit(op) -> str:
-    """The translation unit of GemmOperation ``op``."""
+def emit(op, *, entry: str = ENTRY, workspace_entry: str = WORKSPACE_ENTRY,
+         linkage: str = 'extern "C"') -> str:
+    """The translation unit of GemmOperation ``op`` (``entry``, ``workspace_entry`` and
+    ``linkage`` rename the entry points when another emitter wraps this kernel: split_k.py)."""
     math, tile, epi = op.math, op.tile, op.epilogue
     fp8 = math.element_a in FP8
     schedule = {"cooperative": "KernelTmaWarpSpecializedCooperative",
@@ -186,7 +188,8 @@ def emit(op) -> str:
                f"{tm}x{tn}x{tk}, cluster {cm}x{cn}, {tile.kernel_schedule}, "
                f"{tile.tile_scheduler}; epilogue {epi.tag}; {math.math_operation}")
     subs = {
-        "NAME": op.name, "SUMMARY": summary,
+        "NAME": op.name, "SUMMARY": summary, "LINKAGE": linkage, "ENTRY": entry,
+        "WORKSPACE_ENTRY": workspace_entry,
         "MAINLOOP_INCLUDES": "\n".join(f"#include <cutlass/gemm/collective/{h}>"
                                        for h in mainloops),
         "KERNEL_HEADER": kernel_header, "PREAMBLE": preamble,

@@ -72,6 +72,13 @@ class GemmOperation(Buildable):
         if self.mode == "split_k_serial" and self.tile.tile_scheduler != "stream_k":
             raise ValueError("GemmOperation: mode 'split_k_serial' runs on the stream-K tile "
                              "scheduler: set TileDescription(tile_scheduler='stream_k')")
+        if self.mode in ("split_k_parallel", "array") and self.tile.tile_scheduler != \
+                "persistent":
+            raise ValueError(f"GemmOperation: mode '{self.mode}' runs on the persistent tile "
+                             f"scheduler: leave TileDescription(tile_scheduler='persistent')")
+        if self.mode == "array":
+            from vitrail.gemm.array import check_epilogue
+            check_epilogue(self.epilogue)
         for name, desc, elem in (("A", self.A, self.math.element_a),
                                  ("B", self.B, self.math.element_b)):
             if _memory_type(desc.element) != _memory_type(elem):
@@ -141,10 +148,16 @@ class GemmOperation(Buildable):
                 f"{t.kernel_schedule[:4]}_{t.tile_scheduler}"
                 + (f"_s{t.stages}" if t.stages else "")
                 + ("_fast" if m.math_operation == "multiply_add_fast_accum" else "")
-                + f"_{self.epilogue.tag}")
+                + f"_{self.epilogue.tag}" + _MODE_TAGS.get(self.mode, ""))
 
     def emit(self) -> str:
         """The C++ translation unit of this operation."""
+        if self.mode == "split_k_parallel":
+            from vitrail.gemm import split_k
+            return split_k.emit(self)
+        if self.mode == "array":
+            from vitrail.gemm import array
+            return array.emit(self)
         return emitter.emit(self)
 
     def key(self) -> str:
@@ -153,18 +166,27 @@ class GemmOperation(Buildable):
     # ----------------------------------------------------------------------------- runtime
     def can_implement(self, args) -> list[str]:
         """Why this operation cannot run ``args`` (a GemmArguments); empty when it can."""
-        from vitrail.gemm.arguments import reasons
+        if self.mode == "array":
+            from vitrail.gemm.array import reasons
+        else:
+            from vitrail.gemm.arguments import reasons
         return reasons(self, args)
 
     def run(self, args, *, stream=None, module=None) -> None:
         """Run on ``args`` (a GemmArguments) on ``stream`` (default: torch's current one)."""
-        from vitrail.gemm.arguments import launch
+        if self.mode == "array":
+            from vitrail.gemm.array import launch
+        else:
+            from vitrail.gemm.arguments import launch
         why = self.can_implement(args)
         if why:
             from vitrail.jit.errors import ArgumentError
             raise ArgumentError(f"{self.name} cannot implement this problem: "
                                 + "; ".join(why))
         launch(self, module or self.compile(), args, stream)
+
+
+_MODE_TAGS = {"split_k_parallel": "_skp", "array": "_array"}
 
 
 def _memory_type(e: str) -> str:

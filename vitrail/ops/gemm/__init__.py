@@ -11,7 +11,7 @@ aligned copies and fallbacks).
         = clamp(act(alpha * a @ b + beta * c + bias)); bias (N,) per column or (M, 1) per row.
 
 ``grouped_mm`` (grouped.py) runs CUTLASS's sm90 grouped (pointer-array) kernel in one launch
-for bf16/fp16, else a loop of gemm launches; no autograd yet.
+for bf16/fp16, else a loop of gemm launches; autograd for both forms.
 """
 from __future__ import annotations
 

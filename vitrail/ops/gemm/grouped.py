@@ -129,6 +129,64 @@ def _list_kernel(xs, ys) -> Optional[list]:
     return outs
 
 
+class _GroupedList(torch.autograd.Function):
+    """Autograd of the list form: d a_i = g_i @ b_i^T, d b_i = a_i^T @ g_i (grouped_mm lists:
+    one grouped launch where the operands allow it, gemm launches otherwise)."""
+
+    @staticmethod
+    def forward(ctx, n: int, out_dtype, *tensors):
+        a, b = list(tensors[:n]), list(tensors[n:])
+        ctx.save_for_backward(*tensors)
+        ctx.n = n
+        with torch.no_grad():
+            return tuple(grouped_mm(a, b, out_dtype=out_dtype))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        n = ctx.n
+        saved = ctx.saved_tensors
+        a, b = saved[:n], saved[n:]
+        g = [torch.zeros(x.shape[0], y.shape[1], dtype=x.dtype, device=x.device)
+             if gi is None else gi.to(x.dtype) for gi, x, y in zip(grads, a, b)]
+        ga = gb = [None] * n
+        with torch.no_grad():
+            if any(ctx.needs_input_grad[2:2 + n]):
+                ga = grouped_mm(g, [y.t() for y in b])
+            if any(ctx.needs_input_grad[2 + n:]):
+                gb = grouped_mm([x.t() for x in a], g)
+        return (None, None, *ga, *gb)
+
+
+class _GroupedPacked(torch.autograd.Function):
+    """Autograd of the packed form: d a = grouped_mm(g, b^T, offsets) (one grouped launch, no
+    host sync), d b[i] = a[rows of i]^T @ g[rows of i] (gemm launches, one host sync for the
+    offsets; groups with no rows get zeros)."""
+
+    @staticmethod
+    def forward(ctx, a, b, offsets, out_dtype):
+        ctx.save_for_backward(a, b, offsets)
+        with torch.no_grad():
+            return grouped_mm(a, b, offsets, out_dtype=out_dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        from vitrail.ops.gemm import gemm
+        a, b, offsets = ctx.saved_tensors
+        g = g.to(a.dtype)
+        ga = gb = None
+        with torch.no_grad():
+            if ctx.needs_input_grad[0]:
+                ga = grouped_mm(g, b.transpose(1, 2), offsets)
+            if ctx.needs_input_grad[1]:
+                gb = torch.zeros_like(b)
+                start = 0
+                for i, end in enumerate(offsets.tolist()):
+                    if end > start:
+                        gb[i] = gemm(a[start:end].t(), g[start:end])
+                    start = end
+        return ga, gb, None, None
+
+
 def grouped_mm(a, b, offsets: Optional[Tensor] = None, *,
                out_dtype: Optional[torch.dtype] = None):
     """Grouped GEMM, two forms:
@@ -140,7 +198,9 @@ def grouped_mm(a, b, offsets: Optional[Tensor] = None, *,
       whose rows after offsets[-1] are zero.
 
     bf16/fp16 with 16-byte aligned rows run one grouped kernel launch; anything else runs a
-    loop of ``gemm`` launches. No autograd yet.
+    loop of ``gemm`` launches. Autograd (both forms): gradients of a through grouped_mm (one
+    grouped launch for the packed form), of b through gemm launches (the packed form syncs on
+    the offsets once in backward); offsets get none.
     """
     from vitrail.ops.gemm import gemm
     name = "vitrail.ops.grouped_mm"
@@ -157,7 +217,9 @@ def grouped_mm(a, b, offsets: Optional[Tensor] = None, *,
                                     f"{tuple(y.shape)} cannot be multiplied")
         same = not a or out_dtype in (None, a[0].dtype)
         grads = torch.is_grad_enabled() and any(t.requires_grad for t in (*a, *b))
-        if a and same and not grads:
+        if grads:
+            return list(_GroupedList.apply(len(a), out_dtype, *a, *b))
+        if a and same:
             outs = _list_kernel(list(a), list(b))
             if outs is not None:
                 return outs
@@ -173,9 +235,10 @@ def grouped_mm(a, b, offsets: Optional[Tensor] = None, *,
         raise ArgumentError(f"{name}: a {tuple(a.shape)} and b {tuple(b.shape)}: K differs")
     if a.dtype != b.dtype:
         raise ArgumentError(f"{name}: a and b must have one dtype, got {a.dtype} and {b.dtype}")
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        return _GroupedPacked.apply(a, b, offsets, out_dtype)
     out = torch.empty(a.shape[0], b.shape[2], dtype=out_dtype or a.dtype, device=a.device)
     if (out.dtype == a.dtype and b.shape[0] and a.shape[1] and b.shape[2]
-            and not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))
             and _packed_kernel(a, b, offsets, out)):
         return out
     ends = offsets.tolist()

@@ -8,9 +8,9 @@ copied into an aligned buffer (leading dimension padded to 16 bytes) and the ker
 copy; a one-time warning says so. An output row whose length is not a multiple of 16 bytes is
 computed into a padded buffer and copied out (torch returns contiguous results).
 
-Fallbacks to torch, each with a one-time warning: GPUs other than Hopper (sm_90), and fp32
-inputs when torch.get_float32_matmul_precision() is 'highest' (the kernel's fp32 mode is TF32;
-the accurate 3xTF32 mode is not implemented yet).
+fp32 inputs run the TF32 kernel when torch allows TF32, and the accurate 3xTF32 kernel
+(accurate.py, on CUTLASS 2's sm80 path) when torch.get_float32_matmul_precision() is 'highest'.
+Fallback to torch, with a one-time warning: GPUs other than Hopper (sm_90).
 """
 from __future__ import annotations
 
@@ -170,6 +170,11 @@ def run(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], bias: Optio
     if M == 0 or N == 0 or L == 0:
         return torch.empty(shape, dtype=out_dtype, device=a.device)
     use_c = c is not None and beta != 0
+    if (K != 0 and a.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
+            and is_hopper(a.device) and RECORD is None):
+        from vitrail.ops.gemm import accurate  # 3xTF32: fp32-level error
+        return accurate.run(a, b, c if use_c else None, bias, alpha, beta, activation, slope,
+                            clamp_min, clamp_max, out_dtype)
     if K == 0 or not is_hopper(a.device) or (
             a.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"):
         if K != 0:

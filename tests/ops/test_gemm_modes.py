@@ -1,0 +1,89 @@
+"""The torch ops' new paths: fp32 at 'highest' precision on the 3xTF32 kernel (error at fp32
+level) and grouped_mm's autograd (lists and the packed MoE form) against torch autograd through
+the reference. GPU only."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import requires_gpu
+
+pytestmark = pytest.mark.warm_cache
+
+
+def rand(*shape, dtype=torch.float32):
+    return torch.randn(*shape, device="cuda").to(dtype)
+
+
+@requires_gpu
+@pytest.mark.parametrize("M,N,K", [(1, 1, 1), (7, 7, 7), (1000, 7, 4097), (7, 1000, 1000),
+                                   (257, 300, 4097)])
+@pytest.mark.parametrize("lb", ["row", "col"])
+def test_fp32_highest_is_accurate(M, N, K, lb):
+    import vitrail.ops as ops
+    assert torch.get_float32_matmul_precision() == "highest"
+    a = rand(M, K)
+    b = rand(K, N) if lb == "row" else rand(N, K).t()
+    bias = rand(N)
+    out = ops.gemm(a, b, bias=bias, activation="silu")
+    ref = torch.nn.functional.silu(a.double() @ b.double() + bias.double())
+    tout = torch.nn.functional.silu(a @ b + bias).double()  # torch's fp32 (no TF32)
+    err = (out.double() - ref).abs().max().item()
+    terr = (tout - ref).abs().max().item()
+    scale = ref.abs().max().item() + 1e-6
+    # fp32 level: within a few times torch's own fp32 error (TF32 would be ~1000x worse)
+    assert err <= 4 * terr + 2.0 ** -22 * scale, (err, terr, scale)
+    c = rand(3, M, N)
+    out = ops.gemm(rand(3, M, K), b, c, beta=0.5)  # batched, broadcast b, C
+    assert out.shape == (3, M, N) and not torch.isnan(out).any()
+
+
+def _packed_reference(a, b, offsets):
+    out = torch.zeros(a.shape[0], b.shape[2], dtype=torch.float64, device=a.device)
+    start = 0
+    for g, end in enumerate(offsets.tolist()):
+        out[start:end] = a[start:end].double() @ b[g].double()
+        start = end
+    return out
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_grouped_mm_packed_autograd(dtype):
+    import vitrail.ops as ops
+    G, K, N = 4, 64, 40
+    a = rand(300, K, dtype=dtype).requires_grad_()
+    b = rand(G, K, N, dtype=dtype).requires_grad_()
+    offsets = torch.tensor([50, 50, 180, 290], device="cuda", dtype=torch.int32)  # empty group
+    out = ops.grouped_mm(a, b, offsets)
+    g = rand(300, N, dtype=dtype)
+    out.backward(g)
+    a64 = a.detach().double().requires_grad_()
+    b64 = b.detach().double().requires_grad_()
+    _packed_reference(a64, b64, offsets).backward(g.double())
+    tol = {torch.bfloat16: 2.0 ** -6, torch.float32: 2.0 ** -9}[dtype]
+    for got, want in ((out, _packed_reference(a, b, offsets)), (a.grad, a64.grad),
+                      (b.grad, b64.grad)):
+        scale = want.abs().max().item() + 1e-6
+        assert (got.double() - want).abs().max().item() <= tol * scale
+    assert torch.equal(b.grad[1], torch.zeros_like(b.grad[1]))  # the empty group
+    assert torch.equal(a.grad[290:], torch.zeros_like(a.grad[290:]))  # rows after the last end
+
+
+@requires_gpu
+def test_grouped_mm_list_autograd():
+    import vitrail.ops as ops
+    shapes = [(7, 64, 16), (1, 64, 32), (130, 64, 8)]
+    a = [rand(m, k, dtype=torch.bfloat16).requires_grad_() for m, k, _ in shapes]
+    b = [rand(k, n, dtype=torch.bfloat16).requires_grad_() for _, k, n in shapes]
+    outs = ops.grouped_mm(a, b)
+    gs = [rand(*o.shape, dtype=torch.bfloat16) for o in outs]
+    torch.autograd.backward(outs, gs)
+    for x, y, o, g in zip(a, b, outs, gs):
+        x64 = x.detach().double().requires_grad_()
+        y64 = y.detach().double().requires_grad_()
+        ref = x64 @ y64
+        ref.backward(g.double())
+        for got, want in ((o, ref), (x.grad, x64.grad), (y.grad, y64.grad)):
+            scale = want.abs().max().item() + 1e-6
+            assert (got.double() - want).abs().max().item() <= 2.0 ** -6 * scale
