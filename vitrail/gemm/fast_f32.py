@@ -21,10 +21,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vitrail.gemm.descriptions import LAYOUTS
+from vitrail.gemm import emitter
 from vitrail.gemm.emitter import fill
 from vitrail.gemm.operation import Buildable
 
 ENTRY = "vitrail_gemm_f32x3"
+CODES = {**emitter.CODES,
+         -6: "CUTLASS's can_implement refused the problem (an address not 16-byte aligned, or a "
+             "leading stride or contiguous extent not a multiple of 4 floats)"}
 
 _TEMPLATE = r"""// vitrail accurate fp32 GEMM (3xTF32, sm80 mma.sync path): @NAME@
 #include <cuda_runtime.h>
@@ -57,7 +61,7 @@ extern "C" int vitrail_gemm_f32x3(const void* A, const void* B, const void* C, v
       L > 1 ? cutlass::gemm::GemmUniversalMode::kBatched : cutlass::gemm::GemmUniversalMode::kGemm,
       {M, N, K}, L, {alpha, beta}, A, B, C, D, batch_a, batch_b, batch_c, batch_d,
       lda, ldb, ldc, ldd);
-  if (Gemm::can_implement(args) != cutlass::Status::kSuccess) return -2;
+  if (Gemm::can_implement(args) != cutlass::Status::kSuccess) return -6;
   Gemm gemm;
   if (gemm.initialize(args, nullptr, stream) != cutlass::Status::kSuccess) return -5;
   if (gemm.run(stream) != cutlass::Status::kSuccess) {
@@ -75,7 +79,8 @@ class AccurateF32Operation(Buildable):
     A @ B + beta * C. Tiles: CTA 128 x 128 x 32, warps 64 x 32 x 32 (8 warps), 3 stages (the
     64 x 64 warp tile of 1xTF32 spills here: 255 registers, 1560 bytes of spill stores; this
     one uses 254 and spills nothing, sm_90a with nvcc 13.0); operands need
-    16-byte aligned addresses and leading strides that are multiples of 4 elements."""
+    16-byte aligned addresses, and leading strides and contiguous extents (K of a row-major A,
+    N of a row-major B and of D) that are multiples of 4 elements."""
     layout_a: str = "row"
     layout_b: str = "row"
     tile_shape: tuple = (128, 128, 32)

@@ -5,7 +5,8 @@ is 'highest'. The kernel computes alpha * a @ b + beta * c in fp32 (error at fp3
 rest of the epilogue (bias, activation, clamp, out_dtype) is applied by torch on its result,
 in fp32. Layouts come from strides (row or column major, no copy); operands whose address or
 leading stride is not 16-byte aligned, or that are broadcast over the batch, are copied
-(launch.aligned). One kernel per (layout of a, layout of b), built on first use.
+(launch.aligned); a problem whose contiguous extents are not multiples of 4 floats runs
+zero-padded to multiples of 4 (a copy of the operands; zeros along K add nothing). One kernel per (layout of a, layout of b), built on first use.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def product(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], alpha: 
     """alpha * a @ b + beta * c in fp32 by the 3xTF32 kernel; a (M, K) or (L, M, K), b (K, N)
     or (L, K, N), c broadcastable to the output or None. A new contiguous fp32 tensor."""
     from vitrail.gemm.arguments import describe
-    from vitrail.gemm.emitter import CODES
+    from vitrail.gemm.fast_f32 import CODES
     from vitrail.ops.gemm.launch import aligned
     M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
     batched = a.dim() == 3 or b.dim() == 3
@@ -44,25 +45,50 @@ def product(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], alpha: 
     if batched:
         a = a if a.dim() == 3 else a.expand(L, *a.shape)
         b = b if b.dim() == 3 else b.expand(L, *b.shape)
-    a_t, la = aligned(a, None)
-    b_t, lb = aligned(b, None)
-    n_pad = (N + 3) // 4 * 4
-    d_buf = torch.empty(*shape[:-1], n_pad, dtype=torch.float32, device=a.device)
-    d = d_buf[..., :N]
+    la = describe(a, "a", None).layout or "row"  # read from the strides (None: no unit stride)
+    lb = describe(b, "b", None).layout or "row"
+    # CUTLASS 2's iterators read whole 16-byte vectors along each operand's contiguous extent:
+    # that extent (and N, for C and D) must be a multiple of 4 floats. Otherwise the problem is
+    # zero-padded to multiples of 4 (zeros along K add nothing) and the result sliced out.
+    ragged = bool((K if la == "row" else M) % 4 or (N if lb == "row" else K) % 4 or N % 4)
+    if ragged:
+        Mp, Np, Kp = _round_up(M, 4), _round_up(N, 4), _round_up(K, 4)
+        a_t, b_t = _padded(a, Mp, Kp, la), _padded(b, Kp, Np, lb)
+    else:
+        Mp, Np, Kp = M, N, K
+        (a_t, la), (b_t, lb) = aligned(a, la), aligned(b, lb)
+    d = torch.empty(*shape[:-2], Mp, Np, dtype=torch.float32, device=a.device)
     c_t = None
     if c is not None and beta != 0:
-        c_t, _ = aligned(c.to(torch.float32).expand(shape), "row")
+        c32 = c.to(torch.float32).expand(shape)
+        c_t = _padded(c32, Mp, Np, "row") if ragged else aligned(c32, "row")[0]
     ia, ib, idd = describe(a_t, "a", la), describe(b_t, "b", lb), describe(d, "d", "row")
     ic = describe(c_t, "c", "row") if c_t is not None else None
     op = operation(la, lb)
     stream = torch._C._cuda_getCurrentRawStream(a.device.index or 0)
     code = _module(op).function(ENTRY)(
-        ia.ptr, ib.ptr, ic.ptr if ic else 0, idd.ptr, M, N, K, L, ia.ld, ia.batch_stride, ib.ld,
+        ia.ptr, ib.ptr, ic.ptr if ic else 0, idd.ptr, Mp, Np, Kp, L, ia.ld, ia.batch_stride, ib.ld,
         ib.batch_stride, ic.ld if ic else 0, ic.batch_stride if ic else 0, idd.ld,
         idd.batch_stride, float(alpha), float(beta if ic else 0.0), stream=stream)
     if code:
-        raise LaunchError(f"{op.name}: {CODES.get(code) or f'CUDA error {code}'}")
-    return d if n_pad == N else d.contiguous()
+        raise LaunchError(f"{op.name}: {CODES.get(code) or f'CUDA error {code}'} (M={Mp}, "
+                          f"N={Np}, K={Kp}, L={L}, lda={ia.ld}, ldb={ib.ld}, ldd={idd.ld})")
+    return d[..., :M, :N].contiguous() if ragged else d
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def _padded(t: torch.Tensor, rows: int, cols: int, layout: str) -> torch.Tensor:
+    """t (..., r, c) at the top left of a zeroed (..., rows, cols) fp32 buffer in ``layout``."""
+    lead = t.shape[:-2]
+    if layout == "row":
+        buf = torch.zeros(*lead, rows, cols, dtype=torch.float32, device=t.device)
+    else:
+        buf = torch.zeros(*lead, cols, rows, dtype=torch.float32, device=t.device).transpose(-1, -2)
+    buf[..., :t.shape[-2], :t.shape[-1]].copy_(t)
+    return buf
 
 
 def run(a, b, c, bias, alpha, beta, activation, slope, clamp_min, clamp_max,
