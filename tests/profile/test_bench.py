@@ -184,3 +184,27 @@ def test_the_gpu_hold_covers_the_hosts_queueing_and_is_capped(monkeypatch):
     bench_mod._hold_gpu(torch.device("cuda", 0), 1e-3)  # 1 ms at 2 GHz
     bench_mod._hold_gpu(torch.device("cuda", 0), 60.0)  # capped
     assert spun == [2_000_000, int(bench_mod.MAX_HOLD_S * 2e9)]
+
+
+def test_compare_warms_every_function_then_interleaves_rotated_rounds(monkeypatch):
+    cuda = FakeCuda(monkeypatch)
+    timings = bench_mod.compare({"a": lambda: cuda.log.append("a"),
+                                 "b": lambda: cuda.log.append("b")},
+                                rounds=3, rep=6, warmup_s=0)
+    calls = [x for x in cuda.log if x in ("a", "b")]
+    # warm-up: 3 synchronized calls each; then per round 2 warm-up + 2 timed calls, the order
+    # rotated each round (a b, b a, a b)
+    assert calls[:6] == ["a"] * 3 + ["b"] * 3
+    rounds = calls[6:]
+    assert rounds == ["a"] * 4 + ["b"] * 4 + ["b"] * 4 + ["a"] * 4 + ["a"] * 4 + ["b"] * 4
+    assert set(timings) == {"a", "b"}
+    assert timings["a"].rep == timings["b"].rep == 6  # all rounds' samples kept
+
+
+@pytest.mark.parametrize("kwargs, error, name", [
+    (dict(fns={}), TypeError, "fns"), (dict(fns={"x": 3}), TypeError, "fns\\['x'\\]"),
+    (dict(fns={"x": print}, rounds=0), ValueError, "rounds"),
+    (dict(fns={"x": print}, warmup_s=-1), ValueError, "warmup_s")])
+def test_compare_refuses_bad_arguments_naming_them(kwargs, error, name):
+    with pytest.raises(error, match=name):
+        bench_mod.compare(**kwargs)

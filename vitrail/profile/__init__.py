@@ -1,7 +1,8 @@
 """Timing and profiling done once, right, for everyone: benchmarks, the tuner and tests use it.
 
 - :func:`bench` times a GPU function with CUDA events after warm-up, the L2 flushed before each
-  call, and returns a :class:`Timing` (median, min, max, mean, spread, samples) in milliseconds.
+  call, and returns a :class:`Timing` (median, min, max, mean, spread, samples) in milliseconds;
+  :func:`compare` times several implementations in interleaved rounds (clock drift falls on all).
 - :func:`peaks` measures (once per machine, then cached) the GPU's copy bandwidth and bf16
   matmul throughput; :func:`roofline` turns FLOPs, bytes and milliseconds into TFLOP/s, GB/s
   and percentages of those peaks.
@@ -14,11 +15,11 @@ Neither torch nor matplotlib is imported by ``import vitrail.profile``. The subm
 their names with the functions they define, so ``vitrail.profile.bench`` is the function; reach
 a module as ``importlib.import_module("vitrail.profile.bench")``.
 """
-from vitrail.profile.bench import Timing, bench, timing_from_samples
+from vitrail.profile.bench import Timing, bench, compare, timing_from_samples
 from vitrail.profile.peaks import Peaks, peaks
 from vitrail.profile.plot import plot_bench, plot_sweep
 from vitrail.profile.roofline import Roofline, roofline
 from vitrail.profile.trace import NcuCommand, NcuError, ncu, trace
 
-__all__ = ["bench", "Timing", "timing_from_samples", "peaks", "Peaks", "roofline", "Roofline",
+__all__ = ["bench", "compare", "Timing", "timing_from_samples", "peaks", "Peaks", "roofline", "Roofline",
            "trace", "ncu", "NcuCommand", "NcuError", "plot_sweep", "plot_bench"]

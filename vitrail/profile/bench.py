@@ -16,7 +16,7 @@ import math
 import operator
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 # Where the device does not report its L2 size, flush with a buffer this large (more than twice
 # any L2 shipped so far: H100 50 MiB, B200 126 MiB).
@@ -116,6 +116,46 @@ def bench(fn: Callable[[], Any], *, warmup: int = 25, rep: int = 100, flush_l2: 
             end.record(stream)
         torch.cuda.synchronize(dev)
     return timing_from_samples([s.elapsed_time(e) for s, e in zip(starts, ends)])
+
+
+def compare(fns: Mapping[str, Callable[[], Any]], *, rounds: int = 5, rep: int = 100,
+            warmup_s: float = 0.2, flush_l2: bool = True, device: Any = None) -> dict[str, Timing]:
+    """Time several implementations of one computation fairly: {name: Timing}.
+
+    A GPU's clocks follow its temperature and power draw, so back-to-back timings of A then B
+    drift against whichever runs later (10% between two timings of one cuBLAS call, seen on an
+    H100 under GEMM load). Here every function first runs for at least ``warmup_s`` seconds
+    (synchronized: modules loaded, clocks up), then the functions are timed in ``rounds``
+    interleaved rounds, the order rotated each round, ``rep // rounds`` calls each (as
+    :func:`bench`); each Timing holds all of its function's samples.
+    """
+    if not isinstance(fns, Mapping) or not fns:
+        raise TypeError(f"fns: expected a non-empty mapping of name -> callable, got {fns!r:.80}")
+    for name, fn in fns.items():
+        if not callable(fn):
+            raise TypeError(f"fns[{name!r}]: expected a callable taking no arguments, got "
+                            f"{type(fn).__name__}")
+    rounds = check_count("rounds", rounds, minimum=1)
+    rep = check_count("rep", rep, minimum=1)
+    if not (isinstance(warmup_s, (int, float)) and math.isfinite(warmup_s) and warmup_s >= 0):
+        raise ValueError(f"warmup_s: expected seconds >= 0, got {warmup_s!r}")
+    import torch
+    dev = cuda_device(device, "compare")
+    names = list(fns)
+    with torch.cuda.device(dev):
+        for name in names:
+            began, calls = time.perf_counter(), 0
+            while calls < 3 or time.perf_counter() - began < warmup_s:
+                fns[name]()
+                torch.cuda.synchronize(dev)
+                calls += 1
+    per_round = max(1, rep // rounds)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            t = bench(fns[name], warmup=2, rep=per_round, flush_l2=flush_l2, device=dev)
+            samples[name].extend(t.samples)
+    return {name: timing_from_samples(samples[name]) for name in names}
 
 
 DEFAULT_HOST_S = 50e-6  # host seconds per call assumed when there is no warm-up to measure

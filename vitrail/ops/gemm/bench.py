@@ -59,17 +59,20 @@ def build() -> None:
 
 
 def _rows(case: str, fns: dict, flops: float) -> list[Row]:
-    from vitrail.profile import bench
-    rows = []
-    for i, (impl, fn) in enumerate(fns.items()):
+    """The case's implementations timed together (vitrail.profile.compare: interleaved rounds,
+    so the GPU's clock drift under GEMM load falls on all of them alike)."""
+    from vitrail.profile import compare
+    ok = {}
+    for impl, fn in fns.items():
         try:
-            ms = bench(fn).median
+            fn()
+            ok[impl] = fn
         except Exception as e:  # a failing implementation is reported, not fatal
             print(f"  {case} {impl}: {type(e).__name__}: {str(e)[:300]}")
-            continue
-        rows.append(Row(case=case, impl=impl, value=flops / ms / 1e9, unit="TFLOP/s",
-                        lower_is_better=False, baseline=i > 0, ms=ms, flops=flops))
-    return rows
+    ours = next(iter(fns))
+    return [Row(case=case, impl=impl, value=flops / t.median / 1e9, unit="TFLOP/s",
+                lower_is_better=False, baseline=impl != ours, ms=t.median, flops=flops)
+            for impl, t in (compare(ok) if ok else {}).items()]
 
 
 @register("gemm", "vitrail.ops mm/bmm/gemm/scaled_mm/grouped_mm vs torch (cuBLAS)", build)

@@ -2,10 +2,10 @@
 weight matrix per group), in one launch of the grouped kernel (vitrail.gemm.grouped).
 
 The packed form builds the per-group sizes, pointers and strides on the GPU from the offsets
-(no host sync); invalid offsets raise through ``torch._assert_async`` (a device-side assert, as
-torch's own async checks). Rows after the last offset are zeroed by a small NVRTC kernel that
-reads the last offset on the device. Operands the grouped kernel cannot take (not 16-byte
-aligned, fp32, fp8) run as a loop of ``gemm`` launches (with a host sync for the offsets).
+(no host sync) in one small NVRTC kernel, which also zeroes the rows after the last offset and
+checks the offsets (invalid ones trap on the device, as torch's own async asserts do).
+Operands the grouped kernel cannot take (not 16-byte aligned, fp32, fp8) run as a loop of
+``gemm`` launches (with a host sync for the offsets).
 """
 from __future__ import annotations
 
@@ -24,12 +24,35 @@ from vitrail.ops.gemm.launch import is_hopper
 
 ELEMENTS = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _MODULES: dict = {}
-_ZERO_TAIL = r"""
-extern "C" __global__ void vitrail_zero_tail(uint4* out, const long long* end, long long rows,
-                                             long long row_chunks) {
-  long long first = end[0] * row_chunks, total = rows * row_chunks;
-  for (long long i = first + blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
-       i += (long long)gridDim.x * blockDim.x)
+# The packed form's one preparation launch (the GEMM is the other): each group's size, pointers
+# and strides from the offsets on the device (no host sync), the offsets' check (a device-side
+# trap, as torch's async asserts), and the zeroing of the rows after the last offset. A chain of
+# small torch ops did this before: ~15 launches, ~10% of an MoE-sized grouped GEMM.
+_PREP = r"""
+template <typename E>
+__global__ void vitrail_grouped_prep(
+    const E* ends, int groups, long long rows, int N, int K, long long a, long long a_ld,
+    long long b, long long b_group, long long b_ld, long long d, long long d_ld, int es,
+    int* sizes, long long* ptr_a, long long* ptr_b, long long* ptr_d, long long* lda,
+    long long* ldb, long long* ldd, uint4* out, long long row_chunks) {
+  long long last = (long long)ends[groups - 1];
+  if (blockIdx.x == 0) {
+    for (int g = threadIdx.x; g < groups; g += blockDim.x) {
+      long long end = (long long)ends[g], start = g ? (long long)ends[g - 1] : 0;
+      if (start > end || start < 0 || end > rows) {
+        printf("vitrail.ops.grouped_mm: offsets must be non-decreasing and at most a.shape[0]="
+               "%lld; group %d ends at %lld after %lld\n", rows, g, end, start);
+        __trap();
+      }
+      sizes[3 * g] = (int)(end - start); sizes[3 * g + 1] = N; sizes[3 * g + 2] = K;
+      ptr_a[g] = a + start * a_ld * es; ptr_b[g] = b + g * b_group * es;
+      ptr_d[g] = d + start * d_ld * es;
+      lda[g] = a_ld; ldb[g] = b_ld; ldd[g] = d_ld;
+    }
+  }
+  long long total = rows * row_chunks;
+  for (long long i = (last < 0 ? 0 : last) * row_chunks + blockIdx.x * (long long)blockDim.x +
+                     threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x)
     out[i] = make_uint4(0, 0, 0, 0);
 }
 """
@@ -76,28 +99,21 @@ def _packed_kernel(a: Tensor, b: Tensor, ends: Tensor, out: Tensor) -> bool:
             or not _aligned(b.data_ptr(), info.ld * es, b.stride(0) * es)
             or not _aligned(out.data_ptr(), out.stride(0) * es)):
         return False
-    dev = a.device
-    ends64 = ends.to(torch.int64)
-    counts = torch.diff(ends64, prepend=ends64.new_zeros(1))
-    torch._assert_async(((counts >= 0).all() & (ends64[-1] <= a.shape[0])),
-                        "vitrail.ops.grouped_mm: offsets must be non-decreasing and at most "
-                        "a.shape[0]")
-    starts = ends64 - counts
-    sizes = torch.stack([counts, torch.full_like(counts, N), torch.full_like(counts, K)], 1)
-    sizes = sizes.to(torch.int32).contiguous()
-    ptr_a = starts * (a.stride(0) * es) + a.data_ptr()
-    ptr_b = torch.arange(G, device=dev, dtype=torch.int64) * (b.stride(0) * es) + b.data_ptr()
-    ptr_d = starts * (out.stride(0) * es) + out.data_ptr()
-    full = lambda v: torch.full((G,), v, dtype=torch.int64, device=dev)  # noqa: E731
-    _launch(operation(a.dtype, info.layout), sizes, ptr_a, ptr_b, ptr_d, full(a.stride(0)),
-            full(info.ld), full(out.stride(0)), G, dev)
+    dev, rows = a.device, a.shape[0]
     chunks = out.stride(0) * es // 16
-    if a.shape[0]:
-        from vitrail import jit
-        kernel = _MODULES.get("zero") or _MODULES.setdefault(
-            "zero", jit.RawKernel(_ZERO_TAIL, "vitrail_zero_tail"))
-        blocks = min(1024, max(1, (a.shape[0] * chunks + 255) // 256))
-        kernel[blocks, 256](out, ends64[-1:], a.shape[0], chunks)
+    sizes = torch.empty(G, 3, dtype=torch.int32, device=dev)
+    arrays = torch.empty(6, G, dtype=torch.int64, device=dev)  # ptr a, b, d; ld a, b, d
+    name = f"vitrail_grouped_prep<{'int' if ends.dtype == torch.int32 else 'long long'}>"
+    from vitrail import jit
+    kernel = _MODULES.get(name) or _MODULES.setdefault(name, jit.RawKernel(
+        _PREP, name, signature="const void*, int, long long, int, int, long long, long long, "
+        "long long, long long, long long, long long, long long, int, int*, long long*, "
+        "long long*, long long*, long long*, long long*, long long*, void*, long long"))
+    blocks = min(1024, max(1, (rows * chunks + 255) // 256))
+    kernel[blocks, 256](ends.contiguous(), G, rows, N, K, a.data_ptr(), a.stride(0), b.data_ptr(),
+                        b.stride(0), info.ld, out.data_ptr(), out.stride(0), es, sizes,
+                        *arrays, out, chunks)
+    _launch(operation(a.dtype, info.layout), sizes, *arrays, G, dev)
     return True
 
 
