@@ -30,7 +30,8 @@ __all__ = ["mma_sympow_bwd", "sympow", "sympow_dim", "sympow_mma"]
 _HERE = Path(__file__).parent
 _COMMON = (_HERE / "sympow_common.cuh").read_text()
 SOURCES = {"elementwise": _COMMON + (_HERE / "sm90_sympow.cuh").read_text(),
-           "mma": _COMMON + (_HERE / "sm80_sympow_mma.cuh").read_text()}
+           "mma": _COMMON + (_HERE / "sm80_sympow_mma.cuh").read_text(),
+           "mma90": _COMMON + (_HERE / "sm90_sympow_mma.cuh").read_text()}
 _DT_NAME = {0: "f32", 1: "f16", 2: "bf16"}
 
 # ---------------------------------------------------------------- kernels and Ops
@@ -62,7 +63,8 @@ def _op(kind: str, dtype: torch.dtype, power: int, d_tile: int) -> Op:
     return op
 
 
-_EXAMPLES = {("elementwise", torch.bfloat16, 2, 8), ("mma", torch.bfloat16, 2, 8)}
+_EXAMPLES = {("elementwise", torch.bfloat16, 2, 8), ("mma", torch.bfloat16, 2, 8),
+             ("mma90", torch.bfloat16, 2, 8)}
 
 
 def _launch(module, config, kernel: str, grid, smem: int, *args) -> None:
@@ -142,12 +144,17 @@ def _smem(kind: str, dtype: torch.dtype, d: int) -> int:
 
 
 def _mma_impl(a: torch.Tensor, b: torch.Tensor, expand_dim: int, power: int, d_tile: int,
-              scale: float, dc: bool, out: torch.Tensor | None = None) -> torch.Tensor:
-    """a [P, M, d] (expand_dim -1) or [P, d, K] (-2), b [P, K', N] -> [P, M', N]."""
+              scale: float, dc: bool, out: torch.Tensor | None = None,
+              wgmma: bool | None = None) -> torch.Tensor:
+    """a [P, M, d] (expand_dim -1) or [P, d, K] (-2), b [P, K', N] -> [P, M', N].
+    wgmma: None picks sm90_sympow_mma.cuh where it applies (configs.wgmma_applies); False forces
+    the sm80 kernels (for comparisons)."""
     a, b = a.contiguous(), b.contiguous()
     P, N = a.shape[0], b.shape[-1]
     d = a.shape[expand_dim]
     D = configs.check_support("sympow_mma", d, power, d_tile)
+    if wgmma is not False and configs.wgmma_applies(a.dtype, power, d_tile, a.device):
+        return _mma90_impl(a, b, expand_dim, power, d_tile, d, D, scale, dc, out)
     gidx, gcoef, _, _ = configs.tables(d, power, d_tile, dc, a.device)
     groups = gidx.numel()
     if expand_dim == -1:
@@ -168,6 +175,30 @@ def _mma_impl(a: torch.Tensor, b: torch.Tensor, expand_dim: int, power: int, d_t
             _run("mma", a.dtype, power, d_tile, 0, "sympow_mma_m", grid,
                  _smem("mma_m", a.dtype, d), c, a, b, gidx, gcoef, K, N, d, D, groups,
                  float(scale), _vec_ok(a), _vec_ok(b))
+    return c
+
+
+def _mma90_impl(a, b, expand_dim, power, d_tile, d, D, scale, dc, out):
+    """The wgmma kernels (sm90_sympow_mma.cuh): 128 x 64 output tiles, tuple tables."""
+    _, _, tidx, tcoef = configs.tables(d, power, d_tile, dc, a.device)
+    P, N = a.shape[0], b.shape[-1]
+    BM, BN = configs.WG_TILE
+    if expand_dim == -1:
+        M = a.shape[1]
+        c = out if out is not None else a.new_empty((P, M, N))
+        if c.numel():
+            _run("mma90", a.dtype, power, d_tile, 0, "sympow_mma_k_wg",
+                 (P, -(-M // BM), -(-N // BN)), configs.wgmma_smem("k", d), c, a, b, tidx, tcoef,
+                 M, N, d, D, float(scale), _vec_ok(b))
+    else:
+        K = a.shape[2]
+        c = out if out is not None else a.new_empty((P, D, N))
+        if c.numel():
+            if K == 0:
+                return c.zero_()
+            _run("mma90", a.dtype, power, d_tile, 0, "sympow_mma_m_wg",
+                 (P, -(-D // BM), -(-N // BN)), configs.wgmma_smem("m", d), c, a, b, tidx, tcoef,
+                 K, N, d, D, float(scale), _vec_ok(a), _vec_ok(b))
     return c
 
 

@@ -96,6 +96,41 @@ ELEMENTWISE = Space({"VEC": [1, 2, 4, 8]},
 
 MMA = Space({"THREADS": [MMA_THREADS]}, heuristic=lambda problem, lim: {"THREADS": MMA_THREADS})
 
+# sympow_mma on wgmma (sm90_sympow_mma.cuh): half/bfloat16 on sm_90a, and every 64-feature block
+# of the expansion inside one tuple (d_tile ** power a multiple of 64: p=2 with d_tile 8 or 16,
+# p=3 with 4 or 8, p=4 with 4); the rest, and float32, stay on the sm80 kernels.
+WG_TILE = (128, 64)   # output rows (2 warpgroups x 64) x columns per CTA
+WG_STAGES = 4
+_WG_ARCH: dict[int, bool] = {}
+
+
+def wgmma_supports(dtype: torch.dtype, power: int, d_tile: int) -> bool:
+    """The problem is one sm90_sympow_mma.cuh implements (on any sm_90a device)."""
+    return dtype in (torch.float16, torch.bfloat16) and power >= 2 and d_tile ** power % 64 == 0
+
+
+def wgmma_applies(dtype: torch.dtype, power: int, d_tile: int, device: torch.device) -> bool:
+    """wgmma_supports, and the device's target is sm_90a."""
+    if not wgmma_supports(dtype, power, d_tile):
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _WG_ARCH.get(index)
+    if ok is None:
+        from vitrail.tune import limits
+        arch = limits(index).arch
+        ok = _WG_ARCH[index] = (arch.major, arch.suffix) == (9, "a")
+    return ok
+
+
+def wgmma_smem(kind: str, d: int) -> int:
+    """Dynamic shared memory of a wgmma kernel (the carving in sm90_sympow_mma.cuh): 1 KiB of
+    alignment slack, the stages of b's 64 x 64 tiles, then x's rows as fp32 (expand K) or the
+    stages of a's d x 64 blocks (expand M)."""
+    base = 1024 + WG_STAGES * 64 * 64 * 2
+    if kind == "k":
+        return base + WG_TILE[0] * ((d + 31) // 32 * 32 + 8) * 4
+    return base + WG_STAGES * d * 64 * 2
+
 
 def vector_width(dtype: torch.dtype, block: int, *tensors: torch.Tensor) -> int:
     """The widest vector (elements, 16 bytes at most) that divides the t^p block and keeps every
