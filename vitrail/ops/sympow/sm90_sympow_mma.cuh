@@ -100,33 +100,51 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
 }
 
 // ---- a 64 x 64 tile of a row-major matrix into the swizzled layout ----
-// Tile row r holds the matrix's row row0 + rmap(r) (rows past `rows` are zero) and its columns
-// [col0, col0 + 64) (past `cols`, zero). Row r's 16-byte chunk c lands at
-// r * 128 + ((c ^ (r % 8)) * 16). vec: cp.async (the caller commits and waits), else element by
-// element.
-template <class RowMap>
-__device__ __forceinline__ void load_sw128(unsigned sdst, T* pdst, const T* g, long long ld,
-                                           long long row0, long long rows, long long col0,
-                                           long long cols, bool vec, RowMap rmap) {
-  if (vec) {
+// Tile row r holds the block's row rmap(r) (the matrix's row row0 + rmap(r); rows past `rows`
+// are zero) and the columns [col0, col0 + 64) (past `cols`, zero). Row r's 16-byte chunk c lands
+// at r * 128 + ((c ^ (r % 8)) * 16).
+// TileStream: cp.async, each thread the same two chunks of every block (addresses computed once;
+// needs 16-byte rows and addresses); load_sw128: element by element, any layout.
+struct TileStream {
+  static_assert(THREADS * 2 == 512, "two chunks per thread");
+  const T* base;
+  const T* src[2];  // the chunks in the block at row0 = 0
+  unsigned dst[2];  // byte offsets in the tile
+  int row[2];
+  bool col_ok;
+  template <class RowMap>
+  __device__ __forceinline__ TileStream(const T* g, long long ld, long long col0, long long cols,
+                                        RowMap rmap) : base(g) {
+    const int c = threadIdx.x & 7;
+    col_ok = col0 + c * 8 < cols;
 #pragma unroll
-    for (int it = 0; it < 512 / THREADS; ++it) {
-      const int i = threadIdx.x + it * THREADS, r = i >> 3, c = i & 7;
-      const long long row = row0 + rmap(r);
-      const bool ok = row < rows && col0 + c * 8 < cols;
-      const T* src = ok ? g + row * ld + col0 + c * 8 : g;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
-                       sdst + r * 128 + ((c ^ (r & 7)) << 4)),
-                   "l"(src), "r"(ok ? 16 : 0));
+    for (int it = 0; it < 2; ++it) {
+      const int r = (threadIdx.x >> 3) + 32 * it;
+      row[it] = rmap(r);
+      src[it] = g + row[it] * ld + col0 + c * 8;
+      dst[it] = r * 128 + ((c ^ (r & 7)) << 4);
     }
-  } else {
-    for (int i = threadIdx.x; i < 64 * 64; i += THREADS) {
-      const int r = i >> 6, c = i & 63;
-      const long long row = row0 + rmap(r);
-      const bool ok = row < rows && col0 + c < cols;
-      pdst[r * 64 + ((((c >> 3) ^ (r & 7)) << 3) | (c & 7))] =
-          ok ? g[row * ld + col0 + c] : from_f<T>(0.f);
+  }
+  __device__ __forceinline__ void issue(unsigned sdst, long long row0, long long rows,
+                                        long long ld) const {
+#pragma unroll
+    for (int it = 0; it < 2; ++it) {
+      const bool ok = col_ok && row0 + row[it] < rows;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sdst + dst[it]),
+                   "l"(ok ? src[it] + row0 * ld : base), "r"(ok ? 16 : 0));
     }
+  }
+};
+template <class RowMap>
+__device__ __forceinline__ void load_sw128(T* pdst, const T* g, long long ld, long long row0,
+                                           long long rows, long long col0, long long cols,
+                                           RowMap rmap) {
+  for (int i = threadIdx.x; i < 64 * 64; i += THREADS) {
+    const int r = i >> 6, c = i & 63;
+    const long long row = row0 + rmap(r);
+    const bool ok = row < rows && col0 + c < cols;
+    pdst[r * 64 + ((((c >> 3) ^ (r & 7)) << 3) | (c & 7))] =
+        ok ? g[row * ld + col0 + c] : from_f<T>(0.f);
   }
 }
 struct Identity {
@@ -218,10 +236,15 @@ sympow_mma_k_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict_
   const int m0 = blockIdx.y * BM, n0 = blockIdx.z * BN;
   const T* Bp = B + p * D * N;
   const int nK = D / BK;
+  const TileStream bs(Bp, N, n0, N, Identity{});
   auto load_b = [&](int kt) {
-    if (kt < nK)
-      load_sw128(sB_addr + (kt % STAGES) * TILE_BYTES, sB + (kt % STAGES) * 64 * 64, Bp, N,
-                 (long long)kt * BK, D, n0, N, b_vec, Identity{});
+    if (kt < nK) {
+      const int st = kt % STAGES;
+      if (b_vec)
+        bs.issue(sB_addr + st * TILE_BYTES, (long long)kt * BK, D, N);
+      else
+        load_sw128(sB + st * 64 * 64, Bp, N, (long long)kt * BK, D, n0, N, Identity{});
+    }
     async_commit();
   };
 #pragma unroll
@@ -309,14 +332,13 @@ struct KPerm {
 __device__ __forceinline__ void load_a_block(unsigned sdst, T* pdst, const T* g, long long ld,
                                              int d, long long col0, long long cols, bool vec) {
   if (vec) {
-    for (int i = threadIdx.x; i < d * 8; i += THREADS) {
-      const int r = i >> 3, c = i & 7;
-      const bool ok = col0 + c * 8 < cols;
-      const T* src = ok ? g + r * ld + col0 + c * 8 : g;
+    const int c = threadIdx.x & 7;
+    const bool ok = col0 + c * 8 < cols;
+    const T* src = g + (threadIdx.x >> 3) * ld + col0 + c * 8;
+    for (int r = threadIdx.x >> 3; r < d; r += THREADS / 8, src += (THREADS / 8) * ld)
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
                        sdst + r * 128 + ((c ^ (r & 1)) << 4)),
-                   "l"(src), "r"(ok ? 16 : 0));
-    }
+                   "l"(ok ? src : g), "r"(ok ? 16 : 0));
   } else {
     for (int i = threadIdx.x; i < d * 64; i += THREADS) {
       const int r = i >> 6, c = i & 63;
@@ -407,13 +429,16 @@ sympow_mma_m_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict_
   const T* Ap = A + p * d * K;
   const T* Bp = B + p * K * N;
   const int nK = (K + BK - 1) / BK;
+  const TileStream bs(Bp, N, n0, N, KPerm{});
   auto load = [&](int kt) {
     if (kt < nK) {
       const int st = kt % STAGES;
-      load_a_block(sA_addr + st * a_stage * 2, sA + st * a_stage, Ap, K, d, (long long)kt * BK,
-                   K, a_vec);
-      load_sw128(sB_addr + st * TILE_BYTES, sB + st * 64 * 64, Bp, N, (long long)kt * BK, K, n0,
-                 N, b_vec, KPerm{});
+      const long long k0 = (long long)kt * BK;
+      load_a_block(sA_addr + st * a_stage * 2, sA + st * a_stage, Ap, K, d, k0, K, a_vec);
+      if (b_vec)
+        bs.issue(sB_addr + st * TILE_BYTES, k0, K, N);
+      else
+        load_sw128(sB + st * 64 * 64, Bp, N, k0, K, n0, N, KPerm{});
     }
     async_commit();
   };
