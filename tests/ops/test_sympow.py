@@ -86,6 +86,34 @@ def _replay_backward(x, dz, power, d_tile, dc):
     return dx
 
 
+def _replay_gather(x, dz, power, d_tile, dc):
+    """What sympow_bwd_gather computes, from its tuple table and slots table, in torch."""
+    _, _, tidx, tcoef = configs.tables(x.shape[-1], power, d_tile, dc, "cpu")
+    slots, entries = configs.gather_slots(x.shape[-1], power, d_tile, "cpu")
+    t, block, ld = d_tile, d_tile ** power, configs.part_ld(power, d_tile)
+    part = torch.full((x.shape[0], tidx.numel() * ld), float("nan"), dtype=x.dtype)
+    for j, (packed, coef) in enumerate(zip(tidx.tolist(), tcoef.tolist())):
+        packed &= 0xFFFFFFFF
+        starts = [(packed >> (8 * l)) & 255 for l in range(power)]
+        frags = [x[:, s:s + t] for s in starts]
+        g = dz[:, j * block:(j + 1) * block].reshape((-1,) + (t,) * power)
+        for l in range(power):
+            v = g * coef
+            for m in range(power):
+                if m != l:
+                    shape = [1] * (power + 1)
+                    shape[0], shape[m + 1] = -1, t
+                    v = v * frags[m].reshape(shape)
+            dims = [i + 1 for i in range(power) if i != l]
+            part[:, j * ld + l * t:j * ld + (l + 1) * t] = v.sum(dims) if dims else v
+    dx = torch.zeros_like(x)
+    for u in range(x.shape[1] // t):
+        for a in range(t):
+            dx[:, u * t + a] = part[:, slots[u] + a].sum(-1)
+    assert slots.shape == (x.shape[1] // t, entries)
+    return dx
+
+
 @pytest.mark.parametrize("power,d,d_tile", [(1, 8, 2), (2, 8, 1), (2, 16, 4), (3, 8, 2),
                                             (4, 8, 2)])
 @pytest.mark.parametrize("dc", [True, False])
@@ -100,6 +128,7 @@ def test_kernel_tables_reproduce_the_reference(power, d, d_tile, dc):
     dz = torch.randn_like(z)
     (want,) = torch.autograd.grad(z, xr, dz)
     torch.testing.assert_close(_replay_backward(x, dz, power, d_tile, dc), want, **tol)
+    torch.testing.assert_close(_replay_gather(x, dz, power, d_tile, dc), want, **tol)
 
 
 WG_FAST = [(2, 16, 8), (2, 32, 16), (3, 8, 4), (3, 16, 8), (4, 8, 4)]  # d_tile**power % 64 == 0
@@ -247,7 +276,7 @@ def _nan(shape, dtype):
 
 # ------------------------------------------------------------------ GPU: sympow
 SYMPOW_CASES = [(1, 16, 4), (2, 16, 1), (2, 64, 8), (2, 32, 16), (3, 24, 2), (3, 32, 8),
-                (4, 16, 1), (4, 32, 4), (2, 256, 16)]
+                (4, 16, 1), (4, 32, 4), (2, 256, 16), (2, 256, 4)]  # the last: atomics fallback
 
 
 @requires_gpu
@@ -268,6 +297,26 @@ def test_sympow_forward_backward(dtype, power, d, d_tile):
     # the baseline: the exact gradient rounded to dtype; the kernel sums in fp32 and rounds once
     _close(dx, want, want.to(dtype), f"sympow backward p={power} d={d} t={d_tile}",
            floor_rel=2e-6)
+
+
+@requires_gpu
+@pytest.mark.parametrize("power,d,d_tile", [(2, 64, 8), (4, 32, 4)])
+def test_sympow_backward_paths(power, d, d_tile):
+    """sympow_bwd_gather with its cp.async stage (p=2) or 16-byte loads in place (p=4), and with
+    dz 2 bytes off 16-byte alignment (element loads), over many CTAs: all equal the reference.
+    (SYMPOW_CASES' (2, 256, 4) takes the atomics kernel, sympow_bwd.)"""
+    dtype = torch.bfloat16
+    torch.manual_seed(d + power)
+    rows, D = 1000, sympow_dim(d, power, d_tile)
+    x = torch.randn(rows, d, device="cuda", dtype=dtype)
+    xr = x.double().requires_grad_(True)
+    zr = sympow_reference(xr, power, d_tile)
+    buf = torch.randn(rows * D + 1, device="cuda", dtype=dtype)
+    for dz in (buf[:-1].view(rows, D), buf[1:].view(rows, D)):
+        (want,) = torch.autograd.grad(zr, xr, dz.double(), retain_graph=True)
+        dx = S._sympow_bwd_impl(x, dz, power, d_tile, True, out=_nan((rows, d), dtype))
+        _close(dx, want, want.to(dtype), f"sympow backward p={power} offset "
+               f"{dz.data_ptr() % 16}", floor_rel=2e-6)
 
 
 @requires_gpu

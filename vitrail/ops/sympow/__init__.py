@@ -107,6 +107,15 @@ def _sympow_bwd_impl(x: torch.Tensor, dz: torch.Tensor, power: int, d_tile: int,
     _, _, tidx, tcoef = configs.tables(d, power, d_tile, dc, x.device)
     tuples = tidx.numel()
     vec = configs.vector_width(x.dtype, d_tile ** power, dz)
+    stage = configs.gather_stage(x.dtype, power, d_tile, vec)
+    per_block = configs.gather_rows(d, power, d_tile, tuples, stage)
+    if per_block:  # no atomics: partial sums per (row, tuple), then one gather per dx element
+        slots, entries = configs.gather_slots(d, power, d_tile, x.device)
+        _run("elementwise", x.dtype, power, d_tile, vec, "sympow_bwd_gather",
+             -(-rows // per_block),
+             configs.gather_smem(d, power, d_tile, tuples, per_block, stage),
+             dx, x, dz, tidx, tcoef, slots, rows, d, D, tuples, entries, per_block, 1.0)
+        return dx
     es, block = x.element_size(), d_tile ** power
     staged = 32 <= block * es <= 128  # as STAGE in sm90_sympow.cuh
     if staged:  # about one stage of 256 tuples per CTA
