@@ -150,6 +150,11 @@ __device__ __forceinline__ void load_sw128(T* pdst, const T* g, long long ld, lo
 struct Identity {
   __device__ __forceinline__ int operator()(int r) const { return r; }
 };
+// wgmma reads shared memory through the async proxy: this thread's cp.async and st.shared writes
+// must be fenced before a barrier publishes them to the warpgroups' wgmma.
+__device__ __forceinline__ void fence_async_proxy() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
 __device__ __forceinline__ void async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
@@ -266,6 +271,7 @@ sympow_mma_k_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict_
 
   for (int kt = 0; kt < nK; ++kt) {
     async_wait<PF - 1>();
+    fence_async_proxy();
     __syncthreads();  // stage kt landed everywhere; stage kt - 2's readers have retired
     load_b(kt + PF);
     const int k0 = kt * BK, tu = k0 / BLOCK, e0 = k0 - tu * BLOCK;
@@ -464,6 +470,7 @@ sympow_mma_m_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict_
   zero(acc);
   for (int kt = 0; kt < nK; ++kt) {
     async_wait<PF - 1>();
+    fence_async_proxy();
     __syncthreads();
     load(kt + PF);
     const int st = kt % STAGES;
