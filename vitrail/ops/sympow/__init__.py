@@ -198,7 +198,7 @@ def _mma90_impl(a, b, expand_dim, power, d_tile, d, D, scale, dc, out):
         if c.numel():
             _run("mma90", a.dtype, power, d_tile, 0, "sympow_mma_k_wg",
                  (P, -(-M // BM), -(-N // BN)), configs.wgmma_smem("k", d), c, a, b, tidx, tcoef,
-                 M, N, d, D, float(scale), _vec_ok(b))
+                 M, N, d, D, float(scale), _vec_ok(a), _vec_ok(b))
     else:
         K = a.shape[2]
         c = out if out is not None else a.new_empty((P, D, N))

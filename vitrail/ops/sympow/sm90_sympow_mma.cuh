@@ -107,31 +107,29 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
 // needs 16-byte rows and addresses); load_sw128: element by element, any layout.
 struct TileStream {
   static_assert(THREADS * 2 == 512, "two chunks per thread");
-  const T* base;
-  const T* src[2];  // the chunks in the block at row0 = 0
-  unsigned dst[2];  // byte offsets in the tile
-  int row[2];
+  const T* src;   // the first chunk in the block at row0 = 0; the second is STEP rows on
+  unsigned dst;   // its byte offset in the tile; the second's is 32 rows (4 KiB) on
+  int row;
+  int step;       // STEP * ld
   bool col_ok;
   template <class RowMap>
   __device__ __forceinline__ TileStream(const T* g, long long ld, long long col0, long long cols,
-                                        RowMap rmap) : base(g) {
-    const int c = threadIdx.x & 7;
+                                        RowMap rmap) {
+    const int c = threadIdx.x & 7, r = threadIdx.x >> 3;
     col_ok = col0 + c * 8 < cols;
-#pragma unroll
-    for (int it = 0; it < 2; ++it) {
-      const int r = (threadIdx.x >> 3) + 32 * it;
-      row[it] = rmap(r);
-      src[it] = g + row[it] * ld + col0 + c * 8;
-      dst[it] = r * 128 + ((c ^ (r & 7)) << 4);
-    }
+    row = rmap(r);
+    step = RowMap::STEP * (int)ld;
+    src = g + row * ld + col0 + c * 8;
+    dst = r * 128 + ((c ^ (r & 7)) << 4);  // row r + 32 has the same swizzle phase
   }
-  __device__ __forceinline__ void issue(unsigned sdst, long long row0, long long rows,
-                                        long long ld) const {
+  // (g: any valid address, read by none of the zero-filled chunks)
+  __device__ __forceinline__ void issue(unsigned sdst, const T* g, long long row0, long long rows,
+                                        long long ld, int row_step) const {
 #pragma unroll
     for (int it = 0; it < 2; ++it) {
-      const bool ok = col_ok && row0 + row[it] < rows;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sdst + dst[it]),
-                   "l"(ok ? src[it] + row0 * ld : base), "r"(ok ? 16 : 0));
+      const bool ok = col_ok && row0 + row + it * row_step < rows;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sdst + dst + it * 4096),
+                   "l"(ok ? src + row0 * ld + it * step : g), "r"(ok ? 16 : 0));
     }
   }
 };
@@ -148,6 +146,7 @@ __device__ __forceinline__ void load_sw128(T* pdst, const T* g, long long ld, lo
   }
 }
 struct Identity {
+  static constexpr int STEP = 32;  // rmap(r + 32) - rmap(r)
   __device__ __forceinline__ int operator()(int r) const { return r; }
 };
 // wgmma reads shared memory through the async proxy: this thread's cp.async and st.shared writes
@@ -168,6 +167,13 @@ __host__ __device__ constexpr int lo(int l) { return (POW - 1 - l) * LOGT; }
 __host__ __device__ constexpr int ct_mask(int l) { return (0x39 >> lo(l)) & (TILE - 1); }
 __host__ __device__ constexpr bool slot_used(int l, int c) { return (c & ~ct_mask(l)) == 0; }
 __host__ __device__ constexpr int slot(int l, int ct) { return (ct >> lo(l)) & (TILE - 1); }
+
+__host__ __device__ constexpr int popcount(int v) { return v ? (v & 1) + popcount(v >> 1) : 0; }
+__host__ __device__ constexpr int fewest_slots(int l = 0, int best = 0) {
+  return l == POW ? best
+                  : fewest_slots(l + 1, popcount(ct_mask(l)) <= popcount(ct_mask(best)) ? l : best);
+}
+constexpr int COEF_FACTOR = fewest_slots();
 
 // v[c] = p[c] for each slot c that factor l uses (p: the factor's first value for this thread).
 template <int L>
@@ -204,7 +210,7 @@ __device__ __forceinline__ void load_factors(float (&xv)[POW][TILE], const float
 }
 
 // The 4 x 16-feature A fragments of one k-block for one row: xv[l][slot] are the row's factor
-// values, the first factor's already scaled by the tuple's coefficient. out[s][h] packs the
+// values, one factor's (COEF_FACTOR) already scaled by the tuple's coefficient. out[s][h] packs the
 // pair (j = 0, 1) at k-step s, half h.
 __device__ __forceinline__ void expand_row(unsigned (&out)[4][2], const float (&xv)[POW][TILE]) {
 #pragma unroll
@@ -224,10 +230,10 @@ __device__ __forceinline__ void expand_row(unsigned (&out)[4][2], const float (&
 // C[P, M, N] = (sympow(A[P, M, d] along its rows) * scale) @ B[P, D, N]   (expand K)
 // tidx/tcoef: the tuple table (configs.tables): each factor's first feature (bytes 0-3), and the
 // tuple's coefficient.
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(256, 2)
 sympow_mma_k_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict__ B,
                 const int* __restrict__ tidx, const float* __restrict__ tcoef, int M, int N,
-                int d, int D, float scale, int b_vec) {
+                int d, int D, float scale, int a_vec, int b_vec) {
   using namespace s90;
   extern __shared__ __align__(16) char smem_raw[];
   // B stages first, 1024-byte aligned (the swizzle's period), then x's rows as floats
@@ -246,7 +252,7 @@ sympow_mma_k_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict_
     if (kt < nK) {
       const int st = kt % STAGES;
       if (b_vec)
-        bs.issue(sB_addr + st * TILE_BYTES, (long long)kt * BK, D, N);
+        bs.issue(sB_addr + st * TILE_BYTES, Bp, (long long)kt * BK, D, N, Identity::STEP);
       else
         load_sw128(sB + st * 64 * 64, Bp, N, (long long)kt * BK, D, n0, N, Identity{});
     }
@@ -255,9 +261,27 @@ sympow_mma_k_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict_
 #pragma unroll
   for (int kt = 0; kt < PF; ++kt) load_b(kt);
   const T* Ap = A + p * M * d;
-  for (int i = threadIdx.x; i < BM * d; i += THREADS) {
-    const int r = i / d, c = i - r * d;
-    sX[r * ldx + c] = m0 + r < M ? to_f(Ap[(long long)(m0 + r) * d + c]) : 0.f;
+  if (a_vec) {  // 16-byte loads, all of a thread's in flight together
+    constexpr int E = 16 / sizeof(T);
+    const int per_row = d / E;
+    for (int i = threadIdx.x; i < BM * per_row; i += THREADS) {
+      const int r = i / per_row, c = (i - r * per_row) * E;
+      Vec<E> v;
+      if (m0 + r < M)
+        v = *reinterpret_cast<const Vec<E>*>(Ap + (long long)(m0 + r) * d + c);
+      else
+#pragma unroll
+        for (int j = 0; j < E; ++j) v.v[j] = from_f<T>(0.f);
+#pragma unroll
+      for (int j = 0; j < E; j += 4)
+        *reinterpret_cast<float4*>(sX + r * ldx + c + j) =
+            make_float4(to_f(v.v[j]), to_f(v.v[j + 1]), to_f(v.v[j + 2]), to_f(v.v[j + 3]));
+    }
+  } else {
+    for (int i = threadIdx.x; i < BM * d; i += THREADS) {
+      const int r = i / d, c = i - r * d;
+      sX[r * ldx + c] = m0 + r < M ? to_f(Ap[(long long)(m0 + r) * d + c]) : 0.f;
+    }
   }
 
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
@@ -283,8 +307,8 @@ sympow_mma_k_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict_
       float xv[POW][TILE];
 load_factors<0>(xv, xrow[i], packed, e0, lane_bits);
 #pragma unroll
-      for (int c = 0; c < TILE; ++c)
-        if (slot_used(0, c)) xv[0][c] *= coef;
+      for (int c = 0; c < TILE; ++c)  // the coefficient goes to the factor with fewest values
+        if (slot_used(COEF_FACTOR, c)) xv[COEF_FACTOR][c] *= coef;
       expand_row(ex[i], xv);
       pin(reinterpret_cast<unsigned(&)[8]>(ex[i]));
     }
@@ -329,6 +353,7 @@ namespace s90 {
 // 16 s + 8 h + 2 q + j (k-step s, half h, lane q = lane % 4, element j) takes column
 // 16 q + 4 s + 2 h + j of the block; b's tile rows are permuted the same way.
 struct KPerm {
+  static constexpr int STEP = 8;  // rmap(r + 32) - rmap(r)
   __device__ __forceinline__ int operator()(int pos) const {
     return 16 * ((pos >> 1) & 3) + 4 * (pos >> 4) + 2 * ((pos >> 3) & 1) + (pos & 1);
   }
@@ -417,7 +442,7 @@ __device__ __forceinline__ void expand_cols(unsigned (&prod)[2][8], unsigned aba
 // Each warpgroup's 64 features lie inside one tuple, so its coefficient is applied to the
 // accumulators at the end, and each thread's two fragment rows are products of input rows fixed
 // for the whole kernel.
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(256, 3)
 sympow_mma_m_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict__ B,
                 const int* __restrict__ tidx, const float* __restrict__ tcoef, int K, int N,
                 int d, int D, float scale, int a_vec, int b_vec) {
@@ -442,7 +467,7 @@ sympow_mma_m_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict_
       const long long k0 = (long long)kt * BK;
       load_a_block(sA_addr + st * a_stage * 2, sA + st * a_stage, Ap, K, d, k0, K, a_vec);
       if (b_vec)
-        bs.issue(sB_addr + st * TILE_BYTES, k0, K, N);
+        bs.issue(sB_addr + st * TILE_BYTES, Bp, k0, K, N, KPerm::STEP);
       else
         load_sw128(sB + st * 64 * 64, Bp, N, k0, K, n0, N, KPerm{});
     }
