@@ -131,7 +131,7 @@ def gather_rows(d: int, power: int, d_tile: int, n_tuples: int, stage: int = 0) 
     many as fit in GATHER_SMEM beside the stage with the items (rows x tuples) filling whole
     rounds of 256 threads best."""
     per_row = 4 * (d + n_tuples * part_ld(power, d_tile))
-    most = min(64, (GATHER_SMEM - stage) // per_row)
+    most = min(64, (GATHER_SMEM - stage - 32) // per_row)  # (32: the two round-ups)
     if most < 1:
         return 0
     fill = lambda r: r * n_tuples / (-(-r * n_tuples // 256) * 256)  # noqa: E731
@@ -139,7 +139,8 @@ def gather_rows(d: int, power: int, d_tile: int, n_tuples: int, stage: int = 0) 
 
 
 def gather_smem(d: int, power: int, d_tile: int, n_tuples: int, rows: int, stage: int) -> int:
-    return 4 * ((rows * d + 3) // 4 * 4 + rows * n_tuples * part_ld(power, d_tile)) + stage
+    parts = rows * n_tuples * part_ld(power, d_tile)
+    return 4 * ((rows * d + 3) // 4 * 4 + (parts + 3) // 4 * 4) + stage
 
 
 # Elementwise kernels: VEC is how many features one thread writes (forward) or loads at once

@@ -165,7 +165,7 @@ sympow_bwd_gather(T* __restrict__ dx, const T* __restrict__ x, const T* __restri
   for (int i = threadIdx.x; i < nrows * d; i += blockDim.x) s_x[i] = to_f(x[row0 * d + i]);
   // STAGE (as in sympow_bwd): each round's blocks come in by cp.async, 16 bytes a thread, all in
   // flight at once; they are contiguous in dz (a row's D features are its tuples' blocks).
-  T* s_dz = reinterpret_cast<T*>(s_part + items * PART_LD);  // [STAGE_ITEMS][STAGE_LD]
+  T* s_dz = reinterpret_cast<T*>(s_part + ((items * PART_LD + 3) & ~3));  // [STAGE_ITEMS][STAGE_LD]
   const T* dz_block = dz + row0 * D;
   for (int seg = 0; seg < items; seg += STAGE_ITEMS) {
     if (GSTAGE) {
