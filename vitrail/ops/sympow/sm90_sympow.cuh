@@ -162,7 +162,6 @@ sympow_bwd_gather(T* __restrict__ dx, const T* __restrict__ x, const T* __restri
   const long long row0 = (long long)blockIdx.x * rows_per_block;
   const int nrows = (int)min((long long)rows_per_block, rows - row0);
   const int items = nrows * tuples;
-  for (int i = threadIdx.x; i < nrows * d; i += blockDim.x) s_x[i] = to_f(x[row0 * d + i]);
   // STAGE (as in sympow_bwd): each round's blocks come in by cp.async, 16 bytes a thread, all in
   // flight at once; they are contiguous in dz (a row's D features are its tuples' blocks).
   T* s_dz = reinterpret_cast<T*>(s_part + ((items * PART_LD + 3) & ~3));  // [STAGE_ITEMS][STAGE_LD]
@@ -178,9 +177,12 @@ sympow_bwd_gather(T* __restrict__ dx, const T* __restrict__ x, const T* __restri
                          (unsigned)__cvta_generic_to_shared(s_dz + item * STAGE_LD + e - item * BLOCK)),
                      "l"(src + e));
       }
-      asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::);
+      asm volatile("cp.async.commit_group;\n" ::);
     }
-    __syncthreads();  // (also: s_x is in)
+    if (seg == 0)  // (after the first stage is on its way)
+      for (int i = threadIdx.x; i < nrows * d; i += blockDim.x) s_x[i] = to_f(x[row0 * d + i]);
+    if (GSTAGE) asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    __syncthreads();  // the stage and x are in
     const int it = seg + threadIdx.x;
     if (it < items) {
     const int r = it / tuples, tu = it - r * tuples;
