@@ -187,27 +187,49 @@ def _mma_impl(a: torch.Tensor, b: torch.Tensor, expand_dim: int, power: int, d_t
     return c
 
 
+def _pad16(t: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    """t itself when its rows are 16-byte multiples at a 16-byte aligned address (and it has
+    `rows` rows); else a zero-padded copy that is."""
+    r, n = t.shape[-2], t.shape[-1]
+    rows = r if rows is None else rows
+    if rows == r and _vec_ok(t):
+        return t
+    e = 16 // t.element_size()
+    out = t.new_zeros(t.shape[:-2] + (rows, -(-n // e) * e))
+    out[..., :r, :n] = t
+    return out
+
+
 def _mma90_impl(a, b, expand_dim, power, d_tile, d, D, scale, dc, out):
-    """The wgmma kernels (sm90_sympow_mma.cuh): 128 x 64 output tiles, tuple tables."""
+    """The wgmma kernels (sm90_sympow_mma.cuh): 128 x 64 output tiles, tuple tables. Operands
+    the kernels read by cp.async are zero-padded where their rows are not 16-byte vectors."""
     _, _, tidx, tcoef = configs.tables(d, power, d_tile, dc, a.device)
     P, N = a.shape[0], b.shape[-1]
     BM, BN = configs.WG_TILE
+    rows = a.shape[1] if expand_dim == -1 else D
+    c = out if out is not None else a.new_empty((P, rows, N))
+    if not c.numel():
+        return c
+    if expand_dim == -2 and a.shape[2] == 0:
+        return c.zero_()
     if expand_dim == -1:
-        M = a.shape[1]
-        c = out if out is not None else a.new_empty((P, M, N))
-        if c.numel():
-            _run("mma90", a.dtype, power, d_tile, 0, "sympow_mma_k_wg",
-                 (P, -(-M // BM), -(-N // BN)), configs.wgmma_smem("k", d), c, a, b, tidx, tcoef,
-                 M, N, d, D, float(scale), _vec_ok(a), _vec_ok(b))
+        bp = _pad16(b)
+        Np = bp.shape[-1]
+        cp = c if Np == N else a.new_empty((P, rows, Np))
+        _run("mma90", a.dtype, power, d_tile, 0, "sympow_mma_k_wg",
+             (P, -(-rows // BM), -(-Np // BN)), configs.wgmma_smem("k", d), cp, a, bp, tidx, tcoef,
+             rows, Np, d, D, float(scale), _vec_ok(a))
     else:
-        K = a.shape[2]
-        c = out if out is not None else a.new_empty((P, D, N))
-        if c.numel():
-            if K == 0:
-                return c.zero_()
-            _run("mma90", a.dtype, power, d_tile, 0, "sympow_mma_m_wg",
-                 (P, -(-D // BM), -(-N // BN)), configs.wgmma_smem("m", d), c, a, b, tidx, tcoef,
-                 K, N, d, D, float(scale), _vec_ok(a), _vec_ok(b))
+        ap = _pad16(a)
+        K = ap.shape[-1]
+        bp = _pad16(b, rows=K)
+        Np = bp.shape[-1]
+        cp = c if Np == N else a.new_empty((P, rows, Np))
+        _run("mma90", a.dtype, power, d_tile, 0, "sympow_mma_m_wg",
+             (P, -(-rows // BM), -(-Np // BN)), configs.wgmma_smem("m", d), cp, ap, bp, tidx,
+             tcoef, K, Np, d, D, float(scale))
+    if cp is not c:
+        c.copy_(cp[..., :N])
     return c
 
 

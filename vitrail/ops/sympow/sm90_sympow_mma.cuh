@@ -16,9 +16,11 @@
 //
 // Statics: T_ID 1 (half) or 2 (bfloat16), POW, TILE (sympow_common.cuh), TILE^POW % 64 == 0.
 // CTA: 256 threads (2 warpgroups); expand K: 128 x 64 output tile; expand M: 128 features x 64.
-// Constraints (configs.py): d <= 256, contiguous row-major operands; `*_vec` flags as in
-// sm80_sympow_mma.cuh (16-byte rows and addresses; otherwise the tiles are filled one element at
-// a time).
+// Launch bounds hold registers to 80 (3 CTAs, 6 warpgroups per SM) without spills (p=4 expand M:
+// 2 CTAs).
+// Constraints (configs.py): d <= 256, contiguous row-major operands whose rows are read by
+// cp.async (b, and a for expand M) 16-byte aligned and a multiple of 16 bytes long (the caller
+// pads others with zeros); a_vec says the same of a for expand K (else read element by element).
 #pragma once
 // (sympow_common.cuh comes first)
 
@@ -103,8 +105,8 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
 // Tile row r holds the block's row rmap(r) (the matrix's row row0 + rmap(r); rows past `rows`
 // are zero) and the columns [col0, col0 + 64) (past `cols`, zero). Row r's 16-byte chunk c lands
 // at r * 128 + ((c ^ (r % 8)) * 16).
-// TileStream: cp.async, each thread the same two chunks of every block (addresses computed once;
-// needs 16-byte rows and addresses); load_sw128: element by element, any layout.
+// TileStream: cp.async, each thread the same two chunks of every block (addresses computed once).
+// Needs 16-byte rows and addresses (the caller pads other matrices).
 struct TileStream {
   static_assert(THREADS * 2 == 512, "two chunks per thread");
   const T* src;   // the first chunk in the block at row0 = 0; the second is STEP rows on
@@ -133,18 +135,6 @@ struct TileStream {
     }
   }
 };
-template <class RowMap>
-__device__ __forceinline__ void load_sw128(T* pdst, const T* g, long long ld, long long row0,
-                                           long long rows, long long col0, long long cols,
-                                           RowMap rmap) {
-  for (int i = threadIdx.x; i < 64 * 64; i += THREADS) {
-    const int r = i >> 6, c = i & 63;
-    const long long row = row0 + rmap(r);
-    const bool ok = row < rows && col0 + c < cols;
-    pdst[r * 64 + ((((c >> 3) ^ (r & 7)) << 3) | (c & 7))] =
-        ok ? g[row * ld + col0 + c] : from_f<T>(0.f);
-  }
-}
 struct Identity {
   static constexpr int STEP = 32;  // rmap(r + 32) - rmap(r)
   __device__ __forceinline__ int operator()(int r) const { return r; }
@@ -230,10 +220,10 @@ __device__ __forceinline__ void expand_row(unsigned (&out)[4][2], const float (&
 // C[P, M, N] = (sympow(A[P, M, d] along its rows) * scale) @ B[P, D, N]   (expand K)
 // tidx/tcoef: the tuple table (configs.tables): each factor's first feature (bytes 0-3), and the
 // tuple's coefficient.
-extern "C" __global__ void __launch_bounds__(256, 2)
+extern "C" __global__ void __launch_bounds__(256, 3)
 sympow_mma_k_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict__ B,
                 const int* __restrict__ tidx, const float* __restrict__ tcoef, int M, int N,
-                int d, int D, float scale, int a_vec, int b_vec) {
+                int d, int D, float scale, int a_vec) {
   using namespace s90;
   extern __shared__ __align__(16) char smem_raw[];
   // B stages first, 1024-byte aligned (the swizzle's period), then x's rows as floats
@@ -251,10 +241,7 @@ sympow_mma_k_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict_
   auto load_b = [&](int kt) {
     if (kt < nK) {
       const int st = kt % STAGES;
-      if (b_vec)
-        bs.issue(sB_addr + st * TILE_BYTES, Bp, (long long)kt * BK, D, N, Identity::STEP);
-      else
-        load_sw128(sB + st * 64 * 64, Bp, N, (long long)kt * BK, D, n0, N, Identity{});
+      bs.issue(sB_addr + st * TILE_BYTES, Bp, (long long)kt * BK, D, N, Identity::STEP);
     }
     async_commit();
   };
@@ -286,9 +273,7 @@ sympow_mma_k_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict_
 
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int lane_bits = 2 * (lane % 4);
-  const float* xrow[2];  // this thread's two rows of the fragment
-  xrow[0] = sX + (wg * 64 + warp * 16 + lane / 4) * ldx;
-  xrow[1] = xrow[0] + 8 * ldx;
+  const int xrow = (wg * 64 + warp * 16 + lane / 4) * ldx;  // this thread's first row (+8: 2nd)
   Acc acc;
   zero(acc);
   unsigned frag[2][4];
@@ -305,12 +290,13 @@ sympow_mma_k_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict_
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       float xv[POW][TILE];
-load_factors<0>(xv, xrow[i], packed, e0, lane_bits);
+      load_factors<0>(xv, sX + xrow + i * 8 * ldx, packed, e0, lane_bits);
 #pragma unroll
       for (int c = 0; c < TILE; ++c)  // the coefficient goes to the factor with fewest values
         if (slot_used(COEF_FACTOR, c)) xv[COEF_FACTOR][c] *= coef;
       expand_row(ex[i], xv);
       pin(reinterpret_cast<unsigned(&)[8]>(ex[i]));
+      asm volatile("" ::: "memory");  // row 1's loads after row 0's products (registers: 3 CTAs/SM)
     }
     const unsigned b_addr = sB_addr + (kt % STAGES) * TILE_BYTES;
 #pragma unroll
@@ -360,23 +346,15 @@ struct KPerm {
 };
 // a's k-block: d rows of 64 columns, 128-byte rows whose 16-byte chunk c lands at c ^ (row % 2)
 // (so that two rows' 16-byte loads by a quarter-warp fall in different banks).
-__device__ __forceinline__ void load_a_block(unsigned sdst, T* pdst, const T* g, long long ld,
-                                             int d, long long col0, long long cols, bool vec) {
-  if (vec) {
-    const int c = threadIdx.x & 7;
-    const bool ok = col0 + c * 8 < cols;
-    const T* src = g + (threadIdx.x >> 3) * ld + col0 + c * 8;
-    for (int r = threadIdx.x >> 3; r < d; r += THREADS / 8, src += (THREADS / 8) * ld)
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
-                       sdst + r * 128 + ((c ^ (r & 1)) << 4)),
-                   "l"(ok ? src : g), "r"(ok ? 16 : 0));
-  } else {
-    for (int i = threadIdx.x; i < d * 64; i += THREADS) {
-      const int r = i >> 6, c = i & 63;
-      pdst[r * 64 + ((((c >> 3) ^ (r & 1)) << 3) | (c & 7))] =
-          col0 + c < cols ? g[r * ld + col0 + c] : from_f<T>(0.f);
-    }
-  }
+__device__ __forceinline__ void load_a_block(unsigned sdst, const T* g, long long ld, int d,
+                                             long long col0, long long cols) {
+  const int c = threadIdx.x & 7;
+  const bool ok = col0 + c * 8 < cols;
+  const T* src = g + (threadIdx.x >> 3) * ld + col0 + c * 8;
+  for (int r = threadIdx.x >> 3; r < d; r += THREADS / 8, src += (THREADS / 8) * ld)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                     sdst + r * 128 + ((c ^ (r & 1)) << 4)),
+                 "l"(ok ? src : g), "r"(ok ? 16 : 0));
 }
 // Thread q's 16 columns of input row `row` (8 packed pairs: word 2 s + h is k-step s, half h).
 __device__ __forceinline__ void load_cols(unsigned (&w)[8], unsigned sbase, int row, int q) {
@@ -442,10 +420,10 @@ __device__ __forceinline__ void expand_cols(unsigned (&prod)[2][8], unsigned aba
 // Each warpgroup's 64 features lie inside one tuple, so its coefficient is applied to the
 // accumulators at the end, and each thread's two fragment rows are products of input rows fixed
 // for the whole kernel.
-extern "C" __global__ void __launch_bounds__(256, 3)
+extern "C" __global__ void __launch_bounds__(256, POW > 3 ? 2 : 3)  // (p=4 spills at 80 registers)
 sympow_mma_m_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict__ B,
                 const int* __restrict__ tidx, const float* __restrict__ tcoef, int K, int N,
-                int d, int D, float scale, int a_vec, int b_vec) {
+                int d, int D, float scale) {
   using namespace s90;
   extern __shared__ __align__(16) char smem_raw[];
   char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
@@ -465,11 +443,8 @@ sympow_mma_m_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict_
     if (kt < nK) {
       const int st = kt % STAGES;
       const long long k0 = (long long)kt * BK;
-      load_a_block(sA_addr + st * a_stage * 2, sA + st * a_stage, Ap, K, d, k0, K, a_vec);
-      if (b_vec)
-        bs.issue(sB_addr + st * TILE_BYTES, Bp, k0, K, N, KPerm::STEP);
-      else
-        load_sw128(sB + st * 64 * 64, Bp, N, k0, K, n0, N, KPerm{});
+      load_a_block(sA_addr + st * a_stage * 2, Ap, K, d, k0, K);
+      bs.issue(sB_addr + st * TILE_BYTES, Bp, k0, K, N, KPerm::STEP);
     }
     async_commit();
   };
