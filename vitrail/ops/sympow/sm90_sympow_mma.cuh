@@ -296,7 +296,6 @@ sympow_mma_k_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict_
         if (slot_used(COEF_FACTOR, c)) xv[COEF_FACTOR][c] *= coef;
       expand_row(ex[i], xv);
       pin(reinterpret_cast<unsigned(&)[8]>(ex[i]));
-      asm volatile("" ::: "memory");  // row 1's loads after row 0's products (registers: 3 CTAs/SM)
     }
     const unsigned b_addr = sB_addr + (kt % STAGES) * TILE_BYTES;
 #pragma unroll
