@@ -24,6 +24,8 @@ from vitrail.ops.sympow.reference import (
     sympow_reference,
 )
 
+pytestmark = pytest.mark.warm_cache  # GPU tests share --kernel-cache (one compile per module)
+
 S = importlib.import_module("vitrail.ops.sympow")
 configs = importlib.import_module("vitrail.ops.sympow.configs")
 F64 = torch.float64
