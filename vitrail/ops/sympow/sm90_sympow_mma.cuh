@@ -16,8 +16,8 @@
 //
 // Statics: T_ID 1 (half) or 2 (bfloat16), POW, TILE (sympow_common.cuh), TILE^POW % 64 == 0.
 // CTA: 256 threads (2 warpgroups); expand K: 128 x 64 output tile; expand M: 128 features x 64.
-// Launch bounds hold registers to 80 (3 CTAs, 6 warpgroups per SM) without spills (p=4 expand M:
-// 2 CTAs).
+// Launch bounds hold registers to 80 (3 CTAs, 6 warpgroups per SM) without spills (expand M with
+// p > 2: 2 CTAs).
 // Constraints (configs.py): d <= 256, contiguous row-major operands whose rows are read by
 // cp.async (b, and a for expand M) 16-byte aligned and a multiple of 16 bytes long (the caller
 // pads others with zeros); a_vec says the same of a for expand K (else read element by element).
@@ -109,30 +109,31 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
 // Needs 16-byte rows and addresses (the caller pads other matrices).
 struct TileStream {
   static_assert(THREADS * 2 == 512, "two chunks per thread");
-  const T* src;   // the first chunk in the block at row0 = 0; the second is STEP rows on
+  const T* src;   // the first chunk of the next block; the second is STEP rows on
   unsigned dst;   // its byte offset in the tile; the second's is 32 rows (4 KiB) on
-  int row;
-  int step;       // STEP * ld
+  int row, step, advance;  // its row in the block; STEP rows and a block (64 rows), in elements
   bool col_ok;
   template <class RowMap>
-  __device__ __forceinline__ TileStream(const T* g, long long ld, long long col0, long long cols,
-                                        RowMap rmap) {
+  __device__ __forceinline__ TileStream(const T* g, int ld, int col0, int cols, RowMap rmap) {
     const int c = threadIdx.x & 7, r = threadIdx.x >> 3;
     col_ok = col0 + c * 8 < cols;
     row = rmap(r);
-    step = RowMap::STEP * (int)ld;
-    src = g + row * ld + col0 + c * 8;
+    step = RowMap::STEP * ld;
+    advance = 64 * ld;
+    src = g + (long long)row * ld + col0 + c * 8;
     dst = r * 128 + ((c ^ (r & 7)) << 4);  // row r + 32 has the same swizzle phase
   }
-  // (g: any valid address, read by none of the zero-filled chunks)
-  __device__ __forceinline__ void issue(unsigned sdst, const T* g, long long row0, long long rows,
-                                        long long ld, int row_step) const {
+  // The next block (rows row0 ..., `rows` valid) into the tile at sdst; g: any valid address,
+  // read by none of the zero-filled chunks.
+  template <class RowMap>
+  __device__ __forceinline__ void issue(unsigned sdst, const T* g, int row0, int rows) {
 #pragma unroll
     for (int it = 0; it < 2; ++it) {
-      const bool ok = col_ok && row0 + row + it * row_step < rows;
+      const bool ok = col_ok && row0 + row + it * RowMap::STEP < rows;
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sdst + dst + it * 4096),
-                   "l"(ok ? src + row0 * ld + it * step : g), "r"(ok ? 16 : 0));
+                   "l"(ok ? src + it * step : g), "r"(ok ? 16 : 0));
     }
+    src += advance;
   }
 };
 struct Identity {
@@ -230,6 +231,7 @@ sympow_mma_k_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict_
   char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   T* sB = reinterpret_cast<T*>(smem);
   const unsigned sB_addr = smem_addr(sB);
+  const unsigned long long desc0 = desc_mn_sw128(sB_addr);
   float* sX = reinterpret_cast<float*>(smem + STAGES * TILE_BYTES);
   const int ldx = ((d + 31) & ~31) + 8;  // rows 8 banks apart: 8- and 16-byte loads conflict-free
 
@@ -237,12 +239,9 @@ sympow_mma_k_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict_
   const int m0 = blockIdx.y * BM, n0 = blockIdx.z * BN;
   const T* Bp = B + p * D * N;
   const int nK = D / BK;
-  const TileStream bs(Bp, N, n0, N, Identity{});
-  auto load_b = [&](int kt) {
-    if (kt < nK) {
-      const int st = kt % STAGES;
-      bs.issue(sB_addr + st * TILE_BYTES, Bp, (long long)kt * BK, D, N, Identity::STEP);
-    }
+  TileStream bs(Bp, N, n0, N, Identity{});
+  auto load_b = [&](int kt) {  // (kt in order: the stream steps a block a call)
+    if (kt < nK) bs.issue<Identity>(sB_addr + (kt % STAGES) * TILE_BYTES, Bp, kt * BK, D);
     async_commit();
   };
 #pragma unroll
@@ -297,13 +296,13 @@ sympow_mma_k_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict_
       expand_row(ex[i], xv);
       pin(reinterpret_cast<unsigned(&)[8]>(ex[i]));
     }
-    const unsigned b_addr = sB_addr + (kt % STAGES) * TILE_BYTES;
+    const unsigned long long b_desc = desc0 + (kt % STAGES) * (TILE_BYTES >> 4);
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       unsigned (&a)[4] = frag[s & 1];
       a[0] = ex[0][s][0]; a[1] = ex[1][s][0]; a[2] = ex[0][s][1]; a[3] = ex[1][s][1];
       wg_fence();
-      wgmma_rs(acc, a, desc_mn_sw128(b_addr + s * 16 * 128));
+      wgmma_rs(acc, a, b_desc + s * (16 * 128 >> 4));  // (start address field: 16-byte units)
       wg_commit();
       wg_wait<1>();
     }
@@ -343,10 +342,10 @@ struct KPerm {
     return 16 * ((pos >> 1) & 3) + 4 * (pos >> 4) + 2 * ((pos >> 3) & 1) + (pos & 1);
   }
 };
-// a's k-block: d rows of 64 columns, 128-byte rows whose 16-byte chunk c lands at c ^ (row % 2)
+// a's k-blocks: d rows of 64 columns, 128-byte rows whose 16-byte chunk c lands at c ^ (row % 2)
 // (so that two rows' 16-byte loads by a quarter-warp fall in different banks).
-__device__ __forceinline__ void load_a_block(unsigned sdst, const T* g, long long ld, int d,
-                                             long long col0, long long cols) {
+__device__ __forceinline__ void load_a_block(unsigned sdst, const T* g, int ld, int d, int col0,
+                                             int cols) {
   const int c = threadIdx.x & 7;
   const bool ok = col0 + c * 8 < cols;
   const T* src = g + (threadIdx.x >> 3) * ld + col0 + c * 8;
@@ -419,7 +418,7 @@ __device__ __forceinline__ void expand_cols(unsigned (&prod)[2][8], unsigned aba
 // Each warpgroup's 64 features lie inside one tuple, so its coefficient is applied to the
 // accumulators at the end, and each thread's two fragment rows are products of input rows fixed
 // for the whole kernel.
-extern "C" __global__ void __launch_bounds__(256, POW > 3 ? 2 : 3)  // (p=4 spills at 80 registers)
+extern "C" __global__ void __launch_bounds__(256, POW > 2 ? 2 : 3)  // (p=3, 4 spill at 80 registers)
 sympow_mma_m_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict__ B,
                 const int* __restrict__ tidx, const float* __restrict__ tcoef, int K, int N,
                 int d, int D, float scale) {
@@ -428,6 +427,7 @@ sympow_mma_m_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict_
   char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   T* sB = reinterpret_cast<T*>(smem);  // STAGES x 64 x 64, swizzled, rows permuted (KPerm)
   const unsigned sB_addr = smem_addr(sB);
+  const unsigned long long desc0 = desc_mn_sw128(sB_addr);
   T* sA = sB + STAGES * 64 * 64;       // STAGES x d x 64
   const unsigned sA_addr = smem_addr(sA);
   const int a_stage = d * 64;
@@ -437,13 +437,12 @@ sympow_mma_m_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict_
   const T* Ap = A + p * d * K;
   const T* Bp = B + p * K * N;
   const int nK = (K + BK - 1) / BK;
-  const TileStream bs(Bp, N, n0, N, KPerm{});
-  auto load = [&](int kt) {
+  TileStream bs(Bp, N, n0, N, KPerm{});
+  auto load = [&](int kt) {  // (kt in order: the streams step a block a call)
     if (kt < nK) {
       const int st = kt % STAGES;
-      const long long k0 = (long long)kt * BK;
-      load_a_block(sA_addr + st * a_stage * 2, Ap, K, d, k0, K);
-      bs.issue(sB_addr + st * TILE_BYTES, Bp, k0, K, N, KPerm::STEP);
+      load_a_block(sA_addr + st * a_stage * 2, Ap, K, d, kt * BK, K);
+      bs.issue<KPerm>(sB_addr + st * TILE_BYTES, Bp, kt * BK, K);
     }
     async_commit();
   };
@@ -478,13 +477,13 @@ sympow_mma_m_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict_
     expand_cols(prod, abase, rows, q);
     pin(prod[0]);
     pin(prod[1]);
-    const unsigned b_addr = sB_addr + st * TILE_BYTES;
+    const unsigned long long b_desc = desc0 + st * (TILE_BYTES >> 4);
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       const unsigned a[4] = {prod[0][2 * s], prod[1][2 * s], prod[0][2 * s + 1],
                              prod[1][2 * s + 1]};
       wg_fence();
-      wgmma_rs(acc, a, desc_mn_sw128(b_addr + s * 16 * 128));
+      wgmma_rs(acc, a, b_desc + s * (16 * 128 >> 4));  // (start address field: 16-byte units)
       wg_commit();
       wg_wait<1>();
     }
