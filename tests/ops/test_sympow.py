@@ -171,7 +171,7 @@ def test_wgmma_fragment_maps_reproduce_the_reference(power, d, d_tile):
     kperm = [16 * ((p >> 1) & 3) + 4 * (p >> 4) + 2 * ((p >> 3) & 1) + (p & 1) for p in range(64)]
     assert sorted(kperm) == list(range(64))
     assert all(kperm[r + 32] == kperm[r] + 8 for r in range(32))  # KPerm::STEP (TileStream)
-    for s in range(4):  # load_cols: lane q's 16 columns from 16 q, word 2 s + h holds step s, half h
+    for s in range(4):  # load_cols: lane q's 16 columns from 16 q; word 2 s + h: step s, half h
         for h in range(2):
             for q in range(4):
                 for j in range(2):

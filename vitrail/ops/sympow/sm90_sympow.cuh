@@ -173,9 +173,9 @@ sympow_bwd_gather(T* __restrict__ dx, const T* __restrict__ x, const T* __restri
       constexpr int E = 16 / (int)sizeof(T);  // elements per 16-byte chunk
       for (int c = threadIdx.x; c < n * (BLOCK / E); c += blockDim.x) {
         const int e = c * E, item = e / BLOCK;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(
-                         (unsigned)__cvta_generic_to_shared(s_dz + item * STAGE_LD + e - item * BLOCK)),
-                     "l"(src + e));
+        const unsigned dst =
+            (unsigned)__cvta_generic_to_shared(s_dz + item * STAGE_LD + e - item * BLOCK);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src + e));
       }
       asm volatile("cp.async.commit_group;\n" ::);
     }

@@ -38,7 +38,9 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
 }
 
 // ---- wgmma (PTX ISA 8.0, sm_90a) ----
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
 __device__ __forceinline__ void wg_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
@@ -50,8 +52,9 @@ __device__ __forceinline__ void wg_wait() {
 // 128-byte rows with the 128-byte swizzle, the tile 1024-byte aligned: 8-row groups 1024 bytes
 // apart (stride offset); one 64-wide atom across N (leading offset: where a second would be).
 __device__ __forceinline__ unsigned long long desc_mn_sw128(unsigned addr) {
-  return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)(TILE_BYTES >> 4) << 16) |
-         ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
+  return (unsigned long long)((addr & 0x3FFFF) >> 4) |
+         ((unsigned long long)(TILE_BYTES >> 4) << 16) | ((unsigned long long)(1024 >> 4) << 32) |
+         (1ull << 62);
 }
 // acc (64 x 64 fp32 per warpgroup) += A (64 x 16, registers) @ B (16 x 64, shared, MN-major).
 struct Acc { float c[32]; };
@@ -418,7 +421,7 @@ __device__ __forceinline__ void expand_cols(unsigned (&prod)[2][8], unsigned aba
 // Each warpgroup's 64 features lie inside one tuple, so its coefficient is applied to the
 // accumulators at the end, and each thread's two fragment rows are products of input rows fixed
 // for the whole kernel.
-extern "C" __global__ void __launch_bounds__(256, POW > 2 ? 2 : 3)  // (p=3, 4 spill at 80 registers)
+extern "C" __global__ void __launch_bounds__(256, POW > 2 ? 2 : 3)  // (p > 2 spills at 80)
 sympow_mma_m_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict__ B,
                 const int* __restrict__ tidx, const float* __restrict__ tcoef, int K, int N,
                 int d, int D, float scale) {
