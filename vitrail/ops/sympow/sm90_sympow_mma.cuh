@@ -5,10 +5,12 @@
 // cannot keep Hopper's tensor cores busy. Here each warpgroup multiplies a 64-row slice of
 // the expansion, generated in registers in the wgmma A-fragment layout, by the other operand
 // read by wgmma straight from shared memory (128-byte swizzle, filled by cp.async, 4 stages).
-// The expansion of k-step s+1 overlaps the asynchronous wgmma of step s (wait_group 1).
+// wgmmas are asynchronous (wait_group 1): a warpgroup builds its next k-block's fragments while
+// its last one runs, and the SM's other warpgroups keep the tensor cores fed meanwhile.
 //
-// The expansion is walked tuple by tuple: with B = TILE^POW a multiple of 64 (FAST_TUPLES
-// below; the others stay on sm80), every 64-feature k-block lies inside one tuple, so every
+// The expansion is walked tuple by tuple: with B = TILE^POW a multiple of 64
+// (configs.wgmma_supports; the others stay on sm80), every 64-feature k-block lies inside one
+// tuple, so every
 // factor's digit is a bit field of the feature index: bits the thread's place in the fragment
 // fixes at compile time, bits of the lane, bits of the k-block. Each thread loads, per k-block
 // and row, only the few input values its fragment touches into registers (vectorized where a
@@ -204,8 +206,8 @@ __device__ __forceinline__ void load_factors(float (&xv)[POW][TILE], const float
 }
 
 // The 4 x 16-feature A fragments of one k-block for one row: xv[l][slot] are the row's factor
-// values, one factor's (COEF_FACTOR) already scaled by the tuple's coefficient. out[s][h] packs the
-// pair (j = 0, 1) at k-step s, half h.
+// values, one factor's (COEF_FACTOR) already scaled by the tuple's coefficient. out[s][h]
+// packs the pair (j = 0, 1) at k-step s, half h.
 __device__ __forceinline__ void expand_row(unsigned (&out)[4][2], const float (&xv)[POW][TILE]) {
 #pragma unroll
   for (int s = 0; s < 4; ++s)
