@@ -10,9 +10,8 @@
 //
 // The expansion is walked tuple by tuple: with B = TILE^POW a multiple of 64
 // (configs.wgmma_supports; the others stay on sm80), every 64-feature k-block lies inside one
-// tuple, so every
-// factor's digit is a bit field of the feature index: bits the thread's place in the fragment
-// fixes at compile time, bits of the lane, bits of the k-block. Each thread loads, per k-block
+// tuple, so every factor's digit is a bit field of the feature index: bits the thread's place in
+// the fragment fixes at compile time, bits of the lane, bits of the k-block. Each thread loads, per k-block
 // and row, only the few input values its fragment touches into registers (vectorized where a
 // field is whole), then every product has compile-time register indices.
 //
