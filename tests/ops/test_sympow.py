@@ -24,6 +24,8 @@ from vitrail.ops.sympow.reference import (
     sympow_reference,
 )
 
+pytestmark = pytest.mark.warm_cache  # GPU tests share --kernel-cache (one compile per module)
+
 S = importlib.import_module("vitrail.ops.sympow")
 configs = importlib.import_module("vitrail.ops.sympow.configs")
 F64 = torch.float64
@@ -86,6 +88,34 @@ def _replay_backward(x, dz, power, d_tile, dc):
     return dx
 
 
+def _replay_gather(x, dz, power, d_tile, dc):
+    """What sympow_bwd_gather computes, from its tuple table and slots table, in torch."""
+    _, _, tidx, tcoef = configs.tables(x.shape[-1], power, d_tile, dc, "cpu")
+    slots, entries = configs.gather_slots(x.shape[-1], power, d_tile, "cpu")
+    t, block, ld = d_tile, d_tile ** power, configs.part_ld(power, d_tile)
+    part = torch.full((x.shape[0], tidx.numel() * ld), float("nan"), dtype=x.dtype)
+    for j, (packed, coef) in enumerate(zip(tidx.tolist(), tcoef.tolist())):
+        packed &= 0xFFFFFFFF
+        starts = [(packed >> (8 * l)) & 255 for l in range(power)]
+        frags = [x[:, s:s + t] for s in starts]
+        g = dz[:, j * block:(j + 1) * block].reshape((-1,) + (t,) * power)
+        for l in range(power):
+            v = g * coef
+            for m in range(power):
+                if m != l:
+                    shape = [1] * (power + 1)
+                    shape[0], shape[m + 1] = -1, t
+                    v = v * frags[m].reshape(shape)
+            dims = [i + 1 for i in range(power) if i != l]
+            part[:, j * ld + l * t:j * ld + (l + 1) * t] = v.sum(dims) if dims else v
+    dx = torch.zeros_like(x)
+    for u in range(x.shape[1] // t):
+        for a in range(t):
+            dx[:, u * t + a] = part[:, slots[u] + a].sum(-1)
+    assert slots.shape == (x.shape[1] // t, entries)
+    return dx
+
+
 @pytest.mark.parametrize("power,d,d_tile", [(1, 8, 2), (2, 8, 1), (2, 16, 4), (3, 8, 2),
                                             (4, 8, 2)])
 @pytest.mark.parametrize("dc", [True, False])
@@ -100,6 +130,64 @@ def test_kernel_tables_reproduce_the_reference(power, d, d_tile, dc):
     dz = torch.randn_like(z)
     (want,) = torch.autograd.grad(z, xr, dz)
     torch.testing.assert_close(_replay_backward(x, dz, power, d_tile, dc), want, **tol)
+    torch.testing.assert_close(_replay_gather(x, dz, power, d_tile, dc), want, **tol)
+
+
+WG_FAST = [(2, 16, 8), (2, 32, 16), (3, 8, 4), (3, 16, 8), (4, 8, 4)]  # d_tile**power % 64 == 0
+
+
+@pytest.mark.parametrize("power,d,d_tile", WG_FAST)
+def test_wgmma_fragment_maps_reproduce_the_reference(power, d, d_tile):
+    """sm90_sympow_mma.cuh's index math, replayed: expand K builds fragment element (k-step s,
+    half h, lane q, element j) of k-block kt from input features start + U + R + slot (bit fields
+    of the feature's offset in its tuple); expand M multiplies fixed input rows per fragment row
+    and feeds k-block columns in the KPerm order. Both must give the expansion's values."""
+    torch.manual_seed(power + d + d_tile)
+    t, P = d_tile, power
+    logt, block = t.bit_length() - 1, t ** power
+    lo = lambda l: (P - 1 - l) * logt  # noqa: E731
+    ctm = lambda l: (0x39 >> lo(l)) & (t - 1)  # noqa: E731
+    _, _, tidx, tcoef = configs.tables(d, P, t, True, "cpu")
+    starts = [[(v & 0xFFFFFFFF) >> (8 * l) & 255 for l in range(P)] for v in tidx.tolist()]
+    x = torch.randn(3, d, dtype=F64)
+    z = sympow_reference(x, P, t)
+    got = torch.full_like(z, float("nan"))
+    for kt in range(z.shape[1] // 64):
+        tu, e0 = divmod(kt * 64, block)
+        for s in range(4):
+            for h in range(2):
+                for q in range(4):
+                    for j in range(2):
+                        ct = 16 * s + 8 * h + j
+                        v = tcoef[tu].item()
+                        for l in range(P):
+                            off = starts[tu][l] + ((e0 >> lo(l)) & (t - 1)) + \
+                                ((2 * q >> lo(l)) & (t - 1))
+                            c = (ct >> lo(l)) & (t - 1)
+                            assert c & ~ctm(l) == 0
+                            v = v * x[:, off + c]
+                        got[:, kt * 64 + 16 * s + 8 * h + 2 * q + j] = v
+    torch.testing.assert_close(got, z)
+    kperm = [16 * ((p >> 1) & 3) + 4 * (p >> 4) + 2 * ((p >> 3) & 1) + (p & 1) for p in range(64)]
+    assert sorted(kperm) == list(range(64))
+    assert all(kperm[r + 32] == kperm[r] + 8 for r in range(32))  # KPerm::STEP (TileStream)
+    for s in range(4):  # load_cols: lane q's 16 columns from 16 q; word 2 s + h: step s, half h
+        for h in range(2):
+            for q in range(4):
+                for j in range(2):
+                    assert 16 * q + 2 * (2 * s + h) + j == kperm[16 * s + 8 * h + 2 * q + j]
+    a = torch.randn(d, 64, dtype=F64)  # one k-block of columns
+    zm = sympow_reference(a, P, t, dim=0)
+    gm = torch.full_like(zm, float("nan"))
+    for fw in range(0, zm.shape[0], 64):
+        tu = fw // block
+        for r in range(64):  # r = 16 * warp + lane // 4 + 8 * h'
+            e = fw - tu * block + r
+            v = torch.full((64,), tcoef[tu].item(), dtype=F64)
+            for l in range(P):
+                v = v * a[starts[tu][l] + ((e >> lo(l)) & (t - 1))]
+            gm[fw + r] = v[kperm]  # wgmma position pos holds column kperm[pos]
+    torch.testing.assert_close(gm, zm[:, kperm])
 
 
 def test_mma_references_agree_with_autograd():
@@ -152,9 +240,12 @@ def test_fake_implementations_give_shapes():
 @pytest.mark.slow
 @requires_nvrtc
 @pytest.mark.parametrize("dtype,power,d_tile", [(torch.bfloat16, 2, 8), (torch.float32, 4, 4),
-                                                (torch.float16, 3, 2)])
+                                                (torch.float16, 3, 2), (torch.float16, 4, 4),
+                                                (torch.bfloat16, 3, 8)])
 def test_kernels_build_for_sm90a_without_spills(dtype, power, d_tile):
-    for kind in ("elementwise", "mma"):
+    kinds = ["elementwise", "mma"] + (["mma90"] if configs.wgmma_supports(dtype, power, d_tile)
+                                      else [])
+    for kind in kinds:
         op = S._op(kind, dtype, power, d_tile)
         config = op.space.default({"vec": 8 if dtype != torch.float32 else 4}, _lim())
         res = op.module(config).resources()
@@ -188,7 +279,7 @@ def _nan(shape, dtype):
 
 # ------------------------------------------------------------------ GPU: sympow
 SYMPOW_CASES = [(1, 16, 4), (2, 16, 1), (2, 64, 8), (2, 32, 16), (3, 24, 2), (3, 32, 8),
-                (4, 16, 1), (4, 32, 4), (2, 256, 16)]
+                (4, 16, 1), (4, 32, 4), (2, 256, 16), (2, 256, 4)]  # the last: atomics fallback
 
 
 @requires_gpu
@@ -209,6 +300,26 @@ def test_sympow_forward_backward(dtype, power, d, d_tile):
     # the baseline: the exact gradient rounded to dtype; the kernel sums in fp32 and rounds once
     _close(dx, want, want.to(dtype), f"sympow backward p={power} d={d} t={d_tile}",
            floor_rel=2e-6)
+
+
+@requires_gpu
+@pytest.mark.parametrize("power,d,d_tile", [(2, 64, 8), (4, 32, 4)])
+def test_sympow_backward_paths(power, d, d_tile):
+    """sympow_bwd_gather with its cp.async stage (p=2) or 16-byte loads in place (p=4), and with
+    dz 2 bytes off 16-byte alignment (element loads), over many CTAs: all equal the reference.
+    (SYMPOW_CASES' (2, 256, 4) takes the atomics kernel, sympow_bwd.)"""
+    dtype = torch.bfloat16
+    torch.manual_seed(d + power)
+    rows, D = 1000, sympow_dim(d, power, d_tile)
+    x = torch.randn(rows, d, device="cuda", dtype=dtype)
+    xr = x.double().requires_grad_(True)
+    zr = sympow_reference(xr, power, d_tile)
+    buf = torch.randn(rows * D + 1, device="cuda", dtype=dtype)
+    for dz in (buf[:-1].view(rows, D), buf[1:].view(rows, D)):
+        (want,) = torch.autograd.grad(zr, xr, dz.double(), retain_graph=True)
+        dx = S._sympow_bwd_impl(x, dz, power, d_tile, True, out=_nan((rows, d), dtype))
+        _close(dx, want, want.to(dtype), f"sympow backward p={power} offset "
+               f"{dz.data_ptr() % 16}", floor_rel=2e-6)
 
 
 @requires_gpu
@@ -294,6 +405,29 @@ def test_sympow_mma_and_its_backward(dtype, expand_dim, power, d, d_tile):
     base = mma_sympow_bwd_reference(g @ bt, eye, a, expand_dim, power, d_tile, scale).to(dtype)
     _close(got, want, base, f"mma_sympow_bwd {expand_dim} p={power} d={d} t={d_tile}",
            factor=4.0, floor_rel=2e-6)
+
+
+WG_CASES = [(2, 64, 8), (2, 32, 16), (3, 16, 4), (3, 16, 8), (4, 16, 4)]
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("expand_dim", [-1, -2])
+@pytest.mark.parametrize("power,d,d_tile", WG_CASES)
+@pytest.mark.parametrize("P,M,N,K", [(2, 300, 136, 1000), (1, 77, 37, 90)])
+def test_sympow_mma_on_wgmma(dtype, expand_dim, power, d, d_tile, P, M, N, K):
+    """sm90_sympow_mma.cuh: several k-blocks (pipeline wrap-around), row and column tails, two
+    column tiles, and (second shape) rows not 16 bytes long (element-by-element tile loads)."""
+    if not configs.wgmma_applies(dtype, power, d_tile, torch.device("cuda")):
+        pytest.skip("the wgmma kernels run on sm_90a")
+    torch.manual_seed(power * 100 + d + d_tile + M - expand_dim)
+    a, b = _operands(expand_dim, power, d, d_tile, dtype, P=P, M=M, N=N, K=K)
+    scale = 0.75
+    rows = M if expand_dim == -1 else sympow_dim(d, power, d_tile)
+    c = S._mma_impl(a, b, expand_dim, power, d_tile, scale, True, out=_nan((P, rows, N), dtype))
+    ref = sympow_mma_reference(a, b, expand_dim, power, d_tile, scale)
+    unfused = (sympow_reference(a, power, d_tile, expand_dim).to(dtype) * scale) @ b
+    _close(c, ref, unfused, f"sympow_mma wgmma {expand_dim} p={power} d={d} t={d_tile}")
 
 
 @requires_gpu

@@ -30,7 +30,8 @@ __all__ = ["mma_sympow_bwd", "sympow", "sympow_dim", "sympow_mma"]
 _HERE = Path(__file__).parent
 _COMMON = (_HERE / "sympow_common.cuh").read_text()
 SOURCES = {"elementwise": _COMMON + (_HERE / "sm90_sympow.cuh").read_text(),
-           "mma": _COMMON + (_HERE / "sm80_sympow_mma.cuh").read_text()}
+           "mma": _COMMON + (_HERE / "sm80_sympow_mma.cuh").read_text(),
+           "mma90": _COMMON + (_HERE / "sm90_sympow_mma.cuh").read_text()}
 _DT_NAME = {0: "f32", 1: "f16", 2: "bf16"}
 
 # ---------------------------------------------------------------- kernels and Ops
@@ -62,7 +63,8 @@ def _op(kind: str, dtype: torch.dtype, power: int, d_tile: int) -> Op:
     return op
 
 
-_EXAMPLES = {("elementwise", torch.bfloat16, 2, 8), ("mma", torch.bfloat16, 2, 8)}
+_EXAMPLES = {("elementwise", torch.bfloat16, 2, 8), ("mma", torch.bfloat16, 2, 8),
+             ("mma90", torch.bfloat16, 2, 8)}
 
 
 def _launch(module, config, kernel: str, grid, smem: int, *args) -> None:
@@ -105,6 +107,15 @@ def _sympow_bwd_impl(x: torch.Tensor, dz: torch.Tensor, power: int, d_tile: int,
     _, _, tidx, tcoef = configs.tables(d, power, d_tile, dc, x.device)
     tuples = tidx.numel()
     vec = configs.vector_width(x.dtype, d_tile ** power, dz)
+    stage = configs.gather_stage(x.dtype, power, d_tile, vec)
+    per_block = configs.gather_rows(d, power, d_tile, tuples, stage)
+    if per_block:  # no atomics: partial sums per (row, tuple), then one gather per dx element
+        slots, entries = configs.gather_slots(d, power, d_tile, x.device)
+        _run("elementwise", x.dtype, power, d_tile, vec, "sympow_bwd_gather",
+             -(-rows // per_block),
+             configs.gather_smem(d, power, d_tile, tuples, per_block, stage),
+             dx, x, dz, tidx, tcoef, slots, rows, d, D, tuples, entries, per_block, 1.0)
+        return dx
     es, block = x.element_size(), d_tile ** power
     staged = 32 <= block * es <= 128  # as STAGE in sm90_sympow.cuh
     if staged:  # about one stage of 256 tuples per CTA
@@ -142,12 +153,17 @@ def _smem(kind: str, dtype: torch.dtype, d: int) -> int:
 
 
 def _mma_impl(a: torch.Tensor, b: torch.Tensor, expand_dim: int, power: int, d_tile: int,
-              scale: float, dc: bool, out: torch.Tensor | None = None) -> torch.Tensor:
-    """a [P, M, d] (expand_dim -1) or [P, d, K] (-2), b [P, K', N] -> [P, M', N]."""
+              scale: float, dc: bool, out: torch.Tensor | None = None,
+              wgmma: bool | None = None) -> torch.Tensor:
+    """a [P, M, d] (expand_dim -1) or [P, d, K] (-2), b [P, K', N] -> [P, M', N].
+    wgmma: None picks sm90_sympow_mma.cuh where it applies (configs.wgmma_applies); False forces
+    the sm80 kernels (for comparisons)."""
     a, b = a.contiguous(), b.contiguous()
     P, N = a.shape[0], b.shape[-1]
     d = a.shape[expand_dim]
     D = configs.check_support("sympow_mma", d, power, d_tile)
+    if wgmma is not False and configs.wgmma_applies(a.dtype, power, d_tile, a.device):
+        return _mma90_impl(a, b, expand_dim, power, d_tile, d, D, scale, dc, out)
     gidx, gcoef, _, _ = configs.tables(d, power, d_tile, dc, a.device)
     groups = gidx.numel()
     if expand_dim == -1:
@@ -168,6 +184,52 @@ def _mma_impl(a: torch.Tensor, b: torch.Tensor, expand_dim: int, power: int, d_t
             _run("mma", a.dtype, power, d_tile, 0, "sympow_mma_m", grid,
                  _smem("mma_m", a.dtype, d), c, a, b, gidx, gcoef, K, N, d, D, groups,
                  float(scale), _vec_ok(a), _vec_ok(b))
+    return c
+
+
+def _pad16(t: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    """t itself when its rows are 16-byte multiples at a 16-byte aligned address (and it has
+    `rows` rows); else a zero-padded copy that is."""
+    r, n = t.shape[-2], t.shape[-1]
+    rows = r if rows is None else rows
+    if rows == r and _vec_ok(t):
+        return t
+    e = 16 // t.element_size()
+    out = t.new_zeros(t.shape[:-2] + (rows, -(-n // e) * e))
+    out[..., :r, :n] = t
+    return out
+
+
+def _mma90_impl(a, b, expand_dim, power, d_tile, d, D, scale, dc, out):
+    """The wgmma kernels (sm90_sympow_mma.cuh): 128 x 64 output tiles, tuple tables. Operands
+    the kernels read by cp.async are zero-padded where their rows are not 16-byte vectors."""
+    _, _, tidx, tcoef = configs.tables(d, power, d_tile, dc, a.device)
+    P, N = a.shape[0], b.shape[-1]
+    BM, BN = configs.WG_TILE
+    rows = a.shape[1] if expand_dim == -1 else D
+    c = out if out is not None else a.new_empty((P, rows, N))
+    if not c.numel():
+        return c
+    if expand_dim == -2 and a.shape[2] == 0:
+        return c.zero_()
+    if expand_dim == -1:
+        bp = _pad16(b)
+        Np = bp.shape[-1]
+        cp = c if Np == N else a.new_empty((P, rows, Np))
+        _run("mma90", a.dtype, power, d_tile, 0, "sympow_mma_k_wg",
+             (P, -(-rows // BM), -(-Np // BN)), configs.wgmma_smem("k", d), cp, a, bp, tidx, tcoef,
+             rows, Np, d, D, float(scale), _vec_ok(a))
+    else:
+        ap = _pad16(a)
+        K = ap.shape[-1]
+        bp = _pad16(b, rows=K)
+        Np = bp.shape[-1]
+        cp = c if Np == N else a.new_empty((P, rows, Np))
+        _run("mma90", a.dtype, power, d_tile, 0, "sympow_mma_m_wg",
+             (P, -(-rows // BM), -(-Np // BN)), configs.wgmma_smem("m", d), cp, ap, bp, tidx,
+             tcoef, K, Np, d, D, float(scale))
+    if cp is not c:
+        c.copy_(cp[..., :N])
     return c
 
 

@@ -1,6 +1,7 @@
 """`vitrail bench sympow`: the sympow family beside the unfused torch paths, in one run.
 
-sympow forward/backward in GB/s against this run's copy bandwidth; sympow_mma and
+sympow forward/backward in GB/s against this run's copy bandwidth; sympow_mma (wgmma on sm_90a,
+and the sm80 mma.sync kernels beside it) and
 mma_sympow_bwd in TFLOP/s counting the expanded FLOPs (2 * rows * D * N) against this run's
 bf16 matmul rate, with the unfused path (the expansion stored, then torch.bmm) as baseline; and
 the peak memory of fused and unfused forward + backward.
@@ -21,7 +22,10 @@ def build() -> None:
     from vitrail.tune import limits
     S = importlib.import_module("vitrail.ops.sympow")
     lim = limits()
-    for kind, p, t in [("elementwise", 2, 8), ("elementwise", 4, 4), ("mma", 2, 8)]:
+    kinds = [("elementwise", 2, 8), ("elementwise", 4, 4), ("mma", 2, 8)]
+    if lim.arch.major == 9 and lim.arch.suffix == "a":
+        kinds.append(("mma90", 2, 8))
+    for kind, p, t in kinds:
         op = S._op(kind, torch.bfloat16, p, t)
         op.module(op.space.default({"vec": 8}, lim))
 
@@ -108,6 +112,8 @@ def run() -> list[Row]:
     add(case, "unfused (sympow+bmm)", _time(lambda: torch.bmm(S.sympow(a, p, t), b)),
         flops=flops, baseline=True)
     add(case, "vitrail fused", _time(lambda: S.sympow_mma(a, b, -1, p, t)), flops=flops)
+    add(case, "vitrail fused sm80 mma.sync",
+        _time(lambda: S._mma_impl(a, b, -1, p, t, 1.0, True, wgmma=False)), flops=flops)
     # state side: a [P, d, K] expands M
     ak = torch.randn(P, d, M, device="cuda", dtype=bf)
     bk = (torch.randn(P, M, N, device="cuda") / 64).to(bf)
@@ -115,6 +121,8 @@ def run() -> list[Row]:
     add(case, "unfused (sympow+bmm)",
         _time(lambda: torch.bmm(S.sympow(ak, p, t, dim=-2), bk)), flops=flops, baseline=True)
     add(case, "vitrail fused", _time(lambda: S.sympow_mma(ak, bk, -2, p, t)), flops=flops)
+    add(case, "vitrail fused sm80 mma.sync",
+        _time(lambda: S._mma_impl(ak, bk, -2, p, t, 1.0, True, wgmma=False)), flops=flops)
     # mma_sympow_bwd, query side: c = a [P, M, d], grad [P, M, N], b^T [P, N, D]
     g = torch.randn(P, M, N, device="cuda", dtype=bf)
     bt = b.transpose(1, 2).contiguous()

@@ -88,6 +88,61 @@ def tables(d: int, power: int, d_tile: int, duplicate_correction: bool,
     return made
 
 
+_SLOTS: dict[tuple, tuple[torch.Tensor, int]] = {}
+GATHER_SMEM = 64 << 10   # shared memory a sympow_bwd_gather CTA may take (3+ CTAs per SM)
+
+
+def part_ld(power: int, d_tile: int) -> int:
+    """Floats between two items' partial gradients in sympow_bwd_gather (PART_LD there)."""
+    part = power * d_tile
+    return part + (4 if part % 8 == 0 else 0)
+
+
+def gather_slots(d: int, power: int, d_tile: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """(slots int32 [n, E], E) for sympow_bwd_gather: for each tile u, the offsets in a row's
+    partial gradients (tuple j's factor l at j * part_ld + l * d_tile) of every (tuple, factor)
+    whose tile is u; each tile has the same number E = tuples * power / n."""
+    key = (d, power, d_tile, str(device))
+    hit = _SLOTS.get(key)
+    if hit is not None:
+        return hit
+    n, ld = d // d_tile, part_ld(power, d_tile)
+    per_tile: list[list[int]] = [[] for _ in range(n)]
+    for j, tup in enumerate(tuples(n, power)):
+        for l, u in enumerate(tup):
+            per_tile[u].append(j * ld + l * d_tile)
+    entries = len(per_tile[0])
+    assert all(len(p) == entries for p in per_tile)
+    made = (torch.tensor(per_tile, dtype=torch.int32).to(device), entries)
+    _SLOTS[key] = made
+    return made
+
+
+def gather_stage(dtype: torch.dtype, power: int, d_tile: int, vec: int) -> int:
+    """Bytes of sympow_bwd_gather's dz stage (GSTAGE there: a tuple's block 32 to 128 bytes,
+    16-byte vectors): 256 tuples' blocks, each padded by 16 bytes; else 0."""
+    es = torch.empty((), dtype=dtype).element_size()
+    block = d_tile ** power * es
+    return 256 * (block + 16) if 32 <= block <= 128 and vec * es == 16 else 0
+
+
+def gather_rows(d: int, power: int, d_tile: int, n_tuples: int, stage: int = 0) -> int:
+    """Rows per CTA of sympow_bwd_gather (0: a row's partials do not fit; use sympow_bwd): as
+    many as fit in GATHER_SMEM beside the stage with the items (rows x tuples) filling whole
+    rounds of 256 threads best."""
+    per_row = 4 * (d + n_tuples * part_ld(power, d_tile))
+    most = min(64, (GATHER_SMEM - stage - 32) // per_row)  # (32: the two round-ups)
+    if most < 1:
+        return 0
+    fill = lambda r: r * n_tuples / (-(-r * n_tuples // 256) * 256)  # noqa: E731
+    return max(range(1, most + 1), key=lambda r: (round(fill(r), 2), r))
+
+
+def gather_smem(d: int, power: int, d_tile: int, n_tuples: int, rows: int, stage: int) -> int:
+    parts = rows * n_tuples * part_ld(power, d_tile)
+    return 4 * ((rows * d + 3) // 4 * 4 + (parts + 3) // 4 * 4) + stage
+
+
 # Elementwise kernels: VEC is how many features one thread writes (forward) or loads at once
 # (backward); 16 bytes at most. The problem fixes dtype, power and d_tile (module statics).
 ELEMENTWISE = Space({"VEC": [1, 2, 4, 8]},
@@ -95,6 +150,41 @@ ELEMENTWISE = Space({"VEC": [1, 2, 4, 8]},
                     heuristic=lambda problem, lim: {"VEC": problem["vec"]})
 
 MMA = Space({"THREADS": [MMA_THREADS]}, heuristic=lambda problem, lim: {"THREADS": MMA_THREADS})
+
+# sympow_mma on wgmma (sm90_sympow_mma.cuh): half/bfloat16 on sm_90a, and every 64-feature block
+# of the expansion inside one tuple (d_tile ** power a multiple of 64: p=2 with d_tile 8 or 16,
+# p=3 with 4 or 8, p=4 with 4); the rest, and float32, stay on the sm80 kernels.
+WG_TILE = (128, 64)   # output rows (2 warpgroups x 64) x columns per CTA
+WG_STAGES = 4
+_WG_ARCH: dict[int, bool] = {}
+
+
+def wgmma_supports(dtype: torch.dtype, power: int, d_tile: int) -> bool:
+    """The problem is one sm90_sympow_mma.cuh implements (on any sm_90a device)."""
+    return dtype in (torch.float16, torch.bfloat16) and power >= 2 and d_tile ** power % 64 == 0
+
+
+def wgmma_applies(dtype: torch.dtype, power: int, d_tile: int, device: torch.device) -> bool:
+    """wgmma_supports, and the device's target is sm_90a."""
+    if not wgmma_supports(dtype, power, d_tile):
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _WG_ARCH.get(index)
+    if ok is None:
+        from vitrail.tune import limits
+        arch = limits(index).arch
+        ok = _WG_ARCH[index] = (arch.major, arch.suffix) == (9, "a")
+    return ok
+
+
+def wgmma_smem(kind: str, d: int) -> int:
+    """Dynamic shared memory of a wgmma kernel (the carving in sm90_sympow_mma.cuh): 1 KiB of
+    alignment slack, the stages of b's 64 x 64 tiles, then x's rows as fp32 (expand K) or the
+    stages of a's d x 64 blocks (expand M)."""
+    base = 1024 + WG_STAGES * 64 * 64 * 2
+    if kind == "k":
+        return base + WG_TILE[0] * ((d + 31) // 32 * 32 + 8) * 4
+    return base + WG_STAGES * d * 64 * 2
 
 
 def vector_width(dtype: torch.dtype, block: int, *tensors: torch.Tensor) -> int:

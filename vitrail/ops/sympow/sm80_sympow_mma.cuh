@@ -5,7 +5,7 @@
 // a. Each CTA builds its 64 x 64 tile of the expanded operand in shared memory from the
 // d-feature input tile it holds (or, backward, contracts a 64 x 64 tile of gradients against
 // it), and feeds tensor cores: SM80 mma.sync m16n8k16 (HMMA) for half and bfloat16, fp32 FMA
-// for float. (Not yet wgmma: the next step for sm_90a.)
+// for float. (On sm_90a, sympow_mma takes sm90_sympow_mma.cuh's wgmma kernels where they apply.)
 //
 // Statics: T_ID, POW, TILE (see sympow_common.cuh). CTA tile BM = BN = BK = 64, 256 threads
 // (8 warps, 2 x 4, each 32 x 16 of the output tile).

@@ -135,3 +135,111 @@ sympow_bwd(T* __restrict__ dx, const T* __restrict__ x, const T* __restrict__ dz
   for (int i = threadIdx.x; i < nrows * d; i += blockDim.x)
     dx[row0 * d + i] = from_f<T>(s_dx[i]);
 }
+
+// The backward without atomics (the choice wherever a row's partial sums fit in shared memory;
+// sympow_bwd above is the fallback). Shared float atomics are compare-and-swap loops on sm_90,
+// and a row's tuples all add into its d features, so they spin; here each (row, tuple) item
+// writes the gradients of its POW factors to its own slot, and then each dx element sums its
+// tile's slots (the `slots` table, E entries per tile: every (tuple, factor) whose tile it is).
+// Phase 1 reads x from shared memory and its tuple's dz block from a cp.async stage (STAGE) or
+// straight from global memory in 16-byte loads (the block's loads are independent, so they are
+// all in flight at once); phase 2 writes dx coalesced. Deterministic: no order depends on timing.
+// Needs dz's rows D features apart and 16-byte aligned (VEC == 16 / sizeof(T)) where STAGE.
+constexpr int PART = POW * TILE;                      // one item's partial gradients
+constexpr bool GSTAGE = STAGE && VEC * sizeof(T) == 16;  // staged by cp.async: 16-byte chunks
+constexpr int PART_LD = PART + (PART % 8 == 0 ? 4 : 0);  // padded: items' 16-byte stores spread
+extern "C" __global__ void __launch_bounds__(256)
+sympow_bwd_gather(T* __restrict__ dx, const T* __restrict__ x, const T* __restrict__ dz,
+                  const int* __restrict__ tidx, const float* __restrict__ tcoef,
+                  const int* __restrict__ slots, long long rows, int d, int D, int tuples,
+                  int entries, int rows_per_block, float scale) {
+  using namespace sympow_detail;
+  extern __shared__ __align__(16) float smem[];
+  float* s_x = smem;                                          // [rows_per_block][d]
+  float* s_part = smem + ((rows_per_block * d + 3) & ~3);     // [items][PART_LD], then the stage
+  constexpr int LV = VEC < TILE ? VEC : TILE;                 // elements per dz load
+  constexpr int SV = TILE % 4 == 0 ? 4 : TILE % 2 == 0 ? 2 : 1;  // floats per partial store
+  const long long row0 = (long long)blockIdx.x * rows_per_block;
+  const int nrows = (int)min((long long)rows_per_block, rows - row0);
+  const int items = nrows * tuples;
+  // STAGE (as in sympow_bwd): each round's blocks come in by cp.async, 16 bytes a thread, all in
+  // flight at once; they are contiguous in dz (a row's D features are its tuples' blocks).
+  T* s_dz = reinterpret_cast<T*>(s_part + ((items * PART_LD + 3) & ~3));  // [STAGE_ITEMS][STAGE_LD]
+  const T* dz_block = dz + row0 * D;
+  for (int seg = 0; seg < items; seg += STAGE_ITEMS) {
+    if (GSTAGE) {
+      const int n = min(STAGE_ITEMS, items - seg);
+      const T* src = dz_block + (long long)seg * BLOCK;
+      constexpr int E = 16 / (int)sizeof(T);  // elements per 16-byte chunk
+      for (int c = threadIdx.x; c < n * (BLOCK / E); c += blockDim.x) {
+        const int e = c * E, item = e / BLOCK;
+        const unsigned dst =
+            (unsigned)__cvta_generic_to_shared(s_dz + item * STAGE_LD + e - item * BLOCK);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src + e));
+      }
+      asm volatile("cp.async.commit_group;\n" ::);
+    }
+    if (seg == 0)  // (after the first stage is on its way)
+      for (int i = threadIdx.x; i < nrows * d; i += blockDim.x) s_x[i] = to_f(x[row0 * d + i]);
+    if (GSTAGE) asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    __syncthreads();  // the stage and x are in
+    const int it = seg + threadIdx.x;
+    if (it < items) {
+    const int r = it / tuples, tu = it - r * tuples;
+    const unsigned packed = (unsigned)__ldg(tidx + tu);
+    const float coef = __ldg(tcoef + tu) * scale;
+    const float* xr = s_x + r * d;
+    float xf[POW][TILE], gx[POW][TILE];
+#pragma unroll
+    for (int l = 0; l < POW; ++l) {
+      const unsigned start = (packed >> (8 * l)) & 255u;
+#pragma unroll
+      for (int a = 0; a < TILE; ++a) {
+        xf[l][a] = xr[start + a];
+        gx[l][a] = 0.f;
+      }
+    }
+    const T* g = GSTAGE ? s_dz + threadIdx.x * STAGE_LD : dz_block + (long long)it * BLOCK;
+    // 16-byte loads even where a tile row is shorter: a row pair's vector is kept for the odd row
+    constexpr int PAIR = (2 * TILE <= VEC && BLOCK >= 2 * TILE) ? 2 : 1;
+    Vec<LV * PAIR> held;
+    vitrail::tprod_pow_bwd_rows<POW, TILE>(gx, xf, [&](int lead, float (&grow)[TILE]) {
+      if (PAIR == 2) {
+        if (lead % 2 == 0) held = *reinterpret_cast<const Vec<LV * PAIR>*>(g + lead * TILE);
+#pragma unroll
+        for (int j = 0; j < TILE; ++j) grow[j] = to_f(held.v[(lead % 2) * TILE + j]);
+      } else {
+#pragma unroll
+        for (int b = 0; b < TILE; b += LV) {
+          const Vec<LV> v = *reinterpret_cast<const Vec<LV>*>(g + lead * TILE + b);
+#pragma unroll
+          for (int j = 0; j < LV; ++j) grow[b + j] = to_f(v.v[j]);
+        }
+      }
+    }, coef);
+    float* part = s_part + it * PART_LD;
+#pragma unroll
+    for (int l = 0; l < POW; ++l)
+#pragma unroll
+      for (int a = 0; a < TILE; a += SV) {
+        if constexpr (SV == 4)
+          *reinterpret_cast<float4*>(part + l * TILE + a) =
+              make_float4(gx[l][a], gx[l][a + 1], gx[l][a + 2], gx[l][a + 3]);
+        else if constexpr (SV == 2)
+          *reinterpret_cast<float2*>(part + l * TILE + a) = make_float2(gx[l][a], gx[l][a + 1]);
+        else
+          part[l * TILE + a] = gx[l][a];
+      }
+    }
+    if (GSTAGE) __syncthreads();  // the stage is refilled next round
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < nrows * d; i += blockDim.x) {
+    const int r = i / d, j = i - r * d, u = j / TILE, a = j - u * TILE;
+    const float* part = s_part + r * tuples * PART_LD + a;
+    const int* su = slots + u * entries;
+    float sum = 0.f;
+    for (int e = 0; e < entries; ++e) sum += part[__ldg(su + e)];
+    dx[row0 * d + i] = from_f<T>(sum);
+  }
+}

@@ -1,0 +1,517 @@
+// sympow_mma on Hopper: the expanded operand built in registers and fed to wgmma (HGMMA).
+//
+// Why: at power attention's shapes (d 64, head 64) the fused matmul does 2 * rows * D * N
+// FLOPs on a few bytes per output, so it is compute-bound; mma.sync (sm80_sympow_mma.cuh)
+// cannot keep Hopper's tensor cores busy. Here each warpgroup multiplies a 64-row slice of
+// the expansion, generated in registers in the wgmma A-fragment layout, by the other operand
+// read by wgmma straight from shared memory (128-byte swizzle, filled by cp.async, 4 stages).
+// wgmmas are asynchronous (wait_group 1): a warpgroup builds its next k-block's fragments while
+// its last one runs, and the SM's other warpgroups keep the tensor cores fed meanwhile.
+//
+// The expansion is walked tuple by tuple: with B = TILE^POW a multiple of 64
+// (configs.wgmma_supports; the others stay on sm80), every 64-feature k-block lies inside one
+// tuple, so every factor's digit is a bit field of the feature index: bits the thread's place in
+// the fragment fixes at compile time, bits of the lane, bits of the k-block. Each thread loads, per k-block
+// and row, only the few input values its fragment touches into registers (vectorized where a
+// field is whole), then every product has compile-time register indices.
+//
+// Statics: T_ID 1 (half) or 2 (bfloat16), POW, TILE (sympow_common.cuh), TILE^POW % 64 == 0.
+// CTA: 256 threads (2 warpgroups); expand K: 128 x 64 output tile; expand M: 128 features x 64.
+// Launch bounds hold registers to 80 (3 CTAs, 6 warpgroups per SM) without spills (expand M with
+// p > 2: 2 CTAs).
+// Constraints (configs.py): d <= 256, contiguous row-major operands whose rows are read by
+// cp.async (b, and a for expand M) 16-byte aligned and a multiple of 16 bytes long (the caller
+// pads others with zeros); a_vec says the same of a for expand K (else read element by element).
+#pragma once
+// (sympow_common.cuh comes first)
+
+namespace s90 {
+using namespace sympow_detail;
+static_assert(T_ID == 1 || T_ID == 2, "wgmma path: half or bfloat16");
+constexpr int BM = 128, BN = 64, BK = 64, THREADS = 256, STAGES = 4, PF = STAGES - 2;
+constexpr int LOGT = TILE == 1 ? 0 : TILE == 2 ? 1 : TILE == 4 ? 2 : TILE == 8 ? 3 : 4;
+constexpr int BLOCK = vitrail::ipow<TILE, POW>::value;
+static_assert(POW >= 2 && BLOCK % 64 == 0, "wgmma path: TILE^POW must be a multiple of 64");
+constexpr int TILE_BYTES = 64 * 64 * 2;  // one 64 x 64 operand tile, 128-byte rows
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return (unsigned)__cvta_generic_to_shared(p);
+}
+
+// ---- wgmma (PTX ISA 8.0, sm_90a) ----
+__device__ __forceinline__ void wg_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wg_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Descriptor of a 16 x 64 (K x N, N contiguous: "MN-major") slice of a 64 x 64 tile stored as
+// 128-byte rows with the 128-byte swizzle, the tile 1024-byte aligned: 8-row groups 1024 bytes
+// apart (stride offset); one 64-wide atom across N (leading offset: where a second would be).
+__device__ __forceinline__ unsigned long long desc_mn_sw128(unsigned addr) {
+  return (unsigned long long)((addr & 0x3FFFF) >> 4) |
+         ((unsigned long long)(TILE_BYTES >> 4) << 16) | ((unsigned long long)(1024 >> 4) << 32) |
+         (1ull << 62);
+}
+// acc (64 x 64 fp32 per warpgroup) += A (64 x 16, registers) @ B (16 x 64, shared, MN-major).
+struct Acc { float c[32]; };
+// Zero through asm, so the compiler cannot merge the 32 zeros into one register and copy between
+// accumulators inside the mainloop (which makes ptxas serialize the wgmmas).
+__device__ __forceinline__ void zero(Acc& acc) {
+#pragma unroll
+  for (int i = 0; i < 32; ++i) asm volatile("mov.b32 %0, 0;\n" : "=f"(acc.c[i]));
+}
+__device__ __forceinline__ void wgmma_rs(Acc& acc, const unsigned (&a)[4], unsigned long long b) {
+#define VT_ACC(i) "+f"(acc.c[i])
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %37, 0;\n"
+#if T_ID == 1
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+#else
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+#endif
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
+      "{%32,%33,%34,%35}, %36, p, 1, 1, 1;\n"
+      "}\n"
+      : VT_ACC(0), VT_ACC(1), VT_ACC(2), VT_ACC(3), VT_ACC(4), VT_ACC(5), VT_ACC(6), VT_ACC(7),
+        VT_ACC(8), VT_ACC(9), VT_ACC(10), VT_ACC(11), VT_ACC(12), VT_ACC(13), VT_ACC(14),
+        VT_ACC(15), VT_ACC(16), VT_ACC(17), VT_ACC(18), VT_ACC(19), VT_ACC(20), VT_ACC(21),
+        VT_ACC(22), VT_ACC(23), VT_ACC(24), VT_ACC(25), VT_ACC(26), VT_ACC(27), VT_ACC(28),
+        VT_ACC(29), VT_ACC(30), VT_ACC(31)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+#undef VT_ACC
+}
+// Makes every fragment of a k-block exist before the block's first wgmma (asm volatile keeps its
+// order against the wgmma asm), so each lives in its own registers: otherwise ptxas may give a
+// later fragment the registers of one still in flight and wait for each wgmma (wait_group 0).
+template <int N>
+__device__ __forceinline__ void pin(unsigned (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i]));
+}
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+#if T_ID == 1
+  __half2 v = __floats2half2_rn(lo, hi);
+#else
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+#endif
+  return *reinterpret_cast<unsigned*>(&v);
+}
+
+// ---- a 64 x 64 tile of a row-major matrix into the swizzled layout ----
+// Tile row r holds the block's row rmap(r) (the matrix's row row0 + rmap(r); rows past `rows`
+// are zero) and the columns [col0, col0 + 64) (past `cols`, zero). Row r's 16-byte chunk c lands
+// at r * 128 + ((c ^ (r % 8)) * 16).
+// TileStream: cp.async, each thread the same two chunks of every block (addresses computed once).
+// Needs 16-byte rows and addresses (the caller pads other matrices).
+struct TileStream {
+  static_assert(THREADS * 2 == 512, "two chunks per thread");
+  const T* src;   // the first chunk of the next block; the second is STEP rows on
+  unsigned dst;   // its byte offset in the tile; the second's is 32 rows (4 KiB) on
+  int row, step, advance;  // its row in the block; STEP rows and a block (64 rows), in elements
+  bool col_ok;
+  template <class RowMap>
+  __device__ __forceinline__ TileStream(const T* g, int ld, int col0, int cols, RowMap rmap) {
+    const int c = threadIdx.x & 7, r = threadIdx.x >> 3;
+    col_ok = col0 + c * 8 < cols;
+    row = rmap(r);
+    step = RowMap::STEP * ld;
+    advance = 64 * ld;
+    src = g + (long long)row * ld + col0 + c * 8;
+    dst = r * 128 + ((c ^ (r & 7)) << 4);  // row r + 32 has the same swizzle phase
+  }
+  // The next block (rows row0 ..., `rows` valid) into the tile at sdst; g: any valid address,
+  // read by none of the zero-filled chunks.
+  template <class RowMap>
+  __device__ __forceinline__ void issue(unsigned sdst, const T* g, int row0, int rows) {
+#pragma unroll
+    for (int it = 0; it < 2; ++it) {
+      const bool ok = col_ok && row0 + row + it * RowMap::STEP < rows;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sdst + dst + it * 4096),
+                   "l"(ok ? src + it * step : g), "r"(ok ? 16 : 0));
+    }
+    src += advance;
+  }
+};
+struct Identity {
+  static constexpr int STEP = 32;  // rmap(r + 32) - rmap(r)
+  __device__ __forceinline__ int operator()(int r) const { return r; }
+};
+// wgmma reads shared memory through the async proxy: this thread's cp.async and st.shared writes
+// must be fenced before a barrier publishes them to the warpgroups' wgmma.
+__device__ __forceinline__ void fence_async_proxy() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ void async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// ---- the expansion's bit fields ----
+// Inside a tuple's block, feature e's digit of factor l (0 = most significant) is the bit field
+// [lo(l), lo(l) + LOGT) of e. A thread's fragment element sits at e = e0 + local, e0 a multiple
+// of 64 (its k-block, uniform), local = CT | LANE: CT = 16 s + 8 h + j fixed at compile time
+// (k-step s, half h, pair element j: bits 0, 3, 4, 5), LANE = 2 (lane % 4) (bits 1, 2).
+__host__ __device__ constexpr int lo(int l) { return (POW - 1 - l) * LOGT; }
+__host__ __device__ constexpr int ct_mask(int l) { return (0x39 >> lo(l)) & (TILE - 1); }
+__host__ __device__ constexpr bool slot_used(int l, int c) { return (c & ~ct_mask(l)) == 0; }
+__host__ __device__ constexpr int slot(int l, int ct) { return (ct >> lo(l)) & (TILE - 1); }
+
+__host__ __device__ constexpr int popcount(int v) { return v ? (v & 1) + popcount(v >> 1) : 0; }
+__host__ __device__ constexpr int fewest_slots(int l = 0, int best = 0) {
+  return l == POW ? best
+                  : fewest_slots(l + 1, popcount(ct_mask(l)) <= popcount(ct_mask(best)) ? l : best);
+}
+constexpr int COEF_FACTOR = fewest_slots();
+
+// v[c] = p[c] for each slot c that factor l uses (p: the factor's first value for this thread).
+template <int L>
+__device__ __forceinline__ void load_factor(float (&v)[TILE], const float* p) {
+  constexpr int run = ct_mask(L) + 1;  // slots 0 .. run-1 when the mask is a low run of bits
+  if constexpr ((ct_mask(L) & run) == 0 && run >= 4) {  // a contiguous run: 16-byte loads
+#pragma unroll
+    for (int c = 0; c < run; c += 4) {
+      const float4 f = *reinterpret_cast<const float4*>(p + c);
+      v[c] = f.x; v[c + 1] = f.y; v[c + 2] = f.z; v[c + 3] = f.w;
+    }
+  } else if constexpr (ct_mask(L) & 1) {  // pairs (the last factor): 8-byte loads
+#pragma unroll
+    for (int c = 0; c < TILE; c += 2)
+      if (slot_used(L, c)) {
+        const float2 f = *reinterpret_cast<const float2*>(p + c);
+        v[c] = f.x; v[c + 1] = f.y;
+      }
+  } else {
+#pragma unroll
+    for (int c = 0; c < TILE; ++c)
+      if (slot_used(L, c)) v[c] = p[c];
+  }
+}
+
+// Every factor's values for one row (row: the row's first input value).
+template <int L>
+__device__ __forceinline__ void load_factors(float (&xv)[POW][TILE], const float* row,
+                                             unsigned packed, int e0, int lane_bits) {
+  const int off = (int)((packed >> (8 * L)) & 255u) + ((e0 >> lo(L)) & (TILE - 1)) +
+                  ((lane_bits >> lo(L)) & (TILE - 1));
+  load_factor<L>(xv[L], row + off);
+  if constexpr (L + 1 < POW) load_factors<L + 1>(xv, row, packed, e0, lane_bits);
+}
+
+// The 4 x 16-feature A fragments of one k-block for one row: xv[l][slot] are the row's factor
+// values, one factor's (COEF_FACTOR) already scaled by the tuple's coefficient. out[s][h]
+// packs the pair (j = 0, 1) at k-step s, half h.
+__device__ __forceinline__ void expand_row(unsigned (&out)[4][2], const float (&xv)[POW][TILE]) {
+#pragma unroll
+  for (int s = 0; s < 4; ++s)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int ct = 16 * s + 8 * h;
+      float lead = xv[0][slot(0, ct)];
+#pragma unroll
+      for (int l = 1; l < POW - 1; ++l) lead *= xv[l][slot(l, ct)];
+      out[s][h] = pack2(lead * xv[POW - 1][slot(POW - 1, ct)],
+                        lead * xv[POW - 1][slot(POW - 1, ct + 1)]);
+    }
+}
+}  // namespace s90
+
+// C[P, M, N] = (sympow(A[P, M, d] along its rows) * scale) @ B[P, D, N]   (expand K)
+// tidx/tcoef: the tuple table (configs.tables): each factor's first feature (bytes 0-3), and the
+// tuple's coefficient.
+extern "C" __global__ void __launch_bounds__(256, 3)
+sympow_mma_k_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict__ B,
+                const int* __restrict__ tidx, const float* __restrict__ tcoef, int M, int N,
+                int d, int D, float scale, int a_vec) {
+  using namespace s90;
+  extern __shared__ __align__(16) char smem_raw[];
+  // B stages first, 1024-byte aligned (the swizzle's period), then x's rows as floats
+  char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  T* sB = reinterpret_cast<T*>(smem);
+  const unsigned sB_addr = smem_addr(sB);
+  const unsigned long long desc0 = desc_mn_sw128(sB_addr);
+  float* sX = reinterpret_cast<float*>(smem + STAGES * TILE_BYTES);
+  const int ldx = ((d + 31) & ~31) + 8;  // rows 8 banks apart: 8- and 16-byte loads conflict-free
+
+  const long long p = blockIdx.x;
+  const int m0 = blockIdx.y * BM, n0 = blockIdx.z * BN;
+  const T* Bp = B + p * D * N;
+  const int nK = D / BK;
+  TileStream bs(Bp, N, n0, N, Identity{});
+  auto load_b = [&](int kt) {  // (kt in order: the stream steps a block a call)
+    if (kt < nK) bs.issue<Identity>(sB_addr + (kt % STAGES) * TILE_BYTES, Bp, kt * BK, D);
+    async_commit();
+  };
+#pragma unroll
+  for (int kt = 0; kt < PF; ++kt) load_b(kt);
+  const T* Ap = A + p * M * d;
+  if (a_vec) {  // 16-byte loads, all of a thread's in flight together
+    constexpr int E = 16 / sizeof(T);
+    const int per_row = d / E;
+    for (int i = threadIdx.x; i < BM * per_row; i += THREADS) {
+      const int r = i / per_row, c = (i - r * per_row) * E;
+      Vec<E> v;
+      if (m0 + r < M)
+        v = *reinterpret_cast<const Vec<E>*>(Ap + (long long)(m0 + r) * d + c);
+      else
+#pragma unroll
+        for (int j = 0; j < E; ++j) v.v[j] = from_f<T>(0.f);
+#pragma unroll
+      for (int j = 0; j < E; j += 4)
+        *reinterpret_cast<float4*>(sX + r * ldx + c + j) =
+            make_float4(to_f(v.v[j]), to_f(v.v[j + 1]), to_f(v.v[j + 2]), to_f(v.v[j + 3]));
+    }
+  } else {
+    for (int i = threadIdx.x; i < BM * d; i += THREADS) {
+      const int r = i / d, c = i - r * d;
+      sX[r * ldx + c] = m0 + r < M ? to_f(Ap[(long long)(m0 + r) * d + c]) : 0.f;
+    }
+  }
+
+  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const int lane_bits = 2 * (lane % 4);
+  const int xrow = (wg * 64 + warp * 16 + lane / 4) * ldx;  // this thread's first row (+8: 2nd)
+  Acc acc;
+  zero(acc);
+  unsigned frag[2][4];
+
+  for (int kt = 0; kt < nK; ++kt) {
+    async_wait<PF - 1>();
+    fence_async_proxy();
+    __syncthreads();  // stage kt landed everywhere; stage kt - 2's readers have retired
+    load_b(kt + PF);
+    const int k0 = kt * BK, tu = k0 / BLOCK, e0 = k0 - tu * BLOCK;
+    const unsigned packed = (unsigned)__ldg(tidx + tu);
+    const float coef = __ldg(tcoef + tu) * scale;
+    unsigned ex[2][4][2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float xv[POW][TILE];
+      load_factors<0>(xv, sX + xrow + i * 8 * ldx, packed, e0, lane_bits);
+#pragma unroll
+      for (int c = 0; c < TILE; ++c)  // the coefficient goes to the factor with fewest values
+        if (slot_used(COEF_FACTOR, c)) xv[COEF_FACTOR][c] *= coef;
+      expand_row(ex[i], xv);
+      pin(reinterpret_cast<unsigned(&)[8]>(ex[i]));
+    }
+    const unsigned long long b_desc = desc0 + (kt % STAGES) * (TILE_BYTES >> 4);
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      unsigned (&a)[4] = frag[s & 1];
+      a[0] = ex[0][s][0]; a[1] = ex[1][s][0]; a[2] = ex[0][s][1]; a[3] = ex[1][s][1];
+      wg_fence();
+      wgmma_rs(acc, a, b_desc + s * (16 * 128 >> 4));  // (start address field: 16-byte units)
+      wg_commit();
+      wg_wait<1>();
+    }
+  }
+  wg_wait<0>();
+  async_wait<0>();
+
+  T* Cp = C + p * M * N;
+  const int r0 = m0 + wg * 64 + warp * 16 + lane / 4;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int c = n0 + 8 * j + lane_bits;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = r0 + 8 * h;
+      if (r >= M) continue;
+      T* out = Cp + (long long)r * N + c;
+      const float v0 = acc.c[4 * j + 2 * h], v1 = acc.c[4 * j + 2 * h + 1];
+      if (c + 1 < N && (N % 2) == 0 && (reinterpret_cast<size_t>(Cp) & 3) == 0) {
+        *reinterpret_cast<unsigned*>(out) = pack2(v0, v1);
+      } else {
+        if (c < N) out[0] = from_f<T>(v0);
+        if (c + 1 < N) out[1] = from_f<T>(v1);
+      }
+    }
+  }
+}
+
+namespace s90 {
+// Expand M: the k-block's 64 columns are fed to wgmma in a permuted order so that each thread's
+// 16 columns are contiguous in `a` (two 16-byte loads per input row): wgmma position
+// 16 s + 8 h + 2 q + j (k-step s, half h, lane q = lane % 4, element j) takes column
+// 16 q + 4 s + 2 h + j of the block; b's tile rows are permuted the same way.
+struct KPerm {
+  static constexpr int STEP = 8;  // rmap(r + 32) - rmap(r)
+  __device__ __forceinline__ int operator()(int pos) const {
+    return 16 * ((pos >> 1) & 3) + 4 * (pos >> 4) + 2 * ((pos >> 3) & 1) + (pos & 1);
+  }
+};
+// a's k-blocks: d rows of 64 columns, 128-byte rows whose 16-byte chunk c lands at c ^ (row % 2)
+// (so that two rows' 16-byte loads by a quarter-warp fall in different banks).
+__device__ __forceinline__ void load_a_block(unsigned sdst, const T* g, int ld, int d, int col0,
+                                             int cols) {
+  const int c = threadIdx.x & 7;
+  const bool ok = col0 + c * 8 < cols;
+  const T* src = g + (threadIdx.x >> 3) * ld + col0 + c * 8;
+  for (int r = threadIdx.x >> 3; r < d; r += THREADS / 8, src += (THREADS / 8) * ld)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                     sdst + r * 128 + ((c ^ (r & 1)) << 4)),
+                 "l"(ok ? src : g), "r"(ok ? 16 : 0));
+}
+// Thread q's 16 columns of input row `row` (8 packed pairs: word 2 s + h is k-step s, half h).
+__device__ __forceinline__ void load_cols(unsigned (&w)[8], unsigned sbase, int row, int q) {
+  const unsigned addr = sbase + row * 128;
+  const int flip = row & 1;
+  asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+               : "r"(addr + (((2 * q) ^ flip) << 4)));
+  asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(w[4]), "=r"(w[5]), "=r"(w[6]), "=r"(w[7])
+               : "r"(addr + (((2 * q + 1) ^ flip) << 4)));
+}
+__device__ __forceinline__ float2 unpack2(unsigned v) {
+#if T_ID == 1
+  return __half22float2(*reinterpret_cast<__half2*>(&v));
+#else
+  return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&v));
+#endif
+}
+__device__ __forceinline__ unsigned mul2(unsigned a, unsigned b) {  // one rounding, as fp32 would
+#if T_ID == 1
+  __half2 r = __hmul2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b));
+#else
+  __nv_bfloat162 r =
+      __hmul2(*reinterpret_cast<__nv_bfloat162*>(&a), *reinterpret_cast<__nv_bfloat162*>(&b));
+#endif
+  return *reinterpret_cast<unsigned*>(&r);
+}
+// Field l of a feature offset contains bit 3 (the fragment's second row, 8 features on)?
+__host__ __device__ constexpr bool has_bit3(int l) { return lo(l) <= 3 && 3 < lo(l) + LOGT; }
+// The products of the factors' input rows over thread q's 16 columns, for the fragment's two
+// rows. POW 2: one packed multiply (exactly the fp32 product rounded once); longer products in
+// fp32, rounded once.
+__device__ __forceinline__ void expand_cols(unsigned (&prod)[2][8], unsigned abase,
+                                            const int (&rows)[POW][2], int q) {
+  unsigned w[POW][2][8];
+#pragma unroll
+  for (int l = 0; l < POW; ++l) {
+    load_cols(w[l][0], abase, rows[l][0], q);
+    if (has_bit3(l)) load_cols(w[l][1], abase, rows[l][1], q);
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      if constexpr (POW == 2) {
+        prod[h][i] = mul2(w[0][has_bit3(0) ? h : 0][i], w[1][has_bit3(1) ? h : 0][i]);
+      } else {
+        float2 v = unpack2(w[0][has_bit3(0) ? h : 0][i]);
+#pragma unroll
+        for (int l = 1; l < POW; ++l) {
+          const float2 x = unpack2(w[l][has_bit3(l) ? h : 0][i]);
+          v.x *= x.x;
+          v.y *= x.y;
+        }
+        prod[h][i] = pack2(v.x, v.y);
+      }
+    }
+}
+}  // namespace s90
+
+// C[P, D, N] = (sympow(A[P, d, K] along its columns) * scale) @ B[P, K, N]   (expand M)
+// Each warpgroup's 64 features lie inside one tuple, so its coefficient is applied to the
+// accumulators at the end, and each thread's two fragment rows are products of input rows fixed
+// for the whole kernel.
+extern "C" __global__ void __launch_bounds__(256, POW > 2 ? 2 : 3)  // (p > 2 spills at 80)
+sympow_mma_m_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict__ B,
+                const int* __restrict__ tidx, const float* __restrict__ tcoef, int K, int N,
+                int d, int D, float scale) {
+  using namespace s90;
+  extern __shared__ __align__(16) char smem_raw[];
+  char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  T* sB = reinterpret_cast<T*>(smem);  // STAGES x 64 x 64, swizzled, rows permuted (KPerm)
+  const unsigned sB_addr = smem_addr(sB);
+  const unsigned long long desc0 = desc_mn_sw128(sB_addr);
+  T* sA = sB + STAGES * 64 * 64;       // STAGES x d x 64
+  const unsigned sA_addr = smem_addr(sA);
+  const int a_stage = d * 64;
+
+  const long long p = blockIdx.x;
+  const int f0 = blockIdx.y * BM, n0 = blockIdx.z * BN;
+  const T* Ap = A + p * d * K;
+  const T* Bp = B + p * K * N;
+  const int nK = (K + BK - 1) / BK;
+  TileStream bs(Bp, N, n0, N, KPerm{});
+  auto load = [&](int kt) {  // (kt in order: the streams step a block a call)
+    if (kt < nK) {
+      const int st = kt % STAGES;
+      load_a_block(sA_addr + st * a_stage * 2, Ap, K, d, kt * BK, K);
+      bs.issue<KPerm>(sB_addr + st * TILE_BYTES, Bp, kt * BK, K);
+    }
+    async_commit();
+  };
+#pragma unroll
+  for (int kt = 0; kt < PF; ++kt) load(kt);
+
+  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const int q = lane % 4;
+  const int fw = f0 + wg * 64;  // this warpgroup's first feature
+  const bool live = fw < D;
+  const int tu = live ? fw / BLOCK : 0;
+  const unsigned packed = live ? (unsigned)__ldg(tidx + tu) : 0u;
+  const float coef = live ? __ldg(tcoef + tu) * scale : 0.f;
+  const int e = fw - tu * BLOCK + warp * 16 + lane / 4;  // the first row's offset in the tuple
+  int rows[POW][2];  // input rows of each factor for the fragment's two rows
+#pragma unroll
+  for (int l = 0; l < POW; ++l)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      rows[l][h] = (int)((packed >> (8 * l)) & 255u) + (((e + 8 * h) >> lo(l)) & (TILE - 1));
+
+  Acc acc;
+  zero(acc);
+  for (int kt = 0; kt < nK; ++kt) {
+    async_wait<PF - 1>();
+    fence_async_proxy();
+    __syncthreads();
+    load(kt + PF);
+    const int st = kt % STAGES;
+    const unsigned abase = sA_addr + st * a_stage * 2;
+    unsigned prod[2][8];  // the fragment rows' 16 columns as packed pairs (word 2 s + h)
+    expand_cols(prod, abase, rows, q);
+    pin(prod[0]);
+    pin(prod[1]);
+    const unsigned long long b_desc = desc0 + st * (TILE_BYTES >> 4);
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const unsigned a[4] = {prod[0][2 * s], prod[1][2 * s], prod[0][2 * s + 1],
+                             prod[1][2 * s + 1]};
+      wg_fence();
+      wgmma_rs(acc, a, b_desc + s * (16 * 128 >> 4));  // (start address field: 16-byte units)
+      wg_commit();
+      wg_wait<1>();
+    }
+  }
+  wg_wait<0>();
+  async_wait<0>();
+
+  T* Cp = C + p * D * N;
+  const int r0 = fw + warp * 16 + lane / 4;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int c = n0 + 8 * j + 2 * q;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = r0 + 8 * h;
+      if (!live || r >= D) continue;
+      T* out = Cp + (long long)r * N + c;
+      const float v0 = coef * acc.c[4 * j + 2 * h], v1 = coef * acc.c[4 * j + 2 * h + 1];
+      if (c + 1 < N && (N % 2) == 0 && (reinterpret_cast<size_t>(Cp) & 3) == 0) {
+        *reinterpret_cast<unsigned*>(out) = pack2(v0, v1);
+      } else {
+        if (c < N) out[0] = from_f<T>(v0);
+        if (c + 1 < N) out[1] = from_f<T>(v1);
+      }
+    }
+  }
+}
