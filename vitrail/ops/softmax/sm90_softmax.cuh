@@ -223,7 +223,8 @@ chunk_stats(MaxSum* __restrict__ stats, const T* __restrict__ a, const T* __rest
 
 // Stage 2: combine the row's chunk statistics, then write the chunk. CTAs take the chunks in the
 // reverse of stage 1's order, so the chunks stage 1 read last (the ones most likely still in L2)
-// are read again first.
+// are read again first; a thread's first step is loaded before the statistics are combined, so
+// the two latencies overlap.
 template <class T, int V, int Mode, bool IsLog, int Threads, int U>
 __global__ void __launch_bounds__(Threads)
 chunk_apply(T* __restrict__ out, const MaxSum* __restrict__ stats, const T* __restrict__ a,
@@ -233,6 +234,23 @@ chunk_apply(T* __restrict__ out, const MaxSum* __restrict__ stats, const T* __re
   const long long id = gridDim.x - 1 - blockIdx.x;
   const long long row = id / chunks;
   const int c = int(id % chunks);
+  const T* ar = a + row * lda;
+  const T* br = b + row * ldb;
+  T* orow = out + row * ldo;
+  const int end = min(n, c * chunk + chunk);
+  const T zero = from_float<T>(0.f);
+  Frg<T, V> fa[U], fb[U];
+  auto load = [&](int base) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int col = base + u * Threads * V;
+      fa[u] = load_frg<V>(ar + col, end - col, zero);
+      if constexpr (Mode != 0) fb[u] = load_frg<V>(br + col, end - col, zero);
+    }
+  };
+  int base = c * chunk + int(threadIdx.x) * V;
+  load(base);
+
   MaxSum tot = stats_identity<Mode>();
   for (int j = threadIdx.x; j < chunks; j += Threads) {
     const MaxSum o = stats[row * chunks + j];
@@ -242,19 +260,8 @@ chunk_apply(T* __restrict__ out, const MaxSum* __restrict__ stats, const T* __re
   else tot = SmartReduce<Threads>::reduce(tot, SumOp{}, scratch);
   // Forward on a row of -inf or NaN: tot.m is -inf; x - (-inf) ... gives NaN as torch does.
   const float scale = Mode == 0 ? (IsLog ? __log2f(tot.s) * kLn2 : 1.f / tot.s) : tot.s;
-  const T* ar = a + row * lda;
-  const T* br = b + row * ldb;
-  T* orow = out + row * ldo;
-  const int end = min(n, c * chunk + chunk);
-  const T zero = from_float<T>(0.f);
-  for (int base = c * chunk + int(threadIdx.x) * V; base < end; base += Threads * U * V) {
-    Frg<T, V> fa[U], fb[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int col = base + u * Threads * V;
-      fa[u] = load_frg<V>(ar + col, end - col, zero);
-      if constexpr (Mode != 0) fb[u] = load_frg<V>(br + col, end - col, zero);
-    }
+
+  while (base < end) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int col = base + u * Threads * V;
@@ -274,6 +281,8 @@ chunk_apply(T* __restrict__ out, const MaxSum* __restrict__ stats, const T* __re
       }
       store_frg<V>(orow + col, o, end - col);
     }
+    base += Threads * U * V;
+    if (base < end) load(base);
   }
 }
 
