@@ -5,13 +5,16 @@
 // (sm_90, reductions through distributed shared memory); each thread holds Iters 16-byte vectors
 // of it, vector i of a thread at column ((rank * Iters + i) * TPR + t) * V, so neighbouring threads
 // read neighbouring vectors. Forward: max, sum of exp, then write; backward: one sum, then write.
-// Rows longer than a config holds use the chunked path (two kernels: per-chunk statistics with an
-// online max/sum, then normalize), which reads the input twice but has no length limit.
+// Rows longer than a config holds, and rows too few to fill the GPU with clusters, use the chunked
+// path (two kernels over rows x chunks CTAs that the caller sizes to the GPU: per-chunk statistics
+// with an online max/sum, then normalize), which reads the input twice (the second time mostly
+// from L2 where the input is not much larger than it) but has no length limit.
 //
 // Constraints (checked by the entry points, refused with cudaErrorInvalidValue):
 //   - the last dim is contiguous; row strides (ld*) and base pointers are multiples of V elements
 //     (16 bytes; the Python side picks V = 1 otherwise);
-//   - n <= TPR * Iters * V * Cluster for the register path.
+//   - n <= TPR * Iters * V * Cluster for the register path; chunk % V == 0 and
+//     rows * ceil(n / chunk) < 2^31 for the chunked one.
 // Math in fp32: y = exp(x - max) / sum; log: y = (x - max) - log(sum). A row of -inf gives NaN
 // and a NaN anywhere in a row makes the row NaN, as in torch.
 #pragma once
