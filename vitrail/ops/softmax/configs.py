@@ -3,19 +3,20 @@
 A row of n elements is held by TPR threads x CLUSTER CTAs, ITERS vectors of V elements each
 (V = 16 bytes / element size, or 1 when rows are not 16-byte aligned). The heuristic picks the
 fewest threads that keep ITERS at its target (8 vectors per thread forward, 4 per array backward:
-enough loads in flight without spilling), then clusters when
-one CTA of 512 threads is not enough (backward: 2 vectors per array then, so that two CTAs of 512
-threads fit an SM's registers and one loads while the other reduces or stores). Rows of at most
-512 bytes (fp32 128) take CTAs of 128 threads and 4 vectors per thread forward: fp32 65536x128
+enough loads in flight without spilling), then clusters when one CTA of 512 threads is not
+enough (backward: 2 vectors per array then, so that two CTAs of 512 threads fit an SM's registers
+and one loads while the other reduces or stores). Rows of at most
+512 bytes (fp32 128) take CTAs of 128 threads and 4 vectors per thread: fp32 65536x128 forward
 then runs 4096 CTAs of 32 registers per thread, 16 per SM (2048 threads x 64 bytes = 128 KB in
-flight), where CTAs of 256 threads x 8 vectors gave 1024 CTAs, 5 per SM: 1.55 waves, the second
-half empty.
+flight, 1.9 waves), where CTAs of 256 threads x 8 vectors (48 registers) gave 1024 CTAs, 5 per
+SM: 1.55 waves, the second half empty.
 
 Rows beyond the largest config, and rows so few that the register path's clusters would not give
-every SM two CTAs (rows x CLUSTER < 2 x SMs; a clustered CTA takes a whole SM, so fewer means one
-wave or less of CTAs that load, reduce, then store with nothing overlapping), take the chunked path: each row cut into chunks, one CTA per chunk, about
-CHUNK_CTAS_PER_SM CTAs per SM in all; one more read of the input, which the second kernel takes
-in reverse order so that what the first read last is still in L2.
+every SM two CTAs (rows x CLUSTER < 2 x SMs; a clustered forward CTA takes a whole SM, so fewer
+means one wave or less of CTAs that load, reduce, then store with nothing to overlap), take the
+chunked path: each row cut into chunks, one CTA per chunk, about CHUNK_CTAS_PER_SM CTAs per SM in
+all; one more read of the input, which the second kernel takes in reverse order so that what the
+first read last is still in L2.
 """
 from __future__ import annotations
 

@@ -40,11 +40,18 @@ constexpr int min_ctas_per_sm() {
 }
 
 // Registers: the packed fragments (4-byte words) and about 32 working ones; with a cluster, ptxas
-// keeps far more across the cluster barriers (91-128 at 512 threads), so one CTA per SM.
+// keeps far more across the cluster barriers (91-128 at 512 threads), so one CTA per SM. fp32 rows
+// of <= 512 bytes (CTAs of 128 threads, <= 4 vectors per thread) fit 32 registers without spills:
+// 16 CTAs per SM, 2048 threads x 64 bytes in flight (16-bit types keep fp32 copies and need ~70).
 template <class T, int V> inline constexpr int kWords = (V * int(sizeof(T)) + 3) / 4;
+template <class T, int V, int Threads, int Iters, int Cluster>
+constexpr int fwd_min_ctas() {
+  if (sizeof(T) == 4 && V > 1 && Threads == 128 && Iters <= 4 && Cluster == 1) return 16;
+  return min_ctas_per_sm<Threads, (Cluster > 1 ? 255 : Iters * kWords<T, V> + 32)>();
+}
 
 template <class T, int V, int TPR, int Threads, int Iters, int Cluster, bool IsLog>
-__global__ void __launch_bounds__(Threads, min_ctas_per_sm<Threads, (Cluster > 1 ? 255 : Iters * kWords<T, V> + 32)>())
+__global__ void __launch_bounds__(Threads, fwd_min_ctas<T, V, Threads, Iters, Cluster>())
 fwd_kernel(T* __restrict__ y, const T* __restrict__ x, long long rows, int n, long long ldx,
            long long ldy) {
   using Reduce = SmartReduce<TPR, Cluster>;
