@@ -103,8 +103,12 @@ fwd_kernel(T* __restrict__ y, const T* __restrict__ x, long long rows, int n, lo
 // dx = y * (dy - sum(dy * y));  log: dx = dy - exp(y) * sum(dy).
 // Registers: ptxas keeps both arrays converted to fp32 from the sum to the output (one register per
 // element; 16-bit scalars take two when V is 1) and about 24 working ones.
+template <int V, int Threads, int Iters>
+constexpr int bwd_min_ctas() {
+  return min_ctas_per_sm<Threads, 2 * Iters * (V > 1 ? V : 2) + 24>();
+}
 template <class T, int V, int TPR, int Threads, int Iters, int Cluster, bool IsLog>
-__global__ void __launch_bounds__(Threads, min_ctas_per_sm<Threads, 2 * Iters * (V > 1 ? V : 2) + 24>())
+__global__ void __launch_bounds__(Threads, bwd_min_ctas<V, Threads, Iters>())
 bwd_kernel(T* __restrict__ dx, const T* __restrict__ y, const T* __restrict__ dy, long long rows,
            int n, long long ldy, long long lddy, long long lddx) {
   using Reduce = SmartReduce<TPR, Cluster>;
