@@ -41,6 +41,27 @@ def test_compile_representative_configs(monkeypatch):
         assert res and not any(r.spills for r in res.values()), res
 
 
+def test_routing_and_chunks():
+    """CPU: which path a shape takes, and chunked launches sized to the GPU (132 SMs)."""
+    from vitrail.ops.softmax import configs
+    from vitrail.tune import Space
+    c = Space({"THREADS": [256], "U": [4]}).config(THREADS=256, U=4)
+    assert configs.use_chunked(262144, 16, 8, 1, 132)  # 16 rows x cluster 8 < 2 x 132
+    assert configs.use_chunked(1 << 20, 8, 4, 1, 132)  # longer than any config holds
+    assert not configs.use_chunked(32768, 4096, 8, 2, 132)
+    assert not configs.use_chunked(4096, 1, 8, 1, 132)  # one CTA per row: no cluster
+    for n, rows, v in [(262144, 16, 8), (1 << 20, 8, 4), (5, 1, 1), (5000, 600, 4),
+                       (70001, 3, 1), (1 << 20, 100000, 8)]:
+        chunk = configs.chunk_length(n, rows, v, c, 132)
+        assert chunk % (256 * 4 * v) == 0 and chunk >= 256 * 4 * v
+        ctas = rows * -(-n // chunk)
+        assert ctas >= min(rows * -(-n // (256 * 4 * v)), 132 * configs.CHUNK_CTAS_PER_SM) // 2
+        assert ctas <= max(rows, 2 * 132 * configs.CHUNK_CTAS_PER_SM)
+    assert configs.heuristic(32768, 8, 2) == {"TPR": 512, "THREADS": 512, "ITERS": 2,
+                                              "CLUSTER": 4}
+    assert configs.heuristic(128, 4, 1) == {"TPR": 8, "THREADS": 128, "ITERS": 4, "CLUSTER": 1}
+
+
 @pytest.fixture(params=[False, True], ids=["softmax", "log_softmax"])
 def log(request):
     return request.param
