@@ -237,8 +237,9 @@ chunk_stats(MaxSum* __restrict__ stats, const T* __restrict__ a, const T* __rest
 
 // Stage 2: combine the row's chunk statistics, then write the chunk. CTAs take the chunks in the
 // reverse of stage 1's order, so the chunks stage 1 read last (the ones most likely still in L2)
-// are read again first; a thread's first step is loaded before the statistics are combined, so
-// the two latencies overlap.
+// are read again first, and read them as their last use (evict-first): the lines this kernel has
+// consumed make room for its output, not the lines it has still to read. A thread's first step is
+// loaded before the statistics are combined, so the two latencies overlap.
 template <class T, int V, int Mode, bool IsLog, int Threads, int U>
 __global__ void __launch_bounds__(Threads)
 chunk_apply(T* __restrict__ out, const MaxSum* __restrict__ stats, const T* __restrict__ a,
@@ -258,8 +259,8 @@ chunk_apply(T* __restrict__ out, const MaxSum* __restrict__ stats, const T* __re
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int col = base + u * Threads * V;
-      fa[u] = load_frg<V>(ar + col, end - col, zero);
-      if constexpr (Mode != 0) fb[u] = load_frg<V>(br + col, end - col, zero);
+      fa[u] = load_frg<V, Reuse::LastUse>(ar + col, end - col, zero);
+      if constexpr (Mode != 0) fb[u] = load_frg<V, Reuse::LastUse>(br + col, end - col, zero);
     }
   };
   int base = c * chunk + int(threadIdx.x) * V;
