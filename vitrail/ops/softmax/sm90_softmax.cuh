@@ -180,10 +180,18 @@ template <int Mode> __device__ __forceinline__ MaxSum stats_identity() {
   return {Mode == 0 ? -__builtin_huge_valf() : 0.f, 0.f};
 }
 
+// At U <= 4, 1024 threads per SM fit (64 registers: ptxas needs at most 66 unbounded, for bf16
+// backward's two arrays), so the CHUNK_CTAS_PER_SM = 4 CTAs of 256 threads that the caller
+// launches per SM all run in one wave.
+template <int Threads, int U>
+constexpr int chunk_min_ctas() {
+  return U <= 4 ? 1024 / Threads : 1;
+}
+
 // Stage 1: per (row, chunk) statistics into stats[row * chunks + c]. Forward: (max, sum exp);
 // backward: (0, sum(dy * y)) or (0, sum(dy)).
 template <class T, int V, int Mode, int Threads, int U>
-__global__ void __launch_bounds__(Threads)
+__global__ void __launch_bounds__(Threads, chunk_min_ctas<Threads, U>())
 chunk_stats(MaxSum* __restrict__ stats, const T* __restrict__ a, const T* __restrict__ b, int n,
             int chunk, int chunks, long long lda, long long ldb) {
   __shared__ MaxSum scratch[Threads / 32];
@@ -241,7 +249,7 @@ chunk_stats(MaxSum* __restrict__ stats, const T* __restrict__ a, const T* __rest
 // consumed make room for its output, not the lines it has still to read. A thread's first step is
 // loaded before the statistics are combined, so the two latencies overlap.
 template <class T, int V, int Mode, bool IsLog, int Threads, int U>
-__global__ void __launch_bounds__(Threads)
+__global__ void __launch_bounds__(Threads, chunk_min_ctas<Threads, U>())
 chunk_apply(T* __restrict__ out, const MaxSum* __restrict__ stats, const T* __restrict__ a,
             const T* __restrict__ b, int n, int chunk, int chunks, long long lda, long long ldb,
             long long ldo) {
