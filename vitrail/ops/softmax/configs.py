@@ -31,6 +31,7 @@ CTYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv
 MAX_TPR, MAX_CLUSTER = 512, 8
 SHORT_ROW_BYTES = 512  # rows of at most this (aligned): CTAs of 128 threads, 4 vectors per thread
 CHUNK_CTAS_PER_SM = 4
+CLUSTER_CTAS_PER_SM = 2  # fewer clustered CTAs than this per SM: the chunked path instead
 
 
 def vec(dtype: torch.dtype) -> int:
@@ -104,7 +105,7 @@ def use_chunked(n: int, rows: int, v: int, arrays: int, sms: int) -> bool:
     if n > max_register_row(v, arrays):
         return True
     cluster = heuristic(bucket(n), v, arrays)["CLUSTER"]
-    return cluster > 1 and rows * cluster < 2 * sms
+    return cluster > 1 and rows * cluster < CLUSTER_CTAS_PER_SM * sms
 
 
 CHUNKED = Space({"THREADS": [128, 256, 512], "U": [2, 4, 8]},
