@@ -34,10 +34,32 @@ def test_compile_representative_configs(monkeypatch):
     from vitrail.tune import limits
     lim = limits(arch="90a")
     for key, n in [(("fwd", torch.bfloat16, 8, False), 4096),
-                   (("bwd", torch.float32, 4, True), 1 << 17)]:  # the latter: a cluster of 4
+                   (("bwd", torch.float32, 4, True), 1 << 14),  # a cluster of 4
+                   (("chunked", "bwd", torch.bfloat16, 8, False), 1 << 20)]:
         op = OPS[key]
         res = op.module(op.space.default(n, lim)).resources()
         assert res and not any(r.spills for r in res.values()), res
+
+
+def test_routing_and_chunks():
+    """CPU: which path a shape takes, and chunked launches sized to the GPU (132 SMs)."""
+    from vitrail.ops.softmax import configs
+    from vitrail.tune import Space
+    c = Space({"THREADS": [256], "U": [4]}).config(THREADS=256, U=4)
+    assert configs.use_chunked(262144, 16, 8, 1, 132)  # 16 rows x cluster 8 < 2 x 132
+    assert configs.use_chunked(1 << 20, 8, 4, 1, 132)  # longer than any config holds
+    assert not configs.use_chunked(32768, 4096, 8, 2, 132)
+    assert not configs.use_chunked(4096, 1, 8, 1, 132)  # one CTA per row: no cluster
+    for n, rows, v in [(262144, 16, 8), (1 << 20, 8, 4), (5, 1, 1), (5000, 600, 4),
+                       (70001, 3, 1), (1 << 20, 100000, 8)]:
+        chunk = configs.chunk_length(n, rows, v, c, 132)
+        assert chunk % (256 * 4 * v) == 0 and chunk >= 256 * 4 * v
+        ctas = rows * -(-n // chunk)
+        assert ctas >= min(rows * -(-n // (256 * 4 * v)), 132 * configs.CHUNK_CTAS_PER_SM) // 2
+        assert ctas <= max(rows, 2 * 132 * configs.CHUNK_CTAS_PER_SM)
+    assert configs.heuristic(32768, 8, 2) == {"TPR": 512, "THREADS": 512, "ITERS": 2,
+                                              "CLUSTER": 4}
+    assert configs.heuristic(128, 4, 1) == {"TPR": 8, "THREADS": 128, "ITERS": 4, "CLUSTER": 1}
 
 
 @pytest.fixture(params=[False, True], ids=["softmax", "log_softmax"])
@@ -132,3 +154,58 @@ def test_opcheck_compile_and_errors():
         ops.softmax(x.detach().double())
     with pytest.raises(ArgumentError, match="CUDA"):
         ops.softmax(torch.randn(3))
+
+
+def _sms():
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+@requires_gpu
+@pytest.mark.parametrize("n", [1 << 16, 1 << 17, 40_001])
+def test_cluster_rows(n, log):
+    """Enough rows that the register path takes clusters (2 to 8 CTAs per row, 16-byte vectors
+    and, at n = 40001, elementwise ones), forward and backward."""
+    from vitrail.ops.softmax import configs, softmax_bwd
+    from vitrail.ops.softmax.reference import softmax_backward
+    ours, theirs = _fns(log)
+    for dtype in (torch.float32, torch.bfloat16):
+        v = configs.vec(dtype) if n % configs.vec(dtype) == 0 else 1
+        rows = 2 * _sms()
+        for arrays in (1, 2):  # the register path with clusters, where a config holds n
+            if n <= configs.max_register_row(v, arrays):
+                assert not configs.use_chunked(n, rows, v, arrays, _sms())
+                assert configs.heuristic(1 << (n - 1).bit_length(), v, arrays)["CLUSTER"] > 1
+        x = (torch.randn(rows, n, device="cuda") * 4).to(dtype)
+        _check(ours(x), theirs(x, -1), theirs(x.double(), -1))
+        y = theirs(x.float(), -1).to(dtype)
+        dy = torch.randn_like(y)
+        same = softmax_backward(y.float(), dy.float(), -1, log).to(dtype)
+        _check(softmax_bwd(y, dy, 1, log), same, softmax_backward(y, dy, -1, log))
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 5), (3, 70_001), (600, 5000), (7, 50_000), (2, 1 << 20)])
+def test_chunked_direct(shape, dtype, log):
+    """The chunked path on any shape (one chunk per row, ragged last chunks, elementwise vectors
+    where a row is not 16-byte aligned), with -inf and NaN rows, called directly."""
+    from vitrail.ops.softmax import OPS, configs
+    from vitrail.ops.softmax.reference import softmax, softmax_backward
+    rows, n = shape
+    v = configs.vec(dtype) if n % configs.vec(dtype) == 0 else 1
+    x = (torch.randn(rows, n, device="cuda") * 3).to(dtype)
+    if rows >= 3:
+        x[1, : n // 2] = float("-inf")
+        x[2, n // 3] = float("nan")
+    y = torch.full_like(x, float("nan"))
+    OPS["chunked", "fwd", dtype, v, log]("test", n, y, x, x)
+    ref = softmax(x, -1, log)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(y.double(), ref, equal_nan=True, rtol=tol, atol=tol)
+    x = (torch.randn(rows, n, device="cuda") * 3).to(dtype)
+    y = softmax(x, -1, log).to(dtype)
+    dy = torch.randn_like(y)
+    dx = torch.full_like(y, float("nan"))
+    OPS["chunked", "bwd", dtype, v, log]("test", n, dx, y, dy)
+    same = softmax_backward(y.float(), dy.float(), -1, log).to(dtype)
+    _check(dx, same, softmax_backward(y, dy, -1, log))

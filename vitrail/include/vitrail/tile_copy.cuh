@@ -2,7 +2,9 @@
 //
 // - Frg<T, N>: N elements of T in registers, moved as one vector (16 bytes when N*sizeof(T) is 16).
 // - load_frg / store_frg: global <-> registers, one vector per call; the predicated overloads
-//   touch only the first `valid` elements (the edge of a row) and fill the rest.
+//   touch only the first `valid` elements (the edge of a row) and fill the rest; load_frg_if: a
+//   vector load or nothing, one predicated instruction (loads of an unrolled loop stay in flight);
+//   Reuse::LastUse makes 16-byte loads evict-first in L1 and L2 (data read for the last time).
 // - copy_async / async_commit / async_wait<K>: cp.async 16-byte global -> shared copies with zero
 //   fill for out-of-range chunks (sm_80+), for multistage pipelines (K groups left in flight).
 // - TileCopy<T, Threads>: a CTA copies a rows x cols tile (cols contiguous, row stride ld) between
@@ -70,13 +72,47 @@ __device__ __forceinline__ Frg<T, N> load_frg(const T* __restrict__ p) {
   f.raw = *reinterpret_cast<const typename Frg<T, N>::Raw*>(p);
   return f;
 }
-// The first `valid` elements from p (a full vector load when valid >= N), the rest `fill`.
-template <int N, class T>
+// Whether a load's data is read again later: LastUse loads 16-byte vectors with the streaming
+// cache operator (ld.cs: evict-first in L1 and L2), so that lines still to be read stay in L2.
+enum class Reuse { Normal, LastUse };
+
+// One vector load into f when pred, else f unchanged; p must not be written while the kernel runs
+// (a read-only load). 16-byte vectors load in one predicated instruction with no branch, so the
+// loads of an unrolled loop all issue before any result is waited for: a branch around each load
+// (what `if (pred) f = load_frg(p)` compiles to beside a fill) makes ptxas copy the result at the
+// join, and that copy waits for the load before the next one issues.
+template <int N, Reuse R = Reuse::Normal, class T>
+__device__ __forceinline__ void load_frg_if(Frg<T, N>& f, const T* __restrict__ p, bool pred) {
+  if constexpr (sizeof(typename Frg<T, N>::Raw) == 16) {
+    uint4& r = f.raw;
+    if constexpr (R == Reuse::LastUse) {
+      asm("{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %5, 0;\n\t"
+          "@q ld.global.cs.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
+          : "+r"(r.x), "+r"(r.y), "+r"(r.z), "+r"(r.w)
+          : "l"(p), "r"(int(pred)));
+    } else {
+      asm("{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %5, 0;\n\t"
+          "@q ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
+          : "+r"(r.x), "+r"(r.y), "+r"(r.z), "+r"(r.w)
+          : "l"(p), "r"(int(pred)));
+    }
+  } else {
+    if (pred) f = load_frg<N>(p);
+  }
+}
+// The first `valid` elements from p (a full vector load when valid >= N), the rest `fill`
+// (a row's edge: valid may be <= 0 or >= N). Read-only, as load_frg_if.
+template <int N, Reuse R = Reuse::Normal, class T>
 __device__ __forceinline__ Frg<T, N> load_frg(const T* __restrict__ p, int valid, T fill) {
-  if (valid >= N) return load_frg<N>(p);
   Frg<T, N> f;
 #pragma unroll
-  for (int i = 0; i < N; ++i) f.v[i] = i < valid ? p[i] : fill;
+  for (int i = 0; i < N; ++i) f.v[i] = fill;
+  load_frg_if<N, R>(f, p, valid >= N);
+  if (valid > 0 && valid < N) {
+#pragma unroll
+    for (int i = 0; i < N - 1; ++i)
+      if (i < valid) f.v[i] = p[i];
+  }
   return f;
 }
 template <int N, class T>

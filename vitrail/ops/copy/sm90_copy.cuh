@@ -28,7 +28,7 @@ flat_kernel(TO* __restrict__ out, const TI* __restrict__ in, long long n) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const long long i = base + (long long)u * Threads;
-      if (i < vectors) f[u] = load_frg<V>(in + i * V);
+      load_frg_if(f[u], in + i * V, i < vectors);  // one predicated load: all U in flight
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {

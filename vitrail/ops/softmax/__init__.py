@@ -18,7 +18,7 @@ from vitrail.jit.errors import LaunchError
 from vitrail.op import Op
 from vitrail.ops.common import FLOATS, check_dim, check_tensor, plain_eager
 from vitrail.ops.softmax import configs
-from vitrail.tune import Space, bucket
+from vitrail.tune import bucket
 
 HERE = Path(__file__).resolve().parent
 KERNEL = (HERE / "sm90_softmax.cuh").read_text()
@@ -41,7 +41,7 @@ extern "C" cudaError_t softmax_bwd(void* dx, const void* y, const void* dy, long
 extern "C" cudaError_t softmax_chunked(void* out, void* stats, const void* a, const void* b,
                                        long long rows, int n, int chunk, long long lda,
                                        long long ldb, long long ldo, cudaStream_t stream) {
-  return vitrail::softmax::launch_chunked<T, V, MODE, IS_LOG>(
+  return vitrail::softmax::launch_chunked<T, V, MODE, IS_LOG, THREADS, U>(
       (T*)out, stats, (const T*)a, (const T*)b, rows, n, chunk, lda, ldb, ldo, stream);
 }""",
 }
@@ -57,7 +57,7 @@ def _source(kind: str, dtype: torch.dtype, v: int, log: bool, mode: int = 0) -> 
 def _render(kind: str, dtype: torch.dtype, v: int, log: bool, mode: int = 0):
     def render(config) -> dict:
         consts = "".join(f"constexpr int {k} = {config[k]};\n"
-                         for k in ("TPR", "THREADS", "ITERS", "CLUSTER") if k in config)
+                         for k in ("TPR", "THREADS", "ITERS", "CLUSTER", "U") if k in config)
         return dict(source=_source(kind, dtype, v, log, mode) .replace("//CONSTS\n", consts),
                     name=f"softmax_{kind}", include_dirs=[str(HERE)], flags=["-std=c++17"])
     return render
@@ -80,10 +80,25 @@ def _launch_bwd(module, config, dx, y, dy):
                        _ld(dx))
 
 
-def _launch_chunked(module, config, out, stats, a, b):
-    rows, n = a.shape
-    module.softmax_chunked(out.data_ptr(), stats.data_ptr(), a.data_ptr(), b.data_ptr(), rows, n,
-                           config.CHUNK, _ld(a), _ld(b), _ld(out))
+def _chunked_launcher(v: int):
+    def launch(module, config, out, a, b):
+        rows, n = a.shape
+        chunk = configs.chunk_length(n, rows, v, config, _sms(a.device))
+        stats = torch.empty(rows * math.ceil(n / chunk) * 2, dtype=torch.float32,
+                            device=a.device)  # (max, sum) per chunk
+        module.softmax_chunked(out.data_ptr(), stats.data_ptr(), a.data_ptr(), b.data_ptr(),
+                               rows, n, chunk, _ld(a), _ld(b), _ld(out))
+    return launch
+
+
+_SMS: dict[int, int] = {}
+
+
+def _sms(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
 
 
 def _dname(dtype: torch.dtype) -> str:
@@ -106,9 +121,9 @@ for _dt in configs.CTYPES:
             for _mode, _kind in ((0, "fwd"), (2 if _log else 1, "bwd")):
                 OPS["chunked", _kind, _dt, _v, _log] = Op(
                     _base.format(f"{_kind}_chunked"), kernel_source=KERNEL,
-                    space=Space({"CHUNK": [8192, 16384, 32768, 65536]},
-                                heuristic=lambda p, lim: {"CHUNK": 32768}),
-                    render=_render("chunked", _dt, _v, _log, _mode), launch=_launch_chunked)
+                    space=configs.CHUNKED,
+                    render=_render("chunked", _dt, _v, _log, _mode),
+                    launch=_chunked_launcher(_v))
 
 
 def _aligned(v: int, *ts: torch.Tensor) -> bool:
@@ -123,10 +138,8 @@ def _run_fwd(y2: torch.Tensor, x2: torch.Tensor, log: bool) -> None:
     if not _aligned(v, x2, y2):
         v = 1
     key = f"n{bucket(n)};rows{bucket(rows)}"
-    if n > configs.max_register_row(v, 1):
-        op = OPS["chunked", "fwd", x2.dtype, v, log]
-        stats = torch.empty(rows, math.ceil(n / 8192) * 2, dtype=torch.float32, device=x2.device)
-        op(key, n, y2, stats, x2, x2)
+    if configs.use_chunked(n, rows, v, 1, _sms(x2.device)):
+        OPS["chunked", "fwd", x2.dtype, v, log](key, n, y2, x2, x2)
     else:
         OPS["fwd", x2.dtype, v, log](key, bucket(n), y2, x2)
 
@@ -137,10 +150,8 @@ def _run_bwd(dx2, y2, dy2, log: bool) -> None:
     if not _aligned(v, y2, dy2, dx2):
         v = 1
     key = f"n{bucket(n)};rows{bucket(rows)}"
-    if n > configs.max_register_row(v, 2):
-        op = OPS["chunked", "bwd", y2.dtype, v, log]
-        stats = torch.empty(rows, math.ceil(n / 8192) * 2, dtype=torch.float32, device=y2.device)
-        op(key, n, dx2, stats, y2, dy2)
+    if configs.use_chunked(n, rows, v, 2, _sms(y2.device)):
+        OPS["chunked", "bwd", y2.dtype, v, log](key, n, dx2, y2, dy2)
     else:
         OPS["bwd", y2.dtype, v, log](key, bucket(n), dx2, y2, dy2)
 

@@ -3,19 +3,35 @@
 A row of n elements is held by TPR threads x CLUSTER CTAs, ITERS vectors of V elements each
 (V = 16 bytes / element size, or 1 when rows are not 16-byte aligned). The heuristic picks the
 fewest threads that keep ITERS at its target (8 vectors per thread forward, 4 per array backward:
-enough loads in flight without spilling), then clusters when one CTA of 512 threads is not enough.
-Rows beyond the largest config go to the chunked path (no length limit, one more read).
+enough loads in flight without spilling), then clusters when one CTA of 512 threads is not
+enough (backward: 2 vectors per array then, so that two CTAs of 512 threads fit an SM's registers
+and one loads while the other reduces or stores). Rows of at most
+512 bytes (fp32 128) take CTAs of 128 threads and 4 vectors per thread: fp32 65536x128 forward
+then runs 4096 CTAs of 32 registers per thread, 16 per SM (2048 threads x 64 bytes = 128 KB in
+flight, 1.9 waves), where CTAs of 256 threads x 8 vectors (48 registers) gave 1024 CTAs, 5 per
+SM: 1.55 waves, the second half empty.
+
+Rows beyond the largest config, and rows so few that the register path's clusters would not give
+every SM two CTAs (rows x CLUSTER < 2 x SMs; a clustered forward CTA takes a whole SM, so fewer
+means one wave or less of CTAs that load, reduce, then store with nothing to overlap), take the
+chunked path: each row cut into chunks, one CTA per chunk, about CHUNK_CTAS_PER_SM CTAs per SM in
+all; one more read of the input, which the second kernel takes in reverse order so that what the
+first read last is still in L2.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
-from vitrail.tune import Space, max_threads, require
+from vitrail.tune import Space, bucket, max_threads, require
 
 CTYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
 MAX_TPR, MAX_CLUSTER = 512, 8
+SHORT_ROW_BYTES = 512  # rows of at most this (aligned): CTAs of 128 threads, 4 vectors per thread
+CHUNK_CTAS_PER_SM = 4
+CLUSTER_CTAS_PER_SM = 2  # fewer clustered CTAs than this per SM: the chunked path instead
 
 
 def vec(dtype: torch.dtype) -> int:
@@ -51,16 +67,21 @@ def space(v: int, arrays: int) -> Space:
 
 def heuristic(n: int | None, v: int, arrays: int, lim=None) -> dict:
     """The config for rows of n elements (n a power of two: the problem key's bucket)."""
-    vectors = math.ceil((n or 4096) / v)
-    target = (8 if arrays == 1 else 4) if v > 1 else 16
+    n = n or 4096
+    vectors = math.ceil(n / v)
+    short = v > 1 and n * (16 // v) <= SHORT_ROW_BYTES
+    target = ((4 if short else 8) if arrays == 1 else 4) if v > 1 else 16
     tpr = 1
     while tpr < MAX_TPR and math.ceil(vectors / tpr) > target:
         tpr *= 2
     iters, cluster = _pow2(math.ceil(vectors / tpr)), 1
     if iters > target:
+        if arrays == 2 and v > 1:
+            target = 2
         cluster = min(MAX_CLUSTER, _pow2(math.ceil(vectors / (MAX_TPR * target))))
         iters = min(_max_iters(v, arrays), _pow2(math.ceil(vectors / (MAX_TPR * cluster))))
-    return {"TPR": tpr, "THREADS": max(tpr, 256), "ITERS": iters, "CLUSTER": cluster}
+    return {"TPR": tpr, "THREADS": max(tpr, 128 if short else 256), "ITERS": iters,
+            "CLUSTER": cluster}
 
 
 def capacity(config, v: int) -> int:
@@ -68,9 +89,35 @@ def capacity(config, v: int) -> int:
 
 
 def _max_iters(v: int, arrays: int) -> int:
-    return 16 if arrays == 1 or v == 1 else 8
+    """The most vectors per thread and array that ptxas holds without spilling at 512 threads."""
+    return 16 if v == 1 else (8 if arrays == 1 else 4)
 
 
 def max_register_row(v: int, arrays: int) -> int:
     """The longest row the register path takes; longer rows go chunked."""
     return MAX_TPR * _max_iters(v, arrays) * v * MAX_CLUSTER
+
+
+@functools.lru_cache(maxsize=4096)
+def use_chunked(n: int, rows: int, v: int, arrays: int, sms: int) -> bool:
+    """Whether rows x n goes to the chunked path: longer rows than any config holds, or a
+    register path of clusters that would not give every SM two CTAs."""
+    if n > max_register_row(v, arrays):
+        return True
+    cluster = heuristic(bucket(n), v, arrays)["CLUSTER"]
+    return cluster > 1 and rows * cluster < CLUSTER_CTAS_PER_SM * sms
+
+
+CHUNKED = Space({"THREADS": [128, 256, 512], "U": [2, 4, 8]},
+                constraints=[max_threads(lambda c: c.THREADS)],
+                heuristic=lambda problem, lim: {"THREADS": 256, "U": 4})
+
+
+def chunk_length(n: int, rows: int, v: int, config, sms: int,
+                 ctas_per_sm: int = CHUNK_CTAS_PER_SM) -> int:
+    """Elements per chunk: a multiple of one step (THREADS x U vectors), cut so that rows x
+    chunks is about ctas_per_sm CTAs per SM (more where rows alone give that many). At 256
+    threads x U=4 a step is 16 KB, all of it in flight: 4 CTAs per SM keep 64 KB in flight."""
+    step = config.THREADS * config.U * v
+    chunks = max(1, math.ceil(sms * ctas_per_sm / rows))
+    return max(step, math.ceil(math.ceil(n / chunks) / step) * step)

@@ -5,13 +5,16 @@
 // (sm_90, reductions through distributed shared memory); each thread holds Iters 16-byte vectors
 // of it, vector i of a thread at column ((rank * Iters + i) * TPR + t) * V, so neighbouring threads
 // read neighbouring vectors. Forward: max, sum of exp, then write; backward: one sum, then write.
-// Rows longer than a config holds use the chunked path (two kernels: per-chunk statistics with an
-// online max/sum, then normalize), which reads the input twice but has no length limit.
+// Rows longer than a config holds, and rows too few to fill the GPU with clusters, use the chunked
+// path (two kernels over rows x chunks CTAs that the caller sizes to the GPU: per-chunk statistics
+// with an online max/sum, then normalize), which reads the input twice (the second time mostly
+// from L2 where the input is not much larger than it) but has no length limit.
 //
 // Constraints (checked by the entry points, refused with cudaErrorInvalidValue):
 //   - the last dim is contiguous; row strides (ld*) and base pointers are multiples of V elements
 //     (16 bytes; the Python side picks V = 1 otherwise);
-//   - n <= TPR * Iters * V * Cluster for the register path.
+//   - n <= TPR * Iters * V * Cluster for the register path; chunk % V == 0 and
+//     rows * ceil(n / chunk) < 2^31 for the chunked one.
 // Math in fp32: y = exp(x - max) / sum; log: y = (x - max) - log(sum). A row of -inf gives NaN
 // and a NaN anywhere in a row makes the row NaN, as in torch.
 #pragma once
@@ -26,8 +29,29 @@ constexpr float kLn2 = 0.6931471805599453f;
 
 __device__ __forceinline__ float exp_of(float d) { return exp2f(d * kLog2e); }
 
+// CTAs per SM a register-path kernel is compiled for (__launch_bounds__' minimum). A lone CTA
+// per SM loads, reduces, then stores with nothing to overlap those phases; a second one keeps
+// loads in flight while the first reduces or stores. CTAs of 512 threads get two where Regs
+// registers per thread (the row's fragments plus working registers, as ptxas allocates them: see
+// the estimates at the kernels) fit in half the SM's 64K; smaller CTAs get two or more anyway.
+template <int Threads, int Regs>
+constexpr int min_ctas_per_sm() {
+  return Threads >= 512 && 65536 / (2 * Threads) >= Regs ? 2 : 1;
+}
+
+// Registers: the packed fragments (4-byte words) and about 32 working ones; with a cluster, ptxas
+// keeps far more across the cluster barriers (91-128 at 512 threads), so one CTA per SM. fp32 rows
+// of <= 512 bytes (CTAs of 128 threads, <= 4 vectors per thread) fit 32 registers without spills:
+// 16 CTAs per SM, 2048 threads x 64 bytes in flight (16-bit types keep fp32 copies and need ~70).
+template <class T, int V> inline constexpr int kWords = (V * int(sizeof(T)) + 3) / 4;
+template <class T, int V, int Threads, int Iters, int Cluster>
+constexpr int fwd_min_ctas() {
+  if (sizeof(T) == 4 && V > 1 && Threads == 128 && Iters <= 4 && Cluster == 1) return 16;
+  return min_ctas_per_sm<Threads, (Cluster > 1 ? 255 : Iters * kWords<T, V> + 32)>();
+}
+
 template <class T, int V, int TPR, int Threads, int Iters, int Cluster, bool IsLog>
-__global__ void __launch_bounds__(Threads)
+__global__ void __launch_bounds__(Threads, fwd_min_ctas<T, V, Threads, Iters, Cluster>())
 fwd_kernel(T* __restrict__ y, const T* __restrict__ x, long long rows, int n, long long ldx,
            long long ldy) {
   using Reduce = SmartReduce<TPR, Cluster>;
@@ -77,8 +101,14 @@ fwd_kernel(T* __restrict__ y, const T* __restrict__ x, long long rows, int n, lo
 }
 
 // dx = y * (dy - sum(dy * y));  log: dx = dy - exp(y) * sum(dy).
+// Registers: ptxas keeps both arrays converted to fp32 from the sum to the output (one register per
+// element; 16-bit scalars take two when V is 1) and about 24 working ones.
+template <int V, int Threads, int Iters>
+constexpr int bwd_min_ctas() {
+  return min_ctas_per_sm<Threads, 2 * Iters * (V > 1 ? V : 2) + 24>();
+}
 template <class T, int V, int TPR, int Threads, int Iters, int Cluster, bool IsLog>
-__global__ void __launch_bounds__(Threads)
+__global__ void __launch_bounds__(Threads, bwd_min_ctas<V, Threads, Iters>())
 bwd_kernel(T* __restrict__ dx, const T* __restrict__ y, const T* __restrict__ dy, long long rows,
            int n, long long ldy, long long lddy, long long lddx) {
   using Reduce = SmartReduce<TPR, Cluster>;
@@ -141,85 +171,141 @@ struct SumOp {
   __device__ __forceinline__ MaxSum operator()(MaxSum a, MaxSum b) const { return {0.f, a.s + b.s}; }
 };
 
-constexpr int kChunkThreads = 256;
+// A row is cut into `chunks` chunks of `chunk` elements, one CTA each (rows * chunks CTAs, which
+// the caller sizes to fill the GPU). Each thread moves U vectors per step, all loads of a step
+// issued before any is used (U * 16 bytes in flight per thread and array); a warp's vectors of a
+// step are contiguous. Mode 0: forward (a = x); 1: softmax backward (a = y, b = dy); 2:
+// log_softmax backward (a = y, b = dy; its statistics read dy only).
+template <int Mode> __device__ __forceinline__ MaxSum stats_identity() {
+  return {Mode == 0 ? -__builtin_huge_valf() : 0.f, 0.f};
+}
+
+// At U <= 4, 1024 threads per SM fit (64 registers: ptxas needs at most 66 unbounded, for bf16
+// backward's two arrays), so the CHUNK_CTAS_PER_SM = 4 CTAs of 256 threads that the caller
+// launches per SM all run in one wave.
+template <int Threads, int U>
+constexpr int chunk_min_ctas() {
+  return U <= 4 ? 1024 / Threads : 1;
+}
 
 // Stage 1: per (row, chunk) statistics into stats[row * chunks + c]. Forward: (max, sum exp);
 // backward: (0, sum(dy * y)) or (0, sum(dy)).
-template <class T, int V, int Mode>  // Mode 0: forward, 1: softmax bwd, 2: log_softmax bwd
-__global__ void __launch_bounds__(kChunkThreads)
-chunk_stats(MaxSum* stats, const T* __restrict__ a, const T* __restrict__ b, int n, int chunk,
-            long long lda, long long ldb) {
-  __shared__ MaxSum scratch[kChunkThreads / 32];
-  const int c = blockIdx.x, chunks = gridDim.x;
-  const long long row = blockIdx.y;
+template <class T, int V, int Mode, int Threads, int U>
+__global__ void __launch_bounds__(Threads, chunk_min_ctas<Threads, U>())
+chunk_stats(MaxSum* __restrict__ stats, const T* __restrict__ a, const T* __restrict__ b, int n,
+            int chunk, int chunks, long long lda, long long ldb) {
+  __shared__ MaxSum scratch[Threads / 32];
+  const long long row = blockIdx.x / chunks;
+  const int c = int(blockIdx.x % chunks);
   const T* ar = a + row * lda;
   const T* br = b + row * ldb;
-  const int end = min(n, (c + 1) * chunk);
-  MaxSum acc{Mode == 0 ? -__builtin_huge_valf() : 0.f, 0.f};
-  for (int col = c * chunk + threadIdx.x * V; col < end; col += kChunkThreads * V) {
-    Frg<T, V> fa = load_frg<V>(ar + col, end - col, from_float<T>(Mode == 0 ? -__builtin_huge_valf() : 0.f));
+  const int end = min(n, c * chunk + chunk);
+  const T neg_inf = from_float<T>(-__builtin_huge_valf()), zero = from_float<T>(0.f);
+  MaxSum acc = stats_identity<Mode>();
+  for (int base = c * chunk + int(threadIdx.x) * V; base < end; base += Threads * U * V) {
+    Frg<T, V> fa[U], fb[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int col = base + u * Threads * V;
+      if constexpr (Mode != 2) fa[u] = load_frg<V>(ar + col, end - col, Mode == 0 ? neg_inf : zero);
+      if constexpr (Mode != 0) fb[u] = load_frg<V>(br + col, end - col, zero);
+    }
     if constexpr (Mode == 0) {
       float m = acc.m;
 #pragma unroll
-      for (int k = 0; k < V; ++k) m = fmaxf(m, to_float(fa[k]));
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int k = 0; k < V; ++k) m = fmaxf(m, to_float(fa[u][k]));
       if (m != -__builtin_huge_valf()) {
         float s = acc.s * exp_of(acc.m - m);
 #pragma unroll
-        for (int k = 0; k < V; ++k) s += exp_of(to_float(fa[k]) - m);
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+          for (int k = 0; k < V; ++k) s += exp_of(to_float(fa[u][k]) - m);
         acc = {m, s};
       } else {  // nothing above -inf yet: a -inf vector adds nothing, a NaN poisons the sum
 #pragma unroll
-        for (int k = 0; k < V; ++k)
-          if (isnan(to_float(fa[k]))) acc.s = __builtin_nanf("");
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+          for (int k = 0; k < V; ++k)
+            if (isnan(to_float(fa[u][k]))) acc.s = __builtin_nanf("");
       }
     } else {
-      Frg<T, V> fb = load_frg<V>(br + col, end - col, from_float<T>(0.f));
 #pragma unroll
-      for (int k = 0; k < V; ++k) acc.s += Mode == 1 ? to_float(fa[k]) * to_float(fb[k]) : to_float(fb[k]);
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int k = 0; k < V; ++k)
+          acc.s += Mode == 1 ? to_float(fa[u][k]) * to_float(fb[u][k]) : to_float(fb[u][k]);
     }
   }
-  if constexpr (Mode == 0) acc = SmartReduce<kChunkThreads>::reduce(acc, CombineMaxSum{}, scratch);
-  else acc = SmartReduce<kChunkThreads>::reduce(acc, SumOp{}, scratch);
+  if constexpr (Mode == 0) acc = SmartReduce<Threads>::reduce(acc, CombineMaxSum{}, scratch);
+  else acc = SmartReduce<Threads>::reduce(acc, SumOp{}, scratch);
   if (threadIdx.x == 0) stats[row * chunks + c] = acc;
 }
 
-// Stage 2: combine the row's chunk statistics, then write the chunk. Forward: a = x, b unused;
-// backward: a = y, b = dy.
-template <class T, int V, int Mode, bool IsLog>
-__global__ void __launch_bounds__(kChunkThreads)
-chunk_apply(T* __restrict__ out, const MaxSum* stats, const T* __restrict__ a,
-            const T* __restrict__ b, int n, int chunk, long long lda, long long ldb,
+// Stage 2: combine the row's chunk statistics, then write the chunk. CTAs take the chunks in the
+// reverse of stage 1's order, so the chunks stage 1 read last (the ones most likely still in L2)
+// are read again first, and read them as their last use (evict-first): the lines this kernel has
+// consumed make room for its output, not the lines it has still to read. A thread's first step is
+// loaded before the statistics are combined, so the two latencies overlap.
+template <class T, int V, int Mode, bool IsLog, int Threads, int U>
+__global__ void __launch_bounds__(Threads, chunk_min_ctas<Threads, U>())
+chunk_apply(T* __restrict__ out, const MaxSum* __restrict__ stats, const T* __restrict__ a,
+            const T* __restrict__ b, int n, int chunk, int chunks, long long lda, long long ldb,
             long long ldo) {
-  const int c = blockIdx.x, chunks = gridDim.x;
-  const long long row = blockIdx.y;
-  MaxSum tot = stats[row * chunks];
-  for (int j = 1; j < chunks; ++j) {
-    MaxSum o = stats[row * chunks + j];
-    tot = Mode == 0 ? CombineMaxSum{}(tot, o) : MaxSum{0.f, tot.s + o.s};
-  }
-  // Forward on a row of -inf or NaN: tot.m is -inf; x - (-inf) ... gives NaN as torch does.
-  const float scale = Mode == 0 ? (IsLog ? __log2f(tot.s) * kLn2 : 1.f / tot.s) : tot.s;
+  __shared__ MaxSum scratch[Threads / 32];
+  const long long id = gridDim.x - 1 - blockIdx.x;
+  const long long row = id / chunks;
+  const int c = int(id % chunks);
   const T* ar = a + row * lda;
   const T* br = b + row * ldb;
   T* orow = out + row * ldo;
-  const int end = min(n, (c + 1) * chunk);
-  for (int col = c * chunk + threadIdx.x * V; col < end; col += kChunkThreads * V) {
-    Frg<T, V> fa = load_frg<V>(ar + col, end - col, from_float<T>(0.f)), fb, o;
-    if constexpr (Mode != 0) fb = load_frg<V>(br + col, end - col, from_float<T>(0.f));
+  const int end = min(n, c * chunk + chunk);
+  const T zero = from_float<T>(0.f);
+  Frg<T, V> fa[U], fb[U];
+  auto load = [&](int base) {
 #pragma unroll
-    for (int k = 0; k < V; ++k) {
-      float r;
-      if constexpr (Mode == 0) {
-        const float d = to_float(fa[k]) - tot.m;
-        r = IsLog ? d - scale : exp_of(d) * scale;
-      } else if constexpr (Mode == 1) {
-        r = to_float(fa[k]) * (to_float(fb[k]) - scale);
-      } else {
-        r = to_float(fb[k]) - exp_of(to_float(fa[k])) * scale;
-      }
-      o[k] = from_float<T>(r);
+    for (int u = 0; u < U; ++u) {
+      const int col = base + u * Threads * V;
+      fa[u] = load_frg<V, Reuse::LastUse>(ar + col, end - col, zero);
+      if constexpr (Mode != 0) fb[u] = load_frg<V, Reuse::LastUse>(br + col, end - col, zero);
     }
-    store_frg<V>(orow + col, o, end - col);
+  };
+  int base = c * chunk + int(threadIdx.x) * V;
+  load(base);
+
+  MaxSum tot = stats_identity<Mode>();
+  for (int j = threadIdx.x; j < chunks; j += Threads) {
+    const MaxSum o = stats[row * chunks + j];
+    tot = Mode == 0 ? CombineMaxSum{}(tot, o) : SumOp{}(tot, o);
+  }
+  if constexpr (Mode == 0) tot = SmartReduce<Threads>::reduce(tot, CombineMaxSum{}, scratch);
+  else tot = SmartReduce<Threads>::reduce(tot, SumOp{}, scratch);
+  // Forward on a row of -inf or NaN: tot.m is -inf; x - (-inf) ... gives NaN as torch does.
+  const float scale = Mode == 0 ? (IsLog ? __log2f(tot.s) * kLn2 : 1.f / tot.s) : tot.s;
+
+  while (base < end) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int col = base + u * Threads * V;
+      Frg<T, V> o;
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        float r;
+        if constexpr (Mode == 0) {
+          const float d = to_float(fa[u][k]) - tot.m;
+          r = IsLog ? d - scale : exp_of(d) * scale;
+        } else if constexpr (Mode == 1) {
+          r = to_float(fa[u][k]) * (to_float(fb[u][k]) - scale);
+        } else {
+          r = to_float(fb[u][k]) - exp_of(to_float(fa[u][k])) * scale;
+        }
+        o[k] = from_float<T>(r);
+      }
+      store_frg<V>(orow + col, o, end - col);
+    }
+    base += Threads * U * V;
+    if (base < end) load(base);
   }
 }
 
@@ -244,17 +330,20 @@ cudaError_t launch_bwd(T* dx, const T* y, const T* dy, long long rows, int n, lo
 }
 
 // Chunked path: stats holds rows * ceil(n / chunk) MaxSum (8 bytes each); chunk % V == 0.
-template <class T, int V, int Mode, bool IsLog>
+template <class T, int V, int Mode, bool IsLog, int Threads, int U>
 cudaError_t launch_chunked(T* out, void* stats, const T* a, const T* b, long long rows, int n,
                            int chunk, long long lda, long long ldb, long long ldo,
                            cudaStream_t stream) {
-  VITRAIL_TRY(require(n >= 1 && chunk % V == 0 && lda % V == 0 && ldb % V == 0 && ldo % V == 0 &&
-                      rows <= 65535));
-  const dim3 grid(ceil_div(n, chunk), (unsigned)rows);
-  chunk_stats<T, V, Mode><<<grid, kChunkThreads, 0, stream>>>((MaxSum*)stats, a, b, n, chunk, lda, ldb);
+  VITRAIL_TRY(require(n >= 1 && rows >= 1 && chunk >= V && chunk % V == 0 && lda % V == 0 &&
+                      ldb % V == 0 && ldo % V == 0));
+  const int chunks = (int)ceil_div(n, chunk);
+  VITRAIL_TRY(require(rows * chunks < (1LL << 31)));
+  const unsigned ctas = (unsigned)(rows * chunks);
+  chunk_stats<T, V, Mode, Threads, U><<<ctas, Threads, 0, stream>>>(
+      (MaxSum*)stats, a, b, n, chunk, chunks, lda, ldb);
   VITRAIL_TRY(cudaGetLastError());
-  chunk_apply<T, V, Mode, IsLog><<<grid, kChunkThreads, 0, stream>>>(out, (const MaxSum*)stats, a, b,
-                                                                     n, chunk, lda, ldb, ldo);
+  chunk_apply<T, V, Mode, IsLog, Threads, U><<<ctas, Threads, 0, stream>>>(
+      out, (const MaxSum*)stats, a, b, n, chunk, chunks, lda, ldb, ldo);
   return cudaGetLastError();
 }
 
