@@ -58,8 +58,14 @@ def test_heuristic_and_space():
         assert 0 < len(valid) < space.size  # the descriptions refuse some combinations
         big = space.default(configs.Problem(8192, 8192, 8192), lim)
         assert (big.tile, big.cluster, big.scheduler) == ("128x256x64", "2x1", "persistent")
-        skinny = space.default(configs.Problem(64, 8192, 8192), lim)
-        assert skinny.scheduler == "stream_k"
+        skinny = space.default(configs.Problem(64, 8192, 8192), lim)  # one row of tiles
+        assert (skinny.tile, skinny.schedule) == ("64x128x64", "pingpong")
+        assert space.default(configs.Problem(128, 8192, 8192), lim).tile == "128x64x64"
+        few = space.default(configs.Problem(512, 2048, 8192), lim)  # few tiles, long K
+        assert few.scheduler == "stream_k"
+        short = space.default(configs.Problem(16384, 16384, 1024), lim)  # many tiles, short K
+        assert (short.tile, short.schedule) == ("128x128x64", "pingpong")
+        assert space.default(configs.Problem(8192, 8192, 2048), lim).schedule == "cooperative"
         reason = space.reasons(space.config(tile="64x128x64", cluster="1x1",
                                             schedule="cooperative", scheduler="persistent"), lim)
         assert reason and "cooperative schedule" in reason[0]

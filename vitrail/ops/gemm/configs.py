@@ -5,10 +5,12 @@ A *kind* is what the tensors fix (dtypes, layouts, epilogue); a *config* is what
 space over configs, so PickBest tunes tiles, never dtypes. Constraints are the descriptions' own
 validation: a config that cannot become a kernel is refused with the description's reason.
 
-Heuristic (H100, 132 SMs): 128x256x64 cooperative with a 2x1 cluster for large 16-bit problems
-(the stock CUTLASS config that reached 764 TFLOP/s at 8192^3); when the output has too few tiles
-to fill the GPU and K is long (e.g. 64 x 8192 x 8192), 128x128 tiles on the stream-K scheduler,
-which splits K across CTAs; TF32 uses K tiles of 32, FP8 K tiles of 128 (and 128x128 tiles
+Heuristic (H100, 132 SMs; each rule's measurement is beside it in heuristic()): 128x256x64
+cooperative with a 2x1 cluster for large 16-bit problems (the stock CUTLASS config that reached
+764 TFLOP/s at 8192^3); one row of tiles (M <= 128) and a long K: 64x128 ping-pong or 128x64
+cooperative tiles; other outputs with too few tiles to fill the GPU and a long K, 128x128 tiles
+on the stream-K scheduler, which splits K across CTAs; short K (<= 1024) with many tiles:
+128x128 ping-pong with a 2x1 cluster; TF32 uses K tiles of 32, FP8 K tiles of 128 (and 128x128 tiles
 without fast accumulation, whose second accumulator makes 128x256 spill: measured, 168
 registers with spills).
 """
@@ -49,7 +51,8 @@ class Problem:
 
 
 TILES = ["128x256x64", "128x128x64", "256x128x64", "64x128x64", "64x256x64", "128x128x32",
-         "128x256x32", "128x128x128", "128x256x128", "64x128x128", "128x64x64", "128x64x128"]
+         "128x256x32", "128x128x128", "128x256x128", "64x128x128", "128x64x64", "128x64x128",
+         "64x64x64", "64x64x128"]
 CLUSTERS = ["1x1", "2x1", "1x2"]
 
 
@@ -93,10 +96,28 @@ def heuristic(kind: Kind):
         if problem is None:
             return big
         sms = lim.sm_count or 132
-        tiles = -(-problem.M // 128) * -(-problem.N // 256) * problem.L
-        if tiles < sms // 2 and problem.K >= 2048:
+        m, n, k = problem.M, problem.N, problem.K
+        tiles = -(-m // 128) * -(-n // 256) * problem.L
+        if bits == 16 and m <= 128 and k >= 2048:
+            # one row of tiles, memory-bound on B: tiles 64 (or 128) rows high, so that A's
+            # rows are not fetched twice over and more CTAs stream B (H100, 8192 x 8192:
+            # 64x128 ping-pong 0.89x cuBLAS at M=64 against 0.85x for 128x128 stream-K;
+            # 128x64 cooperative 0.975x at M=128 against 0.87x)
+            if m <= 64:
+                return {"tile": "64x128x64", "cluster": "1x1", "schedule": "pingpong",
+                        "scheduler": "persistent"}
+            return {"tile": "128x64x64", "cluster": "1x1", "schedule": "cooperative",
+                    "scheduler": "persistent"}
+        if tiles < sms // 2 and k >= 2048:
             return {"tile": f"128x128x{tk}" if bits != 32 else "128x128x32", "cluster": "1x1",
                     "schedule": "cooperative", "scheduler": "stream_k"}
+        if bits == 16 and k <= 1024 and tiles >= sms:
+            # short K, many tiles: the epilogue is a large share of each tile; ping-pong
+            # overlaps one warpgroup's epilogue with the other's mainloop (H100: 1.05x cuBLAS
+            # at 16384^2 x 1024 and 4096^2 x 1024 against 0.98-0.99x cooperative; at K = 2048
+            # cooperative wins, 0.96x against 0.91x)
+            return {"tile": "128x128x64", "cluster": "2x1", "schedule": "pingpong",
+                    "scheduler": "persistent"}
         return big
     return choose
 
