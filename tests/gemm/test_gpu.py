@@ -69,6 +69,27 @@ def test_dlpack_and_split_k(splits):
 
 
 @requires_gpu
+def test_reused_arguments_keep_no_memory_and_other_streams_work():
+    a = torch.randn(7, 4096, device="cuda", dtype=torch.float16)
+    b = torch.randn(4096, 1000, device="cuda", dtype=torch.float16)
+    d = torch.empty(7, 1000, device="cuda", dtype=torch.float16)
+    args = GemmArguments.from_tensors(OP, a, b, d, c=torch.zeros_like(d), splits=3)
+    OP.run(args)  # the workspace is allocated once by the caching allocator
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for _ in range(20):
+        OP.run(args)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    d.fill_(float("nan"))
+    side.wait_stream(torch.cuda.current_stream())
+    OP.run(args, stream=side.cuda_stream)  # its workspace is recorded on that stream
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+    close(d.cpu(), (a.double() @ b.double()).cpu())
+
+
+@requires_gpu
 def test_run_refuses_with_reasons():
     a = torch.randn(64, 70, device="cuda", dtype=torch.float16)[:, :64]  # leading stride 70
     b = torch.randn(64, 32, device="cuda", dtype=torch.float16)

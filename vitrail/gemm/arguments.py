@@ -274,20 +274,31 @@ def _sm_count(device: int) -> int:
     return n
 
 
+def scratch(n: int, dtype, device: int, stream: int):
+    """A buffer for one launch on ``stream`` (a raw handle). Nothing needs to keep it: torch's
+    caching allocator hands its memory out again only to work queued after this launch on the
+    current stream, and on another stream ``record_stream`` defers that until the launch is
+    done. (Keeping each launch's buffer in the arguments grew without bound when they were
+    reused: a timing loop ran the GPU out of memory.)"""
+    buf = torch.empty(n, dtype=dtype, device=f"cuda:{device}")
+    if stream != torch._C._cuda_getCurrentRawStream(device):
+        buf.record_stream(torch.cuda.ExternalStream(stream, device=f"cuda:{device}"))
+    return buf
+
+
 def launch(op, module, args: GemmArguments, stream=None) -> None:
     """Call the compiled entry point (checks already done by can_implement)."""
     from vitrail.gemm.emitter import CODES
     sm = _sm_count(args.device)
+    if stream is None:
+        stream = torch._C._cuda_getCurrentRawStream(args.device)
     workspace, ws_bytes = 0, 0
     if op.tile.tile_scheduler == "stream_k" or op.mode == "split_k_parallel":
         ws_bytes = module.function("vitrail_gemm_workspace")(args.M, args.N, args.K, args.L,
                                                               args.splits, sm)
         if ws_bytes:
-            buf = torch.empty(ws_bytes, dtype=torch.uint8, device=f"cuda:{args.device}")
-            args.keep.append(buf)
+            buf = scratch(ws_bytes, torch.uint8, args.device, stream)
             workspace = buf.data_ptr()
-    if stream is None:
-        stream = torch._C._cuda_getCurrentRawStream(args.device)
     c = args.C
     ptr = (lambda t: 0 if t is None else t.data_ptr())
     values = (args.A.ptr, args.B.ptr, c.ptr if c else 0, args.D.ptr, ptr(args.bias),

@@ -330,19 +330,21 @@ def reasons(op, args: ArrayArguments) -> list[str]:
 def launch(op, module, args: ArrayArguments, stream=None) -> None:
     """Copy the pointer arrays to the device and call the entry point (checks done)."""
     import torch
-    from vitrail.gemm.arguments import _sm_count
+    from vitrail.gemm.arguments import _sm_count, scratch
     from vitrail.gemm.emitter import CODES
     from vitrail.jit.errors import LaunchError
     dev = torch.device("cuda", args.device)
     rows = [args.A, args.B, args.C or args.D, args.D]
-    host = torch.tensor([[x.data_ptr() for x in xs] for xs in rows], dtype=torch.int64)
-    ptrs = host.to(dev)
-    sm = _sm_count(args.device)
-    ws = module.function(WORKSPACE_ENTRY)(args.M, args.N, args.K, args.L, sm)
-    buf = torch.empty(max(ws, 1), dtype=torch.uint8, device=dev)
-    args.keep += [ptrs, buf, host]
     if stream is None:
         stream = torch._C._cuda_getCurrentRawStream(args.device)
+    host = torch.tensor([[x.data_ptr() for x in xs] for xs in rows], dtype=torch.int64)
+    ptrs = scratch(host.numel(), torch.int64, args.device, stream).view(host.shape)
+    ptrs.copy_(host)  # on the current stream: ordered before the launch when it is that one
+    if stream != torch._C._cuda_getCurrentRawStream(args.device):
+        torch.cuda.current_stream(dev).synchronize()  # else the copy must be done first
+    sm = _sm_count(args.device)
+    ws = module.function(WORKSPACE_ENTRY)(args.M, args.N, args.K, args.L, sm)
+    buf = scratch(max(ws, 1), torch.uint8, args.device, stream)
     lda, ldb, ldc, ldd = args.lds
     code = module.function(ENTRY)(ptrs[0], ptrs[1], ptrs[2] if args.C else 0, ptrs[3], args.M,
                                   args.N, args.K, args.L, lda, ldb, ldc or ldd, ldd, args.alpha,
