@@ -80,7 +80,6 @@ def test_reused_arguments_keep_no_memory_and_other_streams_work():
     for _ in range(20):
         OP.run(args)
     side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
     d.fill_(float("nan"))
     side.wait_stream(torch.cuda.current_stream())
     OP.run(args, stream=side.cuda_stream)  # its workspace is recorded on that stream

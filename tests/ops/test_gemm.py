@@ -59,7 +59,7 @@ def test_heuristic_and_space():
         big = space.default(configs.Problem(8192, 8192, 8192), lim)
         assert (big.tile, big.cluster, big.scheduler) == ("128x256x64", "2x1", "persistent")
         skinny = space.default(configs.Problem(64, 8192, 8192), lim)  # one row of tiles
-        assert (skinny.tile, skinny.schedule) == ("64x128x64", "pingpong")
+        assert (skinny.tile, skinny.schedule) == ("64x64x64", "pingpong")
         assert space.default(configs.Problem(128, 8192, 8192), lim).tile == "128x64x64"
         few = space.default(configs.Problem(512, 2048, 8192), lim)  # few tiles, long K
         assert few.scheduler == "stream_k"

@@ -7,7 +7,7 @@ validation: a config that cannot become a kernel is refused with the description
 
 Heuristic (H100, 132 SMs; each rule's measurement is beside it in heuristic()): 128x256x64
 cooperative with a 2x1 cluster for large 16-bit problems (the stock CUTLASS config that reached
-764 TFLOP/s at 8192^3); one row of tiles (M <= 128) and a long K: 64x128 ping-pong or 128x64
+764 TFLOP/s at 8192^3); one row of tiles (M <= 128) and a long K: 64x64 ping-pong or 128x64
 cooperative tiles; other outputs with too few tiles to fill the GPU and a long K, 128x128 tiles
 on the stream-K scheduler, which splits K across CTAs; short K (<= 1024) with many tiles:
 128x128 ping-pong with a 2x1 cluster; TF32 uses K tiles of 32, FP8 K tiles of 128 (and 128x128 tiles
@@ -99,12 +99,13 @@ def heuristic(kind: Kind):
         m, n, k = problem.M, problem.N, problem.K
         tiles = -(-m // 128) * -(-n // 256) * problem.L
         if bits == 16 and m <= 128 and k >= 2048:
-            # one row of tiles, memory-bound on B: tiles 64 (or 128) rows high, so that A's
-            # rows are not fetched twice over and more CTAs stream B (H100, 8192 x 8192:
-            # 64x128 ping-pong 0.89x cuBLAS at M=64 against 0.85x for 128x128 stream-K;
-            # 128x64 cooperative 0.975x at M=128 against 0.87x)
+            # one row of tiles, memory-bound on B: tiles no higher than M, narrow enough that
+            # N / width CTAs keep the SMs streaming B (H100, cuBLAS = 1: M=64 x 8192 x 8192,
+            # 64x64 ping-pong 0.98x against 0.93x for 64x128 and 0.86x for 128x128 stream-K;
+            # 64 x 4096 x 4096 0.98x; 32 x 8192 x 8192 0.97x; M=128: 128x64 cooperative 0.99x
+            # against 0.89x for 128x128 stream-K)
             if m <= 64:
-                return {"tile": "64x128x64", "cluster": "1x1", "schedule": "pingpong",
+                return {"tile": "64x64x64", "cluster": "1x1", "schedule": "pingpong",
                         "scheduler": "persistent"}
             return {"tile": "128x64x64", "cluster": "1x1", "schedule": "cooperative",
                     "scheduler": "persistent"}
@@ -113,9 +114,9 @@ def heuristic(kind: Kind):
                     "schedule": "cooperative", "scheduler": "stream_k"}
         if bits == 16 and k <= 1024 and tiles >= sms:
             # short K, many tiles: the epilogue is a large share of each tile; ping-pong
-            # overlaps one warpgroup's epilogue with the other's mainloop (H100: 1.05x cuBLAS
-            # at 16384^2 x 1024 and 4096^2 x 1024 against 0.98-0.99x cooperative; at K = 2048
-            # cooperative wins, 0.96x against 0.91x)
+            # overlaps one warpgroup's epilogue with the other's mainloop (H100: 1.05-1.11x
+            # cuBLAS at 16384^2 x 1024, 1.02-1.05x at 8192^2 and 4096^2 x 1024, against
+            # 0.95-1.03x cooperative; at K = 2048 cooperative wins, 0.96x against 0.91x)
             return {"tile": "128x128x64", "cluster": "2x1", "schedule": "pingpong",
                     "scheduler": "persistent"}
         return big
