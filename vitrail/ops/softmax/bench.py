@@ -1,5 +1,6 @@
 """`vitrail bench softmax`: softmax and log_softmax forward and backward, GB/s and % of the copy
-bandwidth measured in the same run, beside torch eager and torch.compile."""
+bandwidth measured in the same run, beside torch eager, torch.compile and a copy of the same
+bytes (the reach of a problem that small)."""
 from __future__ import annotations
 
 from vitrail.bench import Row, register
@@ -68,10 +69,17 @@ def run() -> list[Row]:
         y = torch.softmax(x, -1)
         dy = torch.randn_like(x)
         nb = 2 * x.numel() * x.element_size()
+        # a copy moving the same bytes: what a problem this small can reach (launch latency and
+        # the ramp of a short kernel weigh on small problems, e.g. 16 MB in 16 x 262144)
+        src = torch.empty(int(1.5 * nb) // 2, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        half = src[:nb // 2], dst[:nb // 2]
+        same_fwd = {"copy, same bytes": lambda: half[1].copy_(half[0])}
+        same_bwd = {"copy, same bytes": lambda: dst.copy_(src)}
         case = f"fwd {dt} {m}x{n}"
         rows += rows_for(case, {"vitrail": lambda: ops.softmax(x),
                                 "torch eager": lambda: torch.softmax(x, -1),
-                                "torch.compile": lambda: cfwd(x)}, nb, ceiling)
+                                "torch.compile": lambda: cfwd(x), **same_fwd}, nb, ceiling)
         if n <= 4096 and dt == "bfloat16":
             rows += rows_for(f"log fwd {dt} {m}x{n}",
                              {"vitrail": lambda: ops.log_softmax(x),
@@ -80,5 +88,5 @@ def run() -> list[Row]:
         rows += rows_for(case, {
             "vitrail": lambda: softmax_bwd(y, dy, 1, False),
             "torch eager": lambda: torch._softmax_backward_data(dy, y, -1, x.dtype),
-            "torch.compile": lambda: cbwd(y, dy)}, 1.5 * nb, ceiling)
+            "torch.compile": lambda: cbwd(y, dy), **same_bwd}, 1.5 * nb, ceiling)
     return rows

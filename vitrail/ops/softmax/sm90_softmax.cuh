@@ -44,14 +44,19 @@ constexpr int min_ctas_per_sm() {
 // of <= 512 bytes (CTAs of 128 threads, <= 4 vectors per thread) fit 32 registers without spills:
 // 16 CTAs per SM, 2048 threads x 64 bytes in flight (16-bit types keep fp32 copies and need ~70).
 template <class T, int V> inline constexpr int kWords = (V * int(sizeof(T)) + 3) / 4;
-template <class T, int V, int Threads, int Iters, int Cluster>
+// Rows spread over a warp or more in CTAs of 256 threads: 3 CTAs per SM (<= 85 registers). bf16
+// rows of 4096 ran 88 registers unbounded, so 2 CTAs per SM and 78% of the copy bandwidth on an
+// H100; bounded, 79 registers and no spill (rows of 8192: 80). Narrower rows (TPR 32: 2048 bf16)
+// spill under that bound, so they stay unbounded.
+template <class T, int V, int TPR, int Threads, int Iters, int Cluster>
 constexpr int fwd_min_ctas() {
   if (sizeof(T) == 4 && V > 1 && Threads == 128 && Iters <= 4 && Cluster == 1) return 16;
+  if (Threads == 256 && TPR >= 64 && Cluster == 1 && Iters * kWords<T, V> + 32 <= 64) return 3;
   return min_ctas_per_sm<Threads, (Cluster > 1 ? 255 : Iters * kWords<T, V> + 32)>();
 }
 
 template <class T, int V, int TPR, int Threads, int Iters, int Cluster, bool IsLog>
-__global__ void __launch_bounds__(Threads, fwd_min_ctas<T, V, Threads, Iters, Cluster>())
+__global__ void __launch_bounds__(Threads, fwd_min_ctas<T, V, TPR, Threads, Iters, Cluster>())
 fwd_kernel(T* __restrict__ y, const T* __restrict__ x, long long rows, int n, long long ldx,
            long long ldy) {
   using Reduce = SmartReduce<TPR, Cluster>;
