@@ -190,6 +190,66 @@ def test_wgmma_fragment_maps_reproduce_the_reference(power, d, d_tile):
     torch.testing.assert_close(gm, zm[:, kperm])
 
 
+@pytest.mark.parametrize("power,d,d_tile", WG_FAST)
+def test_wgmma_bwd_contraction_reproduces_the_reference(power, d, d_tile):
+    """mma_sympow_bwd_k_wg's contraction, replayed: lane q of a quad holds accumulator columns
+    8 j + 2 q + jj of each k-block of G; it loads its factors' values (load_factors), sums
+    G * prod_{o != l} x[o] per slot, adds the quad's partial sums by shuffles where factor l's
+    field leaves lane bits out (covers), and owner(u) alone adds digit u into dx. Each feature
+    of dx must be added by one lane per k-block, and the sums must give sympow's gradient."""
+    torch.manual_seed(power + d + d_tile + 1)
+    t, P = d_tile, power
+    logt, block = t.bit_length() - 1, t ** power
+    lo = lambda l: (P - 1 - l) * logt  # noqa: E731
+    ctm = lambda l: (0x39 >> lo(l)) & (t - 1)  # noqa: E731
+    covers = lambda l, bit: lo(l) <= bit < lo(l) + logt  # noqa: E731
+    owner = lambda u: ((u >> 1) & 1) | ((u & 1) << 1) if t == 4 else (u >> 1) & 3  # noqa: E731
+    _, _, tidx, tcoef = configs.tables(d, P, t, True, "cpu")
+    starts = [[(v & 0xFFFFFFFF) >> (8 * l) & 255 for l in range(P)] for v in tidx.tolist()]
+    x = torch.randn(3, d, dtype=F64)
+    D = sympow_dim(d, P, t)
+    G = torch.randn(3, D, dtype=F64)
+    dx = torch.zeros_like(x)
+    for kt in range(D // 64):
+        tu, e0 = divmod(kt * 64, block)
+        coef = tcoef[tu].item()
+        gr = {}  # (q, l, slot) -> this lane's partial sums (per row)
+        for q in range(4):
+            for j in range(8):
+                for jj in range(2):
+                    ct = 8 * j + jj
+                    g = G[:, kt * 64 + ct + 2 * q]
+                    xs = []
+                    for l in range(P):
+                        c = (ct >> lo(l)) & (t - 1)
+                        assert c & ~ctm(l) == 0
+                        off = starts[tu][l] + (((e0 + 2 * q) >> lo(l)) & (t - 1))
+                        xs.append((c, x[:, off + c]))
+                    for l in range(P):
+                        v = g
+                        for o in range(P):
+                            if o != l:
+                                v = v * xs[o][1]
+                        key = (q, l, xs[l][0])
+                        gr[key] = gr.get(key, 0) + v
+        for bit, flip in ((1, 1), (2, 2)):  # the shuffles, in the kernel's order
+            gr = {(q, l, c): v + (0 if covers(l, bit) else gr[(q ^ flip, l, c)])
+                  for (q, l, c), v in gr.items()}
+        writers = {}
+        for (q, l, c), total in gr.items():
+            base = ((e0 + 2 * q) >> lo(l)) & (t - 1)
+            if owner(base + c) == q:
+                feat = starts[tu][l] + base + c
+                assert writers.setdefault((feat, l), q) == q
+                dx[:, feat] += coef * total
+        by_feature = {}
+        for (feat, _), q in writers.items():
+            assert by_feature.setdefault(feat, q) == q, "two lanes add into one feature"
+    xr = x.clone().requires_grad_(True)
+    (want,) = torch.autograd.grad(sympow_reference(xr, P, t), xr, G)
+    torch.testing.assert_close(dx, want, rtol=1e-5, atol=1e-5)  # (float32 coefficients)
+
+
 def test_mma_references_agree_with_autograd():
     a, b = torch.randn(2, 5, 8, dtype=F64), torch.randn(2, sympow_dim(8, 2, 2), 3, dtype=F64)
     ar = a.clone().requires_grad_(True)
@@ -428,6 +488,30 @@ def test_sympow_mma_on_wgmma(dtype, expand_dim, power, d, d_tile, P, M, N, K):
     ref = sympow_mma_reference(a, b, expand_dim, power, d_tile, scale)
     unfused = (sympow_reference(a, power, d_tile, expand_dim).to(dtype) * scale) @ b
     _close(c, ref, unfused, f"sympow_mma wgmma {expand_dim} p={power} d={d} t={d_tile}")
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("power,d,d_tile", WG_CASES + [(2, 128, 8)])
+@pytest.mark.parametrize("P,M,N", [(2, 300, 64), (1, 77, 37), (1, 130, 128)])
+def test_mma_sympow_bwd_on_wgmma(dtype, power, d, d_tile, P, M, N):
+    """mma_sympow_bwd_k_wg (expand K): several feature blocks and tuples, row tails, dY rows
+    not 16 bytes long (zero-padded), and two 64-column chunks of dY (N = 128)."""
+    lda = -(-N // 8) * 8
+    if not (configs.wgmma_applies(dtype, power, d_tile, torch.device("cuda"))
+            and configs.wgmma_bwd_fits(d, lda)):
+        pytest.skip("the wgmma kernels run on sm_90a")
+    torch.manual_seed(power * 100 + d + d_tile + M + N)
+    a, b = _operands(-1, power, d, d_tile, dtype, P=P, M=M, N=N)
+    scale = 0.75
+    g = torch.randn(P, M, N, device="cuda", dtype=dtype)
+    bt = b.transpose(1, 2)
+    got = S._mma_bwd_impl(g, bt, a, -1, power, d_tile, scale, True, out=_nan(a.shape, dtype))
+    want = mma_sympow_bwd_reference(g, bt, a, -1, power, d_tile, scale)
+    eye = torch.eye(bt.shape[-1], device="cuda", dtype=dtype).expand(P, -1, -1)
+    base = mma_sympow_bwd_reference(g @ bt, eye, a, -1, power, d_tile, scale).to(dtype)
+    _close(got, want, base, f"mma_sympow_bwd wgmma p={power} d={d} t={d_tile} N={N}",
+           factor=4.0, floor_rel=2e-6)
 
 
 @requires_gpu

@@ -235,8 +235,10 @@ def _mma90_impl(a, b, expand_dim, power, d_tile, d, D, scale, dc, out):
 
 def _mma_bwd_impl(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, expand_dim: int,
                   power: int, d_tile: int, scale: float, dc: bool,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """c [P, M, d] (-1) or [P, d, K] (-2); a @ b has c's expanded shape."""
+                  out: torch.Tensor | None = None, wgmma: bool | None = None) -> torch.Tensor:
+    """c [P, M, d] (-1) or [P, d, K] (-2); a @ b has c's expanded shape. wgmma: None takes
+    mma_sympow_bwd_k_wg for expand K where it applies (configs.wgmma_bwd_fits); False forces
+    the sm80 kernels (for comparisons)."""
     c = c.contiguous()
     a, b = a.to(c.dtype).contiguous(), b.to(c.dtype).contiguous()
     P, n = c.shape[0], a.shape[-1]
@@ -250,6 +252,16 @@ def _mma_bwd_impl(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, expand_dim:
         return out.zero_()
     if expand_dim == -1:
         M = c.shape[1]
+        lda = -(-n // 8) * 8
+        if wgmma is not False and configs.wgmma_bwd_fits(d, lda) and \
+                configs.wgmma_applies(c.dtype, power, d_tile, c.device):
+            _, _, tidx, tcoef = configs.tables(d, power, d_tile, dc, c.device)
+            ap = _pad16(a)
+            bp = b if _vec_ok(b) else b.clone()  # (D is a multiple of 64: only the address)
+            _run("mma90", c.dtype, power, d_tile, 0, "mma_sympow_bwd_k_wg",
+                 (P, -(-M // configs.WG_TILE[0])), configs.wgmma_bwd_smem(d, lda), out, c, ap,
+                 bp, tidx, tcoef, M, ap.shape[-1], n, d, D, float(scale), _vec_ok(c))
+            return out
         _run("mma", c.dtype, power, d_tile, 0, "mma_sympow_bwd_k", (P, -(-M // TILE)),
              _smem("bwd_k", c.dtype, d), out, c, a, b, gidx, gcoef, M, n, d, D, gidx.numel(),
              float(scale), _vec_ok(a), _vec_ok(b))

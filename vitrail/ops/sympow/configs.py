@@ -187,6 +187,25 @@ def wgmma_smem(kind: str, d: int) -> int:
     return base + WG_STAGES * d * 64 * 2
 
 
+WG_BWD_STAGES = 2     # b's tiles in mma_sympow_bwd_k_wg (BW_STAGES there)
+WG_BWD_MAX_N = 128    # a's (dY's) row length it keeps resident: 128 rows x n
+SMEM_PER_CTA = 227 << 10
+
+
+def wgmma_bwd_smem(d: int, lda: int) -> int:
+    """Dynamic shared memory of mma_sympow_bwd_k_wg: 1 KiB of alignment slack, b's stages, a's
+    128 rows (64-column tiles), then c's rows and dx's rows as fp32."""
+    ldx = (d + 31) // 32 * 32 + 8
+    return 1024 + WG_BWD_STAGES * 64 * 64 * 2 + -(-lda // 64) * 128 * 64 * 2 + 2 * 128 * ldx * 4
+
+
+def wgmma_bwd_fits(d: int, lda: int) -> bool:
+    """mma_sympow_bwd_k_wg takes the problem (beside wgmma_applies): dY's rows (lda elements,
+    padded to 8) at most WG_BWD_MAX_N long, and its shared memory within one CTA's limit;
+    the rest stays on the sm80 kernel."""
+    return lda <= WG_BWD_MAX_N and wgmma_bwd_smem(d, lda) <= SMEM_PER_CTA
+
+
 def vector_width(dtype: torch.dtype, block: int, *tensors: torch.Tensor) -> int:
     """The widest vector (elements, 16 bytes at most) that divides the t^p block and keeps every
     tensor's address aligned to the vector's size."""
