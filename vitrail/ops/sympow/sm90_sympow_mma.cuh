@@ -523,6 +523,7 @@ sympow_mma_m_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict_
 namespace s90 {
 // ---- mma_sympow_bwd, expand K: G = dY @ b by wgmma, contracted by the CUDA cores ----
 constexpr int BW_STAGES = 2;  // b's tiles; a stage is refilled once both warpgroups waited for it
+static_assert(BW_STAGES == 2, "load_b and the mainloop flip between two stages");
 // Descriptor of a 64 x 16 (M x K, K contiguous: "K-major") slice of 128-byte rows with the
 // 128-byte swizzle, 8-row groups 1024 bytes apart (the leading offset is unused).
 __device__ __forceinline__ unsigned long long desc_k_sw128(unsigned addr) {
@@ -653,24 +654,34 @@ mma_sympow_bwd_k_wg(T* __restrict__ dc, const T* __restrict__ c, const T* __rest
                    "l"(ok ? Ap + (long long)(m0 + r) * lda + cc * 8 : Ap), "r"(ok ? 16 : 0));
     }
   }
-  const int nF = D / BK, nIt = nF * NC;
+  const int nF = D / BK;
+  // b's tiles in order (f, nc): rows [64 nc, + 64) x features [64 f, + 64); the stream steps
+  // a pointer a tile (no divisions or address rebuilds in the mainloop)
   const int bc = threadIdx.x & 7, br = threadIdx.x >> 3;
-  auto load_b = [&](int it) {  // b's rows [64 nc, + 64) x features [64 f, + 64)
-    if (it < nIt) {
-      const int f = it / NC, nc = it - f * NC;
-      const unsigned dst =
-          sB_addr + (it % BW_STAGES) * TILE_BYTES + br * 128 + ((bc ^ (br & 7)) << 4);
+  const unsigned b_dst = sB_addr + br * 128 + ((bc ^ (br & 7)) << 4);
+  const T* b_src = Bp + (long long)br * D + bc * 8;
+  const long long b_down = 64ll * D, b_next = 64 - (long long)(NC - 1) * 64 * D;
+  int b_left = nF * NC, b_row = br, b_nc = 0, b_stage = 0;
+  auto load_b = [&]() {
+    if (b_left > 0) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int row = nc * 64 + br + 32 * h;
-        const bool ok = row < n;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst + h * 4096),
-                     "l"(ok ? Bp + (long long)row * D + f * 64 + bc * 8 : Bp), "r"(ok ? 16 : 0));
+        const bool ok = b_row + 32 * h < n;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                         b_dst + b_stage * TILE_BYTES + h * 4096),
+                     "l"(ok ? b_src + h * 32 * D : Bp), "r"(ok ? 16 : 0));
+      }
+      --b_left;
+      b_stage ^= 1;  // (BW_STAGES == 2)
+      if (++b_nc == NC) {
+        b_nc = 0, b_row = br, b_src += b_next;
+      } else {
+        b_row += 64, b_src += b_down;
       }
     }
     async_commit();
   };
-  load_b(0);
+  load_b();
   const T* Cp = c + p * M * d;
   if (c_vec) {
     constexpr int E = 16 / sizeof(T);
@@ -705,24 +716,28 @@ mma_sympow_bwd_k_wg(T* __restrict__ dc, const T* __restrict__ c, const T* __rest
   const unsigned long long b_desc0 = desc_mn_sw128(sB_addr);
   Acc acc;
   zero(acc);
-  for (int it = 0; it < nIt; ++it) {
-    async_wait<0>();
-    fence_async_proxy();
-    __syncthreads();  // stage it (and a, c) landed everywhere; stage it - 1's wgmmas retired
-    load_b(it + 1);
-    const int f = it / NC, nc = it - f * NC;
-    const unsigned long long a_desc = a_desc0 + nc * (2 * TILE_BYTES >> 4);
-    const unsigned long long b_desc = b_desc0 + (it % BW_STAGES) * (TILE_BYTES >> 4);
-    wg_fence();
-#pragma unroll
-    for (int s = 0; s < 4; ++s)  // (start address fields: 16-byte units)
-      wgmma_ss(acc, a_desc + s * (32 >> 4), b_desc + s * (16 * 128 >> 4), nc | s);
-    wg_commit();
-    wg_wait<0>();
-    if (nc != NC - 1) continue;
+  int stage = 0;
+#pragma unroll 1
+  for (int f = 0; f < nF; ++f) {
     const int k0 = f * BK, tu = k0 / BLOCK, e0 = k0 - tu * BLOCK;
     const unsigned packed = (unsigned)__ldg(tidx + tu);
     const float coef = __ldg(tcoef + tu) * scale;
+#pragma unroll 1
+    for (int nc = 0; nc < NC; ++nc) {
+      async_wait<0>();
+      fence_async_proxy();
+      __syncthreads();  // this stage (and a, c) landed everywhere; the last one's wgmmas retired
+      load_b();
+      const unsigned long long a_desc = a_desc0 + nc * (2 * TILE_BYTES >> 4);
+      const unsigned long long b_desc = b_desc0 + stage * (TILE_BYTES >> 4);
+      stage ^= 1;
+      wg_fence();
+#pragma unroll
+      for (int s = 0; s < 4; ++s)  // (start address fields: 16-byte units)
+        wgmma_ss(acc, a_desc + s * (32 >> 4), b_desc + s * (16 * 128 >> 4), nc | s);
+      wg_commit();
+      wg_wait<0>();
+    }
     contract_row<0>(sD + row0, sX + row0, acc, packed, e0, lane_bits, q, coef);
     contract_row<1>(sD + row0 + 8 * ldx, sX + row0 + 8 * ldx, acc, packed, e0, lane_bits, q,
                     coef);
