@@ -351,16 +351,22 @@ struct KPerm {
   }
 };
 // a's k-blocks: d rows of 64 columns, 128-byte rows whose 16-byte chunk c lands at c ^ (row % 2)
-// (so that two rows' 16-byte loads by a quarter-warp fall in different banks).
+// (so that two rows' 16-byte loads by a quarter-warp fall in different banks). The block at
+// column col0 into the stage at sdst (columns past `cols` zero), d rows `ld` elements apart:
+// each thread copies chunk tid % 8 of rows tid / 8 + 32 i (same swizzle phase, 4 KiB apart) in
+// a loop kept rolled (an unrolled one with its remainder cost ~90 instructions a k-block), its
+// addresses rebuilt from threadIdx (registers held across the mainloop make 80-register builds
+// spill).
 __device__ __forceinline__ void load_a_block(unsigned sdst, const T* g, int ld, int d, int col0,
                                              int cols) {
-  const int c = threadIdx.x & 7;
+  const int c = threadIdx.x & 7, r = threadIdx.x >> 3;
   const bool ok = col0 + c * 8 < cols;
-  const T* src = g + (threadIdx.x >> 3) * ld + col0 + c * 8;
-  for (int r = threadIdx.x >> 3; r < d; r += THREADS / 8, src += (THREADS / 8) * ld)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
-                     sdst + r * 128 + ((c ^ (r & 1)) << 4)),
-                 "l"(ok ? src : g), "r"(ok ? 16 : 0));
+  const T* p = g + (long long)r * ld + col0 + c * 8;
+  unsigned s = sdst + r * 128 + ((c ^ (r & 1)) << 4);
+#pragma unroll 1
+  for (int row = r; row < d; row += 32, p += 32 * ld, s += 4096)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s),
+                 "l"(ok ? p : g), "r"(ok ? 16 : 0));
 }
 // Thread q's 16 columns of input row `row` (8 packed pairs: word 2 s + h is k-step s, half h).
 __device__ __forceinline__ void load_cols(unsigned (&w)[8], unsigned sbase, int row, int q) {
