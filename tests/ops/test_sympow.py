@@ -363,6 +363,25 @@ def test_sympow_forward_backward(dtype, power, d, d_tile):
 
 
 @requires_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("power,d,d_tile", [(2, 16, 4), (4, 8, 2), (3, 12, 4), (2, 64, 16)])
+def test_sympow_forward_loops_over_rows(dtype, power, d, d_tile):
+    """sympow_fwd with more rows than it covers at once (configs.fwd_rows_at_once): each
+    thread's fixed chunk over several rows, the last pass partial."""
+    torch.manual_seed(power + d + d_tile)
+    D = sympow_dim(d, power, d_tile)
+    vec = 16 // torch.empty((), dtype=dtype).element_size()
+    while (d_tile ** power) % vec:
+        vec //= 2
+    at_once = configs.fwd_rows_at_once(1 << 30, D // vec, torch.device("cuda"))
+    rows = 2 * at_once + 3
+    x = torch.randn(rows, d, device="cuda", dtype=dtype)
+    z = S._sympow_impl(x, power, d_tile, True, out=_nan((rows, D), dtype))
+    ref = sympow_reference(x, power, d_tile)
+    _close(z, ref, ref.to(dtype), f"sympow rows={rows} p={power} d={d} t={d_tile}")
+
+
+@requires_gpu
 @pytest.mark.parametrize("power,d,d_tile", [(2, 64, 8), (4, 32, 4)])
 def test_sympow_backward_paths(power, d, d_tile):
     """sympow_bwd_gather with its cp.async stage (p=2) or 16-byte loads in place (p=4), and with

@@ -88,10 +88,10 @@ def _sympow_impl(x: torch.Tensor, power: int, d_tile: int, dc: bool,
         return z
     gidx, gcoef, _, _ = configs.tables(d, power, d_tile, dc, x.device)
     vec = configs.vector_width(x.dtype, d_tile ** power, z)
-    total = rows * (D // vec)
-    grid = min((total + 255) // 256, 1 << 20)
-    _run("elementwise", x.dtype, power, d_tile, vec, "sympow_fwd", grid, 0,
-         z, x, gidx, gcoef, rows, d, D, 1.0)
+    chunks = D // vec
+    at_once = configs.fwd_rows_at_once(rows, chunks, x.device)
+    _run("elementwise", x.dtype, power, d_tile, vec, "sympow_fwd", -(-chunks * at_once // 256), 0,
+         z, x, gidx, gcoef, rows, d, D, 1.0, at_once)
     return z
 
 

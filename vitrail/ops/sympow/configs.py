@@ -88,6 +88,20 @@ def tables(d: int, power: int, d_tile: int, duplicate_correction: bool,
     return made
 
 
+_SMS: dict[int, int] = {}
+
+
+def fwd_rows_at_once(rows: int, chunks: int, device: torch.device) -> int:
+    """Rows sympow_fwd covers at once (R there): its chunks * R threads fill the GPU about
+    twice over at 2048 threads per SM (each thread then loops over rows / R rows), at least 1,
+    at most rows; chunks * R stays below 2**31."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    sms = _SMS.get(index)
+    if sms is None:
+        sms = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return max(1, min(rows, 2 * sms * 2048 // chunks, (1 << 31) // chunks - 1))
+
+
 _SLOTS: dict[tuple, tuple[torch.Tensor, int]] = {}
 GATHER_SMEM = 64 << 10   # shared memory a sympow_bwd_gather CTA may take (3+ CTAs per SM)
 
