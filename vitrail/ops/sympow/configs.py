@@ -133,28 +133,33 @@ def gather_slots(d: int, power: int, d_tile: int, device: torch.device) -> tuple
 
 
 def gather_stage(dtype: torch.dtype, power: int, d_tile: int, vec: int) -> int:
-    """Bytes of sympow_bwd_gather's dz stage (GSTAGE there: a tuple's block 32 to 128 bytes,
-    16-byte vectors): 256 tuples' blocks, each padded by 16 bytes; else 0."""
+    """Bytes one item takes in sympow_bwd_gather's dz stage (GSTAGE there: a tuple's block 32 to
+    128 bytes, 16-byte vectors): the block padded by 16 bytes; else 0. A round stages at most
+    256 items."""
     es = torch.empty((), dtype=dtype).element_size()
     block = d_tile ** power * es
-    return 256 * (block + 16) if 32 <= block <= 128 and vec * es == 16 else 0
-
-
-def gather_rows(d: int, power: int, d_tile: int, n_tuples: int, stage: int = 0) -> int:
-    """Rows per CTA of sympow_bwd_gather (0: a row's partials do not fit; use sympow_bwd): as
-    many as fit in GATHER_SMEM beside the stage with the items (rows x tuples) filling whole
-    rounds of 256 threads best."""
-    per_row = 4 * (d + n_tuples * part_ld(power, d_tile))
-    most = min(64, (GATHER_SMEM - stage - 32) // per_row)  # (32: the two round-ups)
-    if most < 1:
-        return 0
-    fill = lambda r: r * n_tuples / (-(-r * n_tuples // 256) * 256)  # noqa: E731
-    return max(range(1, most + 1), key=lambda r: (round(fill(r), 2), r))
+    return block + 16 if 32 <= block <= 128 and vec * es == 16 else 0
 
 
 def gather_smem(d: int, power: int, d_tile: int, n_tuples: int, rows: int, stage: int) -> int:
+    """Shared memory of sympow_bwd_gather for `rows` rows a CTA: x's rows and the items'
+    partial gradients in fp32, then the stage (`stage` bytes an item, the items of one round)."""
     parts = rows * n_tuples * part_ld(power, d_tile)
-    return 4 * ((rows * d + 3) // 4 * 4 + (parts + 3) // 4 * 4) + stage
+    return 4 * ((rows * d + 3) // 4 * 4 + (parts + 3) // 4 * 4) + \
+        min(256, rows * n_tuples) * stage
+
+
+def gather_rows(d: int, power: int, d_tile: int, n_tuples: int, stage: int = 0,
+                budget: int | None = None) -> int:
+    """Rows per CTA of sympow_bwd_gather (0: a row's partials do not fit; use sympow_bwd): as
+    many as fit in `budget` bytes (GATHER_SMEM) with the items (rows x tuples) filling whole
+    rounds of 256 threads best."""
+    budget = GATHER_SMEM if budget is None else budget
+    fits = [r for r in range(1, 65) if gather_smem(d, power, d_tile, n_tuples, r, stage) <= budget]
+    if not fits:
+        return 0
+    fill = lambda r: r * n_tuples / (-(-r * n_tuples // 256) * 256)  # noqa: E731
+    return max(fits, key=lambda r: (round(fill(r), 2), r))
 
 
 # Elementwise kernels: VEC is how many features one thread writes (forward) or loads at once
