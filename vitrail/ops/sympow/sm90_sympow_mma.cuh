@@ -100,6 +100,11 @@ __device__ __forceinline__ void pin(unsigned (&r)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i]));
 }
+// The same for the accumulators after wait_group: their reads stay below it.
+__device__ __forceinline__ void pin(Acc& acc) {
+#pragma unroll
+  for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(acc.c[i]));
+}
 __device__ __forceinline__ unsigned pack2(float lo, float hi) {
 #if T_ID == 1
   __half2 v = __floats2half2_rn(lo, hi);
@@ -744,6 +749,7 @@ mma_sympow_bwd_k_wg(T* __restrict__ dc, const T* __restrict__ c, const T* __rest
       wg_commit();
       wg_wait<0>();
     }
+    pin(acc);  // no read of the accumulators moves above the wait
     contract_row<0>(sD + row0, sX + row0, acc, packed, e0, lane_bits, q, coef);
     contract_row<1>(sD + row0 + 8 * ldx, sX + row0 + 8 * ldx, acc, packed, e0, lane_bits, q,
                     coef);
