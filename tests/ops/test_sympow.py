@@ -382,6 +382,35 @@ def test_sympow_forward_loops_over_rows(dtype, power, d, d_tile):
 
 
 @requires_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("power,d,d_tile", [(2, 64, 8), (2, 32, 4), (3, 16, 4), (1, 64, 16)])
+def test_sympow_backward_pipe(dtype, power, d, d_tile):
+    """sympow_bwd_pipe (persistent, two stages) over more blocks than CTAs, the last block
+    partial: equal to the one-block gather kernel (same sums in the same order) and to the
+    reference."""
+    torch.manual_seed(d + power + 7)
+    D = sympow_dim(d, power, d_tile)
+    _, _, tidx, _ = configs.tables(d, power, d_tile, True, "cpu")
+    vec = 16 // torch.empty((), dtype=dtype).element_size()
+    stage = configs.gather_stage(dtype, power, d_tile, vec)
+    per_block = configs.pipe_rows(d, power, d_tile, tidx.numel(), stage)
+    if not per_block:
+        pytest.skip("not a staged problem")
+    smem = configs.gather_smem(d, power, d_tile, tidx.numel(), per_block, 2 * stage)
+    grid = configs.pipe_grid(1 << 30, smem, torch.device("cuda"))
+    rows = 2 * grid * per_block + per_block // 2 + 1
+    x = torch.randn(rows, d, device="cuda", dtype=dtype)
+    dz = torch.randn(rows, D, device="cuda", dtype=dtype)
+    got = S._sympow_bwd_impl(x, dz, power, d_tile, True, out=_nan((rows, d), dtype))
+    one = S._sympow_bwd_impl(x, dz, power, d_tile, True, out=_nan((rows, d), dtype), pipe=False)
+    assert torch.equal(got, one)
+    xr = x.double().requires_grad_(True)
+    (want,) = torch.autograd.grad(sympow_reference(xr, power, d_tile), xr, dz.double())
+    _close(got, want, want.to(dtype), f"sympow_bwd_pipe p={power} d={d} t={d_tile}",
+           floor_rel=2e-6)
+
+
+@requires_gpu
 @pytest.mark.parametrize("power,d,d_tile", [(2, 64, 8), (4, 32, 4)])
 def test_sympow_backward_paths(power, d, d_tile):
     """sympow_bwd_gather with its cp.async stage (p=2) or 16-byte loads in place (p=4), and with

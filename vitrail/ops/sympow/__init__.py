@@ -96,7 +96,9 @@ def _sympow_impl(x: torch.Tensor, power: int, d_tile: int, dc: bool,
 
 
 def _sympow_bwd_impl(x: torch.Tensor, dz: torch.Tensor, power: int, d_tile: int,
-                     dc: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+                     dc: bool, out: torch.Tensor | None = None, pipe: bool = True) -> torch.Tensor:
+    """pipe=False: the one-block-per-CTA gather kernel even where the persistent one applies
+    (for comparisons)."""
     d = x.shape[-1]
     D = configs.check_support("sympow backward", d, power, d_tile)
     x, dz = x.contiguous(), dz.to(x.dtype).contiguous()
@@ -108,6 +110,14 @@ def _sympow_bwd_impl(x: torch.Tensor, dz: torch.Tensor, power: int, d_tile: int,
     tuples = tidx.numel()
     vec = configs.vector_width(x.dtype, d_tile ** power, dz)
     stage = configs.gather_stage(x.dtype, power, d_tile, vec)
+    per_block = configs.pipe_rows(d, power, d_tile, tuples, stage) if pipe else 0
+    if per_block:  # persistent, two stages: the next block's dz in flight while one computes
+        slots, entries = configs.gather_slots(d, power, d_tile, x.device)
+        smem = configs.gather_smem(d, power, d_tile, tuples, per_block, 2 * stage)
+        _run("elementwise", x.dtype, power, d_tile, vec, "sympow_bwd_pipe",
+             configs.pipe_grid(-(-rows // per_block), smem, x.device), smem,
+             dx, x, dz, tidx, tcoef, slots, rows, d, D, tuples, entries, per_block, 1.0)
+        return dx
     per_block = configs.gather_rows(d, power, d_tile, tuples, stage)
     if per_block:  # no atomics: partial sums per (row, tuple), then one gather per dx element
         slots, entries = configs.gather_slots(d, power, d_tile, x.device)

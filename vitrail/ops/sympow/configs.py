@@ -91,15 +91,19 @@ def tables(d: int, power: int, d_tile: int, duplicate_correction: bool,
 _SMS: dict[int, int] = {}
 
 
-def fwd_rows_at_once(rows: int, chunks: int, device: torch.device) -> int:
-    """Rows sympow_fwd covers at once (R there): its chunks * R threads fill the GPU about
-    twice over at 2048 threads per SM (each thread then loops over rows / R rows), at least 1,
-    at most rows; chunks * R stays below 2**31."""
+def sm_count(device: torch.device) -> int:
     index = device.index if device.index is not None else torch.cuda.current_device()
     sms = _SMS.get(index)
     if sms is None:
         sms = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return max(1, min(rows, 2 * sms * 2048 // chunks, (1 << 31) // chunks - 1))
+    return sms
+
+
+def fwd_rows_at_once(rows: int, chunks: int, device: torch.device) -> int:
+    """Rows sympow_fwd covers at once (R there): its chunks * R threads fill the GPU about
+    twice over at 2048 threads per SM (each thread then loops over rows / R rows), at least 1,
+    at most rows; chunks * R stays below 2**31."""
+    return max(1, min(rows, 2 * sm_count(device) * 2048 // chunks, (1 << 31) // chunks - 1))
 
 
 _SLOTS: dict[tuple, tuple[torch.Tensor, int]] = {}
@@ -160,6 +164,30 @@ def gather_rows(d: int, power: int, d_tile: int, n_tuples: int, stage: int = 0,
         return 0
     fill = lambda r: r * n_tuples / (-(-r * n_tuples // 256) * 256)  # noqa: E731
     return max(fits, key=lambda r: (round(fill(r), 2), r))
+
+
+PIPE_SMEM = 110 << 10  # sympow_bwd_pipe's shared memory at most (2 CTAs per SM)
+SMEM_PER_SM = 228 << 10
+
+
+def pipe_rows(d: int, power: int, d_tile: int, n_tuples: int, stage: int) -> int:
+    """Rows per block of sympow_bwd_pipe (0: not applicable): staged blocks (stage > 0) whose
+    items (rows x tuples) fit one stage of 256, with two stages in PIPE_SMEM; the most rows of
+    the best fill of 256 threads."""
+    if not stage:
+        return 0
+    fits = [r for r in range(1, 65) if r * n_tuples <= 256 and
+            gather_smem(d, power, d_tile, n_tuples, r, 2 * stage) <= PIPE_SMEM]
+    if not fits:
+        return 0
+    return max(fits, key=lambda r: (round(r * n_tuples / 256, 2), r))
+
+
+def pipe_grid(blocks: int, smem: int, device: torch.device) -> int:
+    """sympow_bwd_pipe's CTAs: as many as are resident at once (by shared memory, at most 8 of
+    256 threads per SM), at most one per block."""
+    per_sm = max(1, min(8, SMEM_PER_SM // (smem + 1024)))
+    return max(1, min(blocks, per_sm * sm_count(device)))
 
 
 # Elementwise kernels: VEC is how many features one thread writes (forward) or loads at once

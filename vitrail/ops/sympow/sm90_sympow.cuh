@@ -155,17 +155,93 @@ sympow_bwd(T* __restrict__ dx, const T* __restrict__ x, const T* __restrict__ dz
 constexpr int PART = POW * TILE;                      // one item's partial gradients
 constexpr bool GSTAGE = STAGE && VEC * sizeof(T) == 16;  // staged by cp.async: 16-byte chunks
 constexpr int PART_LD = PART + (PART % 8 == 0 ? 4 : 0);  // padded: items' 16-byte stores spread
+
+namespace gather_detail {
+using namespace sympow_detail;
+// n items' dz blocks (contiguous in dz from src) into the stage s_dz, padded, by cp.async (16
+// bytes a thread, all in flight at once); one commit group.
+__device__ __forceinline__ void stage_items(T* s_dz, const T* src, int n) {
+  constexpr int E = 16 / (int)sizeof(T);  // elements per 16-byte chunk
+  for (int c = threadIdx.x; c < n * (BLOCK / E); c += blockDim.x) {
+    const int e = c * E, item = e / BLOCK;
+    const unsigned dst =
+        (unsigned)__cvta_generic_to_shared(s_dz + item * STAGE_LD + e - item * BLOCK);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src + e));
+  }
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+// One item's partial gradients (tuple tu of the row whose fp32 values are xr) from its dz block
+// g (shared or global memory) into part.
+__device__ __forceinline__ void item_partials(float* part, const float* xr, const T* g,
+                                              const int* tidx, const float* tcoef, int tu,
+                                              float scale) {
+  constexpr int LV = VEC < TILE ? VEC : TILE;                    // elements per dz load
+  constexpr int SV = TILE % 4 == 0 ? 4 : TILE % 2 == 0 ? 2 : 1;  // floats per partial store
+  const unsigned packed = (unsigned)__ldg(tidx + tu);
+  const float coef = __ldg(tcoef + tu) * scale;
+  float xf[POW][TILE], gx[POW][TILE];
+#pragma unroll
+  for (int l = 0; l < POW; ++l) {
+    const unsigned start = (packed >> (8 * l)) & 255u;
+#pragma unroll
+    for (int a = 0; a < TILE; ++a) {
+      xf[l][a] = xr[start + a];
+      gx[l][a] = 0.f;
+    }
+  }
+  // 16-byte loads even where a tile row is shorter: a row pair's vector is kept for the odd row
+  constexpr int PAIR = (2 * TILE <= VEC && BLOCK >= 2 * TILE) ? 2 : 1;
+  Vec<LV * PAIR> held;
+  vitrail::tprod_pow_bwd_rows<POW, TILE>(gx, xf, [&](int lead, float (&grow)[TILE]) {
+    if (PAIR == 2) {
+      if (lead % 2 == 0) held = *reinterpret_cast<const Vec<LV * PAIR>*>(g + lead * TILE);
+#pragma unroll
+      for (int j = 0; j < TILE; ++j) grow[j] = to_f(held.v[(lead % 2) * TILE + j]);
+    } else {
+#pragma unroll
+      for (int b = 0; b < TILE; b += LV) {
+        const Vec<LV> v = *reinterpret_cast<const Vec<LV>*>(g + lead * TILE + b);
+#pragma unroll
+        for (int j = 0; j < LV; ++j) grow[b + j] = to_f(v.v[j]);
+      }
+    }
+  }, coef);
+#pragma unroll
+  for (int l = 0; l < POW; ++l)
+#pragma unroll
+    for (int a = 0; a < TILE; a += SV) {
+      if constexpr (SV == 4)
+        *reinterpret_cast<float4*>(part + l * TILE + a) =
+            make_float4(gx[l][a], gx[l][a + 1], gx[l][a + 2], gx[l][a + 3]);
+      else if constexpr (SV == 2)
+        *reinterpret_cast<float2*>(part + l * TILE + a) = make_float2(gx[l][a], gx[l][a + 1]);
+      else
+        part[l * TILE + a] = gx[l][a];
+    }
+}
+// Phase 2: each of the nrows rows' dx elements sums its tile's slots; written coalesced.
+__device__ __forceinline__ void gather_dx(T* dx_rows, const float* s_part, const int* slots,
+                                          int nrows, int d, int tuples, int entries) {
+  for (int i = threadIdx.x; i < nrows * d; i += blockDim.x) {
+    const int r = i / d, j = i - r * d, u = j / TILE, a = j - u * TILE;
+    const float* part = s_part + r * tuples * PART_LD + a;
+    const int* su = slots + u * entries;
+    float sum = 0.f;
+    for (int e = 0; e < entries; ++e) sum += part[__ldg(su + e)];
+    dx_rows[i] = from_f<T>(sum);
+  }
+}
+}  // namespace gather_detail
+
 extern "C" __global__ void __launch_bounds__(256)
 sympow_bwd_gather(T* __restrict__ dx, const T* __restrict__ x, const T* __restrict__ dz,
                   const int* __restrict__ tidx, const float* __restrict__ tcoef,
                   const int* __restrict__ slots, long long rows, int d, int D, int tuples,
                   int entries, int rows_per_block, float scale) {
-  using namespace sympow_detail;
+  using namespace gather_detail;
   extern __shared__ __align__(16) float smem[];
   float* s_x = smem;                                          // [rows_per_block][d]
   float* s_part = smem + ((rows_per_block * d + 3) & ~3);     // [items][PART_LD], then the stage
-  constexpr int LV = VEC < TILE ? VEC : TILE;                 // elements per dz load
-  constexpr int SV = TILE % 4 == 0 ? 4 : TILE % 2 == 0 ? 2 : 1;  // floats per partial store
   const long long row0 = (long long)blockIdx.x * rows_per_block;
   const int nrows = (int)min((long long)rows_per_block, rows - row0);
   const int items = nrows * tuples;
@@ -174,79 +250,76 @@ sympow_bwd_gather(T* __restrict__ dx, const T* __restrict__ x, const T* __restri
   T* s_dz = reinterpret_cast<T*>(s_part + ((items * PART_LD + 3) & ~3));  // [STAGE_ITEMS][STAGE_LD]
   const T* dz_block = dz + row0 * D;
   for (int seg = 0; seg < items; seg += STAGE_ITEMS) {
-    if (GSTAGE) {
-      const int n = min(STAGE_ITEMS, items - seg);
-      const T* src = dz_block + (long long)seg * BLOCK;
-      constexpr int E = 16 / (int)sizeof(T);  // elements per 16-byte chunk
-      for (int c = threadIdx.x; c < n * (BLOCK / E); c += blockDim.x) {
-        const int e = c * E, item = e / BLOCK;
-        const unsigned dst =
-            (unsigned)__cvta_generic_to_shared(s_dz + item * STAGE_LD + e - item * BLOCK);
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src + e));
-      }
-      asm volatile("cp.async.commit_group;\n" ::);
-    }
+    if (GSTAGE) stage_items(s_dz, dz_block + (long long)seg * BLOCK, min(STAGE_ITEMS, items - seg));
     if (seg == 0)  // (after the first stage is on its way)
       for (int i = threadIdx.x; i < nrows * d; i += blockDim.x) s_x[i] = to_f(x[row0 * d + i]);
     if (GSTAGE) asm volatile("cp.async.wait_group 0;\n" ::: "memory");
     __syncthreads();  // the stage and x are in
     const int it = seg + threadIdx.x;
     if (it < items) {
-    const int r = it / tuples, tu = it - r * tuples;
-    const unsigned packed = (unsigned)__ldg(tidx + tu);
-    const float coef = __ldg(tcoef + tu) * scale;
-    const float* xr = s_x + r * d;
-    float xf[POW][TILE], gx[POW][TILE];
-#pragma unroll
-    for (int l = 0; l < POW; ++l) {
-      const unsigned start = (packed >> (8 * l)) & 255u;
-#pragma unroll
-      for (int a = 0; a < TILE; ++a) {
-        xf[l][a] = xr[start + a];
-        gx[l][a] = 0.f;
-      }
-    }
-    const T* g = GSTAGE ? s_dz + threadIdx.x * STAGE_LD : dz_block + (long long)it * BLOCK;
-    // 16-byte loads even where a tile row is shorter: a row pair's vector is kept for the odd row
-    constexpr int PAIR = (2 * TILE <= VEC && BLOCK >= 2 * TILE) ? 2 : 1;
-    Vec<LV * PAIR> held;
-    vitrail::tprod_pow_bwd_rows<POW, TILE>(gx, xf, [&](int lead, float (&grow)[TILE]) {
-      if (PAIR == 2) {
-        if (lead % 2 == 0) held = *reinterpret_cast<const Vec<LV * PAIR>*>(g + lead * TILE);
-#pragma unroll
-        for (int j = 0; j < TILE; ++j) grow[j] = to_f(held.v[(lead % 2) * TILE + j]);
-      } else {
-#pragma unroll
-        for (int b = 0; b < TILE; b += LV) {
-          const Vec<LV> v = *reinterpret_cast<const Vec<LV>*>(g + lead * TILE + b);
-#pragma unroll
-          for (int j = 0; j < LV; ++j) grow[b + j] = to_f(v.v[j]);
-        }
-      }
-    }, coef);
-    float* part = s_part + it * PART_LD;
-#pragma unroll
-    for (int l = 0; l < POW; ++l)
-#pragma unroll
-      for (int a = 0; a < TILE; a += SV) {
-        if constexpr (SV == 4)
-          *reinterpret_cast<float4*>(part + l * TILE + a) =
-              make_float4(gx[l][a], gx[l][a + 1], gx[l][a + 2], gx[l][a + 3]);
-        else if constexpr (SV == 2)
-          *reinterpret_cast<float2*>(part + l * TILE + a) = make_float2(gx[l][a], gx[l][a + 1]);
-        else
-          part[l * TILE + a] = gx[l][a];
-      }
+      const int r = it / tuples, tu = it - r * tuples;
+      const T* g = GSTAGE ? s_dz + threadIdx.x * STAGE_LD : dz_block + (long long)it * BLOCK;
+      item_partials(s_part + it * PART_LD, s_x + r * d, g, tidx, tcoef, tu, scale);
     }
     if (GSTAGE) __syncthreads();  // the stage is refilled next round
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < nrows * d; i += blockDim.x) {
-    const int r = i / d, j = i - r * d, u = j / TILE, a = j - u * TILE;
-    const float* part = s_part + r * tuples * PART_LD + a;
-    const int* su = slots + u * entries;
-    float sum = 0.f;
-    for (int e = 0; e < entries; ++e) sum += part[__ldg(su + e)];
-    dx[row0 * d + i] = from_f<T>(sum);
+  gather_dx(dx + row0 * d, s_part, slots, nrows, d, tuples, entries);
+}
+
+// sympow_bwd_gather made persistent where one stage holds a whole block of rows (GSTAGE, rows
+// per block x tuples <= 256): each CTA walks blocks blockIdx.x, + gridDim.x, ... with two
+// stages, the next block's dz on its way (cp.async) while this block's items and gather run, so
+// the SM always has loads in flight (the one-block kernel waits for its whole stage, then
+// computes with nothing in flight). Shared memory: x's rows, the partials, two stages.
+extern "C" __global__ void __launch_bounds__(256)
+sympow_bwd_pipe(T* __restrict__ dx, const T* __restrict__ x, const T* __restrict__ dz,
+                const int* __restrict__ tidx, const float* __restrict__ tcoef,
+                const int* __restrict__ slots, long long rows, int d, int D, int tuples,
+                int entries, int rows_per_block, float scale) {
+  using namespace gather_detail;
+  extern __shared__ __align__(16) float smem[];
+  const int items_max = rows_per_block * tuples;  // <= STAGE_ITEMS
+  float* s_x = smem;
+  float* s_part = smem + ((rows_per_block * d + 3) & ~3);
+  T* s_dz0 = reinterpret_cast<T*>(s_part + ((items_max * PART_LD + 3) & ~3));
+  const long long blocks = (rows + rows_per_block - 1) / rows_per_block;
+  auto issue = [&](long long blk, int buf) {  // (always one commit group)
+    if (GSTAGE && blk < blocks) {
+      const long long row0 = blk * rows_per_block;
+      const int nrows = (int)min((long long)rows_per_block, rows - row0);
+      stage_items(s_dz0 + buf * items_max * STAGE_LD, dz + row0 * D, nrows * tuples);
+      // x's rows of the block into L1 meanwhile (read by plain loads when the block's turn comes)
+      const char* xb = reinterpret_cast<const char*>(x + row0 * d);
+      const int bytes = nrows * d * (int)sizeof(T);
+      const int lines = (int)(((size_t)xb + bytes + 127) / 128 - (size_t)xb / 128);
+      if ((int)threadIdx.x < lines) {  // (an address inside x in each line)
+        const char* line = xb + min((int)threadIdx.x * 128, bytes - 1);
+        asm volatile("prefetch.global.L1 [%0];\n" ::"l"(line));
+      }
+    } else {
+      asm volatile("cp.async.commit_group;\n" ::);
+    }
+  };
+  int buf = 0;
+  issue(blockIdx.x, 0);
+  for (long long blk = blockIdx.x; blk < blocks; blk += gridDim.x, buf ^= 1) {
+    issue(blk + gridDim.x, buf ^ 1);  // its stage's last readers passed the loop's last barrier
+    const long long row0 = blk * rows_per_block;
+    const int nrows = (int)min((long long)rows_per_block, rows - row0);
+    const int items = nrows * tuples;
+    for (int i = threadIdx.x; i < nrows * d; i += blockDim.x) s_x[i] = to_f(x[row0 * d + i]);
+    asm volatile("cp.async.wait_group 1;\n" ::: "memory");  // this block's stage (not the next)
+    __syncthreads();
+    const int it = threadIdx.x;
+    if (it < items) {
+      const int r = it / tuples, tu = it - r * tuples;
+      item_partials(s_part + it * PART_LD, s_x + r * d, s_dz0 + (buf * items_max + it) * STAGE_LD,
+                    tidx, tcoef, tu, scale);
+    }
+    __syncthreads();
+    gather_dx(dx + row0 * d, s_part, slots, nrows, d, tuples, entries);
+    __syncthreads();  // s_x, s_part and this stage are rewritten next
   }
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 }
