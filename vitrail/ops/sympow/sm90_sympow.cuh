@@ -2,6 +2,9 @@
 //
 // Why: power attention's feature map; both kernels are bound by the expanded tensor's bytes,
 // so each thread moves 16-byte vectors and the index arithmetic stays in 32 bits.
+// Kernels: sympow_fwd; the backward as sympow_bwd_pipe (persistent, two cp.async stages, where a
+// block of rows fits one stage), sympow_bwd_gather (one block of rows a CTA), sympow_bwd (shared
+// atomics, where a row's partial sums do not fit); configs.py and __init__.py choose.
 //
 // Statics (defines): T_ID (0 float, 1 half, 2 bfloat16), POW (1..4), TILE (d_tile: 1, 2, 4, 8,
 // 16), VEC (features per vector, dividing TILE^POW; 16 bytes at most).
