@@ -250,6 +250,42 @@ def test_wgmma_bwd_contraction_reproduces_the_reference(power, d, d_tile):
     torch.testing.assert_close(dx, want, rtol=1e-5, atol=1e-5)  # (float32 coefficients)
 
 
+def test_quarter_backward_reproduces_the_reference():
+    """sympow_bwd_quarter (p=4, d_tile=4), replayed: 16-byte chunk c of a round lands at item
+    q // 4, quarter q % 4 (q = c // 8) of the padded stage; thread k of an item takes the
+    quarter with first digit k as a 3-factor block scaled by the coefficient: factor 0's digit
+    k gets <its factor-3 gradient, x3>, factors 1-3 get x0[k] times theirs, added over k."""
+    torch.manual_seed(44)
+    d, P, t = 12, 4, 4
+    block, q_ld = t ** P, t ** P // 4 + 8  # elements; Q_LD for 2-byte types
+    for c in range(64 * block // 8):  # the stage's chunk map is the quarter layout, padded
+        q, cc = divmod(c, block // 4 // 8)
+        item, k = divmod(q, 4)
+        assert c * 8 == item * block + k * 64 + cc * 8
+        assert (item * 4 * q_ld + k * q_ld + cc * 8) % 8 == 0
+    _, _, tidx, tcoef = configs.tables(d, P, t, True, "cpu")
+    starts = [[(v & 0xFFFFFFFF) >> (8 * l) & 255 for l in range(P)] for v in tidx.tolist()]
+    x = torch.randn(2, d, dtype=F64)
+    D = sympow_dim(d, P, t)
+    dz = torch.randn(2, D, dtype=F64)
+    dx = torch.zeros_like(x)
+    for j, st in enumerate(starts):
+        coef = tcoef[j].item()
+        xs = [x[:, s:s + t] for s in st]
+        g = dz[:, j * block:(j + 1) * block].reshape(-1, t, t, t, t)
+        for k in range(t):
+            gq = g[:, k]  # [rows, a1, a2, b]: the quarter a0 = k
+            g1 = coef * torch.einsum("rabc,rb,rc->ra", gq, xs[2], xs[3])
+            g2 = coef * torch.einsum("rabc,ra,rc->rb", gq, xs[1], xs[3])
+            g3 = coef * torch.einsum("rabc,ra,rb->rc", gq, xs[1], xs[2])
+            dx[:, st[0] + k] += (g3 * xs[3]).sum(-1)
+            for l, gl in ((1, g1), (2, g2), (3, g3)):
+                dx[:, st[l]:st[l] + t] += xs[0][:, k:k + 1] * gl
+    xr = x.clone().requires_grad_(True)
+    (want,) = torch.autograd.grad(sympow_reference(xr, P, t), xr, dz)
+    torch.testing.assert_close(dx, want, rtol=1e-5, atol=1e-5)  # (float32 coefficients)
+
+
 def test_mma_references_agree_with_autograd():
     a, b = torch.randn(2, 5, 8, dtype=F64), torch.randn(2, sympow_dim(8, 2, 2), 3, dtype=F64)
     ar = a.clone().requires_grad_(True)
@@ -383,27 +419,32 @@ def test_sympow_forward_loops_over_rows(dtype, power, d, d_tile):
 
 @requires_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("power,d,d_tile", [(2, 64, 8), (2, 32, 4), (3, 16, 4), (1, 64, 16)])
+@pytest.mark.parametrize("power,d,d_tile", [(2, 64, 8), (2, 32, 4), (3, 16, 4), (1, 64, 16),
+                                            (4, 16, 4), (4, 32, 4)])
 def test_sympow_backward_pipe(dtype, power, d, d_tile):
-    """sympow_bwd_pipe (persistent, two stages) over more blocks than CTAs, the last block
-    partial: equal to the one-block gather kernel (same sums in the same order) and to the
-    reference."""
+    """The persistent backward kernels over more rows than CTAs, the last pass partial:
+    sympow_bwd_pipe (staged blocks; equal to the one-block gather kernel: same sums in the same
+    order) and sympow_bwd_quarter (p=4, d_tile=4, 16-bit), both against the reference."""
     torch.manual_seed(d + power + 7)
     D = sympow_dim(d, power, d_tile)
     _, _, tidx, _ = configs.tables(d, power, d_tile, True, "cpu")
     vec = 16 // torch.empty((), dtype=dtype).element_size()
     stage = configs.gather_stage(dtype, power, d_tile, vec)
     per_block = configs.pipe_rows(d, power, d_tile, tidx.numel(), stage)
-    if not per_block:
-        pytest.skip("not a staged problem")
-    smem = configs.gather_smem(d, power, d_tile, tidx.numel(), per_block, 2 * stage)
+    quarter = configs.quarter_smem(dtype, power, d_tile, vec, d, tidx.numel())
+    if not (per_block or quarter):
+        pytest.skip("no persistent kernel for this problem")
+    smem = quarter or configs.gather_smem(d, power, d_tile, tidx.numel(), per_block, 2 * stage)
     grid = configs.pipe_grid(1 << 30, smem, torch.device("cuda"))
+    per_block = per_block or 1
     rows = 2 * grid * per_block + per_block // 2 + 1
     x = torch.randn(rows, d, device="cuda", dtype=dtype)
     dz = torch.randn(rows, D, device="cuda", dtype=dtype)
     got = S._sympow_bwd_impl(x, dz, power, d_tile, True, out=_nan((rows, d), dtype))
-    one = S._sympow_bwd_impl(x, dz, power, d_tile, True, out=_nan((rows, d), dtype), pipe=False)
-    assert torch.equal(got, one)
+    if not quarter:
+        one = S._sympow_bwd_impl(x, dz, power, d_tile, True, out=_nan((rows, d), dtype),
+                                 pipe=False)
+        assert torch.equal(got, one)
     xr = x.double().requires_grad_(True)
     (want,) = torch.autograd.grad(sympow_reference(xr, power, d_tile), xr, dz.double())
     _close(got, want, want.to(dtype), f"sympow_bwd_pipe p={power} d={d} t={d_tile}",

@@ -97,8 +97,8 @@ def _sympow_impl(x: torch.Tensor, power: int, d_tile: int, dc: bool,
 
 def _sympow_bwd_impl(x: torch.Tensor, dz: torch.Tensor, power: int, d_tile: int,
                      dc: bool, out: torch.Tensor | None = None, pipe: bool = True) -> torch.Tensor:
-    """pipe=False: the one-block-per-CTA gather kernel even where the persistent one applies
-    (for comparisons)."""
+    """pipe=False: the one-block-per-CTA gather kernel even where a persistent one
+    (sympow_bwd_pipe, sympow_bwd_quarter) applies (for comparisons)."""
     d = x.shape[-1]
     D = configs.check_support("sympow backward", d, power, d_tile)
     x, dz = x.contiguous(), dz.to(x.dtype).contiguous()
@@ -109,6 +109,13 @@ def _sympow_bwd_impl(x: torch.Tensor, dz: torch.Tensor, power: int, d_tile: int,
     _, _, tidx, tcoef = configs.tables(d, power, d_tile, dc, x.device)
     tuples = tidx.numel()
     vec = configs.vector_width(x.dtype, d_tile ** power, dz)
+    smem = configs.quarter_smem(x.dtype, power, d_tile, vec, d, tuples) if pipe else 0
+    if smem:  # 512-byte blocks: staged in quarters, 4 threads an item, persistent
+        slots, entries = configs.gather_slots(d, power, d_tile, x.device)
+        _run("elementwise", x.dtype, power, d_tile, vec, "sympow_bwd_quarter",
+             configs.pipe_grid(rows, smem, x.device), smem,
+             dx, x, dz, tidx, tcoef, slots, rows, d, D, tuples, entries, 1.0)
+        return dx
     stage = configs.gather_stage(x.dtype, power, d_tile, vec)
     per_block = configs.pipe_rows(d, power, d_tile, tuples, stage) if pipe else 0
     if per_block:  # persistent, two stages: the next block's dz in flight while one computes

@@ -190,6 +190,19 @@ def pipe_grid(blocks: int, smem: int, device: torch.device) -> int:
     return max(1, min(blocks, per_sm * sm_count(device)))
 
 
+def quarter_smem(dtype: torch.dtype, power: int, d_tile: int, vec: int, d: int,
+                 n_tuples: int) -> int:
+    """Shared memory of sympow_bwd_quarter (0: it does not apply): power 4, d_tile 4, 16-bit
+    types, dz in 16-byte vectors; x's row and its partials in fp32, two stages of 64 items
+    (each quarter padded by 16 bytes); within one CTA's limit."""
+    es = torch.empty((), dtype=dtype).element_size()
+    if (power, d_tile, es) != (4, 4, 2) or vec * es != 16:
+        return 0
+    smem = 4 * ((d + 3) // 4 * 4 + (n_tuples * part_ld(power, d_tile) + 3) // 4 * 4) + \
+        2 * 64 * 4 * (64 * es + 16)
+    return smem if smem <= SMEM_PER_CTA else 0
+
+
 # Elementwise kernels: VEC is how many features one thread writes (forward) or loads at once
 # (backward); 16 bytes at most. The problem fixes dtype, power and d_tile (module statics).
 ELEMENTWISE = Space({"VEC": [1, 2, 4, 8]},

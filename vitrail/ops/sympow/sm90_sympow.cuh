@@ -3,8 +3,9 @@
 // Why: power attention's feature map; both kernels are bound by the expanded tensor's bytes,
 // so each thread moves 16-byte vectors and the index arithmetic stays in 32 bits.
 // Kernels: sympow_fwd; the backward as sympow_bwd_pipe (persistent, two cp.async stages, where a
-// block of rows fits one stage), sympow_bwd_gather (one block of rows a CTA), sympow_bwd (shared
-// atomics, where a row's partial sums do not fit); configs.py and __init__.py choose.
+// block of rows fits one stage), sympow_bwd_quarter (the same for p=4 d_tile=4's 512-byte blocks,
+// 4 threads an item), sympow_bwd_gather (one block of rows a CTA), sympow_bwd (shared atomics,
+// where a row's partial sums do not fit); configs.py and __init__.py choose.
 //
 // Statics (defines): T_ID (0 float, 1 half, 2 bfloat16), POW (1..4), TILE (d_tile: 1, 2, 4, 8,
 // 16), VEC (features per vector, dividing TILE^POW; 16 bytes at most).
@@ -325,4 +326,116 @@ sympow_bwd_pipe(T* __restrict__ dx, const T* __restrict__ x, const T* __restrict
     __syncthreads();  // s_x, s_part and this stage are rewritten next
   }
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+
+// The backward for POW = 4, TILE = 4 in 16-bit types (512-byte tuple blocks, too large for the
+// stage above, and read in place 16 bytes a thread with 512-byte strides between lanes: 32 L1
+// lines a warp load). Here a round's 64 items come in by cp.async in 16-byte chunks (a warp's
+// load: 4 lines), each padded quarter (the 64 features with one first digit a0) 16 bytes apart
+// so that the 8 threads of a 16-byte shared load hit distinct banks, and 4 threads share an
+// item: thread k takes the quarter a0 = k as a 3-factor block (tprod_pow_bwd_rows<3, 4> scaled
+// by the tuple's coefficient), then dx0[k] = <that block's gradient of factor 3, x3>, factors
+// 1-3 scale by x0[k] and add over the 4 threads by shuffles. Persistent, one row a block (its
+// 330 items' partials), two stages: the next round loads while one computes.
+constexpr bool QUARTER = POW == 4 && TILE == 4 && sizeof(T) == 2;
+constexpr int Q_ITEMS = 64;                           // items a round (4 threads each)
+constexpr int Q_LD = BLOCK / 4 + 16 / (int)sizeof(T);  // elements between quarters (padded)
+constexpr int Q_ITEM_LD = 4 * Q_LD;                    // elements between staged items
+extern "C" __global__ void __launch_bounds__(256)
+sympow_bwd_quarter(T* __restrict__ dx, const T* __restrict__ x, const T* __restrict__ dz,
+                   const int* __restrict__ tidx, const float* __restrict__ tcoef,
+                   const int* __restrict__ slots, long long rows, int d, int D, int tuples,
+                   int entries, float scale) {
+  if constexpr (QUARTER) {
+    using namespace gather_detail;
+    extern __shared__ __align__(16) float smem[];
+    float* s_x = smem;                                         // [d]
+    float* s_part = smem + ((d + 3) & ~3);                     // [tuples][PART_LD]
+    T* s_dz0 = reinterpret_cast<T*>(s_part + ((tuples * PART_LD + 3) & ~3));  // 2 stages
+    const int rounds = (tuples + Q_ITEMS - 1) / Q_ITEMS;       // a row's
+    constexpr int E = 16 / (int)sizeof(T);                     // elements per 16-byte chunk
+    constexpr int QC = BLOCK / 4 / E;                          // chunks per quarter
+    // Round rr of row `row` into stage buf (always one commit group).
+    auto issue = [&](long long row, int rr, int buf) {
+      if (row < rows) {
+        const int n = min(Q_ITEMS, tuples - rr * Q_ITEMS);
+        const T* src = dz + row * D + (long long)rr * Q_ITEMS * BLOCK;
+        T* dst0 = s_dz0 + buf * Q_ITEMS * Q_ITEM_LD;
+        for (int c = threadIdx.x; c < n * 4 * QC; c += blockDim.x) {
+          const int q = c / QC, item = q / 4;  // quarter q of the round (item, its quarter)
+          const unsigned dst = (unsigned)__cvta_generic_to_shared(
+              dst0 + item * Q_ITEM_LD + (q - item * 4) * Q_LD + (c - q * QC) * E);
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src + c * E));
+        }
+      }
+      asm volatile("cp.async.commit_group;\n" ::);
+    };
+    long long row = blockIdx.x, next_row = row;
+    int rr = 0, next_rr = 0, buf = 0;
+    auto step = [&](long long& r0, int& r1) {
+      if (++r1 == rounds) r1 = 0, r0 += gridDim.x;
+    };
+    issue(next_row, next_rr, 0);
+    step(next_row, next_rr);
+    const int i = threadIdx.x / 4, k = threadIdx.x % 4;  // this thread's item and quarter
+    while (row < rows) {
+      if (rr == 0)  // the row's x (the last row's gather has passed its barrier)
+        for (int j = threadIdx.x; j < d; j += blockDim.x) s_x[j] = to_f(x[row * d + j]);
+      issue(next_row, next_rr, buf ^ 1);
+      step(next_row, next_rr);
+      asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+      __syncthreads();  // this round's stage and x are in
+      const int n = min(Q_ITEMS, tuples - rr * Q_ITEMS);
+      const int tu = rr * Q_ITEMS + min(i, n - 1);  // (threads past the round's end: a copy)
+      const unsigned packed = (unsigned)__ldg(tidx + tu);
+      const float coef = __ldg(tcoef + tu) * scale;
+      float xf[3][TILE], gx[3][TILE];
+#pragma unroll
+      for (int l = 0; l < 3; ++l) {
+        const unsigned start = (packed >> (8 * (l + 1))) & 255u;
+#pragma unroll
+        for (int a = 0; a < TILE; ++a) {
+          xf[l][a] = s_x[start + a];
+          gx[l][a] = 0.f;
+        }
+      }
+      const float x0 = s_x[(packed & 255u) + k];
+      const T* g = s_dz0 + (buf * Q_ITEMS + min(i, n - 1)) * Q_ITEM_LD + k * Q_LD;
+      Vec<8> held;  // two 4-feature rows a 16-byte load
+      vitrail::tprod_pow_bwd_rows<3, TILE>(gx, xf, [&](int lead, float (&grow)[TILE]) {
+        if (lead % 2 == 0) held = *reinterpret_cast<const Vec<8>*>(g + lead * TILE);
+#pragma unroll
+        for (int j = 0; j < TILE; ++j) grow[j] = to_f(held.v[(lead % 2) * TILE + j]);
+      }, coef);
+      float g0 = 0.f;  // factor 0's digit k: the quarter's block against x1 x2 x3
+#pragma unroll
+      for (int a = 0; a < TILE; ++a) g0 += gx[2][a] * xf[2][a];
+#pragma unroll
+      for (int l = 0; l < 3; ++l)
+#pragma unroll
+        for (int a = 0; a < TILE; ++a) {
+          float v = gx[l][a] * x0;
+          v += __shfl_xor_sync(0xFFFFFFFFu, v, 1);
+          v += __shfl_xor_sync(0xFFFFFFFFu, v, 2);
+          gx[l][a] = v;
+        }
+      if (i < n) {
+        float* part = s_part + (rr * Q_ITEMS + i) * PART_LD;
+        part[k] = g0;
+#pragma unroll
+        for (int l = 0; l < 3; ++l)
+#pragma unroll
+          for (int a = 0; a < TILE; ++a)
+            if (a == k) part[(l + 1) * TILE + a] = gx[l][a];
+      }
+      __syncthreads();  // the stage is refilled next; the partials are complete at the row's end
+      if (rr == rounds - 1) {
+        gather_dx(dx + row * d, s_part, slots, 1, d, tuples, entries);
+        __syncthreads();  // s_x and s_part are rewritten next
+      }
+      step(row, rr);
+      buf ^= 1;
+    }
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+  }
 }
