@@ -190,6 +190,102 @@ def test_wgmma_fragment_maps_reproduce_the_reference(power, d, d_tile):
     torch.testing.assert_close(gm, zm[:, kperm])
 
 
+@pytest.mark.parametrize("power,d,d_tile", WG_FAST)
+def test_wgmma_bwd_contraction_reproduces_the_reference(power, d, d_tile):
+    """mma_sympow_bwd_k_wg's contraction, replayed: lane q of a quad holds accumulator columns
+    8 j + 2 q + jj of each k-block of G; it loads its factors' values (load_factors), sums
+    G * prod_{o != l} x[o] per slot, adds the quad's partial sums by shuffles where factor l's
+    field leaves lane bits out (covers), and owner(u) alone adds digit u into dx. Each feature
+    of dx must be added by one lane per k-block, and the sums must give sympow's gradient."""
+    torch.manual_seed(power + d + d_tile + 1)
+    t, P = d_tile, power
+    logt, block = t.bit_length() - 1, t ** power
+    lo = lambda l: (P - 1 - l) * logt  # noqa: E731
+    ctm = lambda l: (0x39 >> lo(l)) & (t - 1)  # noqa: E731
+    covers = lambda l, bit: lo(l) <= bit < lo(l) + logt  # noqa: E731
+    owner = lambda u: ((u >> 1) & 1) | ((u & 1) << 1) if t == 4 else (u >> 1) & 3  # noqa: E731
+    _, _, tidx, tcoef = configs.tables(d, P, t, True, "cpu")
+    starts = [[(v & 0xFFFFFFFF) >> (8 * l) & 255 for l in range(P)] for v in tidx.tolist()]
+    x = torch.randn(3, d, dtype=F64)
+    D = sympow_dim(d, P, t)
+    G = torch.randn(3, D, dtype=F64)
+    dx = torch.zeros_like(x)
+    for kt in range(D // 64):
+        tu, e0 = divmod(kt * 64, block)
+        coef = tcoef[tu].item()
+        gr = {}  # (q, l, slot) -> this lane's partial sums (per row)
+        for q in range(4):
+            for j in range(8):
+                for jj in range(2):
+                    ct = 8 * j + jj
+                    g = G[:, kt * 64 + ct + 2 * q]
+                    xs = []
+                    for l in range(P):
+                        c = (ct >> lo(l)) & (t - 1)
+                        assert c & ~ctm(l) == 0
+                        off = starts[tu][l] + (((e0 + 2 * q) >> lo(l)) & (t - 1))
+                        xs.append((c, x[:, off + c]))
+                    for l in range(P):
+                        v = g
+                        for o in range(P):
+                            if o != l:
+                                v = v * xs[o][1]
+                        key = (q, l, xs[l][0])
+                        gr[key] = gr.get(key, 0) + v
+        for bit, flip in ((1, 1), (2, 2)):  # the shuffles, in the kernel's order
+            gr = {(q, l, c): v + (0 if covers(l, bit) else gr[(q ^ flip, l, c)])
+                  for (q, l, c), v in gr.items()}
+        writers = {}
+        for (q, l, c), total in gr.items():
+            base = ((e0 + 2 * q) >> lo(l)) & (t - 1)
+            if owner(base + c) == q:
+                feat = starts[tu][l] + base + c
+                assert writers.setdefault((feat, l), q) == q
+                dx[:, feat] += coef * total
+        by_feature = {}
+        for (feat, _), q in writers.items():
+            assert by_feature.setdefault(feat, q) == q, "two lanes add into one feature"
+    xr = x.clone().requires_grad_(True)
+    (want,) = torch.autograd.grad(sympow_reference(xr, P, t), xr, G)
+    torch.testing.assert_close(dx, want, rtol=1e-5, atol=1e-5)  # (float32 coefficients)
+
+
+def test_quarter_backward_reproduces_the_reference():
+    """sympow_bwd_quarter (p=4, d_tile=4), replayed: 16-byte chunk c of a round lands at item
+    q // 4, quarter q % 4 (q = c // 8) of the padded stage; thread k of an item takes the
+    quarter with first digit k as a 3-factor block scaled by the coefficient: factor 0's digit
+    k gets <its factor-3 gradient, x3>, factors 1-3 get x0[k] times theirs, added over k."""
+    torch.manual_seed(44)
+    d, P, t = 12, 4, 4
+    block, q_ld = t ** P, t ** P // 4 + 8  # elements; Q_LD for 2-byte types
+    for c in range(64 * block // 8):  # the stage's chunk map is the quarter layout, padded
+        q, cc = divmod(c, block // 4 // 8)
+        item, k = divmod(q, 4)
+        assert c * 8 == item * block + k * 64 + cc * 8
+        assert (item * 4 * q_ld + k * q_ld + cc * 8) % 8 == 0
+    _, _, tidx, tcoef = configs.tables(d, P, t, True, "cpu")
+    starts = [[(v & 0xFFFFFFFF) >> (8 * l) & 255 for l in range(P)] for v in tidx.tolist()]
+    x = torch.randn(2, d, dtype=F64)
+    D = sympow_dim(d, P, t)
+    dz = torch.randn(2, D, dtype=F64)
+    dx = torch.zeros_like(x)
+    for j, st in enumerate(starts):
+        coef = tcoef[j].item()
+        xs = [x[:, s:s + t] for s in st]
+        g = dz[:, j * block:(j + 1) * block].reshape(-1, t, t, t, t)
+        for k in range(t):
+            gq = g[:, k]  # [rows, a1, a2, b]: the quarter a0 = k
+            g1 = coef * torch.einsum("rabc,rb,rc->ra", gq, xs[2], xs[3])
+            g2 = coef * torch.einsum("rabc,ra,rc->rb", gq, xs[1], xs[3])
+            g3 = coef * torch.einsum("rabc,ra,rb->rc", gq, xs[1], xs[2])
+            dx[:, st[0] + k] += (g3 * xs[3]).sum(-1)
+            for l, gl in ((1, g1), (2, g2), (3, g3)):
+                dx[:, st[l]:st[l] + t] += xs[0][:, k:k + 1] * gl
+    xr = x.clone().requires_grad_(True)
+    (want,) = torch.autograd.grad(sympow_reference(xr, P, t), xr, dz)
+    torch.testing.assert_close(dx, want, rtol=1e-5, atol=1e-5)  # (float32 coefficients)
+
+
 def test_mma_references_agree_with_autograd():
     a, b = torch.randn(2, 5, 8, dtype=F64), torch.randn(2, sympow_dim(8, 2, 2), 3, dtype=F64)
     ar = a.clone().requires_grad_(True)
@@ -299,6 +395,59 @@ def test_sympow_forward_backward(dtype, power, d, d_tile):
     (want,) = torch.autograd.grad(sympow_reference(xr, power, d_tile), xr, dz.double())
     # the baseline: the exact gradient rounded to dtype; the kernel sums in fp32 and rounds once
     _close(dx, want, want.to(dtype), f"sympow backward p={power} d={d} t={d_tile}",
+           floor_rel=2e-6)
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("power,d,d_tile", [(2, 16, 4), (4, 8, 2), (3, 12, 4), (2, 64, 16)])
+def test_sympow_forward_loops_over_rows(dtype, power, d, d_tile):
+    """sympow_fwd with more rows than it covers at once (configs.fwd_rows_at_once): each
+    thread's fixed chunk over several rows, the last pass partial."""
+    torch.manual_seed(power + d + d_tile)
+    D = sympow_dim(d, power, d_tile)
+    vec = 16 // torch.empty((), dtype=dtype).element_size()
+    while (d_tile ** power) % vec:
+        vec //= 2
+    at_once = configs.fwd_rows_at_once(1 << 30, D // vec, torch.device("cuda"))
+    rows = 2 * at_once + 3
+    x = torch.randn(rows, d, device="cuda", dtype=dtype)
+    z = S._sympow_impl(x, power, d_tile, True, out=_nan((rows, D), dtype))
+    ref = sympow_reference(x, power, d_tile)
+    _close(z, ref, ref.to(dtype), f"sympow rows={rows} p={power} d={d} t={d_tile}")
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("power,d,d_tile", [(2, 64, 8), (2, 32, 4), (3, 16, 4), (1, 64, 16),
+                                            (4, 16, 4), (4, 32, 4)])
+def test_sympow_backward_pipe(dtype, power, d, d_tile):
+    """The persistent backward kernels over more rows than CTAs, the last pass partial:
+    sympow_bwd_pipe (staged blocks; equal to the one-block gather kernel: same sums in the same
+    order) and sympow_bwd_quarter (p=4, d_tile=4, 16-bit), both against the reference."""
+    torch.manual_seed(d + power + 7)
+    D = sympow_dim(d, power, d_tile)
+    _, _, tidx, _ = configs.tables(d, power, d_tile, True, "cpu")
+    vec = 16 // torch.empty((), dtype=dtype).element_size()
+    stage = configs.gather_stage(dtype, power, d_tile, vec)
+    per_block = configs.pipe_rows(d, power, d_tile, tidx.numel(), stage)
+    quarter = configs.quarter_smem(dtype, power, d_tile, vec, d, tidx.numel())
+    if not (per_block or quarter):
+        pytest.skip("no persistent kernel for this problem")
+    smem = quarter or configs.gather_smem(d, power, d_tile, tidx.numel(), per_block, 2 * stage)
+    grid = configs.pipe_grid(1 << 30, smem, torch.device("cuda"))
+    per_block = per_block or 1
+    rows = 2 * grid * per_block + per_block // 2 + 1
+    x = torch.randn(rows, d, device="cuda", dtype=dtype)
+    dz = torch.randn(rows, D, device="cuda", dtype=dtype)
+    got = S._sympow_bwd_impl(x, dz, power, d_tile, True, out=_nan((rows, d), dtype))
+    if not quarter:
+        one = S._sympow_bwd_impl(x, dz, power, d_tile, True, out=_nan((rows, d), dtype),
+                                 pipe=False)
+        assert torch.equal(got, one)
+    xr = x.double().requires_grad_(True)
+    (want,) = torch.autograd.grad(sympow_reference(xr, power, d_tile), xr, dz.double())
+    _close(got, want, want.to(dtype), f"sympow_bwd_pipe p={power} d={d} t={d_tile}",
            floor_rel=2e-6)
 
 
@@ -428,6 +577,30 @@ def test_sympow_mma_on_wgmma(dtype, expand_dim, power, d, d_tile, P, M, N, K):
     ref = sympow_mma_reference(a, b, expand_dim, power, d_tile, scale)
     unfused = (sympow_reference(a, power, d_tile, expand_dim).to(dtype) * scale) @ b
     _close(c, ref, unfused, f"sympow_mma wgmma {expand_dim} p={power} d={d} t={d_tile}")
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("power,d,d_tile", WG_CASES + [(2, 128, 8)])
+@pytest.mark.parametrize("P,M,N", [(2, 300, 64), (1, 77, 37), (1, 130, 128)])
+def test_mma_sympow_bwd_on_wgmma(dtype, power, d, d_tile, P, M, N):
+    """mma_sympow_bwd_k_wg (expand K): several feature blocks and tuples, row tails, dY rows
+    not 16 bytes long (zero-padded), and two 64-column chunks of dY (N = 128)."""
+    lda = -(-N // 8) * 8
+    if not (configs.wgmma_applies(dtype, power, d_tile, torch.device("cuda"))
+            and configs.wgmma_bwd_fits(d, lda)):
+        pytest.skip("the wgmma kernels run on sm_90a")
+    torch.manual_seed(power * 100 + d + d_tile + M + N)
+    a, b = _operands(-1, power, d, d_tile, dtype, P=P, M=M, N=N)
+    scale = 0.75
+    g = torch.randn(P, M, N, device="cuda", dtype=dtype)
+    bt = b.transpose(1, 2)
+    got = S._mma_bwd_impl(g, bt, a, -1, power, d_tile, scale, True, out=_nan(a.shape, dtype))
+    want = mma_sympow_bwd_reference(g, bt, a, -1, power, d_tile, scale)
+    eye = torch.eye(bt.shape[-1], device="cuda", dtype=dtype).expand(P, -1, -1)
+    base = mma_sympow_bwd_reference(g @ bt, eye, a, -1, power, d_tile, scale).to(dtype)
+    _close(got, want, base, f"mma_sympow_bwd wgmma p={power} d={d} t={d_tile} N={N}",
+           factor=4.0, floor_rel=2e-6)
 
 
 @requires_gpu

@@ -88,15 +88,17 @@ def _sympow_impl(x: torch.Tensor, power: int, d_tile: int, dc: bool,
         return z
     gidx, gcoef, _, _ = configs.tables(d, power, d_tile, dc, x.device)
     vec = configs.vector_width(x.dtype, d_tile ** power, z)
-    total = rows * (D // vec)
-    grid = min((total + 255) // 256, 1 << 20)
-    _run("elementwise", x.dtype, power, d_tile, vec, "sympow_fwd", grid, 0,
-         z, x, gidx, gcoef, rows, d, D, 1.0)
+    chunks = D // vec
+    at_once = configs.fwd_rows_at_once(rows, chunks, x.device)
+    _run("elementwise", x.dtype, power, d_tile, vec, "sympow_fwd", -(-chunks * at_once // 256), 0,
+         z, x, gidx, gcoef, rows, d, D, 1.0, at_once)
     return z
 
 
 def _sympow_bwd_impl(x: torch.Tensor, dz: torch.Tensor, power: int, d_tile: int,
-                     dc: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+                     dc: bool, out: torch.Tensor | None = None, pipe: bool = True) -> torch.Tensor:
+    """pipe=False: the one-block-per-CTA gather kernel even where a persistent one
+    (sympow_bwd_pipe, sympow_bwd_quarter) applies (for comparisons)."""
     d = x.shape[-1]
     D = configs.check_support("sympow backward", d, power, d_tile)
     x, dz = x.contiguous(), dz.to(x.dtype).contiguous()
@@ -107,7 +109,22 @@ def _sympow_bwd_impl(x: torch.Tensor, dz: torch.Tensor, power: int, d_tile: int,
     _, _, tidx, tcoef = configs.tables(d, power, d_tile, dc, x.device)
     tuples = tidx.numel()
     vec = configs.vector_width(x.dtype, d_tile ** power, dz)
+    smem = configs.quarter_smem(x.dtype, power, d_tile, vec, d, tuples) if pipe else 0
+    if smem:  # 512-byte blocks: staged in quarters, 4 threads an item, persistent
+        slots, entries = configs.gather_slots(d, power, d_tile, x.device)
+        _run("elementwise", x.dtype, power, d_tile, vec, "sympow_bwd_quarter",
+             configs.pipe_grid(rows, smem, x.device), smem,
+             dx, x, dz, tidx, tcoef, slots, rows, d, D, tuples, entries, 1.0)
+        return dx
     stage = configs.gather_stage(x.dtype, power, d_tile, vec)
+    per_block = configs.pipe_rows(d, power, d_tile, tuples, stage) if pipe else 0
+    if per_block:  # persistent, two stages: the next block's dz in flight while one computes
+        slots, entries = configs.gather_slots(d, power, d_tile, x.device)
+        smem = configs.gather_smem(d, power, d_tile, tuples, per_block, 2 * stage)
+        _run("elementwise", x.dtype, power, d_tile, vec, "sympow_bwd_pipe",
+             configs.pipe_grid(-(-rows // per_block), smem, x.device), smem,
+             dx, x, dz, tidx, tcoef, slots, rows, d, D, tuples, entries, per_block, 1.0)
+        return dx
     per_block = configs.gather_rows(d, power, d_tile, tuples, stage)
     if per_block:  # no atomics: partial sums per (row, tuple), then one gather per dx element
         slots, entries = configs.gather_slots(d, power, d_tile, x.device)
@@ -235,8 +252,10 @@ def _mma90_impl(a, b, expand_dim, power, d_tile, d, D, scale, dc, out):
 
 def _mma_bwd_impl(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, expand_dim: int,
                   power: int, d_tile: int, scale: float, dc: bool,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """c [P, M, d] (-1) or [P, d, K] (-2); a @ b has c's expanded shape."""
+                  out: torch.Tensor | None = None, wgmma: bool | None = None) -> torch.Tensor:
+    """c [P, M, d] (-1) or [P, d, K] (-2); a @ b has c's expanded shape. wgmma: None takes
+    mma_sympow_bwd_k_wg for expand K where it applies (configs.wgmma_bwd_fits); False forces
+    the sm80 kernels (for comparisons)."""
     c = c.contiguous()
     a, b = a.to(c.dtype).contiguous(), b.to(c.dtype).contiguous()
     P, n = c.shape[0], a.shape[-1]
@@ -250,6 +269,16 @@ def _mma_bwd_impl(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, expand_dim:
         return out.zero_()
     if expand_dim == -1:
         M = c.shape[1]
+        lda = -(-n // 8) * 8
+        if wgmma is not False and configs.wgmma_bwd_fits(d, lda) and \
+                configs.wgmma_applies(c.dtype, power, d_tile, c.device):
+            _, _, tidx, tcoef = configs.tables(d, power, d_tile, dc, c.device)
+            ap = _pad16(a)
+            bp = b if _vec_ok(b) else b.clone()  # (D is a multiple of 64: only the address)
+            _run("mma90", c.dtype, power, d_tile, 0, "mma_sympow_bwd_k_wg",
+                 (P, -(-M // configs.WG_TILE[0])), configs.wgmma_bwd_smem(d, lda), out, c, ap,
+                 bp, tidx, tcoef, M, ap.shape[-1], n, d, D, float(scale), _vec_ok(c))
+            return out
         _run("mma", c.dtype, power, d_tile, 0, "mma_sympow_bwd_k", (P, -(-M // TILE)),
              _smem("bwd_k", c.dtype, d), out, c, a, b, gidx, gcoef, M, n, d, D, gidx.numel(),
              float(scale), _vec_ok(a), _vec_ok(b))

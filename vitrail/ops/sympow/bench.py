@@ -1,10 +1,10 @@
 """`vitrail bench sympow`: the sympow family beside the unfused torch paths, in one run.
 
-sympow forward/backward in GB/s against this run's copy bandwidth; sympow_mma (wgmma on sm_90a,
-and the sm80 mma.sync kernels beside it) and
-mma_sympow_bwd in TFLOP/s counting the expanded FLOPs (2 * rows * D * N) against this run's
-bf16 matmul rate, with the unfused path (the expansion stored, then torch.bmm) as baseline; and
-the peak memory of fused and unfused forward + backward.
+sympow forward/backward in GB/s against this run's copy bandwidth; sympow_mma and
+mma_sympow_bwd (wgmma on sm_90a, and the sm80 mma.sync kernels beside them) in TFLOP/s
+counting the expanded FLOPs (2 * rows * D * N) against this run's bf16 matmul rate, with the
+unfused path (the expansion stored, then torch.bmm) as baseline; and the peak memory of fused
+and unfused forward + backward.
 """
 from __future__ import annotations
 
@@ -131,6 +131,8 @@ def run() -> list[Row]:
         _time(lambda: torch.ops.vitrail.sympow_bwd(a, torch.bmm(g, bt), p, t, True)),
         flops=flops, baseline=True)
     add(case, "vitrail fused", _time(lambda: S.mma_sympow_bwd(g, bt, a, -1, p, t)), flops=flops)
+    add(case, "vitrail fused sm80 mma.sync",
+        _time(lambda: S._mma_bwd_impl(g, bt, a, -1, p, t, 1.0, True, wgmma=False)), flops=flops)
     # state side: c = ak [P, d, K], grad [P, D, N], bk^T [P, N, K]
     gs = torch.randn(P, D, N, device="cuda", dtype=bf)
     bkt = bk.transpose(1, 2).contiguous()

@@ -88,6 +88,24 @@ def tables(d: int, power: int, d_tile: int, duplicate_correction: bool,
     return made
 
 
+_SMS: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    sms = _SMS.get(index)
+    if sms is None:
+        sms = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return sms
+
+
+def fwd_rows_at_once(rows: int, chunks: int, device: torch.device) -> int:
+    """Rows sympow_fwd covers at once (R there): its chunks * R threads fill the GPU about
+    twice over at 2048 threads per SM (each thread then loops over rows / R rows), at least 1,
+    at most rows; chunks * R stays below 2**31."""
+    return max(1, min(rows, 2 * sm_count(device) * 2048 // chunks, (1 << 31) // chunks - 1))
+
+
 _SLOTS: dict[tuple, tuple[torch.Tensor, int]] = {}
 GATHER_SMEM = 64 << 10   # shared memory a sympow_bwd_gather CTA may take (3+ CTAs per SM)
 
@@ -119,28 +137,70 @@ def gather_slots(d: int, power: int, d_tile: int, device: torch.device) -> tuple
 
 
 def gather_stage(dtype: torch.dtype, power: int, d_tile: int, vec: int) -> int:
-    """Bytes of sympow_bwd_gather's dz stage (GSTAGE there: a tuple's block 32 to 128 bytes,
-    16-byte vectors): 256 tuples' blocks, each padded by 16 bytes; else 0."""
+    """Bytes one item takes in sympow_bwd_gather's dz stage (GSTAGE there: a tuple's block 32 to
+    128 bytes, 16-byte vectors): the block padded by 16 bytes; else 0. A round stages at most
+    256 items."""
     es = torch.empty((), dtype=dtype).element_size()
     block = d_tile ** power * es
-    return 256 * (block + 16) if 32 <= block <= 128 and vec * es == 16 else 0
-
-
-def gather_rows(d: int, power: int, d_tile: int, n_tuples: int, stage: int = 0) -> int:
-    """Rows per CTA of sympow_bwd_gather (0: a row's partials do not fit; use sympow_bwd): as
-    many as fit in GATHER_SMEM beside the stage with the items (rows x tuples) filling whole
-    rounds of 256 threads best."""
-    per_row = 4 * (d + n_tuples * part_ld(power, d_tile))
-    most = min(64, (GATHER_SMEM - stage - 32) // per_row)  # (32: the two round-ups)
-    if most < 1:
-        return 0
-    fill = lambda r: r * n_tuples / (-(-r * n_tuples // 256) * 256)  # noqa: E731
-    return max(range(1, most + 1), key=lambda r: (round(fill(r), 2), r))
+    return block + 16 if 32 <= block <= 128 and vec * es == 16 else 0
 
 
 def gather_smem(d: int, power: int, d_tile: int, n_tuples: int, rows: int, stage: int) -> int:
+    """Shared memory of sympow_bwd_gather for `rows` rows a CTA: x's rows and the items'
+    partial gradients in fp32, then the stage (`stage` bytes an item, the items of one round)."""
     parts = rows * n_tuples * part_ld(power, d_tile)
-    return 4 * ((rows * d + 3) // 4 * 4 + (parts + 3) // 4 * 4) + stage
+    return 4 * ((rows * d + 3) // 4 * 4 + (parts + 3) // 4 * 4) + \
+        min(256, rows * n_tuples) * stage
+
+
+def gather_rows(d: int, power: int, d_tile: int, n_tuples: int, stage: int = 0,
+                budget: int | None = None) -> int:
+    """Rows per CTA of sympow_bwd_gather (0: a row's partials do not fit; use sympow_bwd): as
+    many as fit in `budget` bytes (GATHER_SMEM) with the items (rows x tuples) filling whole
+    rounds of 256 threads best."""
+    budget = GATHER_SMEM if budget is None else budget
+    fits = [r for r in range(1, 65) if gather_smem(d, power, d_tile, n_tuples, r, stage) <= budget]
+    if not fits:
+        return 0
+    fill = lambda r: r * n_tuples / (-(-r * n_tuples // 256) * 256)  # noqa: E731
+    return max(fits, key=lambda r: (round(fill(r), 2), r))
+
+
+PIPE_SMEM = 110 << 10  # sympow_bwd_pipe's shared memory at most (2 CTAs per SM)
+SMEM_PER_SM = 228 << 10
+
+
+def pipe_rows(d: int, power: int, d_tile: int, n_tuples: int, stage: int) -> int:
+    """Rows per block of sympow_bwd_pipe (0: not applicable): staged blocks (stage > 0) whose
+    items (rows x tuples) fit one stage of 256, with two stages in PIPE_SMEM; the most rows of
+    the best fill of 256 threads."""
+    if not stage:
+        return 0
+    fits = [r for r in range(1, 65) if r * n_tuples <= 256 and
+            gather_smem(d, power, d_tile, n_tuples, r, 2 * stage) <= PIPE_SMEM]
+    if not fits:
+        return 0
+    return max(fits, key=lambda r: (round(r * n_tuples / 256, 2), r))
+
+
+def pipe_grid(blocks: int, smem: int, device: torch.device) -> int:
+    """sympow_bwd_pipe's CTAs: as many as are resident at once (by shared memory, at most 8 of
+    256 threads per SM), at most one per block."""
+    per_sm = max(1, min(8, SMEM_PER_SM // (smem + 1024)))
+    return max(1, min(blocks, per_sm * sm_count(device)))
+
+
+def quarter_smem(dtype: torch.dtype, power: int, d_tile: int, vec: int, d: int,
+                 n_tuples: int) -> int:
+    """Shared memory of sympow_bwd_quarter (0: it does not apply): power 4, d_tile 4, 16-bit
+    types, dz in 16-byte vectors; x's row and its partials in fp32, two stages of 64 items
+    (each quarter padded by 16 bytes); within one CTA's limit."""
+    es = torch.empty((), dtype=dtype).element_size()
+    if (power, d_tile, es) != (4, 4, 2) or vec * es != 16:
+        return 0
+    smem = 4 * ((d + 3) // 4 * 4 + (n_tuples * part_ld(power, d_tile) + 3) // 4 * 4) + \
+        2 * 64 * 4 * (64 * es + 16)
+    return smem if smem <= SMEM_PER_CTA else 0
 
 
 # Elementwise kernels: VEC is how many features one thread writes (forward) or loads at once
@@ -185,6 +245,25 @@ def wgmma_smem(kind: str, d: int) -> int:
     if kind == "k":
         return base + WG_TILE[0] * ((d + 31) // 32 * 32 + 8) * 4
     return base + WG_STAGES * d * 64 * 2
+
+
+WG_BWD_STAGES = 2     # b's tiles in mma_sympow_bwd_k_wg (BW_STAGES there)
+WG_BWD_MAX_N = 128    # a's (dY's) row length it keeps resident: 128 rows x n
+SMEM_PER_CTA = 227 << 10
+
+
+def wgmma_bwd_smem(d: int, lda: int) -> int:
+    """Dynamic shared memory of mma_sympow_bwd_k_wg: 1 KiB of alignment slack, b's stages, a's
+    128 rows (64-column tiles), then c's rows and dx's rows as fp32."""
+    ldx = (d + 31) // 32 * 32 + 8
+    return 1024 + WG_BWD_STAGES * 64 * 64 * 2 + -(-lda // 64) * 128 * 64 * 2 + 2 * 128 * ldx * 4
+
+
+def wgmma_bwd_fits(d: int, lda: int) -> bool:
+    """mma_sympow_bwd_k_wg takes the problem (beside wgmma_applies): dY's rows (lda elements,
+    padded to 8) at most WG_BWD_MAX_N long, and its shared memory within one CTA's limit;
+    the rest stays on the sm80 kernel."""
+    return lda <= WG_BWD_MAX_N and wgmma_bwd_smem(d, lda) <= SMEM_PER_CTA
 
 
 def vector_width(dtype: torch.dtype, block: int, *tensors: torch.Tensor) -> int:

@@ -15,6 +15,10 @@
 // and row, only the few input values its fragment touches into registers (vectorized where a
 // field is whole), then every product has compile-time register indices.
 //
+// mma_sympow_bwd's expand-K side (mma_sympow_bwd_k_wg, at the end) runs the other way round:
+// wgmma makes a 64 x 64 block of G = dY @ b (both operands from shared memory) and the threads
+// contract it through sympow's derivative in registers.
+//
 // Statics: T_ID 1 (half) or 2 (bfloat16), POW, TILE (sympow_common.cuh), TILE^POW % 64 == 0.
 // CTA: 256 threads (2 warpgroups); expand K: 128 x 64 output tile; expand M: 128 features x 64.
 // Launch bounds hold registers to 80 (3 CTAs, 6 warpgroups per SM) without spills (expand M with
@@ -95,6 +99,11 @@ template <int N>
 __device__ __forceinline__ void pin(unsigned (&r)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i]));
+}
+// The same for the accumulators after wait_group: their reads stay below it.
+__device__ __forceinline__ void pin(Acc& acc) {
+#pragma unroll
+  for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(acc.c[i]));
 }
 __device__ __forceinline__ unsigned pack2(float lo, float hi) {
 #if T_ID == 1
@@ -347,16 +356,22 @@ struct KPerm {
   }
 };
 // a's k-blocks: d rows of 64 columns, 128-byte rows whose 16-byte chunk c lands at c ^ (row % 2)
-// (so that two rows' 16-byte loads by a quarter-warp fall in different banks).
+// (so that two rows' 16-byte loads by a quarter-warp fall in different banks). The block at
+// column col0 into the stage at sdst (columns past `cols` zero), d rows `ld` elements apart:
+// each thread copies chunk tid % 8 of rows tid / 8 + 32 i (same swizzle phase, 4 KiB apart) in
+// a loop kept rolled (an unrolled one with its remainder cost ~90 instructions a k-block), its
+// addresses rebuilt from threadIdx (registers held across the mainloop make 80-register builds
+// spill).
 __device__ __forceinline__ void load_a_block(unsigned sdst, const T* g, int ld, int d, int col0,
                                              int cols) {
-  const int c = threadIdx.x & 7;
+  const int c = threadIdx.x & 7, r = threadIdx.x >> 3;
   const bool ok = col0 + c * 8 < cols;
-  const T* src = g + (threadIdx.x >> 3) * ld + col0 + c * 8;
-  for (int r = threadIdx.x >> 3; r < d; r += THREADS / 8, src += (THREADS / 8) * ld)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
-                     sdst + r * 128 + ((c ^ (r & 1)) << 4)),
-                 "l"(ok ? src : g), "r"(ok ? 16 : 0));
+  const T* p = g + (long long)r * ld + col0 + c * 8;
+  unsigned s = sdst + r * 128 + ((c ^ (r & 1)) << 4);
+#pragma unroll 1
+  for (int row = r; row < d; row += 32, p += 32 * ld, s += 4096)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s),
+                 "l"(ok ? p : g), "r"(ok ? 16 : 0));
 }
 // Thread q's 16 columns of input row `row` (8 packed pairs: word 2 s + h is k-step s, half h).
 __device__ __forceinline__ void load_cols(unsigned (&w)[8], unsigned sbase, int row, int q) {
@@ -513,5 +528,237 @@ sympow_mma_m_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict_
         if (c + 1 < N) out[1] = from_f<T>(v1);
       }
     }
+  }
+}
+
+namespace s90 {
+// ---- mma_sympow_bwd, expand K: G = dY @ b by wgmma, contracted by the CUDA cores ----
+constexpr int BW_STAGES = 2;  // b's tiles; a stage is refilled once both warpgroups waited for it
+static_assert(BW_STAGES == 2, "load_b and the mainloop flip between two stages");
+// Descriptor of a 64 x 16 (M x K, K contiguous: "K-major") slice of 128-byte rows with the
+// 128-byte swizzle, 8-row groups 1024 bytes apart (the leading offset is unused).
+__device__ __forceinline__ unsigned long long desc_k_sw128(unsigned addr) {
+  return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) |
+         ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
+}
+// acc (64 x 64 fp32) = (accumulate ? acc : 0) + A (64 x 16, shared, K-major) @ B (16 x 64,
+// shared, MN-major).
+__device__ __forceinline__ void wgmma_ss(Acc& acc, unsigned long long a, unsigned long long b,
+                                         int accumulate) {
+#define VT_ACC(i) "+f"(acc.c[i])
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %34, 0;\n"
+#if T_ID == 1
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+#else
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+#endif
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
+      "%32, %33, p, 1, 1, 0, 1;\n"
+      "}\n"
+      : VT_ACC(0), VT_ACC(1), VT_ACC(2), VT_ACC(3), VT_ACC(4), VT_ACC(5), VT_ACC(6), VT_ACC(7),
+        VT_ACC(8), VT_ACC(9), VT_ACC(10), VT_ACC(11), VT_ACC(12), VT_ACC(13), VT_ACC(14),
+        VT_ACC(15), VT_ACC(16), VT_ACC(17), VT_ACC(18), VT_ACC(19), VT_ACC(20), VT_ACC(21),
+        VT_ACC(22), VT_ACC(23), VT_ACC(24), VT_ACC(25), VT_ACC(26), VT_ACC(27), VT_ACC(28),
+        VT_ACC(29), VT_ACC(30), VT_ACC(31)
+      : "l"(a), "l"(b), "r"(accumulate));
+#undef VT_ACC
+}
+// The accumulator's column 8 j + 2 q + jj is feature e0 + (8 j + jj) + 2 q: the same bit split
+// as expand K's fragments (ct bits 0, 3-5; lane bits 1-2), so slot(l, ct) and load_factors
+// carry over. Factor l's digit holds lane bits (col bits 1, 2) only where its field covers
+// them; the lanes of a quad that differ in the other lane bits hold partial sums of the same
+// digits and add them by shuffles. Then digit u of every factor is added into dx by one lane,
+// owner(u), the same for all factors (a tuple whose factors share a tile adds twice into the
+// same features, from one thread): the lane whose bits equal u's bits at the places where a
+// field holds col bit 1 (bit 1 of the field starting at 0) and col bit 2 (bit 0 of the field at
+// 2 when TILE is 4, else bit 2 of the field at 0).
+__host__ __device__ constexpr bool covers(int l, int bit) {
+  return lo(l) <= bit && bit < lo(l) + LOGT;
+}
+__device__ __forceinline__ int owner(int u) {
+  return TILE == 4 ? ((u >> 1) & 1) | ((u & 1) << 1) : (u >> 1) & 3;
+}
+// One fragment row h's contribution to its row of dx (s_dx) for the k-block at e0 of tuple
+// `packed` (coefficient coef): dx[l][u] += coef * sum over the row's features with digit l == u
+// of G * prod_{o != l} x[o][digit o].
+template <int H>
+__device__ __forceinline__ void contract_row(float* s_dx, const float* xrow, const Acc& acc,
+                                             unsigned packed, int e0, int lane_bits, int q,
+                                             float coef) {
+  float xv[POW][TILE], gr[POW][TILE];
+  load_factors<0>(xv, xrow, packed, e0, lane_bits);
+#pragma unroll
+  for (int l = 0; l < POW; ++l)
+#pragma unroll
+    for (int c = 0; c < TILE; ++c) gr[l][c] = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int jj = 0; jj < 2; ++jj) {
+      const int ct = 8 * j + jj;
+      float pre[POW];  // prod_{o < l} x[o]
+      pre[0] = 1.f;
+#pragma unroll
+      for (int l = 1; l < POW; ++l)
+        pre[l] = l == 1 ? xv[0][slot(0, ct)] : pre[l - 1] * xv[l - 1][slot(l - 1, ct)];
+      float s = acc.c[4 * j + 2 * H + jj];  // times prod_{o > l} x[o], walking l down
+#pragma unroll
+      for (int l = POW - 1; l >= 1; --l) {
+        gr[l][slot(l, ct)] += s * pre[l];
+        s *= xv[l][slot(l, ct)];
+      }
+      gr[0][slot(0, ct)] += s;
+    }
+#pragma unroll
+  for (int l = 0; l < POW; ++l) {
+    const int base = (e0 + lane_bits) >> lo(l) & (TILE - 1);  // the digit's non-slot bits
+    float* dst = s_dx + ((packed >> (8 * l)) & 255u) + base;
+#pragma unroll
+    for (int c = 0; c < TILE; ++c) {
+      if (!slot_used(l, c)) continue;
+      float v = gr[l][c];
+      if (!covers(l, 1)) v += __shfl_xor_sync(0xFFFFFFFFu, v, 1);
+      if (!covers(l, 2)) v += __shfl_xor_sync(0xFFFFFFFFu, v, 2);
+      if (owner(base + c) == q) dst[c] += coef * v;
+    }
+  }
+}
+}  // namespace s90
+
+// dc[P, M, d] = gradient wrt c of <sympow(c[P, M, d] along rows) * scale, a[P, M, n] @ b[P, n, D]>
+// Each warpgroup's 64 rows of G = a @ b, one 64-feature k-block (inside one tuple) at a time,
+// come from wgmma (a's rows resident in shared memory, b's tiles streamed); its threads contract
+// the block in registers against c's rows and add into the rows of dx kept in shared memory
+// (each (row, feature) by one thread: no atomics), written once at the end.
+// lda: a's row length (a multiple of 8, at most 64 * NC_MAX; columns past n are zero).
+extern "C" __global__ void __launch_bounds__(256, 2)
+mma_sympow_bwd_k_wg(T* __restrict__ dc, const T* __restrict__ c, const T* __restrict__ a,
+                    const T* __restrict__ b, const int* __restrict__ tidx,
+                    const float* __restrict__ tcoef, int M, int lda, int n, int d, int D,
+                    float scale, int c_vec) {
+  using namespace s90;
+  extern __shared__ __align__(16) char smem_raw[];
+  char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  const unsigned sB_addr = smem_addr(smem);                       // BW_STAGES x 64 x 64
+  const unsigned sA_addr = sB_addr + BW_STAGES * TILE_BYTES;      // NC x 128 rows x 64
+  const int NC = (lda + 63) / 64;
+  float* sX = reinterpret_cast<float*>(smem + BW_STAGES * TILE_BYTES + NC * 2 * TILE_BYTES);
+  const int ldx = ((d + 31) & ~31) + 8;
+  float* sD = sX + BM * ldx;  // dx's rows, fp32
+
+  const long long p = blockIdx.x;
+  const int m0 = blockIdx.y * BM;
+  const T* Ap = a + p * M * lda;
+  const T* Bp = b + p * n * D;
+  {  // a's 128 rows, resident: chunk cc of row r in tile cc / 8 (128-byte swizzle)
+    const int per_row = NC * 8;
+    for (int i = threadIdx.x; i < BM * per_row; i += THREADS) {
+      const int r = i / per_row, cc = i - r * per_row, ch = cc & 7;
+      const bool ok = m0 + r < M && cc * 8 < lda;
+      const unsigned dst =
+          sA_addr + (cc >> 3) * 2 * TILE_BYTES + r * 128 + ((ch ^ (r & 7)) << 4);
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
+                   "l"(ok ? Ap + (long long)(m0 + r) * lda + cc * 8 : Ap), "r"(ok ? 16 : 0));
+    }
+  }
+  const int nF = D / BK;
+  // b's tiles in order (f, nc): rows [64 nc, + 64) x features [64 f, + 64); the stream steps
+  // a pointer a tile (no divisions or address rebuilds in the mainloop)
+  const int bc = threadIdx.x & 7, br = threadIdx.x >> 3;
+  const unsigned b_dst = sB_addr + br * 128 + ((bc ^ (br & 7)) << 4);
+  const T* b_src = Bp + (long long)br * D + bc * 8;
+  const long long b_down = 64ll * D, b_next = 64 - (long long)(NC - 1) * 64 * D;
+  int b_left = nF * NC, b_row = br, b_nc = 0, b_stage = 0;
+  auto load_b = [&]() {
+    if (b_left > 0) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const bool ok = b_row + 32 * h < n;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                         b_dst + b_stage * TILE_BYTES + h * 4096),
+                     "l"(ok ? b_src + h * 32 * D : Bp), "r"(ok ? 16 : 0));
+      }
+      --b_left;
+      b_stage ^= 1;  // (BW_STAGES == 2)
+      if (++b_nc == NC) {
+        b_nc = 0, b_row = br, b_src += b_next;
+      } else {
+        b_row += 64, b_src += b_down;
+      }
+    }
+    async_commit();
+  };
+  load_b();
+  const T* Cp = c + p * M * d;
+  if (c_vec) {
+    constexpr int E = 16 / sizeof(T);
+    const int per_row = d / E;
+    for (int i = threadIdx.x; i < BM * per_row; i += THREADS) {
+      const int r = i / per_row, col = (i - r * per_row) * E;
+      Vec<E> v;
+      if (m0 + r < M)
+        v = *reinterpret_cast<const Vec<E>*>(Cp + (long long)(m0 + r) * d + col);
+      else
+#pragma unroll
+        for (int j = 0; j < E; ++j) v.v[j] = from_f<T>(0.f);
+#pragma unroll
+      for (int j = 0; j < E; j += 4) {
+        *reinterpret_cast<float4*>(sX + r * ldx + col + j) =
+            make_float4(to_f(v.v[j]), to_f(v.v[j + 1]), to_f(v.v[j + 2]), to_f(v.v[j + 3]));
+        *reinterpret_cast<float4*>(sD + r * ldx + col + j) = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
+  } else {
+    for (int i = threadIdx.x; i < BM * d; i += THREADS) {
+      const int r = i / d, col = i - r * d;
+      sX[r * ldx + col] = m0 + r < M ? to_f(Cp[(long long)(m0 + r) * d + col]) : 0.f;
+      sD[r * ldx + col] = 0.f;
+    }
+  }
+
+  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const int q = lane % 4, lane_bits = 2 * q;
+  const int row0 = (wg * 64 + warp * 16 + lane / 4) * ldx;  // this thread's first row (+8: 2nd)
+  const unsigned long long a_desc0 = desc_k_sw128(sA_addr + wg * 64 * 128);
+  const unsigned long long b_desc0 = desc_mn_sw128(sB_addr);
+  Acc acc;
+  zero(acc);
+  int stage = 0;
+#pragma unroll 1
+  for (int f = 0; f < nF; ++f) {
+    const int k0 = f * BK, tu = k0 / BLOCK, e0 = k0 - tu * BLOCK;
+    const unsigned packed = (unsigned)__ldg(tidx + tu);
+    const float coef = __ldg(tcoef + tu) * scale;
+#pragma unroll 1
+    for (int nc = 0; nc < NC; ++nc) {
+      async_wait<0>();
+      fence_async_proxy();
+      __syncthreads();  // this stage (and a, c) landed everywhere; the last one's wgmmas retired
+      load_b();
+      const unsigned long long a_desc = a_desc0 + nc * (2 * TILE_BYTES >> 4);
+      const unsigned long long b_desc = b_desc0 + stage * (TILE_BYTES >> 4);
+      stage ^= 1;
+      wg_fence();
+#pragma unroll
+      for (int s = 0; s < 4; ++s)  // (start address fields: 16-byte units)
+        wgmma_ss(acc, a_desc + s * (32 >> 4), b_desc + s * (16 * 128 >> 4), nc | s);
+      wg_commit();
+      wg_wait<0>();
+    }
+    pin(acc);  // no read of the accumulators moves above the wait
+    contract_row<0>(sD + row0, sX + row0, acc, packed, e0, lane_bits, q, coef);
+    contract_row<1>(sD + row0 + 8 * ldx, sX + row0 + 8 * ldx, acc, packed, e0, lane_bits, q,
+                    coef);
+  }
+  async_wait<0>();
+  __syncthreads();
+  T* out = dc + p * M * d;
+  for (int i = threadIdx.x; i < BM * d; i += THREADS) {
+    const int r = i / d, col = i - r * d;
+    if (m0 + r < M) out[(long long)(m0 + r) * d + col] = from_f<T>(sD[r * ldx + col]);
   }
 }
