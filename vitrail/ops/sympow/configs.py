@@ -107,7 +107,8 @@ def fwd_rows_at_once(rows: int, chunks: int, device: torch.device) -> int:
 
 
 _SLOTS: dict[tuple, tuple[torch.Tensor, int]] = {}
-GATHER_SMEM = 64 << 10   # shared memory a sympow_bwd_gather CTA may take (3+ CTAs per SM)
+GATHER_SMEM = 32 << 10   # shared memory a sympow_bwd_gather CTA takes first (6+ CTAs per SM)
+GATHER_SMEM_MAX = 64 << 10  # ... and at most, where a row's partials need more
 
 
 def part_ld(power: int, d_tile: int) -> int:
