@@ -175,13 +175,9 @@ def run(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], bias: Optio
         from vitrail.ops.gemm import accurate  # 3xTF32: fp32-level error
         return accurate.run(a, b, c if use_c else None, bias, alpha, beta, activation, slope,
                             clamp_min, clamp_max, out_dtype)
-    if K == 0 or not is_hopper(a.device) or (
-            a.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"):
+    if K == 0 or not is_hopper(a.device):
         if K != 0:
-            why = ("fp32 inputs with torch.get_float32_matmul_precision() == 'highest' (the "
-                   "kernel computes in TF32; the accurate mode is not implemented yet)"
-                   if is_hopper(a.device) else
-                   f"{torch.cuda.get_device_name(a.device)} is not a Hopper GPU (the kernels "
+            why = (f"{torch.cuda.get_device_name(a.device)} is not a Hopper GPU (the kernels "
                    f"are sm_90a)")
             warn_once(f"torch:{why}", f"vitrail.ops.gemm runs torch's matmul here: {why}")
         compute = torch.float32 if a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) \
