@@ -66,11 +66,11 @@ def _replay_forward(x, power, d_tile, dc):
     return torch.stack(cols, -1)
 
 
-def _replay_backward(x, dz, power, d_tile, dc):
-    """What sympow_bwd computes, from its tuple table, in torch."""
+def _factor_grads(x, dz, power, d_tile, dc):
+    """(tuple j, factor l, first feature of l's tile, the gradient of tuple j's block with
+    respect to factor l [rows, d_tile]) from the kernels' tuple table, in torch."""
     _, _, tidx, tcoef = configs.tables(x.shape[-1], power, d_tile, dc, "cpu")
     t, block = d_tile, d_tile ** power
-    dx = torch.zeros_like(x)
     for j, (packed, coef) in enumerate(zip(tidx.tolist(), tcoef.tolist())):
         packed &= 0xFFFFFFFF
         starts = [(packed >> (8 * l)) & 255 for l in range(power)]
@@ -84,30 +84,25 @@ def _replay_backward(x, dz, power, d_tile, dc):
                     shape[0], shape[m + 1] = -1, t
                     v = v * frags[m].reshape(shape)
             dims = [i + 1 for i in range(power) if i != l]
-            dx[:, starts[l]:starts[l] + t] += v.sum(dims) if dims else v
+            yield j, l, starts[l], v.sum(dims) if dims else v
+
+
+def _replay_backward(x, dz, power, d_tile, dc):
+    """What sympow_bwd computes, from its tuple table, in torch."""
+    dx = torch.zeros_like(x)
+    for _, _, start, grad in _factor_grads(x, dz, power, d_tile, dc):
+        dx[:, start:start + d_tile] += grad
     return dx
 
 
 def _replay_gather(x, dz, power, d_tile, dc):
     """What sympow_bwd_gather computes, from its tuple table and slots table, in torch."""
-    _, _, tidx, tcoef = configs.tables(x.shape[-1], power, d_tile, dc, "cpu")
     slots, entries = configs.gather_slots(x.shape[-1], power, d_tile, "cpu")
-    t, block, ld = d_tile, d_tile ** power, configs.part_ld(power, d_tile)
-    part = torch.full((x.shape[0], tidx.numel() * ld), float("nan"), dtype=x.dtype)
-    for j, (packed, coef) in enumerate(zip(tidx.tolist(), tcoef.tolist())):
-        packed &= 0xFFFFFFFF
-        starts = [(packed >> (8 * l)) & 255 for l in range(power)]
-        frags = [x[:, s:s + t] for s in starts]
-        g = dz[:, j * block:(j + 1) * block].reshape((-1,) + (t,) * power)
-        for l in range(power):
-            v = g * coef
-            for m in range(power):
-                if m != l:
-                    shape = [1] * (power + 1)
-                    shape[0], shape[m + 1] = -1, t
-                    v = v * frags[m].reshape(shape)
-            dims = [i + 1 for i in range(power) if i != l]
-            part[:, j * ld + l * t:j * ld + (l + 1) * t] = v.sum(dims) if dims else v
+    t, ld = d_tile, configs.part_ld(power, d_tile)
+    n_tuples = configs.tables(x.shape[-1], power, d_tile, dc, "cpu")[2].numel()
+    part = torch.full((x.shape[0], n_tuples * ld), float("nan"), dtype=x.dtype)
+    for j, l, _, grad in _factor_grads(x, dz, power, d_tile, dc):
+        part[:, j * ld + l * t:j * ld + (l + 1) * t] = grad
     dx = torch.zeros_like(x)
     for u in range(x.shape[1] // t):
         for a in range(t):

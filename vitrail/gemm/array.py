@@ -30,21 +30,7 @@ ENTRY = "vitrail_array_gemm"
 WORKSPACE_ENTRY = "vitrail_array_gemm_workspace"
 
 _TEMPLATE = r"""// vitrail array-of-pointers GEMM: @NAME@
-#include <cuda_runtime.h>
-#include <cstdint>
-#include <cutlass/cutlass.h>
-#include <cutlass/numeric_types.h>
-#include <cute/tensor.hpp>
-#include <cutlass/gemm/gemm.h>
-#include <cutlass/gemm/group_array_problem_shape.hpp>
-#include <cutlass/gemm/dispatch_policy.hpp>
-#include <cutlass/gemm/collective/collective_mma_decl.hpp>
-@MAINLOOP_INCLUDES@
-#include <cutlass/gemm/collective/builders/sm90_gmma_builder.inl>
-#include <cutlass/epilogue/collective/collective_builder.hpp>
-#include <cutlass/gemm/kernel/tile_scheduler.hpp>
-#include <cutlass/gemm/kernel/@KERNEL_HEADER@>
-#include <cutlass/device_kernel.h>
+@PTR_ARRAY_INCLUDES@
 
 namespace vitrail_array_impl {
 using namespace cute;

@@ -126,12 +126,7 @@ using namespace vitrail_gemm_impl;
 }
 
 @LINKAGE@ int @ENTRY@(
-    const void* A, const void* B, const void* C, void* D, const void* bias,
-    const void* scale_a, const void* scale_b, int M, int N, int K, int L,
-    int64_t lda, int64_t batch_a, int64_t ldb, int64_t batch_b, int64_t ldc, int64_t batch_c,
-    int64_t ldd, int64_t batch_d, int64_t bias_batch_stride, float alpha, float beta,
-    float slope, float lo, float hi, int splits, void* workspace, int64_t workspace_bytes,
-    int sm_count, cudaStream_t stream) {
+@ENTRY_PARAMS@) {
   if (M <= 0 || N <= 0 || K <= 0 || L <= 0) return -3;
   if (!aligned(A) || !aligned(B) || !aligned(D)@C_ALIGNED@) return -1;
   constexpr int64_t ea = 128 / cutlass::sizeof_bits<ElementA>::value;
@@ -238,8 +233,35 @@ LAUNCH = r"""  if (static_cast<int64_t>(GemmKernel::get_workspace_size(args)) > 
   return static_cast<int>(cudaLaunchKernelEx(&config, cutlass::device_kernel<GemmKernel>, params));"""
 
 
+# The plain GEMM entry point's parameters, which split_k.py's entry point shares (one ABI for
+# arguments.launch), and the includes of the pointer-array kernels (array.py, grouped.py).
+ENTRY_PARAMS = """    const void* A, const void* B, const void* C, void* D, const void* bias,
+    const void* scale_a, const void* scale_b, int M, int N, int K, int L,
+    int64_t lda, int64_t batch_a, int64_t ldb, int64_t batch_b, int64_t ldc, int64_t batch_c,
+    int64_t ldd, int64_t batch_d, int64_t bias_batch_stride, float alpha, float beta,
+    float slope, float lo, float hi, int splits, void* workspace, int64_t workspace_bytes,
+    int sm_count, cudaStream_t stream"""
+PTR_ARRAY_INCLUDES = """#include <cuda_runtime.h>
+#include <cstdint>
+#include <cutlass/cutlass.h>
+#include <cutlass/numeric_types.h>
+#include <cute/tensor.hpp>
+#include <cutlass/gemm/gemm.h>
+#include <cutlass/gemm/group_array_problem_shape.hpp>
+#include <cutlass/gemm/dispatch_policy.hpp>
+#include <cutlass/gemm/collective/collective_mma_decl.hpp>
+@MAINLOOP_INCLUDES@
+#include <cutlass/gemm/collective/builders/sm90_gmma_builder.inl>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/gemm/kernel/tile_scheduler.hpp>
+#include <cutlass/gemm/kernel/@KERNEL_HEADER@>
+#include <cutlass/device_kernel.h>"""
+SHARED = {"LAUNCH": LAUNCH, "ENTRY_PARAMS": ENTRY_PARAMS, "PTR_ARRAY_INCLUDES": PTR_ARRAY_INCLUDES}
+
+
 def fill(template: str, subs: dict[str, str]) -> str:
-    """template with every @KEY@ replaced by subs[KEY], and @LAUNCH@ by the shared launch."""
-    for k, v in {**subs, "LAUNCH": LAUNCH}.items():
+    """template with the shared fragments (SHARED: @PTR_ARRAY_INCLUDES@, @ENTRY_PARAMS@,
+    @LAUNCH@) spliced in, then every @KEY@ replaced by subs[KEY]."""
+    for k, v in {**SHARED, **subs}.items():
         template = template.replace(f"@{k}@", v)
     return template

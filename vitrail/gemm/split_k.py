@@ -95,12 +95,7 @@ extern "C" int64_t vitrail_gemm_workspace(int M, int N, int K, int L, int splits
 }
 
 extern "C" int vitrail_gemm(
-    const void* A, const void* B, const void* C, void* D, const void* bias,
-    const void* scale_a, const void* scale_b, int M, int N, int K, int L,
-    int64_t lda, int64_t batch_a, int64_t ldb, int64_t batch_b, int64_t ldc, int64_t batch_c,
-    int64_t ldd, int64_t batch_d, int64_t bias_batch_stride, float alpha, float beta,
-    float slope, float lo, float hi, int splits, void* workspace, int64_t workspace_bytes,
-    int sm_count, cudaStream_t stream) {
+@ENTRY_PARAMS@) {
   using namespace vitrail_split_k;
   (void)batch_a; (void)batch_b; (void)batch_c; (void)batch_d; (void)bias_batch_stride;
   if (M <= 0 || N <= 0 || K <= 0 || L != 1 || splits < 1) return -3;
@@ -176,9 +171,7 @@ def emit(op) -> str:
         "B_K_MAJOR": "true" if k_major("b", op.B) else "false",
         "PARTIAL_ENTRY": PARTIAL_ENTRY, "PARTIAL_WORKSPACE": PARTIAL_WORKSPACE_ENTRY,
     }
-    reduce = _REDUCE
-    for k, v in subs.items():
-        reduce = reduce.replace(f"@{k}@", v)
+    reduce = emitter.fill(_REDUCE, subs)
     header = (f"// vitrail split-K (parallel) GEMM: {op.name}\n// epilogue {epi.tag}, applied "
               f"by the reduction; the slices' batched GEMM follows\n#include <algorithm>\n")
     return header + inner + (ACTIVATION_FUNCTOR if act else "") + reduce

@@ -37,7 +37,7 @@ def product(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], alpha: 
     or (L, K, N), c broadcastable to the output or None. A new contiguous fp32 tensor."""
     from vitrail.gemm.arguments import describe
     from vitrail.gemm.fast_f32 import CODES
-    from vitrail.ops.gemm.launch import aligned
+    from vitrail.ops.gemm.launch import _round_up, aligned
     M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
     batched = a.dim() == 3 or b.dim() == 3
     L = max(a.shape[0] if a.dim() == 3 else 1, b.shape[0] if b.dim() == 3 else 1)
@@ -74,10 +74,6 @@ def product(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], alpha: 
         raise LaunchError(f"{op.name}: {CODES.get(code) or f'CUDA error {code}'} (M={Mp}, "
                           f"N={Np}, K={Kp}, L={L}, lda={ia.ld}, ldb={ib.ld}, ldd={idd.ld})")
     return d[..., :M, :N].contiguous() if ragged else d
-
-
-def _round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
 
 
 def _padded(t: torch.Tensor, rows: int, cols: int, layout: str) -> torch.Tensor:

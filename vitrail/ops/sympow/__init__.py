@@ -109,15 +109,14 @@ def _sympow_bwd_impl(x: torch.Tensor, dz: torch.Tensor, power: int, d_tile: int,
     _, _, tidx, tcoef = configs.tables(d, power, d_tile, dc, x.device)
     tuples = tidx.numel()
     vec = configs.vector_width(x.dtype, d_tile ** power, dz)
+    slots, entries = configs.gather_slots(d, power, d_tile, x.device)
     smem = configs.quarter_smem(x.dtype, power, d_tile, vec, d, tuples) if pipe else 0
     if smem:  # 512-byte blocks: staged in quarters, 4 threads an item, persistent
-        slots, entries = configs.gather_slots(d, power, d_tile, x.device)
         _run("elementwise", x.dtype, power, d_tile, vec, "sympow_bwd_quarter",
              configs.pipe_grid(rows, smem, x.device), smem,
              dx, x, dz, tidx, tcoef, slots, rows, d, D, tuples, entries, 1.0)
         return dx
     stage = configs.gather_stage(x.dtype, power, d_tile, vec)
-    slots, entries = configs.gather_slots(d, power, d_tile, x.device)
     # no atomics: partial sums per (row, tuple), then one gather per dx element. Small CTAs
     # first (GATHER_SMEM: more of them per SM), then the persistent two-stage kernel, then
     # larger CTAs (H100, X[65536, 64] bf16 p=2 d_tile=8: one-block CTAs of 32 KB 85% of the
