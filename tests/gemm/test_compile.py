@@ -42,7 +42,7 @@ def test_compile_representative_operations(monkeypatch):
         run = mod.function("vitrail_gemm")  # the entry points load and check (no GPU needed)
         mod.function("vitrail_gemm_workspace")
         args = [16, 32, 48, 64, 0, 0, 0, 128, 128, 128, 1, 128, 0, 128, 0, 128, 0, 128, 0, 0,
-                1.0, 0.0, 0.01, float("-inf"), float("inf"), 1, 0, 0, 132]
+                1.0, 0.0, 0.01, float("-inf"), float("inf"), 1, 8, 0, 0, 0, 132]
         assert run(*args[:7], 0, *args[8:], stream=0) == -3  # M = 0
         assert run(17, *args[1:], stream=0) == -1  # A not 16-byte aligned
         assert run(*args[:11], 100, *args[12:], stream=0) == -2  # lda not 16 bytes' multiple

@@ -170,6 +170,11 @@ def test_can_implement_reasons():
     why = op.can_implement(args_for(op, a, b, d, splits=4))
     assert any("stream-K" in w for w in why)
 
+    why = op.can_implement(args_for(op, a, b, d, swizzle=3, raster="diagonal"))
+    assert any("swizzle=3 must be one of (1, 2, 4, 8)" in w for w in why)
+    assert any("raster='diagonal' must be one of" in w for w in why)
+    assert op.can_implement(args_for(op, a, b, d, swizzle=4, raster="along_n")) == []
+
     bias = torch.randn(40, dtype=torch.bfloat16)
     why = op.can_implement(args_for(op, a, b, d, bias=bias))
     assert any("epilogue has none" in w for w in why)
@@ -240,3 +245,21 @@ def test_host_arrays_are_refused_or_copied():
         as_cuda_tensor(torch.zeros(3), "a")
     with pytest.raises(ArgumentError, match="expected a torch tensor, a CuPy"):
         as_cuda_tensor([1, 2, 3], "b")
+
+
+def test_scheduler_order_adds_no_tiles():
+    """The default swizzle is the largest whose grid CUTLASS need not pad (a padded tile runs a
+    whole mainloop on zeros); small grids get what CUTLASS would apply anyway."""
+    from vitrail.gemm.arguments import _log_swizzle, _round_up, scheduler_order
+    big = make_op(tile_shape=(128, 256, 64), cluster_shape=(2, 1, 1))
+    assert scheduler_order(big, 8192, 8192) == 8      # 64 x 32 tiles
+    assert scheduler_order(big, 5000, 5000) == 4      # 40 x 20: 8 would pad 40 to 48 rows
+    assert scheduler_order(big, 8000, 8000) == 8      # 63 x 32: the 2 x 1 cluster pads 63 anyway
+    assert scheduler_order(big, 8400, 8192) == 1      # 66 x 32: any swizzle pads 66
+    assert scheduler_order(big, 64, 8192) == 1        # one row of tiles
+    for M in range(1, 6000, 97):
+        for N in (64, 1000, 4096, 4097, 12288):
+            s = scheduler_order(big, M, N)
+            bm, bn = -(-M // 128), -(-N // 256)
+            eff = 1 << _log_swizzle(bm, bn, s)
+            assert _round_up(bm, eff * 2) * bn == _round_up(bm, 2) * bn, (M, N, s)

@@ -96,3 +96,27 @@ def test_run_refuses_with_reasons():
     args = GemmArguments.from_tensors(OP, a, b, c=c)
     with pytest.raises(ArgumentError, match="leading stride 70 is not a multiple of 8"):
         OP.run(args)
+
+
+# the persistent scheduler with a 2 x 1 cluster (OP above is stream-K)
+PERSISTENT = GemmOperation(A=TensorDescription("f16", "row"), B=TensorDescription("f16", "row"),
+                           D=TensorDescription("f16", "row"), math=MathInstruction("f16", "f16"),
+                           tile=TileDescription((128, 128, 64), (2, 1, 1)),
+                           epilogue=LinearCombination("f16", element_source="f16"))
+
+
+@requires_gpu
+@pytest.mark.parametrize("op", [OP, PERSISTENT], ids=["stream_k", "persistent"])
+@pytest.mark.parametrize("swizzle", [None, 1, 2, 4, 8])
+def test_every_scheduler_order(op, swizzle):
+    """Each swizzle and raster order covers every output tile once (values against fp64), on a
+    grid of 9 x 17 tiles (padded by CUTLASS where the swizzle needs it), batched too."""
+    a = torch.randn(2, 9 * 128 - 5, 256, device="cuda", dtype=torch.float16)
+    b = torch.randn(2, 256, 17 * 128 - 3, device="cuda", dtype=torch.float16)
+    ref = a.double() @ b.double()
+    for raster in ("heuristic", "along_m", "along_n"):
+        d = torch.full(ref.shape, float("nan"), device="cuda", dtype=torch.float16)
+        args = GemmArguments.from_tensors(op, a, b, d, c=torch.zeros_like(d), swizzle=swizzle,
+                                          raster=raster)
+        op.run(args)
+        close(d.cpu(), ref.cpu())

@@ -111,7 +111,7 @@ def test_compile_split_k_parallel(monkeypatch):
     run = mod.function("vitrail_gemm")
     mod.function("vitrail_gemm_workspace")
     args = [16, 32, 48, 64, 0, 0, 0, 128, 128, 128, 1, 128, 0, 128, 0, 128, 0, 128, 0, 0,
-            1.0, 0.0, 0.01, float("-inf"), float("inf"), 4, 0, 0, 132]
+            1.0, 0.0, 0.01, float("-inf"), float("inf"), 4, 8, 0, 0, 0, 132]
     assert run(*args[:7], 0, *args[8:], stream=0) == -3  # M = 0
     assert run(*args[:10], 2, *args[11:], stream=0) == -3  # L = 2
 

@@ -91,7 +91,7 @@ typename GemmKernel::Arguments make_arguments(
     const void* scale_a, const void* scale_b, int M, int N, int K, int L,
     int64_t lda, int64_t batch_a, int64_t ldb, int64_t batch_b, int64_t ldc, int64_t batch_c,
     int64_t ldd, int64_t batch_d, int64_t bias_batch_stride, float alpha, float beta,
-    float slope, float lo, float hi, int splits, int sm_count) {
+    float slope, float lo, float hi, int splits, int swizzle, int raster, int sm_count) {
   (void)bias; (void)scale_a; (void)scale_b; (void)bias_batch_stride; (void)beta;
   (void)slope; (void)lo; (void)hi; (void)splits;
   using StrideA = typename GemmKernel::StrideA;
@@ -110,6 +110,11 @@ typename GemmKernel::Arguments make_arguments(
        @C_POINTER@, make_stride_of<StrideC>(ldc, batch_c),
        static_cast<ElementD*>(D), make_stride_of<StrideD>(ldd, batch_d)},
       hw};
+  // the tile scheduler's order of output tiles (runtime: arguments.scheduler_order())
+  args.scheduler.max_swizzle_size = swizzle;
+  using Raster = decltype(args.scheduler.raster_order);
+  args.scheduler.raster_order =
+      raster == 1 ? Raster::AlongM : raster == 2 ? Raster::AlongN : Raster::Heuristic;
 @SCHEDULER_ARGS@
   return args;
 }
@@ -118,10 +123,11 @@ bool aligned(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
 }  // namespace vitrail_gemm_impl
 using namespace vitrail_gemm_impl;
 
-@LINKAGE@ int64_t @WORKSPACE_ENTRY@(int M, int N, int K, int L, int splits, int sm_count) {
+@LINKAGE@ int64_t @WORKSPACE_ENTRY@(int M, int N, int K, int L, int splits, int swizzle,
+                                   int raster, int sm_count) {
   auto args = make_arguments(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
                              M, N, K, L, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1.f, 0.f, 0.f, 0.f, 0.f,
-                             splits, sm_count);
+                             splits, swizzle, raster, sm_count);
   return static_cast<int64_t>(GemmKernel::get_workspace_size(args));
 }
 
@@ -136,7 +142,7 @@ using namespace vitrail_gemm_impl;
     return -2;
   auto args = make_arguments(A, B, C, D, bias, scale_a, scale_b, M, N, K, L, lda, batch_a, ldb,
                              batch_b, ldc, batch_c, ldd, batch_d, bias_batch_stride, alpha, beta,
-                             slope, lo, hi, splits, sm_count);
+                             slope, lo, hi, splits, swizzle, raster, sm_count);
 @LAUNCH@
 }
 """
@@ -239,8 +245,8 @@ ENTRY_PARAMS = """    const void* A, const void* B, const void* C, void* D, cons
     const void* scale_a, const void* scale_b, int M, int N, int K, int L,
     int64_t lda, int64_t batch_a, int64_t ldb, int64_t batch_b, int64_t ldc, int64_t batch_c,
     int64_t ldd, int64_t batch_d, int64_t bias_batch_stride, float alpha, float beta,
-    float slope, float lo, float hi, int splits, void* workspace, int64_t workspace_bytes,
-    int sm_count, cudaStream_t stream"""
+    float slope, float lo, float hi, int splits, int swizzle, int raster, void* workspace,
+    int64_t workspace_bytes, int sm_count, cudaStream_t stream"""
 PTR_ARRAY_INCLUDES = """#include <cuda_runtime.h>
 #include <cstdint>
 #include <cutlass/cutlass.h>

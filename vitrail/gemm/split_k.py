@@ -12,7 +12,8 @@ epilogue alpha * acc, its entry points renamed and made static) plus the reducti
 usual two ``extern "C"`` entry points with the plain GEMM's signature, so the runtime side
 (arguments.py) is shared:
 
-- ``vitrail_gemm_workspace(M, N, K, L, splits, sm)``: the slices plus the GEMM's own workspace;
+- ``vitrail_gemm_workspace(M, N, K, L, splits, swizzle, raster, sm)``: the slices plus the
+  GEMM's own workspace;
 - ``vitrail_gemm(...)``: slice width ``ks`` = ceil(K / splits) rounded up to the tile's K;
   ``K // ks`` slices of width ks run as one batched launch (the batch stride of A and B is the
   offset of a slice), the remainder (if any) as one more launch, then the reduction.
@@ -84,13 +85,14 @@ int64_t slice_elements(int M, int N) {  // one fp32 slice in D's layout, rows pa
 }
 }  // namespace vitrail_split_k
 
-extern "C" int64_t vitrail_gemm_workspace(int M, int N, int K, int L, int splits, int sm_count) {
+extern "C" int64_t vitrail_gemm_workspace(int M, int N, int K, int L, int splits, int swizzle,
+                                          int raster, int sm_count) {
   using namespace vitrail_split_k;
   if (splits < 1) splits = 1;
   int64_t ks = slice_width(K, splits);
   int64_t slices = (K + ks - 1) / ks;
   int64_t partial = @PARTIAL_WORKSPACE@(M, N, static_cast<int>(ks), static_cast<int>(slices),
-                                        1, sm_count);
+                                        1, swizzle, raster, sm_count);
   return (slices * slice_elements(M, N) * 4 + 255) / 256 * 256 + partial;
 }
 
@@ -100,7 +102,8 @@ extern "C" int vitrail_gemm(
   (void)batch_a; (void)batch_b; (void)batch_c; (void)batch_d; (void)bias_batch_stride;
   if (M <= 0 || N <= 0 || K <= 0 || L != 1 || splits < 1) return -3;
   if (!aligned(D)@C_ALIGNED@) return -1;
-  if (vitrail_gemm_workspace(M, N, K, L, splits, sm_count) > workspace_bytes) return -4;
+  if (vitrail_gemm_workspace(M, N, K, L, splits, swizzle, raster, sm_count) > workspace_bytes)
+    return -4;
   const int64_t ks = slice_width(K, splits), full = K / ks, rest = K - full * ks;
   const int64_t slice = slice_elements(M, N), ldw = ((IsRowMajor ? N : M) + 3) / 4 * 4;
   // a K slice of A (M x K) and of B (K x N): ks columns of A, ks rows of B, in elements
@@ -113,14 +116,14 @@ extern "C" int vitrail_gemm(
   if (full > 0)
     code = @PARTIAL_ENTRY@(A, B, nullptr, ws, nullptr, nullptr, nullptr, M, N,
         static_cast<int>(ks), static_cast<int>(full), lda, step_a, ldb, step_b, 0, 0, ldw, slice,
-        0, 1.f, 0.f, 0.f, 0.f, 0.f, 1, inner, inner_bytes, sm_count, stream);
+        0, 1.f, 0.f, 0.f, 0.f, 0.f, 1, swizzle, raster, inner, inner_bytes, sm_count, stream);
   if (code == 0 && rest > 0)
     code = @PARTIAL_ENTRY@(
         static_cast<const char*>(A) + full * step_a * int64_t(sizeof(ElementA)),
         static_cast<const char*>(B) + full * step_b * int64_t(sizeof(ElementB)), nullptr,
         ws + full * slice, nullptr, nullptr, nullptr, M, N, static_cast<int>(rest), 1, lda,
-        step_a, ldb, step_b, 0, 0, ldw, slice, 0, 1.f, 0.f, 0.f, 0.f, 0.f, 1, inner,
-        inner_bytes, sm_count, stream);
+        step_a, ldb, step_b, 0, 0, ldw, slice, 0, 1.f, 0.f, 0.f, 0.f, 0.f, 1, swizzle, raster,
+        inner, inner_bytes, sm_count, stream);
   if (code) return code;
   const int64_t total = int64_t(M) * N;
   const int blocks = static_cast<int>(std::min<int64_t>((total + 255) / 256, 8LL * sm_count));
