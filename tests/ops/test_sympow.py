@@ -348,6 +348,60 @@ def _lim():
     return limits()
 
 
+def test_launch_grid_orders_and_limits():
+    """Tiles fastest: one dimension (P * tiles, as cta_tile decodes it); P fastest, or where the
+    product is over gridDim.x's limit: (P, tiles0, tiles1); both decode to the same CTAs."""
+    assert configs.launch_grid(64, 18, 1) == (1152, 1, 1)
+    assert configs.launch_grid(70000, 2, 3, "tiles") == (420000, 1, 1)
+    assert configs.launch_grid(64, 18, 1, "p") == (64, 18, 1)
+    assert configs.launch_grid(1 << 20, 1 << 12, 1) == (1 << 20, 1 << 12, 1)
+
+    def decode(grid, block, tiles0, tiles1):  # cta_tile, in Python
+        x, y, z = block
+        if grid[1] == grid[2] == 1:
+            per = tiles0 * tiles1
+            p, t = divmod(x, per)
+            return p, t // tiles1, t % tiles1
+        return x, y, z
+    P, t0, t1 = 5, 3, 2
+    want = {(p, i, j) for p in range(P) for i in range(t0) for j in range(t1)}
+    for order in configs.LAUNCH_ORDERS:
+        g = configs.launch_grid(P, t0, t1, order)
+        got = [decode(g, (x, y, z), t0, t1) for z in range(g[2]) for y in range(g[1])
+               for x in range(g[0])]
+        assert sorted(got) == sorted(want)
+        if order == "tiles":  # a problem's tiles launched together
+            assert [p for p, _, _ in got] == sorted(p for p, _, _ in got)
+    with pytest.raises(ArgumentError, match="launch order"):
+        configs.launch_grid(4, 1, 1, "rows")
+    with pytest.raises(ArgumentError, match="grid"):
+        configs.launch_grid(4, 70000, 1, "p")
+    with pytest.raises(ArgumentError, match="warpgroups"):
+        configs.state_wgs(2, 4)
+
+
+@pytest.mark.slow
+@requires_nvrtc
+def test_new_wgmma_variants_build_for_sm90a():
+    """sympow_mma_m_wg3 (384 threads, 2 CTAs a SM: at most 85 registers at p 2) and
+    mma_sympow_bwd_k_wg2 (2 CTAs of 256: at most 128) build without spills, beside the kernels
+    they may replace; HGMMA in their SASS where cuobjdump is at hand."""
+    op = S._op("mma90", torch.bfloat16, 2, 8)
+    mod = op.module(op.space.default({"vec": 8}, _lim()))
+    res = mod.resources()
+    for name, most in [("sympow_mma_m_wg3", 80), ("sympow_mma_m_wg", 80),
+                       ("mma_sympow_bwd_k_wg2", 128), ("mma_sympow_bwd_k_wg", 128)]:
+        r = res[name]
+        assert r.spill_stores == r.spill_loads == r.stack == 0 and r.registers <= most, (name, r)
+    try:
+        sass = mod.sass
+    except Exception:  # noqa: BLE001 (no cuobjdump: the resources above still hold)
+        return
+    for name in ("sympow_mma_m_wg3", "mma_sympow_bwd_k_wg2"):
+        body = sass.split(f"Function : {name}\n", 1)[1].split("Function : ", 1)[0]
+        assert "HGMMA" in body, name
+
+
 # ------------------------------------------------------------------ GPU helpers
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 EPS = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11, torch.float32: 2 ** -23}
@@ -556,21 +610,31 @@ def test_sympow_mma_and_its_backward(dtype, expand_dim, power, d, d_tile):
 WG_CASES = [(2, 64, 8), (2, 32, 16), (3, 16, 4), (3, 16, 8), (4, 16, 4)]
 
 
+# (launch order, expand-M warpgroups): the default, the first order, and each state kernel
+WG_VARIANTS = [(None, None), ("p", 2), ("tiles", 2), ("tiles", 3)]
+
+
 @requires_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("expand_dim", [-1, -2])
 @pytest.mark.parametrize("power,d,d_tile", WG_CASES)
 @pytest.mark.parametrize("P,M,N,K", [(2, 300, 136, 1000), (1, 77, 37, 90)])
-def test_sympow_mma_on_wgmma(dtype, expand_dim, power, d, d_tile, P, M, N, K):
+@pytest.mark.parametrize("order,wgs", WG_VARIANTS)
+def test_sympow_mma_on_wgmma(dtype, expand_dim, power, d, d_tile, P, M, N, K, order, wgs):
     """sm90_sympow_mma.cuh: several k-blocks (pipeline wrap-around), row and column tails, two
-    column tiles, and (second shape) rows not 16 bytes long (element-by-element tile loads)."""
+    column tiles, and (second shape) rows not 16 bytes long (element-by-element tile loads);
+    both launch orders, and the 2- and 3-warpgroup expand-M kernels (192 features a CTA: a
+    partly live last tile where D is not a multiple of 192)."""
     if not configs.wgmma_applies(dtype, power, d_tile, torch.device("cuda")):
         pytest.skip("the wgmma kernels run on sm_90a")
+    if expand_dim == -1 and wgs == 3:
+        pytest.skip("wgs: expand M only")
     torch.manual_seed(power * 100 + d + d_tile + M - expand_dim)
     a, b = _operands(expand_dim, power, d, d_tile, dtype, P=P, M=M, N=N, K=K)
     scale = 0.75
     rows = M if expand_dim == -1 else sympow_dim(d, power, d_tile)
-    c = S._mma_impl(a, b, expand_dim, power, d_tile, scale, True, out=_nan((P, rows, N), dtype))
+    c = S._mma_impl(a, b, expand_dim, power, d_tile, scale, True, out=_nan((P, rows, N), dtype),
+                    order=order, wgs=wgs)
     ref = sympow_mma_reference(a, b, expand_dim, power, d_tile, scale)
     unfused = (sympow_reference(a, power, d_tile, expand_dim).to(dtype) * scale) @ b
     _close(c, ref, unfused, f"sympow_mma wgmma {expand_dim} p={power} d={d} t={d_tile}")
@@ -580,9 +644,12 @@ def test_sympow_mma_on_wgmma(dtype, expand_dim, power, d, d_tile, P, M, N, K):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("power,d,d_tile", WG_CASES + [(2, 128, 8)])
 @pytest.mark.parametrize("P,M,N", [(2, 300, 64), (1, 77, 37), (1, 130, 128)])
-def test_mma_sympow_bwd_on_wgmma(dtype, power, d, d_tile, P, M, N):
+@pytest.mark.parametrize("order,defer", [(None, None), ("p", False), ("tiles", False),
+                                         ("tiles", True)])
+def test_mma_sympow_bwd_on_wgmma(dtype, power, d, d_tile, P, M, N, order, defer):
     """mma_sympow_bwd_k_wg (expand K): several feature blocks and tuples, row tails, dY rows
-    not 16 bytes long (zero-padded), and two 64-column chunks of dY (N = 128)."""
+    not 16 bytes long (zero-padded), and two 64-column chunks of dY (N = 128); both launch
+    orders, and both kernels (factor 0's sums deferred over runs of k-blocks or not)."""
     lda = -(-N // 8) * 8
     if not (configs.wgmma_applies(dtype, power, d_tile, torch.device("cuda"))
             and configs.wgmma_bwd_fits(d, lda)):
@@ -592,12 +659,52 @@ def test_mma_sympow_bwd_on_wgmma(dtype, power, d, d_tile, P, M, N):
     scale = 0.75
     g = torch.randn(P, M, N, device="cuda", dtype=dtype)
     bt = b.transpose(1, 2)
-    got = S._mma_bwd_impl(g, bt, a, -1, power, d_tile, scale, True, out=_nan(a.shape, dtype))
+    got = S._mma_bwd_impl(g, bt, a, -1, power, d_tile, scale, True, out=_nan(a.shape, dtype),
+                          order=order, defer=defer)
     want = mma_sympow_bwd_reference(g, bt, a, -1, power, d_tile, scale)
     eye = torch.eye(bt.shape[-1], device="cuda", dtype=dtype).expand(P, -1, -1)
     base = mma_sympow_bwd_reference(g @ bt, eye, a, -1, power, d_tile, scale).to(dtype)
     _close(got, want, base, f"mma_sympow_bwd wgmma p={power} d={d} t={d_tile} N={N}",
            factor=4.0, floor_rel=2e-6)
+
+
+@requires_gpu
+@pytest.mark.parametrize("order", ["tiles", "p"])
+def test_wgmma_kernels_with_many_problems(order):
+    """P = 70000 problems (over gridDim.y's 65535) of a few tiles each: every problem's tiles
+    decoded from the launch index (checked on the first and last problems)."""
+    dtype, power, d, d_tile = torch.bfloat16, 2, 16, 8
+    if not configs.wgmma_applies(dtype, power, d_tile, torch.device("cuda")):
+        pytest.skip("the wgmma kernels run on sm_90a")
+    torch.manual_seed(7)
+    P, M, N, K, D = 70000, 130, 8, 20, sympow_dim(d, power, d_tile)
+    pick = torch.tensor([0, 1, 2, P // 2, P - 2, P - 1], device="cuda")
+    scale = 0.75
+    for expand_dim, wgs in [(-1, None), (-2, 2), (-2, 3)]:
+        a, b = _operands(expand_dim, power, d, d_tile, dtype, P=P, M=M if expand_dim == -1 else 5,
+                         N=N, K=K)
+        rows = a.shape[1] if expand_dim == -1 else D
+        c = S._mma_impl(a, b, expand_dim, power, d_tile, scale, True,
+                        out=_nan((P, rows, N), dtype), order=order, wgs=wgs)
+        ap, bp = a[pick], b[pick]
+        ref = sympow_mma_reference(ap, bp, expand_dim, power, d_tile, scale)
+        unfused = (sympow_reference(ap, power, d_tile, expand_dim).to(dtype) * scale) @ bp
+        _close(c[pick], ref, unfused, f"sympow_mma {expand_dim} P={P} {order} wgs={wgs}")
+        assert not c.isnan().any(), f"sympow_mma {expand_dim} P={P} {order}: unwritten outputs"
+        a = b = c = None
+    a, b = _operands(-1, power, d, d_tile, dtype, P=P, M=M, N=N)
+    g = torch.randn(P, M, N, device="cuda", dtype=dtype)
+    bt = b.transpose(1, 2)
+    for defer in (False, True):
+        got = S._mma_bwd_impl(g, bt, a, -1, power, d_tile, scale, True, out=_nan(a.shape, dtype),
+                              order=order, defer=defer)
+        want = mma_sympow_bwd_reference(g[pick], bt[pick], a[pick], -1, power, d_tile, scale)
+        eye = torch.eye(N, device="cuda", dtype=dtype).expand(len(pick), -1, -1)
+        base = mma_sympow_bwd_reference(g[pick] @ bt[pick], eye, a[pick], -1, power, d_tile,
+                                        scale).to(dtype)
+        _close(got[pick], want, base, f"mma_sympow_bwd P={P} {order} defer={defer}", factor=4.0,
+               floor_rel=2e-6)
+        assert not got.isnan().any(), f"mma_sympow_bwd P={P} {order}: unwritten outputs"
 
 
 @requires_gpu

@@ -67,8 +67,11 @@ _EXAMPLES = {("elementwise", torch.bfloat16, 2, 8), ("mma", torch.bfloat16, 2, 8
              ("mma90", torch.bfloat16, 2, 8)}
 
 
+_THREADS = {"sympow_mma_m_wg3": 384}  # kernels of other than 256 threads
+
+
 def _launch(module, config, kernel: str, grid, smem: int, *args) -> None:
-    module.kernel(kernel)[grid, 256](*args, shared_mem=smem)
+    module.kernel(kernel)[grid, _THREADS.get(kernel, 256)](*args, shared_mem=smem)
 
 
 def _run(kind, dtype, power, d_tile, vec, kernel, grid, smem, *args) -> None:
@@ -176,22 +179,25 @@ def _smem(kind: str, dtype: torch.dtype, d: int) -> int:
 
 def _mma_impl(a: torch.Tensor, b: torch.Tensor, expand_dim: int, power: int, d_tile: int,
               scale: float, dc: bool, out: torch.Tensor | None = None,
-              wgmma: bool | None = None) -> torch.Tensor:
+              wgmma: bool | None = None, order: str | None = None,
+              wgs: int | None = None) -> torch.Tensor:
     """a [P, M, d] (expand_dim -1) or [P, d, K] (-2), b [P, K', N] -> [P, M', N].
     wgmma: None picks sm90_sympow_mma.cuh where it applies (configs.wgmma_applies); False forces
-    the sm80 kernels (for comparisons)."""
+    the sm80 kernels (for comparisons). order: the wgmma kernels' launch order
+    (configs.launch_grid; the sm80 kernels keep P fastest); wgs: the expand-M wgmma kernel's
+    warpgroups (configs.state_wgs) (both for comparisons)."""
     a, b = a.contiguous(), b.contiguous()
     P, N = a.shape[0], b.shape[-1]
     d = a.shape[expand_dim]
     D = configs.check_support("sympow_mma", d, power, d_tile)
     if wgmma is not False and configs.wgmma_applies(a.dtype, power, d_tile, a.device):
-        return _mma90_impl(a, b, expand_dim, power, d_tile, d, D, scale, dc, out)
+        return _mma90_impl(a, b, expand_dim, power, d_tile, d, D, scale, dc, out, order, wgs)
     gidx, gcoef, _, _ = configs.tables(d, power, d_tile, dc, a.device)
     groups = gidx.numel()
     if expand_dim == -1:
         M = a.shape[1]
         c = out if out is not None else a.new_empty((P, M, N))
-        grid = (P, -(-M // TILE), -(-N // TILE))
+        grid = configs.launch_grid(P, -(-M // TILE), -(-N // TILE), "p")
         if c.numel():
             _run("mma", a.dtype, power, d_tile, 0, "sympow_mma_k", grid,
                  _smem("mma_k", a.dtype, d), c, a, b, gidx, gcoef, M, N, d, D, groups,
@@ -199,7 +205,7 @@ def _mma_impl(a: torch.Tensor, b: torch.Tensor, expand_dim: int, power: int, d_t
     else:
         K = a.shape[2]
         c = out if out is not None else a.new_empty((P, D, N))
-        grid = (P, -(-D // TILE), -(-N // TILE))
+        grid = configs.launch_grid(P, -(-D // TILE), -(-N // TILE), "p")
         if c.numel():
             if K == 0:
                 return c.zero_()
@@ -222,7 +228,7 @@ def _pad16(t: torch.Tensor, rows: int | None = None) -> torch.Tensor:
     return out
 
 
-def _mma90_impl(a, b, expand_dim, power, d_tile, d, D, scale, dc, out):
+def _mma90_impl(a, b, expand_dim, power, d_tile, d, D, scale, dc, out, order=None, wgs=None):
     """The wgmma kernels (sm90_sympow_mma.cuh): 128 x 64 output tiles, tuple tables. Operands
     the kernels read by cp.async are zero-padded where their rows are not 16-byte vectors."""
     _, _, tidx, tcoef = configs.tables(d, power, d_tile, dc, a.device)
@@ -239,7 +245,8 @@ def _mma90_impl(a, b, expand_dim, power, d_tile, d, D, scale, dc, out):
         Np = bp.shape[-1]
         cp = c if Np == N else a.new_empty((P, rows, Np))
         _run("mma90", a.dtype, power, d_tile, 0, "sympow_mma_k_wg",
-             (P, -(-rows // BM), -(-Np // BN)), configs.wgmma_smem("k", d), cp, a, bp, tidx, tcoef,
+             configs.launch_grid(P, -(-rows // BM), -(-Np // BN), order),
+             configs.wgmma_smem("k", d), cp, a, bp, tidx, tcoef,
              rows, Np, d, D, float(scale), _vec_ok(a))
     else:
         ap = _pad16(a)
@@ -247,9 +254,10 @@ def _mma90_impl(a, b, expand_dim, power, d_tile, d, D, scale, dc, out):
         bp = _pad16(b, rows=K)
         Np = bp.shape[-1]
         cp = c if Np == N else a.new_empty((P, rows, Np))
-        _run("mma90", a.dtype, power, d_tile, 0, "sympow_mma_m_wg",
-             (P, -(-rows // BM), -(-Np // BN)), configs.wgmma_smem("m", d), cp, ap, bp, tidx,
-             tcoef, K, Np, d, D, float(scale))
+        wgs = configs.state_wgs(power, wgs)
+        _run("mma90", a.dtype, power, d_tile, 0, "sympow_mma_m_wg" + ("3" if wgs == 3 else ""),
+             configs.launch_grid(P, -(-rows // (64 * wgs)), -(-Np // BN), order),
+             configs.wgmma_smem("m", d), cp, ap, bp, tidx, tcoef, K, Np, d, D, float(scale))
     if cp is not c:
         c.copy_(cp[..., :N])
     return c
@@ -257,10 +265,13 @@ def _mma90_impl(a, b, expand_dim, power, d_tile, d, D, scale, dc, out):
 
 def _mma_bwd_impl(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, expand_dim: int,
                   power: int, d_tile: int, scale: float, dc: bool,
-                  out: torch.Tensor | None = None, wgmma: bool | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, wgmma: bool | None = None,
+                  order: str | None = None, defer: bool | None = None) -> torch.Tensor:
     """c [P, M, d] (-1) or [P, d, K] (-2); a @ b has c's expanded shape. wgmma: None takes
     mma_sympow_bwd_k_wg for expand K where it applies (configs.wgmma_bwd_fits); False forces
-    the sm80 kernels (for comparisons)."""
+    the sm80 kernels; order: the wgmma kernel's launch order (configs.launch_grid; the sm80
+    kernels keep P fastest); defer: the wgmma kernel that keeps factor 0's sums in registers
+    (configs.WG_BWD_DEFER) or not (both for comparisons)."""
     c = c.contiguous()
     a, b = a.to(c.dtype).contiguous(), b.to(c.dtype).contiguous()
     P, n = c.shape[0], a.shape[-1]
@@ -280,16 +291,21 @@ def _mma_bwd_impl(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, expand_dim:
             _, _, tidx, tcoef = configs.tables(d, power, d_tile, dc, c.device)
             ap = _pad16(a)
             bp = b if _vec_ok(b) else b.clone()  # (D is a multiple of 64: only the address)
-            _run("mma90", c.dtype, power, d_tile, 0, "mma_sympow_bwd_k_wg",
-                 (P, -(-M // configs.WG_TILE[0])), configs.wgmma_bwd_smem(d, lda), out, c, ap,
+            defer = configs.WG_BWD_DEFER if defer is None else bool(defer)
+            _run("mma90", c.dtype, power, d_tile, 0,
+                 "mma_sympow_bwd_k_wg2" if defer else "mma_sympow_bwd_k_wg",
+                 configs.launch_grid(P, -(-M // configs.WG_TILE[0]), 1, order),
+                 configs.wgmma_bwd_smem(d, lda), out, c, ap,
                  bp, tidx, tcoef, M, ap.shape[-1], n, d, D, float(scale), _vec_ok(c))
             return out
-        _run("mma", c.dtype, power, d_tile, 0, "mma_sympow_bwd_k", (P, -(-M // TILE)),
+        _run("mma", c.dtype, power, d_tile, 0, "mma_sympow_bwd_k",
+             configs.launch_grid(P, -(-M // TILE), 1, "p"),
              _smem("bwd_k", c.dtype, d), out, c, a, b, gidx, gcoef, M, n, d, D, gidx.numel(),
              float(scale), _vec_ok(a), _vec_ok(b))
     else:
         K = c.shape[2]
-        _run("mma", c.dtype, power, d_tile, 0, "mma_sympow_bwd_m", (P, -(-K // TILE)),
+        _run("mma", c.dtype, power, d_tile, 0, "mma_sympow_bwd_m",
+             configs.launch_grid(P, -(-K // TILE), 1, "p"),
              _smem("bwd_m", c.dtype, d), out, c, a, b, gidx, gcoef, K, n, d, D, gidx.numel(),
              float(scale), _vec_ok(a), _vec_ok(b))
     return out

@@ -248,6 +248,49 @@ def wgmma_smem(kind: str, d: int) -> int:
     return base + WG_STAGES * d * 64 * 2
 
 
+# The order CTAs are launched in (cta_tile in sympow_common.cuh): "tiles", one problem's tiles
+# fastest (the CTAs resident at once share few problems' operands in L2), or "p", the problem
+# index fastest (the first order, kept for comparisons).
+LAUNCH_ORDER = "tiles"
+LAUNCH_ORDERS = ("tiles", "p")
+MAX_GRID_X = (1 << 31) - 1
+MAX_GRID_YZ = 65535
+
+
+def launch_grid(P: int, tiles0: int, tiles1: int = 1, order: str | None = None) -> tuple:
+    """The grid of P problems of tiles0 x tiles1 tiles each in `order` (LAUNCH_ORDER by
+    default): (P * tiles0 * tiles1,) for "tiles" (while it fits gridDim.x), else
+    (P, tiles0, tiles1)."""
+    order = LAUNCH_ORDER if order is None else order
+    if order not in LAUNCH_ORDERS:
+        raise ArgumentError(f"launch order must be one of {LAUNCH_ORDERS}, got {order!r}")
+    if order == "tiles" and P * tiles0 * tiles1 <= MAX_GRID_X:
+        return (P * tiles0 * tiles1, 1, 1)
+    if P > MAX_GRID_X or tiles0 > MAX_GRID_YZ or tiles1 > MAX_GRID_YZ:
+        raise ArgumentError(f"sympow: {P} problems of {tiles0} x {tiles1} tiles is over the "
+                            f"launch grid's limits; split the batch")
+    return (P, tiles0, tiles1)
+
+
+# sympow_mma_m_wg's warpgroups a CTA (expand M), by power: 2 (sympow_mma_m_wg, 128 features a
+# CTA) or 3 (sympow_mma_m_wg3, 192 features: a third less L2 -> SM traffic per FLOP, 2 CTAs of
+# 384 threads per SM at p 2, one at p > 2). Powers not listed take 2.
+WG_STATE_WGS = {2: 3}
+WG_STATE_VARIANTS = (2, 3)
+# mma_sympow_bwd_k_wg2 (factor 0's sums kept in registers over runs of k-blocks) or, False,
+# mma_sympow_bwd_k_wg (every k-block's sums added into shared memory).
+WG_BWD_DEFER = True
+
+
+def state_wgs(power: int, wgs: int | None = None) -> int:
+    """Warpgroups a CTA of the expand-M wgmma kernel: wgs, else WG_STATE_WGS's."""
+    wgs = WG_STATE_WGS.get(power, 2) if wgs is None else wgs
+    if wgs not in WG_STATE_VARIANTS:
+        raise ArgumentError(f"sympow_mma: warpgroups must be one of {WG_STATE_VARIANTS}, "
+                            f"got {wgs!r}")
+    return wgs
+
+
 WG_BWD_STAGES = 2     # b's tiles in mma_sympow_bwd_k_wg (BW_STAGES there)
 WG_BWD_MAX_N = 128    # a's (dY's) row length it keeps resident: 128 rows x n
 SMEM_PER_CTA = 227 << 10

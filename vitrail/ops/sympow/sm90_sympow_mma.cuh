@@ -248,8 +248,9 @@ sympow_mma_k_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict_
   float* sX = reinterpret_cast<float*>(smem + STAGES * TILE_BYTES);
   const int ldx = ((d + 31) & ~31) + 8;  // rows 8 banks apart: 8- and 16-byte loads conflict-free
 
-  const long long p = blockIdx.x;
-  const int m0 = blockIdx.y * BM, n0 = blockIdx.z * BN;
+  int tm, tn;
+  const long long p = cta_tile((M + BM - 1) / BM, (N + BN - 1) / BN, tm, tn);
+  const int m0 = tm * BM, n0 = tn * BN;
   const T* Bp = B + p * D * N;
   const int nK = D / BK;
   TileStream bs(Bp, N, n0, N, Identity{});
@@ -323,11 +324,12 @@ sympow_mma_k_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict_
   wg_wait<0>();
   async_wait<0>();
 
-  T* Cp = C + p * M * N;
-  const int r0 = m0 + wg * 64 + warp * 16 + lane / 4;
+  const long long pe = cta_tile((M + BM - 1) / BM, (N + BN - 1) / BN, tm, tn);  // (registers)
+  T* Cp = C + pe * M * N;
+  const int r0 = tm * BM + wg * 64 + warp * 16 + lane / 4;
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
-    const int c = n0 + 8 * j + lane_bits;
+    const int c = tn * BN + 8 * j + lane_bits;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = r0 + 8 * h;
@@ -433,15 +435,20 @@ __device__ __forceinline__ void expand_cols(unsigned (&prod)[2][8], unsigned aba
 }
 }  // namespace s90
 
+namespace s90 {
 // C[P, D, N] = (sympow(A[P, d, K] along its columns) * scale) @ B[P, K, N]   (expand M)
 // Each warpgroup's 64 features lie inside one tuple, so its coefficient is applied to the
 // accumulators at the end, and each thread's two fragment rows are products of input rows fixed
-// for the whole kernel.
-extern "C" __global__ void __launch_bounds__(256, POW > 2 ? 2 : 3)  // (p > 2 spills at 80)
-sympow_mma_m_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict__ B,
-                const int* __restrict__ tidx, const float* __restrict__ tcoef, int K, int N,
-                int d, int D, float scale) {
-  using namespace s90;
+// for the whole kernel. WGS warpgroups, WGS x 64 features a CTA: every k-block of a and b
+// (8 + 8 KiB) brought into shared memory serves WGS x 64 x 64 x 64 x 2 FLOPs, so the L2 -> SM
+// traffic per FLOP falls as 1 / WGS (at d = N = 64: 16 KiB per 1 (WGS 2) or 1.5 (WGS 3) MFLOP).
+// The first two warpgroups issue the loads.
+template <int WGS>
+__device__ __forceinline__ void mma_m_wg(T* __restrict__ C, const T* __restrict__ A,
+                                         const T* __restrict__ B, const int* __restrict__ tidx,
+                                         const float* __restrict__ tcoef, int K, int N, int d,
+                                         int D, float scale) {
+  constexpr int FEAT = WGS * 64;  // features a CTA
   extern __shared__ __align__(16) char smem_raw[];
   char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   T* sB = reinterpret_cast<T*>(smem);  // STAGES x 64 x 64, swizzled, rows permuted (KPerm)
@@ -451,14 +458,16 @@ sympow_mma_m_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict_
   const unsigned sA_addr = smem_addr(sA);
   const int a_stage = d * 64;
 
-  const long long p = blockIdx.x;
-  const int f0 = blockIdx.y * BM, n0 = blockIdx.z * BN;
+  int tf, tn;
+  const long long p = cta_tile((D + FEAT - 1) / FEAT, (N + BN - 1) / BN, tf, tn);
+  const int f0 = tf * FEAT, n0 = tn * BN;
   const T* Ap = A + p * d * K;
   const T* Bp = B + p * K * N;
   const int nK = (K + BK - 1) / BK;
   TileStream bs(Bp, N, n0, N, KPerm{});
+  const bool loader = WGS == 2 || threadIdx.x < 256;  // (the streams' layout: 256 threads)
   auto load = [&](int kt) {  // (kt in order: the streams step a block a call)
-    if (kt < nK) {
+    if (kt < nK && loader) {
       const int st = kt % STAGES;
       load_a_block(sA_addr + st * a_stage * 2, Ap, K, d, kt * BK, K);
       bs.issue<KPerm>(sB_addr + st * TILE_BYTES, Bp, kt * BK, K);
@@ -530,6 +539,21 @@ sympow_mma_m_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict_
     }
   }
 }
+}  // namespace s90
+
+extern "C" __global__ void __launch_bounds__(256, POW > 2 ? 2 : 3)  // (p > 2 spills at 80)
+sympow_mma_m_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict__ B,
+                const int* __restrict__ tidx, const float* __restrict__ tcoef, int K, int N,
+                int d, int D, float scale) {
+  s90::mma_m_wg<2>(C, A, B, tidx, tcoef, K, N, d, D, scale);
+}
+// 3 warpgroups, 192 features a CTA: 2 CTAs (6 warpgroups) per SM at 80 registers (p > 2: 1)
+extern "C" __global__ void __launch_bounds__(384, POW > 2 ? 1 : 2)
+sympow_mma_m_wg3(T* __restrict__ C, const T* __restrict__ A, const T* __restrict__ B,
+                 const int* __restrict__ tidx, const float* __restrict__ tcoef, int K, int N,
+                 int d, int D, float scale) {
+  s90::mma_m_wg<3>(C, A, B, tidx, tcoef, K, N, d, D, scale);
+}
 
 namespace s90 {
 // ---- mma_sympow_bwd, expand K: G = dY @ b by wgmma, contracted by the CUDA cores ----
@@ -585,10 +609,14 @@ __device__ __forceinline__ int owner(int u) {
 // One fragment row h's contribution to its row of dx (s_dx) for the k-block at e0 of tuple
 // `packed` (coefficient coef): dx[l][u] += coef * sum over the row's features with digit l == u
 // of G * prod_{o != l} x[o][digit o].
-template <int H>
+// DEFER: factor 0's sums go to pend (times coef) instead of s_dx; flush_lead adds them into dx
+// when factor 0's features change (its digit field starts at bit 3 or higher, so they are the
+// same for the whole CTA: runs of consecutive k-blocks share them, e.g. p 2, d_tile 8, d 64:
+// 8 runs over 36 k-blocks).
+template <int H, bool DEFER>
 __device__ __forceinline__ void contract_row(float* s_dx, const float* xrow, const Acc& acc,
                                              unsigned packed, int e0, int lane_bits, int q,
-                                             float coef) {
+                                             float coef, float (&pend)[TILE]) {
   float xv[POW][TILE], gr[POW][TILE];
   load_factors<0>(xv, xrow, packed, e0, lane_bits);
 #pragma unroll
@@ -613,8 +641,13 @@ __device__ __forceinline__ void contract_row(float* s_dx, const float* xrow, con
       }
       gr[0][slot(0, ct)] += s;
     }
+  if constexpr (DEFER) {
 #pragma unroll
-  for (int l = 0; l < POW; ++l) {
+    for (int c = 0; c < TILE; ++c)
+      if (slot_used(0, c)) pend[c] = fmaf(coef, gr[0][c], pend[c]);
+  }
+#pragma unroll
+  for (int l = DEFER ? 1 : 0; l < POW; ++l) {
     const int base = (e0 + lane_bits) >> lo(l) & (TILE - 1);  // the digit's non-slot bits
     float* dst = s_dx + ((packed >> (8 * l)) & 255u) + base;
 #pragma unroll
@@ -627,6 +660,20 @@ __device__ __forceinline__ void contract_row(float* s_dx, const float* xrow, con
     }
   }
 }
+// Factor 0's deferred sums (pend, for the features at s_dx + lead: lead = its tile's first
+// feature + its digit's fixed bits) into dx, as contract_row adds them; pend zeroed.
+__device__ __forceinline__ void flush_lead(float* s_dx, int lead, int q, float (&pend)[TILE]) {
+  static_assert(lo(0) >= 3, "factor 0's features are the same for all lanes");
+#pragma unroll
+  for (int c = 0; c < TILE; ++c) {
+    if (!slot_used(0, c)) continue;
+    float v = pend[c];
+    v += __shfl_xor_sync(0xFFFFFFFFu, v, 1);
+    v += __shfl_xor_sync(0xFFFFFFFFu, v, 2);
+    if (owner((lead & (TILE - 1)) + c) == q) s_dx[lead + c] += v;
+    pend[c] = 0.f;
+  }
+}
 }  // namespace s90
 
 // dc[P, M, d] = gradient wrt c of <sympow(c[P, M, d] along rows) * scale, a[P, M, n] @ b[P, n, D]>
@@ -635,12 +682,13 @@ __device__ __forceinline__ void contract_row(float* s_dx, const float* xrow, con
 // the block in registers against c's rows and add into the rows of dx kept in shared memory
 // (each (row, feature) by one thread: no atomics), written once at the end.
 // lda: a's row length (a multiple of 8, at most 64 * NC_MAX; columns past n are zero).
-extern "C" __global__ void __launch_bounds__(256, 2)
-mma_sympow_bwd_k_wg(T* __restrict__ dc, const T* __restrict__ c, const T* __restrict__ a,
-                    const T* __restrict__ b, const int* __restrict__ tidx,
-                    const float* __restrict__ tcoef, int M, int lda, int n, int d, int D,
-                    float scale, int c_vec) {
-  using namespace s90;
+namespace s90 {
+template <bool DEFER>
+__device__ __forceinline__ void mma_bwd_k_wg(T* __restrict__ dc, const T* __restrict__ c,
+                                             const T* __restrict__ a, const T* __restrict__ b,
+                                             const int* __restrict__ tidx,
+                                             const float* __restrict__ tcoef, int M, int lda,
+                                             int n, int d, int D, float scale, int c_vec) {
   extern __shared__ __align__(16) char smem_raw[];
   char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   const unsigned sB_addr = smem_addr(smem);                       // BW_STAGES x 64 x 64
@@ -650,8 +698,9 @@ mma_sympow_bwd_k_wg(T* __restrict__ dc, const T* __restrict__ c, const T* __rest
   const int ldx = ((d + 31) & ~31) + 8;
   float* sD = sX + BM * ldx;  // dx's rows, fp32
 
-  const long long p = blockIdx.x;
-  const int m0 = blockIdx.y * BM;
+  int tm, t1;
+  const long long p = cta_tile((M + BM - 1) / BM, 1, tm, t1);
+  const int m0 = tm * BM;
   const T* Ap = a + p * M * lda;
   const T* Bp = b + p * n * D;
   {  // a's 128 rows, resident: chunk cc of row r in tile cc / 8 (128-byte swizzle)
@@ -728,11 +777,25 @@ mma_sympow_bwd_k_wg(T* __restrict__ dc, const T* __restrict__ c, const T* __rest
   Acc acc;
   zero(acc);
   int stage = 0;
+  float pend[2][TILE];  // (DEFER) factor 0's sums for the features at lead
+#pragma unroll
+  for (int c = 0; c < TILE; ++c) pend[0][c] = pend[1][c] = 0.f;
+  int lead = -1;
 #pragma unroll 1
   for (int f = 0; f < nF; ++f) {
     const int k0 = f * BK, tu = k0 / BLOCK, e0 = k0 - tu * BLOCK;
     const unsigned packed = (unsigned)__ldg(tidx + tu);
     const float coef = __ldg(tcoef + tu) * scale;
+    if constexpr (DEFER) {  // (uniform: the same branch for the whole CTA)
+      const int now = (int)(packed & 255u) + ((e0 >> lo(0)) & (TILE - 1));
+      if (now != lead) {
+        if (lead >= 0) {
+          flush_lead(sD + row0, lead, q, pend[0]);
+          flush_lead(sD + row0 + 8 * ldx, lead, q, pend[1]);
+        }
+        lead = now;
+      }
+    }
 #pragma unroll 1
     for (int nc = 0; nc < NC; ++nc) {
       async_wait<0>();
@@ -750,9 +813,14 @@ mma_sympow_bwd_k_wg(T* __restrict__ dc, const T* __restrict__ c, const T* __rest
       wg_wait<0>();
     }
     pin(acc);  // no read of the accumulators moves above the wait
-    contract_row<0>(sD + row0, sX + row0, acc, packed, e0, lane_bits, q, coef);
-    contract_row<1>(sD + row0 + 8 * ldx, sX + row0 + 8 * ldx, acc, packed, e0, lane_bits, q,
-                    coef);
+    contract_row<0, DEFER>(sD + row0, sX + row0, acc, packed, e0, lane_bits, q, coef,
+                           pend[0]);
+    contract_row<1, DEFER>(sD + row0 + 8 * ldx, sX + row0 + 8 * ldx, acc, packed, e0, lane_bits,
+                           q, coef, pend[1]);
+  }
+  if (DEFER && lead >= 0) {
+    flush_lead(sD + row0, lead, q, pend[0]);
+    flush_lead(sD + row0 + 8 * ldx, lead, q, pend[1]);
   }
   async_wait<0>();
   __syncthreads();
@@ -761,4 +829,23 @@ mma_sympow_bwd_k_wg(T* __restrict__ dc, const T* __restrict__ c, const T* __rest
     const int r = i / d, col = i - r * d;
     if (m0 + r < M) out[(long long)(m0 + r) * d + col] = from_f<T>(sD[r * ldx + col]);
   }
+}
+}  // namespace s90
+
+extern "C" __global__ void __launch_bounds__(256, 2)
+mma_sympow_bwd_k_wg(T* __restrict__ dc, const T* __restrict__ c, const T* __restrict__ a,
+                    const T* __restrict__ b, const int* __restrict__ tidx,
+                    const float* __restrict__ tcoef, int M, int lda, int n, int d, int D,
+                    float scale, int c_vec) {
+  s90::mma_bwd_k_wg<false>(dc, c, a, b, tidx, tcoef, M, lda, n, d, D, scale, c_vec);
+}
+// Factor 0's sums held in registers over runs of k-blocks (contract_row's DEFER): per k-block
+// and warp, p 2 d_tile 8, the old kernel's 16 single-lane loads and stores of dx and 32
+// shuffles for factor 0 happen once a run (8 times over 36 k-blocks at d 64).
+extern "C" __global__ void __launch_bounds__(256, 2)
+mma_sympow_bwd_k_wg2(T* __restrict__ dc, const T* __restrict__ c, const T* __restrict__ a,
+                     const T* __restrict__ b, const int* __restrict__ tidx,
+                     const float* __restrict__ tcoef, int M, int lda, int n, int d, int D,
+                     float scale, int c_vec) {
+  s90::mma_bwd_k_wg<true>(dc, c, a, b, tidx, tcoef, M, lda, n, d, D, scale, c_vec);
 }
