@@ -50,7 +50,6 @@ def test_split_routing_and_plan():
     """CPU: few long rows take the split path where rows x 2 CTAs fit (132 SMs, 2 CTAs per SM);
     the plan covers every row with slices that fit the GPU at once."""
     from vitrail.ops.softmax import configs
-    from vitrail.tune import Space
     sms = 132
     for n, rows, v, arrays in [(262144, 16, 8, 1), (262144, 16, 8, 2), (1 << 20, 8, 4, 1),
                                (1 << 20, 8, 4, 2), (131072, 32, 8, 1), (1 << 20, 4, 8, 2),

@@ -69,10 +69,12 @@ def _source(kind: str, dtype: torch.dtype, v: int, log: bool, mode: int = 0) -> 
     return head + _ENTRY[kind]
 
 
+_PARAMS = ("TPR", "THREADS", "ITERS", "CLUSTER", "U", "CTAS")
+
+
 def _render(kind: str, dtype: torch.dtype, v: int, log: bool, mode: int = 0):
     def render(config) -> dict:
-        consts = "".join(f"constexpr int {k} = {config[k]};\n"
-                         for k in ("TPR", "THREADS", "ITERS", "CLUSTER", "U", "CTAS") if k in config)
+        consts = "".join(f"constexpr int {k} = {config[k]};\n" for k in _PARAMS if k in config)
         return dict(source=_source(kind, dtype, v, log, mode) .replace("//CONSTS\n", consts),
                     name=f"softmax_{kind}", include_dirs=[str(HERE)], flags=["-std=c++17"])
     return render

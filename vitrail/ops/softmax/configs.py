@@ -137,7 +137,7 @@ SPLIT_CTAS_PER_SM = 2  # the heuristic's CTAs per SM (__launch_bounds__' minimum
 
 def split_space(v: int, arrays: int) -> Space:
     return Space(
-        {"THREADS": [128, 256, 512], "ITERS": [1, 2, 4, 8, 16], "U": [1, 2, 4],
+        {"THREADS": [128, 256, 512, 1024], "ITERS": [1, 2, 4, 8, 16], "U": [1, 2, 4],
          "CTAS": [1, 2, 3, 4]},
         constraints=[
             max_threads(lambda c: c.THREADS),
