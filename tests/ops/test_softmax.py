@@ -35,10 +35,45 @@ def test_compile_representative_configs(monkeypatch):
     lim = limits(arch="90a")
     for key, n in [(("fwd", torch.bfloat16, 8, False), 4096),
                    (("bwd", torch.float32, 4, True), 1 << 14),  # a cluster of 4
-                   (("chunked", "bwd", torch.bfloat16, 8, False), 1 << 20)]:
+                   (("chunked", "bwd", torch.bfloat16, 8, False), 1 << 20),
+                   (("split", "fwd", torch.bfloat16, 8, False), 1 << 18)]:
         op = OPS[key]
-        res = op.module(op.space.default(n, lim)).resources()
+        mod = op.module(op.space.default(n, lim))
+        res = mod.resources()
         assert res and not any(r.spills for r in res.values()), res
+    # the split kernel's barrier: a release add and an acquire load at GPU scope
+    assert "atom.release.gpu" in mod.ptx or "atom.add.release.gpu" in mod.ptx
+    assert "ld.acquire.gpu" in mod.ptx
+
+
+def test_split_routing_and_plan():
+    """CPU: few long rows take the split path where rows x 2 CTAs fit (132 SMs, 2 CTAs per SM);
+    the plan covers every row with slices that fit the GPU at once."""
+    from vitrail.ops.softmax import configs
+    sms = 132
+    for n, rows, v, arrays in [(262144, 16, 8, 1), (262144, 16, 8, 2), (1 << 20, 8, 4, 1),
+                               (1 << 20, 8, 4, 2), (131072, 32, 8, 1), (1 << 20, 4, 8, 2),
+                               (70001, 1, 1, 1), (300_000, 3, 4, 1), (1 << 20, 132, 8, 1)]:
+        assert configs.use_split(n, rows, v, arrays, sms), (n, rows, v, arrays)
+    for n, rows, v, arrays in [(4096, 32768, 8, 1), (65536, 256, 8, 1), (65536, 256, 8, 2),
+                               (4096, 1, 8, 1), (1 << 20, 133, 8, 1), (1 << 20, 1000, 4, 2)]:
+        assert not configs.use_split(n, rows, v, arrays, sms), (n, rows, v, arrays)
+    assert configs.use_chunked(1 << 20, 1000, 4, 2, sms)  # too many rows: still chunked
+    space = configs.split_space(8, 1)
+    c = space.config(**configs.split_heuristic(8, 1))
+    assert configs.split_plan(262144, 16, 8, c, 2 * sms, 0, 1) == (16, 16384, 0)  # registers
+    c4 = configs.split_space(4, 1).config(**configs.split_heuristic(4, 1))
+    g, sl, sv = configs.split_plan(1 << 20, 8, 4, c4, 2 * sms, 112 << 10, 1)
+    assert (g, sl) == (33, 31776) and sv * 4 == sl - 512 * 8 * 4  # the rest in shared memory
+    for n, rows, v, arrays, smem in [(70001, 1, 1, 1, 0), (300_000, 3, 4, 2, 112 << 10),
+                                     (1 << 20, 8, 4, 2, 112 << 10), (5, 1, 8, 1, 0)]:
+        cfg = configs.split_space(v, arrays).config(**configs.split_heuristic(v, arrays))
+        g, sl, sv = configs.split_plan(n, rows, v, cfg, 2 * sms, smem, arrays)
+        assert sl % v == 0 and (g - 1) * sl < n <= g * sl and rows * g <= 2 * sms
+        assert sv * 16 * arrays <= smem and sv >= 0
+    for v in (1, 4, 8):
+        for arrays in (1, 2):  # the heuristic's configs are in their space
+            configs.split_space(v, arrays).config(**configs.split_heuristic(v, arrays))
 
 
 def test_routing_and_chunks():
@@ -209,3 +244,112 @@ def test_chunked_direct(shape, dtype, log):
     OPS["chunked", "bwd", dtype, v, log]("test", n, dx, y, dy)
     same = softmax_backward(y.float(), dy.float(), -1, log).to(dtype)
     _check(dx, same, softmax_backward(y, dy, -1, log))
+
+
+# ------------------------------------------------------------------ split path (few long rows)
+SPLIT_SHAPES = [(16, 262144), (8, 1 << 20), (3, 300_000), (5, 70_001), (1, 1 << 20)]
+
+
+def _takes_split(rows, n, dtype, arrays=1):
+    from vitrail.ops.softmax import configs
+    v = configs.vec(dtype) if n % configs.vec(dtype) == 0 or rows == 1 else 1
+    return configs.use_split(n, rows, v, arrays, _sms())
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SPLIT_SHAPES)
+def test_split_rows(shape, dtype, log):
+    """The split path, forward and backward, against fp64, within 4x of torch's own error."""
+    from vitrail.ops.softmax import softmax_bwd
+    from vitrail.ops.softmax.reference import softmax_backward
+    if dtype == torch.float16 and shape[1] > 300_000:
+        pytest.skip("covered by fp32/bf16")
+    rows, n = shape
+    assert _takes_split(rows, n, dtype) and _takes_split(rows, n, dtype, 2)
+    ours, theirs = _fns(log)
+    x = (torch.randn(rows, n, device="cuda") * 4).to(dtype)
+    _check(ours(x), theirs(x, -1), theirs(x.double(), -1))
+    y = theirs(x.float(), -1).to(dtype)
+    dy = torch.randn_like(y)
+    same = softmax_backward(y.float(), dy.float(), -1, log).to(dtype)
+    _check(softmax_bwd(y, dy, 1, log), same, softmax_backward(y, dy, -1, log))
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_direct_poisoned_and_strided(dtype, log):
+    """Called directly into NaN-poisoned outputs (every element written), on rows with a
+    row stride beyond n (16-byte aligned, then not: elementwise vectors)."""
+    from vitrail.ops.softmax import OPS, configs
+    from vitrail.ops.softmax.reference import softmax, softmax_backward
+    rows, n = 16, 262144
+    for off in (8, 3):
+        base = (torch.randn(rows, n + 64, device="cuda") * 3).to(dtype)
+        x = base[:, off:off + n]
+        v = configs.vec(dtype) if off % configs.vec(dtype) == 0 else 1
+        assert configs.use_split(n, rows, v, 1, _sms())
+        y = torch.full((rows, n), float("nan"), device="cuda", dtype=dtype)
+        OPS["split", "fwd", dtype, v, log]("test", n, y, x, x)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(y.double(), softmax(x, -1, log), rtol=tol, atol=tol)
+        yy = softmax(x, -1, log).to(dtype)
+        dy = (torch.randn(rows, n + 64, device="cuda")).to(dtype)[:, off:off + n]
+        dx = torch.full((rows, n), float("nan"), device="cuda", dtype=dtype)
+        OPS["split", "bwd", dtype, v, log]("test", n, dx, yy, dy)
+        same = softmax_backward(yy.float(), dy.float(), -1, log).to(dtype)
+        _check(dx, same, softmax_backward(yy, dy, -1, log))
+        import vitrail.ops as ops  # the public path on the strided view
+        _check((ops.log_softmax if log else ops.softmax)(x), _fns(log)[1](x, -1),
+               softmax(x, -1, log))
+
+
+@requires_gpu
+@pytest.mark.parametrize("n", [262144, 1 << 20])
+def test_split_inf_nan_large(n, log):
+    """Large magnitudes, partly and fully masked rows, a NaN: as torch, on the split path."""
+    ours, theirs = _fns(log)
+    x = torch.randn(8, n, device="cuda") * 1e4
+    x[1, : n // 2] = float("-inf")
+    x[2] = float("-inf")  # fully masked: NaN as torch
+    x[3, n // 3] = float("nan")
+    x[4, n - 1] = float("nan")  # in the last CTA's slice
+    x[5, : n - 7] = float("-inf")  # only the last CTA holds finite values
+    assert _takes_split(8, n, torch.float32)
+    y, ref = ours(x), theirs(x, -1)
+    torch.testing.assert_close(y, ref, equal_nan=True, rtol=1e-5, atol=1e-5)
+    assert y[2].isnan().all() and y[3].isnan().all() and y[4].isnan().all()
+
+
+@requires_gpu
+def test_split_repeated_streams_graphs(log):
+    """The barrier workspace across 50 launches (no reset), on two streams at once, with a
+    different G in between, and under CUDA graph capture and replay."""
+    ours, theirs = _fns(log)
+    xa = torch.randn(16, 262144, device="cuda").bfloat16()
+    xb = torch.randn(8, 1 << 20, device="cuda")
+    xc = torch.randn(3, 300_000, device="cuda")
+    refs = [theirs(t, -1) for t in (xa, xb, xc)]
+    for i in range(50):
+        t = (xa, xb, xc)[i % 3]
+        torch.testing.assert_close(ours(t), refs[i % 3], rtol=2e-2, atol=1e-5)
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    torch.cuda.synchronize()
+    outs = {1: [], 2: []}
+    for _ in range(10):
+        with torch.cuda.stream(s1):
+            outs[1].append(ours(xa))
+        with torch.cuda.stream(s2):
+            outs[2].append(ours(xb))
+    torch.cuda.synchronize()
+    for a, b in zip(outs[1], outs[2]):
+        torch.testing.assert_close(a, refs[0], rtol=2e-2, atol=1e-5)
+        torch.testing.assert_close(b, refs[1])
+    ours(xc)  # compile and load outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        yg = ours(xc)
+    for _ in range(5):
+        yg.zero_()
+        g.replay()
+        torch.testing.assert_close(yg, refs[2])

@@ -4,7 +4,9 @@
 // vitrail.op.Op prefixes the op's name and config. VITRAIL_TRY returns the first failing call's
 // error from the entry point; launch_cluster launches with a thread-block cluster (sm_90) through
 // cudaLaunchKernelEx, raising the kernel's dynamic shared memory limit first when it needs more
-// than the default 48 KiB.
+// than the default 48 KiB. launch_cooperative launches a grid whose CTAs are all resident at once
+// (or refuses it with cudaErrorCooperativeLaunchTooLarge), the requirement of a spin barrier
+// across CTAs (group_barrier.cuh); ctas_per_sm is what the occupancy API says fits.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -51,6 +53,35 @@ inline cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, size
   attr[0].val.clusterDim.x = cluster;
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
+}
+
+// CTAs of `kernel` (block threads, smem dynamic bytes) resident per SM at once: 0 where none fits.
+template <class Kernel>
+inline int ctas_per_sm(Kernel kernel, int block, size_t smem) {
+  int n = 0;
+  if (allow_shared(kernel, smem) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, block, smem) != cudaSuccess)
+    return 0;
+  return n;
+}
+
+// A cooperative launch: every CTA of the grid is resident at the same time, or nothing runs and
+// the error is cudaErrorCooperativeLaunchTooLarge (grids of at most ctas_per_sm x SMs CTAs fit).
+template <class... Params, class... Args>
+inline cudaError_t launch_cooperative(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                                      cudaStream_t stream, Args... args) {
+  VITRAIL_TRY(allow_shared(kernel, smem));
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
   config.attrs = attr;
   config.numAttrs = 1;
   return cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);

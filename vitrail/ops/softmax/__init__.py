@@ -3,6 +3,8 @@
 Order (quack's): kernels and their Ops, the custom ops, autograd, the public functions. The
 kernels (sm90_softmax.cuh) take rows with a contiguous last dim and any row stride; another
 ``dim`` or a strided last dim is moved into place first (an extra pass, correct but slower).
+Few long rows take the split path (one cooperative kernel, each row over G CTAs meeting at a
+per-row barrier; see configs), whose barrier workspace is kept per (device, stream).
 On the lean eager path (``plain_eager``) a call goes straight to the kernel; otherwise through
 ``torch.ops.vitrail.softmax_fwd`` / ``softmax_bwd`` (fake impls registered, so
 ``torch.compile(fullgraph=True)`` traces them without a graph break).
@@ -44,6 +46,19 @@ extern "C" cudaError_t softmax_chunked(void* out, void* stats, const void* a, co
   return vitrail::softmax::launch_chunked<T, V, MODE, IS_LOG, THREADS, U>(
       (T*)out, stats, (const T*)a, (const T*)b, rows, n, chunk, lda, ldb, ldo, stream);
 }""",
+    "split": r"""
+extern "C" cudaError_t softmax_split(void* out, void* ws, int slots, const void* a, const void* b,
+                                     long long rows, int n, int slice, int groups, int smem_vecs,
+                                     long long lda, long long ldb, long long ldo,
+                                     cudaStream_t stream) {
+  return vitrail::softmax::launch_split<T, V, MODE, IS_LOG, THREADS, ITERS, U, CTAS>(
+      (T*)out, ws, slots, (const T*)a, (const T*)b, rows, n, slice, groups, smem_vecs, lda, ldb,
+      ldo, stream);
+}
+extern "C" int softmax_split_ctas_per_sm(int smem_vecs) {
+  return vitrail::softmax::split_ctas_per_sm<T, V, MODE, IS_LOG, THREADS, ITERS, U, CTAS>(
+      smem_vecs);
+}""",
 }
 
 
@@ -54,10 +69,12 @@ def _source(kind: str, dtype: torch.dtype, v: int, log: bool, mode: int = 0) -> 
     return head + _ENTRY[kind]
 
 
+_PARAMS = ("TPR", "THREADS", "ITERS", "CLUSTER", "U", "CTAS")
+
+
 def _render(kind: str, dtype: torch.dtype, v: int, log: bool, mode: int = 0):
     def render(config) -> dict:
-        consts = "".join(f"constexpr int {k} = {config[k]};\n"
-                         for k in ("TPR", "THREADS", "ITERS", "CLUSTER", "U") if k in config)
+        consts = "".join(f"constexpr int {k} = {config[k]};\n" for k in _PARAMS if k in config)
         return dict(source=_source(kind, dtype, v, log, mode) .replace("//CONSTS\n", consts),
                     name=f"softmax_{kind}", include_dirs=[str(HERE)], flags=["-std=c++17"])
     return render
@@ -91,7 +108,78 @@ def _chunked_launcher(v: int):
     return launch
 
 
+def _split_launcher(v: int, arrays: int, log: bool):
+    def launch(module, config, out, a, b, ctas_per_sm: int | None = None):
+        """ctas_per_sm: use at most this many CTAs per SM (a variant to time; None: all that
+        fit)."""
+        rows, n = a.shape
+        dev = a.device
+        sms, lim = _sms(dev), _limits(dev)
+        vec_bytes = v * a.element_size()
+
+        def resident(smem_vecs: int) -> int:
+            key = (module.key, smem_vecs, dev.index)
+            if key not in _OCCUPANCY:
+                _OCCUPANCY[key] = module.softmax_split_ctas_per_sm(smem_vecs)
+            occ = _OCCUPANCY[key]
+            return sms * (occ if ctas_per_sm is None else min(occ, ctas_per_sm))
+
+        plan = configs.split_plan(n, rows, v, config, resident(0), 0, arrays, vec_bytes)
+        if plan[1] > config.THREADS * config.ITERS * v:  # beyond the registers: shared memory
+            budget = configs.split_smem_budget(config, lim)
+            budget_vecs = budget // vec_bytes // arrays
+            plan = configs.split_plan(n, rows, v, config, resident(budget_vecs), budget, arrays,
+                                      vec_bytes)
+        groups, slice_, smem_vecs = plan
+        slots = _slots(dev)
+        if rows * groups > min(slots, resident(smem_vecs)):  # cannot all be resident: chunked
+            kind = "fwd" if arrays == 1 else "bwd"
+            OPS["chunked", kind, a.dtype, v, log](f"n{bucket(n)};rows{bucket(rows)}", n, out, a, b)
+            return
+        module.softmax_split(out.data_ptr(), _workspace(dev, slots).data_ptr(), slots,
+                             a.data_ptr(), b.data_ptr(), rows, n, slice_, groups, smem_vecs,
+                             _ld(a), _ld(b), _ld(out))
+    return launch
+
+
+# The split path's workspace: per (device, stream), `slots` barrier counters then `slots`
+# partials (see sm90_softmax.cuh, launch_split). Guarantees: launches on one stream run one after
+# another and reuse its workspace as it is (the barrier counters need no reset: group_barrier.cuh);
+# launches on different streams have different workspaces, so they may run concurrently. Under
+# CUDA graph capture each captured launch gets a workspace of its own, zeroed by a captured
+# memset in the graph's memory pool, so replays are correct wherever they run (a graph does not
+# run concurrently with itself). Not covered: a stream destroyed while its launches are pending
+# whose handle CUDA hands to a new stream at once (the new stream then shares the workspace).
+_WORKSPACES: dict[tuple[int, int], torch.Tensor] = {}
+_OCCUPANCY: dict[tuple, int] = {}
+
+
+def _slots(device: torch.device) -> int:
+    """Workspace slots: more than the CTAs any split launch can hold (16 CTAs per SM)."""
+    return 16 * _sms(device)
+
+
+def _workspace(device: torch.device, slots: int) -> torch.Tensor:
+    words = 3 * slots  # slots counters + slots 8-byte partials
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(words, dtype=torch.int32, device=device)
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    ws = _WORKSPACES.get(key)
+    if ws is None or ws.numel() < words:
+        ws = _WORKSPACES[key] = torch.zeros(words, dtype=torch.int32, device=device)
+    return ws
+
+
 _SMS: dict[int, int] = {}
+_LIMITS: dict[int, object] = {}
+
+
+def _limits(device: torch.device):
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _LIMITS:
+        from vitrail.tune import limits
+        _LIMITS[index] = limits(index)
+    return _LIMITS[index]
 
 
 def _sms(device: torch.device) -> int:
@@ -124,6 +212,12 @@ for _dt in configs.CTYPES:
                     space=configs.CHUNKED,
                     render=_render("chunked", _dt, _v, _log, _mode),
                     launch=_chunked_launcher(_v))
+                _arrays = 1 if _kind == "fwd" else 2
+                OPS["split", _kind, _dt, _v, _log] = Op(
+                    _base.format(f"{_kind}_split"), kernel_source=KERNEL,
+                    space=configs.split_space(_v, _arrays),
+                    render=_render("split", _dt, _v, _log, _mode),
+                    launch=_split_launcher(_v, _arrays, _log))
 
 
 def _aligned(v: int, *ts: torch.Tensor) -> bool:
@@ -138,7 +232,10 @@ def _run_fwd(y2: torch.Tensor, x2: torch.Tensor, log: bool) -> None:
     if not _aligned(v, x2, y2):
         v = 1
     key = f"n{bucket(n)};rows{bucket(rows)}"
-    if configs.use_chunked(n, rows, v, 1, _sms(x2.device)):
+    sms = _sms(x2.device)
+    if configs.use_split(n, rows, v, 1, sms):
+        OPS["split", "fwd", x2.dtype, v, log](key, n, y2, x2, x2)
+    elif configs.use_chunked(n, rows, v, 1, sms):
         OPS["chunked", "fwd", x2.dtype, v, log](key, n, y2, x2, x2)
     else:
         OPS["fwd", x2.dtype, v, log](key, bucket(n), y2, x2)
@@ -150,7 +247,10 @@ def _run_bwd(dx2, y2, dy2, log: bool) -> None:
     if not _aligned(v, y2, dy2, dx2):
         v = 1
     key = f"n{bucket(n)};rows{bucket(rows)}"
-    if configs.use_chunked(n, rows, v, 2, _sms(y2.device)):
+    sms = _sms(y2.device)
+    if configs.use_split(n, rows, v, 2, sms):
+        OPS["split", "bwd", y2.dtype, v, log](key, n, dx2, y2, dy2)
+    elif configs.use_chunked(n, rows, v, 2, sms):
         OPS["chunked", "bwd", y2.dtype, v, log](key, n, dx2, y2, dy2)
     else:
         OPS["bwd", y2.dtype, v, log](key, bucket(n), dx2, y2, dy2)

@@ -13,10 +13,18 @@ SM: 1.55 waves, the second half empty.
 
 Rows beyond the largest config, and rows so few that the register path's clusters would not give
 every SM two CTAs (rows x CLUSTER < 2 x SMs; a clustered forward CTA takes a whole SM, so fewer
-means one wave or less of CTAs that load, reduce, then store with nothing to overlap), take the
-chunked path: each row cut into chunks, one CTA per chunk, about CHUNK_CTAS_PER_SM CTAs per SM in
-all; one more read of the input, which the second kernel takes in reverse order so that what the
-first read last is still in L2.
+means one wave or less of CTAs that load, reduce, then store with nothing to overlap), leave the
+register path (``use_chunked``). Of those, few rows take the split path (``use_split``): at most
+half as many rows as CTAs the GPU holds at once (rows <= SPLIT_CTAS_PER_SM x SMs / 2, so every row
+gets G >= 2 CTAs). One cooperative kernel of rows x G CTAs, all resident at once; G = the CTAs the
+occupancy API says fit (ctas_per_sm x SMs) divided by rows, each CTA a slice of about n / G
+elements (``split_plan``), which it reads once: THREADS x ITERS vectors per array into registers,
+what is beyond into shared memory (up to the SM's shared memory shared among its CTAs), and what
+is beyond that is read again after the barrier (from L2 where it is still there). The CTAs of a
+row publish their statistics to a global workspace, meet at a per-row barrier, and write. The
+rest (more rows) take the chunked path: each row cut into chunks, one CTA per chunk, about
+CHUNK_CTAS_PER_SM CTAs per SM in all; one more read of the input, which the second kernel takes
+in reverse order so that what the first read last is still in L2.
 """
 from __future__ import annotations
 
@@ -121,3 +129,68 @@ def chunk_length(n: int, rows: int, v: int, config, sms: int,
     step = config.THREADS * config.U * v
     chunks = max(1, math.ceil(sms * ctas_per_sm / rows))
     return max(step, math.ceil(math.ceil(n / chunks) / step) * step)
+
+
+# ------------------------------------------------------------------ split path
+SPLIT_CTAS_PER_SM = 2  # the heuristic's CTAs per SM (__launch_bounds__' minimum)
+
+
+def split_space(v: int, arrays: int) -> Space:
+    return Space(
+        {"THREADS": [128, 256, 512, 1024], "ITERS": [1, 2, 4, 8, 16], "U": [1, 2, 4],
+         "CTAS": [1, 2, 3, 4]},
+        constraints=[
+            max_threads(lambda c: c.THREADS),
+            require(lambda c, lim: split_registers(c, v, arrays) <= 255 and
+                    split_registers(c, v, arrays) * c.THREADS * c.CTAS <= lim.registers_per_sm,
+                    "ITERS={ITERS}, U={U} x THREADS={THREADS} x CTAS={CTAS}: too many registers"),
+        ],
+        heuristic=lambda problem, lim: split_heuristic(v, arrays))
+
+
+def split_registers(c, v: int, arrays: int) -> int:
+    """Estimated registers per thread: the held fragments, one step's, and working registers."""
+    words = 4 if v > 1 else 1
+    return (c.ITERS + c.U) * words * arrays + 24
+
+
+def split_heuristic(v: int, arrays: int) -> dict:
+    """CTAs of 512 threads, two per SM, within the 64 registers per thread that leaves (ptxas,
+    sm_90a, no spills): forward 8 fp32 vectors per thread (64 KB per CTA in registers), 4 of
+    16-bit types (8 spill: their fp32 copies), 16 elements when rows are not 16-byte aligned;
+    backward 4 vectors (8 elements) per array."""
+    if v == 1:
+        return {"THREADS": 512, "ITERS": 16 if arrays == 1 else 8, "U": 4,
+                "CTAS": SPLIT_CTAS_PER_SM}
+    if arrays == 1:
+        return {"THREADS": 512, "ITERS": 8 if v == 4 else 4, "U": 2, "CTAS": SPLIT_CTAS_PER_SM}
+    return {"THREADS": 512, "ITERS": 4, "U": 1, "CTAS": SPLIT_CTAS_PER_SM}
+
+
+@functools.lru_cache(maxsize=4096)
+def use_split(n: int, rows: int, v: int, arrays: int, sms: int) -> bool:
+    """Whether rows x n goes to the split path: it leaves the register path (use_chunked) and
+    every row gets at least two CTAs of the SPLIT_CTAS_PER_SM x sms the GPU holds at once."""
+    return use_chunked(n, rows, v, arrays, sms) and 2 * rows <= SPLIT_CTAS_PER_SM * sms
+
+
+def split_smem_budget(config, lim) -> int:
+    """Dynamic shared memory bytes per CTA: the SM's shared memory shared among its CTAS CTAs,
+    less 1 KiB each that the driver reserves and the static scratch, in whole KiB."""
+    per_cta = lim.shared_per_sm // config.CTAS - 2048
+    return max(0, min(per_cta, lim.max_shared_per_block - 1024)) // 1024 * 1024
+
+
+def split_plan(n: int, rows: int, v: int, config, resident: int, smem_budget: int,
+               arrays: int, vec_bytes: int = 16) -> tuple[int, int, int]:
+    """(groups, slice, smem_vecs) for rows x n on `resident` CTAs at once: groups = CTAs per
+    row (at most resident // rows, and no more than give every thread one vector), slice =
+    elements per CTA (a multiple of v; the last CTA of a row takes the remainder), smem_vecs =
+    vectors per array beyond the registers' share that shared memory keeps (the rest is read
+    twice)."""
+    groups = max(1, min(resident // rows, math.ceil(n / (config.THREADS * v))))
+    slice_ = math.ceil(math.ceil(n / groups) / v) * v
+    groups = math.ceil(n / slice_)
+    rest = max(0, slice_ - config.THREADS * config.ITERS * v)
+    smem_vecs = min(math.ceil(rest / v), smem_budget // vec_bytes // arrays)
+    return groups, slice_, smem_vecs

@@ -5,19 +5,23 @@
 // (sm_90, reductions through distributed shared memory); each thread holds Iters 16-byte vectors
 // of it, vector i of a thread at column ((rank * Iters + i) * TPR + t) * V, so neighbouring threads
 // read neighbouring vectors. Forward: max, sum of exp, then write; backward: one sum, then write.
-// Rows longer than a config holds, and rows too few to fill the GPU with clusters, use the chunked
-// path (two kernels over rows x chunks CTAs that the caller sizes to the GPU: per-chunk statistics
-// with an online max/sum, then normalize), which reads the input twice (the second time mostly
-// from L2 where the input is not much larger than it) but has no length limit.
+// Rows longer than a config holds, and rows too few to fill the GPU with clusters, use the split
+// path where the GPU holds rows x G CTAs at once (one cooperative kernel: each row split over G
+// CTAs that read their slices once, keep them on chip, meet at a per-row barrier in global memory
+// and write), else the chunked path (two kernels over rows x chunks CTAs that the caller sizes to
+// the GPU: per-chunk statistics with an online max/sum, then normalize), which reads the input
+// twice (the second time mostly from L2 where the input is not much larger than it) but has no
+// length or row limit.
 //
 // Constraints (checked by the entry points, refused with cudaErrorInvalidValue):
 //   - the last dim is contiguous; row strides (ld*) and base pointers are multiples of V elements
 //     (16 bytes; the Python side picks V = 1 otherwise);
 //   - n <= TPR * Iters * V * Cluster for the register path; chunk % V == 0 and
-//     rows * ceil(n / chunk) < 2^31 for the chunked one.
+//     rows * ceil(n / chunk) < 2^31 for the chunked one; for the split one see launch_split.
 // Math in fp32: y = exp(x - max) / sum; log: y = (x - max) - log(sum). A row of -inf gives NaN
 // and a NaN anywhere in a row makes the row NaN, as in torch.
 #pragma once
+#include <vitrail/group_barrier.cuh>
 #include <vitrail/launch.cuh>
 #include <vitrail/smart_reduce.cuh>
 #include <vitrail/tile_copy.cuh>
@@ -185,6 +189,58 @@ template <int Mode> __device__ __forceinline__ MaxSum stats_identity() {
   return {Mode == 0 ? -__builtin_huge_valf() : 0.f, 0.f};
 }
 
+// Adds U vectors of a (and b) to the running statistics (see chunk_stats).
+template <int Mode, class T, int V, int U>
+__device__ __forceinline__ MaxSum add_stats(MaxSum acc, const Frg<T, V> (&fa)[U],
+                                            const Frg<T, V> (&fb)[U]) {
+  if constexpr (Mode == 0) {
+    float m = acc.m;
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int k = 0; k < V; ++k) m = fmaxf(m, to_float(fa[u][k]));
+    if (m != -__builtin_huge_valf()) {
+      float s = acc.s * exp_of(acc.m - m);
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int k = 0; k < V; ++k) s += exp_of(to_float(fa[u][k]) - m);
+      acc = {m, s};
+    } else {  // nothing above -inf yet: a -inf vector adds nothing, a NaN poisons the sum
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int k = 0; k < V; ++k)
+          if (isnan(to_float(fa[u][k]))) acc.s = __builtin_nanf("");
+    }
+  } else {
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int k = 0; k < V; ++k)
+        acc.s += Mode == 1 ? to_float(fa[u][k]) * to_float(fb[u][k]) : to_float(fb[u][k]);
+  }
+  return acc;
+}
+
+// One output element from a (and b) and the row's statistics: m, the row's max, and scale, from
+// scale_of (forward: 1 / sum or log(sum); backward: the row's sum).
+template <int Mode, bool IsLog>
+__device__ __forceinline__ float scale_of(MaxSum tot) {
+  return Mode == 0 ? (IsLog ? __log2f(tot.s) * kLn2 : 1.f / tot.s) : tot.s;
+}
+template <int Mode, bool IsLog, class T>
+__device__ __forceinline__ float output_of(T a, T b, float m, float scale) {
+  if constexpr (Mode == 0) {
+    const float d = to_float(a) - m;
+    return IsLog ? d - scale : exp_of(d) * scale;
+  } else if constexpr (Mode == 1) {
+    return to_float(a) * (to_float(b) - scale);
+  } else {
+    return to_float(b) - exp_of(to_float(a)) * scale;
+  }
+}
+
 // At U <= 4, 1024 threads per SM fit (64 registers: ptxas needs at most 66 unbounded, for bf16
 // backward's two arrays), so the CHUNK_CTAS_PER_SM = 4 CTAs of 256 threads that the caller
 // launches per SM all run in one wave.
@@ -215,33 +271,7 @@ chunk_stats(MaxSum* __restrict__ stats, const T* __restrict__ a, const T* __rest
       if constexpr (Mode != 2) fa[u] = load_frg<V>(ar + col, end - col, Mode == 0 ? neg_inf : zero);
       if constexpr (Mode != 0) fb[u] = load_frg<V>(br + col, end - col, zero);
     }
-    if constexpr (Mode == 0) {
-      float m = acc.m;
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-#pragma unroll
-        for (int k = 0; k < V; ++k) m = fmaxf(m, to_float(fa[u][k]));
-      if (m != -__builtin_huge_valf()) {
-        float s = acc.s * exp_of(acc.m - m);
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-#pragma unroll
-          for (int k = 0; k < V; ++k) s += exp_of(to_float(fa[u][k]) - m);
-        acc = {m, s};
-      } else {  // nothing above -inf yet: a -inf vector adds nothing, a NaN poisons the sum
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-#pragma unroll
-          for (int k = 0; k < V; ++k)
-            if (isnan(to_float(fa[u][k]))) acc.s = __builtin_nanf("");
-      }
-    } else {
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-#pragma unroll
-        for (int k = 0; k < V; ++k)
-          acc.s += Mode == 1 ? to_float(fa[u][k]) * to_float(fb[u][k]) : to_float(fb[u][k]);
-    }
+    acc = add_stats<Mode>(acc, fa, fb);
   }
   if constexpr (Mode == 0) acc = SmartReduce<Threads>::reduce(acc, CombineMaxSum{}, scratch);
   else acc = SmartReduce<Threads>::reduce(acc, SumOp{}, scratch);
@@ -287,7 +317,7 @@ chunk_apply(T* __restrict__ out, const MaxSum* __restrict__ stats, const T* __re
   if constexpr (Mode == 0) tot = SmartReduce<Threads>::reduce(tot, CombineMaxSum{}, scratch);
   else tot = SmartReduce<Threads>::reduce(tot, SumOp{}, scratch);
   // Forward on a row of -inf or NaN: tot.m is -inf; x - (-inf) ... gives NaN as torch does.
-  const float scale = Mode == 0 ? (IsLog ? __log2f(tot.s) * kLn2 : 1.f / tot.s) : tot.s;
+  const float scale = scale_of<Mode, IsLog>(tot);
 
   while (base < end) {
 #pragma unroll
@@ -295,22 +325,123 @@ chunk_apply(T* __restrict__ out, const MaxSum* __restrict__ stats, const T* __re
       const int col = base + u * Threads * V;
       Frg<T, V> o;
 #pragma unroll
-      for (int k = 0; k < V; ++k) {
-        float r;
-        if constexpr (Mode == 0) {
-          const float d = to_float(fa[u][k]) - tot.m;
-          r = IsLog ? d - scale : exp_of(d) * scale;
-        } else if constexpr (Mode == 1) {
-          r = to_float(fa[u][k]) * (to_float(fb[u][k]) - scale);
-        } else {
-          r = to_float(fb[u][k]) - exp_of(to_float(fa[u][k])) * scale;
-        }
-        o[k] = from_float<T>(r);
-      }
+      for (int k = 0; k < V; ++k)
+        o[k] = from_float<T>(output_of<Mode, IsLog>(fa[u][k], fb[u][k], tot.m, scale));
       store_frg<V>(orow + col, o, end - col);
     }
     base += Threads * U * V;
     if (base < end) load(base);
+  }
+}
+
+// ------------------------------------------------------------------ split path (few long rows)
+// One kernel, each row split over `groups` CTAs that are all resident at once (a cooperative
+// launch sized by the occupancy API). CTA `rank` of a row owns the slice [rank * slice,
+// min(n, (rank + 1) * slice)) and reads it once: its first Threads * Iters * V elements into
+// registers (thread t holds vector i at slice column (i * Threads + t) * V), the rest in steps of
+// U vectors per thread, the first smem_vecs vectors of that rest (per array) kept in dynamic
+// shared memory, what is beyond read again after the barrier (from L2 where it is still there:
+// the "re-read" share, zero when the slice fits on chip). Each CTA publishes its statistics
+// (forward (max, sum exp); backward (0, sum(dy * y)) or (0, sum(dy))) in partials[blockIdx.x],
+// waits at its row's barrier (group_barrier.cuh: counters[row], no reset between launches),
+// combines the row's `groups` partials (every warp on its own, in the same order: every CTA of
+// a row gets the same bits), and writes its slice from what it holds.
+// Modes and numerics as the chunked path's (add_stats, CombineMaxSum, output_of).
+template <class T, int V, int Mode, bool IsLog, int Threads, int Iters, int U, int Ctas>
+__global__ void __launch_bounds__(Threads, Ctas)
+split_kernel(T* __restrict__ out, unsigned* __restrict__ counters, MaxSum* __restrict__ partials,
+             const T* __restrict__ a, const T* __restrict__ b, int n, int slice, int groups,
+             int smem_vecs, long long lda, long long ldb, long long ldo) {
+  constexpr int Held = Threads * Iters * V;  // elements per array in registers
+  constexpr int Step = Threads * U * V;
+  extern __shared__ uint4 smem_raw[];
+  Frg<T, V>* sa = reinterpret_cast<Frg<T, V>*>(smem_raw);  // smem_vecs vectors per array
+  Frg<T, V>* sb = sa + smem_vecs;
+  __shared__ MaxSum scratch[Threads / 32];
+  const int t = threadIdx.x;
+  const long long row = blockIdx.x / groups;
+  const int rank = int(blockIdx.x % groups);
+  const int begin = rank * slice;
+  const int len = min(n - begin, slice);  // > 0: the caller sizes groups so
+  const T* ar = a + row * lda + begin;
+  const T* br = b + row * ldb + begin;
+  const T fill = from_float<T>(Mode == 0 ? -__builtin_huge_valf() : 0.f);
+
+  Frg<T, V> ra[Iters], rb[Iters];
+#pragma unroll
+  for (int i = 0; i < Iters; ++i) {
+    const int col = (i * Threads + t) * V;
+    ra[i] = load_frg<V>(ar + col, len - col, fill);  // Mode 2 (y): read by the output only
+    if constexpr (Mode != 0) rb[i] = load_frg<V>(br + col, len - col, fill);
+  }
+  // The rest of the slice, while the registers' loads are in flight.
+  MaxSum acc = stats_identity<Mode>();
+  for (int base = Held, step = 0; base < len; base += Step, ++step) {
+    Frg<T, V> fa[U], fb[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int col = base + (u * Threads + t) * V;
+      fa[u] = load_frg<V>(ar + col, len - col, fill);
+      if constexpr (Mode != 0) fb[u] = load_frg<V>(br + col, len - col, fill);
+      const int sv = (step * U + u) * Threads + t;
+      if (sv < smem_vecs) {
+        sa[sv] = fa[u];
+        if constexpr (Mode != 0) sb[sv] = fb[u];
+      }
+    }
+    acc = add_stats<Mode>(acc, fa, fb);
+  }
+  acc = add_stats<Mode>(acc, ra, rb);
+  if constexpr (Mode == 0) acc = SmartReduce<Threads>::reduce(acc, CombineMaxSum{}, scratch);
+  else acc = SmartReduce<Threads>::reduce(acc, SumOp{}, scratch);
+  if (t == 0) __stcg(reinterpret_cast<float2*>(partials + blockIdx.x), make_float2(acc.m, acc.s));
+
+  group_sync(counters + row, unsigned(groups), rank == 0);
+
+  MaxSum tot = stats_identity<Mode>();
+  const MaxSum* pr = partials + row * groups;
+  for (int j = t % 32; j < groups; j += 32) {
+    const float2 o = ld_relaxed_gpu(reinterpret_cast<const float2*>(pr + j));
+    tot = Mode == 0 ? CombineMaxSum{}(tot, {o.x, o.y}) : SumOp{}(tot, {o.x, o.y});
+  }
+  if constexpr (Mode == 0) tot = warp_reduce<32>(tot, CombineMaxSum{});
+  else tot = warp_reduce<32>(tot, SumOp{});
+  // Forward on a row of -inf or NaN: tot.m is -inf; x - (-inf) ... gives NaN as torch does.
+  const float scale = scale_of<Mode, IsLog>(tot);
+
+  T* orow = out + row * ldo + begin;
+#pragma unroll
+  for (int i = 0; i < Iters; ++i) {
+    const int col = (i * Threads + t) * V;
+    Frg<T, V> o;
+#pragma unroll
+    for (int k = 0; k < V; ++k)
+      o[k] = from_float<T>(output_of<Mode, IsLog>(ra[i][k], rb[i][k], tot.m, scale));
+    store_frg<V>(orow + col, o, len - col);
+  }
+  for (int base = Held, step = 0; base < len; base += Step, ++step) {
+    Frg<T, V> fa[U], fb[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int col = base + (u * Threads + t) * V;
+      const int sv = (step * U + u) * Threads + t;
+      if (sv < smem_vecs) {  // this thread's own stores: no barrier needed
+        fa[u] = sa[sv];
+        if constexpr (Mode != 0) fb[u] = sb[sv];
+      } else {
+        fa[u] = load_frg<V, Reuse::LastUse>(ar + col, len - col, fill);
+        if constexpr (Mode != 0) fb[u] = load_frg<V, Reuse::LastUse>(br + col, len - col, fill);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int col = base + (u * Threads + t) * V;
+      Frg<T, V> o;
+#pragma unroll
+      for (int k = 0; k < V; ++k)
+        o[k] = from_float<T>(output_of<Mode, IsLog>(fa[u][k], fb[u][k], tot.m, scale));
+      store_frg<V>(orow + col, o, len - col);
+    }
   }
 }
 
@@ -350,6 +481,40 @@ cudaError_t launch_chunked(T* out, void* stats, const T* a, const T* b, long lon
   chunk_apply<T, V, Mode, IsLog, Threads, U><<<ctas, Threads, 0, stream>>>(
       out, (const MaxSum*)stats, a, b, n, chunk, chunks, lda, ldb, ldo);
   return cudaGetLastError();
+}
+
+// Split path. ws: a workspace of `slots` unsigned counters (one per row, their low 31 bits zero
+// when first used: see group_barrier.cuh) followed by `slots` MaxSum partials (8-byte aligned:
+// slots even); rows <= slots and rows * groups <= slots. slice % V == 0, (groups - 1) * slice < n
+// (every CTA owns at least one element). smem_vecs vectors per array in dynamic shared memory.
+// Refused with cudaErrorCooperativeLaunchTooLarge when rows * groups CTAs cannot all be resident
+// (the caller sizes groups with split_ctas_per_sm; a spin barrier would deadlock otherwise).
+template <class T, int V, int Mode, bool IsLog, int Threads, int Iters, int U, int Ctas>
+size_t split_smem(int smem_vecs) {
+  return size_t(smem_vecs) * sizeof(Frg<T, V>) * (Mode == 0 ? 1 : 2);
+}
+
+template <class T, int V, int Mode, bool IsLog, int Threads, int Iters, int U, int Ctas>
+int split_ctas_per_sm(int smem_vecs) {
+  return ctas_per_sm(split_kernel<T, V, Mode, IsLog, Threads, Iters, U, Ctas>, Threads,
+                     split_smem<T, V, Mode, IsLog, Threads, Iters, U, Ctas>(smem_vecs));
+}
+
+template <class T, int V, int Mode, bool IsLog, int Threads, int Iters, int U, int Ctas>
+cudaError_t launch_split(T* out, void* ws, int slots, const T* a, const T* b, long long rows,
+                         int n, int slice, int groups, int smem_vecs, long long lda,
+                         long long ldb, long long ldo, cudaStream_t stream) {
+  VITRAIL_TRY(require(n >= 1 && rows >= 1 && groups >= 1 && slice >= 1 && slice % V == 0 &&
+                      (long long)(groups - 1) * slice < n && (long long)groups * slice >= n &&
+                      slots % 2 == 0 && rows <= slots && rows * groups <= slots &&
+                      smem_vecs >= 0 && lda % V == 0 && ldb % V == 0 && ldo % V == 0));
+  unsigned* counters = static_cast<unsigned*>(ws);
+  MaxSum* partials = reinterpret_cast<MaxSum*>(counters + slots);
+  return launch_cooperative(split_kernel<T, V, Mode, IsLog, Threads, Iters, U, Ctas>,
+                            dim3(unsigned(rows * groups)), dim3(Threads),
+                            split_smem<T, V, Mode, IsLog, Threads, Iters, U, Ctas>(smem_vecs),
+                            stream, out, counters, partials, a, b, n, slice, groups, smem_vecs,
+                            lda, ldb, ldo);
 }
 
 }  // namespace vitrail::softmax
