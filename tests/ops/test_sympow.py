@@ -699,12 +699,43 @@ def test_wgmma_kernels_with_many_problems(order):
         got = S._mma_bwd_impl(g, bt, a, -1, power, d_tile, scale, True, out=_nan(a.shape, dtype),
                               order=order, defer=defer)
         want = mma_sympow_bwd_reference(g[pick], bt[pick], a[pick], -1, power, d_tile, scale)
-        eye = torch.eye(N, device="cuda", dtype=dtype).expand(len(pick), -1, -1)
+        eye = torch.eye(D, device="cuda", dtype=dtype).expand(len(pick), -1, -1)
         base = mma_sympow_bwd_reference(g[pick] @ bt[pick], eye, a[pick], -1, power, d_tile,
                                         scale).to(dtype)
         _close(got[pick], want, base, f"mma_sympow_bwd P={P} {order} defer={defer}", factor=4.0,
                floor_rel=2e-6)
         assert not got.isnan().any(), f"mma_sympow_bwd P={P} {order}: unwritten outputs"
+
+
+@requires_gpu
+@pytest.mark.parametrize("P,rows,N,d", [(32, 4096, 64, 64), (4096, 130, 8, 16)])
+@pytest.mark.parametrize("expand_dim", [-1, -2])
+def test_wgmma_every_problem_of_a_large_batch(P, rows, N, d, expand_dim):
+    """Every problem of large batches against the unfused path (the expansion stored, fp32
+    matmul). The expand-K kernel once left its block's last wgmma in flight while the next
+    block's register fragments were built: every problem was wrong at P=256, M=4096, d=64, and
+    a few in a thousand at M=130, d=16, while small batches passed."""
+    dtype, power, d_tile = torch.bfloat16, 2, 8
+    if not configs.wgmma_applies(dtype, power, d_tile, torch.device("cuda")):
+        pytest.skip("the wgmma kernels run on sm_90a")
+    torch.manual_seed(P + rows)
+    D = sympow_dim(d, power, d_tile)
+    if expand_dim == -1:
+        a = torch.randn(P, rows, d, device="cuda", dtype=dtype)
+        b = (torch.randn(P, D, N, device="cuda") / math.sqrt(D)).to(dtype)
+    else:
+        a = torch.randn(P, d, rows, device="cuda", dtype=dtype)
+        b = (torch.randn(P, rows, N, device="cuda") / math.sqrt(rows)).to(dtype)
+    c = S.sympow_mma(a, b, expand_dim, power, d_tile, scale_a=0.75)
+    for s in range(0, P, 32):
+        x = a[s:s + 32] if expand_dim == -1 else a[s:s + 32].transpose(1, 2)
+        e = S._sympow_impl(x.contiguous(), power, d_tile, True).float() * 0.75
+        ref = torch.bmm(e if expand_dim == -1 else e.transpose(1, 2), b[s:s + 32].float())
+        err = (c[s:s + 32].float() - ref).abs().amax((1, 2))
+        bad = (~(err <= 0.02 * ref.abs().amax((1, 2)) + 1e-3)).nonzero().flatten()
+        assert bad.numel() == 0, (f"sympow_mma expand_dim={expand_dim}: problems "
+                                  f"{(bad + s)[:8].tolist()} of {P} wrong (max error "
+                                  f"{err.max().item():.3g})")
 
 
 @requires_gpu

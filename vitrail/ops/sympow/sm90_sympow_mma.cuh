@@ -105,6 +105,15 @@ __device__ __forceinline__ void pin(Acc& acc) {
 #pragma unroll
   for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(acc.c[i]));
 }
+// The wait after k-step s of a k-block whose A fragments come from registers (wgmma_rs): one
+// wgmma left in flight inside the block, none at its end. wgmma reads its A registers
+// asynchronously, but the compiler sees them free once the asm is issued: with the block's last
+// wgmma still in flight, it gave them to the next block's fragments, and a few outputs in a
+// thousand problems (every problem at d = 64, M = 4096) came out wrong (H100).
+__device__ __forceinline__ void block_wait(int s) {  // (s: an unrolled loop's constant)
+  if (s == 3) wg_wait<0>();
+  else wg_wait<1>();
+}
 __device__ __forceinline__ unsigned pack2(float lo, float hi) {
 #if T_ID == 1
   __half2 v = __floats2half2_rn(lo, hi);
@@ -318,7 +327,7 @@ sympow_mma_k_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict_
       wg_fence();
       wgmma_rs(acc, a, b_desc + s * (16 * 128 >> 4));  // (start address field: 16-byte units)
       wg_commit();
-      wg_wait<1>();
+      block_wait(s);
     }
   }
   wg_wait<0>();
@@ -513,7 +522,7 @@ __device__ __forceinline__ void mma_m_wg(T* __restrict__ C, const T* __restrict_
       wg_fence();
       wgmma_rs(acc, a, b_desc + s * (16 * 128 >> 4));  // (start address field: 16-byte units)
       wg_commit();
-      wg_wait<1>();
+      block_wait(s);
     }
   }
   wg_wait<0>();
