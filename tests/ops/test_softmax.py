@@ -108,6 +108,20 @@ def _fns(log):
         (torch.log_softmax if log else torch.softmax)
 
 
+def _check_rows(rows, n, dtype, log):
+    """Forward against torch (fp64 reference) and backward against torch's formula, on fresh
+    rows x n data."""
+    from vitrail.ops.softmax import softmax_bwd
+    from vitrail.ops.softmax.reference import softmax_backward
+    ours, theirs = _fns(log)
+    x = (torch.randn(rows, n, device="cuda") * 4).to(dtype)
+    _check(ours(x), theirs(x, -1), theirs(x.double(), -1))
+    y = theirs(x.float(), -1).to(dtype)
+    dy = torch.randn_like(y)
+    same = softmax_backward(y.float(), dy.float(), -1, log).to(dtype)
+    _check(softmax_bwd(y, dy, 1, log), same, softmax_backward(y, dy, -1, log))
+
+
 @requires_gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 1), (3, 1), (5, 7), (33, 100), (64, 1000), (7, 4096),
@@ -200,9 +214,7 @@ def _sms():
 def test_cluster_rows(n, log):
     """Enough rows that the register path takes clusters (2 to 8 CTAs per row, 16-byte vectors
     and, at n = 40001, elementwise ones), forward and backward."""
-    from vitrail.ops.softmax import configs, softmax_bwd
-    from vitrail.ops.softmax.reference import softmax_backward
-    ours, theirs = _fns(log)
+    from vitrail.ops.softmax import configs
     for dtype in (torch.float32, torch.bfloat16):
         v = configs.vec(dtype) if n % configs.vec(dtype) == 0 else 1
         rows = 2 * _sms()
@@ -210,12 +222,7 @@ def test_cluster_rows(n, log):
             if n <= configs.max_register_row(v, arrays):
                 assert not configs.use_chunked(n, rows, v, arrays, _sms())
                 assert configs.heuristic(1 << (n - 1).bit_length(), v, arrays)["CLUSTER"] > 1
-        x = (torch.randn(rows, n, device="cuda") * 4).to(dtype)
-        _check(ours(x), theirs(x, -1), theirs(x.double(), -1))
-        y = theirs(x.float(), -1).to(dtype)
-        dy = torch.randn_like(y)
-        same = softmax_backward(y.float(), dy.float(), -1, log).to(dtype)
-        _check(softmax_bwd(y, dy, 1, log), same, softmax_backward(y, dy, -1, log))
+        _check_rows(rows, n, dtype, log)
 
 
 @requires_gpu
@@ -261,19 +268,11 @@ def _takes_split(rows, n, dtype, arrays=1):
 @pytest.mark.parametrize("shape", SPLIT_SHAPES)
 def test_split_rows(shape, dtype, log):
     """The split path, forward and backward, against fp64, within 4x of torch's own error."""
-    from vitrail.ops.softmax import softmax_bwd
-    from vitrail.ops.softmax.reference import softmax_backward
     if dtype == torch.float16 and shape[1] > 300_000:
         pytest.skip("covered by fp32/bf16")
     rows, n = shape
     assert _takes_split(rows, n, dtype) and _takes_split(rows, n, dtype, 2)
-    ours, theirs = _fns(log)
-    x = (torch.randn(rows, n, device="cuda") * 4).to(dtype)
-    _check(ours(x), theirs(x, -1), theirs(x.double(), -1))
-    y = theirs(x.float(), -1).to(dtype)
-    dy = torch.randn_like(y)
-    same = softmax_backward(y.float(), dy.float(), -1, log).to(dtype)
-    _check(softmax_bwd(y, dy, 1, log), same, softmax_backward(y, dy, -1, log))
+    _check_rows(rows, n, dtype, log)
 
 
 @requires_gpu
