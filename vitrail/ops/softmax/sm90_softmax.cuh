@@ -32,6 +32,20 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
 __device__ __forceinline__ float exp_of(float d) { return exp2f(d * kLog2e); }
+// One output element (Mode 0: forward, a = x; 1: softmax backward, a = y, b = dy; 2: log_softmax
+// backward) from the row's max m (forward) and scale: forward 1 / sum or log(sum), backward the
+// row's sum. Every path (register, chunked, split) writes through it.
+template <int Mode, bool IsLog, class T>
+__device__ __forceinline__ float output_of(T a, T b, float m, float scale) {
+  if constexpr (Mode == 0) {
+    const float d = to_float(a) - m;
+    return IsLog ? d - scale : exp_of(d) * scale;
+  } else if constexpr (Mode == 1) {
+    return to_float(a) * (to_float(b) - scale);
+  } else {
+    return to_float(b) - exp_of(to_float(a)) * scale;
+  }
+}
 
 // CTAs per SM a register-path kernel is compiled for (__launch_bounds__' minimum). A lone CTA
 // per SM loads, reduces, then stores with nothing to overlap those phases; a second one keeps
@@ -100,8 +114,7 @@ fwd_kernel(T* __restrict__ y, const T* __restrict__ x, long long rows, int n, lo
       Frg<T, V> out;
 #pragma unroll
       for (int k = 0; k < V; ++k) {
-        const float d = to_float(frg[i][k]) - m;
-        out[k] = from_float<T>(IsLog ? d - scale : exp_of(d) * scale);
+        out[k] = from_float<T>(output_of<0, IsLog>(frg[i][k], frg[i][k], m, scale));
       }
       store_frg<V>(yr + col, out, n - col);
     }
@@ -154,8 +167,7 @@ bwd_kernel(T* __restrict__ dx, const T* __restrict__ y, const T* __restrict__ dy
       Frg<T, V> out;
 #pragma unroll
       for (int k = 0; k < V; ++k) {
-        const float yv = to_float(fy[i][k]), g = to_float(fdy[i][k]);
-        out[k] = from_float<T>(IsLog ? g - exp_of(yv) * s : yv * (g - s));
+        out[k] = from_float<T>(output_of<IsLog ? 2 : 1, false>(fy[i][k], fdy[i][k], 0.f, s));
       }
       store_frg<V>(dxr + col, out, n - col);
     }
@@ -223,22 +235,10 @@ __device__ __forceinline__ MaxSum add_stats(MaxSum acc, const Frg<T, V> (&fa)[U]
   return acc;
 }
 
-// One output element from a (and b) and the row's statistics: m, the row's max, and scale, from
-// scale_of (forward: 1 / sum or log(sum); backward: the row's sum).
+// output_of's scale from a row's statistics (forward: 1 / sum or log(sum); backward: the sum).
 template <int Mode, bool IsLog>
 __device__ __forceinline__ float scale_of(MaxSum tot) {
   return Mode == 0 ? (IsLog ? __log2f(tot.s) * kLn2 : 1.f / tot.s) : tot.s;
-}
-template <int Mode, bool IsLog, class T>
-__device__ __forceinline__ float output_of(T a, T b, float m, float scale) {
-  if constexpr (Mode == 0) {
-    const float d = to_float(a) - m;
-    return IsLog ? d - scale : exp_of(d) * scale;
-  } else if constexpr (Mode == 1) {
-    return to_float(a) * (to_float(b) - scale);
-  } else {
-    return to_float(b) - exp_of(to_float(a)) * scale;
-  }
 }
 
 // At U <= 4, 1024 threads per SM fit (64 registers: ptxas needs at most 66 unbounded, for bf16
