@@ -31,7 +31,7 @@ def __getattr__(name: str):
         globals()[name] = value
         return value
     if name in ("toolchain", "cache", "index", "compiler", "module", "kernel", "signature",
-                "arguments", "launcher", "housekeeping", "errors"):
+                "arguments", "launcher", "housekeeping", "errors", "tma", "sass"):
         return importlib.import_module(f"vitrail.jit.{name}")
     raise AttributeError(f"module 'vitrail.jit' has no attribute '{name}'")
 
