@@ -380,16 +380,27 @@ def test_launch_grid_orders_and_limits():
         configs.state_wgs(2, 4)
 
 
+def test_state_side_takes_the_tma_mainloop_where_it_applies():
+    """The expand-M kernel's TMA mainloop: 3 warpgroups and K a multiple of 64 (b's view steps
+    16 rows, a k-block never reaches the next problem's rows); tma=False keeps cp.async."""
+    assert configs.state_tma(4096, 3) == configs.WG_STATE_TMA
+    assert configs.state_tma(64, 3, True) and configs.state_tma(1024, 3, True)
+    assert not configs.state_tma(1000, 3, True) and not configs.state_tma(130, 3, True)
+    assert not configs.state_tma(4096, 2, True) and not configs.state_tma(4096, 3, False)
+
+
 @pytest.mark.slow
 @requires_nvrtc
 def test_new_wgmma_variants_build_for_sm90a():
-    """sympow_mma_m_wg3 (384 threads, 2 CTAs a SM: at most 85 registers at p 2) and
-    mma_sympow_bwd_k_wg2 (2 CTAs of 256: at most 128) build without spills, beside the kernels
-    they may replace; HGMMA in their SASS where cuobjdump is at hand."""
+    """sympow_mma_m_wg3 and sympow_mma_m_tma3 (384 threads, 2 CTAs a SM: at most 85 registers
+    at p 2) and mma_sympow_bwd_k_wg2 (2 CTAs of 256: at most 128) build without spills, beside
+    the kernels they may replace. Where cuobjdump is at hand: HGMMA in their SASS, TMA loads in
+    the TMA mainloop's, and no wgmma kernel writes a register an in-flight wgmma reads."""
     op = S._op("mma90", torch.bfloat16, 2, 8)
     mod = op.module(op.space.default({"vec": 8}, _lim()))
     res = mod.resources()
-    for name, most in [("sympow_mma_m_wg3", 80), ("sympow_mma_m_wg", 80),
+    for name, most in [("sympow_mma_m_wg3", 80), ("sympow_mma_m_tma3", 80),
+                       ("sympow_mma_m_wg", 80), ("sympow_mma_k_wg", 80),
                        ("mma_sympow_bwd_k_wg2", 128), ("mma_sympow_bwd_k_wg", 128)]:
         r = res[name]
         assert r.spill_stores == r.spill_loads == r.stack == 0 and r.registers <= most, (name, r)
@@ -397,9 +408,12 @@ def test_new_wgmma_variants_build_for_sm90a():
         sass = mod.sass
     except Exception:  # noqa: BLE001 (no cuobjdump: the resources above still hold)
         return
-    for name in ("sympow_mma_m_wg3", "mma_sympow_bwd_k_wg2"):
-        body = sass.split(f"Function : {name}\n", 1)[1].split("Function : ", 1)[0]
+    from vitrail.jit.sass import kernel_sass, wgmma_register_hazards
+    for name in res:
+        body = kernel_sass(sass, name)
         assert "HGMMA" in body, name
+        assert wgmma_register_hazards(body) == [], name
+    assert "UTMALDG.5D" in kernel_sass(sass, "sympow_mma_m_tma3")
 
 
 # ------------------------------------------------------------------ GPU helpers
@@ -610,34 +624,57 @@ def test_sympow_mma_and_its_backward(dtype, expand_dim, power, d, d_tile):
 WG_CASES = [(2, 64, 8), (2, 32, 16), (3, 16, 4), (3, 16, 8), (4, 16, 4)]
 
 
-# (launch order, expand-M warpgroups): the default, the first order, and each state kernel
-WG_VARIANTS = [(None, None), ("p", 2), ("tiles", 2), ("tiles", 3)]
+# (launch order, expand-M warpgroups, its TMA mainloop): the default, the first order, and each
+# state kernel (3 warpgroups: cp.async, and TMA where K is a multiple of 64)
+WG_VARIANTS = [(None, None, None), ("p", 2, None), ("tiles", 2, None), ("tiles", 3, False),
+               ("tiles", 3, True)]
 
 
 @requires_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("expand_dim", [-1, -2])
 @pytest.mark.parametrize("power,d,d_tile", WG_CASES)
-@pytest.mark.parametrize("P,M,N,K", [(2, 300, 136, 1000), (1, 77, 37, 90)])
-@pytest.mark.parametrize("order,wgs", WG_VARIANTS)
-def test_sympow_mma_on_wgmma(dtype, expand_dim, power, d, d_tile, P, M, N, K, order, wgs):
+@pytest.mark.parametrize("P,M,N,K", [(2, 300, 136, 1000), (1, 77, 37, 90), (3, 200, 72, 1024)])
+@pytest.mark.parametrize("order,wgs,tma", WG_VARIANTS)
+def test_sympow_mma_on_wgmma(dtype, expand_dim, power, d, d_tile, P, M, N, K, order, wgs, tma):
     """sm90_sympow_mma.cuh: several k-blocks (pipeline wrap-around), row and column tails, two
     column tiles, and (second shape) rows not 16 bytes long (element-by-element tile loads);
     both launch orders, and the 2- and 3-warpgroup expand-M kernels (192 features a CTA: a
-    partly live last tile where D is not a multiple of 192)."""
+    partly live last tile where D is not a multiple of 192), the latter with both mainloops
+    (third shape: K a multiple of 64, where the TMA one applies; N 72: a partial 64-wide box)."""
     if not configs.wgmma_applies(dtype, power, d_tile, torch.device("cuda")):
         pytest.skip("the wgmma kernels run on sm_90a")
-    if expand_dim == -1 and wgs == 3:
-        pytest.skip("wgs: expand M only")
+    if expand_dim == -1 and (wgs == 3 or tma is not None):
+        pytest.skip("wgs, tma: expand M only")
     torch.manual_seed(power * 100 + d + d_tile + M - expand_dim)
     a, b = _operands(expand_dim, power, d, d_tile, dtype, P=P, M=M, N=N, K=K)
     scale = 0.75
     rows = M if expand_dim == -1 else sympow_dim(d, power, d_tile)
     c = S._mma_impl(a, b, expand_dim, power, d_tile, scale, True, out=_nan((P, rows, N), dtype),
-                    order=order, wgs=wgs)
+                    order=order, wgs=wgs, tma=tma)
     ref = sympow_mma_reference(a, b, expand_dim, power, d_tile, scale)
     unfused = (sympow_reference(a, power, d_tile, expand_dim).to(dtype) * scale) @ b
     _close(c, ref, unfused, f"sympow_mma wgmma {expand_dim} p={power} d={d} t={d_tile}")
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("power,d,d_tile", WG_CASES + [(2, 256, 16), (3, 24, 4)])
+@pytest.mark.parametrize("P,N,K", [(3, 136, 1024), (40, 8, 64)])
+def test_state_side_tma_mainloop_is_bitwise_the_cp_async_one(dtype, power, d, d_tile, P, N, K):
+    """The expand-M kernel's two mainloops feed the same fragments and the same b rows to the
+    same wgmmas in the same order: their outputs are equal bit for bit (d 256: a's 256-row box;
+    d 24: a's stage not a multiple of 1 KiB; N 136: three column tiles, the last box partial)."""
+    if not configs.wgmma_applies(dtype, power, d_tile, torch.device("cuda")):
+        pytest.skip("the wgmma kernels run on sm_90a")
+    torch.manual_seed(power * 100 + d + d_tile + K)
+    a, b = _operands(-2, power, d, d_tile, dtype, P=P, N=N, K=K)
+    D = sympow_dim(d, power, d_tile)
+    got = S._mma_impl(a, b, -2, power, d_tile, 0.75, True, out=_nan((P, D, N), dtype), wgs=3,
+                      tma=True)
+    want = S._mma_impl(a, b, -2, power, d_tile, 0.75, True, wgs=3, tma=False)
+    assert not got.isnan().any(), "TMA mainloop: unwritten outputs"
+    assert torch.equal(got, want), (got.float() - want.float()).abs().max().item()
 
 
 @requires_gpu

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from vitrail.jit.errors import ArgumentError
+from vitrail.jit.tma import tensor_map
 from vitrail.op import Op
 from vitrail.ops.common import check_dim, check_same_device, check_tensor, plain_eager
 from vitrail.ops.sympow import configs
@@ -67,7 +68,7 @@ _EXAMPLES = {("elementwise", torch.bfloat16, 2, 8), ("mma", torch.bfloat16, 2, 8
              ("mma90", torch.bfloat16, 2, 8)}
 
 
-_THREADS = {"sympow_mma_m_wg3": 384}  # kernels of other than 256 threads
+_THREADS = {"sympow_mma_m_wg3": 384, "sympow_mma_m_tma3": 384}  # kernels of other than 256 threads
 
 
 def _launch(module, config, kernel: str, grid, smem: int, *args) -> None:
@@ -180,18 +181,20 @@ def _smem(kind: str, dtype: torch.dtype, d: int) -> int:
 def _mma_impl(a: torch.Tensor, b: torch.Tensor, expand_dim: int, power: int, d_tile: int,
               scale: float, dc: bool, out: torch.Tensor | None = None,
               wgmma: bool | None = None, order: str | None = None,
-              wgs: int | None = None) -> torch.Tensor:
+              wgs: int | None = None, tma: bool | None = None) -> torch.Tensor:
     """a [P, M, d] (expand_dim -1) or [P, d, K] (-2), b [P, K', N] -> [P, M', N].
     wgmma: None picks sm90_sympow_mma.cuh where it applies (configs.wgmma_applies); False forces
     the sm80 kernels (for comparisons). order: the wgmma kernels' launch order
     (configs.launch_grid; the sm80 kernels keep P fastest); wgs: the expand-M wgmma kernel's
-    warpgroups (configs.state_wgs) (both for comparisons)."""
+    warpgroups (configs.state_wgs); tma: False keeps the expand-M kernel on cp.async where its
+    TMA mainloop applies (configs.state_tma) (all three for comparisons)."""
     a, b = a.contiguous(), b.contiguous()
     P, N = a.shape[0], b.shape[-1]
     d = a.shape[expand_dim]
     D = configs.check_support("sympow_mma", d, power, d_tile)
     if wgmma is not False and configs.wgmma_applies(a.dtype, power, d_tile, a.device):
-        return _mma90_impl(a, b, expand_dim, power, d_tile, d, D, scale, dc, out, order, wgs)
+        return _mma90_impl(a, b, expand_dim, power, d_tile, d, D, scale, dc, out, order, wgs,
+                           tma)
     gidx, gcoef, _, _ = configs.tables(d, power, d_tile, dc, a.device)
     groups = gidx.numel()
     if expand_dim == -1:
@@ -228,7 +231,8 @@ def _pad16(t: torch.Tensor, rows: int | None = None) -> torch.Tensor:
     return out
 
 
-def _mma90_impl(a, b, expand_dim, power, d_tile, d, D, scale, dc, out, order=None, wgs=None):
+def _mma90_impl(a, b, expand_dim, power, d_tile, d, D, scale, dc, out, order=None, wgs=None,
+                tma=None):
     """The wgmma kernels (sm90_sympow_mma.cuh): 128 x 64 output tiles, tuple tables. Operands
     the kernels read by cp.async are zero-padded where their rows are not 16-byte vectors."""
     _, _, tidx, tcoef = configs.tables(d, power, d_tile, dc, a.device)
@@ -255,9 +259,20 @@ def _mma90_impl(a, b, expand_dim, power, d_tile, d, D, scale, dc, out, order=Non
         Np = bp.shape[-1]
         cp = c if Np == N else a.new_empty((P, rows, Np))
         wgs = configs.state_wgs(power, wgs)
-        _run("mma90", a.dtype, power, d_tile, 0, "sympow_mma_m_wg" + ("3" if wgs == 3 else ""),
-             configs.launch_grid(P, -(-rows // (64 * wgs)), -(-Np // BN), order),
-             configs.wgmma_smem("m", d), cp, ap, bp, tidx, tcoef, K, Np, d, D, float(scale))
+        grid = configs.launch_grid(P, -(-rows // (64 * wgs)), -(-Np // BN), order)
+        if configs.state_tma(K, wgs, tma):
+            # a's k-blocks as [d x 64] boxes; b's as one box of a 5-d view of its [P K, Np] rows
+            # (16-row groups) that lands them in the kernel's permuted order (KPerm)
+            map_a = tensor_map(ap, dims=(K, d, P), strides=(K, d * K), box=(64, d, 1))
+            map_b = tensor_map(bp, dims=(Np, 2, P * K // 16, 2, 4),
+                               strides=(Np, 16 * Np, 2 * Np, 4 * Np), box=(64, 2, 4, 2, 4))
+            _run("mma90", a.dtype, power, d_tile, 0, "sympow_mma_m_tma3", grid,
+                 configs.wgmma_smem("m_tma", d), cp, map_a, map_b, tidx, tcoef, K, Np, d, D,
+                 float(scale))
+        else:
+            _run("mma90", a.dtype, power, d_tile, 0,
+                 "sympow_mma_m_wg" + ("3" if wgs == 3 else ""), grid,
+                 configs.wgmma_smem("m", d), cp, ap, bp, tidx, tcoef, K, Np, d, D, float(scale))
     if cp is not c:
         c.copy_(cp[..., :N])
     return c

@@ -241,10 +241,13 @@ def wgmma_applies(dtype: torch.dtype, power: int, d_tile: int, device: torch.dev
 def wgmma_smem(kind: str, d: int) -> int:
     """Dynamic shared memory of a wgmma kernel (the carving in sm90_sympow_mma.cuh): 1 KiB of
     alignment slack, the stages of b's 64 x 64 tiles, then x's rows as fp32 (expand K) or the
-    stages of a's d x 64 blocks (expand M)."""
+    stages of a's d x 64 blocks (expand M; "m_tma": each stage 1 KiB aligned, then a full and
+    an empty mbarrier a stage)."""
     base = 1024 + WG_STAGES * 64 * 64 * 2
     if kind == "k":
         return base + WG_TILE[0] * ((d + 31) // 32 * 32 + 8) * 4
+    if kind == "m_tma":
+        return base + WG_STAGES * (-(-d * 128 // 1024) * 1024 + 16)
     return base + WG_STAGES * d * 64 * 2
 
 
@@ -276,6 +279,9 @@ def launch_grid(P: int, tiles0: int, tiles1: int = 1, order: str | None = None) 
 # CTA) or 3 (sympow_mma_m_wg3, 192 features: a third less L2 -> SM traffic per FLOP, 2 CTAs of
 # 384 threads per SM at p 2, one at p > 2). Powers not listed take 2.
 WG_STATE_WGS = {2: 3}
+# The expand-M kernel's TMA mainloop (sympow_mma_m_tma3: 3 warpgroups; a's rows K long, K a
+# multiple of 64), or, False, its cp.async mainloop everywhere.
+WG_STATE_TMA = True
 WG_STATE_VARIANTS = (2, 3)
 # mma_sympow_bwd_k_wg2 (factor 0's sums kept in registers over runs of k-blocks) or, False,
 # mma_sympow_bwd_k_wg (every k-block's sums added into shared memory).
@@ -289,6 +295,14 @@ def state_wgs(power: int, wgs: int | None = None) -> int:
         raise ArgumentError(f"sympow_mma: warpgroups must be one of {WG_STATE_VARIANTS}, "
                             f"got {wgs!r}")
     return wgs
+
+
+def state_tma(K: int, wgs: int, tma: bool | None = None) -> bool:
+    """The expand-M kernel takes its TMA mainloop: tma (default WG_STATE_TMA) and the problem
+    one it serves (3 warpgroups, K a multiple of 64: b's 5-d view steps 16 rows, and no k-block
+    crosses into the next problem's rows)."""
+    tma = WG_STATE_TMA if tma is None else bool(tma)
+    return tma and wgs == 3 and K % 64 == 0
 
 
 WG_BWD_STAGES = 2     # b's tiles in mma_sympow_bwd_k_wg (BW_STAGES there)

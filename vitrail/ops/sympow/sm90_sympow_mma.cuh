@@ -4,7 +4,8 @@
 // FLOPs on a few bytes per output, so it is compute-bound; mma.sync (sm80_sympow_mma.cuh)
 // cannot keep Hopper's tensor cores busy. Here each warpgroup multiplies a 64-row slice of
 // the expansion, generated in registers in the wgmma A-fragment layout, by the other operand
-// read by wgmma straight from shared memory (128-byte swizzle, filled by cp.async, 4 stages).
+// read by wgmma straight from shared memory (128-byte swizzle, filled by cp.async, 4 stages; the
+// expand-M side by TMA where K % 64 == 0, mma_m_tma).
 // wgmmas are asynchronous (wait_group 1): a warpgroup builds its next k-block's fragments while
 // its last one runs, and the SM's other warpgroups keep the tensor cores fed meanwhile.
 //
@@ -385,9 +386,12 @@ __device__ __forceinline__ void load_a_block(unsigned sdst, const T* g, int ld, 
                  "l"(ok ? p : g), "r"(ok ? 16 : 0));
 }
 // Thread q's 16 columns of input row `row` (8 packed pairs: word 2 s + h is k-step s, half h).
+// SWZ: the row's 16-byte chunk c sits at c ^ (row & SWZ) (1: load_a_block's layout; 7: TMA's
+// 128-byte swizzle).
+template <int SWZ>
 __device__ __forceinline__ void load_cols(unsigned (&w)[8], unsigned sbase, int row, int q) {
   const unsigned addr = sbase + row * 128;
-  const int flip = row & 1;
+  const int flip = row & SWZ;
   asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
                : "r"(addr + (((2 * q) ^ flip) << 4)));
@@ -416,13 +420,14 @@ __host__ __device__ constexpr bool has_bit3(int l) { return lo(l) <= 3 && 3 < lo
 // The products of the factors' input rows over thread q's 16 columns, for the fragment's two
 // rows. POW 2: one packed multiply (exactly the fp32 product rounded once); longer products in
 // fp32, rounded once.
+template <int SWZ>
 __device__ __forceinline__ void expand_cols(unsigned (&prod)[2][8], unsigned abase,
                                             const int (&rows)[POW][2], int q) {
   unsigned w[POW][2][8];
 #pragma unroll
   for (int l = 0; l < POW; ++l) {
-    load_cols(w[l][0], abase, rows[l][0], q);
-    if (has_bit3(l)) load_cols(w[l][1], abase, rows[l][1], q);
+    load_cols<SWZ>(w[l][0], abase, rows[l][0], q);
+    if (has_bit3(l)) load_cols<SWZ>(w[l][1], abase, rows[l][1], q);
   }
 #pragma unroll
   for (int h = 0; h < 2; ++h)
@@ -451,7 +456,80 @@ namespace s90 {
 // for the whole kernel. WGS warpgroups, WGS x 64 features a CTA: every k-block of a and b
 // (8 + 8 KiB) brought into shared memory serves WGS x 64 x 64 x 64 x 2 FLOPs, so the L2 -> SM
 // traffic per FLOP falls as 1 / WGS (at d = N = 64: 16 KiB per 1 (WGS 2) or 1.5 (WGS 3) MFLOP).
-// The first two warpgroups issue the loads.
+// Two mainloops share the rest: mma_m_wg (cp.async by the first two warpgroups, a CTA barrier a
+// k-block) and mma_m_tma (TMA by one thread, mbarriers: no barrier between the warpgroups).
+
+// This warpgroup's place in the expansion: its first feature fw (live: fw < D), the tuple's
+// coefficient times scale, and the input rows of each factor for the fragment's two rows.
+struct MRows {
+  int fw;
+  bool live;
+  float coef;
+  int rows[POW][2];
+  __device__ __forceinline__ MRows(int f0, int D, const int* __restrict__ tidx,
+                                   const float* __restrict__ tcoef, float scale) {
+    const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+    fw = f0 + wg * 64;
+    live = fw < D;
+    const int tu = live ? fw / BLOCK : 0;
+    const unsigned packed = live ? (unsigned)__ldg(tidx + tu) : 0u;
+    coef = live ? __ldg(tcoef + tu) * scale : 0.f;
+    const int e = fw - tu * BLOCK + warp * 16 + lane / 4;  // the first row's offset in the tuple
+#pragma unroll
+    for (int l = 0; l < POW; ++l)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        rows[l][h] = (int)((packed >> (8 * l)) & 255u) + (((e + 8 * h) >> lo(l)) & (TILE - 1));
+  }
+};
+
+// One k-block: the fragments from a's stage at abase (its rows swizzled as SWZ says), then 4
+// wgmmas against b's stage (descriptor b_desc); returns with all of them retired (block_wait).
+template <int SWZ>
+__device__ __forceinline__ void m_block(Acc& acc, unsigned abase, unsigned long long b_desc,
+                                        const MRows& mr) {
+  unsigned prod[2][8];  // the fragment rows' 16 columns as packed pairs (word 2 s + h)
+  expand_cols<SWZ>(prod, abase, mr.rows, threadIdx.x % 4);
+  pin(prod[0]);
+  pin(prod[1]);
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const unsigned a[4] = {prod[0][2 * s], prod[1][2 * s], prod[0][2 * s + 1],
+                           prod[1][2 * s + 1]};
+    wg_fence();
+    wgmma_rs(acc, a, b_desc + s * (16 * 128 >> 4));  // (start address field: 16-byte units)
+    wg_commit();
+    block_wait(s);
+  }
+}
+
+// The CTA's [FEAT x 64] tile of C: coef x acc, rows r0 + 8 h, columns n0 + 8 j + 2 q + (0, 1).
+__device__ __forceinline__ void store_m(T* __restrict__ C, long long p, int D, int N, int n0,
+                                        const MRows& mr, const Acc& acc) {
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, q = lane % 4;
+  T* Cp = C + p * D * N;
+  const int r0 = mr.fw + warp * 16 + lane / 4;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int c = n0 + 8 * j + 2 * q;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = r0 + 8 * h;
+      if (!mr.live || r >= D) continue;
+      T* out = Cp + (long long)r * N + c;
+      const float v0 = mr.coef * acc.c[4 * j + 2 * h], v1 = mr.coef * acc.c[4 * j + 2 * h + 1];
+      if (c + 1 < N && (N % 2) == 0 && (reinterpret_cast<size_t>(Cp) & 3) == 0) {
+        *reinterpret_cast<unsigned*>(out) = pack2(v0, v1);
+      } else {
+        if (c < N) out[0] = from_f<T>(v0);
+        if (c + 1 < N) out[1] = from_f<T>(v1);
+      }
+    }
+  }
+}
+
+// cp.async mainloop: the first two warpgroups issue the loads (a's rows with SWZ 1, b's rows
+// permuted by KPerm); a CTA barrier a k-block publishes a stage and retires the one refilled.
 template <int WGS>
 __device__ __forceinline__ void mma_m_wg(T* __restrict__ C, const T* __restrict__ A,
                                          const T* __restrict__ B, const int* __restrict__ tidx,
@@ -486,21 +564,7 @@ __device__ __forceinline__ void mma_m_wg(T* __restrict__ C, const T* __restrict_
 #pragma unroll
   for (int kt = 0; kt < PF; ++kt) load(kt);
 
-  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-  const int q = lane % 4;
-  const int fw = f0 + wg * 64;  // this warpgroup's first feature
-  const bool live = fw < D;
-  const int tu = live ? fw / BLOCK : 0;
-  const unsigned packed = live ? (unsigned)__ldg(tidx + tu) : 0u;
-  const float coef = live ? __ldg(tcoef + tu) * scale : 0.f;
-  const int e = fw - tu * BLOCK + warp * 16 + lane / 4;  // the first row's offset in the tuple
-  int rows[POW][2];  // input rows of each factor for the fragment's two rows
-#pragma unroll
-  for (int l = 0; l < POW; ++l)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-      rows[l][h] = (int)((packed >> (8 * l)) & 255u) + (((e + 8 * h) >> lo(l)) & (TILE - 1));
-
+  const MRows mr(f0, D, tidx, tcoef, scale);
   Acc acc;
   zero(acc);
   for (int kt = 0; kt < nK; ++kt) {
@@ -509,44 +573,113 @@ __device__ __forceinline__ void mma_m_wg(T* __restrict__ C, const T* __restrict_
     __syncthreads();
     load(kt + PF);
     const int st = kt % STAGES;
-    const unsigned abase = sA_addr + st * a_stage * 2;
-    unsigned prod[2][8];  // the fragment rows' 16 columns as packed pairs (word 2 s + h)
-    expand_cols(prod, abase, rows, q);
-    pin(prod[0]);
-    pin(prod[1]);
-    const unsigned long long b_desc = desc0 + st * (TILE_BYTES >> 4);
-#pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      const unsigned a[4] = {prod[0][2 * s], prod[1][2 * s], prod[0][2 * s + 1],
-                             prod[1][2 * s + 1]};
-      wg_fence();
-      wgmma_rs(acc, a, b_desc + s * (16 * 128 >> 4));  // (start address field: 16-byte units)
-      wg_commit();
-      block_wait(s);
-    }
+    m_block<1>(acc, sA_addr + st * a_stage * 2, desc0 + st * (TILE_BYTES >> 4), mr);
   }
   wg_wait<0>();
   async_wait<0>();
+  store_m(C, p, D, N, n0, mr, acc);
+}
 
-  T* Cp = C + p * D * N;
-  const int r0 = fw + warp * 16 + lane / 4;
+// ---- TMA (cp.async.bulk.tensor) and mbarriers (PTX ISA 8.0, sm_90) ----
+// A CUtensorMap passed by value (__grid_constant__): 128 opaque bytes (vitrail.jit.tma).
+struct alignas(64) TensorMap { unsigned long long opaque[16]; };
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Until the phase of parity `parity` completed (the barrier's (2 i + parity)-th).
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n"
+      "}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void tma_load_3d(unsigned dst, const TensorMap& map, unsigned bar,
+                                            int c0, int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5}], [%2];\n"
+      ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(bar), "r"(c0), "r"(c1),
+      "r"(c2) : "memory");
+}
+__device__ __forceinline__ void tma_load_5d(unsigned dst, const TensorMap& map, unsigned bar,
+                                            int c0, int c1, int c2, int c3, int c4) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5, %6, %7}], [%2];\n"
+      ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(bar), "r"(c0), "r"(c1),
+      "r"(c2), "r"(c3), "r"(c4) : "memory");
+}
+
+// TMA mainloop. Thread 0 keeps PF k-blocks in flight: a's block as a [d x 64] box of
+// a [P, d, K] map (128-byte swizzle, SWZ 7), b's block as one box of a 5-d view of b's rows that
+// lands them in KPerm's order (configs: row 16 c45 + 4 c23 + 2 c1 + c0 of b's [P K, N] rows at
+// tile row c0 + 2 c45 + 8 c1 + 16 c23), both on the stage's `full` mbarrier. A stage is refilled
+// once every warp has arrived on its `empty` mbarrier after its k-block's wgmmas retired.
+// Needs K % 64 == 0 (b's view crosses problems at 16-row granularity; a k-block never does).
+template <int WGS>
+__device__ __forceinline__ void mma_m_tma(T* __restrict__ C, const TensorMap& mapA,
+                                          const TensorMap& mapB, const int* __restrict__ tidx,
+                                          const float* __restrict__ tcoef, int K, int N, int d,
+                                          int D, float scale) {
+  constexpr int FEAT = WGS * 64;
+  extern __shared__ __align__(16) char smem_raw[];
+  char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  const unsigned sB_addr = smem_addr(smem);  // STAGES x 64 x 64, swizzled, rows in KPerm order
+  const unsigned long long desc0 = desc_mn_sw128(sB_addr);
+  const unsigned a_bytes = d * 128, a_stage = (a_bytes + 1023) & ~1023u;  // (swizzle period)
+  const unsigned sA_addr = sB_addr + STAGES * TILE_BYTES;
+  const unsigned full0 = sA_addr + STAGES * a_stage, empty0 = full0 + 8 * STAGES;
+
+  int tf, tn;
+  const long long p = cta_tile((D + FEAT - 1) / FEAT, (N + BN - 1) / BN, tf, tn);
+  const int f0 = tf * FEAT, n0 = tn * BN;
+  const int nK = K / BK;
+  if (threadIdx.x == 0) {
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const int c = n0 + 8 * j + 2 * q;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = r0 + 8 * h;
-      if (!live || r >= D) continue;
-      T* out = Cp + (long long)r * N + c;
-      const float v0 = coef * acc.c[4 * j + 2 * h], v1 = coef * acc.c[4 * j + 2 * h + 1];
-      if (c + 1 < N && (N % 2) == 0 && (reinterpret_cast<size_t>(Cp) & 3) == 0) {
-        *reinterpret_cast<unsigned*>(out) = pack2(v0, v1);
-      } else {
-        if (c < N) out[0] = from_f<T>(v0);
-        if (c + 1 < N) out[1] = from_f<T>(v1);
-      }
+    for (int st = 0; st < STAGES; ++st) {
+      mbar_init(full0 + 8 * st, 1);
+      mbar_init(empty0 + 8 * st, 4 * WGS);  // every warp
     }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
+  __syncthreads();
+  const int b_row0 = (int)(p * (K / 16));  // b's view: 16-row groups of [P K, N]
+  auto load = [&](int kt) {  // (thread 0)
+    const int st = kt % STAGES;
+    const unsigned full = full0 + 8 * st;
+    mbar_expect_tx(full, a_bytes + TILE_BYTES);
+    tma_load_3d(sA_addr + st * a_stage, mapA, full, kt * BK, 0, (int)p);
+    tma_load_5d(sB_addr + st * TILE_BYTES, mapB, full, n0, 0, b_row0 + kt * (BK / 16), 0, 0);
+  };
+  if (threadIdx.x == 0)
+    for (int kt = 0; kt < PF && kt < nK; ++kt) load(kt);
+
+  const MRows mr(f0, D, tidx, tcoef, scale);
+  Acc acc;
+  zero(acc);
+  for (int kt = 0; kt < nK; ++kt) {
+    const int st = kt % STAGES;
+    if (threadIdx.x == 0 && kt + PF < nK) {
+      const int next = kt + PF;
+      if (next >= STAGES)  // its stage's last use, block next - STAGES, retired everywhere
+        mbar_wait(empty0 + 8 * (next % STAGES), (next / STAGES - 1) & 1);
+      load(next);
+    }
+    mbar_wait(full0 + 8 * st, (kt / STAGES) & 1);
+    m_block<7>(acc, sA_addr + st * a_stage, desc0 + st * (TILE_BYTES >> 4), mr);
+    if (threadIdx.x % 32 == 0) mbar_arrive(empty0 + 8 * st);  // (the warp's wgmmas retired)
+  }
+  store_m(C, p, D, N, n0, mr, acc);
 }
 }  // namespace s90
 
@@ -562,6 +695,13 @@ sympow_mma_m_wg3(T* __restrict__ C, const T* __restrict__ A, const T* __restrict
                  const int* __restrict__ tidx, const float* __restrict__ tcoef, int K, int N,
                  int d, int D, float scale) {
   s90::mma_m_wg<3>(C, A, B, tidx, tcoef, K, N, d, D, scale);
+}
+// The TMA mainloop, 3 warpgroups (a and b: TensorMaps made by _mma90_impl; K % 64 == 0)
+extern "C" __global__ void __launch_bounds__(384, POW > 2 ? 1 : 2)
+sympow_mma_m_tma3(T* __restrict__ C, const __grid_constant__ s90::TensorMap mapA,
+                  const __grid_constant__ s90::TensorMap mapB, const int* __restrict__ tidx,
+                  const float* __restrict__ tcoef, int K, int N, int d, int D, float scale) {
+  s90::mma_m_tma<3>(C, mapA, mapB, tidx, tcoef, K, N, d, D, scale);
 }
 
 namespace s90 {
