@@ -384,6 +384,7 @@ def test_state_side_takes_the_tma_mainloop_where_it_applies():
     """The expand-M kernel's TMA mainloop: 3 warpgroups and K a multiple of 64 (b's view steps
     16 rows, a k-block never reaches the next problem's rows); tma=False keeps cp.async."""
     assert configs.state_tma(4096, 3) == configs.WG_STATE_TMA
+    assert configs.query_tma() == configs.WG_QUERY_TMA and not configs.query_tma(False)
     assert configs.state_tma(64, 3, True) and configs.state_tma(1024, 3, True)
     assert not configs.state_tma(1000, 3, True) and not configs.state_tma(130, 3, True)
     assert not configs.state_tma(4096, 2, True) and not configs.state_tma(4096, 3, False)
@@ -401,6 +402,7 @@ def test_new_wgmma_variants_build_for_sm90a():
     res = mod.resources()
     for name, most in [("sympow_mma_m_wg3", 80), ("sympow_mma_m_tma3", 80),
                        ("sympow_mma_m_wg", 80), ("sympow_mma_k_wg", 80),
+                       ("sympow_mma_k_tma", 80),
                        ("mma_sympow_bwd_k_wg2", 128), ("mma_sympow_bwd_k_wg", 128)]:
         r = res[name]
         assert r.spill_stores == r.spill_loads == r.stack == 0 and r.registers <= most, (name, r)
@@ -414,6 +416,7 @@ def test_new_wgmma_variants_build_for_sm90a():
         assert "HGMMA" in body, name
         assert wgmma_register_hazards(body) == [], name
     assert "UTMALDG.5D" in kernel_sass(sass, "sympow_mma_m_tma3")
+    assert "UTMALDG.3D" in kernel_sass(sass, "sympow_mma_k_tma")
 
 
 # ------------------------------------------------------------------ GPU helpers
@@ -641,11 +644,10 @@ def test_sympow_mma_on_wgmma(dtype, expand_dim, power, d, d_tile, P, M, N, K, or
     column tiles, and (second shape) rows not 16 bytes long (element-by-element tile loads);
     both launch orders, and the 2- and 3-warpgroup expand-M kernels (192 features a CTA: a
     partly live last tile where D is not a multiple of 192), the latter with both mainloops
-    (third shape: K a multiple of 64, where the TMA one applies; N 72: a partial 64-wide box)."""
+    (third shape: K a multiple of 64, where the TMA one applies; N 72: a partial 64-wide box);
+    the expand-K kernel (which wgs does not concern) with both of its mainloops."""
     if not configs.wgmma_applies(dtype, power, d_tile, torch.device("cuda")):
         pytest.skip("the wgmma kernels run on sm_90a")
-    if expand_dim == -1 and (wgs == 3 or tma is not None):
-        pytest.skip("wgs, tma: expand M only")
     torch.manual_seed(power * 100 + d + d_tile + M - expand_dim)
     a, b = _operands(expand_dim, power, d, d_tile, dtype, P=P, M=M, N=N, K=K)
     scale = 0.75
@@ -661,18 +663,21 @@ def test_sympow_mma_on_wgmma(dtype, expand_dim, power, d, d_tile, P, M, N, K, or
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("power,d,d_tile", WG_CASES + [(2, 256, 16), (3, 24, 4)])
 @pytest.mark.parametrize("P,N,K", [(3, 136, 1024), (40, 8, 64)])
-def test_state_side_tma_mainloop_is_bitwise_the_cp_async_one(dtype, power, d, d_tile, P, N, K):
-    """The expand-M kernel's two mainloops feed the same fragments and the same b rows to the
-    same wgmmas in the same order: their outputs are equal bit for bit (d 256: a's 256-row box;
-    d 24: a's stage not a multiple of 1 KiB; N 136: three column tiles, the last box partial)."""
+@pytest.mark.parametrize("expand_dim", [-1, -2])
+def test_tma_mainloops_are_bitwise_the_cp_async_ones(dtype, power, d, d_tile, P, N, K,
+                                                      expand_dim):
+    """The wgmma kernels' two mainloops feed the same fragments and the same b rows to the same
+    wgmmas in the same order: their outputs are equal bit for bit (d 256: a's 256-row box;
+    d 24: a's stage not a multiple of 1 KiB; N 136: three column tiles, the last box partial;
+    expand K: K is the number of rows)."""
     if not configs.wgmma_applies(dtype, power, d_tile, torch.device("cuda")):
         pytest.skip("the wgmma kernels run on sm_90a")
     torch.manual_seed(power * 100 + d + d_tile + K)
-    a, b = _operands(-2, power, d, d_tile, dtype, P=P, N=N, K=K)
-    D = sympow_dim(d, power, d_tile)
-    got = S._mma_impl(a, b, -2, power, d_tile, 0.75, True, out=_nan((P, D, N), dtype), wgs=3,
-                      tma=True)
-    want = S._mma_impl(a, b, -2, power, d_tile, 0.75, True, wgs=3, tma=False)
+    a, b = _operands(expand_dim, power, d, d_tile, dtype, P=P, M=K, N=N, K=K)
+    rows = K if expand_dim == -1 else sympow_dim(d, power, d_tile)
+    got = S._mma_impl(a, b, expand_dim, power, d_tile, 0.75, True,
+                      out=_nan((P, rows, N), dtype), wgs=3, tma=True)
+    want = S._mma_impl(a, b, expand_dim, power, d_tile, 0.75, True, wgs=3, tma=False)
     assert not got.isnan().any(), "TMA mainloop: unwritten outputs"
     assert torch.equal(got, want), (got.float() - want.float()).abs().max().item()
 

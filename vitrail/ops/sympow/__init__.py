@@ -186,8 +186,8 @@ def _mma_impl(a: torch.Tensor, b: torch.Tensor, expand_dim: int, power: int, d_t
     wgmma: None picks sm90_sympow_mma.cuh where it applies (configs.wgmma_applies); False forces
     the sm80 kernels (for comparisons). order: the wgmma kernels' launch order
     (configs.launch_grid; the sm80 kernels keep P fastest); wgs: the expand-M wgmma kernel's
-    warpgroups (configs.state_wgs); tma: False keeps the expand-M kernel on cp.async where its
-    TMA mainloop applies (configs.state_tma) (all three for comparisons)."""
+    warpgroups (configs.state_wgs); tma: the wgmma kernels' TMA mainloops (configs.query_tma,
+    configs.state_tma) or, False, their cp.async ones (all three for comparisons)."""
     a, b = a.contiguous(), b.contiguous()
     P, N = a.shape[0], b.shape[-1]
     d = a.shape[expand_dim]
@@ -248,10 +248,16 @@ def _mma90_impl(a, b, expand_dim, power, d_tile, d, D, scale, dc, out, order=Non
         bp = _pad16(b)
         Np = bp.shape[-1]
         cp = c if Np == N else a.new_empty((P, rows, Np))
-        _run("mma90", a.dtype, power, d_tile, 0, "sympow_mma_k_wg",
-             configs.launch_grid(P, -(-rows // BM), -(-Np // BN), order),
-             configs.wgmma_smem("k", d), cp, a, bp, tidx, tcoef,
-             rows, Np, d, D, float(scale), _vec_ok(a))
+        grid = configs.launch_grid(P, -(-rows // BM), -(-Np // BN), order)
+        if configs.query_tma(tma):  # b's k-blocks as 64 x 64 boxes of a [P, D, Np] map
+            map_b = tensor_map(bp, dims=(Np, D, P), strides=(Np, D * Np), box=(64, 64, 1))
+            _run("mma90", a.dtype, power, d_tile, 0, "sympow_mma_k_tma", grid,
+                 configs.wgmma_smem("k_tma", d), cp, a, map_b, tidx, tcoef, rows, Np, d, D,
+                 float(scale), _vec_ok(a))
+        else:
+            _run("mma90", a.dtype, power, d_tile, 0, "sympow_mma_k_wg", grid,
+                 configs.wgmma_smem("k", d), cp, a, bp, tidx, tcoef, rows, Np, d, D,
+                 float(scale), _vec_ok(a))
     else:
         ap = _pad16(a)
         K = ap.shape[-1]

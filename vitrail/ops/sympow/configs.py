@@ -244,8 +244,8 @@ def wgmma_smem(kind: str, d: int) -> int:
     stages of a's d x 64 blocks (expand M; "m_tma": each stage 1 KiB aligned, then a full and
     an empty mbarrier a stage)."""
     base = 1024 + WG_STAGES * 64 * 64 * 2
-    if kind == "k":
-        return base + WG_TILE[0] * ((d + 31) // 32 * 32 + 8) * 4
+    if kind in ("k", "k_tma"):  # ("k_tma": then a full and an empty mbarrier a stage)
+        return base + WG_TILE[0] * ((d + 31) // 32 * 32 + 8) * 4 + 16 * WG_STAGES * (kind != "k")
     if kind == "m_tma":
         return base + WG_STAGES * (-(-d * 128 // 1024) * 1024 + 16)
     return base + WG_STAGES * d * 64 * 2
@@ -295,6 +295,17 @@ def state_wgs(power: int, wgs: int | None = None) -> int:
         raise ArgumentError(f"sympow_mma: warpgroups must be one of {WG_STATE_VARIANTS}, "
                             f"got {wgs!r}")
     return wgs
+
+
+# The expand-K kernel's TMA mainloop (sympow_mma_k_tma: b's 64 x 64 k-blocks by TMA), or, False,
+# its cp.async one.
+WG_QUERY_TMA = True
+
+
+def query_tma(tma: bool | None = None) -> bool:
+    """The expand-K kernel takes its TMA mainloop: tma, default WG_QUERY_TMA (D is a multiple of
+    64, so every problem it serves can)."""
+    return WG_QUERY_TMA if tma is None else bool(tma)
 
 
 def state_tma(K: int, wgs: int, tma: bool | None = None) -> bool:

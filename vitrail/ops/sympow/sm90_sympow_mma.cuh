@@ -239,16 +239,59 @@ __device__ __forceinline__ void expand_row(unsigned (&out)[4][2], const float (&
                         lead * xv[POW - 1][slot(POW - 1, ct + 1)]);
     }
 }
+// ---- TMA (cp.async.bulk.tensor) and mbarriers (PTX ISA 8.0, sm_90) ----
+// A CUtensorMap passed by value (__grid_constant__): 128 opaque bytes (vitrail.jit.tma).
+struct alignas(64) TensorMap { unsigned long long opaque[16]; };
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Until the phase of parity `parity` completed (the barrier's (2 i + parity)-th).
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n"
+      "}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void tma_load_3d(unsigned dst, const TensorMap& map, unsigned bar,
+                                            int c0, int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5}], [%2];\n"
+      ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(bar), "r"(c0), "r"(c1),
+      "r"(c2) : "memory");
+}
+__device__ __forceinline__ void tma_load_5d(unsigned dst, const TensorMap& map, unsigned bar,
+                                            int c0, int c1, int c2, int c3, int c4) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5, %6, %7}], [%2];\n"
+      ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(bar), "r"(c0), "r"(c1),
+      "r"(c2), "r"(c3), "r"(c4) : "memory");
+}
 }  // namespace s90
 
 // C[P, M, N] = (sympow(A[P, M, d] along its rows) * scale) @ B[P, D, N]   (expand K)
 // tidx/tcoef: the tuple table (configs.tables): each factor's first feature (bytes 0-3), and the
 // tuple's coefficient.
-extern "C" __global__ void __launch_bounds__(256, 3)
-sympow_mma_k_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict__ B,
-                const int* __restrict__ tidx, const float* __restrict__ tcoef, int M, int N,
-                int d, int D, float scale, int a_vec) {
-  using namespace s90;
+// TMA: b's k-blocks by TMA (a [Np, D, P] map, 64 x 64 boxes) on mbarriers, as mma_m_tma; else
+// cp.async (TileStream) and a CTA barrier a k-block.
+namespace s90 {
+template <bool TMA>
+__device__ __forceinline__ void mma_k_wg(T* __restrict__ C, const T* __restrict__ A,
+                                         const T* __restrict__ B, const TensorMap* mapB,
+                                         const int* __restrict__ tidx,
+                                         const float* __restrict__ tcoef, int M, int N, int d,
+                                         int D, float scale, int a_vec) {
   extern __shared__ __align__(16) char smem_raw[];
   // B stages first, 1024-byte aligned (the swizzle's period), then x's rows as floats
   char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
@@ -264,12 +307,33 @@ sympow_mma_k_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict_
   const T* Bp = B + p * D * N;
   const int nK = D / BK;
   TileStream bs(Bp, N, n0, N, Identity{});
+  // (TMA) full and empty mbarriers a stage, after x's rows
+  const unsigned full0 = smem_addr(smem + STAGES * TILE_BYTES + BM * ldx * 4),
+                 empty0 = full0 + 8 * STAGES;
   auto load_b = [&](int kt) {  // (kt in order: the stream steps a block a call)
-    if (kt < nK) bs.issue<Identity>(sB_addr + (kt % STAGES) * TILE_BYTES, Bp, kt * BK, D);
-    async_commit();
+    if constexpr (TMA) {  // (thread 0)
+      const unsigned full = full0 + 8 * (kt % STAGES);
+      mbar_expect_tx(full, TILE_BYTES);
+      tma_load_3d(sB_addr + (kt % STAGES) * TILE_BYTES, *mapB, full, n0, kt * BK, (int)p);
+    } else {
+      if (kt < nK) bs.issue<Identity>(sB_addr + (kt % STAGES) * TILE_BYTES, Bp, kt * BK, D);
+      async_commit();
+    }
   };
+  if constexpr (TMA) {
+    if (threadIdx.x == 0) {
 #pragma unroll
-  for (int kt = 0; kt < PF; ++kt) load_b(kt);
+      for (int st = 0; st < STAGES; ++st) {
+        mbar_init(full0 + 8 * st, 1);
+        mbar_init(empty0 + 8 * st, THREADS / 32);  // every warp
+      }
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+      for (int kt = 0; kt < PF && kt < nK; ++kt) load_b(kt);
+    }
+  } else {
+#pragma unroll
+    for (int kt = 0; kt < PF; ++kt) load_b(kt);
+  }
   const T* Ap = A + p * M * d;
   if (a_vec) {  // 16-byte loads, all of a thread's in flight together
     constexpr int E = 16 / sizeof(T);
@@ -301,11 +365,22 @@ sympow_mma_k_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict_
   zero(acc);
   unsigned frag[2][4];
 
+  if constexpr (TMA) __syncthreads();  // x's rows and the barriers' initialization
   for (int kt = 0; kt < nK; ++kt) {
-    async_wait<PF - 1>();
-    fence_async_proxy();
-    __syncthreads();  // stage kt landed everywhere; stage kt - 2's readers have retired
-    load_b(kt + PF);
+    if constexpr (TMA) {
+      if (threadIdx.x == 0 && kt + PF < nK) {
+        const int next = kt + PF;
+        if (next >= STAGES)  // its stage's last use, block next - STAGES, retired everywhere
+          mbar_wait(empty0 + 8 * (next % STAGES), (next / STAGES - 1) & 1);
+        load_b(next);
+      }
+      mbar_wait(full0 + 8 * (kt % STAGES), (kt / STAGES) & 1);
+    } else {
+      async_wait<PF - 1>();
+      fence_async_proxy();
+      __syncthreads();  // stage kt landed everywhere; stage kt - 2's readers have retired
+      load_b(kt + PF);
+    }
     const int k0 = kt * BK, tu = k0 / BLOCK, e0 = k0 - tu * BLOCK;
     const unsigned packed = (unsigned)__ldg(tidx + tu);
     const float coef = __ldg(tcoef + tu) * scale;
@@ -330,6 +405,8 @@ sympow_mma_k_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict_
       wg_commit();
       block_wait(s);
     }
+    if constexpr (TMA)
+      if (threadIdx.x % 32 == 0) mbar_arrive(empty0 + 8 * (kt % STAGES));  // (wgmmas retired)
   }
   wg_wait<0>();
   async_wait<0>();
@@ -354,6 +431,22 @@ sympow_mma_k_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict_
       }
     }
   }
+}
+}  // namespace s90
+
+extern "C" __global__ void __launch_bounds__(256, 3)
+sympow_mma_k_wg(T* __restrict__ C, const T* __restrict__ A, const T* __restrict__ B,
+                const int* __restrict__ tidx, const float* __restrict__ tcoef, int M, int N,
+                int d, int D, float scale, int a_vec) {
+  s90::mma_k_wg<false>(C, A, B, nullptr, tidx, tcoef, M, N, d, D, scale, a_vec);
+}
+// The TMA mainloop (b: a TensorMap made by _mma90_impl)
+extern "C" __global__ void __launch_bounds__(256, 3)
+sympow_mma_k_tma(T* __restrict__ C, const T* __restrict__ A,
+                 const __grid_constant__ s90::TensorMap mapB, const int* __restrict__ tidx,
+                 const float* __restrict__ tcoef, int M, int N, int d, int D, float scale,
+                 int a_vec) {
+  s90::mma_k_wg<true>(C, A, nullptr, &mapB, tidx, tcoef, M, N, d, D, scale, a_vec);
 }
 
 namespace s90 {
@@ -578,46 +671,6 @@ __device__ __forceinline__ void mma_m_wg(T* __restrict__ C, const T* __restrict_
   wg_wait<0>();
   async_wait<0>();
   store_m(C, p, D, N, n0, mr, acc);
-}
-
-// ---- TMA (cp.async.bulk.tensor) and mbarriers (PTX ISA 8.0, sm_90) ----
-// A CUtensorMap passed by value (__grid_constant__): 128 opaque bytes (vitrail.jit.tma).
-struct alignas(64) TensorMap { unsigned long long opaque[16]; };
-__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
-}
-__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(unsigned bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-// Until the phase of parity `parity` completed (the barrier's (2 i + parity)-th).
-__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n"
-      "}\n" ::"r"(bar), "r"(parity) : "memory");
-}
-__device__ __forceinline__ void tma_load_3d(unsigned dst, const TensorMap& map, unsigned bar,
-                                            int c0, int c1, int c2) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%3, %4, %5}], [%2];\n"
-      ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(bar), "r"(c0), "r"(c1),
-      "r"(c2) : "memory");
-}
-__device__ __forceinline__ void tma_load_5d(unsigned dst, const TensorMap& map, unsigned bar,
-                                            int c0, int c1, int c2, int c3, int c4) {
-  asm volatile(
-      "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%3, %4, %5, %6, %7}], [%2];\n"
-      ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(bar), "r"(c0), "r"(c1),
-      "r"(c2), "r"(c3), "r"(c4) : "memory");
 }
 
 // TMA mainloop. Thread 0 keeps PF k-blocks in flight: a's block as a [d x 64] box of
