@@ -4,8 +4,9 @@
 // FLOPs on a few bytes per output, so it is compute-bound; mma.sync (sm80_sympow_mma.cuh)
 // cannot keep Hopper's tensor cores busy. Here each warpgroup multiplies a 64-row slice of
 // the expansion, generated in registers in the wgmma A-fragment layout, by the other operand
-// read by wgmma straight from shared memory (128-byte swizzle, filled by cp.async, 4 stages; the
-// expand-M side by TMA where K % 64 == 0, mma_m_tma).
+// read by wgmma straight from shared memory (128-byte swizzle, 4 stages, filled by TMA on
+// mbarriers: mma_k_wg<true>, and mma_m_tma where K % 64 == 0; the cp.async mainloops, with a CTA
+// barrier a k-block, stay for the rest and for comparisons).
 // wgmmas are asynchronous (wait_group 1): a warpgroup builds its next k-block's fragments while
 // its last one runs, and the SM's other warpgroups keep the tensor cores fed meanwhile.
 //
