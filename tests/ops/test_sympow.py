@@ -131,6 +131,13 @@ def test_kernel_tables_reproduce_the_reference(power, d, d_tile, dc):
 WG_FAST = [(2, 16, 8), (2, 32, 16), (3, 8, 4), (3, 16, 8), (4, 8, 4)]  # d_tile**power % 64 == 0
 
 
+def _tuple_table(d, P, t):
+    """The tuple table the kernels read (configs.tables, duplicate correction on): each tuple's
+    factors' first features (bytes 0 .. P-1 of its packed word), and its coefficients."""
+    _, _, tidx, tcoef = configs.tables(d, P, t, True, "cpu")
+    return [[(v & 0xFFFFFFFF) >> (8 * l) & 255 for l in range(P)] for v in tidx.tolist()], tcoef
+
+
 @pytest.mark.parametrize("power,d,d_tile", WG_FAST)
 def test_wgmma_fragment_maps_reproduce_the_reference(power, d, d_tile):
     """sm90_sympow_mma.cuh's index math, replayed: expand K builds fragment element (k-step s,
@@ -142,8 +149,7 @@ def test_wgmma_fragment_maps_reproduce_the_reference(power, d, d_tile):
     logt, block = t.bit_length() - 1, t ** power
     lo = lambda l: (P - 1 - l) * logt  # noqa: E731
     ctm = lambda l: (0x39 >> lo(l)) & (t - 1)  # noqa: E731
-    _, _, tidx, tcoef = configs.tables(d, P, t, True, "cpu")
-    starts = [[(v & 0xFFFFFFFF) >> (8 * l) & 255 for l in range(P)] for v in tidx.tolist()]
+    starts, tcoef = _tuple_table(d, P, t)
     x = torch.randn(3, d, dtype=F64)
     z = sympow_reference(x, P, t)
     got = torch.full_like(z, float("nan"))
@@ -199,8 +205,7 @@ def test_wgmma_bwd_contraction_reproduces_the_reference(power, d, d_tile):
     ctm = lambda l: (0x39 >> lo(l)) & (t - 1)  # noqa: E731
     covers = lambda l, bit: lo(l) <= bit < lo(l) + logt  # noqa: E731
     owner = lambda u: ((u >> 1) & 1) | ((u & 1) << 1) if t == 4 else (u >> 1) & 3  # noqa: E731
-    _, _, tidx, tcoef = configs.tables(d, P, t, True, "cpu")
-    starts = [[(v & 0xFFFFFFFF) >> (8 * l) & 255 for l in range(P)] for v in tidx.tolist()]
+    starts, tcoef = _tuple_table(d, P, t)
     x = torch.randn(3, d, dtype=F64)
     D = sympow_dim(d, P, t)
     G = torch.randn(3, D, dtype=F64)
@@ -258,8 +263,7 @@ def test_quarter_backward_reproduces_the_reference():
         item, k = divmod(q, 4)
         assert c * 8 == item * block + k * 64 + cc * 8
         assert (item * 4 * q_ld + k * q_ld + cc * 8) % 8 == 0
-    _, _, tidx, tcoef = configs.tables(d, P, t, True, "cpu")
-    starts = [[(v & 0xFFFFFFFF) >> (8 * l) & 255 for l in range(P)] for v in tidx.tolist()]
+    starts, tcoef = _tuple_table(d, P, t)
     x = torch.randn(2, d, dtype=F64)
     D = sympow_dim(d, P, t)
     dz = torch.randn(2, D, dtype=F64)

@@ -71,28 +71,31 @@ __device__ __forceinline__ void zero(Acc& acc) {
 #pragma unroll
   for (int i = 0; i < 32; ++i) asm volatile("mov.b32 %0, 0;\n" : "=f"(acc.c[i]));
 }
+// The pieces the two wgmma forms (wgmma_rs, wgmma_ss) share: the instruction for T, the 32
+// accumulator registers in its text (%0 to %31), and the accumulators as read-write operands.
+#if T_ID == 1
+#define VT_WGMMA_M64N64K16 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+#else
+#define VT_WGMMA_M64N64K16 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+#endif
+#define VT_ACC_REGS                                                  \
+  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"          \
+  "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
+#define VT_ACC4(acc, i) \
+  "+f"(acc.c[i]), "+f"(acc.c[i + 1]), "+f"(acc.c[i + 2]), "+f"(acc.c[i + 3])
+#define VT_ACC_OPERANDS(acc)                                                             \
+  VT_ACC4(acc, 0), VT_ACC4(acc, 4), VT_ACC4(acc, 8), VT_ACC4(acc, 12), VT_ACC4(acc, 16), \
+      VT_ACC4(acc, 20), VT_ACC4(acc, 24), VT_ACC4(acc, 28)
 __device__ __forceinline__ void wgmma_rs(Acc& acc, const unsigned (&a)[4], unsigned long long b) {
-#define VT_ACC(i) "+f"(acc.c[i])
   asm volatile(
       "{\n"
       ".reg .pred p;\n"
       "setp.ne.b32 p, %37, 0;\n"
-#if T_ID == 1
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-#else
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-#endif
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
+      VT_WGMMA_M64N64K16 VT_ACC_REGS
       "{%32,%33,%34,%35}, %36, p, 1, 1, 1;\n"
       "}\n"
-      : VT_ACC(0), VT_ACC(1), VT_ACC(2), VT_ACC(3), VT_ACC(4), VT_ACC(5), VT_ACC(6), VT_ACC(7),
-        VT_ACC(8), VT_ACC(9), VT_ACC(10), VT_ACC(11), VT_ACC(12), VT_ACC(13), VT_ACC(14),
-        VT_ACC(15), VT_ACC(16), VT_ACC(17), VT_ACC(18), VT_ACC(19), VT_ACC(20), VT_ACC(21),
-        VT_ACC(22), VT_ACC(23), VT_ACC(24), VT_ACC(25), VT_ACC(26), VT_ACC(27), VT_ACC(28),
-        VT_ACC(29), VT_ACC(30), VT_ACC(31)
+      : VT_ACC_OPERANDS(acc)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
-#undef VT_ACC
 }
 // Makes every fragment of a k-block exist before the block's first wgmma (asm volatile keeps its
 // order against the wgmma asm), so each lives in its own registers: otherwise ptxas may give a
@@ -772,27 +775,15 @@ __device__ __forceinline__ unsigned long long desc_k_sw128(unsigned addr) {
 // shared, MN-major).
 __device__ __forceinline__ void wgmma_ss(Acc& acc, unsigned long long a, unsigned long long b,
                                          int accumulate) {
-#define VT_ACC(i) "+f"(acc.c[i])
   asm volatile(
       "{\n"
       ".reg .pred p;\n"
       "setp.ne.b32 p, %34, 0;\n"
-#if T_ID == 1
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-#else
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-#endif
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
+      VT_WGMMA_M64N64K16 VT_ACC_REGS
       "%32, %33, p, 1, 1, 0, 1;\n"
       "}\n"
-      : VT_ACC(0), VT_ACC(1), VT_ACC(2), VT_ACC(3), VT_ACC(4), VT_ACC(5), VT_ACC(6), VT_ACC(7),
-        VT_ACC(8), VT_ACC(9), VT_ACC(10), VT_ACC(11), VT_ACC(12), VT_ACC(13), VT_ACC(14),
-        VT_ACC(15), VT_ACC(16), VT_ACC(17), VT_ACC(18), VT_ACC(19), VT_ACC(20), VT_ACC(21),
-        VT_ACC(22), VT_ACC(23), VT_ACC(24), VT_ACC(25), VT_ACC(26), VT_ACC(27), VT_ACC(28),
-        VT_ACC(29), VT_ACC(30), VT_ACC(31)
+      : VT_ACC_OPERANDS(acc)
       : "l"(a), "l"(b), "r"(accumulate));
-#undef VT_ACC
 }
 // The accumulator's column 8 j + 2 q + jj is feature e0 + (8 j + jj) + 2 q: the same bit split
 // as expand K's fragments (ct bits 0, 3-5; lane bits 1-2), so slot(l, ct) and load_factors
