@@ -36,14 +36,18 @@ def test_compile_representative_configs(monkeypatch):
     for key, n in [(("fwd", torch.bfloat16, 8, False), 4096),
                    (("bwd", torch.float32, 4, True), 1 << 14),  # a cluster of 4
                    (("chunked", "bwd", torch.bfloat16, 8, False), 1 << 20),
-                   (("split", "fwd", torch.bfloat16, 8, False), 1 << 18)]:
+                   (("split", "fwd", torch.bfloat16, 8, False), 1 << 18),
+                   (("tile", "bwd", torch.float32, 4, True), (1 << 17, 128, 4))]:
         op = OPS[key]
         mod = op.module(op.space.default(n, lim))
         res = mod.resources()
         assert res and not any(r.spills for r in res.values()), res
-    # the split kernel's barrier: a release add and an acquire load at GPU scope
-    assert "atom.release.gpu" in mod.ptx or "atom.add.release.gpu" in mod.ptx
-    assert "ld.acquire.gpu" in mod.ptx
+        if key[0] == "split":  # its barrier: a release add and an acquire load at GPU scope
+            assert "atom.release.gpu" in mod.ptx or "atom.add.release.gpu" in mod.ptx
+            assert "ld.acquire.gpu" in mod.ptx
+    # the tile kernel: TMA bulk copies on mbarriers, its peers' statistics through DSMEM
+    assert "cp.async.bulk.shared::cluster.global.mbarrier" in mod.ptx
+    assert "mapa" in mod.ptx and "barrier.cluster" in mod.ptx
 
 
 def test_split_routing_and_plan():
@@ -74,6 +78,33 @@ def test_split_routing_and_plan():
     for v in (1, 4, 8):
         for arrays in (1, 2):  # the heuristic's configs are in their space
             configs.split_space(v, arrays).config(**configs.split_heuristic(v, arrays))
+
+
+def test_tile_routing_and_heuristic():
+    """CPU: which rows take the tile path (132 SMs) and with how many CTAs each; slices cover
+    the row in 16-byte vectors and fit shared memory."""
+    from vitrail.ops.softmax import configs
+    sms = 132
+    tile = [(65536, 256, 8, 2, 1, 8), (65536, 1024, 8, 2, 1, 2), (65536, 64, 8, 2, 1, 8),
+            (131072, 128, 4, 4, 1, 8), (131072, 128, 4, 4, 2, 8), (65536, 256, 4, 4, 1, 8),
+            (100_000, 512, 8, 2, 1, 4), (1 << 18, 2000, 8, 2, 2, 8)]
+    for n, rows, v, size, arrays, cluster in tile:
+        assert configs.use_tile(n, rows, v, size, arrays, sms), (n, rows, arrays)
+        from vitrail.tune import bucket
+        h = configs.tile_heuristic((bucket(n), bucket(rows), size), arrays)
+        assert h["CLUSTER"] == cluster, (n, rows, arrays, h)
+        configs.tile_space(arrays).config(**h)  # in its space
+        sl = configs.tile_slice(n, v, cluster)
+        assert sl % v == 0 and sl * cluster >= n > (sl - v) * cluster
+        assert sl * size * arrays <= configs.MAX_TILE_BYTES
+    not_tile = [(262144, 16, 8, 2, 1),  # too few rows: the split path spreads them wider
+                (4096, 32768, 8, 2, 1),  # one CTA a row in registers
+                (65536, 256, 8, 2, 2),  # the backward's register clusters
+                (65536, 256, 1, 2, 1),  # not 16-byte aligned
+                (1 << 20, 8, 4, 4, 1), (1 << 20, 300, 8, 2, 2)]  # too long for 8 CTAs
+    for n, rows, v, size, arrays in not_tile:
+        assert not configs.use_tile(n, rows, v, size, arrays, sms), (n, rows, arrays)
+    assert configs.tile_cluster(1 << 20, 300, 2, 2, sms) is None
 
 
 def test_routing_and_chunks():
@@ -212,8 +243,9 @@ def _sms():
 @requires_gpu
 @pytest.mark.parametrize("n", [1 << 16, 1 << 17, 40_001])
 def test_cluster_rows(n, log):
-    """Enough rows that the register path takes clusters (2 to 8 CTAs per row, 16-byte vectors
-    and, at n = 40001, elementwise ones), forward and backward."""
+    """Enough rows that the register path takes clusters (2 to 8 CTAs per row; the backward,
+    and the forward where rows are not 16-byte aligned, as at n = 40001) and the forward's tile
+    path (16-byte aligned rows), forward and backward."""
     from vitrail.ops.softmax import configs
     for dtype in (torch.float32, torch.bfloat16):
         v = configs.vec(dtype) if n % configs.vec(dtype) == 0 else 1
@@ -251,6 +283,58 @@ def test_chunked_direct(shape, dtype, log):
     OPS["chunked", "bwd", dtype, v, log]("test", n, dx, y, dy)
     same = softmax_backward(y.float(), dy.float(), -1, log).to(dtype)
     _check(dx, same, softmax_backward(y, dy, -1, log))
+
+
+# ------------------------------------------------------------------ tile path (rows in shared memory)
+@requires_gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2 * 132, 65536), (600, 100_000), (160, 131072)])
+def test_tile_rows(shape, dtype, log):
+    """The public path on rows that take the tile path (forward; the backward too where the
+    register path cannot hold a row), against fp64, within 4x of torch's own error."""
+    from vitrail.ops.softmax import configs
+    rows, n = shape
+    v, size = configs.vec(dtype), torch.empty((), dtype=dtype).element_size()
+    assert configs.use_tile(n, rows, v, size, 1, _sms())
+    if shape == (160, 131072) and dtype == torch.float32:
+        assert configs.use_tile(n, rows, v, size, 2, _sms())
+    _check_rows(rows, n, dtype, log)
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tile_direct_every_cluster(dtype, log):
+    """The tile kernel called directly with every cluster size and 128 or 512 threads, into
+    NaN-poisoned outputs: rows with a partial last vector (a row stride beyond n), CTAs past a
+    short row's end, -inf and NaN rows."""
+    from vitrail.ops.softmax import OPS, configs
+    from vitrail.ops.softmax.reference import softmax, softmax_backward
+    v = configs.vec(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for n, cluster, threads in [(70_001, 8, 128), (20_001, 1, 512), (200, 8, 128),
+                                (33_333, 2, 512), (8, 4, 128), (50_000, 4, 128)]:
+        rows, width = 7, -(-n // 8) * 8 + 16  # row strides of whole 16-byte vectors
+        base = (torch.randn(rows, width, device="cuda") * 3).to(dtype)
+        x = base[:, 8:8 + n]  # 16-byte aligned rows, n % v elements in a partial vector
+        x[1, : n // 2] = float("-inf")
+        x[2] = float("-inf")
+        x[3, n - 1] = float("nan")
+        for kind in ("fwd", "bwd"):
+            op = OPS["tile", kind, dtype, v, log]
+            c = op.space.config(THREADS=threads, CLUSTER=cluster)
+            out = torch.full((rows, width), float("nan"), device="cuda", dtype=dtype)[:, :n]
+            if kind == "fwd":
+                op.launch(op.module(c), c, out, x, x)
+                torch.testing.assert_close(out.double(), softmax(x, -1, log), equal_nan=True,
+                                           rtol=tol, atol=tol)
+            else:
+                y = torch.empty(rows - 4, width, device="cuda", dtype=dtype)[:, :n]
+                y.copy_(softmax(x[4:], -1, log))
+                dy = (torch.randn(rows - 4, width, device="cuda")).to(dtype)[:, :n]
+                out = out[4:]
+                op.launch(op.module(c), c, out, y, dy)
+                same = softmax_backward(y.float(), dy.float(), -1, log).to(dtype)
+                _check(out, same, softmax_backward(y, dy, -1, log))
 
 
 # ------------------------------------------------------------------ split path (few long rows)

@@ -46,6 +46,13 @@ struct alignas(N * sizeof(T)) Frg {
   };
   __device__ __forceinline__ T& operator[](int i) { return v[i]; }
   __device__ __forceinline__ const T& operator[](int i) const { return v[i]; }
+  // A fragment of N copies of x.
+  __device__ __forceinline__ static Frg filled(T x) {
+    Frg f;
+#pragma unroll
+    for (int i = 0; i < N; ++i) f.v[i] = x;
+    return f;
+  }
 };
 
 // ---------------------------------------------------------------- conversions to/from float
@@ -104,9 +111,7 @@ __device__ __forceinline__ void load_frg_if(Frg<T, N>& f, const T* __restrict__ 
 // (a row's edge: valid may be <= 0 or >= N). Read-only, as load_frg_if.
 template <int N, Reuse R = Reuse::Normal, class T>
 __device__ __forceinline__ Frg<T, N> load_frg(const T* __restrict__ p, int valid, T fill) {
-  Frg<T, N> f;
-#pragma unroll
-  for (int i = 0; i < N; ++i) f.v[i] = fill;
+  Frg<T, N> f = Frg<T, N>::filled(fill);
   load_frg_if<N, R>(f, p, valid >= N);
   if (valid > 0 && valid < N) {
 #pragma unroll

@@ -3,8 +3,10 @@
 Order (quack's): kernels and their Ops, the custom ops, autograd, the public functions. The
 kernels (sm90_softmax.cuh) take rows with a contiguous last dim and any row stride; another
 ``dim`` or a strided last dim is moved into place first (an extra pass, correct but slower).
-Few long rows take the split path (one cooperative kernel, each row over G CTAs meeting at a
-per-row barrier; see configs), whose barrier workspace is kept per (device, stream).
+Rows too long for one CTA's registers take the tile path where there are enough of them (each
+row over a cluster of CTAs holding it in shared memory, loaded by TMA), few very long rows the
+split path (one cooperative kernel, each row over G CTAs meeting at a per-row barrier; see
+configs), whose barrier workspace is kept per (device, stream).
 On the lean eager path (``plain_eager``) a call goes straight to the kernel; otherwise through
 ``torch.ops.vitrail.softmax_fwd`` / ``softmax_bwd`` (fake impls registered, so
 ``torch.compile(fullgraph=True)`` traces them without a graph break).
@@ -58,6 +60,13 @@ extern "C" cudaError_t softmax_split(void* out, void* ws, int slots, const void*
 extern "C" int softmax_split_ctas_per_sm(int smem_vecs) {
   return vitrail::softmax::split_ctas_per_sm<T, V, MODE, IS_LOG, THREADS, ITERS, U, CTAS>(
       smem_vecs);
+}""",
+    "tile": r"""
+extern "C" cudaError_t softmax_tile(void* out, const void* a, const void* b, long long rows, int n,
+                                    int slice, long long lda, long long ldb, long long ldo,
+                                    cudaStream_t stream) {
+  return vitrail::softmax::launch_tile<T, V, MODE, IS_LOG, THREADS, CLUSTER>(
+      (T*)out, (const T*)a, (const T*)b, rows, n, slice, lda, ldb, ldo, stream);
 }""",
 }
 
@@ -142,6 +151,20 @@ def _split_launcher(v: int, arrays: int, log: bool):
     return launch
 
 
+def _tile_launcher(v: int, arrays: int):
+    def launch(module, config, out, a, b):
+        rows, n = a.shape
+        slice_ = configs.tile_slice(n, v, config.CLUSTER)
+        smem = slice_ * a.element_size() * arrays
+        limit = _limits(a.device).max_shared_per_block - 2048  # less the static scratch
+        if smem > limit:
+            raise LaunchError(f"softmax tile path: CLUSTER={config.CLUSTER} leaves a slice of "
+                              f"{smem} bytes per CTA for rows of {n}; at most {limit} fit")
+        module.softmax_tile(out.data_ptr(), a.data_ptr(), b.data_ptr(), rows, n, slice_, _ld(a),
+                            _ld(b), _ld(out))
+    return launch
+
+
 # The split path's workspace: per (device, stream), `slots` barrier counters then `slots`
 # partials (see sm90_softmax.cuh, launch_split). Guarantees: launches on one stream run one after
 # another and reuse its workspace as it is (the barrier counters need no reset: group_barrier.cuh);
@@ -213,6 +236,12 @@ for _dt in configs.CTYPES:
                     render=_render("chunked", _dt, _v, _log, _mode),
                     launch=_chunked_launcher(_v))
                 _arrays = 1 if _kind == "fwd" else 2
+                if _v > 1:
+                    OPS["tile", _kind, _dt, _v, _log] = Op(
+                        _base.format(f"{_kind}_tile"), kernel_source=KERNEL,
+                        space=configs.tile_space(_arrays),
+                        render=_render("tile", _dt, _v, _log, _mode),
+                        launch=_tile_launcher(_v, _arrays))
                 OPS["split", _kind, _dt, _v, _log] = Op(
                     _base.format(f"{_kind}_split"), kernel_source=KERNEL,
                     space=configs.split_space(_v, _arrays),
@@ -233,7 +262,10 @@ def _run_fwd(y2: torch.Tensor, x2: torch.Tensor, log: bool) -> None:
         v = 1
     key = f"n{bucket(n)};rows{bucket(rows)}"
     sms = _sms(x2.device)
-    if configs.use_split(n, rows, v, 1, sms):
+    if configs.use_tile(n, rows, v, x2.element_size(), 1, sms):
+        OPS["tile", "fwd", x2.dtype, v, log](key, (bucket(n), bucket(rows), x2.element_size()),
+                                             y2, x2, x2)
+    elif configs.use_split(n, rows, v, 1, sms):
         OPS["split", "fwd", x2.dtype, v, log](key, n, y2, x2, x2)
     elif configs.use_chunked(n, rows, v, 1, sms):
         OPS["chunked", "fwd", x2.dtype, v, log](key, n, y2, x2, x2)
@@ -248,7 +280,10 @@ def _run_bwd(dx2, y2, dy2, log: bool) -> None:
         v = 1
     key = f"n{bucket(n)};rows{bucket(rows)}"
     sms = _sms(y2.device)
-    if configs.use_split(n, rows, v, 2, sms):
+    if configs.use_tile(n, rows, v, y2.element_size(), 2, sms):
+        OPS["tile", "bwd", y2.dtype, v, log](key, (bucket(n), bucket(rows), y2.element_size()),
+                                             dx2, y2, dy2)
+    elif configs.use_split(n, rows, v, 2, sms):
         OPS["split", "bwd", y2.dtype, v, log](key, n, dx2, y2, dy2)
     elif configs.use_chunked(n, rows, v, 2, sms):
         OPS["chunked", "bwd", y2.dtype, v, log](key, n, dx2, y2, dy2)

@@ -7,7 +7,7 @@ from vitrail.bench import Row, register
 
 CASES = [((32768, 4096), "bfloat16"), ((32768, 4096), "float32"), ((4096, 32768), "bfloat16"),
          ((65536, 512), "bfloat16"), ((65536, 128), "float32"), ((16, 262144), "bfloat16"),
-         ((8, 1 << 20), "float32")]
+         ((8, 1 << 20), "float32"), ((256, 65536), "bfloat16")]
 
 
 def build() -> None:

@@ -11,8 +11,11 @@ then runs 4096 CTAs of 32 registers per thread, 16 per SM (2048 threads x 64 byt
 flight, 1.9 waves), where CTAs of 256 threads x 8 vectors (48 registers) gave 1024 CTAs, 5 per
 SM: 1.55 waves, the second half empty.
 
-Rows beyond the largest config, and rows so few that the register path's clusters would not give
-every SM two CTAs (rows x CLUSTER < 2 x SMs; a clustered forward CTA takes a whole SM, so fewer
+Rows that need a cluster in the forward (one CTA per SM: nothing overlaps its load, reduce and
+store), and rows beyond the largest config, take the tile path where it fits and they are
+enough (``use_tile``): each row over a cluster of CTAs that hold their slices in shared memory,
+several CTAs per SM. Of the rest, rows beyond the largest config, and rows so few that the
+register path's clusters would not give every SM two CTAs (rows x CLUSTER < 2 x SMs; a clustered forward CTA takes a whole SM, so fewer
 means one wave or less of CTAs that load, reduce, then store with nothing to overlap), leave the
 register path (``use_chunked``). Of those, few rows take the split path (``use_split``): at most
 half as many rows as CTAs the GPU holds at once (rows <= SPLIT_CTAS_PER_SM x SMs / 2, so every row
@@ -194,3 +197,71 @@ def split_plan(n: int, rows: int, v: int, config, resident: int, smem_budget: in
     rest = max(0, slice_ - config.THREADS * config.ITERS * v)
     smem_vecs = min(math.ceil(rest / v), smem_budget // vec_bytes // arrays)
     return groups, slice_, smem_vecs
+
+
+# ------------------------------------------------------------------ tile path
+TILE_BYTES = 64 << 10  # the most a CTA's slice (all arrays) holds, below MAX_CLUSTER CTAs a row
+MAX_TILE_BYTES = 192 << 10  # the most it holds at MAX_CLUSTER CTAs (then one CTA per SM)
+MIN_TILE_BYTES = 16 << 10  # no smaller slices to spread rows over more CTAs
+TILE_CTAS_PER_SM = 15  # CTAs the heuristic aims at (rows x CLUSTER), per SM: about 2000 on an H100
+TILE_MIN_CTAS_PER_SM = 2  # fewer rows x CLUSTER per SM: the split path spreads them wider
+
+
+def tile_space(arrays: int) -> Space:
+    return Space(
+        {"THREADS": [128, 256, 512], "CLUSTER": [1, 2, 4, 8]},
+        constraints=[
+            max_threads(lambda c: c.THREADS),
+            require(lambda c, lim: c.CLUSTER <= lim.max_cluster_size,
+                    "CLUSTER={CLUSTER} > the target's cluster limit"),
+        ],
+        heuristic=lambda problem, lim: tile_heuristic(problem, arrays, lim))
+
+
+def tile_cluster(n: int, rows: int, size: int, arrays: int, sms: int) -> int | None:
+    """CTAs per row on the tile path (None: a row does not fit MAX_CLUSTER CTAs' shared memory):
+    the fewest that keep a slice within TILE_BYTES, then more, while slices stay at least
+    MIN_TILE_BYTES, until rows x CTAs reach TILE_CTAS_PER_SM per SM. Small slices shorten what
+    the last CTAs on the GPU do alone (H100, % of a same-bytes copy: bf16 256 x 65536 forward
+    78% at 8 CTAs of 16 KiB against 74% at 2 of 64 KiB; bf16 1024 x 65536 91% at 2 of 64 KiB,
+    2048 CTAs already; fp32 256 x 65536 92% at 8 of 32 KiB against 85% at 2)."""
+    row_bytes = n * size * arrays
+    c = 1
+    while c < MAX_CLUSTER and row_bytes > c * TILE_BYTES:
+        c *= 2
+    if row_bytes > c * MAX_TILE_BYTES:
+        return None
+    while (c < MAX_CLUSTER and rows * c < TILE_CTAS_PER_SM * sms
+           and row_bytes >= 2 * c * MIN_TILE_BYTES):
+        c *= 2
+    return c
+
+
+def tile_heuristic(problem, arrays: int, lim=None) -> dict:
+    """problem: (n, rows, element size) as the key buckets them. CTAs of 256 threads for slices
+    of 64 KiB, 128 below (H100: 16-32 KiB slices 3-6% faster at 128)."""
+    n, rows, size = problem or (65536, 256, 2)
+    sms = (lim.sm_count if lim is not None and lim.sm_count else None) or 132
+    c = tile_cluster(n, rows, size, arrays, sms) or MAX_CLUSTER
+    return {"THREADS": 256 if n * size * arrays // c >= TILE_BYTES else 128, "CLUSTER": c}
+
+
+@functools.lru_cache(maxsize=4096)
+def use_tile(n: int, rows: int, v: int, size: int, arrays: int, sms: int) -> bool:
+    """Whether rows x n goes to the tile path: 16-byte vectors; a row the register path cannot
+    hold, or (forward) would hold in a cluster, one CTA per SM; a row that fits MAX_CLUSTER CTAs'
+    shared memory; and at least TILE_MIN_CTAS_PER_SM CTAs per SM. (The backward's register
+    clusters keep two CTAs per SM: 82-89% of a same-bytes copy at bf16 256-1024 x 65536, against
+    72-85% here.)"""
+    if v == 1:
+        return False
+    if n <= max_register_row(v, arrays) and (
+            arrays == 2 or heuristic(bucket(n), v, arrays)["CLUSTER"] == 1):
+        return False
+    c = tile_cluster(bucket(n), bucket(rows), size, arrays, sms)
+    return c is not None and rows * c >= TILE_MIN_CTAS_PER_SM * sms
+
+
+def tile_slice(n: int, v: int, cluster: int) -> int:
+    """Elements per CTA: n over the cluster, a multiple of v."""
+    return math.ceil(math.ceil(n / cluster) / v) * v

@@ -5,7 +5,9 @@
 // (sm_90, reductions through distributed shared memory); each thread holds Iters 16-byte vectors
 // of it, vector i of a thread at column ((rank * Iters + i) * TPR + t) * V, so neighbouring threads
 // read neighbouring vectors. Forward: max, sum of exp, then write; backward: one sum, then write.
-// Rows longer than a config holds, and rows too few to fill the GPU with clusters, use the split
+// Forward rows that need a cluster, and rows longer than a config holds, use the tile path where
+// there are enough of them (a cluster of CTAs a row, each holding its slice in shared memory,
+// loaded by TMA bulk copies; several CTAs per SM). Rows too few to fill the GPU use the split
 // path where the GPU holds rows x G CTAs at once (one cooperative kernel: each row split over G
 // CTAs that read their slices once, keep them on chip, meet at a per-row barrier in global memory
 // and write), else the chunked path (two kernels over rows x chunks CTAs that the caller sizes to
@@ -445,6 +447,107 @@ split_kernel(T* __restrict__ out, unsigned* __restrict__ counters, MaxSum* __res
   }
 }
 
+// ------------------------------------------------------------------ tile path (rows in shared memory)
+// Each row over the Cluster CTAs of a thread-block cluster (sm_90); CTA `rank` owns the slice
+// [rank * slice, min(n, (rank + 1) * slice)) and holds it in shared memory (both arrays for the
+// backward): one thread starts TMA bulk copies of its whole vectors in Chunks pieces, each on its
+// own mbarrier, so the statistics start on the first piece while the others land; the last
+// partial vector of a row (n % V elements) is loaded by the thread that owns it. Statistics as
+// the chunked path's (add_stats), combined over the CTA and the cluster (SmartReduce,
+// distributed shared memory); then the output is written from shared memory. Slices of 16-64 KiB
+// leave room for several CTAs per SM, so one loads while another reduces or writes: the overlap
+// the register path's clusters (a whole SM's registers per CTA) lack. No co-residency is needed
+// beyond a cluster's own CTAs, which the hardware schedules together. (A persistent variant, one
+// cluster taking several rows with the next row's copies in flight in a second stage, measured
+// 20-30% slower on an H100: fewer CTAs per SM, and no statistics on the first chunk.)
+template <int Mode>
+constexpr int tile_arrays() { return Mode == 0 ? 1 : 2; }
+
+template <class T, int V, int Mode, bool IsLog, int Threads, int Cluster>
+__global__ void __launch_bounds__(Threads)
+tile_kernel(T* __restrict__ out, const T* __restrict__ a, const T* __restrict__ b, int n, int slice,
+            long long lda, long long ldb, long long ldo) {
+  static_assert(V * sizeof(T) == 16, "the tile path moves whole 16-byte vectors");
+  using Reduce = SmartReduce<Threads, Cluster>;
+  constexpr int Chunks = 4;
+  extern __shared__ __align__(128) unsigned char tile_raw[];
+  __shared__ uint64_t bars[Chunks];
+  __shared__ MaxSum scratch[Reduce::scratch_size];
+  const int t = threadIdx.x;
+  const long long row = blockIdx.x / Cluster;
+  const int rank = Cluster > 1 ? int(blockIdx.x % Cluster) : 0;
+  const int begin = rank * slice;
+  const int len = max(0, min(n - begin, slice));  // 0: a CTA past the row's end (identity stats)
+  const int vecs = len / V, tail = len - vecs * V;
+  const int per = (vecs + Chunks - 1) / Chunks;  // vectors per chunk
+  Frg<T, V>* sa = reinterpret_cast<Frg<T, V>*>(tile_raw);
+  Frg<T, V>* sb = sa + slice / V;
+  const T* ar = a + row * lda + begin;
+  const T* br = b + row * ldb + begin;
+  const T fill = from_float<T>(Mode == 0 ? -__builtin_huge_valf() : 0.f);
+
+  if (t == 0) {
+#pragma unroll
+    for (int c = 0; c < Chunks; ++c) Bulk::init(&bars[c], 1);
+  }
+  __syncthreads();
+  if (t == 0) {
+#pragma unroll
+    for (int c = 0; c < Chunks; ++c) {
+      const int v0 = c * per, count = max(0, min(vecs - v0, per));
+      Bulk::expect(&bars[c], count * 16 * tile_arrays<Mode>());
+      if (count) {
+        Bulk::load(sa + v0, ar + v0 * V, count * 16, &bars[c]);
+        if constexpr (Mode != 0) Bulk::load(sb + v0, br + v0 * V, count * 16, &bars[c]);
+      }
+    }
+  }
+  const bool owns_tail = tail && t == vecs % Threads;
+  Frg<T, V> ta[1], tb[1];
+  if (owns_tail) {
+    ta[0] = load_frg<V>(ar + vecs * V, tail, fill);
+    if constexpr (Mode != 0) tb[0] = load_frg<V>(br + vecs * V, tail, fill);
+  }
+
+  MaxSum acc = stats_identity<Mode>();
+#pragma unroll 1
+  for (int c = 0; c < Chunks; ++c) {
+    const int v0 = c * per, v1 = min(vecs, v0 + per);
+    if (v0 >= v1) break;
+    Bulk::wait(&bars[c], 0);
+#pragma unroll 1
+    for (int i = v0 + t; i < v1; i += 2 * Threads) {  // two vectors a step: one rescale per two
+      Frg<T, V> fa[2], fb[2];
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int j = i + u * Threads;
+        if constexpr (Mode != 2) fa[u] = j < v1 ? sa[j] : Frg<T, V>::filled(fill);
+        if constexpr (Mode != 0) fb[u] = j < v1 ? sb[j] : Frg<T, V>::filled(fill);
+      }
+      acc = add_stats<Mode>(acc, fa, fb);
+    }
+  }
+  if (owns_tail) acc = add_stats<Mode>(acc, ta, tb);
+  MaxSum tot;
+  if constexpr (Mode == 0) tot = Reduce::reduce(acc, CombineMaxSum{}, scratch);
+  else tot = Reduce::reduce(acc, SumOp{}, scratch);
+  // Forward on a row of -inf or NaN: tot.m is -inf; x - (-inf) ... gives NaN as torch does.
+  const float scale = scale_of<Mode, IsLog>(tot);
+
+  T* orow = out + row * ldo + begin;
+  auto write = [&](const Frg<T, V>& fa, const Frg<T, V>& fb, int i, int valid) {
+    Frg<T, V> o;
+#pragma unroll
+    for (int e = 0; e < V; ++e)
+      o[e] = from_float<T>(output_of<Mode, IsLog>(fa[e], fb[e], tot.m, scale));
+    store_frg<V>(orow + i * V, o, valid);
+  };
+#pragma unroll 4
+  for (int i = t; i < vecs; i += Threads) write(sa[i], Mode != 0 ? sb[i] : sa[i], i, V);
+  if (owns_tail) write(ta[0], Mode != 0 ? tb[0] : ta[0], vecs, tail);
+  Reduce::cluster_done();
+}
+
 // ------------------------------------------------------------------ host entry helpers
 template <class T, int V, int TPR, int Threads, int Iters, int Cluster, bool IsLog>
 cudaError_t launch_fwd(T* y, const T* x, long long rows, int n, long long ldx, long long ldy,
@@ -515,6 +618,26 @@ cudaError_t launch_split(T* out, void* ws, int slots, const T* a, const T* b, lo
                             split_smem<T, V, Mode, IsLog, Threads, Iters, U, Ctas>(smem_vecs),
                             stream, out, counters, partials, a, b, n, slice, groups, smem_vecs,
                             lda, ldb, ldo);
+}
+
+// Tile path: one cluster of Cluster CTAs a row (rows * Cluster CTAs, fewer than 2^31); slice % V
+// == 0 and slice * Cluster >= n; rows 16-byte aligned (V = 16 bytes / sizeof(T); the base
+// pointers too). Dynamic shared memory: slice elements per array (refused by the launch where
+// that exceeds a CTA's shared memory).
+template <class T, int V, int Mode, bool IsLog, int Threads, int Cluster>
+size_t tile_smem(int slice) {
+  return size_t(slice) * sizeof(T) * tile_arrays<Mode>();
+}
+
+template <class T, int V, int Mode, bool IsLog, int Threads, int Cluster>
+cudaError_t launch_tile(T* out, const T* a, const T* b, long long rows, int n, int slice,
+                        long long lda, long long ldb, long long ldo, cudaStream_t stream) {
+  VITRAIL_TRY(require(n >= 1 && rows >= 1 && slice >= V && slice % V == 0 &&
+                      (long long)slice * Cluster >= n && rows * Cluster < (1LL << 31) &&
+                      lda % V == 0 && ldb % V == 0 && ldo % V == 0));
+  return launch(tile_kernel<T, V, Mode, IsLog, Threads, Cluster>, dim3(unsigned(rows * Cluster)),
+                dim3(Threads), tile_smem<T, V, Mode, IsLog, Threads, Cluster>(slice), stream,
+                Cluster, out, a, b, n, slice, lda, ldb, ldo);
 }
 
 }  // namespace vitrail::softmax
