@@ -212,6 +212,11 @@ def _sms(device: torch.device) -> int:
     return _SMS[index]
 
 
+def _tma(device: torch.device) -> bool:
+    """Whether the device has TMA bulk copies and clusters (sm_90+): the tile path's needs."""
+    return _limits(device).arch.major >= 9
+
+
 def _dname(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -262,7 +267,7 @@ def _run_fwd(y2: torch.Tensor, x2: torch.Tensor, log: bool) -> None:
         v = 1
     key = f"n{bucket(n)};rows{bucket(rows)}"
     sms = _sms(x2.device)
-    if configs.use_tile(n, rows, v, x2.element_size(), 1, sms):
+    if configs.use_tile(n, rows, v, x2.element_size(), 1, sms) and _tma(x2.device):
         OPS["tile", "fwd", x2.dtype, v, log](key, (bucket(n), bucket(rows), x2.element_size()),
                                              y2, x2, x2)
     elif configs.use_split(n, rows, v, 1, sms):
@@ -280,7 +285,7 @@ def _run_bwd(dx2, y2, dy2, log: bool) -> None:
         v = 1
     key = f"n{bucket(n)};rows{bucket(rows)}"
     sms = _sms(y2.device)
-    if configs.use_tile(n, rows, v, y2.element_size(), 2, sms):
+    if configs.use_tile(n, rows, v, y2.element_size(), 2, sms) and _tma(y2.device):
         OPS["tile", "bwd", y2.dtype, v, log](key, (bucket(n), bucket(rows), y2.element_size()),
                                              dx2, y2, dy2)
     elif configs.use_split(n, rows, v, 2, sms):
