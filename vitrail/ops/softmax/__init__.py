@@ -260,40 +260,23 @@ def _aligned(v: int, *ts: torch.Tensor) -> bool:
                for t in ts) and size * v == 16
 
 
-def _run_fwd(y2: torch.Tensor, x2: torch.Tensor, log: bool) -> None:
-    rows, n = x2.shape
-    v = configs.vec(x2.dtype)
-    if not _aligned(v, x2, y2):
+def _run(kind: str, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, log: bool) -> None:
+    """Route rows x n to a path and launch it. kind "fwd": a = b = x; "bwd": a = y, b = dy."""
+    rows, n = a.shape
+    arrays = 1 if kind == "fwd" else 2
+    v = configs.vec(a.dtype)
+    if not _aligned(v, a, b, out):
         v = 1
     key = f"n{bucket(n)};rows{bucket(rows)}"
-    sms = _sms(x2.device)
-    if configs.use_tile(n, rows, v, x2.element_size(), 1, sms) and _tma(x2.device):
-        OPS["tile", "fwd", x2.dtype, v, log](key, (bucket(n), bucket(rows), x2.element_size()),
-                                             y2, x2, x2)
-    elif configs.use_split(n, rows, v, 1, sms):
-        OPS["split", "fwd", x2.dtype, v, log](key, n, y2, x2, x2)
-    elif configs.use_chunked(n, rows, v, 1, sms):
-        OPS["chunked", "fwd", x2.dtype, v, log](key, n, y2, x2, x2)
-    else:
-        OPS["fwd", x2.dtype, v, log](key, bucket(n), y2, x2)
-
-
-def _run_bwd(dx2, y2, dy2, log: bool) -> None:
-    rows, n = y2.shape
-    v = configs.vec(y2.dtype)
-    if not _aligned(v, y2, dy2, dx2):
-        v = 1
-    key = f"n{bucket(n)};rows{bucket(rows)}"
-    sms = _sms(y2.device)
-    if configs.use_tile(n, rows, v, y2.element_size(), 2, sms) and _tma(y2.device):
-        OPS["tile", "bwd", y2.dtype, v, log](key, (bucket(n), bucket(rows), y2.element_size()),
-                                             dx2, y2, dy2)
-    elif configs.use_split(n, rows, v, 2, sms):
-        OPS["split", "bwd", y2.dtype, v, log](key, n, dx2, y2, dy2)
-    elif configs.use_chunked(n, rows, v, 2, sms):
-        OPS["chunked", "bwd", y2.dtype, v, log](key, n, dx2, y2, dy2)
-    else:
-        OPS["bwd", y2.dtype, v, log](key, bucket(n), dx2, y2, dy2)
+    sms, size = _sms(a.device), a.element_size()
+    if configs.use_tile(n, rows, v, size, arrays, sms) and _tma(a.device):
+        OPS["tile", kind, a.dtype, v, log](key, (bucket(n), bucket(rows), size), out, a, b)
+    elif configs.use_split(n, rows, v, arrays, sms):
+        OPS["split", kind, a.dtype, v, log](key, n, out, a, b)
+    elif configs.use_chunked(n, rows, v, arrays, sms):
+        OPS["chunked", kind, a.dtype, v, log](key, n, out, a, b)
+    else:  # the register path: forward launches take (y, x), backward ones (dx, y, dy)
+        OPS[kind, a.dtype, v, log](key, bucket(n), out, *((a,) if kind == "fwd" else (a, b)))
 
 
 def _rows(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -315,7 +298,7 @@ def _forward(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
     x2 = _rows(x, dim)
     inplace = x.dim() == 0 or dim == x.dim() - 1
     y2 = y.view(-1, x2.shape[1]) if inplace else torch.empty_like(x2)
-    _run_fwd(y2, x2, log)
+    _run("fwd", y2, x2, x2, log)
     if not inplace:
         y.copy_(y2.view(x.movedim(dim, -1).shape).movedim(-1, dim))
     return y
@@ -328,7 +311,7 @@ def _backward(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool) -> torch.T
     y2, dy2 = _rows(y, dim), _rows(dy, dim)
     inplace = y.dim() == 0 or dim == y.dim() - 1
     dx2 = dx.view(-1, y2.shape[1]) if inplace else torch.empty_like(y2)
-    _run_bwd(dx2, y2, dy2, log)
+    _run("bwd", dx2, y2, dy2, log)
     if not inplace:
         dx.copy_(dx2.view(y.movedim(dim, -1).shape).movedim(-1, dim))
     return dx
