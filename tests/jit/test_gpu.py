@@ -44,6 +44,14 @@ extern "C" __global__ void reverse_smem(float* out, const float* in, int n) {
   __syncthreads();
   for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = tile[n - 1 - i];
 }
+extern "C" __global__ void reverse_smem_static(float* out, const float* in, int n) {
+  extern __shared__ float tile[];  // n floats beside 128 static bytes
+  __shared__ float first[32];
+  if (threadIdx.x < 32) first[threadIdx.x] = in[threadIdx.x % n];
+  for (int i = threadIdx.x; i < n; i += blockDim.x) tile[i] = in[i];
+  __syncthreads();
+  for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = tile[n - 1 - i] + 0.f * first[i % 32];
+}
 """
 
 AXPY_ENTRY = r"""
@@ -112,6 +120,17 @@ def test_2d_grid_transpose(rows, cols):
 def test_dynamic_shared_memory_above_48k():
     n = 40_000  # 160 KB of shared memory
     k = jit.RawKernel(TYPED, "reverse_smem")
+    x = torch.randn(n, device="cuda")
+    out = poisoned_like(x)
+    k[1, 1024](out, x, n, shared_mem=n * 4)
+    torch.testing.assert_close(out, x.flip(0))
+
+
+def test_dynamic_shared_memory_with_static_at_48k():
+    """48 KiB of dynamic shared memory beside static shared memory: over the default 48 KiB
+    total, so the launch must raise the kernel's limit there too."""
+    n = 12288  # exactly 48 KiB dynamic
+    k = jit.RawKernel(TYPED, "reverse_smem_static")
     x = torch.randn(n, device="cuda")
     out = poisoned_like(x)
     k[1, 1024](out, x, n, shared_mem=n * 4)

@@ -5,8 +5,9 @@ use (through the cache), loads the cubin as a context-independent CUDA library, 
 the current torch stream of the arguments' device. A zero-sized grid launches nothing.
 
 The per-launch path is: match arguments to the parsed prototype, pack them into one buffer
-(one ``struct.pack_into``), one ``cuLaunchKernel``. Dynamic shared memory above 48 KiB raises
-the kernel's limit once per device and size.
+(one ``struct.pack_into``), one ``cuLaunchKernel``. Dynamic shared memory raises the kernel's
+limit once per device and size: without it, static and dynamic shared memory together must stay
+within 48 KiB, which a kernel with static shared memory exceeds below 48 KiB of dynamic memory.
 """
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ _driver_lock = threading.Lock()
 _DRIVER = None  # cuda.bindings.driver, once cuInit has run
 _LAUNCH = None  # launch(function, gx, gy, gz, bx, by, bz, smem, stream, params) -> CUresult
 _primary: dict[int, object] = {}
-_STATIC_SMEM_LIMIT = 48 * 1024
 
 
 def _driver():
@@ -223,7 +223,7 @@ class _Launch:
     def _launch(self, device: int, params: int, shared_mem: int, stream) -> None:
         k = self.kernel
         fn = k._functions.get(device) or k._function(device)
-        if shared_mem > _STATIC_SMEM_LIMIT and k._smem_set.get(device, 0) < shared_mem:
+        if shared_mem and k._smem_set.get(device, 0) < shared_mem:  # see the module doc
             k._raise_smem_limit(device, shared_mem)
         handle = _current_stream(device) if stream is None else stream_of(stream, device)
         err = _LAUNCH(fn, *self.dims, shared_mem, handle, params)

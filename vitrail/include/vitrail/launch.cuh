@@ -2,9 +2,8 @@
 //
 // Entry points return cudaError_t; vitrail.jit turns a non-zero result into jit.LaunchError and
 // vitrail.op.Op prefixes the op's name and config. VITRAIL_TRY returns the first failing call's
-// error from the entry point; launch_cluster launches with a thread-block cluster (sm_90) through
-// cudaLaunchKernelEx, raising the kernel's dynamic shared memory limit first when it needs more
-// than the default 48 KiB. launch_cooperative launches a grid whose CTAs are all resident at once
+// error from the entry point; launch launches with a thread-block cluster (sm_90) through
+// cudaLaunchKernelEx, raising the kernel's dynamic shared memory limit first (allow_shared). launch_cooperative launches a grid whose CTAs are all resident at once
 // (or refuses it with cudaErrorCooperativeLaunchTooLarge), the requirement of a spin barrier
 // across CTAs (group_barrier.cuh); ctas_per_sm is what the occupancy API says fits.
 #pragma once
@@ -24,10 +23,14 @@ inline cudaError_t require(bool ok) { return ok ? cudaSuccess : cudaErrorInvalid
 
 inline unsigned ceil_div(long long a, long long b) { return (unsigned)((a + b - 1) / b); }
 
-// Allow a kernel more than 48 KiB of dynamic shared memory (no-op below that).
+// Allow a kernel `bytes` of dynamic shared memory. Without the attribute, static and dynamic
+// shared memory together must stay within 48 KiB, so any kernel with static shared memory needs
+// it just below 48 KiB of dynamic memory too (a tile kernel refused 48 KiB on an H100 for its 128
+// static bytes): set it whenever there is dynamic memory (a cheap runtime call, as CUTLASS's
+// adapters make before each launch).
 template <class Kernel>
 inline cudaError_t allow_shared(Kernel kernel, size_t bytes) {
-  if (bytes <= 48 * 1024) return cudaSuccess;
+  if (bytes == 0) return cudaSuccess;
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
 }
 
