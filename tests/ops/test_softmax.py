@@ -84,13 +84,17 @@ def test_tile_routing_and_heuristic():
     """CPU: which rows take the tile path (132 SMs) and with how many CTAs each; slices cover
     the row in 16-byte vectors and fit shared memory."""
     from vitrail.ops.softmax import configs
+    from vitrail.tune import bucket
     sms = 132
-    tile = [(65536, 256, 8, 2, 1, 8), (65536, 1024, 8, 2, 1, 2), (65536, 64, 8, 2, 1, 8),
-            (131072, 128, 4, 4, 1, 8), (131072, 128, 4, 4, 2, 8), (65536, 256, 4, 4, 1, 8),
-            (100_000, 512, 8, 2, 1, 4), (1 << 18, 2000, 8, 2, 2, 8)]
+    # (n, rows, v, size, arrays, CTAs a row): clusters only where rows leave SMs short of CTAs
+    tile = [(65536, 256, 8, 2, 1, 4), (65536, 1024, 8, 2, 1, 2), (65536, 64, 8, 2, 1, 8),
+            (131072, 128, 4, 4, 1, 8), (131072, 128, 4, 4, 2, 8), (65536, 256, 4, 4, 1, 4),
+            (100_000, 512, 8, 2, 1, 4), (1 << 18, 2000, 8, 2, 2, 8), (65536, 256, 8, 2, 2, 4),
+            (4096, 32768, 8, 2, 1, 1), (4096, 32768, 8, 2, 2, 1), (2048, 65536, 4, 4, 2, 1),
+            (4096, 4096, 8, 2, 1, 1), (16384, 2048, 8, 2, 2, 1), (8192, 1024, 8, 2, 2, 1),
+            (131072, 32, 8, 2, 1, 8), (12288, 8192, 8, 2, 2, 1)]
     for n, rows, v, size, arrays, cluster in tile:
         assert configs.use_tile(n, rows, v, size, arrays, sms), (n, rows, arrays)
-        from vitrail.tune import bucket
         h = configs.tile_heuristic((bucket(n), bucket(rows), size), arrays)
         assert h["CLUSTER"] == cluster, (n, rows, arrays, h)
         configs.tile_space(arrays).config(**h)  # in its space
@@ -98,8 +102,9 @@ def test_tile_routing_and_heuristic():
         assert sl % v == 0 and sl * cluster >= n > (sl - v) * cluster
         assert sl * size * arrays <= configs.MAX_TILE_BYTES
     not_tile = [(262144, 16, 8, 2, 1),  # too few rows: the split path spreads them wider
-                (4096, 32768, 8, 2, 1),  # one CTA a row in registers
-                (65536, 256, 8, 2, 2),  # the backward's register clusters
+                (131072, 24, 8, 2, 1),  # 192 CTAs: under 1.5 per SM
+                (2048, 32768, 8, 2, 1), (1024, 65536, 4, 4, 2),  # rows under 8 KiB: registers
+                (4096, 8, 8, 2, 1),  # 8 CTAs: registers
                 (65536, 256, 1, 2, 1),  # not 16-byte aligned
                 (1 << 20, 8, 4, 4, 1), (1 << 20, 300, 8, 2, 2)]  # too long for 8 CTAs
     for n, rows, v, size, arrays in not_tile:
@@ -243,18 +248,33 @@ def _sms():
 @requires_gpu
 @pytest.mark.parametrize("n", [1 << 16, 1 << 17, 40_001])
 def test_cluster_rows(n, log):
-    """Enough rows that the register path takes clusters (2 to 8 CTAs per row; the backward,
-    and the forward where rows are not 16-byte aligned, as at n = 40001) and the forward's tile
-    path (16-byte aligned rows), forward and backward."""
-    from vitrail.ops.softmax import configs
+    """Enough rows for the register path's clusters (2 to 8 CTAs per row): through the public
+    path (which takes them where rows are not 16-byte aligned, as at n = 40001, and the tile
+    path otherwise), and the register kernels called directly (they serve 16-byte aligned rows
+    too where the GPU has no tile path), forward and backward."""
+    from vitrail.ops.softmax import OPS, configs
+    from vitrail.ops.softmax.reference import softmax, softmax_backward
+    from vitrail.tune import bucket
     for dtype in (torch.float32, torch.bfloat16):
         v = configs.vec(dtype) if n % configs.vec(dtype) == 0 else 1
         rows = 2 * _sms()
-        for arrays in (1, 2):  # the register path with clusters, where a config holds n
-            if n <= configs.max_register_row(v, arrays):
-                assert not configs.use_chunked(n, rows, v, arrays, _sms())
-                assert configs.heuristic(1 << (n - 1).bit_length(), v, arrays)["CLUSTER"] > 1
         _check_rows(rows, n, dtype, log)
+        x = (torch.randn(rows, n, device="cuda") * 4).to(dtype)
+        y = softmax(x, -1, log).to(dtype)
+        dy = torch.randn_like(y)
+        for kind, arrays in (("fwd", 1), ("bwd", 2)):
+            if n > configs.max_register_row(v, arrays):
+                continue
+            assert configs.heuristic(bucket(n), v, arrays)["CLUSTER"] > 1
+            out = torch.full_like(x, float("nan"))
+            op, key = OPS[kind, dtype, v, log], f"n{bucket(n)}"  # an Op keeps a config per key
+            if kind == "fwd":
+                op(key, bucket(n), out, x)
+                _check(out, softmax(x, -1, log).to(dtype), softmax(x, -1, log))
+            else:
+                op(key, bucket(n), out, y, dy)
+                same = softmax_backward(y.float(), dy.float(), -1, log).to(dtype)
+                _check(out, same, softmax_backward(y, dy, -1, log))
 
 
 @requires_gpu
@@ -288,31 +308,55 @@ def test_chunked_direct(shape, dtype, log):
 # ------------------------------------------------------------------ tile path (rows in shared memory)
 @requires_gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(2 * 132, 65536), (600, 100_000), (160, 131072)])
+@pytest.mark.parametrize("shape", [(2 * 132, 65536), (600, 100_000), (160, 131072),
+                                   (1000, 4096), (300, 12_000), (2000, 24_576)])
 def test_tile_rows(shape, dtype, log):
-    """The public path on rows that take the tile path (forward; the backward too where the
-    register path cannot hold a row), against fp64, within 4x of torch's own error."""
+    """The public path on rows that take the tile path, forward and backward (one CTA a row, or
+    a cluster of 2-8), against fp64, within 4x of torch's own error."""
     from vitrail.ops.softmax import configs
     rows, n = shape
     v, size = configs.vec(dtype), torch.empty((), dtype=dtype).element_size()
     assert configs.use_tile(n, rows, v, size, 1, _sms())
-    if shape == (160, 131072) and dtype == torch.float32:
-        assert configs.use_tile(n, rows, v, size, 2, _sms())
+    assert configs.use_tile(n, rows, v, size, 2, _sms())
     _check_rows(rows, n, dtype, log)
 
 
 @requires_gpu
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_tile_rows_strided_dim_and_autograd(dtype, log):
+    """Tile-path rows through the public API: padded rows (a row stride beyond n, 16-byte
+    aligned), the softmax dim first (moved into place), and autograd."""
+    ours, theirs = _fns(log)
+    base = (torch.randn(600, 8192 + 64, device="cuda") * 3).to(dtype)
+    x = base[:, 32:32 + 8192]
+    _check(ours(x, -1), theirs(x, -1), theirs(x.double(), -1))
+    xt = x.t()  # rows of 8192 along dim 0
+    _check(ours(xt, 0), theirs(xt, 0), theirs(xt.double(), 0))
+    dy = torch.randn(x.shape, device="cuda").to(dtype)
+    xg = x.detach().clone().requires_grad_()
+    (g,) = torch.autograd.grad(ours(xg, -1), xg, dy)
+    xd = x.detach().double().requires_grad_()
+    (gref,) = torch.autograd.grad(theirs(xd, -1), xd, dy.double())
+    xs = x.detach().clone().requires_grad_()
+    (gt,) = torch.autograd.grad(theirs(xs, -1), xs, dy)
+    _check(g, gt, gref)
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_tile_direct_every_cluster(dtype, log):
-    """The tile kernel called directly with every cluster size and 128 or 512 threads, into
+    """The tile kernel called directly with every cluster size and 128 to 512 threads, into
     NaN-poisoned outputs: rows with a partial last vector (a row stride beyond n), CTAs past a
     short row's end, -inf and NaN rows."""
     from vitrail.ops.softmax import OPS, configs
     from vitrail.ops.softmax.reference import softmax, softmax_backward
     v = configs.vec(dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
+    # 24576 and 12288 at one CTA: 48 KiB of dynamic shared memory for some dtype and direction,
+    # beside the kernel's static shared memory (over the default 48 KiB in all)
     for n, cluster, threads in [(70_001, 8, 128), (20_001, 1, 512), (200, 8, 128),
-                                (33_333, 2, 512), (8, 4, 128), (50_000, 4, 128)]:
+                                (33_333, 2, 512), (8, 4, 128), (50_000, 4, 128),
+                                (24_576, 1, 128), (12_288, 1, 256)]:
         rows, width = 7, -(-n // 8) * 8 + 16  # row strides of whole 16-byte vectors
         base = (torch.randn(rows, width, device="cuda") * 3).to(dtype)
         x = base[:, 8:8 + n]  # 16-byte aligned rows, n % v elements in a partial vector

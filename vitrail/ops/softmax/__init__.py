@@ -3,10 +3,10 @@
 Order (quack's): kernels and their Ops, the custom ops, autograd, the public functions. The
 kernels (sm90_softmax.cuh) take rows with a contiguous last dim and any row stride; another
 ``dim`` or a strided last dim is moved into place first (an extra pass, correct but slower).
-Rows too long for one CTA's registers take the tile path where there are enough of them (each
-row over a cluster of CTAs holding it in shared memory, loaded by TMA), few very long rows the
-split path (one cooperative kernel, each row over G CTAs meeting at a per-row barrier; see
-configs), whose barrier workspace is kept per (device, stream).
+Rows of 8 KiB and more take the tile path where there are enough of them (each row held in
+shared memory by one CTA or a cluster of them, loaded by TMA; sm_90+), shorter rows registers,
+few very long rows the split path (one cooperative kernel, each row over G CTAs meeting at a
+per-row barrier; see configs), whose barrier workspace is kept per (device, stream).
 On the lean eager path (``plain_eager``) a call goes straight to the kernel; otherwise through
 ``torch.ops.vitrail.softmax_fwd`` / ``softmax_bwd`` (fake impls registered, so
 ``torch.compile(fullgraph=True)`` traces them without a graph break).
@@ -95,7 +95,7 @@ def _ld(t: torch.Tensor) -> int:
     return t.stride(0) if t.shape[0] > 1 else 0
 
 
-def _launch_fwd(module, config, y, x):
+def _launch_fwd(module, config, y, x, _x=None):  # (y, x) or, as the other paths, (y, x, x)
     rows, n = x.shape
     module.softmax_fwd(y.data_ptr(), x.data_ptr(), rows, n, _ld(x), _ld(y))
 
@@ -260,23 +260,36 @@ def _aligned(v: int, *ts: torch.Tensor) -> bool:
                for t in ts) and size * v == 16
 
 
+def route(kind: str, rows: int, n: int, dtype: torch.dtype, v: int, log: bool,
+          device: torch.device | None) -> tuple[Op, str, object]:
+    """The path rows x n takes on `device` (None: the build target, vitrail.tune.limits(), with
+    132 SMs where no GPU says otherwise); v: the vector width, 1 where the rows are not 16-byte
+    aligned. Returns (op, problem key, problem); the op is called as op(key, problem, out, a, b)."""
+    arrays = 1 if kind == "fwd" else 2
+    key = f"n{bucket(n)};rows{bucket(rows)}"
+    if device is None:
+        from vitrail.tune import limits
+        lim = limits()
+        sms, tma = lim.sm_count or 132, lim.arch.major >= 9
+    else:
+        sms, tma = _sms(device), _tma(device)
+    size = torch.empty((), dtype=dtype).element_size()
+    if configs.use_tile(n, rows, v, size, arrays, sms) and tma:
+        return OPS["tile", kind, dtype, v, log], key, (bucket(n), bucket(rows), size)
+    if configs.use_split(n, rows, v, arrays, sms):
+        return OPS["split", kind, dtype, v, log], key, n
+    if configs.use_chunked(n, rows, v, arrays, sms):
+        return OPS["chunked", kind, dtype, v, log], key, n
+    return OPS[kind, dtype, v, log], key, bucket(n)  # registers
+
+
 def _run(kind: str, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, log: bool) -> None:
     """Route rows x n to a path and launch it. kind "fwd": a = b = x; "bwd": a = y, b = dy."""
-    rows, n = a.shape
-    arrays = 1 if kind == "fwd" else 2
     v = configs.vec(a.dtype)
     if not _aligned(v, a, b, out):
         v = 1
-    key = f"n{bucket(n)};rows{bucket(rows)}"
-    sms, size = _sms(a.device), a.element_size()
-    if configs.use_tile(n, rows, v, size, arrays, sms) and _tma(a.device):
-        OPS["tile", kind, a.dtype, v, log](key, (bucket(n), bucket(rows), size), out, a, b)
-    elif configs.use_split(n, rows, v, arrays, sms):
-        OPS["split", kind, a.dtype, v, log](key, n, out, a, b)
-    elif configs.use_chunked(n, rows, v, arrays, sms):
-        OPS["chunked", kind, a.dtype, v, log](key, n, out, a, b)
-    else:  # the register path: forward launches take (y, x), backward ones (dx, y, dy)
-        OPS[kind, a.dtype, v, log](key, bucket(n), out, *((a,) if kind == "fwd" else (a, b)))
+    op, key, problem = route(kind, a.shape[0], a.shape[1], a.dtype, v, log, a.device)
+    op(key, problem, out, a, b)
 
 
 def _rows(t: torch.Tensor, dim: int) -> torch.Tensor:

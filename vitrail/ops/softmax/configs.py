@@ -200,11 +200,17 @@ def split_plan(n: int, rows: int, v: int, config, resident: int, smem_budget: in
 
 
 # ------------------------------------------------------------------ tile path
+# Rows of TILE_MIN_ROW_BYTES and more (per array) take the tile path where rows x CTAs fill the
+# GPU; from a sweep on an H100 (% of a same-bytes copy, tile against the register path): bf16
+# 4096 x 4096 forward 97 against 89, backward 95 against 86; bf16 32768 x 4096 backward 100
+# against 98; bf16 2048 x 16384 backward 98 against 81; bf16 256 x 65536 backward 89 against 82;
+# fp32 1024 x 32768 backward 99 against 91; fp32 rows of 2048-16384 within a point either way.
+TILE_MIN_ROW_BYTES = 8 << 10  # shorter rows (per array) stay in registers
 TILE_BYTES = 64 << 10  # the most a CTA's slice (all arrays) holds, below MAX_CLUSTER CTAs a row
 MAX_TILE_BYTES = 192 << 10  # the most it holds at MAX_CLUSTER CTAs (then one CTA per SM)
 MIN_TILE_BYTES = 16 << 10  # no smaller slices to spread rows over more CTAs
-TILE_CTAS_PER_SM = 15  # CTAs the heuristic aims at (rows x CLUSTER), per SM: about 2000 on an H100
-TILE_MIN_CTAS_PER_SM = 2  # fewer rows x CLUSTER per SM: the split path spreads them wider
+TILE_CTAS_PER_SM = 7  # CTAs the heuristic aims at (rows x CLUSTER), per SM: about 1000 on an H100
+TILE_MIN_CTAS_PER_SM = 1.5  # fewer rows x CLUSTER per SM: the split path spreads them wider
 
 
 def tile_space(arrays: int) -> Space:
@@ -221,10 +227,11 @@ def tile_space(arrays: int) -> Space:
 def tile_cluster(n: int, rows: int, size: int, arrays: int, sms: int) -> int | None:
     """CTAs per row on the tile path (None: a row does not fit MAX_CLUSTER CTAs' shared memory):
     the fewest that keep a slice within TILE_BYTES, then more, while slices stay at least
-    MIN_TILE_BYTES, until rows x CTAs reach TILE_CTAS_PER_SM per SM. Small slices shorten what
-    the last CTAs on the GPU do alone (H100, % of a same-bytes copy: bf16 256 x 65536 forward
-    78% at 8 CTAs of 16 KiB against 74% at 2 of 64 KiB; bf16 1024 x 65536 91% at 2 of 64 KiB,
-    2048 CTAs already; fp32 256 x 65536 92% at 8 of 32 KiB against 85% at 2)."""
+    MIN_TILE_BYTES, until rows x CTAs reach TILE_CTAS_PER_SM per SM. A cluster costs its
+    barriers and smaller slices, so it only pays where rows alone leave the SMs short of CTAs
+    (H100, % of a same-bytes copy: bf16 256 x 65536 forward 88% at 4 CTAs of 32 KiB, 85% at 8
+    of 16 KiB; backward 89% at 4, 87% at 8; bf16 1024 x 8192 backward 95% at 1, 82% at 2;
+    bf16 128 x 131072 forward 83% at 8, 80% at 4)."""
     row_bytes = n * size * arrays
     c = 1
     while c < MAX_CLUSTER and row_bytes > c * TILE_BYTES:
@@ -239,7 +246,8 @@ def tile_cluster(n: int, rows: int, size: int, arrays: int, sms: int) -> int | N
 
 def tile_heuristic(problem, arrays: int, lim=None) -> dict:
     """problem: (n, rows, element size) as the key buckets them. CTAs of 256 threads for slices
-    of 64 KiB, 128 below (H100: 16-32 KiB slices 3-6% faster at 128)."""
+    of 64 KiB, 128 below (H100: bf16 rows of 4096 forward 99% of a same-bytes copy at 128, 84%
+    at 256)."""
     n, rows, size = problem or (65536, 256, 2)
     sms = (lim.sm_count if lim is not None and lim.sm_count else None) or 132
     c = tile_cluster(n, rows, size, arrays, sms) or MAX_CLUSTER
@@ -248,15 +256,12 @@ def tile_heuristic(problem, arrays: int, lim=None) -> dict:
 
 @functools.lru_cache(maxsize=4096)
 def use_tile(n: int, rows: int, v: int, size: int, arrays: int, sms: int) -> bool:
-    """Whether rows x n goes to the tile path: 16-byte vectors; a row the register path cannot
-    hold, or (forward) would hold in a cluster, one CTA per SM; a row that fits MAX_CLUSTER CTAs'
-    shared memory; and at least TILE_MIN_CTAS_PER_SM CTAs per SM. (The backward's register
-    clusters keep two CTAs per SM: 82-89% of a same-bytes copy at bf16 256-1024 x 65536, against
-    72-85% here.)"""
-    if v == 1:
-        return False
-    if n <= max_register_row(v, arrays) and (
-            arrays == 2 or heuristic(bucket(n), v, arrays)["CLUSTER"] == 1):
+    """Whether rows x n goes to the tile path: 16-byte vectors; rows of at least
+    TILE_MIN_ROW_BYTES that fit MAX_CLUSTER CTAs' shared memory; and at least
+    TILE_MIN_CTAS_PER_SM CTAs per SM (H100, % of a same-bytes copy, tile against split: bf16
+    32 x 131072 forward 76 against 74 at 2 CTAs per SM; bf16 16 x 262144 forward 69 against 72
+    and backward 69 against 85 at 1)."""
+    if v == 1 or n * size < TILE_MIN_ROW_BYTES:
         return False
     c = tile_cluster(bucket(n), bucket(rows), size, arrays, sms)
     return c is not None and rows * c >= TILE_MIN_CTAS_PER_SM * sms
