@@ -273,7 +273,7 @@ def route(kind: str, rows: int, n: int, dtype: torch.dtype, v: int, log: bool,
         sms, tma = lim.sm_count or 132, lim.arch.major >= 9
     else:
         sms, tma = _sms(device), _tma(device)
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     if configs.use_tile(n, rows, v, size, arrays, sms) and tma:
         return OPS["tile", kind, dtype, v, log], key, (bucket(n), bucket(rows), size)
     if configs.use_split(n, rows, v, arrays, sms):

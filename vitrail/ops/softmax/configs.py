@@ -204,7 +204,7 @@ def split_plan(n: int, rows: int, v: int, config, resident: int, smem_budget: in
 # GPU; from a sweep on an H100 (% of a same-bytes copy, tile against the register path): bf16
 # 4096 x 4096 forward 97 against 89, backward 95 against 86; bf16 32768 x 4096 backward 100
 # against 98; bf16 2048 x 16384 backward 98 against 81; bf16 256 x 65536 backward 89 against 82;
-# fp32 1024 x 32768 backward 99 against 91; fp32 rows of 2048-16384 within a point either way.
+# fp32 1024 x 32768 backward 99 against 91; fp32 rows of 2048-16384 within 2 points either way.
 TILE_MIN_ROW_BYTES = 8 << 10  # shorter rows (per array) stay in registers
 TILE_BYTES = 64 << 10  # the most a CTA's slice (all arrays) holds, below MAX_CLUSTER CTAs a row
 MAX_TILE_BYTES = 192 << 10  # the most it holds at MAX_CLUSTER CTAs (then one CTA per SM)
