@@ -2,8 +2,9 @@
 //
 // Entry points return cudaError_t; vitrail.jit turns a non-zero result into jit.LaunchError and
 // vitrail.op.Op prefixes the op's name and config. VITRAIL_TRY returns the first failing call's
-// error from the entry point; launch launches with a thread-block cluster (sm_90) through
-// cudaLaunchKernelEx, raising the kernel's dynamic shared memory limit first (allow_shared). launch_cooperative launches a grid whose CTAs are all resident at once
+// error from the entry point; launch launches, with a thread-block cluster (sm_90) through
+// cudaLaunchKernelEx where asked, after raising the kernel's dynamic shared memory limit
+// (allow_shared). launch_cooperative launches a grid whose CTAs are all resident at once
 // (or refuses it with cudaErrorCooperativeLaunchTooLarge), the requirement of a spin barrier
 // across CTAs (group_barrier.cuh); ctas_per_sm is what the occupancy API says fits.
 #pragma once

@@ -46,7 +46,7 @@ __device__ __forceinline__ float exp_of(float d) {
 }
 // One output element (Mode 0: forward, a = x; 1: softmax backward, a = y, b = dy; 2: log_softmax
 // backward) from the row's max m (forward) and scale: forward 1 / sum or log(sum), backward the
-// row's sum. Every path (register, chunked, split) writes through it.
+// row's sum. Every path (register, tile, split, chunked) writes through it.
 template <int Mode, bool IsLog, class T>
 __device__ __forceinline__ float output_of(T a, T b, float m, float scale) {
   if constexpr (Mode == 0) {
