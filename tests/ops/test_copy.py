@@ -15,13 +15,18 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 @pytest.mark.slow
 @requires_nvcc
-def test_compile_flat_and_tiled(monkeypatch):
+def test_compile_each_kernel(monkeypatch):
     monkeypatch.setenv("VITRAIL_ARCH", "90a")
-    from vitrail.ops.copy import FLAT_OPS, TILED_OPS
+    from vitrail.ops.copy import FLAT_OPS, ROWS_OPS, TILED_OPS, TRANSPOSE_OPS
     from vitrail.tune import limits
     lim = limits(arch="90a")
-    for op in (FLAT_OPS[torch.bfloat16, torch.float32, 4], TILED_OPS[torch.float16, torch.float32]):
+    for op in (FLAT_OPS[torch.bfloat16, torch.float32, 4], TILED_OPS[torch.float16, torch.float32],
+               TRANSPOSE_OPS[torch.float32, torch.bfloat16]):
         res = op.module(op.space.default(None, lim)).resources()
+        assert res and not any(r.spills for r in res.values())
+    op = ROWS_OPS[torch.bfloat16, torch.float32, 4]
+    for problem in [(1000, 8), (20, 8)]:
+        res = op.module(op.space.default(problem, lim)).resources()
         assert res and not any(r.spills for r in res.values())
 
 
@@ -54,6 +59,94 @@ def test_copy_values(src, dst):
         out = out.permute(*reversed(range(x.dim()))) if x.dim() else out
         ops.copy(x, out=out)
         assert torch.equal(out, x.to(dst)), name
+
+
+def _transposes(src, dst):
+    """Transposing copies the 16-byte transpose takes: (name, x, out). Sizes not multiples of the
+    8 x 8 (or 4 x 4) block leave ragged blocks at the edges; batch dims; padded output rows."""
+    g = lambda *s: torch.randn(*s, device="cuda").to(src)  # noqa: E731
+    new = lambda x: torch.empty(x.shape, device="cuda", dtype=dst)  # noqa: E731
+    x = g(136, 520).t()
+    yield "2-D", x, new(x)
+    x = g(4, 72, 1000).permute(0, 2, 1)
+    yield "batched", x, new(x)
+    x = g(2, 3, 40, 48).permute(1, 0, 3, 2)
+    yield "4-D", x, new(x)
+    x = g(333, 520)[:, :517].t()
+    yield "ragged, padded out", x, torch.empty(517, 336, device="cuda", dtype=dst)[:, :333]
+    x = g(3, 8)[:, :5].t()
+    yield "smaller than a block", x, torch.empty(5, 8, device="cuda", dtype=dst)[:, :3]
+
+
+@requires_gpu
+@pytest.mark.parametrize("src", DTYPES)
+@pytest.mark.parametrize("dst", DTYPES)
+def test_vector_transpose(src, dst):
+    from vitrail.ops.copy import TILED_OPS, TRANSPOSE_OPS, copy, route
+    for name, x, out in _transposes(src, dst):
+        assert route(x, out)[0] is TRANSPOSE_OPS[src, dst], name
+        out.fill_(float("nan"))
+        copy(x, out=out)
+        assert torch.equal(out, x.to(dst)), name
+    # what it cannot take goes to the element kernel: an unaligned row stride, an odd offset
+    x = torch.randn(130, 36, device="cuda").to(src)
+    shifted = torch.randn(4681, device="cuda").to(src)[1:].view(130, 36)
+    for name, y in (("row stride", x[:, :35].t()), ("offset", shifted.t())):
+        out = torch.empty(y.shape, device="cuda", dtype=dst)
+        assert route(y, out)[0] is TILED_OPS[src, dst], name
+        copy(y, out=out)
+        assert torch.equal(out, y.to(dst)), name
+
+
+@requires_gpu
+@pytest.mark.parametrize("src", DTYPES)
+@pytest.mark.parametrize("dst", DTYPES)
+def test_rows(src, dst):
+    """Rows apart along the same fastest dim (slices, padded rows): 16-byte vectors where every
+    row starts aligned on both sides, else one element per access; short rows: the tiled kernel."""
+    from vitrail.ops.copy import copy, route
+    for name, x, out, op in _rows(src, dst):
+        assert route(x, out)[0] is op, name
+        out.fill_(float("nan"))
+        copy(x, out=out)
+        assert torch.equal(out, x.to(dst)), name
+
+
+def _rows(src, dst):
+    """(name, x, out, the op that should take it)."""
+    from vitrail.ops.copy import ROWS_OPS, TILED_OPS
+    v = 16 // max(torch.empty((), dtype=d).element_size() for d in (src, dst))
+    g = lambda *s: torch.randn(*s, device="cuda").to(src)  # noqa: E731
+    new = lambda x: torch.empty(x.shape, device="cuda", dtype=dst)  # noqa: E731
+    x = g(70, 1032)[:, 8:1008]
+    yield "slice", x, new(x), ROWS_OPS[src, dst, v]
+    x = g(40, 3, 264).permute(1, 0, 2)[:, :, :256]
+    yield "batched", x, new(x), ROWS_OPS[src, dst, v]
+    x, out = g(70, 1032)[:, 8:1011], torch.empty(70, 1008, device="cuda", dtype=dst)[:, :1003]
+    yield "ragged end, padded out", x, out, ROWS_OPS[src, dst, v]
+    x = g(70, 1032)[:, 5:1008]
+    yield "unaligned", x, new(x), ROWS_OPS[src, dst, 1]
+    x = g(50, 24)[:, :v]
+    yield "short rows", x, new(x), TILED_OPS[src, dst]
+
+
+@requires_gpu
+@pytest.mark.parametrize("src,dst", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16)])
+def test_vector_transpose_every_config(src, dst):
+    import concurrent.futures as cf
+
+    from vitrail.ops.copy import TRANSPOSE_OPS, route
+    from vitrail.tune import limits
+    op = TRANSPOSE_OPS[src, dst]
+    configs = op.space.valid(limits())
+    with cf.ThreadPoolExecutor(8) as pool:
+        modules = dict(zip(configs, pool.map(op.module, configs)))
+    for config, module in modules.items():
+        for name, x, out in _transposes(src, dst):
+            _, _, _, args = route(x, out)
+            out.fill_(float("nan"))
+            op.launch(module, config, out, x, *args)
+            assert torch.equal(out, x.to(dst)), (config.label, name)
 
 
 @requires_gpu

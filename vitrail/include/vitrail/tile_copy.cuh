@@ -1,7 +1,8 @@
 // tile_copy.cuh: moving data between slabs (global), tiles (shared) and fragments (registers).
 //
 // - Frg<T, N>: N elements of T in registers, moved as one vector (16 bytes when N*sizeof(T) is 16).
-// - load_frg / store_frg: global <-> registers, one vector per call; the predicated overloads
+// - load_frg / store_frg (store_frg_v4: one st.global.v4 that NVVM cannot split): global <->
+//   registers, one vector per call; the predicated overloads
 //   touch only the first `valid` elements (the edge of a row) and fill the rest; load_frg_if: a
 //   vector load or nothing, one predicated instruction (loads of an unrolled loop stay in flight);
 //   Reuse::LastUse makes 16-byte loads evict-first in L1 and L2 (data read for the last time).
@@ -17,6 +18,9 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <cstdint>
+#include <type_traits>
+
+#include <cuda/std/bit>
 
 #include <cute/arch/copy_sm80.hpp>
 #include <cute/arch/copy_sm90_desc.hpp>
@@ -67,9 +71,11 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
 }
 // Any of the three float types to any other (through float; exact where the target can hold it).
 template <class To, class From> __device__ __forceinline__ To convert(From x) {
-  return from_float<To>(to_float(x));
+  if constexpr (std::is_same_v<To, From>)
+    return x;  // a plain move (a round trip through float would cost two conversions)
+  else
+    return from_float<To>(to_float(x));
 }
-template <> __device__ __forceinline__ float convert<float, float>(float x) { return x; }
 
 // ---------------------------------------------------------------- global <-> registers
 // One vector load; p must be aligned to the vector's size.
@@ -123,6 +129,28 @@ __device__ __forceinline__ Frg<T, N> load_frg(const T* __restrict__ p, int valid
 template <int N, class T>
 __device__ __forceinline__ void store_frg(T* __restrict__ p, const Frg<T, N>& f) {
   *reinterpret_cast<typename Frg<T, N>::Raw*>(p) = f.raw;
+}
+// A 16-byte vector stored with one st.global.v4.b32 of words packed from the elements. Where a
+// kernel fills a fragment element by element from other fragments (copy's transpose), NVVM can
+// split the plain store above into 32-bit or 2 x 16-bit stores; this one it cannot. As CUTLASS's
+// global_store, the asm has no memory clobber: it stays in order with other asm (barriers,
+// fences) but not with plain loads of the same address. Not the default: the asm also limits
+// how ptxas schedules around it (the log_softmax forward kernel took 16 more registers with it).
+template <class T, int N>
+__device__ __forceinline__ void store_frg_v4(T* __restrict__ p, const Frg<T, N>& f) {
+  static_assert(N * sizeof(T) == 16 && (sizeof(T) == 2 || sizeof(T) == 4),
+                "a 16-byte vector of 2- or 4-byte elements");
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (sizeof(T) == 4)
+      w[i] = cuda::std::bit_cast<uint32_t>(f.v[i]);
+    else
+      w[i] = uint32_t(cuda::std::bit_cast<uint16_t>(f.v[2 * i])) |
+             uint32_t(cuda::std::bit_cast<uint16_t>(f.v[2 * i + 1])) << 16;
+  }
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w[0]), "r"(w[1]),
+               "r"(w[2]), "r"(w[3]));
 }
 template <int N, class T>
 __device__ __forceinline__ void store_frg(T* __restrict__ p, const Frg<T, N>& f, int valid) {

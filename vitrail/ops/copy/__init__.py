@@ -2,13 +2,21 @@
 
 Both sides contiguous in one order: one flat pass (the driver's device-to-device copy for equal
 dtypes, as torch does; else a 16-byte vectorized conversion kernel). Anything else: dims merged
-where both sides allow, then a shared-memory tiled kernel that reads along the input's fastest
-dim and writes along the output's, so a transposing copy is coalesced on both sides.
+where both sides allow, then the first that applies of:
+- the vector transpose: the input's and the output's fastest dims differ, both of stride 1, every
+  other stride and both pointers 16-byte aligned; 16-byte accesses on both sides, blocks
+  transposed in registers;
+- the rows kernel: both sides' fastest dim is the same, of stride 1, rows apart (a slice, padded
+  rows), at least ROWS_MIN_VECTORS vectors long; 16-byte vectors along each row where every row
+  starts 16-byte aligned on both sides, else one element per access;
+- the general tiled kernel: one element per access through shared memory, reading along the
+  input's fastest dim and writing along the output's, so that any strides are coalesced.
 Order: kernels and Ops, custom ops, autograd, the public function.
 """
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,6 +30,7 @@ HERE = Path(__file__).resolve().parent
 KERNEL = (HERE / "sm90_copy.cuh").read_text()
 CTYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
 MAX_DIMS = 6
+ROWS_MIN_VECTORS = 16  # shorter rows would leave most lanes of the rows kernel idle: tiled kernel
 
 _FLAT = r"""
 extern "C" cudaError_t copy_flat(void* out, const void* in, long long n, int sms,
@@ -39,17 +48,40 @@ extern "C" cudaError_t copy_tiled(void* out, const void* in, int ndim, int load_
   return vitrail::copy::launch_tiled<TI, TO, TILE, THREADS>((TO*)out, (const TI*)in, p,
                                                             load_along0 != 0, stream);
 }"""
+_ROWS = r"""
+extern "C" cudaError_t copy_rows(void* out, const void* in, int ndim,
+    long long n0, long long n1, long long n2, long long n3, long long n4, long long n5,
+    long long i0, long long i1, long long i2, long long i3, long long i4, long long i5,
+    long long o0, long long o1, long long o2, long long o3, long long o4, long long o5,
+    cudaStream_t stream) {
+  vitrail::copy::Strided p = {{n0, n1, n2, n3, n4, n5}, {i0, i1, i2, i3, i4, i5},
+                              {o0, o1, o2, o3, o4, o5}, ndim};
+  return vitrail::copy::launch_rows<TI, TO, V, LANES, U, THREADS>((TO*)out, (const TI*)in, p,
+                                                                  stream);
+}"""
+_TRANSPOSE = r"""
+extern "C" cudaError_t copy_transpose(void* out, const void* in, int ndim,
+    long long n0, long long n1, long long n2, long long n3, long long n4, long long n5,
+    long long i0, long long i1, long long i2, long long i3, long long i4, long long i5,
+    long long o0, long long o1, long long o2, long long o3, long long o4, long long o5,
+    cudaStream_t stream) {
+  vitrail::copy::Strided p = {{n0, n1, n2, n3, n4, n5}, {i0, i1, i2, i3, i4, i5},
+                              {o0, o1, o2, o3, o4, o5}, ndim};
+  return vitrail::copy::launch_transpose<TI, TO, LANES1, WARPS1, THREADS>((TO*)out, (const TI*)in,
+                                                                          p, stream);
+}"""
 
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _render(entry: str, ti: torch.dtype, to: torch.dtype, v: int = 1):
+def _render(entry: str, ti: torch.dtype, to: torch.dtype, v: int | None = None):
     def render(config) -> dict:
-        consts = "".join(f"constexpr int {k} = {val};\n" for k, val in config.items())
+        consts = dict(config.items(), **({"V": v} if v else {}))
+        consts = "".join(f"constexpr int {k} = {val};\n" for k, val in consts.items())
         source = (f'#include "sm90_copy.cuh"\nusing TI = {CTYPES[ti]};\nusing TO = {CTYPES[to]};\n'
-                  f"constexpr int V = {v};\n{consts}{entry}")
+                  f"{consts}{entry}")
         return dict(source=source, name="copy", include_dirs=[str(HERE)], flags=["-std=c++17"])
     return render
 
@@ -72,8 +104,18 @@ def _launch_tiled(module, config, out, x, ndim, along0, sizes, si, so):
     module.copy_tiled(out.data_ptr(), x.data_ptr(), ndim, along0, *sizes, *si, *so)
 
 
+def _launch_transpose(module, config, out, x, ndim, sizes, si, so):
+    module.copy_transpose(out.data_ptr(), x.data_ptr(), ndim, *sizes, *si, *so)
+
+
+def _launch_rows(module, config, out, x, ndim, sizes, si, so):
+    module.copy_rows(out.data_ptr(), x.data_ptr(), ndim, *sizes, *si, *so)
+
+
 FLAT_OPS: dict[tuple, Op] = {}
 TILED_OPS: dict[tuple, Op] = {}
+TRANSPOSE_OPS: dict[tuple, Op] = {}
+ROWS_OPS: dict[tuple, Op] = {}
 for _ti in CTYPES:
     for _to in CTYPES:
         _vmax = 16 // max(torch.empty((), dtype=d).element_size() for d in (_ti, _to))
@@ -84,6 +126,14 @@ for _ti in CTYPES:
         TILED_OPS[_ti, _to] = Op(f"copy.tiled.{_name(_ti)}.{_name(_to)}", space=configs.TILED,
                                  kernel_source=KERNEL, render=_render(_TILED, _ti, _to),
                                  launch=_launch_tiled)
+        TRANSPOSE_OPS[_ti, _to] = Op(f"copy.transpose.{_name(_ti)}.{_name(_to)}",
+                                     space=configs.TRANSPOSE, kernel_source=KERNEL,
+                                     render=_render(_TRANSPOSE, _ti, _to),
+                                     launch=_launch_transpose)
+        for _v in (_vmax, 1):
+            ROWS_OPS[_ti, _to, _v] = Op(f"copy.rows.{_name(_ti)}.{_name(_to)}.v{_v}",
+                                        space=configs.ROWS, kernel_source=KERNEL,
+                                        render=_render(_ROWS, _ti, _to, _v), launch=_launch_rows)
 
 
 def _plan(shape, si, so):
@@ -101,17 +151,17 @@ def _plan(shape, si, so):
     return merged
 
 
-def _run(out: torch.Tensor, x: torch.Tensor) -> None:
+def route(x: torch.Tensor, out: torch.Tensor) -> tuple[Op, str, Any, tuple] | None:
+    """The kernel that copies x into out: (op, problem key, problem, launch arguments after
+    out and x); None when there is nothing to copy."""
     if x.numel() == 0:
-        return
+        return None
     dims = _plan(x.shape, x.stride(), out.stride())
     if not dims or (len(dims) == 1 and dims[0][1] == 1 and dims[0][2] == 1):
-        size = max(x.element_size(), out.element_size())
-        v = 16 // size
+        v = 16 // max(x.element_size(), out.element_size())
         if x.data_ptr() % (v * x.element_size()) or out.data_ptr() % (v * out.element_size()):
             v = 1
-        FLAT_OPS[x.dtype, out.dtype, v](f"n{bucket(x.numel())}", x.numel(), out, x)
-        return
+        return FLAT_OPS[x.dtype, out.dtype, v], f"n{bucket(x.numel())}", x.numel(), ()
     dims = dims[::-1]  # fastest output dim first
     if len(dims) > MAX_DIMS:
         raise ArgumentError(f"vitrail.ops.copy: the strides of x {tuple(x.stride())} and out "
@@ -124,10 +174,46 @@ def _run(out: torch.Tensor, x: torch.Tensor) -> None:
         dims.append([1, 0, 0])
     elif not along0:
         dims.insert(1, dims.pop(fastest_in))
-    dims += [[1, 0, 0]] * (MAX_DIMS - len(dims))
+    ndim = len(dims)
+    dims += [[1, 0, 0]] * (MAX_DIMS - ndim)
     sizes, si, so = zip(*dims)
-    key = f"n0{bucket(sizes[0])};n1{bucket(sizes[1])};along0{along0}"
-    TILED_OPS[x.dtype, out.dtype](key, None, out, x, len(dims), along0, sizes, si, so)
+    key = f"n0{bucket(sizes[0])};n1{bucket(sizes[1])}"
+    if not along0 and _vector_transpose(x, out, si[:ndim], so[:ndim]):
+        return TRANSPOSE_OPS[x.dtype, out.dtype], key, None, (ndim, sizes, si, so)
+    if along0 and si[0] == 1 and so[0] == 1:
+        v = 16 // max(x.element_size(), out.element_size())
+        if not _aligned_rows(x, out, v, si[:ndim], so[:ndim]):
+            v = 1
+        vectors = -(-sizes[0] // v)
+        if vectors >= ROWS_MIN_VECTORS:
+            return (ROWS_OPS[x.dtype, out.dtype, v], f"v{bucket(vectors)}",
+                    (vectors, v * x.element_size()), (ndim, sizes, si, so))
+    return (TILED_OPS[x.dtype, out.dtype], f"{key};along0{along0}", None,
+            (ndim, along0, sizes, si, so))
+
+
+def _run(out: torch.Tensor, x: torch.Tensor) -> None:
+    chosen = route(x, out)
+    if chosen is not None:
+        op, key, problem, args = chosen
+        op(key, problem, out, x, *args)
+
+
+def _vector_transpose(x, out, si, so) -> bool:
+    """Whether the transposing copy can move 16-byte vectors on both sides: the input's dim 1 and
+    the output's dim 0 of stride 1, every other stride and both pointers 16-byte aligned."""
+    if si[1] != 1 or so[0] != 1 or x.data_ptr() % 16 or out.data_ptr() % 16:
+        return False
+    vi, vo = 16 // x.element_size(), 16 // out.element_size()
+    return all(s % vi == 0 for i, s in enumerate(si) if i != 1) and \
+        all(s % vo == 0 for i, s in enumerate(so) if i != 0)
+
+
+def _aligned_rows(x, out, v, si, so) -> bool:
+    """Whether every row starts on a vector of v elements on both sides."""
+    return (x.data_ptr() % (v * x.element_size()) == 0
+            and out.data_ptr() % (v * out.element_size()) == 0
+            and all(s % v == 0 for s in si[1:]) and all(s % v == 0 for s in so[1:]))
 
 
 def _check(x, out, dtype):
@@ -202,4 +288,5 @@ def copy(x: torch.Tensor, *, out: torch.Tensor | None = None,
     return out
 
 
-__all__ = ["copy", "copy_op", "copy_out_op", "FLAT_OPS", "TILED_OPS"]
+__all__ = ["copy", "copy_op", "copy_out_op", "route", "FLAT_OPS", "ROWS_OPS", "TILED_OPS",
+           "TRANSPOSE_OPS"]

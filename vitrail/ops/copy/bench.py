@@ -5,14 +5,21 @@ from vitrail.bench import Row, register
 
 
 def build() -> None:
+    """Compile the kernels the cases take (their default configs), in parallel."""
     import torch
 
-    from vitrail.ops.copy import FLAT_OPS, TILED_OPS
-    from vitrail.tune import limits
+    from vitrail.ops.copy import FLAT_OPS, ROWS_OPS, TRANSPOSE_OPS
+    from vitrail.tune import compile_all, limits
     lim = limits()
-    for op in (FLAT_OPS[torch.bfloat16, torch.float32, 4], TILED_OPS[torch.bfloat16, torch.bfloat16],
-               TILED_OPS[torch.float32, torch.float32]):
-        op.module(op.space.default(None, lim))
+    bf, f32 = torch.bfloat16, torch.float32
+    jobs = {}
+    for op, problem in [(FLAT_OPS[bf, f32, 4], None), (TRANSPOSE_OPS[bf, bf], None),
+                        (TRANSPOSE_OPS[f32, f32], None), (ROWS_OPS[bf, bf, 8], (2000, 16)),
+                        (ROWS_OPS[f32, f32, 4], (4000, 16))]:
+        config = op.space.default(problem, lim)
+        jobs[op.name, config] = dict(op.render(config), arch=lim.arch.name)
+    for (name, config), error in compile_all(list(jobs.items()), label="copy bench").items():
+        print(f"  build failed: {name} {dict(config)}: {error[:2000]}")
 
 
 @register("copy", "vitrail.ops.copy vs torch copy_ / contiguous()", build)
@@ -42,7 +49,14 @@ def run() -> list[Row]:
         o3 = torch.empty(x3.shape, device="cuda", dtype=dtype)
         rows += rows_for(f"permute(0,2,1) {dt} 64x512x1024", {
             "vitrail": lambda: ops.copy(x3, out=o3),
-            "torch eager": lambda: o3.copy_(x3)}, 2 * x3.numel() * x3.element_size(), ceiling)
+            "torch eager": lambda: o3.copy_(x3),
+            "torch.compile": lambda: ct(x3)}, 2 * x3.numel() * x3.element_size(), ceiling)
+        xs = x[:, :16000]
+        os_ = torch.empty(xs.shape, device="cuda", dtype=dtype)
+        rows += rows_for(f"slice [:, :16000] {dt} 16384^2", {
+            "vitrail": lambda: ops.copy(xs, out=os_),
+            "torch eager": lambda: os_.copy_(xs),
+            "torch.compile": lambda: ct(xs)}, 2 * xs.numel() * xs.element_size(), ceiling)
     x = torch.randn(16384, 16384, device="cuda", dtype=torch.bfloat16)
     o = torch.empty(x.shape, device="cuda", dtype=torch.float32)
     rows += rows_for("bf16->fp32 16384^2", {
