@@ -37,39 +37,27 @@ extern "C" cudaError_t copy_flat(void* out, const void* in, long long n, int sms
                                  cudaStream_t stream) {
   return vitrail::copy::launch_flat<TI, TO, V, U, THREADS>((TO*)out, (const TI*)in, n, sms, stream);
 }"""
-_TILED = r"""
-extern "C" cudaError_t copy_tiled(void* out, const void* in, int ndim, int load_along0,
+
+
+def _strided_entry(name: str, launcher: str, param: str = "", arg: str = "") -> str:
+    """An extern "C" entry taking ndim and 6 sizes and strides per side (a Strided) and calling
+    vitrail::copy::<launcher>(out, in, p, [arg,] stream); param declares arg."""
+    return rf"""
+extern "C" cudaError_t {name}(void* out, const void* in, int ndim,{param}
     long long n0, long long n1, long long n2, long long n3, long long n4, long long n5,
     long long i0, long long i1, long long i2, long long i3, long long i4, long long i5,
     long long o0, long long o1, long long o2, long long o3, long long o4, long long o5,
-    cudaStream_t stream) {
-  vitrail::copy::Strided p = {{n0, n1, n2, n3, n4, n5}, {i0, i1, i2, i3, i4, i5},
-                              {o0, o1, o2, o3, o4, o5}, ndim};
-  return vitrail::copy::launch_tiled<TI, TO, TILE, THREADS>((TO*)out, (const TI*)in, p,
-                                                            load_along0 != 0, stream);
-}"""
-_ROWS = r"""
-extern "C" cudaError_t copy_rows(void* out, const void* in, int ndim,
-    long long n0, long long n1, long long n2, long long n3, long long n4, long long n5,
-    long long i0, long long i1, long long i2, long long i3, long long i4, long long i5,
-    long long o0, long long o1, long long o2, long long o3, long long o4, long long o5,
-    cudaStream_t stream) {
-  vitrail::copy::Strided p = {{n0, n1, n2, n3, n4, n5}, {i0, i1, i2, i3, i4, i5},
-                              {o0, o1, o2, o3, o4, o5}, ndim};
-  return vitrail::copy::launch_rows<TI, TO, V, LANES, U, THREADS>((TO*)out, (const TI*)in, p,
-                                                                  stream);
-}"""
-_TRANSPOSE = r"""
-extern "C" cudaError_t copy_transpose(void* out, const void* in, int ndim,
-    long long n0, long long n1, long long n2, long long n3, long long n4, long long n5,
-    long long i0, long long i1, long long i2, long long i3, long long i4, long long i5,
-    long long o0, long long o1, long long o2, long long o3, long long o4, long long o5,
-    cudaStream_t stream) {
-  vitrail::copy::Strided p = {{n0, n1, n2, n3, n4, n5}, {i0, i1, i2, i3, i4, i5},
-                              {o0, o1, o2, o3, o4, o5}, ndim};
-  return vitrail::copy::launch_transpose<TI, TO, LANES1, WARPS1, THREADS>((TO*)out, (const TI*)in,
-                                                                          p, stream);
-}"""
+    cudaStream_t stream) {{
+  vitrail::copy::Strided p = {{{{n0, n1, n2, n3, n4, n5}}, {{i0, i1, i2, i3, i4, i5}},
+                              {{o0, o1, o2, o3, o4, o5}}, ndim}};
+  return vitrail::copy::{launcher}((TO*)out, (const TI*)in, p,{arg} stream);
+}}"""
+
+
+_TILED = _strided_entry("copy_tiled", "launch_tiled<TI, TO, TILE, THREADS>", " int load_along0,",
+                        " load_along0 != 0,")
+_ROWS = _strided_entry("copy_rows", "launch_rows<TI, TO, V, LANES, U, THREADS>")
+_TRANSPOSE = _strided_entry("copy_transpose", "launch_transpose<TI, TO, LANES1, WARPS1, THREADS>")
 
 
 def _name(dtype: torch.dtype) -> str:
