@@ -145,8 +145,9 @@ def route(x: torch.Tensor, out: torch.Tensor) -> tuple[Op, str, Any, tuple] | No
     if x.numel() == 0:
         return None
     dims = _plan(x.shape, x.stride(), out.stride())
+    vmax = 16 // max(x.element_size(), out.element_size())  # elements of a 16-byte vector
     if not dims or (len(dims) == 1 and dims[0][1] == 1 and dims[0][2] == 1):
-        v = 16 // max(x.element_size(), out.element_size())
+        v = vmax
         if x.data_ptr() % (v * x.element_size()) or out.data_ptr() % (v * out.element_size()):
             v = 1
         return FLAT_OPS[x.dtype, out.dtype, v], f"n{bucket(x.numel())}", x.numel(), ()
@@ -169,9 +170,7 @@ def route(x: torch.Tensor, out: torch.Tensor) -> tuple[Op, str, Any, tuple] | No
     if not along0 and _vector_transpose(x, out, si[:ndim], so[:ndim]):
         return TRANSPOSE_OPS[x.dtype, out.dtype], key, None, (ndim, sizes, si, so)
     if along0 and si[0] == 1 and so[0] == 1:
-        v = 16 // max(x.element_size(), out.element_size())
-        if not _aligned_rows(x, out, v, si[:ndim], so[:ndim]):
-            v = 1
+        v = vmax if _aligned_rows(x, out, vmax, si[:ndim], so[:ndim]) else 1
         vectors = -(-sizes[0] // v)
         if vectors >= ROWS_MIN_VECTORS:
             return (ROWS_OPS[x.dtype, out.dtype, v], f"v{bucket(vectors)}",

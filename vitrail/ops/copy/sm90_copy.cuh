@@ -81,6 +81,17 @@ __device__ __forceinline__ TilePos tile_position(const Strided& p) {
   }
   return t;
 }
+// The launchers' side of tile_position: the CTA count (tiles along dims 0 and 1 times the batch),
+// refused unless 2 <= ndim <= 6 and the count is in 1 .. 2^31 - 1.
+template <int Tile0, int Tile1>
+inline cudaError_t tile_grid(const Strided& p, unsigned& ctas) {
+  VITRAIL_TRY(require(p.ndim >= 2 && p.ndim <= 6));
+  long long n = (p.size[0] + Tile0 - 1) / Tile0 * ((p.size[1] + Tile1 - 1) / Tile1);
+  for (int d = 2; d < p.ndim; ++d) n *= p.size[d];
+  VITRAIL_TRY(require(n > 0 && n < (1LL << 31)));
+  ctas = (unsigned)n;
+  return cudaSuccess;
+}
 
 template <class TI, class TO, int Tile, int Threads>
 __global__ void __launch_bounds__(Threads)
@@ -223,11 +234,9 @@ cudaError_t launch_flat(TO* out, const TI* in, long long n, int sms, cudaStream_
 template <class TI, class TO, int Tile, int Threads>
 cudaError_t launch_tiled(TO* out, const TI* in, const Strided& p, bool load_along0,
                          cudaStream_t stream) {
-  VITRAIL_TRY(require(p.ndim >= 2 && p.ndim <= 6));
-  long long ctas = (p.size[0] + Tile - 1) / Tile * ((p.size[1] + Tile - 1) / Tile);
-  for (int d = 2; d < p.ndim; ++d) ctas *= p.size[d];
-  VITRAIL_TRY(require(ctas > 0 && ctas < (1LL << 31)));
-  tiled_kernel<TI, TO, Tile, Threads><<<(unsigned)ctas, Threads, 0, stream>>>(out, in, p, load_along0);
+  unsigned ctas;
+  VITRAIL_TRY((tile_grid<Tile, Tile>(p, ctas)));
+  tiled_kernel<TI, TO, Tile, Threads><<<ctas, Threads, 0, stream>>>(out, in, p, load_along0);
   return cudaGetLastError();
 }
 
@@ -235,30 +244,27 @@ cudaError_t launch_tiled(TO* out, const TI* in, const Strided& p, bool load_alon
 template <class TI, class TO, int Lanes1, int Warps1, int Threads>
 cudaError_t launch_transpose(TO* out, const TI* in, const Strided& p, cudaStream_t stream) {
   using S = TransposeShape<TI, TO, Lanes1, Warps1, Threads>;
-  VITRAIL_TRY(require(p.ndim >= 2 && p.ndim <= 6 && p.si[1] == 1 && p.so[0] == 1));
+  unsigned ctas;
+  VITRAIL_TRY((tile_grid<S::Tile0, S::Tile1>(p, ctas)));  // checks ndim first
+  VITRAIL_TRY(require(p.si[1] == 1 && p.so[0] == 1));
   bool aligned = (uintptr_t)in % 16 == 0 && (uintptr_t)out % 16 == 0 &&
                  p.si[0] % S::VI == 0 && p.so[1] % S::VO == 0;
   for (int d = 2; d < p.ndim; ++d) aligned = aligned && p.si[d] % S::VI == 0 && p.so[d] % S::VO == 0;
   VITRAIL_TRY(require(aligned));
-  long long ctas = (p.size[0] + S::Tile0 - 1) / S::Tile0 * ((p.size[1] + S::Tile1 - 1) / S::Tile1);
-  for (int d = 2; d < p.ndim; ++d) ctas *= p.size[d];
-  VITRAIL_TRY(require(ctas > 0 && ctas < (1LL << 31)));
-  transpose_kernel<TI, TO, Lanes1, Warps1, Threads><<<(unsigned)ctas, Threads, 0, stream>>>(out, in, p);
+  transpose_kernel<TI, TO, Lanes1, Warps1, Threads><<<ctas, Threads, 0, stream>>>(out, in, p);
   return cudaGetLastError();
 }
 
 // Rows apart along dim 1 (any strides for dims 1..); the caller checks alignment (require()s here).
 template <class TI, class TO, int V, int Lanes, int U, int Threads>
 cudaError_t launch_rows(TO* out, const TI* in, const Strided& p, cudaStream_t stream) {
-  VITRAIL_TRY(require(p.ndim >= 2 && p.ndim <= 6 && p.si[0] == 1 && p.so[0] == 1));
+  unsigned ctas;
+  VITRAIL_TRY((tile_grid<Lanes * U * V, Threads / Lanes>(p, ctas)));  // checks ndim first
+  VITRAIL_TRY(require(p.si[0] == 1 && p.so[0] == 1));
   bool aligned = (uintptr_t)in % (V * sizeof(TI)) == 0 && (uintptr_t)out % (V * sizeof(TO)) == 0;
   for (int d = 1; d < p.ndim; ++d) aligned = aligned && p.si[d] % V == 0 && p.so[d] % V == 0;
   VITRAIL_TRY(require(aligned));
-  constexpr long long chunk = (long long)Lanes * U * V, rows = Threads / Lanes;
-  long long ctas = (p.size[0] + chunk - 1) / chunk * ((p.size[1] + rows - 1) / rows);
-  for (int d = 2; d < p.ndim; ++d) ctas *= p.size[d];
-  VITRAIL_TRY(require(ctas > 0 && ctas < (1LL << 31)));
-  rows_kernel<TI, TO, V, Lanes, U, Threads><<<(unsigned)ctas, Threads, 0, stream>>>(out, in, p);
+  rows_kernel<TI, TO, V, Lanes, U, Threads><<<ctas, Threads, 0, stream>>>(out, in, p);
   return cudaGetLastError();
 }
 

@@ -637,7 +637,7 @@ cudaError_t launch_split(T* out, void* ws, int slots, const T* a, const T* b, lo
 // == 0 and slice * Cluster >= n; rows 16-byte aligned (V = 16 bytes / sizeof(T); the base
 // pointers too). Dynamic shared memory: slice elements per array (refused by the launch where
 // that exceeds a CTA's shared memory).
-template <class T, int V, int Mode, bool IsLog, int Threads, int Cluster>
+template <class T, int Mode>
 size_t tile_smem(int slice) {
   return size_t(slice) * sizeof(T) * tile_arrays<Mode>();
 }
@@ -649,7 +649,7 @@ cudaError_t launch_tile(T* out, const T* a, const T* b, long long rows, int n, i
                       (long long)slice * Cluster >= n && rows * Cluster < (1LL << 31) &&
                       lda % V == 0 && ldb % V == 0 && ldo % V == 0));
   return launch(tile_kernel<T, V, Mode, IsLog, Threads, Cluster>, dim3(unsigned(rows * Cluster)),
-                dim3(Threads), tile_smem<T, V, Mode, IsLog, Threads, Cluster>(slice), stream,
+                dim3(Threads), tile_smem<T, Mode>(slice), stream,
                 Cluster, out, a, b, n, slice, lda, ldb, ldo);
 }
 
