@@ -1,7 +1,8 @@
-"""Compile-only builds of two representative GEMM operations for sm_90a (CI has no GPU): the
-torch op's default kernel (bf16, persistent, 2x1 cluster) and a fused-epilogue kernel (fp16,
-C + column bias + gelu_tanh + clamp, B column-major, stream-K). Built in parallel: two builds,
-about 80 s each on one core."""
+"""Compile-only builds of three representative GEMM operations for sm_90a (CI has no GPU): the
+torch op's default kernel (bf16, persistent, 2x1 cluster), a fused-epilogue kernel (fp16,
+C + column bias + gelu_tanh + clamp, B column-major, stream-K) and scaled_mm's FP8 kernel with
+exact accumulation on the overlapped-promotion mainloop. Built in parallel: three builds, about
+80 s each on one core."""
 from __future__ import annotations
 
 import pytest
@@ -30,9 +31,20 @@ def test_compile_representative_operations(monkeypatch):
         tile=TileDescription((128, 128, 64), (1, 2, 1), tile_scheduler="stream_k"),
         epilogue=LinearCombination("f16", element_source="f16", bias="col",
                                    activation="gelu_tanh", clamp=True))
-    failures = compile_many([plain, fused], arch="90a", max_workers=2)
+    fp8 = GemmOperation(
+        A=TensorDescription("e4m3", "row"), B=TensorDescription("e4m3", "col"),
+        D=TensorDescription("bf16", "row"), math=MathInstruction("e4m3", "e4m3"),
+        tile=TileDescription((128, 128, 128), (2, 1, 1)),
+        epilogue=LinearCombination("bf16", scale_a="row", scale_b="tensor"))
+    assert "Sm90Fp8OverlappedPromotion<StockMainloop, 2, 4>;" in fp8.emit()
+    failures = compile_many([plain, fused, fp8], arch="90a", max_workers=2)
     assert not failures, failures
-    for g in (plain, fused):
+    mod = fp8.compile(arch="90a")
+    # the promotions overlap the wgmma: waits for all but the newest group, no serialized wgmma
+    # (ptxas C7514), no accumulator in local memory
+    assert "wgmma.wait_group.sync.aligned 1" in mod.ptx and "C7514" not in mod.log
+    assert all(r.stack == 0 for r in mod.resources().values()), mod.resources()
+    for g in (plain, fused, fp8):
         mod = g.compile(arch="90a")  # from the cache now
         assert mod.how == "disk"
         assert "wgmma.mma_async" in mod.ptx and "cp.async.bulk.tensor" in mod.ptx

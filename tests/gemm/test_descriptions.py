@@ -28,6 +28,9 @@ def make_op(dtype="bf16", layouts="rrr", epilogue=None, **tile):
      "stream-K scheduler needs the cooperative"),
     (dict(kernel_schedule="warp"), "kernel_schedule"),
     (dict(stages=1), "stages"),
+    (dict(fp8_promotion="fast"), "fp8_promotion"),
+    (dict(tile_shape=(128, 96, 128), fp8_promotion="overlapped"), "64-column slices"),
+    (dict(tile_shape=(128, 64, 128), fp8_promotion="overlapped"), "at least 128"),
 ])
 def test_tile_description_refuses(kwargs, words):
     with pytest.raises(ValueError, match=words):
@@ -120,6 +123,39 @@ def test_emitted_source_fp8_scales():
     assert "static_cast<float const*>(scale_b)" in src  # per-tensor scale_b: a device scalar
     with pytest.raises(ValueError, match="for FP8"):
         make_op(epilogue=LinearCombination("bf16", scale_a="tensor"))
+
+
+def _fp8(math_operation="multiply_add", mode="gemm", **tile):
+    return GemmOperation(A=TensorDescription("e4m3", "row"), B=TensorDescription("e4m3", "col"),
+                         D=TensorDescription("bf16"), mode=mode,
+                         math=MathInstruction("e4m3", "e4m3", math_operation=math_operation),
+                         tile=TileDescription(**tile), epilogue=LinearCombination("bf16"))
+
+
+def test_fp8_exact_takes_the_overlapped_promotion():
+    """FP8 with exact accumulation runs vitrail's overlapped mainloop where the tile's N cuts into
+    64-column slices (2 or more); fast accumulation, 16-bit types, stock requests, narrower tiles
+    and the pointer-array mode keep CUTLASS's, and the name says so."""
+    slices = {(128, 128, 128): 2, (128, 192, 128): 3, (64, 256, 128): 4}
+    for shape, parts in slices.items():
+        schedule = "pingpong" if shape[0] == 64 else "cooperative"
+        op = _fp8(tile_shape=shape, kernel_schedule=schedule)
+        assert op.overlapped_promotion and "_stockpromo" not in op.name
+        src = op.emit()
+        assert f"Sm90Fp8OverlappedPromotion<StockMainloop, {parts}, 4>" in src
+        assert "#include <vitrail/sm90_fp8_mainloop.cuh>" in src
+    stock = [_fp8(tile_shape=(128, 128, 128), fp8_promotion="stock"),
+             _fp8(tile_shape=(128, 64, 128)),
+             _fp8(tile_shape=(128, 128, 128), math_operation="multiply_add_fast_accum"),
+             _fp8(tile_shape=(128, 128, 128), mode="array")]
+    for op in stock:
+        assert not op.overlapped_promotion
+        assert "Sm90Fp8OverlappedPromotion" not in op.emit()
+    assert [op.name.endswith("_stockpromo") or "_stockpromo_" in op.name for op in stock] == \
+        [True, True, False, True]
+    assert "Sm90Fp8OverlappedPromotion" not in make_op().emit()  # bf16
+    with pytest.raises(ValueError, match="pointer-array"):
+        _fp8(tile_shape=(128, 128, 128), mode="array", fp8_promotion="overlapped")
 
 
 def test_distinct_configs_distinct_sources():

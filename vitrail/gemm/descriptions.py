@@ -27,6 +27,7 @@ FP8 = ("e4m3", "e5m2")
 LAYOUTS = ("row", "col")
 KERNEL_SCHEDULES = ("cooperative", "pingpong")
 TILE_SCHEDULERS = ("persistent", "stream_k")
+FP8_PROMOTIONS = ("auto", "overlapped", "stock")
 MODES = ("gemm", "batched", "split_k_serial", "split_k_parallel", "array")
 IMPLEMENTED_MODES = MODES
 SMEM_BYTES_SM90 = 227 * 1024  # opt-in shared memory per CTA on sm_90
@@ -97,12 +98,20 @@ class MathInstruction:
 class TileDescription:
     """The CTA tile (M, N, K), the cluster, the pipeline stages (0: as many as fit), the kernel
     schedule (warp-specialized 'cooperative' or 'pingpong') and the tile scheduler ('persistent'
-    or 'stream_k', which also serves split-K)."""
+    or 'stream_k', which also serves split-K).
+
+    ``fp8_promotion`` (FP8 with exact accumulation only; other kernels ignore it): the mainloop
+    that adds each k-tile's wgmma sums into the fp32 accumulators. 'overlapped' is vitrail's
+    (include/vitrail/sm90_fp8_mainloop.cuh: the tile's N in 64-column slices, each promoted while
+    the next one's wgmma run; tile N a multiple of 64, at least 128), 'stock' CUTLASS's (the
+    tensor cores idle at every promotion), 'auto' the overlapped one where the tile allows it.
+    Both give the same bits."""
     tile_shape: tuple[int, int, int] = (128, 128, 64)
     cluster_shape: tuple[int, int, int] = (1, 1, 1)
     stages: int = 0
     kernel_schedule: str = "cooperative"
     tile_scheduler: str = "persistent"
+    fp8_promotion: str = "auto"
 
     def __post_init__(self):
         tm, tn, tk = self.tile_shape
@@ -135,6 +144,20 @@ class TileDescription:
                              "kernel schedule")
         if self.stages < 0 or self.stages == 1:
             raise ValueError(f"TileDescription.stages={self.stages}: expected 0 (auto) or >= 2")
+        if self.fp8_promotion not in FP8_PROMOTIONS:
+            raise ValueError(f"TileDescription.fp8_promotion={self.fp8_promotion!r}: expected "
+                             f"one of {', '.join(FP8_PROMOTIONS)}")
+        if self.fp8_promotion == "overlapped" and not self.overlaps_promotion:
+            raise ValueError(f"TileDescription.tile_shape={self.tile_shape}: the overlapped FP8 "
+                             f"promotion cuts tile N into 64-column slices, at least two: tile "
+                             f"N must be a multiple of 64 and at least 128 (or use "
+                             f"fp8_promotion='stock')")
+
+    @property
+    def overlaps_promotion(self) -> bool:
+        """Whether an FP8 exact-accumulation kernel of this tile takes the overlapped mainloop."""
+        tn = self.tile_shape[1]
+        return self.fp8_promotion != "stock" and tn % 64 == 0 and tn >= 128
 
     @property
     def threads(self) -> int:

@@ -16,6 +16,8 @@ from vitrail.gemm.descriptions import FP8, cpp_type
 
 ENTRY = "vitrail_gemm"
 WORKSPACE_ENTRY = "vitrail_gemm_workspace"
+# k-tiles per sequence of the overlapped FP8 promotion (one wgmma drain per sequence).
+FP8_PROMOTION_UNROLL = 4
 
 # entry point check codes (negative; positive values are cudaError_t)
 CODES = {-1: "an operand's address is not 16-byte aligned (TMA needs it)",
@@ -42,7 +44,7 @@ _TEMPLATE = r"""// vitrail GEMM: @NAME@
 #include <cutlass/gemm/kernel/tile_scheduler.hpp>
 #include <cutlass/gemm/kernel/@KERNEL_HEADER@>
 #include <cutlass/device_kernel.h>
-@PREAMBLE@
+@PREAMBLE@@MAINLOOP_HEADER@
 namespace vitrail_gemm_impl {
 using namespace cute;
 
@@ -69,10 +71,10 @@ using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBui
     ElementC, LayoutC, AlignmentC, ElementD, LayoutD, AlignmentD,
     @EPILOGUE_SCHEDULE@, Callbacks>::CollectiveOp;
 
-using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+using @MAINLOOP@ = typename cutlass::gemm::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
     ElementA, LayoutA, AlignmentA, ElementB, LayoutB, AlignmentB, float,
-    TileShape, ClusterShape, @STAGES@, @KERNEL_SCHEDULE@>::CollectiveOp;
+    TileShape, ClusterShape, @STAGES@, @KERNEL_SCHEDULE@>::CollectiveOp;@MAINLOOP_WRAPPER@
 
 using GemmKernel = cutlass::gemm::kernel::GemmUniversal<
     Shape<int, int, int, int>, CollectiveMainloop, CollectiveEpilogue, @TILE_SCHEDULER@>;
@@ -166,6 +168,12 @@ def emit(op, *, entry: str = ENTRY, workspace_entry: str = WORKSPACE_ENTRY,
     mainloops = ["sm90_mma_tma_gmma_ss_warpspecialized.hpp"]
     if fp8:
         mainloops.append("sm90_mma_tma_gmma_ss_warpspecialized_fp8.hpp")
+    mainloop, wrapper, mainloop_header = "CollectiveMainloop", "", ""
+    if op.overlapped_promotion:  # FP8 exact: promotions overlap the wgmma (sm90_fp8_mainloop.cuh)
+        mainloop = "StockMainloop"
+        wrapper = (f"\nusing CollectiveMainloop = vitrail::gemm::Sm90Fp8OverlappedPromotion<"
+                   f"StockMainloop, {tile.tile_shape[1] // 64}, {FP8_PROMOTION_UNROLL}>;")
+        mainloop_header = "\n#include <vitrail/sm90_fp8_mainloop.cuh>"
     tm, tn, tk = tile.tile_shape
     cm, cn, ck = tile.cluster_shape
     stages = (f"cutlass::gemm::collective::StageCount<{tile.stages}>" if tile.stages else
@@ -205,6 +213,7 @@ def emit(op, *, entry: str = ENTRY, workspace_entry: str = WORKSPACE_ENTRY,
         "CALLBACKS": callbacks, "CALLBACK_ARGS": callback_args,
         "EPILOGUE_SCHEDULE": epilogue_schedule, "STAGES": stages,
         "KERNEL_SCHEDULE": f"cutlass::gemm::{schedule}", "TILE_SCHEDULER": scheduler,
+        "MAINLOOP": mainloop, "MAINLOOP_WRAPPER": wrapper, "MAINLOOP_HEADER": mainloop_header,
         "SCHEDULER_ARGS": scheduler_args,
         "C_POINTER": "static_cast<ElementC const*>(C)" if has_c else "nullptr",
         "C_ALIGNED": " || !aligned(C)" if has_c else "",

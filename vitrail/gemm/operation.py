@@ -79,6 +79,9 @@ class GemmOperation(Buildable):
         if self.mode == "array":
             from vitrail.gemm.array import check_epilogue
             check_epilogue(self.epilogue)
+            if self.tile.fp8_promotion == "overlapped":
+                raise ValueError("GemmOperation: mode 'array' runs CUTLASS's pointer-array "
+                                 "mainloop; fp8_promotion='overlapped' is for the other modes")
         for name, desc, elem in (("A", self.A, self.math.element_a),
                                  ("B", self.B, self.math.element_b)):
             if _memory_type(desc.element) != _memory_type(elem):
@@ -139,6 +142,13 @@ class GemmOperation(Buildable):
         return stages * (per_stage + 16) + epi + 1024
 
     @property
+    def overlapped_promotion(self) -> bool:
+        """FP8 exact accumulation on vitrail's overlapped mainloop (TileDescription.fp8_promotion)."""
+        m = self.math
+        return (m.element_a in FP8 and m.math_operation == "multiply_add"
+                and self.mode != "array" and self.tile.overlaps_promotion)
+
+    @property
     def name(self) -> str:
         m, t = self.math, self.tile
         tm, tn, tk = t.tile_shape
@@ -148,6 +158,8 @@ class GemmOperation(Buildable):
                 f"{t.kernel_schedule[:4]}_{t.tile_scheduler}"
                 + (f"_s{t.stages}" if t.stages else "")
                 + ("_fast" if m.math_operation == "multiply_add_fast_accum" else "")
+                + ("_stockpromo" if m.element_a in FP8 and m.math_operation == "multiply_add"
+                   and not self.overlapped_promotion else "")
                 + f"_{self.epilogue.tag}" + _MODE_TAGS.get(self.mode, ""))
 
     def emit(self) -> str:
