@@ -143,7 +143,8 @@ class GemmOperation(Buildable):
 
     @property
     def overlapped_promotion(self) -> bool:
-        """FP8 exact accumulation on vitrail's overlapped mainloop (TileDescription.fp8_promotion)."""
+        """Whether this is FP8 exact accumulation on vitrail's overlapped mainloop
+        (TileDescription.fp8_promotion)."""
         m = self.math
         return (m.element_a in FP8 and m.math_operation == "multiply_add"
                 and self.mode != "array" and self.tile.overlaps_promotion)

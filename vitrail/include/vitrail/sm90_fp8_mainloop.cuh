@@ -59,9 +59,10 @@ struct Sm90Fp8OverlappedPromotion : Collective {
   static_assert(Unroll >= 1, "Unroll: k-tiles per sequence, at least 1");
   // One slice's MMA: the same warpgroups along M as the collective's, N / Parts columns.
   using SliceMma = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<ElementA, ElementB, float,
-                                 cute::Shape<cute::Int<kTileM>, cute::Int<kSliceN>, cute::Int<kTileK>>,
-                                 cute::GMMA::Major::K, cute::GMMA::Major::K>(),
+      cute::GMMA::ss_op_selector<
+          ElementA, ElementB, float,
+          cute::Shape<cute::Int<kTileM>, cute::Int<kSliceN>, cute::Int<kTileK>>,
+          cute::GMMA::Major::K, cute::GMMA::Major::K>(),
       cute::Layout<cute::Shape<cute::Int<kWarpGroups>, cute::_1, cute::_1>>{}));
   static_assert(kTileK / cute::size<2>(typename SliceMma::AtomShape_MNK{}) <= 4,
                 "exact FP8 accumulation promotes at most every 4 wgmma (128 deep)");
@@ -148,22 +149,25 @@ struct Sm90Fp8OverlappedPromotion : Collective {
   }
 
   template <class FrgTensorC>
-  CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum,
-                          int k_tile_count, int thread_idx, TensorStorage& shared_tensors,
-                          Params const& /*mainloop_params*/) {
+  CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read,
+                          FrgTensorC& accum, int k_tile_count, int thread_idx,
+                          TensorStorage& shared_tensors, Params const& /*mainloop_params*/) {
     using namespace cute;
     static_assert(size<2>(FrgTensorC{}) == 1 && size<2>(SliceFrg{}) == 1 &&
-                  size<0, 2>(FrgTensorC{}) == Parts * kBlocks && size<0, 2>(SliceFrg{}) == kBlocks &&
+                  size<0, 2>(FrgTensorC{}) == Parts * kBlocks &&
+                  size<0, 2>(SliceFrg{}) == kBlocks &&
                   size<1>(FrgTensorC{}) == size<1>(SliceFrg{}),
                   "accumulator layouts: the full tile's is the slices' side by side along N");
-    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});  // (M,K,PIPE)
-    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});  // (N,K,PIPE)
+    // (M,K,PIPE) and (N,K,PIPE)
+    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
     const int warp_group = __shfl_sync(0xffffffff, thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
     auto thr = SliceMma{}.get_slice(warp_group * cutlass::NumThreadsPerWarpGroup);
     Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));
     // slice p of B: rows [p * kSliceN, (p + 1) * kSliceN) of every stage
     using Slice = Shape<Int<kSliceN>, Int<kTileK>, Int<size<2>(SmemLayoutB{})>>;
-    using FrgB = decltype(thr.make_fragment_B(thr.partition_B(local_tile(sB, Slice{}, make_coord(0, 0, 0)))));
+    using FrgB = decltype(thr.make_fragment_B(
+        thr.partition_B(local_tile(sB, Slice{}, make_coord(0, 0, 0)))));
     FrgB tCrB[Parts];
     CUTLASS_PRAGMA_UNROLL
     for (int p = 0; p < Parts; ++p)
