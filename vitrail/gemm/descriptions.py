@@ -147,17 +147,18 @@ class TileDescription:
         if self.fp8_promotion not in FP8_PROMOTIONS:
             raise ValueError(f"TileDescription.fp8_promotion={self.fp8_promotion!r}: expected "
                              f"one of {', '.join(FP8_PROMOTIONS)}")
-        if self.fp8_promotion == "overlapped" and not self.overlaps_promotion:
+        if self.fp8_promotion == "overlapped" and not self.promotion_slices:
             raise ValueError(f"TileDescription.tile_shape={self.tile_shape}: the overlapped FP8 "
                              f"promotion cuts tile N into 64-column slices, at least two: tile "
                              f"N must be a multiple of 64 and at least 128 (or use "
                              f"fp8_promotion='stock')")
 
     @property
-    def overlaps_promotion(self) -> bool:
-        """Whether an FP8 exact-accumulation kernel of this tile takes the overlapped mainloop."""
+    def promotion_slices(self) -> int:
+        """The 64-column slices an FP8 exact-accumulation kernel of this tile promotes one by one
+        on the overlapped mainloop; 0 where it takes the stock one."""
         tn = self.tile_shape[1]
-        return self.fp8_promotion != "stock" and tn % 64 == 0 and tn >= 128
+        return tn // 64 if self.fp8_promotion != "stock" and tn % 64 == 0 and tn >= 128 else 0
 
     @property
     def threads(self) -> int:

@@ -172,7 +172,7 @@ def emit(op, *, entry: str = ENTRY, workspace_entry: str = WORKSPACE_ENTRY,
     if op.overlapped_promotion:  # FP8 exact: promotions overlap the wgmma (sm90_fp8_mainloop.cuh)
         mainloop = "StockMainloop"
         wrapper = (f"\nusing CollectiveMainloop = vitrail::gemm::Sm90Fp8OverlappedPromotion<"
-                   f"StockMainloop, {tile.tile_shape[1] // 64}, {FP8_PROMOTION_UNROLL}>;")
+                   f"StockMainloop, {tile.promotion_slices}, {FP8_PROMOTION_UNROLL}>;")
         mainloop_header = "\n#include <vitrail/sm90_fp8_mainloop.cuh>"
     tm, tn, tk = tile.tile_shape
     cm, cn, ck = tile.cluster_shape

@@ -147,7 +147,7 @@ class GemmOperation(Buildable):
         (TileDescription.fp8_promotion)."""
         m = self.math
         return (m.element_a in FP8 and m.math_operation == "multiply_add"
-                and self.mode != "array" and self.tile.overlaps_promotion)
+                and self.mode != "array" and self.tile.promotion_slices > 0)
 
     @property
     def name(self) -> str:

@@ -16,8 +16,8 @@ store), and rows beyond the largest config, take the tile path where it fits and
 enough (``use_tile``): each row over a cluster of CTAs that hold their slices in shared memory,
 several CTAs per SM. Of the rest, rows beyond the largest config, and rows so few that the
 register path's clusters would not give every SM two CTAs (rows x CLUSTER < 2 x SMs; a
-clustered forward CTA takes a whole SM, so fewer means one wave or less of CTAs that load, reduce, then store with nothing to overlap), leave the
-register path (``use_chunked``). Of those, few rows take the split path (``use_split``): at most
+clustered forward CTA takes a whole SM, so fewer means one wave or less of CTAs that load,
+reduce, then store with nothing to overlap), leave the register path (``use_chunked``). Of those, few rows take the split path (``use_split``): at most
 half as many rows as CTAs the GPU holds at once (rows <= SPLIT_CTAS_PER_SM x SMs / 2, so every row
 gets G >= 2 CTAs). One cooperative kernel of rows x G CTAs, all resident at once; G = the CTAs the
 occupancy API says fit (ctas_per_sm x SMs) divided by rows, each CTA a slice of about n / G
