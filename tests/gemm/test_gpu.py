@@ -146,7 +146,7 @@ FP8_TILES = [((128, 128, 128), (2, 1, 1), "cooperative", "persistent"),
 def test_fp8_overlapped_promotion_matches_stock(tile, cluster, schedule, scheduler):
     """The same promotions in the same order: the same bits as the stock mainloop, for 1 to 33
     k-tiles (sequences of 4 and the single k-tiles left over; a partial last k-tile), odd M and
-    N, row-wise scales; and values against fp64."""
+    N, row-wise scales; and values against fp64, relative to sum |a_k b_k| per element."""
     ovl = _fp8_exact(tile, cluster, schedule, scheduler)
     stock = _fp8_exact(tile, cluster, schedule, scheduler, promotion="stock")
     assert ovl.overlapped_promotion and not stock.overlapped_promotion
@@ -162,6 +162,9 @@ def test_fp8_overlapped_promotion_matches_stock(tile, cluster, schedule, schedul
             op.run(GemmArguments.from_tensors(op, a, b, d, scale_a=sa, scale_b=sb))
             outs.append(d)
         assert torch.equal(outs[0], outs[1]), (M, N, K, (outs[0] - outs[1]).abs().max())
-        ref = (a.double() @ b.double()) * sa.double()[:, None] * 0.75
-        err = (outs[0].double() - ref).abs().max() / ref.abs().max()
-        assert err < 5e-4, (M, N, K, err)  # fast accumulation: 4.5e-3 at 4096^3 (H100)
+        scale = sa.double()[:, None] * 0.75
+        ref = (a.double() @ b.double()) * scale
+        # a GEMM's error scales with sum |a_k b_k| (not with |result|, which cancels: a 1 x 8
+        # output's max measured 6e-4 of itself); the tensor cores' sums, promoted every 128
+        err = ((outs[0].double() - ref).abs() / ((a.double().abs() @ b.double().abs()) * scale))
+        assert err.max() < 2.0 ** -10, (M, N, K, err.max())
