@@ -10,17 +10,22 @@
 // so the tensor cores idle while the warpgroup drains, adds and issues again: 0.81-0.86x torch on
 // an H100 at 4096^3 and 8192^3.
 //
-// Here the warpgroup's N columns are cut into Parts slices, each with its own temporary (together
-// one accumulator's worth of registers, as in CUTLASS's collective). Unroll k-tiles form one
-// sequence of Unroll x Parts wgmma groups: each group is issued, then the one before it is waited
-// for (warpgroup_wait<1>) and promoted while it runs; the sequence's last group is waited for with
-// warpgroup_wait<0>, so no wgmma is in flight across the loop's back edge (where one is, ptxas
-// serializes every wgmma of the kernel: C7514). A k-tile's A is read from shared memory once per
-// slice. The promotion depth (one k-tile) and order are CUTLASS's: the results are bit-identical.
+// Here the warpgroup's N columns are cut into Parts slices. Unroll k-tiles form one sequence of
+// Unroll x Parts wgmma groups (one slice of one k-tile each): each group is issued into a
+// temporary, then the one before it is waited for (warpgroup_wait<1>) and promoted while it runs;
+// the sequence's last group is waited for with warpgroup_wait<0>, so no wgmma is in flight across
+// the loop's back edge (where one is, ptxas serializes every wgmma of the kernel: C7514). At most
+// two groups are live, so two slice-sized temporaries rotate: a 64 x 256 warpgroup tile holds
+// 128 + 2 x 32 accumulator registers, where CUTLASS's collective needs 2 x 128 and spills; that
+// is what lets exact mode use the 128x256 tiles of fast mode. A k-tile's A is read from shared
+// memory once per slice (64-column wgmma run at the full rate: 8191 of 8192 FLOP/clk/SM measured
+// with 2 warpgroups, like 256-column ones). The promotion depth (one k-tile) and order are
+// CUTLASS's: the results are bit-identical.
 //
-// H100, bf16 out, against torch._scaled_mm's exact mode in the same runs (128x128x128 tiles, 2x1
-// cluster): 4096^3 0.94x (stock 0.87x), 8192^3 0.89x (stock 0.82x); Unroll 8 measured 0.97x and
-// 0.87x, 128x192 tiles 0.89x and 0.89-0.91x. cuBLAS stays ahead; this closes about half the gap.
+// H100, bf16 out, against torch._scaled_mm's exact mode in the same run: 128x256x128 tiles, 2x1
+// cluster, 1.02x at 4096^3 and 1.00x at 6144^3 (128x128 tiles 0.94x and 0.91x; the stock
+// collective at 128x128 0.87x and 0.84x). Drains staggered between the two warpgroups, Unroll 2
+// and 8 measured no better.
 //
 // Constraints (static_asserts): operands from shared memory (SS wgmma), K-major; K-tile at most
 // 4 wgmma deep (the promotion depth of exact mode); N per slice a multiple of 8 (a wgmma N).
@@ -68,6 +73,10 @@ struct Sm90Fp8OverlappedPromotion : Collective {
                 "exact FP8 accumulation promotes at most every 4 wgmma (128 deep)");
   using SliceFrg = decltype(cute::partition_fragment_C(
       SliceMma{}, cute::Shape<cute::Int<kTileM>, cute::Int<kSliceN>>{}));  // (MMA,MMA_M,MMA_N)
+  // Temporaries: group G of a sequence goes into tmp[G % 2]; at most two groups are live (one
+  // in flight, the one before it being promoted), so a 64 x 256 warpgroup tile needs 128 + 64
+  // registers of accumulators, not 2 x 128.
+  static constexpr int kTemps = 2;
 
   // The state of one mainloop: the pipeline positions and the operands' descriptors.
   template <class FrgA, class FrgB>
@@ -77,24 +86,24 @@ struct Sm90Fp8OverlappedPromotion : Collective {
     int k, k_tile_count;
     FrgA& tCrA;     // (MMA,MMA_M,MMA_K,PIPE)
     FrgB* tCrB;     // [Parts] (MMA,MMA_N,MMA_K,PIPE)
-    SliceFrg* tmp;  // [Parts]
+    SliceFrg* tmp;  // [kTemps]
   };
 
-  // Slice P of k-tile `stage`: its wgmma into tmp[P], started at zero, committed as one group.
-  template <int P, class L>
+  // Slice P of k-tile `stage`: its wgmma into tmp[T], started at zero, committed as one group.
+  template <int P, int T, class L>
   CUTLASS_DEVICE static void issue(L& loop, int stage) {
     using namespace cute;
     SliceMma mma;
-    warpgroup_fence_operand(loop.tmp[P]);
+    warpgroup_fence_operand(loop.tmp[T]);
     warpgroup_arrive();
     mma.accumulate_ = GMMA::ScaleOut::Zero;
     CUTLASS_PRAGMA_UNROLL
     for (int kb = 0; kb < size<2>(loop.tCrA); ++kb) {
-      cute::gemm(mma, loop.tCrA(_, _, kb, stage), loop.tCrB[P](_, _, kb, stage), loop.tmp[P]);
+      cute::gemm(mma, loop.tCrA(_, _, kb, stage), loop.tCrB[P](_, _, kb, stage), loop.tmp[T]);
       mma.accumulate_ = GMMA::ScaleOut::One;
     }
     warpgroup_commit_batch();
-    warpgroup_fence_operand(loop.tmp[P]);
+    warpgroup_fence_operand(loop.tmp[T]);
   }
 
   // accum += tmp[P]. accum (V=(2,2,N/8), MMA_M, 1) holds slice P in its blocks [P * B, (P+1) * B).
@@ -132,17 +141,17 @@ struct Sm90Fp8OverlappedPromotion : Collective {
       stage = loop.read.index();
       ++loop.read;
     }
-    issue<P>(loop, stage);
+    issue<P, G % kTemps>(loop, stage);
     if constexpr (G > 0) {  // the group before this one: wait for it, promote it
       cute::warpgroup_wait<1>();
-      promote<(G - 1) % Parts>(accum, loop.tmp[(G - 1) % Parts]);
+      promote<(G - 1) % Parts>(accum, loop.tmp[(G - 1) % kTemps]);
       if constexpr (P == 0) release_unless_last(loop, G / Parts - 1);
     }
     if constexpr (G + 1 < U * Parts) {
       group<U, G + 1>(loop, accum, stage);
     } else {
       cute::warpgroup_wait<0>();
-      promote<Parts - 1>(accum, loop.tmp[Parts - 1]);
+      promote<Parts - 1>(accum, loop.tmp[G % kTemps]);
       release_unless_last(loop, U - 1);
       loop.k += U;
     }
@@ -172,7 +181,7 @@ struct Sm90Fp8OverlappedPromotion : Collective {
     CUTLASS_PRAGMA_UNROLL
     for (int p = 0; p < Parts; ++p)
       tCrB[p] = thr.make_fragment_B(thr.partition_B(local_tile(sB, Slice{}, make_coord(p, 0, 0))));
-    SliceFrg tmp[Parts];
+    SliceFrg tmp[kTemps];
     clear(accum);
 
     Loop<decltype(tCrA), FrgB> loop{pipeline, smem_pipe_read, smem_pipe_read, 0, k_tile_count,
