@@ -390,9 +390,12 @@ def test_opcheck_and_compile():
 @pytest.mark.parametrize("da,db", [(torch.float8_e4m3fn, torch.float8_e4m3fn),
                                    (torch.float8_e4m3fn, torch.float8_e5m2)])
 @pytest.mark.parametrize("rowwise", [False, True])
-def test_scaled_mm(da, db, rowwise, poison):
+# the heuristic's two exact-accumulation kernels: few tiles and a long K on stream-K (128x128),
+# else 128x256 tiles (K = 1152: a sequence of 4 k-tiles twice, then one alone)
+@pytest.mark.parametrize("M,N,K", [(1000, 528, 4096), (1000, 1104, 1152)],
+                         ids=["stream_k", "128x256"])
+def test_scaled_mm(da, db, rowwise, M, N, K, poison):
     ops = family()
-    M, N, K = 1000, 528, 4096
     a = (rand(M, K, dtype=torch.float32) * 0.5).to(da)
     b = (rand(N, K, dtype=torch.float32) * 0.5).to(db).t()  # column-major, as torch wants
     if rowwise:
