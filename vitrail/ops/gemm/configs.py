@@ -15,7 +15,7 @@ accumulation takes 128x256 tiles too: the overlapped-promotion mainloop keeps tw
 temporaries beside the accumulators, 192 registers (CUTLASS's collective needs a second full
 accumulator, which spills at 128x256). H100, torch._scaled_mm exact = 1, same run: 128x256
 1.02x at 4096^3 and 1.00x at 6144^3, where 128x128 runs 0.94x and 0.91x; at 8192^3 0.95-1.04x
-over five runs. Measured slower there: 128x192 (0.96-0.97x), a 1x2 cluster (0.99x), stream-K
+in six runs. Measured slower there: 128x192 (0.96-0.97x), a 1x2 cluster (0.99x), stream-K
 (0.92x), 64x256 ping-pong (0.85-0.87x: each warpgroup loads its own B).
 """
 from __future__ import annotations
