@@ -132,8 +132,9 @@ def _fp8_exact(tile, cluster=(1, 1, 1), schedule="cooperative", scheduler="persi
         epilogue=LinearCombination("f32", scale_a="row", scale_b="tensor"))
 
 
-# FP8 exact accumulation: the overlapped mainloop (slices of 64 columns: 2, 3, 2 and 2 of them)
-# on both kernel schedules and both tile schedulers, against CUTLASS's stock mainloop
+# FP8 exact accumulation: the overlapped mainloop (slices of 64 columns: 4, 2, 3, 2 and 2 of them,
+# two temporaries taking them in turn) on both kernel schedules and both tile schedulers, against
+# CUTLASS's stock mainloop
 FP8_TILES = [((128, 256, 128), (2, 1, 1), "cooperative", "persistent"),
              ((128, 128, 128), (2, 1, 1), "cooperative", "persistent"),
              ((128, 192, 128), (1, 2, 1), "cooperative", "persistent"),
