@@ -1,9 +1,12 @@
 """Compile-only builds of three representative GEMM operations for sm_90a (CI has no GPU): the
 torch op's default kernel (bf16, persistent, 2x1 cluster), a fused-epilogue kernel (fp16,
-C + column bias + gelu_tanh + clamp, B column-major, stream-K) and scaled_mm's default FP8
-kernel with exact accumulation on the overlapped-promotion mainloop (128x256 tiles). Built in
-parallel: three builds, about 80 s each on one core."""
+C + column bias + gelu_tanh + clamp, B column-major, stream-K, a 144-wide tile: one m64n144
+wgmma, not nine m64n16) and scaled_mm's default FP8 kernel with exact accumulation on the
+overlapped-promotion mainloop (128x256 tiles). Built in parallel: three builds, about 80 s each
+on one core."""
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -27,7 +30,7 @@ def test_compile_representative_operations(monkeypatch):
     fused = GemmOperation(
         A=TensorDescription("f16", "row"), B=TensorDescription("f16", "col"),
         D=TensorDescription("f16", "row"), math=MathInstruction("f16", "f16"),
-        tile=TileDescription((128, 128, 64), (1, 2, 1), tile_scheduler="stream_k"),
+        tile=TileDescription((128, 144, 64), (1, 2, 1), tile_scheduler="stream_k"),
         epilogue=LinearCombination("f16", element_source="f16", bias="col",
                                    activation="gelu_tanh", clamp=True))
     # scaled_mm's default (exact accumulation, row-wise scale_a): 128x256 tiles, whose 64 x 256
@@ -45,6 +48,9 @@ def test_compile_representative_operations(monkeypatch):
     assert "wgmma.wait_group.sync.aligned 1" in mod.ptx
     assert "wgmma.mma_async instructions are serialized" not in mod.log, mod.log
     assert all(r.stack == 0 for r in mod.resources().values()), mod.resources()
+    wgmma = {g: set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)",
+                               g.compile(arch="90a").ptx)) for g in (plain, fused)}
+    assert wgmma == {plain: {"m64n256k16"}, fused: {"m64n144k16"}}, wgmma
     for g in (plain, fused, fp8):
         mod = g.compile(arch="90a")  # from the cache now
         assert mod.how == "disk"

@@ -158,6 +158,22 @@ def test_fp8_exact_takes_the_overlapped_promotion():
         _fp8(tile_shape=(128, 128, 128), mode="array", fp8_promotion="overlapped")
 
 
+def test_sources_take_every_wgmma_n():
+    """CuTe's wgmma selectors cut a tile N outside {8, 16, 32, 64, 96, 128, 192, 256} into
+    narrower instructions (144 into 9 x n16) unless CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED is
+    defined before its headers: every emitted GEMM source defines it first."""
+    from vitrail.gemm.grouped import GroupedGemmOperation
+    ops = [make_op(tile_shape=(128, 144, 64)), _fp8(tile_shape=(128, 144, 128)),
+           _fp8(tile_shape=(128, 144, 128), mode="array"),
+           GroupedGemmOperation(A=TensorDescription("bf16", "row"),
+                                B=TensorDescription("bf16", "row"),
+                                D=TensorDescription("bf16", "row"),
+                                math=MathInstruction("bf16", "bf16"))]
+    for op in ops:
+        src = op.emit()
+        assert src.index("#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED") < src.index("#include")
+
+
 def test_distinct_configs_distinct_sources():
     ops = [make_op(), make_op(cluster_shape=(2, 1, 1)), make_op("f16"),
            make_op(layouts="crr"), make_op(epilogue=LinearCombination("bf16", activation="relu"))]

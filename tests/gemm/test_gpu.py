@@ -122,6 +122,23 @@ def test_every_scheduler_order(op, swizzle):
         close(d.cpu(), ref.cpu())
 
 
+# a tile N outside CuTe's default wgmma list: one m64n144k16 (the emitter enables the extended
+# shapes; without them CuTe cut it into nine m64n16)
+WIDE = GemmOperation(A=TensorDescription("f16", "row"), B=TensorDescription("f16", "col"),
+                     D=TensorDescription("f16", "row"), math=MathInstruction("f16", "f16"),
+                     tile=TileDescription((128, 144, 64), (1, 2, 1)))
+
+
+@requires_gpu
+@pytest.mark.parametrize("M,N,K", [(1000, 1000, 1000), (129, 2168, 264), (8, 144, 64)])
+def test_tile_n_outside_the_default_wgmma_list(M, N, K):
+    a = torch.randn(M, K, device="cuda", dtype=torch.float16)
+    b = torch.randn(N, K, device="cuda", dtype=torch.float16).t()
+    d = torch.full((M, N), float("nan"), device="cuda", dtype=torch.float16)
+    WIDE.run(GemmArguments.from_tensors(WIDE, a, b, d))
+    close(d.cpu(), (a.double() @ b.double()).cpu())
+
+
 def _fp8_exact(tile, cluster=(1, 1, 1), schedule="cooperative", scheduler="persistent",
                promotion="auto"):
     return GemmOperation(

@@ -28,6 +28,7 @@ CODES = {-1: "an operand's address is not 16-byte aligned (TMA needs it)",
 
 _TEMPLATE = r"""// vitrail GEMM: @NAME@
 // @SUMMARY@
+@EXTENDED_SHAPES@
 #include <cuda_runtime.h>
 #include <cstdint>
 #include <cmath>
@@ -256,7 +257,12 @@ ENTRY_PARAMS = """    const void* A, const void* B, const void* C, void* D, cons
     int64_t ldd, int64_t batch_d, int64_t bias_batch_stride, float alpha, float beta,
     float slope, float lo, float hi, int splits, int swizzle, int raster, void* workspace,
     int64_t workspace_bytes, int sm_count, cudaStream_t stream"""
-PTR_ARRAY_INCLUDES = """#include <cuda_runtime.h>
+# CuTe's wgmma selectors pick, for a tile N outside {8, 16, 32, 64, 96, 128, 192, 256}, the
+# largest of those that divides it unless this is defined: a 144-wide tile would run 9 m64n16
+# instructions (a fraction of the rate of one m64n144) where wgmma itself takes any multiple of 8.
+EXTENDED_SHAPES = "#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED"
+PTR_ARRAY_INCLUDES = EXTENDED_SHAPES + """
+#include <cuda_runtime.h>
 #include <cstdint>
 #include <cutlass/cutlass.h>
 #include <cutlass/numeric_types.h>
@@ -271,12 +277,13 @@ PTR_ARRAY_INCLUDES = """#include <cuda_runtime.h>
 #include <cutlass/gemm/kernel/tile_scheduler.hpp>
 #include <cutlass/gemm/kernel/@KERNEL_HEADER@>
 #include <cutlass/device_kernel.h>"""
-SHARED = {"LAUNCH": LAUNCH, "ENTRY_PARAMS": ENTRY_PARAMS, "PTR_ARRAY_INCLUDES": PTR_ARRAY_INCLUDES}
+SHARED = {"EXTENDED_SHAPES": EXTENDED_SHAPES, "LAUNCH": LAUNCH, "ENTRY_PARAMS": ENTRY_PARAMS,
+          "PTR_ARRAY_INCLUDES": PTR_ARRAY_INCLUDES}
 
 
 def fill(template: str, subs: dict[str, str]) -> str:
-    """template with the shared fragments (SHARED: @PTR_ARRAY_INCLUDES@, @ENTRY_PARAMS@,
-    @LAUNCH@) spliced in, then every @KEY@ replaced by subs[KEY]."""
+    """template with the shared fragments (SHARED: @EXTENDED_SHAPES@, @PTR_ARRAY_INCLUDES@,
+    @ENTRY_PARAMS@, @LAUNCH@) spliced in, then every @KEY@ replaced by subs[KEY]."""
     for k, v in {**SHARED, **subs}.items():
         template = template.replace(f"@{k}@", v)
     return template
