@@ -29,8 +29,7 @@ def make_op(dtype="bf16", layouts="rrr", epilogue=None, **tile):
     (dict(kernel_schedule="warp"), "kernel_schedule"),
     (dict(stages=1), "stages"),
     (dict(fp8_promotion="fast"), "fp8_promotion"),
-    (dict(tile_shape=(128, 96, 128), fp8_promotion="overlapped"), "64-column slices"),
-    (dict(tile_shape=(128, 64, 128), fp8_promotion="overlapped"), "at least 128"),
+    (dict(tile_shape=(128, 96, 128), fp8_promotion="overlapped"), "at least two slices"),
 ])
 def test_tile_description_refuses(kwargs, words):
     with pytest.raises(ValueError, match=words):
@@ -134,9 +133,10 @@ def _fp8(math_operation="multiply_add", mode="gemm", **tile):
 
 def test_fp8_exact_takes_the_overlapped_promotion():
     """FP8 with exact accumulation runs vitrail's overlapped mainloop where the tile's N cuts into
-    64-column slices (2 or more); fast accumulation, 16-bit types, stock requests, narrower tiles
-    and the pointer-array mode keep CUTLASS's, and the name says so."""
-    slices = {(128, 128, 128): 2, (128, 192, 128): 3, (64, 256, 128): 4}
+    slices (of 64 columns, else two halves); fast accumulation, 16-bit types, stock requests,
+    narrower tiles and the pointer-array mode keep CUTLASS's, and the name says so."""
+    slices = {(128, 128, 128): 2, (128, 192, 128): 3, (64, 256, 128): 4, (128, 144, 128): 2,
+              (128, 208, 128): 2}
     for shape, parts in slices.items():
         schedule = "pingpong" if shape[0] == 64 else "cooperative"
         op = _fp8(tile_shape=shape, kernel_schedule=schedule)

@@ -149,19 +149,20 @@ def _fp8_exact(tile, cluster=(1, 1, 1), schedule="cooperative", scheduler="persi
         epilogue=LinearCombination("f32", scale_a="row", scale_b="tensor"))
 
 
-# FP8 exact accumulation: the overlapped mainloop (slices of 64 columns: 4, 2, 3, 2 and 2 of them,
-# two temporaries taking them in turn) on both kernel schedules and both tile schedulers, against
-# CUTLASS's stock mainloop
+# FP8 exact accumulation: the overlapped mainloop (slices of 64 columns: 4, 2, 3, 2 and 2 of them;
+# two halves of 72 columns, m64n72 wgmma; two temporaries taking them in turn) on both kernel
+# schedules and both tile schedulers, against CUTLASS's stock mainloop (m64n144 at 128x144)
 FP8_TILES = [((128, 256, 128), (2, 1, 1), "cooperative", "persistent"),
              ((128, 128, 128), (2, 1, 1), "cooperative", "persistent"),
              ((128, 192, 128), (1, 2, 1), "cooperative", "persistent"),
              ((128, 128, 128), (1, 1, 1), "cooperative", "stream_k"),
-             ((64, 128, 128), (1, 1, 1), "pingpong", "persistent")]
+             ((64, 128, 128), (1, 1, 1), "pingpong", "persistent"),
+             ((128, 144, 128), (1, 2, 1), "cooperative", "persistent")]
 
 
 @requires_gpu
 @pytest.mark.parametrize("tile,cluster,schedule,scheduler", FP8_TILES,
-                         ids=["128x256", "128x128", "128x192", "stream_k", "pingpong"])
+                         ids=["128x256", "128x128", "128x192", "stream_k", "pingpong", "128x144"])
 def test_fp8_overlapped_promotion_matches_stock(tile, cluster, schedule, scheduler):
     """The same promotions in the same order: the same bits as the stock mainloop, for 1 to 33
     k-tiles (sequences of 4 and the single k-tiles left over; a partial last k-tile), odd M and
