@@ -103,9 +103,8 @@ class TileDescription:
     ``fp8_promotion`` (FP8 with exact accumulation only; other kernels ignore it): the mainloop
     that adds each k-tile's wgmma sums into the fp32 accumulators. 'overlapped' is vitrail's
     (include/vitrail/sm90_fp8_mainloop.cuh: the tile's N in slices, each promoted while the next
-    one's wgmma run; tile N at least 128), 'stock' CUTLASS's (the
-    tensor cores idle at every promotion), 'auto' the overlapped one where the tile allows it.
-    Both give the same bits."""
+    one's wgmma run; tile N at least 128), 'stock' CUTLASS's (the tensor cores idle at every
+    promotion), 'auto' the overlapped one where the tile allows it. Both give the same bits."""
     tile_shape: tuple[int, int, int] = (128, 128, 64)
     cluster_shape: tuple[int, int, int] = (1, 1, 1)
     stages: int = 0
