@@ -142,12 +142,15 @@ class GemmOperation(Buildable):
         return stages * (per_stage + 16) + epi + 1024
 
     @property
+    def fp8_exact(self) -> bool:
+        """Whether this is FP8 with exact accumulation (promoted every k-tile)."""
+        return self.math.element_a in FP8 and self.math.math_operation == "multiply_add"
+
+    @property
     def overlapped_promotion(self) -> bool:
         """Whether this is FP8 exact accumulation on vitrail's overlapped mainloop
         (TileDescription.fp8_promotion)."""
-        m = self.math
-        return (m.element_a in FP8 and m.math_operation == "multiply_add"
-                and self.mode != "array" and self.tile.promotion_slices > 0)
+        return self.fp8_exact and self.mode != "array" and self.tile.promotion_slices > 0
 
     @property
     def name(self) -> str:
@@ -159,8 +162,7 @@ class GemmOperation(Buildable):
                 f"{t.kernel_schedule[:4]}_{t.tile_scheduler}"
                 + (f"_s{t.stages}" if t.stages else "")
                 + ("_fast" if m.math_operation == "multiply_add_fast_accum" else "")
-                + ("_stockpromo" if m.element_a in FP8 and m.math_operation == "multiply_add"
-                   and not self.overlapped_promotion else "")
+                + ("_stockpromo" if self.fp8_exact and not self.overlapped_promotion else "")
                 + f"_{self.epilogue.tag}" + _MODE_TAGS.get(self.mode, ""))
 
     def emit(self) -> str:

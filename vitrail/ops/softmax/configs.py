@@ -12,22 +12,22 @@ flight, 1.9 waves), where CTAs of 256 threads x 8 vectors (48 registers) gave 10
 SM: 1.55 waves, the second half empty.
 
 Rows that need a cluster in the forward (one CTA per SM: nothing overlaps its load, reduce and
-store), and rows beyond the largest config, take the tile path where it fits and they are
-enough (``use_tile``): each row over a cluster of CTAs that hold their slices in shared memory,
-several CTAs per SM. Of the rest, rows beyond the largest config, and rows so few that the
-register path's clusters would not give every SM two CTAs (rows x CLUSTER < 2 x SMs; a
-clustered forward CTA takes a whole SM, so fewer means one wave or less of CTAs that load,
-reduce, then store with nothing to overlap), leave the register path (``use_chunked``). Of those, few rows take the split path (``use_split``): at most
-half as many rows as CTAs the GPU holds at once (rows <= SPLIT_CTAS_PER_SM x SMs / 2, so every row
-gets G >= 2 CTAs). One cooperative kernel of rows x G CTAs, all resident at once; G = the CTAs the
-occupancy API says fit (ctas_per_sm x SMs) divided by rows, each CTA a slice of about n / G
-elements (``split_plan``), which it reads once: THREADS x ITERS vectors per array into registers,
-what is beyond into shared memory (up to the SM's shared memory shared among its CTAs), and what
-is beyond that is read again after the barrier (from L2 where it is still there). The CTAs of a
-row publish their statistics to a global workspace, meet at a per-row barrier, and write. The
-rest (more rows) take the chunked path: each row cut into chunks, one CTA per chunk, about
-CHUNK_CTAS_PER_SM CTAs per SM in all; one more read of the input, which the second kernel takes
-in reverse order so that what the first read last is still in L2.
+store), and rows beyond the largest config, take the tile path where it fits and they are enough
+(``use_tile``): each row over a cluster of CTAs that hold their slices in shared memory, several
+CTAs per SM. Of the rest, rows beyond the largest config, and rows so few that the register path's
+clusters would not give every SM two CTAs (rows x CLUSTER < 2 x SMs; a clustered forward CTA takes a
+whole SM, so fewer means one wave or less of CTAs that load, reduce, then store with nothing to
+overlap), leave the register path (``use_chunked``). Of those, few rows take the split path
+(``use_split``): at most half as many rows as CTAs the GPU holds at once (rows <= SPLIT_CTAS_PER_SM
+x SMs / 2, so every row gets G >= 2 CTAs). One cooperative kernel of rows x G CTAs, all resident at
+once; G = the CTAs the occupancy API says fit (ctas_per_sm x SMs) divided by rows, each CTA a slice
+of about n / G elements (``split_plan``), which it reads once: THREADS x ITERS vectors per array
+into registers, what is beyond into shared memory (up to the SM's shared memory shared among its
+CTAs), and what is beyond that is read again after the barrier (from L2 where it is still there).
+The CTAs of a row publish their statistics to a global workspace, meet at a per-row barrier, and
+write. The rest (more rows) take the chunked path: each row cut into chunks, one CTA per chunk,
+about CHUNK_CTAS_PER_SM CTAs per SM in all; one more read of the input, which the second kernel
+takes in reverse order so that what the first read last is still in L2.
 """
 from __future__ import annotations
 
