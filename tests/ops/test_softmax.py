@@ -36,7 +36,7 @@ def test_compile_representative_configs(monkeypatch):
     for key, n in [(("fwd", torch.bfloat16, 8, False), 4096),
                    (("bwd", torch.float32, 4, True), 1 << 14),  # a cluster of 4
                    (("chunked", "bwd", torch.bfloat16, 8, False), 1 << 20),
-                   (("split", "fwd", torch.bfloat16, 8, False), 1 << 18),
+                   (("split", "fwd", torch.bfloat16, 8, False), (1 << 18, 16)),
                    (("tile", "bwd", torch.float32, 4, True), (1 << 17, 128, 4))]:
         op = OPS[key]
         mod = op.module(op.space.default(n, lim))
@@ -51,10 +51,10 @@ def test_compile_representative_configs(monkeypatch):
 
 
 def test_split_routing_and_plan():
-    """CPU: few long rows take the split path where rows x 2 CTAs fit (132 SMs, 2 CTAs per SM);
+    """CPU: few long rows take the split path where there are at most as many rows as SMs (132);
     the plan covers every row with slices that fit the GPU at once."""
     from vitrail.ops.softmax import configs
-    sms = 132
+    sms, lim = 132, configs._limits()
     for n, rows, v, arrays in [(262144, 16, 8, 1), (262144, 16, 8, 2), (1 << 20, 8, 4, 1),
                                (1 << 20, 8, 4, 2), (131072, 32, 8, 1), (1 << 20, 4, 8, 2),
                                (70001, 1, 1, 1), (300_000, 3, 4, 1), (1 << 20, 132, 8, 1)]:
@@ -63,21 +63,62 @@ def test_split_routing_and_plan():
                                (4096, 1, 8, 1), (1 << 20, 133, 8, 1), (1 << 20, 1000, 4, 2)]:
         assert not configs.use_split(n, rows, v, arrays, sms), (n, rows, v, arrays)
     assert configs.use_chunked(1 << 20, 1000, 4, 2, sms)  # too many rows: still chunked
-    space = configs.split_space(8, 1)
-    c = space.config(**configs.split_heuristic(8, 1))
-    assert configs.split_plan(262144, 16, 8, c, 2 * sms, 0, 1) == (16, 16384, 0)  # registers
+    # forward: CTAs of 256 threads, 4 per SM; bf16 16 x 262144 all in registers (33 CTAs a row)
+    c = configs.split_space(8, 1).config(**configs.split_heuristic(8, 1))
+    assert (c.THREADS, c.CTAS) == (256, 4)
+    assert configs.split_plan(262144, 16, 8, c, 4 * sms, 0, 1) == (33, 7944, 0)
     c4 = configs.split_space(4, 1).config(**configs.split_heuristic(4, 1))
-    g, sl, sv = configs.split_plan(1 << 20, 8, 4, c4, 2 * sms, 112 << 10, 1)
-    assert (g, sl) == (33, 31776) and sv * 4 == sl - 512 * 8 * 4  # the rest in shared memory
+    g, sl, sv = configs.split_plan(1 << 20, 8, 4, c4, 4 * sms, configs.split_smem_budget(c4, lim),
+                                   1)
+    assert (g, sl) == (66, 15888) and sv * 4 == sl - 256 * 8 * 4  # the rest in shared memory
+    assert configs.split_fits(1 << 20, 8, 4, c4, sms, lim, 1)
+    # backward: 512 x 2 where it holds the slices with 4 or more CTAs a row, else 256 x 4
+    for problem, threads in [((262144, 32), 512), ((65536, 64), 512), ((65536, 160), 256),
+                             ((32768, 128), 256), (None, 512)]:
+        assert configs.split_heuristic(8, 2, problem, lim)["THREADS"] == threads, problem
     for n, rows, v, arrays, smem in [(70001, 1, 1, 1, 0), (300_000, 3, 4, 2, 112 << 10),
                                      (1 << 20, 8, 4, 2, 112 << 10), (5, 1, 8, 1, 0)]:
-        cfg = configs.split_space(v, arrays).config(**configs.split_heuristic(v, arrays))
-        g, sl, sv = configs.split_plan(n, rows, v, cfg, 2 * sms, smem, arrays)
-        assert sl % v == 0 and (g - 1) * sl < n <= g * sl and rows * g <= 2 * sms
+        cfg = configs.split_space(v, arrays).config(
+            **configs.split_heuristic(v, arrays, (n, rows), lim))
+        g, sl, sv = configs.split_plan(n, rows, v, cfg, cfg.CTAS * sms, smem, arrays)
+        assert sl % v == 0 and (g - 1) * sl < n <= g * sl and rows * g <= cfg.CTAS * sms
         assert sv * 16 * arrays <= smem and sv >= 0
     for v in (1, 4, 8):
         for arrays in (1, 2):  # the heuristic's configs are in their space
-            configs.split_space(v, arrays).config(**configs.split_heuristic(v, arrays))
+            for problem in (None, (1 << 20, 8), (65536, 160)):
+                configs.split_space(v, arrays).config(
+                    **configs.split_heuristic(v, arrays, problem, lim))
+
+
+def test_route_tile_or_split():
+    """CPU (132 SMs): rows that fill the SMs evenly in one wave take the tile path with one CTA
+    a row; rows it would give clusters of 4 or more take the split path in problems of 16 MB or
+    more where the split plan holds them on chip."""
+    from vitrail.ops.softmax import configs, route
+    bf, f32 = torch.bfloat16, torch.float32
+    sizes = (1, 16, 17, 100, 128, 129, 150, 200, 300, 50000)
+    assert [configs.fine_bucket(x) for x in sizes] == [1, 16, 20, 112, 128, 160, 160, 224, 320,
+                                                       57344]
+    cases = [  # (kind, rows, n, dtype, path, CTAs a row on the tile path / THREADS on split)
+        ("fwd", 256, 32768, bf, "tile", 1), ("fwd", 128, 65536, bf, "tile", 1),
+        ("bwd", 256, 16384, bf, "tile", 1), ("bwd", 128, 16384, f32, "tile", 1),
+        ("fwd", 200, 16384, bf, "tile", 1),
+        ("fwd", 150, 50000, bf, "tile", 4),  # uneven: 18 SMs would hold two rows
+        ("fwd", 100, 30000, bf, "tile", 4),  # too few rows for one CTA a row
+        ("fwd", 256, 131072, bf, "tile", 4),  # rows beyond the split path's resident CTAs
+        ("fwd", 32, 131072, bf, "tile", 8),  # 8 MB: the barrier's latency weighs more
+        ("bwd", 64, 262144, bf, "tile", 8),  # 64 MB: the split plan would read some twice
+        ("fwd", 64, 262144, bf, "split", 256), ("fwd", 132, 131072, bf, "split", 256),
+        ("fwd", 256, 65536, bf, "split", 256), ("fwd", 64, 131072, f32, "split", 256),
+        ("bwd", 32, 262144, bf, "split", 512), ("bwd", 150, 50000, bf, "split", 256),
+        ("bwd", 64, 65536, f32, "split", 512),
+        ("fwd", 16, 262144, bf, "split", 256), ("bwd", 16, 262144, bf, "split", 512)]
+    for kind, rows, n, dtype, path, value in cases:
+        op, key, problem = route(kind, rows, n, dtype, 16 // dtype.itemsize, False, None)
+        config = op.space.default(problem, configs._limits())
+        got = (op.name.split(".")[1].split("_")[-1],
+               config.CLUSTER if "tile" in op.name else config.THREADS)
+        assert got == (path, value), (kind, rows, n, dtype, got)
 
 
 def test_tile_routing_and_heuristic():
@@ -95,7 +136,8 @@ def test_tile_routing_and_heuristic():
             (131072, 32, 8, 2, 1, 8), (12288, 8192, 8, 2, 2, 1)]
     for n, rows, v, size, arrays, cluster in tile:
         assert configs.use_tile(n, rows, v, size, arrays, sms), (n, rows, arrays)
-        h = configs.tile_heuristic((bucket(n), bucket(rows), size), arrays)
+        h = configs.tile_heuristic((configs.fine_bucket(n), configs.fine_bucket(rows), size),
+                                   arrays)
         assert h["CLUSTER"] == cluster, (n, rows, arrays, h)
         configs.tile_space(arrays).config(**h)  # in its space
         sl = configs.tile_slice(n, v, cluster)
@@ -312,16 +354,16 @@ def test_chunked_direct(shape, dtype, log):
 # ------------------------------------------------------------------ tile path (rows in shared memory)
 @requires_gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(2 * 132, 65536), (600, 100_000), (160, 131072),
+@pytest.mark.parametrize("shape", [(400, 65536), (600, 100_000), (160, 131072), (128, 16384),
                                    (1000, 4096), (300, 12_000), (2000, 24_576)])
 def test_tile_rows(shape, dtype, log):
     """The public path on rows that take the tile path, forward and backward (one CTA a row, or
     a cluster of 2-8), against fp64, within 4x of torch's own error."""
-    from vitrail.ops.softmax import configs
+    from vitrail.ops.softmax import configs, route
     rows, n = shape
-    v, size = configs.vec(dtype), torch.empty((), dtype=dtype).element_size()
-    assert configs.use_tile(n, rows, v, size, 1, _sms())
-    assert configs.use_tile(n, rows, v, size, 2, _sms())
+    v = configs.vec(dtype)
+    for kind in ("fwd", "bwd"):
+        assert "tile" in route(kind, rows, n, dtype, v, log, torch.device("cuda"))[0].name
     _check_rows(rows, n, dtype, log)
 
 
@@ -401,6 +443,21 @@ def test_split_rows(shape, dtype, log):
 
 
 @requires_gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(64, 131072), (150, 50_000)])
+def test_split_over_tile_rows(shape, dtype, log):
+    """Rows the tile path could take that go to the split path (configs.split_over_tile:
+    forward in every dtype at 64 x 131072; the backward's 256 x 4 CTAs at 150 x 50000, 16-bit
+    types), forward and backward against fp64."""
+    from vitrail.ops.softmax import configs, route
+    rows, n = shape
+    paths = [route(kind, rows, n, dtype, configs.vec(dtype), log, torch.device("cuda"))[0].name
+             for kind in ("fwd", "bwd")]
+    assert any("split" in p for p in paths), paths
+    _check_rows(rows, n, dtype, log)
+
+
+@requires_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_split_direct_poisoned_and_strided(dtype, log):
     """Called directly into NaN-poisoned outputs (every element written), on rows with a
@@ -414,13 +471,13 @@ def test_split_direct_poisoned_and_strided(dtype, log):
         v = configs.vec(dtype) if off % configs.vec(dtype) == 0 else 1
         assert configs.use_split(n, rows, v, 1, _sms())
         y = torch.full((rows, n), float("nan"), device="cuda", dtype=dtype)
-        OPS["split", "fwd", dtype, v, log]("test", n, y, x, x)
+        OPS["split", "fwd", dtype, v, log]("test", (n, rows), y, x, x)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(y.double(), softmax(x, -1, log), rtol=tol, atol=tol)
         yy = softmax(x, -1, log).to(dtype)
         dy = (torch.randn(rows, n + 64, device="cuda")).to(dtype)[:, off:off + n]
         dx = torch.full((rows, n), float("nan"), device="cuda", dtype=dtype)
-        OPS["split", "bwd", dtype, v, log]("test", n, dx, yy, dy)
+        OPS["split", "bwd", dtype, v, log]("test", (n, rows), dx, yy, dy)
         same = softmax_backward(yy.float(), dy.float(), -1, log).to(dtype)
         _check(dx, same, softmax_backward(yy, dy, -1, log))
         import vitrail.ops as ops  # the public path on the strided view

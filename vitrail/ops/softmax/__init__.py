@@ -212,11 +212,6 @@ def _sms(device: torch.device) -> int:
     return _SMS[index]
 
 
-def _tma(device: torch.device) -> bool:
-    """Whether the device has TMA bulk copies and clusters (sm_90+): the tile path's needs."""
-    return _limits(device).arch.major >= 9
-
-
 def _dname(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -266,18 +261,21 @@ def route(kind: str, rows: int, n: int, dtype: torch.dtype, v: int, log: bool,
     132 SMs where no GPU says otherwise); v: the vector width, 1 where the rows are not 16-byte
     aligned. Returns (op, problem key, problem); the op is called as op(key, problem, out, a, b)."""
     arrays = 1 if kind == "fwd" else 2
-    key = f"n{bucket(n)};rows{bucket(rows)}"
     if device is None:
         from vitrail.tune import limits
-        lim = limits()
-        sms, tma = lim.sm_count or 132, lim.arch.major >= 9
+        lim = configs.with_sm_count(limits())
     else:
-        sms, tma = _sms(device), _tma(device)
-    size = dtype.itemsize
-    if configs.use_tile(n, rows, v, size, arrays, sms) and tma:
-        return OPS["tile", kind, dtype, v, log], key, (bucket(n), bucket(rows), size)
+        lim = _limits(device)
+    sms, size = lim.sm_count, dtype.itemsize
+    fine = (configs.fine_bucket(n), configs.fine_bucket(rows))  # the tile and split paths' key
+    fine_key = f"n{fine[0]};rows{fine[1]}"
+    if lim.arch.major >= 9 and configs.use_tile(n, rows, v, size, arrays, sms, lim.shared_per_sm):
+        if configs.split_over_tile(n, rows, v, size, arrays, lim):
+            return OPS["split", kind, dtype, v, log], fine_key, fine
+        return OPS["tile", kind, dtype, v, log], fine_key, (*fine, size)
     if configs.use_split(n, rows, v, arrays, sms):
-        return OPS["split", kind, dtype, v, log], key, n
+        return OPS["split", kind, dtype, v, log], fine_key, fine
+    key = f"n{bucket(n)};rows{bucket(rows)}"
     if configs.use_chunked(n, rows, v, arrays, sms):
         return OPS["chunked", kind, dtype, v, log], key, n
     return OPS[kind, dtype, v, log], key, bucket(n)  # registers

@@ -14,12 +14,14 @@ SM: 1.55 waves, the second half empty.
 Rows that need a cluster in the forward (one CTA per SM: nothing overlaps its load, reduce and
 store), and rows beyond the largest config, take the tile path where it fits and they are enough
 (``use_tile``): each row over a cluster of CTAs that hold their slices in shared memory, several
-CTAs per SM. Of the rest, rows beyond the largest config, and rows so few that the register path's
-clusters would not give every SM two CTAs (rows x CLUSTER < 2 x SMs; a clustered forward CTA takes a
+CTAs per SM. Of those, the ones it would give clusters of 4 or more in problems of 16 MB or more
+take the split path instead where its plan holds every slice on chip (``split_over_tile``). Of
+the rest, rows beyond the largest config, and rows so few that the register path's clusters
+would not give every SM two CTAs (rows x CLUSTER < 2 x SMs; a clustered forward CTA takes a
 whole SM, so fewer means one wave or less of CTAs that load, reduce, then store with nothing to
 overlap), leave the register path (``use_chunked``). Of those, few rows take the split path
-(``use_split``): at most half as many rows as CTAs the GPU holds at once (rows <= SPLIT_CTAS_PER_SM
-x SMs / 2, so every row gets G >= 2 CTAs). One cooperative kernel of rows x G CTAs, all resident at
+(``use_split``): at most as many rows as SMs, so that every row gets G >= 2 of the 2-4 CTAs per
+SM that are resident at once. One cooperative kernel of rows x G CTAs, all resident at
 once; G = the CTAs the occupancy API says fit (ctas_per_sm x SMs) divided by rows, each CTA a slice
 of about n / G elements (``split_plan``), which it reads once: THREADS x ITERS vectors per array
 into registers, what is beyond into shared memory (up to the SM's shared memory shared among its
@@ -31,12 +33,14 @@ takes in reverse order so that what the first read last is still in L2.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
 import torch
 
 from vitrail.tune import Space, bucket, max_threads, require
+from vitrail.tune.space import Config
 
 CTYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
 MAX_TPR, MAX_CLUSTER = 512, 8
@@ -51,6 +55,27 @@ def vec(dtype: torch.dtype) -> int:
 
 def _pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+def fine_bucket(x: int) -> int:
+    """A size as the tile and split paths' problem keys hold it (rows and row lengths): exact up
+    to 16, then rounded up to a quarter octave (..., 96, 112, 128, 160, 192, 224, 256, ...).
+    Their choices turn on rows against the SM count and on slice bytes, which powers of two
+    blur (150 rows as 256: the clusters of 256 rows)."""
+    step = 1 << max(0, (x - 1).bit_length() - 3)
+    return x if x <= 16 else -(-x // step) * step
+
+
+def with_sm_count(lim):
+    """lim, with an H100's 132 SMs where no GPU gave its count (the build target's table)."""
+    return lim if lim.sm_count else dataclasses.replace(lim, sm_count=132)
+
+
+@functools.lru_cache(maxsize=1)
+def _limits():
+    """The heuristics' limits where none are given: sm_90a's, 132 SMs."""
+    from vitrail.tune import limits
+    return with_sm_count(limits(arch="90a"))
 
 
 def registers(c, v: int, arrays: int) -> int:
@@ -135,9 +160,6 @@ def chunk_length(n: int, rows: int, v: int, config, sms: int,
 
 
 # ------------------------------------------------------------------ split path
-SPLIT_CTAS_PER_SM = 2  # the heuristic's CTAs per SM (__launch_bounds__' minimum)
-
-
 def split_space(v: int, arrays: int) -> Space:
     return Space(
         {"THREADS": [128, 256, 512, 1024], "ITERS": [1, 2, 4, 8, 16], "U": [1, 2, 4],
@@ -148,7 +170,7 @@ def split_space(v: int, arrays: int) -> Space:
                     split_registers(c, v, arrays) * c.THREADS * c.CTAS <= lim.registers_per_sm,
                     "ITERS={ITERS}, U={U} x THREADS={THREADS} x CTAS={CTAS}: too many registers"),
         ],
-        heuristic=lambda problem, lim: split_heuristic(v, arrays))
+        heuristic=lambda problem, lim: split_heuristic(v, arrays, problem, lim))
 
 
 def split_registers(c, v: int, arrays: int) -> int:
@@ -157,24 +179,72 @@ def split_registers(c, v: int, arrays: int) -> int:
     return (c.ITERS + c.U) * words * arrays + 24
 
 
-def split_heuristic(v: int, arrays: int) -> dict:
-    """CTAs of 512 threads, two per SM, within the 64 registers per thread that leaves (ptxas,
-    sm_90a, no spills): forward 8 fp32 vectors per thread (64 KB per CTA in registers), 4 of
-    16-bit types (8 spill: their fp32 copies), 16 elements when rows are not 16-byte aligned;
-    backward 4 vectors (8 elements) per array."""
-    if v == 1:
-        return {"THREADS": 512, "ITERS": 16 if arrays == 1 else 8, "U": 4,
-                "CTAS": SPLIT_CTAS_PER_SM}
-    if arrays == 1:
-        return {"THREADS": 512, "ITERS": 8 if v == 4 else 4, "U": 2, "CTAS": SPLIT_CTAS_PER_SM}
-    return {"THREADS": 512, "ITERS": 4, "U": 1, "CTAS": SPLIT_CTAS_PER_SM}
+def split_heuristic(v: int, arrays: int, problem=None, lim=None) -> dict:
+    """problem: (n, rows) as the key buckets them, or None. 64 registers per thread (ptxas, sm_90a,
+    no spills): forward 8 fp32 vectors per thread, 4 of 16-bit types (8 spill: their fp32 copies),
+    16 elements when rows are not 16-byte aligned; backward 4 vectors (8 elements) per array.
+    Forward: CTAs of 256 threads, four per SM (H100, % of a same-bytes copy, against 512 x 2: fp32
+    32 x 131072 91 against 86, 100 x 100000 98 against 84 where 512 x 2 gives 2 CTAs a row and reads
+    a third of the slice twice; bf16 within 2 points either way, 100 x 200000 89 against 78; 1-8
+    rows of 1M-4M elements within 2.5 points either way). Backward: CTAs of 512 threads, two per SM,
+    where that plan holds the slices on chip with 4 or more CTAs a row (fp32 32 x 131072 88 against
+    85, bf16 32 x 262144 86 against 84); else 256 x 4 where that holds them (bf16 150 x 50000, 1 CTA
+    a row at 512 x 2: 95 against 76; fp32 100 x 30000, 2 CTAs a row: 101 against 95)."""
+    iters = (16 if arrays == 1 else 8) if v == 1 else (8 if v == 4 else 4) if arrays == 1 else 4
+    u = 4 if v == 1 else (2 if arrays == 1 else 1)
+    wide = {"THREADS": 512, "ITERS": iters, "U": u, "CTAS": 2}
+    narrow = dict(wide, THREADS=256, CTAS=4)
+    if arrays == 1 or problem is None or v == 1:
+        return narrow if arrays == 1 else wide
+    n, rows = problem
+    lim = lim or _limits()
+    sms = lim.sm_count or 132
+    if not split_fits(n, rows, v, Config(wide), sms, lim, arrays, 4) and split_fits(
+            n, rows, v, Config(narrow), sms, lim, arrays):
+        return narrow
+    return wide
+
+
+def split_fits(n: int, rows: int, v: int, config, sms: int, lim, arrays: int,
+               min_groups: int = 2) -> bool:
+    """Whether config's split plan for rows x n (16-byte vectors: v > 1) gives every row
+    min_groups CTAs or more and holds every slice on chip (registers, then shared memory:
+    nothing read twice)."""
+    groups, slice_, smem_vecs = split_plan(n, rows, v, config, config.CTAS * sms,
+                                           split_smem_budget(config, lim), arrays)
+    return groups >= min_groups and slice_ <= (config.THREADS * config.ITERS + smem_vecs) * v
 
 
 @functools.lru_cache(maxsize=4096)
 def use_split(n: int, rows: int, v: int, arrays: int, sms: int) -> bool:
-    """Whether rows x n goes to the split path: it leaves the register path (use_chunked) and
-    every row gets at least two CTAs of the SPLIT_CTAS_PER_SM x sms the GPU holds at once."""
-    return use_chunked(n, rows, v, arrays, sms) and 2 * rows <= SPLIT_CTAS_PER_SM * sms
+    """Whether rows x n goes to the split path when the tile path does not take it: it leaves
+    the register path (use_chunked) and there are at most as many rows as SMs (every row gets at
+    least two of the 2-4 CTAs per SM that are resident at once)."""
+    return use_chunked(n, rows, v, arrays, sms) and rows <= sms
+
+
+# Rows that the tile path takes in clusters of 4 or more CTAs go to the split path instead where
+# its plan holds every slice on chip with 2 or more CTAs a row, in problems of at least
+# SPLIT_OVER_TILE_BYTES of input: one wave of CTAs that meet at a barrier in global memory, where
+# the tile path's cluster barriers and its wave tail cost more (H100, % of a same-bytes copy,
+# split against tile: bf16 forward 64 x 262144 87 against 78, 132 x 131072 88 against 80, 32 x
+# 262144 81 against 77; fp32 forward 64 x 131072 89 against 83; bf16 backward 32 x 262144 86
+# against 76, 150 x 50000 95 against 88; fp32 backward 64 x 65536 88 against 82). In smaller
+# problems the barrier's latency weighs more (bf16 backward 32 x 65536, 8 MB: 77 against 83; 64
+# x 65536, 16 MB: 87 against 88).
+SPLIT_OVER_TILE_BYTES = 16 << 20
+
+
+@functools.lru_cache(maxsize=4096)
+def split_over_tile(n: int, rows: int, v: int, size: int, arrays: int, lim) -> bool:
+    """Whether rows x n, which the tile path takes (use_tile), goes to the split path instead."""
+    sms = lim.sm_count or 132
+    problem = (fine_bucket(n), fine_bucket(rows))
+    c = tile_cluster(*problem, size, arrays, sms, lim.shared_per_sm)
+    if c is None or c < 4 or rows * n * size * arrays < SPLIT_OVER_TILE_BYTES:
+        return False
+    config = Config(split_heuristic(v, arrays, problem, lim))  # the op's, from its key
+    return split_fits(n, rows, v, config, sms, lim, arrays)
 
 
 def split_smem_budget(config, lim) -> int:
@@ -209,6 +279,7 @@ TILE_MIN_ROW_BYTES = 8 << 10  # shorter rows (per array) stay in registers
 TILE_BYTES = 64 << 10  # the most a CTA's slice (all arrays) holds, below MAX_CLUSTER CTAs a row
 MAX_TILE_BYTES = 192 << 10  # the most it holds at MAX_CLUSTER CTAs (then one CTA per SM)
 MIN_TILE_BYTES = 16 << 10  # no smaller slices to spread rows over more CTAs
+TILE_WIDE_BYTES = 48 << 10  # slices of this and more take CTAs of 256 threads, smaller 128
 TILE_CTAS_PER_SM = 7  # CTAs the heuristic aims at (rows x CLUSTER), per SM: about 1000 on an H100
 TILE_MIN_CTAS_PER_SM = 1.5  # fewer rows x CLUSTER per SM: the split path spreads them wider
 
@@ -224,8 +295,10 @@ def tile_space(arrays: int) -> Space:
         heuristic=lambda problem, lim: tile_heuristic(problem, arrays, lim))
 
 
-def tile_cluster(n: int, rows: int, size: int, arrays: int, sms: int) -> int | None:
-    """CTAs per row on the tile path (None: a row does not fit MAX_CLUSTER CTAs' shared memory):
+def tile_cluster(n: int, rows: int, size: int, arrays: int, sms: int,
+                 smem_per_sm: int = 228 << 10) -> int | None:
+    """CTAs per row on the tile path (None: a row does not fit MAX_CLUSTER CTAs' shared memory).
+    One where the rows alone spread evenly over the SMs in one wave (``one_cta_a_row``); else
     the fewest that keep a slice within TILE_BYTES, then more, while slices stay at least
     MIN_TILE_BYTES, until rows x CTAs reach TILE_CTAS_PER_SM per SM. A cluster costs its
     barriers and smaller slices, so it only pays where rows alone leave the SMs short of CTAs
@@ -233,6 +306,8 @@ def tile_cluster(n: int, rows: int, size: int, arrays: int, sms: int) -> int | N
     of 16 KiB; backward 89% at 4, 87% at 8; bf16 1024 x 8192 backward 95% at 1, 82% at 2;
     bf16 128 x 131072 forward 83% at 8, 80% at 4)."""
     row_bytes = n * size * arrays
+    if one_cta_a_row(rows, row_bytes, sms, smem_per_sm):
+        return 1
     c = 1
     while c < MAX_CLUSTER and row_bytes > c * TILE_BYTES:
         c *= 2
@@ -244,26 +319,50 @@ def tile_cluster(n: int, rows: int, size: int, arrays: int, sms: int) -> int | N
     return c
 
 
+def one_cta_a_row(rows: int, row_bytes: int, sms: int, smem_per_sm: int) -> bool:
+    """Whether the tile path takes one CTA a row, with no cluster: a row (all arrays) fits
+    MAX_TILE_BYTES, the rows fill 90% of the SMs or more and are all resident at once, and the
+    busiest SM holds at most 4/3 of the average. No cluster barrier then, and slices of up to
+    MAX_TILE_BYTES at one or two CTAs per SM still keep enough bytes in flight (H100, % of a
+    same-bytes copy, one CTA a row against the clusters of the TILE_CTAS_PER_SM rule: bf16 forward
+    256 x 32768 93 against 83 at 4, 128 x 65536 89 against 84 at 8; bf16 backward 256 x 16384 96
+    against 79 at 4, 128 x 32768 92 against 77 at 8; fp32 backward 128 x 16384 92 against 80 at 8;
+    bf16 forward 128 x 16384 74 against 76 at 2). Fewer rows, or rows beyond one wave, or uneven
+    ones keep clusters (bf16 forward 150 x 50000: 89 at one CTA a row, 91 at 4; 100 x 30000: 93
+    against 102 at 4; fp32 forward 256 x 32768, two waves: 86 against 90 at 2)."""
+    if row_bytes > MAX_TILE_BYTES or rows < 0.9 * sms:
+        return False
+    busiest = -(-rows // sms)
+    return busiest <= smem_per_sm // (row_bytes + 1024) and rows >= 0.75 * busiest * sms
+
+
 def tile_heuristic(problem, arrays: int, lim=None) -> dict:
     """problem: (n, rows, element size) as the key buckets them. CTAs of 256 threads for slices
-    of 64 KiB, 128 below (H100: bf16 rows of 4096 forward 99% of a same-bytes copy at 128, 84%
-    at 256)."""
+    of TILE_WIDE_BYTES and more, 128 below (H100: bf16 rows of 4096 forward 99% of a same-bytes
+    copy at 128, 84% at 256; bf16 100 x 200000 forward, slices of 50 KB at 8 CTAs a row: 85 at
+    256, 81 at 128)."""
     n, rows, size = problem or (65536, 256, 2)
-    sms = (lim.sm_count if lim is not None and lim.sm_count else None) or 132
-    c = tile_cluster(n, rows, size, arrays, sms) or MAX_CLUSTER
-    return {"THREADS": 256 if n * size * arrays // c >= TILE_BYTES else 128, "CLUSTER": c}
+    lim = lim or _limits()
+    sms = lim.sm_count or 132
+    c = tile_cluster(n, rows, size, arrays, sms, lim.shared_per_sm) or MAX_CLUSTER
+    return {"THREADS": 256 if n * size * arrays // c >= TILE_WIDE_BYTES else 128, "CLUSTER": c}
 
 
 @functools.lru_cache(maxsize=4096)
-def use_tile(n: int, rows: int, v: int, size: int, arrays: int, sms: int) -> bool:
+def use_tile(n: int, rows: int, v: int, size: int, arrays: int, sms: int,
+             smem_per_sm: int = 228 << 10) -> bool:
     """Whether rows x n goes to the tile path: 16-byte vectors; rows of at least
     TILE_MIN_ROW_BYTES that fit MAX_CLUSTER CTAs' shared memory; and at least
     TILE_MIN_CTAS_PER_SM CTAs per SM (H100, % of a same-bytes copy, tile against split: bf16
     32 x 131072 forward 76 against 74 at 2 CTAs per SM; bf16 16 x 262144 forward 69 against 72
-    and backward 69 against 85 at 1)."""
+    and backward 69 against 85 at 1); or one CTA a row (``one_cta_a_row``). Of those,
+    ``split_over_tile`` sends some to the split path."""
     if v == 1 or n * size < TILE_MIN_ROW_BYTES:
         return False
-    c = tile_cluster(bucket(n), bucket(rows), size, arrays, sms)
+    n, rows = fine_bucket(n), fine_bucket(rows)
+    if one_cta_a_row(rows, n * size * arrays, sms, smem_per_sm):
+        return True
+    c = tile_cluster(n, rows, size, arrays, sms, smem_per_sm)
     return c is not None and rows * c >= TILE_MIN_CTAS_PER_SM * sms
 
 
