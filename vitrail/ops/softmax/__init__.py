@@ -13,6 +13,7 @@ On the lean eager path (``plain_eager``) a call goes straight to the kernel; oth
 """
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -259,13 +260,22 @@ def route(kind: str, rows: int, n: int, dtype: torch.dtype, v: int, log: bool,
           device: torch.device | None) -> tuple[Op, str, object]:
     """The path rows x n takes on `device` (None: the build target, vitrail.tune.limits(), with
     132 SMs where no GPU says otherwise); v: the vector width, 1 where the rows are not 16-byte
-    aligned. Returns (op, problem key, problem); the op is called as op(key, problem, out, a, b)."""
-    arrays = 1 if kind == "fwd" else 2
+    aligned. Returns (op, problem key, problem); the op is called as op(key, problem, out, a, b).
+    A GPU's routes are memoized (every call takes one)."""
     if device is None:
         from vitrail.tune import limits
-        lim = configs.with_sm_count(limits())
-    else:
-        lim = _limits(device)
+        return _route(kind, rows, n, dtype, v, log, configs.with_sm_count(limits()))
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _gpu_route(kind, rows, n, dtype, v, log, index)
+
+
+@functools.lru_cache(maxsize=4096)
+def _gpu_route(kind: str, rows: int, n: int, dtype: torch.dtype, v: int, log: bool, index: int):
+    return _route(kind, rows, n, dtype, v, log, _limits(torch.device("cuda", index)))
+
+
+def _route(kind: str, rows: int, n: int, dtype: torch.dtype, v: int, log: bool, lim):
+    arrays = 1 if kind == "fwd" else 2
     sms, size = lim.sm_count, dtype.itemsize
     fine = (configs.fine_bucket(n), configs.fine_bucket(rows))  # the tile and split paths' key
     fine_key = f"n{fine[0]};rows{fine[1]}"
