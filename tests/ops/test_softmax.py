@@ -122,7 +122,7 @@ def test_route_tile_or_split():
         ("fwd", 200, 16384, bf, "tile", 1),
         ("fwd", 150, 50000, bf, "tile", 4),  # uneven: 18 SMs would hold two rows
         ("fwd", 100, 30000, bf, "tile", 4),  # too few rows for one CTA a row
-        ("fwd", 256, 131072, bf, "tile", 4),  # rows beyond the split path's resident CTAs
+        ("fwd", 256, 131072, bf, "tile", 4),  # 2 CTAs a row: the split plan would read some twice
         ("fwd", 32, 131072, bf, "tile", 8),  # 8 MB: the barrier's latency weighs more
         ("bwd", 64, 262144, bf, "tile", 8),  # 64 MB: the split plan would read some twice
         ("fwd", 64, 262144, bf, "split", 256), ("fwd", 132, 131072, bf, "split", 256),
@@ -203,8 +203,8 @@ def _fns(log):
 
 
 def _check_rows(rows, n, dtype, log):
-    """Forward against torch (fp64 reference) and backward against torch's formula, on fresh
-    rows x n data."""
+    """Forward against torch (fp64 reference) and backward (_check_backward), on fresh rows x n
+    data."""
     from vitrail.ops.softmax import softmax_bwd
     ours, theirs = _fns(log)
     x = (torch.randn(rows, n, device="cuda") * 4).to(dtype)
