@@ -112,10 +112,11 @@ def test_route_tile_or_split():
     a row; rows it would give clusters of 4 or more take the split path in problems of 16 MB or
     more where the split plan holds them on chip."""
     from vitrail.ops.softmax import configs, route
+    from vitrail.tune import bucket
     bf, f32 = torch.bfloat16, torch.float32
     sizes = (1, 16, 17, 100, 128, 129, 150, 200, 300, 50000)
-    assert [configs.fine_bucket(x) for x in sizes] == [1, 16, 20, 112, 128, 160, 160, 224, 320,
-                                                       57344]
+    assert [bucket(x, configs.KEY_STEPS) for x in sizes] == [1, 16, 20, 112, 128, 160, 160, 224,
+                                                             320, 57344]
     cases = [  # (kind, rows, n, dtype, path, CTAs a row on the tile path / THREADS on split)
         ("fwd", 256, 32768, bf, "tile", 1), ("fwd", 128, 65536, bf, "tile", 1),
         ("bwd", 256, 16384, bf, "tile", 1), ("bwd", 128, 16384, f32, "tile", 1),
@@ -142,6 +143,7 @@ def test_tile_routing_and_heuristic():
     """CPU: which rows take the tile path (132 SMs) and with how many CTAs each; slices cover
     the row in 16-byte vectors and fit shared memory."""
     from vitrail.ops.softmax import configs
+    from vitrail.tune import bucket
     sms = 132
     # (n, rows, v, size, arrays, CTAs a row): clusters only where rows leave SMs short of CTAs
     tile = [(65536, 256, 8, 2, 1, 4), (65536, 1024, 8, 2, 1, 2), (65536, 64, 8, 2, 1, 8),
@@ -152,8 +154,8 @@ def test_tile_routing_and_heuristic():
             (131072, 32, 8, 2, 1, 8), (12288, 8192, 8, 2, 2, 1)]
     for n, rows, v, size, arrays, cluster in tile:
         assert configs.use_tile(n, rows, v, size, arrays, sms), (n, rows, arrays)
-        h = configs.tile_heuristic((configs.fine_bucket(n), configs.fine_bucket(rows), size),
-                                   arrays)
+        h = configs.tile_heuristic((bucket(n, configs.KEY_STEPS), bucket(rows, configs.KEY_STEPS),
+                                    size), arrays)
         assert h["CLUSTER"] == cluster, (n, rows, arrays, h)
         configs.tile_space(arrays).config(**h)  # in its space
         sl = configs.tile_slice(n, v, cluster)

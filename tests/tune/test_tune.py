@@ -193,6 +193,11 @@ def test_cli_export_import(tmp_path, capsys):
 
 def test_problem_keys_bucket_shapes_and_see_layout_and_alignment():
     assert [bucket(n) for n in (1, 16, 17, 1000, 1024, 1025)] == [1, 16, 32, 1024, 1024, 2048]
+    assert [bucket(n, 4) for n in (16, 17, 100, 128, 129, 150, 200, 50000)] == [
+        16, 20, 112, 128, 160, 160, 224, 57344]
+    assert [bucket(n, 2) for n in (17, 100, 129)] == [24, 128, 192]
+    with pytest.raises(ValueError, match="per_octave"):
+        bucket(100, 3)
     a = torch.empty(1000, 512, dtype=torch.bfloat16)
     assert problem_key(a) == problem_key(torch.empty(1024, 512, dtype=torch.bfloat16))
     assert problem_key(a) != problem_key(a.float())

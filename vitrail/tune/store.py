@@ -144,11 +144,15 @@ def _json_safe(value: Any) -> Any:
 
 
 # ------------------------------------------------------------------------------------ problems
-def bucket(n: int) -> int:
-    """Sizes up to 16 stay exact; larger ones round up to a power of two."""
+def bucket(n: int, per_octave: int = 1) -> int:
+    """Sizes up to 16 stay exact; larger ones round up to a power of two, or with per_octave
+    (a power of two) to one of that many even steps an octave (4: ..., 96, 112, 128, 160, ...)."""
     if n <= 16:
         return n
-    return 1 << (n - 1).bit_length()
+    if per_octave < 1 or per_octave & (per_octave - 1):
+        raise ValueError(f"per_octave: expected a power of two >= 1, got {per_octave!r}")
+    step = 1 << max(0, (n - 1).bit_length() - per_octave.bit_length())
+    return -(-n // step) * step
 
 
 def problem_key(*args: Any, **extra: Any) -> str:

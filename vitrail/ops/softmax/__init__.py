@@ -277,7 +277,7 @@ def _gpu_route(kind: str, rows: int, n: int, dtype: torch.dtype, v: int, log: bo
 def _route(kind: str, rows: int, n: int, dtype: torch.dtype, v: int, log: bool, lim):
     arrays = 1 if kind == "fwd" else 2
     sms, size = lim.sm_count, dtype.itemsize
-    fine = (configs.fine_bucket(n), configs.fine_bucket(rows))  # the tile and split paths' key
+    fine = (bucket(n, configs.KEY_STEPS), bucket(rows, configs.KEY_STEPS))  # tile, split
     fine_key = f"n{fine[0]};rows{fine[1]}"
     if lim.arch.major >= 9 and configs.use_tile(n, rows, v, size, arrays, sms, lim.shared_per_sm):
         if configs.split_over_tile(n, rows, v, size, arrays, lim):

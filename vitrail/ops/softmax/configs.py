@@ -44,6 +44,11 @@ from vitrail.tune.space import Config
 
 CTYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
 MAX_TPR, MAX_CLUSTER = 512, 8
+# The tile and split paths' problem keys hold rows and row lengths to a quarter octave
+# (vitrail.tune.bucket(x, KEY_STEPS): ..., 96, 112, 128, 160, ...): their choices turn on rows
+# against the SM count and on slice bytes, which powers of two blur (150 rows as 256: the
+# clusters of 256 rows). The register and chunked paths keep powers of two.
+KEY_STEPS = 4
 SHORT_ROW_BYTES = 512  # rows of at most this (aligned): CTAs of 128 threads, 4 vectors per thread
 CHUNK_CTAS_PER_SM = 4
 CLUSTER_CTAS_PER_SM = 2  # fewer clustered CTAs than this per SM: the chunked path instead
@@ -55,15 +60,6 @@ def vec(dtype: torch.dtype) -> int:
 
 def _pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
-
-
-def fine_bucket(x: int) -> int:
-    """A size as the tile and split paths' problem keys hold it (rows and row lengths): exact up
-    to 16, then rounded up to a quarter octave (..., 96, 112, 128, 160, 192, 224, 256, ...).
-    Their choices turn on rows against the SM count and on slice bytes, which powers of two
-    blur (150 rows as 256: the clusters of 256 rows)."""
-    step = 1 << max(0, (x - 1).bit_length() - 3)
-    return x if x <= 16 else -(-x // step) * step
 
 
 def with_sm_count(lim):
@@ -197,8 +193,8 @@ def split_heuristic(v: int, arrays: int, problem=None, lim=None) -> dict:
     if arrays == 1 or problem is None or v == 1:
         return narrow if arrays == 1 else wide
     n, rows = problem
-    lim = lim or _limits()
-    sms = lim.sm_count or 132
+    lim = with_sm_count(lim or _limits())
+    sms = lim.sm_count
     if not split_fits(n, rows, v, Config(wide), sms, lim, arrays, 4) and split_fits(
             n, rows, v, Config(narrow), sms, lim, arrays):
         return narrow
@@ -237,9 +233,10 @@ SPLIT_OVER_TILE_BYTES = 16 << 20
 
 @functools.lru_cache(maxsize=4096)
 def split_over_tile(n: int, rows: int, v: int, size: int, arrays: int, lim) -> bool:
-    """Whether rows x n, which the tile path takes (use_tile), goes to the split path instead."""
-    sms = lim.sm_count or 132
-    problem = (fine_bucket(n), fine_bucket(rows))
+    """Whether rows x n, which the tile path takes (use_tile), goes to the split path instead
+    (lim: with its SM count, ``with_sm_count``)."""
+    sms = lim.sm_count
+    problem = (bucket(n, KEY_STEPS), bucket(rows, KEY_STEPS))
     c = tile_cluster(*problem, size, arrays, sms, lim.shared_per_sm)
     if c is None or c < 4 or rows * n * size * arrays < SPLIT_OVER_TILE_BYTES:
         return False
@@ -342,8 +339,8 @@ def tile_heuristic(problem, arrays: int, lim=None) -> dict:
     copy at 128, 84% at 256; bf16 100 x 200000 forward, slices of 50 KB at 8 CTAs a row: 85 at
     256, 81 at 128)."""
     n, rows, size = problem or (65536, 256, 2)
-    lim = lim or _limits()
-    sms = lim.sm_count or 132
+    lim = with_sm_count(lim or _limits())
+    sms = lim.sm_count
     c = tile_cluster(n, rows, size, arrays, sms, lim.shared_per_sm) or MAX_CLUSTER
     return {"THREADS": 256 if n * size * arrays // c >= TILE_WIDE_BYTES else 128, "CLUSTER": c}
 
@@ -359,11 +356,10 @@ def use_tile(n: int, rows: int, v: int, size: int, arrays: int, sms: int,
     ``split_over_tile`` sends some to the split path."""
     if v == 1 or n * size < TILE_MIN_ROW_BYTES:
         return False
-    n, rows = fine_bucket(n), fine_bucket(rows)
-    if one_cta_a_row(rows, n * size * arrays, sms, smem_per_sm):
-        return True
+    n, rows = bucket(n, KEY_STEPS), bucket(rows, KEY_STEPS)
     c = tile_cluster(n, rows, size, arrays, sms, smem_per_sm)
-    return c is not None and rows * c >= TILE_MIN_CTAS_PER_SM * sms
+    return c is not None and (rows * c >= TILE_MIN_CTAS_PER_SM * sms
+                              or one_cta_a_row(rows, n * size * arrays, sms, smem_per_sm))
 
 
 def tile_slice(n: int, v: int, cluster: int) -> int:
