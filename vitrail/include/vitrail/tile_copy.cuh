@@ -3,7 +3,8 @@
 // - Frg<T, N>: N elements of T in registers, moved as one vector (16 bytes when N*sizeof(T) is 16).
 // - load_frg / store_frg (store_frg_v4: one st.global.v4 that NVVM cannot split): global <->
 //   registers, one vector per call; the predicated overloads
-//   touch only the first `valid` elements (the edge of a row) and fill the rest; load_frg_if: a
+//   touch only the first `valid` elements (the edge of a row), or those in [lo, hi) (the edges
+//   of a row that does not start on a vector boundary), and fill the rest; load_frg_if: a
 //   vector load or nothing, one predicated instruction (loads of an unrolled loop stay in flight);
 //   Reuse::LastUse makes 16-byte loads evict-first in L1 and L2 (data read for the last time).
 // - copy_async / async_commit / async_wait<K>: cp.async 16-byte global -> shared copies with zero
@@ -126,6 +127,21 @@ __device__ __forceinline__ Frg<T, N> load_frg(const T* __restrict__ p, int valid
   }
   return f;
 }
+// Elements [lo, hi) of the vector at p, the rest `fill` (lo may be <= 0, hi >= N): the edge
+// vectors of a row read through the aligned window that holds it, where the row starts lo
+// elements into its first vector and ends hi into its last. One vector load when the whole vector
+// is in range; an edge touches only its elements in range. Read-only, as load_frg_if.
+template <int N, Reuse R = Reuse::Normal, class T>
+__device__ __forceinline__ Frg<T, N> load_frg(const T* __restrict__ p, int lo, int hi, T fill) {
+  Frg<T, N> f = Frg<T, N>::filled(fill);
+  load_frg_if<N, R>(f, p, lo <= 0 && hi >= N);
+  if ((lo > 0 || hi < N) && lo < hi && hi > 0 && lo < N) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+      if (i >= lo && i < hi) f.v[i] = p[i];
+  }
+  return f;
+}
 template <int N, class T>
 __device__ __forceinline__ void store_frg(T* __restrict__ p, const Frg<T, N>& f) {
   *reinterpret_cast<typename Frg<T, N>::Raw*>(p) = f.raw;
@@ -161,6 +177,17 @@ __device__ __forceinline__ void store_frg(T* __restrict__ p, const Frg<T, N>& f,
 #pragma unroll
   for (int i = 0; i < N; ++i)
     if (i < valid) p[i] = f.v[i];
+}
+// Elements [lo, hi) of f to p (as the windowed load_frg): one vector store when all are in range.
+template <int N, class T>
+__device__ __forceinline__ void store_frg(T* __restrict__ p, const Frg<T, N>& f, int lo, int hi) {
+  if (lo <= 0 && hi >= N) {
+    store_frg<N>(p, f);
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+    if (i >= lo && i < hi) p[i] = f.v[i];
 }
 
 // ---------------------------------------------------------------- cp.async (sm_80+)
