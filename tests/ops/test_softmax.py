@@ -181,6 +181,9 @@ def test_routing_and_chunks():
     assert configs.use_chunked(1 << 20, 8, 4, 1, 132)  # longer than any config holds
     assert not configs.use_chunked(32768, 4096, 8, 2, 132)
     assert not configs.use_chunked(4096, 1, 8, 1, 132)  # one CTA per row: no cluster
+    # rows off vector boundaries: windowed kernels where element-by-element ones are slow
+    assert configs.use_window(1025, 2) and not configs.use_window(1023, 2)
+    assert configs.use_window(8193, 4) and not configs.use_window(8191, 4)
     for n, rows, v in [(262144, 16, 8), (1 << 20, 8, 4), (5, 1, 1), (5000, 600, 4),
                        (70001, 3, 1), (1 << 20, 100000, 8)]:
         chunk = configs.chunk_length(n, rows, v, c, 132)
@@ -304,13 +307,21 @@ def _sms():
     return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
+def _op(key, *ts):
+    """OPS[key], or its windowed kernels where a row of ts starts off a vector boundary."""
+    import importlib
+    S = importlib.import_module("vitrail.ops.softmax")
+    v = key[-2]
+    return S.OPS[key + (S.WINDOW,)] if v > 1 and not S._aligned(v, *ts) else S.OPS[key]
+
+
 @requires_gpu
 @pytest.mark.parametrize("n", [1 << 16, 1 << 17, 40_001])
 def test_cluster_rows(n, log):
     """Enough rows for the register path's clusters (2 to 8 CTAs per row): through the public
-    path (which takes them where rows are not 16-byte aligned, as at n = 40001, and the tile
-    path otherwise), and the register kernels called directly (they serve 16-byte aligned rows
-    too where the GPU has no tile path), forward and backward."""
+    path (on Hopper the tile or split path takes them), and the register kernels called directly
+    (they serve such rows where the GPU has no tile path; element by element where a row is not
+    16-byte aligned, as at n = 40001), forward and backward."""
     from vitrail.ops.softmax import OPS, configs
     from vitrail.ops.softmax.reference import softmax
     from vitrail.tune import bucket
@@ -339,27 +350,28 @@ def test_cluster_rows(n, log):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 5), (3, 70_001), (600, 5000), (7, 50_000), (2, 1 << 20)])
 def test_chunked_direct(shape, dtype, log):
-    """The chunked path on any shape (one chunk per row, ragged last chunks, elementwise vectors
-    where a row is not 16-byte aligned), with -inf and NaN rows, called directly."""
-    from vitrail.ops.softmax import OPS, configs
+    """The chunked path on any shape (one chunk per row, ragged last chunks, rows that start off
+    a vector boundary: windows), with -inf and NaN rows, called directly, in 16-byte vectors and
+    element by element (v = 1)."""
+    from vitrail.ops.softmax import _window, configs
     from vitrail.ops.softmax.reference import softmax
     rows, n = shape
-    v = configs.vec(dtype) if n % configs.vec(dtype) == 0 else 1
-    x = (torch.randn(rows, n, device="cuda") * 3).to(dtype)
-    if rows >= 3:
-        x[1, : n // 2] = float("-inf")
-        x[2, n // 3] = float("nan")
-    y = torch.full_like(x, float("nan"))
-    OPS["chunked", "fwd", dtype, v, log]("test", n, y, x, x)
-    ref = softmax(x, -1, log)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(y.double(), ref, equal_nan=True, rtol=tol, atol=tol)
-    x = (torch.randn(rows, n, device="cuda") * 3).to(dtype)
-    y = softmax(x, -1, log).to(dtype)
-    dy = torch.randn_like(y)
-    dx = torch.full_like(y, float("nan"))
-    OPS["chunked", "bwd", dtype, v, log]("test", n, dx, y, dy)
-    _check_backward(dx, y, dy, log)
+    for v in (configs.vec(dtype), 1):
+        x = (torch.randn(rows, n, device="cuda") * 3).to(dtype)
+        if rows >= 3:
+            x[1, : n // 2] = float("-inf")
+            x[2, n // 3] = float("nan")
+        y = torch.full_like(x, float("nan"))
+        _op(("chunked", "fwd", dtype, v, log), x)("test", _window(x, v), y, x, x)
+        ref = softmax(x, -1, log)
+        torch.testing.assert_close(y.double(), ref, equal_nan=True, rtol=tol, atol=tol)
+        x = (torch.randn(rows, n, device="cuda") * 3).to(dtype)
+        y = softmax(x, -1, log).to(dtype)
+        dy = torch.randn_like(y)
+        dx = torch.full_like(y, float("nan"))
+        _op(("chunked", "bwd", dtype, v, log), y)("test", _window(y, v), dx, y, dy)
+        _check_backward(dx, y, dy, log)
 
 
 # ------------------------------------------------------------------ tile path (rows in shared memory)
@@ -396,38 +408,85 @@ def test_tile_rows_strided_dim_and_autograd(dtype, log):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_tile_direct_every_cluster(dtype, log):
     """The tile kernel called directly with every cluster size and 128 to 512 threads, into
-    NaN-poisoned outputs: rows with a partial last vector (a row stride beyond n), CTAs past a
-    short row's end, -inf and NaN rows."""
+    NaN-poisoned outputs (nothing outside the rows written): rows with a partial last vector (a
+    row stride beyond n), rows that start 3 elements into a vector (edge vectors at both ends:
+    the rows' windows), CTAs past a short row's end, -inf and NaN rows."""
+    from vitrail.jit.errors import LaunchError
     from vitrail.ops.softmax import OPS, configs
     from vitrail.ops.softmax.reference import softmax
     v = configs.vec(dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     # 24576 and 12288 at one CTA: 48 KiB of dynamic shared memory for some dtype and direction,
     # beside the kernel's static shared memory (over the default 48 KiB in all)
-    for n, cluster, threads in [(70_001, 8, 128), (20_001, 1, 512), (200, 8, 128),
-                                (33_333, 2, 512), (8, 4, 128), (50_000, 4, 128),
-                                (24_576, 1, 128), (12_288, 1, 256)]:
+    for n, cluster, threads, off in [(70_001, 8, 128, 8), (20_001, 1, 512, 8), (200, 8, 128, 8),
+                                     (33_333, 2, 512, 8), (8, 4, 128, 8), (50_000, 4, 128, 8),
+                                     (24_576, 1, 128, 8), (12_288, 1, 256, 8),
+                                     (70_001, 8, 128, 3), (20_001, 1, 512, 3), (5, 4, 128, 3),
+                                     (33_333, 2, 256, 3), (24_573, 1, 128, 3)]:
         rows, width = 7, -(-n // 8) * 8 + 16  # row strides of whole 16-byte vectors
         base = (torch.randn(rows, width, device="cuda") * 3).to(dtype)
-        x = base[:, 8:8 + n]  # 16-byte aligned rows, n % v elements in a partial vector
+        x = base[:, off:off + n]  # rows start on a vector at off 8, 3 elements into one at 3
         x[1, : n // 2] = float("-inf")
         x[2] = float("-inf")
         x[3, n - 1] = float("nan")
         for kind in ("fwd", "bwd"):
-            op = OPS["tile", kind, dtype, v, log]
+            op = _op(("tile", kind, dtype, v, log), x)
             c = op.space.config(THREADS=threads, CLUSTER=cluster)
-            out = torch.full((rows, width), float("nan"), device="cuda", dtype=dtype)[:, :n]
+            poisoned = torch.full((rows, width), float("nan"), device="cuda", dtype=dtype)
+            out = poisoned[:, off:off + n]
             if kind == "fwd":
+                if op is not OPS["tile", kind, dtype, v, log]:  # unwindowed kernels refuse them
+                    plain = OPS["tile", kind, dtype, v, log]
+                    with pytest.raises(LaunchError):
+                        plain.launch(plain.module(c), c, out, x, x)
                 op.launch(op.module(c), c, out, x, x)
                 torch.testing.assert_close(out.double(), softmax(x, -1, log), equal_nan=True,
                                            rtol=tol, atol=tol)
             else:
-                y = torch.empty(rows - 4, width, device="cuda", dtype=dtype)[:, :n]
+                y = torch.empty(rows - 4, width, device="cuda", dtype=dtype)[:, off:off + n]
                 y.copy_(softmax(x[4:], -1, log))
-                dy = (torch.randn(rows - 4, width, device="cuda")).to(dtype)[:, :n]
+                dy = (torch.randn(rows - 4, width, device="cuda")).to(dtype)[:, off:off + n]
                 out = out[4:]
                 op.launch(op.module(c), c, out, y, dy)
                 _check_backward(out, y, dy, log)
+            assert poisoned[:, :off].isnan().all() and poisoned[:, off + n:].isnan().all()
+
+
+
+# ------------------------------------------------------------------ rows off vector boundaries
+@requires_gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape, path", [
+    ((33, 4097), "fwd"), ((1000, 999), None), ((2, 7), None), ((200, 4097), "tile"),
+    ((300, 12_001), "tile"), ((150, 50_001), "tile"), ((5, 300_001), "split"),
+    ((16, 262_145), "split")])
+def test_window_rows(shape, path, dtype, log, monkeypatch):
+    """Contiguous rows of n % v != 0 (every row after the first starts off a 16-byte boundary):
+    where configs.use_window says so (16-bit rows of 2 KiB and more, fp32 of 32 KiB and more)
+    they take the windowed 16-byte-vector kernels over the rows' windows (n + v - 1 columns),
+    else the element-by-element ones (v = 1): the vector width, window and kernels the public
+    calls route with, the path (bf16 forward, on an H100's 132 SMs: registers, tile or split),
+    and the values, forward and backward, against fp64."""
+    import importlib
+    S = importlib.import_module("vitrail.ops.softmax")  # the module (vitrail.ops.softmax is the op)
+    rows, n = shape
+    window = S.configs.use_window(n, dtype.itemsize)
+    v = S.configs.vec(dtype) if window else 1
+    seen, real = [], S.route
+
+    def spy(*args):
+        op, key, problem = real(*args)
+        seen.append((args[0], args[4], args[2], op.name))  # kind, v, window columns, op
+        return op, key, problem
+    monkeypatch.setattr(S, "route", spy)
+    _check_rows(rows, n, dtype, log)
+    cols = n + v - 1
+    assert [s[:3] for s in seen] == [("fwd", v, cols), ("bwd", v, cols)], seen
+    assert all(s[3].endswith(f".v{v}w" if window else ".v1") for s in seen), seen
+    if dtype == torch.bfloat16 and _sms() == 132:
+        assert window == (path is not None), seen
+        if window:
+            assert seen[0][3].split(".")[1] == ("fwd" if path == "fwd" else f"fwd_{path}"), seen
 
 
 # ------------------------------------------------------------------ split path (few long rows)
@@ -435,9 +494,19 @@ SPLIT_SHAPES = [(16, 262144), (8, 1 << 20), (3, 300_000), (5, 70_001), (1, 1 << 
 
 
 def _takes_split(rows, n, dtype, arrays=1):
+    """Whether contiguous rows x n take the split path (as the public path routes them: 16-byte
+    vectors over the rows' windows, n + v - 1 columns where rows start off a vector boundary and
+    configs.use_window says so, else element by element)."""
     from vitrail.ops.softmax import configs
-    v = configs.vec(dtype) if n % configs.vec(dtype) == 0 or rows == 1 else 1
-    return configs.use_split(n, rows, v, arrays, _sms())
+    v = configs.vec(dtype)
+    if n % v and rows > 1 and not configs.use_window(n, dtype.itemsize):
+        v = 1  # element by element
+    return configs.use_split(_window_of(rows, n, v), rows, v, arrays, _sms())
+
+
+def _window_of(rows, n, v):
+    """The window columns of contiguous rows x n (vitrail.ops.softmax._window)."""
+    return n if n % v == 0 or rows == 1 else n + v - 1
 
 
 @requires_gpu
@@ -470,8 +539,9 @@ def test_split_over_tile_rows(shape, dtype, log):
 @requires_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_split_direct_poisoned_and_strided(dtype, log):
-    """Called directly into NaN-poisoned outputs (every element written), on rows with a
-    row stride beyond n (16-byte aligned, then not: elementwise vectors)."""
+    """Called directly into NaN-poisoned outputs (every element written, nothing outside the
+    rows), on rows with a row stride beyond n (16-byte aligned, then not: element by element, and
+    the windowed kernels where the output's rows start as far into their vectors)."""
     from vitrail.ops.softmax import OPS, configs
     from vitrail.ops.softmax.reference import softmax
     rows, n = 16, 262144
@@ -492,6 +562,19 @@ def test_split_direct_poisoned_and_strided(dtype, log):
         import vitrail.ops as ops  # the public path on the strided view
         _check((ops.log_softmax if log else ops.softmax)(x), _fns(log)[1](x, -1),
                softmax(x, -1, log))
+        if off % configs.vec(dtype):  # the windowed kernels, output rows 3 elements in as x's
+            v = configs.vec(dtype)
+            poisoned = torch.full((rows, n + 64), float("nan"), device="cuda", dtype=dtype)
+            y = poisoned[:, off:off + n]
+            window = (n + v - 1, rows)
+            _op(("split", "fwd", dtype, v, log), x)("test", window, y, x, x)
+            torch.testing.assert_close(y.double(), softmax(x, -1, log), rtol=tol, atol=tol)
+            yy = torch.empty_like(poisoned)[:, off:off + n]
+            yy.copy_(softmax(x, -1, log))
+            poisoned.fill_(float("nan"))
+            _op(("split", "bwd", dtype, v, log), x)("test", window, y, yy, dy)
+            _check_backward(y, yy, dy, log)
+            assert poisoned[:, :off].isnan().all() and poisoned[:, off + n:].isnan().all()
 
 
 @requires_gpu

@@ -32,21 +32,21 @@ _ENTRY = {
     "fwd": r"""
 extern "C" cudaError_t softmax_fwd(void* y, const void* x, long long rows, int n, long long ldx,
                                    long long ldy, cudaStream_t stream) {
-  return vitrail::softmax::launch_fwd<T, V, TPR, THREADS, ITERS, CLUSTER, IS_LOG>(
+  return vitrail::softmax::launch_fwd<T, V, TPR, THREADS, ITERS, CLUSTER, IS_LOG, WINDOW>(
       (T*)y, (const T*)x, rows, n, ldx, ldy, stream);
 }""",
     "bwd": r"""
 extern "C" cudaError_t softmax_bwd(void* dx, const void* y, const void* dy, long long rows, int n,
                                    long long ldy, long long lddy, long long lddx,
                                    cudaStream_t stream) {
-  return vitrail::softmax::launch_bwd<T, V, TPR, THREADS, ITERS, CLUSTER, IS_LOG>(
+  return vitrail::softmax::launch_bwd<T, V, TPR, THREADS, ITERS, CLUSTER, IS_LOG, WINDOW>(
       (T*)dx, (const T*)y, (const T*)dy, rows, n, ldy, lddy, lddx, stream);
 }""",
     "chunked": r"""
 extern "C" cudaError_t softmax_chunked(void* out, void* stats, const void* a, const void* b,
                                        long long rows, int n, int chunk, long long lda,
                                        long long ldb, long long ldo, cudaStream_t stream) {
-  return vitrail::softmax::launch_chunked<T, V, MODE, IS_LOG, THREADS, U>(
+  return vitrail::softmax::launch_chunked<T, V, MODE, IS_LOG, THREADS, U, WINDOW>(
       (T*)out, stats, (const T*)a, (const T*)b, rows, n, chunk, lda, ldb, ldo, stream);
 }""",
     "split": r"""
@@ -54,38 +54,42 @@ extern "C" cudaError_t softmax_split(void* out, void* ws, int slots, const void*
                                      long long rows, int n, int slice, int groups, int smem_vecs,
                                      long long lda, long long ldb, long long ldo,
                                      cudaStream_t stream) {
-  return vitrail::softmax::launch_split<T, V, MODE, IS_LOG, THREADS, ITERS, U, CTAS>(
+  return vitrail::softmax::launch_split<T, V, MODE, IS_LOG, THREADS, ITERS, U, CTAS, WINDOW>(
       (T*)out, ws, slots, (const T*)a, (const T*)b, rows, n, slice, groups, smem_vecs, lda, ldb,
       ldo, stream);
 }
 extern "C" int softmax_split_ctas_per_sm(int smem_vecs) {
-  return vitrail::softmax::split_ctas_per_sm<T, V, MODE, IS_LOG, THREADS, ITERS, U, CTAS>(
+  return vitrail::softmax::split_ctas_per_sm<T, V, MODE, IS_LOG, THREADS, ITERS, U, CTAS,
+                                                   WINDOW>(
       smem_vecs);
 }""",
     "tile": r"""
 extern "C" cudaError_t softmax_tile(void* out, const void* a, const void* b, long long rows, int n,
                                     int slice, long long lda, long long ldb, long long ldo,
                                     cudaStream_t stream) {
-  return vitrail::softmax::launch_tile<T, V, MODE, IS_LOG, THREADS, CLUSTER>(
+  return vitrail::softmax::launch_tile<T, V, MODE, IS_LOG, THREADS, CLUSTER, WINDOW>(
       (T*)out, (const T*)a, (const T*)b, rows, n, slice, lda, ldb, ldo, stream);
 }""",
 }
 
 
-def _source(kind: str, dtype: torch.dtype, v: int, log: bool, mode: int = 0) -> str:
+def _source(kind: str, dtype: torch.dtype, v: int, log: bool, mode: int, window: bool) -> str:
     head = (f'#include "sm90_softmax.cuh"\nusing T = {configs.CTYPES[dtype]};\n'
             f"constexpr int V = {v};\nconstexpr bool IS_LOG = {str(log).lower()};\n"
-            f"constexpr int MODE = {mode};\n//CONSTS\n")
+            f"constexpr int MODE = {mode};\nconstexpr bool WINDOW = {str(window).lower()};\n"
+            f"//CONSTS\n")
     return head + _ENTRY[kind]
 
 
 _PARAMS = ("TPR", "THREADS", "ITERS", "CLUSTER", "U", "CTAS")
 
 
-def _render(kind: str, dtype: torch.dtype, v: int, log: bool, mode: int = 0):
+def _render(kind: str, dtype: torch.dtype, v: int, log: bool, mode: int = 0,
+            window: bool = False):
     def render(config) -> dict:
         consts = "".join(f"constexpr int {k} = {config[k]};\n" for k in _PARAMS if k in config)
-        return dict(source=_source(kind, dtype, v, log, mode) .replace("//CONSTS\n", consts),
+        source = _source(kind, dtype, v, log, mode, window).replace("//CONSTS\n", consts)
+        return dict(source=source,
                     name=f"softmax_{kind}", include_dirs=[str(HERE)], flags=["-std=c++17"])
     return render
 
@@ -110,19 +114,19 @@ def _launch_bwd(module, config, dx, y, dy):
 def _chunked_launcher(v: int):
     def launch(module, config, out, a, b):
         rows, n = a.shape
-        chunk = configs.chunk_length(n, rows, v, config, _sms(a.device))
-        stats = torch.empty(rows * math.ceil(n / chunk) * 2, dtype=torch.float32,
-                            device=a.device)  # (max, sum) per chunk
+        chunk = configs.chunk_length(_window(a, v), rows, v, config, _sms(a.device))
+        stats = torch.empty(rows * math.ceil((n + v - 1) / chunk) * 2, dtype=torch.float32,
+                            device=a.device)  # (max, sum) per chunk of a row's window
         module.softmax_chunked(out.data_ptr(), stats.data_ptr(), a.data_ptr(), b.data_ptr(),
                                rows, n, chunk, _ld(a), _ld(b), _ld(out))
     return launch
 
 
-def _split_launcher(v: int, arrays: int, log: bool):
+def _split_launcher(v: int, arrays: int, log: bool, windowed: bool):
     def launch(module, config, out, a, b, ctas_per_sm: int | None = None):
         """ctas_per_sm: use at most this many CTAs per SM (a variant to time; None: all that
         fit)."""
-        rows, n = a.shape
+        (rows, n), window = a.shape, _window(a, v)  # the slices cut the rows' windows
         dev = a.device
         sms, lim = _sms(dev), _limits(dev)
         vec_bytes = v * a.element_size()
@@ -134,17 +138,18 @@ def _split_launcher(v: int, arrays: int, log: bool):
             occ = _OCCUPANCY[key]
             return sms * (occ if ctas_per_sm is None else min(occ, ctas_per_sm))
 
-        plan = configs.split_plan(n, rows, v, config, resident(0), 0, arrays, vec_bytes)
+        plan = configs.split_plan(window, rows, v, config, resident(0), 0, arrays, vec_bytes)
         if plan[1] > config.THREADS * config.ITERS * v:  # beyond the registers: shared memory
             budget = configs.split_smem_budget(config, lim)
             budget_vecs = budget // vec_bytes // arrays
-            plan = configs.split_plan(n, rows, v, config, resident(budget_vecs), budget, arrays,
-                                      vec_bytes)
+            plan = configs.split_plan(window, rows, v, config, resident(budget_vecs), budget,
+                                      arrays, vec_bytes)
         groups, slice_, smem_vecs = plan
         slots = _slots(dev)
         if rows * groups > min(slots, resident(smem_vecs)):  # cannot all be resident: chunked
             kind = "fwd" if arrays == 1 else "bwd"
-            OPS["chunked", kind, a.dtype, v, log](f"n{bucket(n)};rows{bucket(rows)}", n, out, a, b)
+            chunked = OPS[("chunked", kind, a.dtype, v, log) + ((WINDOW,) if windowed else ())]
+            chunked(f"n{bucket(window)};rows{bucket(rows)}", window, out, a, b)
             return
         module.softmax_split(out.data_ptr(), _workspace(dev, slots).data_ptr(), slots,
                              a.data_ptr(), b.data_ptr(), rows, n, slice_, groups, smem_vecs,
@@ -155,7 +160,7 @@ def _split_launcher(v: int, arrays: int, log: bool):
 def _tile_launcher(v: int, arrays: int):
     def launch(module, config, out, a, b):
         rows, n = a.shape
-        slice_ = configs.tile_slice(n, v, config.CLUSTER)
+        slice_ = configs.tile_slice(_window(a, v), v, config.CLUSTER)
         smem = slice_ * a.element_size() * arrays
         limit = _limits(a.device).max_shared_per_block - 2048  # less the static scratch
         if smem > limit:
@@ -217,86 +222,122 @@ def _dname(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+# OPS[path..., dtype, v, log]: v = 16 bytes / element size (rows on vector boundaries) or 1
+# (element by element); OPS[path..., dtype, v, log, WINDOW]: the windowed kernels (16-byte vectors,
+# rows that may start off a vector boundary), a separate instantiation so that the others keep
+# their registers (sm90_softmax.cuh, load_row).
+WINDOW = "window"
 OPS: dict[tuple, Op] = {}
 for _dt in configs.CTYPES:
-    for _v in (configs.vec(_dt), 1):
+    for _v, _w in ((configs.vec(_dt), False), (configs.vec(_dt), True), (1, False)):
         for _log in (False, True):
-            _base = f"{'log_softmax' if _log else 'softmax'}.{{}}.{_dname(_dt)}.v{_v}"
-            OPS["fwd", _dt, _v, _log] = Op(
+            _base = (f"{'log_softmax' if _log else 'softmax'}.{{}}.{_dname(_dt)}.v{_v}"
+                     + ("w" if _w else ""))
+            _tag = (WINDOW,) if _w else ()
+            OPS[("fwd", _dt, _v, _log, *_tag)] = Op(
                 _base.format("fwd"), space=configs.space(_v, 1), kernel_source=KERNEL,
-                render=_render("fwd", _dt, _v, _log), launch=_launch_fwd,
-                examples=[4096] if _v > 1 else [])
-            OPS["bwd", _dt, _v, _log] = Op(
+                render=_render("fwd", _dt, _v, _log, 0, _w), launch=_launch_fwd,
+                examples=[4096] if _v > 1 and not _w else [])
+            OPS[("bwd", _dt, _v, _log, *_tag)] = Op(
                 _base.format("bwd"), space=configs.space(_v, 2), kernel_source=KERNEL,
-                render=_render("bwd", _dt, _v, _log), launch=_launch_bwd,
-                examples=[4096] if _v > 1 else [])
+                render=_render("bwd", _dt, _v, _log, 0, _w), launch=_launch_bwd,
+                examples=[4096] if _v > 1 and not _w else [])
             for _mode, _kind in ((0, "fwd"), (2 if _log else 1, "bwd")):
-                OPS["chunked", _kind, _dt, _v, _log] = Op(
+                OPS[("chunked", _kind, _dt, _v, _log, *_tag)] = Op(
                     _base.format(f"{_kind}_chunked"), kernel_source=KERNEL,
                     space=configs.CHUNKED,
-                    render=_render("chunked", _dt, _v, _log, _mode),
+                    render=_render("chunked", _dt, _v, _log, _mode, _w),
                     launch=_chunked_launcher(_v))
                 _arrays = 1 if _kind == "fwd" else 2
                 if _v > 1:
-                    OPS["tile", _kind, _dt, _v, _log] = Op(
+                    OPS[("tile", _kind, _dt, _v, _log, *_tag)] = Op(
                         _base.format(f"{_kind}_tile"), kernel_source=KERNEL,
                         space=configs.tile_space(_arrays),
-                        render=_render("tile", _dt, _v, _log, _mode),
+                        render=_render("tile", _dt, _v, _log, _mode, _w),
                         launch=_tile_launcher(_v, _arrays))
-                OPS["split", _kind, _dt, _v, _log] = Op(
+                OPS[("split", _kind, _dt, _v, _log, *_tag)] = Op(
                     _base.format(f"{_kind}_split"), kernel_source=KERNEL,
-                    space=configs.split_space(_v, _arrays),
-                    render=_render("split", _dt, _v, _log, _mode),
-                    launch=_split_launcher(_v, _arrays, _log))
+                    space=configs.split_space(_v, _arrays, _w),
+                    render=_render("split", _dt, _v, _log, _mode, _w),
+                    launch=_split_launcher(_v, _arrays, _log, _w))
 
 
 def _aligned(v: int, *ts: torch.Tensor) -> bool:
-    size = ts[0].element_size()
-    return all(t.data_ptr() % 16 == 0 and (t.shape[0] <= 1 or t.stride(0) % v == 0)
-               for t in ts) and size * v == 16
+    """Whether every row of ts starts on a 16-byte boundary (vectors of v elements)."""
+    return all(t.data_ptr() % 16 == 0 and _ld(t) % v == 0 for t in ts)
+
+
+def _coaligned(v: int, *ts: torch.Tensor) -> bool:
+    """Whether the windowed kernels can read rows of ts in 16-byte vectors of v elements: every
+    array's rows start at the same offset within a vector (base addresses equal modulo 16 bytes,
+    row strides equal modulo v), so one window serves them all (sm90_softmax.cuh). Rows need not
+    start on a vector boundary: odd n, a view at an offset."""
+    a = ts[0]
+    return a.element_size() * v == 16 and all(
+        (t.data_ptr() - a.data_ptr()) % 16 == 0 and (_ld(t) - _ld(a)) % v == 0 for t in ts)
+
+
+def _window(a: torch.Tensor, v: int) -> int:
+    """The window columns a launch covers: n, plus v - 1 where a row may start off a vector
+    boundary (the kernels' window_pad)."""
+    n = a.shape[1]
+    return n if v == 1 or (a.data_ptr() % 16 == 0 and _ld(a) % v == 0) else n + v - 1
 
 
 def route(kind: str, rows: int, n: int, dtype: torch.dtype, v: int, log: bool,
-          device: torch.device | None) -> tuple[Op, str, object]:
+          device: torch.device | None, window: bool = False) -> tuple[Op, str, object]:
     """The path rows x n takes on `device` (None: the build target, vitrail.tune.limits(), with
-    132 SMs where no GPU says otherwise); v: the vector width, 1 where the rows are not 16-byte
-    aligned. Returns (op, problem key, problem); the op is called as op(key, problem, out, a, b).
-    A GPU's routes are memoized (every call takes one)."""
+    132 SMs where no GPU says otherwise); v: the vector width, 1 for element by element (rows
+    off vector boundaries that the windowed kernels do not take: ``_run``); n: the columns of
+    the rows' windows (``_window``: n, or n + v - 1 where rows may start off a vector boundary);
+    window: take the windowed kernels (rows that start off a vector boundary). Returns (op,
+    problem key, problem); the op is called as op(key, problem, out, a, b). A GPU's routes are
+    memoized (every call takes one)."""
     if device is None:
         from vitrail.tune import limits
-        return _route(kind, rows, n, dtype, v, log, configs.with_sm_count(limits()))
+        return _route(kind, rows, n, dtype, v, log, configs.with_sm_count(limits()), window)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _gpu_route(kind, rows, n, dtype, v, log, index)
+    return _gpu_route(kind, rows, n, dtype, v, log, index, window)
 
 
 @functools.lru_cache(maxsize=4096)
-def _gpu_route(kind: str, rows: int, n: int, dtype: torch.dtype, v: int, log: bool, index: int):
-    return _route(kind, rows, n, dtype, v, log, _limits(torch.device("cuda", index)))
+def _gpu_route(kind: str, rows: int, n: int, dtype: torch.dtype, v: int, log: bool, index: int,
+               window: bool):
+    return _route(kind, rows, n, dtype, v, log, _limits(torch.device("cuda", index)), window)
 
 
-def _route(kind: str, rows: int, n: int, dtype: torch.dtype, v: int, log: bool, lim):
+def _route(kind: str, rows: int, n: int, dtype: torch.dtype, v: int, log: bool, lim,
+           window: bool = False):
+    op, key, problem = _path(kind, rows, n, dtype, v, log, lim)
+    return (OPS[op + (WINDOW,)] if window else OPS[op]), key, problem
+
+
+def _path(kind: str, rows: int, n: int, dtype: torch.dtype, v: int, log: bool, lim):
+    """(OPS key, problem key, problem) of rows x n (the windows' columns) on lim's GPU."""
     arrays = 1 if kind == "fwd" else 2
     sms, size = lim.sm_count, dtype.itemsize
     fine = (bucket(n, configs.KEY_STEPS), bucket(rows, configs.KEY_STEPS))  # tile, split
     fine_key = f"n{fine[0]};rows{fine[1]}"
     if lim.arch.major >= 9 and configs.use_tile(n, rows, v, size, arrays, sms, lim.shared_per_sm):
         if configs.split_over_tile(n, rows, v, size, arrays, lim):
-            return OPS["split", kind, dtype, v, log], fine_key, fine
-        return OPS["tile", kind, dtype, v, log], fine_key, (*fine, size)
+            return ("split", kind, dtype, v, log), fine_key, fine
+        return ("tile", kind, dtype, v, log), fine_key, (*fine, size)
     if configs.use_split(n, rows, v, arrays, sms):
-        return OPS["split", kind, dtype, v, log], fine_key, fine
+        return ("split", kind, dtype, v, log), fine_key, fine
     key = f"n{bucket(n)};rows{bucket(rows)}"
     if configs.use_chunked(n, rows, v, arrays, sms):
-        return OPS["chunked", kind, dtype, v, log], key, n
-    return OPS[kind, dtype, v, log], key, bucket(n)  # registers
+        return ("chunked", kind, dtype, v, log), key, n
+    return (kind, dtype, v, log), key, bucket(n)  # registers
 
 
 def _run(kind: str, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, log: bool) -> None:
     """Route rows x n to a path and launch it. kind "fwd": a = b = x; "bwd": a = y, b = dy."""
     v = configs.vec(a.dtype)
-    if not _aligned(v, a, b, out):
-        v = 1
-    op, key, problem = route(kind, a.shape[0], a.shape[1], a.dtype, v, log, a.device)
+    window = not _aligned(v, a, b, out)
+    if window and not (configs.use_window(a.shape[1], a.element_size())
+                       and _coaligned(v, a, b, out)):
+        v, window = 1, False  # element by element
+    op, key, problem = route(kind, a.shape[0], _window(a, v), a.dtype, v, log, a.device, window)
     op(key, problem, out, a, b)
 
 

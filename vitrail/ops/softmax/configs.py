@@ -1,15 +1,17 @@
 """Configs of the softmax kernels: the space PickBest searches and the heuristic's choice.
 
 A row of n elements is held by TPR threads x CLUSTER CTAs, ITERS vectors of V elements each
-(V = 16 bytes / element size, or 1 when rows are not 16-byte aligned). The heuristic picks the
-fewest threads that keep ITERS at its target (8 vectors per thread forward, 4 per array backward:
-enough loads in flight without spilling), then clusters when one CTA of 512 threads is not
-enough (backward: 2 vectors per array then, so that two CTAs of 512 threads fit an SM's registers
-and one loads while the other reduces or stores). Rows of at most
-512 bytes (fp32 128) take CTAs of 128 threads and 4 vectors per thread: fp32 65536x128 forward
-then runs 4096 CTAs of 32 registers per thread, 16 per SM (2048 threads x 64 bytes = 128 KB in
-flight, 1.9 waves), where CTAs of 256 threads x 8 vectors (48 registers) gave 1024 CTAs, 5 per
-SM: 1.55 waves, the second half empty.
+(V = 16 bytes / element size; 1 where rows are read element by element: rows off vector
+boundaries that the windowed kernels do not take, ``use_window``). n is the row's window (n, or
+n + V - 1 where rows may start off a vector boundary). The heuristic picks the fewest threads
+that keep ITERS at its target (8 vectors per thread forward, 4 per array backward: enough loads
+in flight without spilling), then clusters when one CTA of 512 threads is not enough (backward:
+2 vectors per array then, so that two CTAs of 512 threads fit an SM's registers and one loads
+while the other reduces or stores). Rows of at most 512 bytes (fp32 128) take CTAs of 128
+threads and 4 vectors per thread: fp32 65536x128 forward then runs 4096 CTAs of 32 registers per
+thread, 16 per SM (2048 threads x 64 bytes = 128 KB in flight, 1.9 waves), where CTAs of 256
+threads x 8 vectors (48 registers) gave 1024 CTAs, 5 per SM: 1.55 waves, the second half
+empty.
 
 Rows that need a cluster in the forward (one CTA per SM: nothing overlaps its load, reduce and
 store), and rows beyond the largest config, take the tile path where it fits and they are enough
@@ -56,6 +58,25 @@ CLUSTER_CTAS_PER_SM = 2  # fewer clustered CTAs than this per SM: the chunked pa
 
 def vec(dtype: torch.dtype) -> int:
     return 16 // torch.empty((), dtype=dtype).element_size()
+
+
+# Rows that start off a 16-byte boundary (odd n in 16-bit types, a view at an offset) take the
+# windowed kernels (16-byte vectors over the aligned window holding each row, sm90_softmax.cuh)
+# where the element-by-element ones (v = 1) are slow: rows of 16-bit elements of WINDOW_MIN_BYTES
+# and more (2-byte loads), fp32 rows of WINDOW_MIN_BYTES_F32 and more. H100, % of a same-bytes
+# copy, windowed against v = 1: bf16 forward 16380 x 4097 97 against 60, 5436 x 12345 94
+# against 43, 1335 x 50257 76 against 21 (backward 91 against 36); fp32 667 x 50257 backward 90
+# against 66; fp32 2718 x 12345 forward 74 against 73 (v = 1 took a cluster of 2 in registers,
+# 44-70 in other runs). Below, v = 1 keeps up or wins: bf16 67108 x 500 forward 99 against 86;
+# fp32 8190 x 4097 forward 101 against 85 (4-byte loads in registers).
+WINDOW_MIN_BYTES = 2 << 10
+WINDOW_MIN_BYTES_F32 = 32 << 10
+
+
+def use_window(n: int, size: int) -> bool:
+    """Whether rows of n elements of `size` bytes that start off a vector boundary take the
+    windowed kernels (else element by element)."""
+    return n * size >= (WINDOW_MIN_BYTES if size < 4 else WINDOW_MIN_BYTES_F32)
 
 
 def _pow2(n: int) -> int:
@@ -156,7 +177,7 @@ def chunk_length(n: int, rows: int, v: int, config, sms: int,
 
 
 # ------------------------------------------------------------------ split path
-def split_space(v: int, arrays: int) -> Space:
+def split_space(v: int, arrays: int, window: bool = False) -> Space:
     return Space(
         {"THREADS": [128, 256, 512, 1024], "ITERS": [1, 2, 4, 8, 16], "U": [1, 2, 4],
          "CTAS": [1, 2, 3, 4]},
@@ -166,7 +187,7 @@ def split_space(v: int, arrays: int) -> Space:
                     split_registers(c, v, arrays) * c.THREADS * c.CTAS <= lim.registers_per_sm,
                     "ITERS={ITERS}, U={U} x THREADS={THREADS} x CTAS={CTAS}: too many registers"),
         ],
-        heuristic=lambda problem, lim: split_heuristic(v, arrays, problem, lim))
+        heuristic=lambda problem, lim: split_heuristic(v, arrays, problem, lim, window))
 
 
 def split_registers(c, v: int, arrays: int) -> int:
@@ -175,18 +196,23 @@ def split_registers(c, v: int, arrays: int) -> int:
     return (c.ITERS + c.U) * words * arrays + 24
 
 
-def split_heuristic(v: int, arrays: int, problem=None, lim=None) -> dict:
+def split_heuristic(v: int, arrays: int, problem=None, lim=None, window: bool = False) -> dict:
     """problem: (n, rows) as the key buckets them, or None. 64 registers per thread (ptxas, sm_90a,
     no spills): forward 8 fp32 vectors per thread, 4 of 16-bit types (8 spill: their fp32 copies),
-    16 elements when rows are not 16-byte aligned; backward 4 vectors (8 elements) per array.
+    16 elements where v is 1; backward 4 vectors (8 elements) per array.
     Forward: CTAs of 256 threads, four per SM (H100, % of a same-bytes copy, against 512 x 2: fp32
     32 x 131072 91 against 86, 100 x 100000 98 against 84 where 512 x 2 gives 2 CTAs a row and reads
     a third of the slice twice; bf16 within 2 points either way, 100 x 200000 89 against 78; 1-8
     rows of 1M-4M elements within 2.5 points either way). Backward: CTAs of 512 threads, two per SM,
     where that plan holds the slices on chip with 4 or more CTAs a row (fp32 32 x 131072 88 against
     85, bf16 32 x 262144 86 against 84); else 256 x 4 where that holds them (bf16 150 x 50000, 1 CTA
-    a row at 512 x 2: 95 against 76; fp32 100 x 30000, 2 CTAs a row: 101 against 95)."""
+    a row at 512 x 2: 95 against 76; fp32 100 x 30000, 2 CTAs a row: 101 against 95).
+    window: the windowed kernels (rows off vector boundaries); their 16-bit backward holds 2
+    vectors per array in registers (at 4, ptxas spilled 28-44 bytes under the 64-register
+    bound), the rest of the slice in shared memory."""
     iters = (16 if arrays == 1 else 8) if v == 1 else (8 if v == 4 else 4) if arrays == 1 else 4
+    if window and arrays == 2 and v == 8:
+        iters = 2
     u = 4 if v == 1 else (2 if arrays == 1 else 1)
     wide = {"THREADS": 512, "ITERS": iters, "U": u, "CTAS": 2}
     narrow = dict(wide, THREADS=256, CTAS=4)

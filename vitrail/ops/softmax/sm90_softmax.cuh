@@ -5,9 +5,9 @@
 // (sm_90, reductions through distributed shared memory); each thread holds Iters 16-byte vectors
 // of it, vector i of a thread at column ((rank * Iters + i) * TPR + t) * V, so neighbouring threads
 // read neighbouring vectors. Forward: max, sum of exp, then write; backward: one sum, then write.
-// Rows of 8 KiB and more (16-byte aligned) use the tile path where there are enough of them (one
-// CTA or a cluster of CTAs a row, each holding its slice in shared memory, loaded by TMA bulk
-// copies; several CTAs per SM); the register path keeps shorter rows, unaligned ones and GPUs
+// Rows of 8 KiB and more use the tile path where there are enough of them (one CTA or a cluster
+// of CTAs a row, each holding its slice in shared memory, loaded by TMA bulk copies; several CTAs
+// per SM); the register path keeps shorter rows, rows read element by element (V = 1) and GPUs
 // without TMA (it holds rows up to a cluster of 8 CTAs). Rows too few to fill the GPU use the split
 // path where the GPU holds rows x G CTAs at once (one cooperative kernel: each row split over G
 // CTAs that read their slices once, keep them on chip, meet at a per-row barrier in global memory
@@ -16,11 +16,23 @@
 // twice (the second time mostly from L2 where the input is not much larger than it) but has no
 // length or row limit.
 //
+// Rows that do not start on a 16-byte boundary (n % V != 0, or a view at an offset) can keep their
+// 16-byte vectors (kernels compiled with Window): a row is read through the aligned window that
+// holds it, which starts `head` elements before the row (head_of: the row start's offset in its
+// vector, 0 to V - 1) and is n + head long; the window's first head elements, the end of the row
+// before, are masked on load and store (load_row, store_row), and so are the elements past the
+// row's end. Every path works in window columns, so a launch's capacity is n + pad: pad = V - 1
+// where some row may start off a vector boundary, else 0 (window_pad).
+//
 // Constraints (checked by the entry points, refused with cudaErrorInvalidValue):
-//   - the last dim is contiguous; row strides (ld*) and base pointers are multiples of V elements
-//     (16 bytes; the Python side picks V = 1 otherwise);
-//   - n <= TPR * Iters * V * Cluster for the register path; chunk % V == 0 and
-//     rows * ceil(n / chunk) < 2^31 for the chunked one; for the split one see launch_split.
+//   - the last dim is contiguous; every array's rows start at the same offset within a vector as
+//     the first array's (base pointers equal modulo 16 bytes, row strides equal modulo V:
+//     coaligned), so that one head serves them all; kernels without Window, every row on a
+//     vector boundary (the Python side picks which, and V = 1 where neither serves or where
+//     element-by-element kernels keep up: configs.use_window);
+//   - n + pad <= TPR * Iters * V * Cluster for the register path; chunk % V == 0 and
+//     rows * ceil((n + pad) / chunk) < 2^31 for the chunked one; for the split one see
+//     launch_split.
 // Math in fp32: y = exp(x - max) / sum; log: y = (x - max) - log(sum). A row of -inf gives NaN
 // and a NaN anywhere in a row makes the row NaN, as in torch.
 #pragma once
@@ -59,6 +71,62 @@ __device__ __forceinline__ float output_of(T a, T b, float m, float scale) {
   }
 }
 
+// Window: whether a kernel serves rows that may start off a vector boundary. Kernels without it
+// (every row starts on one: the launch checks) keep the plain predicated loads and stores and
+// their registers (a windowed register kernel took 168 registers against 128 when every vector
+// could be a row's first: 1 CTA per SM instead of 2, bf16 65536 x 512 forward 78% of a
+// same-bytes copy against 94%); windowed kernels treat only the vector at window column 0 as one.
+// A row's head: the offset of its first element within its 16-byte vector, in elements (0
+// without windows). The row's window starts head elements before it.
+template <int V, bool Window, class T>
+__device__ __forceinline__ int head_of(const T* row) {
+  if constexpr (V == 1 || !Window) return 0;
+  else return int(reinterpret_cast<uintptr_t>(row) % 16) / int(sizeof(T));
+}
+// The vector at window column col of a row, p = its address: elements [lo, hi) of it where it
+// may hold the row's head (first: a compile-time fact in the unrolled loops, the vector at window
+// column 0), else [0, hi) (a row's head is in its first vector only: head < V). A head vector
+// that the row fills to its end (hi >= V) is one vector load, its lanes below lo then set to
+// fill: the lanes it reads before the row are in the same 16 bytes as the row's first element
+// (mapped memory), and it keeps the split kernel within its 64 registers (element by element it
+// spilled); a row that ends in it too (n < V) is read element by element.
+template <bool Window, int V, Reuse R = Reuse::Normal, class T>
+__device__ __forceinline__ Frg<T, V> load_row(const T* p, int lo, int hi, T fill, bool first) {
+  if (Window && first && lo > 0) {
+    if (hi < V) return load_frg<V, R>(p, lo, hi, fill);
+    Frg<T, V> f = Frg<T, V>::filled(fill);
+    load_frg_if<V, R>(f, p, true);
+#pragma unroll
+    for (int i = 0; i < V; ++i)
+      if (i < lo) f.v[i] = fill;
+    return f;
+  }
+  return load_frg<V, R>(p, hi, fill);
+}
+template <bool Window, int V, class T>
+__device__ __forceinline__ void store_row(T* p, const Frg<T, V>& f, int lo, int hi, bool first) {
+  if (Window && first) store_frg<V>(p, f, lo, hi);
+  else store_frg<V>(p, f, hi);
+}
+// Host side: whether array b's rows start at the same offsets within their vectors as a's.
+template <int V, class T>
+bool coaligned(const T* a, long long lda, const T* b, long long ldb) {
+  return V == 1 || ((reinterpret_cast<uintptr_t>(a) - reinterpret_cast<uintptr_t>(b)) % 16 == 0 &&
+                    (lda - ldb) % V == 0);
+}
+// Host side: the window's padding over n: V - 1 where a row may start off a vector boundary.
+template <int V, class T>
+int window_pad(const T* a, long long lda) {
+  return V == 1 || (reinterpret_cast<uintptr_t>(a) % 16 == 0 && lda % V == 0) ? 0 : V - 1;
+}
+// Host side: whether array b can join a launch whose first array is a: with windows, coaligned;
+// without, every row of both starts on a vector boundary.
+template <int V, bool Window, class T>
+bool rows_fit(const T* a, long long lda, const T* b, long long ldb) {
+  return Window ? coaligned<V>(a, lda, b, ldb)
+                : window_pad<V>(a, lda) == 0 && window_pad<V>(b, ldb) == 0;
+}
+
 // CTAs per SM a register-path kernel is compiled for (__launch_bounds__' minimum). A lone CTA
 // per SM loads, reduces, then stores with nothing to overlap those phases; a second one keeps
 // loads in flight while the first reduces or stores. CTAs of 512 threads get two where Regs
@@ -85,7 +153,7 @@ constexpr int fwd_min_ctas() {
   return min_ctas_per_sm<Threads, (Cluster > 1 ? 255 : Iters * kWords<T, V> + 32)>();
 }
 
-template <class T, int V, int TPR, int Threads, int Iters, int Cluster, bool IsLog>
+template <class T, int V, int TPR, int Threads, int Iters, int Cluster, bool IsLog, bool Window>
 __global__ void __launch_bounds__(Threads, fwd_min_ctas<T, V, TPR, Threads, Iters, Cluster>())
 fwd_kernel(T* __restrict__ y, const T* __restrict__ x, long long rows, int n, long long ldx,
            long long ldy) {
@@ -97,13 +165,15 @@ fwd_kernel(T* __restrict__ y, const T* __restrict__ x, long long rows, int n, lo
   const long long row = (long long)(blockIdx.x / Cluster) * RowsPerCta + threadIdx.x / TPR;
   const bool live = row < rows;
   const T* xr = x + (live ? row : 0) * ldx;
+  const int head = head_of<V, Window>(xr), end = live ? n + head : 0;  // window [head, end)
+  xr -= head;
   const T neg_inf = from_float<T>(-__builtin_huge_valf());
 
   Frg<T, V> frg[Iters];
 #pragma unroll
   for (int i = 0; i < Iters; ++i) {
     const int col = ((rank * Iters + i) * TPR + t) * V;
-    frg[i] = load_frg<V>(xr + col, live ? n - col : 0, neg_inf);
+    frg[i] = load_row<Window, V>(xr + col, head - col, end - col, neg_inf, i == 0);
   }
   float m = -__builtin_huge_valf();
 #pragma unroll
@@ -119,7 +189,7 @@ fwd_kernel(T* __restrict__ y, const T* __restrict__ x, long long rows, int n, lo
   s = Reduce::reduce(s, Sum{}, scratch[1]);
   const float scale = IsLog ? __log2f(s) * kLn2 : 1.f / s;
   if (live) {
-    T* yr = y + row * ldy;
+    T* yr = y + row * ldy - head;
 #pragma unroll
     for (int i = 0; i < Iters; ++i) {
       const int col = ((rank * Iters + i) * TPR + t) * V;
@@ -128,7 +198,7 @@ fwd_kernel(T* __restrict__ y, const T* __restrict__ x, long long rows, int n, lo
       for (int k = 0; k < V; ++k) {
         out[k] = from_float<T>(output_of<0, IsLog>(frg[i][k], frg[i][k], m, scale));
       }
-      store_frg<V>(yr + col, out, n - col);
+      store_row<Window, V>(yr + col, out, head - col, end - col, i == 0);
     }
   }
   Reduce::cluster_done();
@@ -141,7 +211,7 @@ template <int V, int Threads, int Iters>
 constexpr int bwd_min_ctas() {
   return min_ctas_per_sm<Threads, 2 * Iters * (V > 1 ? V : 2) + 24>();
 }
-template <class T, int V, int TPR, int Threads, int Iters, int Cluster, bool IsLog>
+template <class T, int V, int TPR, int Threads, int Iters, int Cluster, bool IsLog, bool Window>
 __global__ void __launch_bounds__(Threads, bwd_min_ctas<V, Threads, Iters>())
 bwd_kernel(T* __restrict__ dx, const T* __restrict__ y, const T* __restrict__ dy, long long rows,
            int n, long long ldy, long long lddy, long long lddx) {
@@ -153,16 +223,17 @@ bwd_kernel(T* __restrict__ dx, const T* __restrict__ y, const T* __restrict__ dy
   const long long row = (long long)(blockIdx.x / Cluster) * RowsPerCta + threadIdx.x / TPR;
   const bool live = row < rows;
   const T* yr = y + (live ? row : 0) * ldy;
-  const T* dyr = dy + (live ? row : 0) * lddy;
+  const int head = head_of<V, Window>(yr), end = live ? n + head : 0;  // window [head, end)
+  yr -= head;
+  const T* dyr = dy + (live ? row : 0) * lddy - head;
   const T zero = from_float<T>(0.f);
 
   Frg<T, V> fy[Iters], fdy[Iters];
 #pragma unroll
   for (int i = 0; i < Iters; ++i) {
     const int col = ((rank * Iters + i) * TPR + t) * V;
-    const int valid = live ? n - col : 0;
-    fy[i] = load_frg<V>(yr + col, valid, zero);
-    fdy[i] = load_frg<V>(dyr + col, valid, zero);
+    fy[i] = load_row<Window, V>(yr + col, head - col, end - col, zero, i == 0);
+    fdy[i] = load_row<Window, V>(dyr + col, head - col, end - col, zero, i == 0);
   }
   float s = 0.f;
 #pragma unroll
@@ -172,7 +243,7 @@ bwd_kernel(T* __restrict__ dx, const T* __restrict__ y, const T* __restrict__ dy
       s += IsLog ? to_float(fdy[i][k]) : to_float(fdy[i][k]) * to_float(fy[i][k]);
   s = Reduce::reduce(s, Sum{}, scratch);
   if (live) {
-    T* dxr = dx + row * lddx;
+    T* dxr = dx + row * lddx - head;
 #pragma unroll
     for (int i = 0; i < Iters; ++i) {
       const int col = ((rank * Iters + i) * TPR + t) * V;
@@ -181,7 +252,7 @@ bwd_kernel(T* __restrict__ dx, const T* __restrict__ y, const T* __restrict__ dy
       for (int k = 0; k < V; ++k) {
         out[k] = from_float<T>(output_of<IsLog ? 2 : 1, false>(fy[i][k], fdy[i][k], 0.f, s));
       }
-      store_frg<V>(dxr + col, out, n - col);
+      store_row<Window, V>(dxr + col, out, head - col, end - col, i == 0);
     }
   }
   Reduce::cluster_done();
@@ -263,16 +334,17 @@ constexpr int chunk_min_ctas() {
 
 // Stage 1: per (row, chunk) statistics into stats[row * chunks + c]. Forward: (max, sum exp);
 // backward: (0, sum(dy * y)) or (0, sum(dy)).
-template <class T, int V, int Mode, int Threads, int U>
+template <class T, int V, int Mode, int Threads, int U, bool Window>
 __global__ void __launch_bounds__(Threads, chunk_min_ctas<Threads, U>())
 chunk_stats(MaxSum* __restrict__ stats, const T* __restrict__ a, const T* __restrict__ b, int n,
             int chunk, int chunks, long long lda, long long ldb) {
   __shared__ MaxSum scratch[Threads / 32];
   const long long row = blockIdx.x / chunks;
   const int c = int(blockIdx.x % chunks);
-  const T* ar = a + row * lda;
-  const T* br = b + row * ldb;
-  const int end = min(n, c * chunk + chunk);
+  const int head = head_of<V, Window>(a + row * lda);  // chunks cut the row's window (see the top)
+  const T* ar = a + row * lda - head;
+  const T* br = b + row * ldb - head;
+  const int end = min(n + head, c * chunk + chunk);
   const T neg_inf = from_float<T>(-__builtin_huge_valf()), zero = from_float<T>(0.f);
   MaxSum acc = stats_identity<Mode>();
   for (int base = c * chunk + int(threadIdx.x) * V; base < end; base += Threads * U * V) {
@@ -280,8 +352,11 @@ chunk_stats(MaxSum* __restrict__ stats, const T* __restrict__ a, const T* __rest
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int col = base + u * Threads * V;
-      if constexpr (Mode != 2) fa[u] = load_frg<V>(ar + col, end - col, Mode == 0 ? neg_inf : zero);
-      if constexpr (Mode != 0) fb[u] = load_frg<V>(br + col, end - col, zero);
+      if constexpr (Mode != 2)
+        fa[u] = load_row<Window, V>(ar + col, head - col, end - col, Mode == 0 ? neg_inf : zero,
+                                    u == 0);
+      if constexpr (Mode != 0)
+        fb[u] = load_row<Window, V>(br + col, head - col, end - col, zero, u == 0);
     }
     acc = add_stats<Mode>(acc, fa, fb);
   }
@@ -295,7 +370,7 @@ chunk_stats(MaxSum* __restrict__ stats, const T* __restrict__ a, const T* __rest
 // are read again first, and read them as their last use (evict-first): the lines this kernel has
 // consumed make room for its output, not the lines it has still to read. A thread's first step is
 // loaded before the statistics are combined, so the two latencies overlap.
-template <class T, int V, int Mode, bool IsLog, int Threads, int U>
+template <class T, int V, int Mode, bool IsLog, int Threads, int U, bool Window>
 __global__ void __launch_bounds__(Threads, chunk_min_ctas<Threads, U>())
 chunk_apply(T* __restrict__ out, const MaxSum* __restrict__ stats, const T* __restrict__ a,
             const T* __restrict__ b, int n, int chunk, int chunks, long long lda, long long ldb,
@@ -304,18 +379,20 @@ chunk_apply(T* __restrict__ out, const MaxSum* __restrict__ stats, const T* __re
   const long long id = gridDim.x - 1 - blockIdx.x;
   const long long row = id / chunks;
   const int c = int(id % chunks);
-  const T* ar = a + row * lda;
-  const T* br = b + row * ldb;
-  T* orow = out + row * ldo;
-  const int end = min(n, c * chunk + chunk);
+  const int head = head_of<V, Window>(a + row * lda);
+  const T* ar = a + row * lda - head;
+  const T* br = b + row * ldb - head;
+  T* orow = out + row * ldo - head;
+  const int end = min(n + head, c * chunk + chunk);
   const T zero = from_float<T>(0.f);
   Frg<T, V> fa[U], fb[U];
   auto load = [&](int base) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int col = base + u * Threads * V;
-      fa[u] = load_frg<V, Reuse::LastUse>(ar + col, end - col, zero);
-      if constexpr (Mode != 0) fb[u] = load_frg<V, Reuse::LastUse>(br + col, end - col, zero);
+      fa[u] = load_row<Window, V, Reuse::LastUse>(ar + col, head - col, end - col, zero, u == 0);
+      if constexpr (Mode != 0)
+        fb[u] = load_row<Window, V, Reuse::LastUse>(br + col, head - col, end - col, zero, u == 0);
     }
   };
   int base = c * chunk + int(threadIdx.x) * V;
@@ -339,7 +416,7 @@ chunk_apply(T* __restrict__ out, const MaxSum* __restrict__ stats, const T* __re
 #pragma unroll
       for (int k = 0; k < V; ++k)
         o[k] = from_float<T>(output_of<Mode, IsLog>(fa[u][k], fb[u][k], tot.m, scale));
-      store_frg<V>(orow + col, o, end - col);
+      store_row<Window, V>(orow + col, o, head - col, end - col, u == 0);
     }
     base += Threads * U * V;
     if (base < end) load(base);
@@ -347,23 +424,24 @@ chunk_apply(T* __restrict__ out, const MaxSum* __restrict__ stats, const T* __re
 }
 
 // ------------------------------------------------------------------ split path (few long rows)
-// One kernel, each row split over `groups` CTAs that are all resident at once (a cooperative
-// launch sized by the occupancy API). CTA `rank` of a row owns the slice [rank * slice,
-// min(n, (rank + 1) * slice)) and reads it once: its first Threads * Iters * V elements into
-// registers (thread t holds vector i at slice column (i * Threads + t) * V), the rest in steps of
-// U vectors per thread, the first smem_vecs vectors of that rest (per array) kept in dynamic
-// shared memory, what is beyond read again after the barrier (from L2 where it is still there:
-// the "re-read" share, zero when the slice fits on chip). Each CTA publishes its statistics
-// (forward (max, sum exp); backward (0, sum(dy * y)) or (0, sum(dy))) in partials[blockIdx.x],
-// waits at its row's barrier (group_barrier.cuh: counters[row], no reset between launches),
-// combines the row's `groups` partials (one warp, in the same order in every CTA: every CTA of a
-// row gets the same bits; it broadcasts through shared memory), and writes its slice from what
-// it holds. (Every warp combining them itself had all the grid's warps read the same few L2
-// lines at once after the barrier: with 1-2 rows of 132-264 CTAs, 2-4k warps x 5 loads on 17
-// lines. On an H100, % of a same-bytes copy, bf16 forward 2 x 1M 41 -> 58, 1 x 4M 46 -> 67,
-// 1 x 16M 66 -> 80; backward 2 x 1M 58 -> 73; 16 x 262144 unchanged.)
+// One kernel, each row split over `groups` CTAs that are all resident at once (a cooperative launch
+// sized by the occupancy API). CTA `rank` of a row owns the window columns [rank * slice, min(n +
+// head, (rank + 1) * slice)) and reads them once: its first Threads * Iters * V elements into
+// registers (thread t holds vector i at slice column (i * Threads + t) * V), the rest in steps of U
+// vectors per thread, the first smem_vecs vectors of that rest (per array) kept in dynamic shared
+// memory, what is beyond read again after the barrier (from L2 where it is still there: the
+// "re-read" share, zero when the slice fits on chip). Each CTA publishes its statistics (forward
+// (max, sum exp); backward (0, sum(dy * y)) or (0, sum(dy))) in partials[blockIdx.x], waits at its
+// row's barrier (group_barrier.cuh: counters[row], no reset between launches), combines the row's
+// `groups` partials (one warp, in the same order in every CTA: every CTA of a row gets the same
+// bits; it broadcasts through shared memory), and writes its slice from what it holds. (Every warp
+// combining them itself had all the grid's warps read the same few L2 lines at once after the
+// barrier: with 1-2 rows of 132-264 CTAs, 2-4k warps x 5 loads on 17 lines. On an H100, % of a
+// same-bytes copy, bf16 forward 2 x 1M 41 -> 58, 1 x 4M 46 -> 67, 1 x 16M 66 -> 80; backward 2 x 1M
+// 58 -> 73; 16 x 262144 unchanged.)
 // Modes and numerics as the chunked path's (add_stats, CombineMaxSum, output_of).
-template <class T, int V, int Mode, bool IsLog, int Threads, int Iters, int U, int Ctas>
+template <class T, int V, int Mode, bool IsLog, int Threads, int Iters, int U, int Ctas,
+          bool Window>
 __global__ void __launch_bounds__(Threads, Ctas)
 split_kernel(T* __restrict__ out, unsigned* __restrict__ counters, MaxSum* __restrict__ partials,
              const T* __restrict__ a, const T* __restrict__ b, int n, int slice, int groups,
@@ -378,18 +456,21 @@ split_kernel(T* __restrict__ out, unsigned* __restrict__ counters, MaxSum* __res
   const int t = threadIdx.x;
   const long long row = blockIdx.x / groups;
   const int rank = int(blockIdx.x % groups);
-  const int begin = rank * slice;
-  const int len = min(n - begin, slice);  // > 0: the caller sizes groups so
-  const T* ar = a + row * lda + begin;
-  const T* br = b + row * ldb + begin;
+  const int head = head_of<V, Window>(a + row * lda);
+  const int begin = rank * slice;  // the slice: window columns [begin, begin + slice)
+  const int len = max(0, min(n + head - begin, slice));  // 0: past this row's window
+  const int lo = head - begin;  // > 0 only in rank 0 of a row that starts off a vector boundary
+  const T* ar = a + row * lda - head + begin;
+  const T* br = b + row * ldb - head + begin;
   const T fill = from_float<T>(Mode == 0 ? -__builtin_huge_valf() : 0.f);
 
   Frg<T, V> ra[Iters], rb[Iters];
 #pragma unroll
   for (int i = 0; i < Iters; ++i) {
     const int col = (i * Threads + t) * V;
-    ra[i] = load_frg<V>(ar + col, len - col, fill);  // Mode 2 (y): read by the output only
-    if constexpr (Mode != 0) rb[i] = load_frg<V>(br + col, len - col, fill);
+    ra[i] = load_row<Window, V>(ar + col, lo - col, len - col, fill, i == 0);  // Mode 2: y
+    if constexpr (Mode != 0)
+      rb[i] = load_row<Window, V>(br + col, lo - col, len - col, fill, i == 0);
   }
   // The rest of the slice, while the registers' loads are in flight.
   MaxSum acc = stats_identity<Mode>();
@@ -398,7 +479,7 @@ split_kernel(T* __restrict__ out, unsigned* __restrict__ counters, MaxSum* __res
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int col = base + (u * Threads + t) * V;
-      fa[u] = load_frg<V>(ar + col, len - col, fill);
+      fa[u] = load_frg<V>(ar + col, len - col, fill);  // past the registers' share: no head
       if constexpr (Mode != 0) fb[u] = load_frg<V>(br + col, len - col, fill);
       const int sv = (step * U + u) * Threads + t;
       if (sv < smem_vecs) {
@@ -431,7 +512,7 @@ split_kernel(T* __restrict__ out, unsigned* __restrict__ counters, MaxSum* __res
   // Forward on a row of -inf or NaN: tot.m is -inf; x - (-inf) ... gives NaN as torch does.
   const float scale = scale_of<Mode, IsLog>(tot);
 
-  T* orow = out + row * ldo + begin;
+  T* orow = out + row * ldo - head + begin;
 #pragma unroll
   for (int i = 0; i < Iters; ++i) {
     const int col = (i * Threads + t) * V;
@@ -439,7 +520,7 @@ split_kernel(T* __restrict__ out, unsigned* __restrict__ counters, MaxSum* __res
 #pragma unroll
     for (int k = 0; k < V; ++k)
       o[k] = from_float<T>(output_of<Mode, IsLog>(ra[i][k], rb[i][k], tot.m, scale));
-    store_frg<V>(orow + col, o, len - col);
+    store_row<Window, V>(orow + col, o, lo - col, len - col, i == 0);
   }
   for (int base = Held, step = 0; base < len; base += Step, ++step) {
     Frg<T, V> fa[U], fb[U];
@@ -471,8 +552,9 @@ split_kernel(T* __restrict__ out, unsigned* __restrict__ counters, MaxSum* __res
 // Each row over the Cluster CTAs of a thread-block cluster (sm_90); CTA `rank` owns the slice
 // [rank * slice, min(n, (rank + 1) * slice)) and holds it in shared memory (both arrays for the
 // backward): one thread starts TMA bulk copies of its whole vectors in Chunks pieces, each on its
-// own mbarrier, so the statistics start on the first piece while the others land; the last
-// partial vector of a row (n % V elements) is loaded by the thread that owns it. Statistics as
+// own mbarrier, so the statistics start on the first piece while the others land; a row's edge
+// vectors (partial: the first where the row starts off a vector boundary, the last) are loaded by
+// the threads that own them. Statistics as
 // the chunked path's (add_stats), combined over the CTA and the cluster (SmartReduce,
 // distributed shared memory); then the output is written from shared memory. Slices of 16-64 KiB
 // leave room for several CTAs per SM, so one loads while another reduces or writes: the overlap
@@ -483,7 +565,7 @@ split_kernel(T* __restrict__ out, unsigned* __restrict__ counters, MaxSum* __res
 template <int Mode>
 constexpr int tile_arrays() { return Mode == 0 ? 1 : 2; }
 
-template <class T, int V, int Mode, bool IsLog, int Threads, int Cluster>
+template <class T, int V, int Mode, bool IsLog, int Threads, int Cluster, bool Window>
 __global__ void __launch_bounds__(Threads)
 tile_kernel(T* __restrict__ out, const T* __restrict__ a, const T* __restrict__ b, int n, int slice,
             long long lda, long long ldb, long long ldo) {
@@ -496,14 +578,19 @@ tile_kernel(T* __restrict__ out, const T* __restrict__ a, const T* __restrict__ 
   const int t = threadIdx.x;
   const long long row = blockIdx.x / Cluster;
   const int rank = Cluster > 1 ? int(blockIdx.x % Cluster) : 0;
-  const int begin = rank * slice;
-  const int len = max(0, min(n - begin, slice));  // 0: a CTA past the row's end (identity stats)
+  const int head = head_of<V, Window>(a + row * lda);
+  const int begin = rank * slice;  // the slice: window columns [begin, begin + slice)
+  const int len = max(0, min(n + head - begin, slice));  // 0: past the row's end (identity stats)
   const int vecs = len / V, tail = len - vecs * V;
-  const int per = (vecs + Chunks - 1) / Chunks;  // vectors per chunk
+  // Vectors [w0, w1) lie wholly in the row: bulk copies. The others, at most two a slice, are
+  // edges that their threads load (load_row): vector 0 of rank 0 when the row starts past its
+  // start (head > 0), and the partial vector at the end.
+  const int w0 = Window && begin < head ? 1 : 0, w1 = max(w0, vecs);
+  const int per = (w1 - w0 + Chunks - 1) / Chunks;  // vectors per chunk
   Frg<T, V>* sa = reinterpret_cast<Frg<T, V>*>(tile_raw);
   Frg<T, V>* sb = sa + slice / V;
-  const T* ar = a + row * lda + begin;
-  const T* br = b + row * ldb + begin;
+  const T* ar = a + row * lda - head + begin;
+  const T* br = b + row * ldb - head + begin;
   const T fill = from_float<T>(Mode == 0 ? -__builtin_huge_valf() : 0.f);
 
   if (t == 0) {
@@ -514,7 +601,7 @@ tile_kernel(T* __restrict__ out, const T* __restrict__ a, const T* __restrict__ 
   if (t == 0) {
 #pragma unroll
     for (int c = 0; c < Chunks; ++c) {
-      const int v0 = c * per, count = max(0, min(vecs - v0, per));
+      const int v0 = w0 + c * per, count = max(0, min(w1 - v0, per));
       Bulk::expect(&bars[c], count * 16 * tile_arrays<Mode>());
       if (count) {
         Bulk::load(sa + v0, ar + v0 * V, count * 16, &bars[c]);
@@ -522,17 +609,26 @@ tile_kernel(T* __restrict__ out, const T* __restrict__ a, const T* __restrict__ 
       }
     }
   }
-  const bool owns_tail = tail && t == vecs % Threads;
-  Frg<T, V> ta[1], tb[1];
-  if (owns_tail) {
-    ta[0] = load_frg<V>(ar + vecs * V, tail, fill);
-    if constexpr (Mode != 0) tb[0] = load_frg<V>(br + vecs * V, tail, fill);
+  // Edge e: vector edge[e] with its elements [lo[e], hi[e]) in the row (none where lo >= hi).
+  const int edge[2] = {0, vecs};
+  const int lo[2] = {w0 ? head : 0, 0};
+  const int hi[2] = {w0 ? min(V, len) : 0, w0 && vecs == 0 ? 0 : tail};
+  bool owns[2];
+  Frg<T, V> ea[2], eb[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    owns[e] = lo[e] < hi[e] && t == edge[e] % Threads;
+    if (owns[e]) {
+      ea[e] = load_row<Window, V>(ar + edge[e] * V, lo[e], hi[e], fill, e == 0);
+      if constexpr (Mode != 0)
+        eb[e] = load_row<Window, V>(br + edge[e] * V, lo[e], hi[e], fill, e == 0);
+    }
   }
 
   MaxSum acc = stats_identity<Mode>();
 #pragma unroll 1
   for (int c = 0; c < Chunks; ++c) {
-    const int v0 = c * per, v1 = min(vecs, v0 + per);
+    const int v0 = w0 + c * per, v1 = min(w1, v0 + per);
     if (v0 >= v1) break;
     Bulk::wait(&bars[c], 0);
 #pragma unroll 1
@@ -547,120 +643,141 @@ tile_kernel(T* __restrict__ out, const T* __restrict__ a, const T* __restrict__ 
       acc = add_stats<Mode>(acc, fa, fb);
     }
   }
-  if (owns_tail) acc = add_stats<Mode>(acc, ta, tb);
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    if (owns[e]) {
+      const Frg<T, V> fa[1] = {ea[e]}, fb[1] = {eb[e]};
+      acc = add_stats<Mode>(acc, fa, fb);
+    }
+  }
   MaxSum tot;
   if constexpr (Mode == 0) tot = Reduce::reduce(acc, CombineMaxSum{}, scratch);
   else tot = Reduce::reduce(acc, SumOp{}, scratch);
   // Forward on a row of -inf or NaN: tot.m is -inf; x - (-inf) ... gives NaN as torch does.
   const float scale = scale_of<Mode, IsLog>(tot);
 
-  T* orow = out + row * ldo + begin;
-  auto write = [&](const Frg<T, V>& fa, const Frg<T, V>& fb, int i, int valid) {
+  T* orow = out + row * ldo - head + begin;
+  auto write = [&](const Frg<T, V>& fa, const Frg<T, V>& fb, int i, int lo_i, int hi_i,
+                   bool first) {
     Frg<T, V> o;
 #pragma unroll
     for (int e = 0; e < V; ++e)
       o[e] = from_float<T>(output_of<Mode, IsLog>(fa[e], fb[e], tot.m, scale));
-    store_frg<V>(orow + i * V, o, valid);
+    store_row<Window, V>(orow + i * V, o, lo_i, hi_i, first);
   };
 #pragma unroll 4
-  for (int i = t; i < vecs; i += Threads) {  // whole vectors into registers first (LDS.128)
+  for (int i = w0 + t; i < w1; i += Threads) {  // whole vectors into registers first (LDS.128)
     const Frg<T, V> fa = sa[i];
-    write(fa, Mode != 0 ? Frg<T, V>(sb[i]) : fa, i, V);
+    write(fa, Mode != 0 ? Frg<T, V>(sb[i]) : fa, i, 0, V, false);
   }
-  if (owns_tail) write(ta[0], Mode != 0 ? tb[0] : ta[0], vecs, tail);
+#pragma unroll
+  for (int e = 0; e < 2; ++e)
+    if (owns[e]) write(ea[e], Mode != 0 ? eb[e] : ea[e], edge[e], lo[e], hi[e], e == 0);
   Reduce::cluster_done();
 }
 
 // ------------------------------------------------------------------ host entry helpers
-template <class T, int V, int TPR, int Threads, int Iters, int Cluster, bool IsLog>
+template <class T, int V, int TPR, int Threads, int Iters, int Cluster, bool IsLog, bool Window>
 cudaError_t launch_fwd(T* y, const T* x, long long rows, int n, long long ldx, long long ldy,
                        cudaStream_t stream) {
-  VITRAIL_TRY(require(n >= 1 && n <= TPR * Iters * V * Cluster && ldx % V == 0 && ldy % V == 0));
+  VITRAIL_TRY(require(n >= 1 && n + window_pad<V>(x, ldx) <= TPR * Iters * V * Cluster &&
+                      rows_fit<V, Window>(x, ldx, y, ldy)));
   const long long ctas = (rows + Threads / TPR - 1) / (Threads / TPR) * Cluster;
-  return launch(fwd_kernel<T, V, TPR, Threads, Iters, Cluster, IsLog>, dim3((unsigned)ctas),
+  return launch(fwd_kernel<T, V, TPR, Threads, Iters, Cluster, IsLog, Window>, dim3((unsigned)ctas),
                 dim3(Threads), 0, stream, Cluster, y, x, rows, n, ldx, ldy);
 }
 
-template <class T, int V, int TPR, int Threads, int Iters, int Cluster, bool IsLog>
+template <class T, int V, int TPR, int Threads, int Iters, int Cluster, bool IsLog, bool Window>
 cudaError_t launch_bwd(T* dx, const T* y, const T* dy, long long rows, int n, long long ldy,
                        long long lddy, long long lddx, cudaStream_t stream) {
-  VITRAIL_TRY(require(n >= 1 && n <= TPR * Iters * V * Cluster && ldy % V == 0 &&
-                      lddy % V == 0 && lddx % V == 0));
+  VITRAIL_TRY(require(n >= 1 && n + window_pad<V>(y, ldy) <= TPR * Iters * V * Cluster &&
+                      rows_fit<V, Window>(y, ldy, dy, lddy) &&
+                      rows_fit<V, Window>(y, ldy, dx, lddx)));
   const long long ctas = (rows + Threads / TPR - 1) / (Threads / TPR) * Cluster;
-  return launch(bwd_kernel<T, V, TPR, Threads, Iters, Cluster, IsLog>, dim3((unsigned)ctas),
+  return launch(bwd_kernel<T, V, TPR, Threads, Iters, Cluster, IsLog, Window>, dim3((unsigned)ctas),
                 dim3(Threads), 0, stream, Cluster, dx, y, dy, rows, n, ldy, lddy, lddx);
 }
 
-// Chunked path: stats holds rows * ceil(n / chunk) MaxSum (8 bytes each); chunk % V == 0.
-template <class T, int V, int Mode, bool IsLog, int Threads, int U>
+// Chunked path: stats holds rows * ceil((n + V - 1) / chunk) MaxSum (8 bytes each; chunks cut
+// the rows' windows); chunk % V == 0.
+template <class T, int V, int Mode, bool IsLog, int Threads, int U, bool Window>
 cudaError_t launch_chunked(T* out, void* stats, const T* a, const T* b, long long rows, int n,
                            int chunk, long long lda, long long ldb, long long ldo,
                            cudaStream_t stream) {
-  VITRAIL_TRY(require(n >= 1 && rows >= 1 && chunk >= V && chunk % V == 0 && lda % V == 0 &&
-                      ldb % V == 0 && ldo % V == 0));
-  const int chunks = (int)ceil_div(n, chunk);
+  VITRAIL_TRY(require(n >= 1 && rows >= 1 && chunk >= V && chunk % V == 0 &&
+                      rows_fit<V, Window>(a, lda, b, ldb) &&
+                      rows_fit<V, Window>(a, lda, out, ldo)));
+  const int chunks = (int)ceil_div(n + window_pad<V>(a, lda), chunk);
   VITRAIL_TRY(require(rows * chunks < (1LL << 31)));
   const unsigned ctas = (unsigned)(rows * chunks);
-  chunk_stats<T, V, Mode, Threads, U><<<ctas, Threads, 0, stream>>>(
+  chunk_stats<T, V, Mode, Threads, U, Window><<<ctas, Threads, 0, stream>>>(
       (MaxSum*)stats, a, b, n, chunk, chunks, lda, ldb);
   VITRAIL_TRY(cudaGetLastError());
-  chunk_apply<T, V, Mode, IsLog, Threads, U><<<ctas, Threads, 0, stream>>>(
+  chunk_apply<T, V, Mode, IsLog, Threads, U, Window><<<ctas, Threads, 0, stream>>>(
       out, (const MaxSum*)stats, a, b, n, chunk, chunks, lda, ldb, ldo);
   return cudaGetLastError();
 }
 
 // Split path. ws: a workspace of `slots` unsigned counters (one per row, their low 31 bits zero
 // when first used: see group_barrier.cuh) followed by `slots` MaxSum partials (8-byte aligned:
-// slots even); rows <= slots and rows * groups <= slots. slice % V == 0, (groups - 1) * slice < n
-// (every CTA owns at least one element). smem_vecs vectors per array in dynamic shared memory.
+// slots even); rows <= slots and rows * groups <= slots. slice % V == 0, the slices cover the
+// rows' windows: (groups - 1) * slice < n + pad <= groups * slice (a CTA past a row's window,
+// where that row's head is under pad, publishes identity statistics). smem_vecs vectors per
+// array in dynamic shared memory.
 // Refused with cudaErrorCooperativeLaunchTooLarge when rows * groups CTAs cannot all be resident
 // (the caller sizes groups with split_ctas_per_sm; a spin barrier would deadlock otherwise).
-template <class T, int V, int Mode, bool IsLog, int Threads, int Iters, int U, int Ctas>
+template <class T, int V, int Mode, bool IsLog, int Threads, int Iters, int U, int Ctas,
+          bool Window>
 size_t split_smem(int smem_vecs) {
   return size_t(smem_vecs) * sizeof(Frg<T, V>) * (Mode == 0 ? 1 : 2);
 }
 
-template <class T, int V, int Mode, bool IsLog, int Threads, int Iters, int U, int Ctas>
+template <class T, int V, int Mode, bool IsLog, int Threads, int Iters, int U, int Ctas,
+          bool Window>
 int split_ctas_per_sm(int smem_vecs) {
-  return ctas_per_sm(split_kernel<T, V, Mode, IsLog, Threads, Iters, U, Ctas>, Threads,
-                     split_smem<T, V, Mode, IsLog, Threads, Iters, U, Ctas>(smem_vecs));
+  return ctas_per_sm(split_kernel<T, V, Mode, IsLog, Threads, Iters, U, Ctas, Window>, Threads,
+                     split_smem<T, V, Mode, IsLog, Threads, Iters, U, Ctas, Window>(smem_vecs));
 }
 
-template <class T, int V, int Mode, bool IsLog, int Threads, int Iters, int U, int Ctas>
+template <class T, int V, int Mode, bool IsLog, int Threads, int Iters, int U, int Ctas,
+          bool Window>
 cudaError_t launch_split(T* out, void* ws, int slots, const T* a, const T* b, long long rows,
                          int n, int slice, int groups, int smem_vecs, long long lda,
                          long long ldb, long long ldo, cudaStream_t stream) {
+  const int window = n + window_pad<V>(a, lda);
   VITRAIL_TRY(require(n >= 1 && rows >= 1 && groups >= 1 && slice >= 1 && slice % V == 0 &&
-                      (long long)(groups - 1) * slice < n && (long long)groups * slice >= n &&
-                      slots % 2 == 0 && rows <= slots && rows * groups <= slots &&
-                      smem_vecs >= 0 && lda % V == 0 && ldb % V == 0 && ldo % V == 0));
+                      (long long)(groups - 1) * slice < window &&
+                      (long long)groups * slice >= window && slots % 2 == 0 && rows <= slots &&
+                      rows * groups <= slots && smem_vecs >= 0 &&
+                      rows_fit<V, Window>(a, lda, b, ldb) &&
+                      rows_fit<V, Window>(a, lda, out, ldo)));
   unsigned* counters = static_cast<unsigned*>(ws);
   MaxSum* partials = reinterpret_cast<MaxSum*>(counters + slots);
-  return launch_cooperative(split_kernel<T, V, Mode, IsLog, Threads, Iters, U, Ctas>,
-                            dim3(unsigned(rows * groups)), dim3(Threads),
-                            split_smem<T, V, Mode, IsLog, Threads, Iters, U, Ctas>(smem_vecs),
-                            stream, out, counters, partials, a, b, n, slice, groups, smem_vecs,
-                            lda, ldb, ldo);
+  constexpr auto kernel = split_kernel<T, V, Mode, IsLog, Threads, Iters, U, Ctas, Window>;
+  const size_t smem = split_smem<T, V, Mode, IsLog, Threads, Iters, U, Ctas, Window>(smem_vecs);
+  return launch_cooperative(kernel, dim3(unsigned(rows * groups)), dim3(Threads), smem, stream,
+                            out, counters, partials, a, b, n, slice, groups, smem_vecs, lda, ldb,
+                            ldo);
 }
 
 // Tile path: one cluster of Cluster CTAs a row (rows * Cluster CTAs, fewer than 2^31); slice % V
-// == 0 and slice * Cluster >= n; rows 16-byte aligned (V = 16 bytes / sizeof(T); the base
-// pointers too). Dynamic shared memory: slice elements per array (refused by the launch where
-// that exceeds a CTA's shared memory).
+// == 0 and slice * Cluster >= n + pad (V = 16 bytes / sizeof(T)). Dynamic shared memory: slice
+// elements per array (refused by the launch where that exceeds a CTA's shared memory).
 template <class T, int Mode>
 size_t tile_smem(int slice) {
   return size_t(slice) * sizeof(T) * tile_arrays<Mode>();
 }
 
-template <class T, int V, int Mode, bool IsLog, int Threads, int Cluster>
+template <class T, int V, int Mode, bool IsLog, int Threads, int Cluster, bool Window>
 cudaError_t launch_tile(T* out, const T* a, const T* b, long long rows, int n, int slice,
                         long long lda, long long ldb, long long ldo, cudaStream_t stream) {
   VITRAIL_TRY(require(n >= 1 && rows >= 1 && slice >= V && slice % V == 0 &&
-                      (long long)slice * Cluster >= n && rows * Cluster < (1LL << 31) &&
-                      lda % V == 0 && ldb % V == 0 && ldo % V == 0));
-  return launch(tile_kernel<T, V, Mode, IsLog, Threads, Cluster>, dim3(unsigned(rows * Cluster)),
-                dim3(Threads), tile_smem<T, Mode>(slice), stream,
-                Cluster, out, a, b, n, slice, lda, ldb, ldo);
+                      (long long)slice * Cluster >= n + window_pad<V>(a, lda) &&
+                      rows * Cluster < (1LL << 31) && rows_fit<V, Window>(a, lda, b, ldb) &&
+                      rows_fit<V, Window>(a, lda, out, ldo)));
+  constexpr auto kernel = tile_kernel<T, V, Mode, IsLog, Threads, Cluster, Window>;
+  return launch(kernel, dim3(unsigned(rows * Cluster)), dim3(Threads), tile_smem<T, Mode>(slice),
+                stream, Cluster, out, a, b, n, slice, lda, ldb, ldo);
 }
 
 }  // namespace vitrail::softmax
