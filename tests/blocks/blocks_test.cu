@@ -19,6 +19,21 @@ extern "C" cudaError_t test_frg(void* out, const void* in, int n, cudaStream_t s
                 (const __half*)in, n);
 }
 
+// load_frg / store_frg over a window: out[i] = 2 * in[i] for i in [lo, hi) (half), the vectors
+// from 0 on; the first may start and the last end inside a vector.
+__global__ void frg_window_kernel(__half* out, const __half* in, int lo, int hi) {
+  const int col = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
+  Frg<__half, 8> f = load_frg<8>(in + col, lo - col, hi - col, __float2half(0.f));
+#pragma unroll
+  for (int k = 0; k < 8; ++k) f[k] = __float2half(2.f * __half2float(f[k]));
+  store_frg<8>(out + col, f, lo - col, hi - col);
+}
+extern "C" cudaError_t test_frg_window(void* out, const void* in, int lo, int hi,
+                                       cudaStream_t stream) {
+  return launch(frg_window_kernel, dim3(ceil_div(hi, 8 * 128)), dim3(128), 0, stream, 1,
+                (__half*)out, (const __half*)in, lo, hi);
+}
+
 // TileCopy: a 32 x 64 float tile at (r0, c0) of a rows x cols slab, through shared memory with
 // cp.async (2 stages of half tiles), back to out at the same place (+1 per element).
 __global__ void tile_kernel(float* out, const float* in, int rows, int cols, long long ld) {

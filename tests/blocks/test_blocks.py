@@ -26,7 +26,8 @@ def test_blocks_compile_for_sm90a(monkeypatch):
     mod = build()
     res = mod.resources()
     names = " ".join(res)
-    for kernel in ("frg_kernel", "tile_kernel", "reduce_kernel", "pipe_kernel"):
+    for kernel in ("frg_kernel", "frg_window_kernel", "tile_kernel", "reduce_kernel",
+                   "pipe_kernel"):
         assert kernel in names
     assert not any(r.spills for r in res.values())
     ptx = mod.ptx
@@ -51,6 +52,19 @@ def test_frg_ragged(n):
     m.test_frg(out, x, n)
     torch.testing.assert_close(out[:n], 2 * x)
     assert out[n:].isnan().all()  # nothing written past the edge
+
+
+@requires_gpu
+@pytest.mark.parametrize("lo,hi", [(0, 8), (3, 8), (3, 5), (7, 9), (5, 1001), (9, 4099), (0, 1)])
+def test_frg_window(lo, hi):
+    """The windowed load_frg / store_frg: elements [lo, hi) only, whole vectors in between."""
+    import torch
+    m = build()
+    x = torch.randn(hi + 64, device="cuda", dtype=torch.float16)
+    out = torch.full((hi + 64,), float("nan"), device="cuda", dtype=torch.float16)
+    m.test_frg_window(out, x, lo, hi)
+    torch.testing.assert_close(out[lo:hi], 2 * x[lo:hi])
+    assert out[:lo].isnan().all() and out[hi:].isnan().all()  # nothing written outside
 
 
 @requires_gpu
