@@ -452,7 +452,6 @@ def test_tile_direct_every_cluster(dtype, log):
             assert poisoned[:, :off].isnan().all() and poisoned[:, off + n:].isnan().all()
 
 
-
 # ------------------------------------------------------------------ rows off vector boundaries
 @requires_gpu
 @pytest.mark.parametrize("dtype", DTYPES)
