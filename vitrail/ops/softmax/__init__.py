@@ -60,8 +60,7 @@ extern "C" cudaError_t softmax_split(void* out, void* ws, int slots, const void*
 }
 extern "C" int softmax_split_ctas_per_sm(int smem_vecs) {
   return vitrail::softmax::split_ctas_per_sm<T, V, MODE, IS_LOG, THREADS, ITERS, U, CTAS,
-                                                   WINDOW>(
-      smem_vecs);
+                                             WINDOW>(smem_vecs);
 }""",
     "tile": r"""
 extern "C" cudaError_t softmax_tile(void* out, const void* a, const void* b, long long rows, int n,
@@ -113,10 +112,10 @@ def _launch_bwd(module, config, dx, y, dy):
 
 def _chunked_launcher(v: int):
     def launch(module, config, out, a, b):
-        rows, n = a.shape
-        chunk = configs.chunk_length(_window(a, v), rows, v, config, _sms(a.device))
-        stats = torch.empty(rows * math.ceil((n + v - 1) / chunk) * 2, dtype=torch.float32,
-                            device=a.device)  # (max, sum) per chunk of a row's window
+        (rows, n), window = a.shape, _window(a, v)  # the chunks cut the rows' windows
+        chunk = configs.chunk_length(window, rows, v, config, _sms(a.device))
+        stats = torch.empty(rows * math.ceil(window / chunk) * 2, dtype=torch.float32,
+                            device=a.device)  # (max, sum) per chunk
         module.softmax_chunked(out.data_ptr(), stats.data_ptr(), a.data_ptr(), b.data_ptr(),
                                rows, n, chunk, _ld(a), _ld(b), _ld(out))
     return launch
@@ -281,7 +280,7 @@ def _window(a: torch.Tensor, v: int) -> int:
     """The window columns a launch covers: n, plus v - 1 where a row may start off a vector
     boundary (the kernels' window_pad)."""
     n = a.shape[1]
-    return n if v == 1 or (a.data_ptr() % 16 == 0 and _ld(a) % v == 0) else n + v - 1
+    return n if v == 1 or _aligned(v, a) else n + v - 1
 
 
 def route(kind: str, rows: int, n: int, dtype: torch.dtype, v: int, log: bool,
@@ -337,7 +336,8 @@ def _run(kind: str, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, log: bo
     if window and not (configs.use_window(a.shape[1], a.element_size())
                        and _coaligned(v, a, b, out)):
         v, window = 1, False  # element by element
-    op, key, problem = route(kind, a.shape[0], _window(a, v), a.dtype, v, log, a.device, window)
+    cols = a.shape[1] + (v - 1 if window else 0)  # _window(a, v): a's rows are off if any are
+    op, key, problem = route(kind, a.shape[0], cols, a.dtype, v, log, a.device, window)
     op(key, problem, out, a, b)
 
 
