@@ -10,6 +10,9 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <mutex>
+#include <vector>
+
 // Return the error of a CUDA runtime call from the enclosing function (an entry point).
 #define VITRAIL_TRY(expr)                        \
   do {                                           \
@@ -27,12 +30,36 @@ inline unsigned ceil_div(long long a, long long b) { return (unsigned)((a + b - 
 // Allow a kernel `bytes` of dynamic shared memory. Without the attribute, static and dynamic
 // shared memory together must stay within 48 KiB, so any kernel with static shared memory needs
 // it just below 48 KiB of dynamic memory too (a tile kernel refused 48 KiB on an H100 for its 128
-// static bytes): set it whenever there is dynamic memory (a cheap runtime call, as CUTLASS's
-// adapters make before each launch).
+// static bytes): set it whenever there is dynamic memory. The attribute stays with the kernel in
+// the device's context, so it is set once per kernel, device and size, not at every launch
+// (launches of a few microseconds, short softmax rows, are bound by the host's time a call).
 template <class Kernel>
 inline cudaError_t allow_shared(Kernel kernel, size_t bytes) {
   if (bytes == 0) return cudaSuccess;
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+  struct Allowed {
+    const void* kernel;
+    int device;
+    size_t bytes;
+  };
+  static std::mutex lock;
+  static std::vector<Allowed> allowed;  // per kernel and device: the most bytes set so far
+  int device = 0;
+  VITRAIL_TRY(cudaGetDevice(&device));
+  const void* key = reinterpret_cast<const void*>(kernel);
+  std::lock_guard<std::mutex> guard(lock);
+  for (Allowed& a : allowed) {
+    if (a.kernel == key && a.device == device) {
+      if (a.bytes >= bytes) return cudaSuccess;
+      VITRAIL_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       (int)bytes));
+      a.bytes = bytes;
+      return cudaSuccess;
+    }
+  }
+  VITRAIL_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   (int)bytes));
+  allowed.push_back({key, device, bytes});
+  return cudaSuccess;
 }
 
 // cudaLaunchKernelEx with one launch attribute (a cluster shape, cooperative, ...).
