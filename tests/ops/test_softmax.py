@@ -54,7 +54,8 @@ def test_compile_representative_configs(monkeypatch):
                    (("bwd", torch.float32, 4, True), 1 << 14),  # a cluster of 4
                    (("chunked", "bwd", torch.bfloat16, 8, False), 1 << 20),
                    (("split", "fwd", torch.bfloat16, 8, False), (1 << 18, 16)),
-                   (("tile", "bwd", torch.float32, 4, True), (1 << 17, 128, 4))]:
+                   (("tile", "bwd", torch.float32, 4, True), (1 << 17, 128, 4)),
+                   (("packed", "fwd", torch.bfloat16, 8, False), 8)]:
         op = OPS[key]
         mod = op.module(op.space.default(n, lim))
         res = mod.resources()
@@ -62,9 +63,12 @@ def test_compile_representative_configs(monkeypatch):
         if key[0] == "split":  # its barrier: a release add and an acquire load at GPU scope
             assert "atom.release.gpu" in mod.ptx or "atom.add.release.gpu" in mod.ptx
             assert "ld.acquire.gpu" in mod.ptx
-    # the tile kernel: TMA bulk copies on mbarriers, its peers' statistics through DSMEM
+        if key[0] == "tile":  # TMA bulk copies on mbarriers, its peers' statistics via DSMEM
+            assert "cp.async.bulk.shared::cluster.global.mbarrier" in mod.ptx
+            assert "mapa" in mod.ptx and "barrier.cluster" in mod.ptx
+    # the packed kernel: bulk copies in (on an mbarrier) and out, shuffles within a row's lanes
     assert "cp.async.bulk.shared::cluster.global.mbarrier" in mod.ptx
-    assert "mapa" in mod.ptx and "barrier.cluster" in mod.ptx
+    assert "cp.async.bulk.global.shared::cta" in mod.ptx and "shfl.sync.bfly" in mod.ptx
 
 
 def test_split_routing_and_plan():
@@ -194,6 +198,50 @@ def test_routing_and_chunks():
     assert configs.heuristic(32768, 8, 2) == {"TPR": 512, "THREADS": 512, "ITERS": 2,
                                               "CLUSTER": 4}
     assert configs.heuristic(128, 4, 1) == {"TPR": 8, "THREADS": 128, "ITERS": 4, "CLUSTER": 1}
+
+
+def test_packed_routing():
+    """CPU: which short rows take the packed path (rows end to end, on sm_90's 132 SMs), its
+    configs hold the rows they are picked for, and runs cover the rows."""
+    from vitrail.ops.softmax import configs, route
+    from vitrail.tune import Space, bucket
+    for kind, n, dtype, v, packed, expect in [
+            ("fwd", 7, torch.bfloat16, 1, True, True),  # off vector boundaries: any length
+            ("bwd", 1, torch.float32, 1, True, True),
+            ("bwd", 512, torch.bfloat16, 1, True, True),
+            ("fwd", 513, torch.bfloat16, 1, True, False),  # over PACKED_MAX_BYTES
+            ("fwd", 7, torch.bfloat16, 1, False, False),  # rows not end to end
+            ("fwd", 8, torch.bfloat16, 8, True, False),  # 16-byte rows stay in registers
+            ("fwd", 16, torch.bfloat16, 8, True, True),
+            ("fwd", 256, torch.float32, 4, True, True),
+            ("bwd", 128, torch.bfloat16, 8, True, True),
+            ("bwd", 256, torch.bfloat16, 8, True, False)]:  # aligned backward over 256 bytes
+        op = route(kind, 100_000, n, dtype, v, False, None, False, packed)[0]
+        assert ("_packed." in op.name) == expect, (kind, n, dtype, v, packed, op.name)
+        if expect:
+            assert op.name.endswith(f".v{configs.vec(dtype)}")
+    from vitrail.ops.softmax import route_contiguous  # what a contiguous tensor's rows take
+    for rows, n, dtype, name in [(4096, 7, torch.bfloat16, "fwd_packed.bfloat16.v8"),
+                                 (1, 7, torch.bfloat16, "fwd.bfloat16.v8"),  # 14-byte row
+                                 (4096, 1, torch.float32, "fwd_packed.float32.v4"),
+                                 (4096, 2049, torch.bfloat16, "fwd.bfloat16.v8w"),
+                                 (4096, 1023, torch.bfloat16, "fwd.bfloat16.v1"),
+                                 (4096, 512, torch.bfloat16, "fwd_packed.bfloat16.v8")]:
+        op = route_contiguous("fwd", rows, n, dtype, False, None)[0]
+        assert op.name == f"softmax.{name}", (rows, n, op.name)
+    space = configs.packed_space(2)
+    for n in range(1, configs.PACKED_MAX_ROW + 1):
+        h = configs.packed_heuristic(bucket(n))
+        assert h["TPR"] * h["ITEMS"] >= n and space.config(**h) is not None
+    assert configs.packed_heuristic(7) == {"THREADS": 256, "TPR": 2, "ITEMS": 4, "KB": 16}
+    assert configs.packed_heuristic(512) == {"THREADS": 128, "TPR": 32, "ITEMS": 16, "KB": 16}
+    c = Space({"THREADS": [256], "TPR": [2], "ITEMS": [4], "KB": [16]}).config(
+        THREADS=256, TPR=2, ITEMS=4, KB=16)
+    for n, rows, size in [(7, 4096, 2), (7, 4_793_490, 2), (1, 1, 4), (1000, 3, 1), (5, 10**9, 4)]:
+        run = configs.packed_run(n, rows, size, c, 132)
+        assert 1 <= run and (run * n * size <= 16 << 10 or run == 1)
+        assert run >= min(128, max(1, (16 << 10) // (n * size)))  # a pass of the CTA's groups
+        assert -(-rows // run) >= min(rows // 128, 132 * configs.PACKED_CTAS_PER_SM) // 2
 
 
 @pytest.fixture(params=[False, True], ids=["softmax", "log_softmax"])
@@ -481,11 +529,103 @@ def test_window_rows(shape, path, dtype, log, monkeypatch):
     _check_rows(rows, n, dtype, log)
     cols = n + v - 1
     assert [s[:3] for s in seen] == [("fwd", v, cols), ("bwd", v, cols)], seen
-    assert all(s[3].endswith(f".v{v}w" if window else ".v1") for s in seen), seen
+    if S.configs.use_packed(n, dtype.itemsize, v, 2):  # short rows end to end: packed
+        assert all("_packed." in s[3] for s in seen), seen
+    else:
+        assert all(s[3].endswith(f".v{v}w" if window else ".v1") for s in seen), seen
     if dtype == torch.bfloat16 and _sms() == 132:
         assert window == (path is not None), seen
         if window:
             assert seen[0][3].split(".")[1] == ("fwd" if path == "fwd" else f"fwd_{path}"), seen
+
+
+# ------------------------------------------------------------------ packed path (short rows)
+@requires_gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (4097, 1), (3, 2), (100_003, 7), (4096, 7), (9, 31),
+                                   (5000, 33), (777, 100), (129, 255), (20_000, 128),
+                                   (1000, 256), (301, 512)])
+def test_packed_rows(shape, dtype, log, monkeypatch):
+    """Short contiguous rows (a run of rows a CTA, starting anywhere in a 16-byte vector) take
+    the packed path where configs.use_packed says so, forward and backward, through the public
+    functions; values against fp64 with -inf, NaN and large rows among them."""
+    import importlib
+    S = importlib.import_module("vitrail.ops.softmax")
+    rows, n = shape
+    v = S.configs.vec(dtype)
+    seen, real = [], S.route
+
+    def spy(*args):
+        routed = real(*args)
+        seen.append((args[0], routed[0].name))
+        return routed
+    monkeypatch.setattr(S, "route", spy)
+    _check_rows(rows, n, dtype, log)
+    assert [kind for kind, _ in seen] == ["fwd", "bwd"], seen
+    for kind, name in seen:
+        arrays = 1 if kind == "fwd" else 2
+        want = S.configs.use_packed(n, dtype.itemsize, v if n % v == 0 or rows == 1 else 1,
+                                    arrays)
+        assert ("_packed." in name) == want, (kind, name)
+    ours, theirs = _fns(log)
+    x = (torch.randn(rows, n, device="cuda") * 3).to(dtype)
+    x[rows // 2] = float("-inf")
+    x[rows // 3, n // 2] = float("nan")
+    x[rows - 1] = x[rows - 1] * 1e4 if dtype != torch.float16 else x[rows - 1] * 1e3
+    torch.testing.assert_close(ours(x).double(), theirs(x.double(), -1), equal_nan=True,
+                               rtol=1e-5 if dtype == torch.float32 else 2e-2,
+                               atol=1e-5 if dtype == torch.float32 else 2e-2 * (8 if log else 1))
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_direct(dtype, log):
+    """The packed kernel called directly with every array at the same odd base (every run's
+    window edges), into NaN-poisoned buffers (nothing outside the rows written), with runs of
+    one row to many and every lane count; it refuses rows longer than its lanes hold and arrays
+    whose rows sit at different offsets within their vectors."""
+    from vitrail.jit.errors import LaunchError
+    from vitrail.ops.softmax import OPS, configs
+    from vitrail.ops.softmax.reference import softmax
+    v = configs.vec(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for n, rows, off, tpr, items, threads, kb in [
+            (1, 5000, 3, 1, 1, 256, 16), (7, 3001, 1, 2, 4, 128, 4), (7, 3001, 5, 1, 8, 512, 32),
+            (31, 999, 3, 8, 4, 256, 16), (100, 257, 2, 32, 4, 256, 8), (3, 1, 1, 4, 1, 128, 4),
+            (256, 33, 7, 32, 8, 256, 16), (60, 1000, 1, 16, 4, 256, 4)]:
+        if n * dtype.itemsize > 1024:
+            continue
+        c = OPS["packed", "fwd", dtype, v, log].space.config(THREADS=threads, TPR=tpr,
+                                                              ITEMS=items, KB=kb)
+
+        def buf(fill=None):
+            t = (torch.randn(rows * n + off + 16, device="cuda") * 3).to(dtype)
+            if fill is not None:
+                t.fill_(fill)
+            return t, t[off:off + rows * n].view(rows, n)
+        _, x = buf()
+        x[rows // 2] = float("-inf")
+        for kind in ("fwd", "bwd"):
+            op = OPS["packed", kind, dtype, v, log]
+            poisoned, out = buf(float("nan"))
+            if kind == "fwd":
+                op.launch(op.module(c), c, out, x, x)
+                torch.testing.assert_close(out.double(), softmax(x, -1, log), equal_nan=True,
+                                           rtol=tol, atol=tol * (8 if log else 1))
+            else:
+                _, y = buf()
+                y.copy_(softmax(x.double().nan_to_num(0.0), -1, log).nan_to_num(0.0))
+                _, dy = buf()
+                op.launch(op.module(c), c, out, y, dy)
+                _check_backward(out, y, dy, log)
+            assert poisoned[:off].isnan().all() and poisoned[off + rows * n:].isnan().all()
+        fwd = OPS["packed", "fwd", dtype, v, log]
+        longer = torch.randn(2, tpr * items + 1, device="cuda").to(dtype)
+        with pytest.raises(LaunchError):  # rows beyond TPR x ITEMS
+            fwd.launch(fwd.module(c), c, torch.empty_like(longer), longer, longer)
+        assert off % v
+        with pytest.raises(LaunchError):  # out's rows at another offset within a vector
+            fwd.launch(fwd.module(c), c, torch.empty_like(x), x, x)
 
 
 # ------------------------------------------------------------------ split path (few long rows)

@@ -6,7 +6,9 @@ kernels (sm90_softmax.cuh) take rows with a contiguous last dim and any row stri
 Rows of 8 KiB and more take the tile path where there are enough of them (each row held in
 shared memory by one CTA or a cluster of them, loaded by TMA; sm_90+), shorter rows registers,
 few very long rows the split path (one cooperative kernel, each row over G CTAs meeting at a
-per-row barrier; see configs), whose barrier workspace is kept per (device, stream).
+per-row barrier; see configs), whose barrier workspace is kept per (device, stream). Short rows
+laid end to end (a contiguous tensor's rows of up to 1 KiB, configs.use_packed) take the packed
+path: a CTA moves a run of rows with 16-byte vectors whatever n is (sm_90+).
 On the lean eager path (``plain_eager``) a call goes straight to the kernel; otherwise through
 ``torch.ops.vitrail.softmax_fwd`` / ``softmax_bwd`` (fake impls registered, so
 ``torch.compile(fullgraph=True)`` traces them without a graph break).
@@ -62,6 +64,12 @@ extern "C" int softmax_split_ctas_per_sm(int smem_vecs) {
   return vitrail::softmax::split_ctas_per_sm<T, V, MODE, IS_LOG, THREADS, ITERS, U, CTAS,
                                              WINDOW>(smem_vecs);
 }""",
+    "packed": r"""
+extern "C" cudaError_t softmax_packed(void* out, const void* a, const void* b, long long rows,
+                                      int n, int run, cudaStream_t stream) {
+  return vitrail::softmax::launch_packed<T, V, MODE, IS_LOG, THREADS, TPR, ITEMS>(
+      (T*)out, (const T*)a, (const T*)b, rows, n, run, stream);
+}""",
     "tile": r"""
 extern "C" cudaError_t softmax_tile(void* out, const void* a, const void* b, long long rows, int n,
                                     int slice, long long lda, long long ldb, long long ldo,
@@ -80,7 +88,7 @@ def _source(kind: str, dtype: torch.dtype, v: int, log: bool, mode: int, window:
     return head + _ENTRY[kind]
 
 
-_PARAMS = ("TPR", "THREADS", "ITERS", "CLUSTER", "U", "CTAS")
+_PARAMS = ("TPR", "THREADS", "ITERS", "CLUSTER", "U", "CTAS", "ITEMS")
 
 
 def _render(kind: str, dtype: torch.dtype, v: int, log: bool, mode: int = 0,
@@ -170,6 +178,12 @@ def _tile_launcher(v: int, arrays: int):
     return launch
 
 
+def _packed_launcher(module, config, out, a, b):
+    rows, n = a.shape
+    run = configs.packed_run(n, rows, a.element_size(), config, _sms(a.device))
+    module.softmax_packed(out.data_ptr(), a.data_ptr(), b.data_ptr(), rows, n, run)
+
+
 # The split path's workspace: per (device, stream), `slots` barrier counters then `slots`
 # partials (see sm90_softmax.cuh, launch_split). Guarantees: launches on one stream run one after
 # another and reuse its workspace as it is (the barrier counters need no reset: group_barrier.cuh);
@@ -248,6 +262,12 @@ for _dt in configs.CTYPES:
                     render=_render("chunked", _dt, _v, _log, _mode, _w),
                     launch=_chunked_launcher(_v))
                 _arrays = 1 if _kind == "fwd" else 2
+                if _v > 1 and not _w:
+                    OPS[("packed", _kind, _dt, _v, _log)] = Op(
+                        _base.format(f"{_kind}_packed"), kernel_source=KERNEL,
+                        space=configs.packed_space(_arrays),
+                        render=_render("packed", _dt, _v, _log, _mode),
+                        launch=_packed_launcher)
                 if _v > 1:
                     OPS[("tile", _kind, _dt, _v, _log, *_tag)] = Op(
                         _base.format(f"{_kind}_tile"), kernel_source=KERNEL,
@@ -283,38 +303,65 @@ def _window(a: torch.Tensor, v: int) -> int:
     return n if v == 1 or _aligned(v, a) else n + v - 1
 
 
+def _end_to_end(*ts: torch.Tensor) -> bool:
+    """Whether every array's rows lie end to end (row stride n: a contiguous tensor's rows)."""
+    return all(t.shape[0] == 1 or t.stride(0) == t.shape[1] for t in ts)
+
+
 def route(kind: str, rows: int, n: int, dtype: torch.dtype, v: int, log: bool,
-          device: torch.device | None, window: bool = False) -> tuple[Op, str, object]:
+          device: torch.device | None, window: bool = False,
+          packed: bool = False) -> tuple[Op, str, object]:
     """The path rows x n takes on `device` (None: the build target, vitrail.tune.limits(), with
     132 SMs where no GPU says otherwise); v: the vector width, 1 for element by element (rows
     off vector boundaries that the windowed kernels do not take: ``_run``); n: the columns of
     the rows' windows (``_window``: n, or n + v - 1 where rows may start off a vector boundary);
-    window: take the windowed kernels (rows that start off a vector boundary). Returns (op,
+    window: take the windowed kernels (rows that start off a vector boundary); packed: the rows
+    lie end to end in arrays that are coaligned (``_end_to_end``, ``_coaligned``; not windowed),
+    so that short ones may take the packed path whatever v is. Returns (op,
     problem key, problem); the op is called as op(key, problem, out, a, b). A GPU's routes are
     memoized (every call takes one)."""
     if device is None:
         from vitrail.tune import limits
-        return _route(kind, rows, n, dtype, v, log, configs.with_sm_count(limits()), window)
+        return _route(kind, rows, n, dtype, v, log, configs.with_sm_count(limits()), window,
+                      packed)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _gpu_route(kind, rows, n, dtype, v, log, index, window)
+    return _gpu_route(kind, rows, n, dtype, v, log, index, window, packed)
+
+
+def route_contiguous(kind: str, rows: int, n: int, dtype: torch.dtype, log: bool,
+                     device: torch.device | None) -> tuple[Op, str, object]:
+    """``route`` of a contiguous rows x n tensor as ``_run`` calls it (16-byte-aligned base):
+    windows where rows start off a vector boundary and configs.use_window says so, else
+    element by element; rows end to end, so short ones may take the packed path."""
+    v = configs.vec(dtype)
+    window = n % v != 0 and rows > 1
+    if window and not configs.use_window(n, dtype.itemsize):
+        v, window = 1, False
+    return route(kind, rows, n + (v - 1 if window else 0), dtype, v, log, device, window,
+                 not window)
 
 
 @functools.lru_cache(maxsize=4096)
 def _gpu_route(kind: str, rows: int, n: int, dtype: torch.dtype, v: int, log: bool, index: int,
-               window: bool):
-    return _route(kind, rows, n, dtype, v, log, _limits(torch.device("cuda", index)), window)
+               window: bool, packed: bool):
+    return _route(kind, rows, n, dtype, v, log, _limits(torch.device("cuda", index)), window,
+                  packed)
 
 
 def _route(kind: str, rows: int, n: int, dtype: torch.dtype, v: int, log: bool, lim,
-           window: bool = False):
-    op, key, problem = _path(kind, rows, n, dtype, v, log, lim)
-    return (OPS[op + (WINDOW,)] if window else OPS[op]), key, problem
+           window: bool = False, packed: bool = False):
+    op, key, problem = _path(kind, rows, n, dtype, v, log, lim, packed)
+    return (OPS[op + (WINDOW,)] if window and op[0] != "packed" else OPS[op]), key, problem
 
 
-def _path(kind: str, rows: int, n: int, dtype: torch.dtype, v: int, log: bool, lim):
+def _path(kind: str, rows: int, n: int, dtype: torch.dtype, v: int, log: bool, lim,
+          packed: bool = False):
     """(OPS key, problem key, problem) of rows x n (the windows' columns) on lim's GPU."""
     arrays = 1 if kind == "fwd" else 2
     sms, size = lim.sm_count, dtype.itemsize
+    key = f"n{bucket(n)};rows{bucket(rows)}"  # registers, chunked, packed
+    if packed and lim.arch.major >= 9 and configs.use_packed(n, size, v, arrays):
+        return ("packed", kind, dtype, configs.vec(dtype), log), key, bucket(n)
     fine = (bucket(n, configs.KEY_STEPS), bucket(rows, configs.KEY_STEPS))  # tile, split
     fine_key = f"n{fine[0]};rows{fine[1]}"
     if lim.arch.major >= 9 and configs.use_tile(n, rows, v, size, arrays, sms, lim.shared_per_sm):
@@ -323,7 +370,6 @@ def _path(kind: str, rows: int, n: int, dtype: torch.dtype, v: int, log: bool, l
         return ("tile", kind, dtype, v, log), fine_key, (*fine, size)
     if configs.use_split(n, rows, v, arrays, sms):
         return ("split", kind, dtype, v, log), fine_key, fine
-    key = f"n{bucket(n)};rows{bucket(rows)}"
     if configs.use_chunked(n, rows, v, arrays, sms):
         return ("chunked", kind, dtype, v, log), key, n
     return (kind, dtype, v, log), key, bucket(n)  # registers
@@ -332,12 +378,13 @@ def _path(kind: str, rows: int, n: int, dtype: torch.dtype, v: int, log: bool, l
 def _run(kind: str, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, log: bool) -> None:
     """Route rows x n to a path and launch it. kind "fwd": a = b = x; "bwd": a = y, b = dy."""
     v = configs.vec(a.dtype)
+    coaligned = _coaligned(v, a, b, out)
     window = not _aligned(v, a, b, out)
-    if window and not (configs.use_window(a.shape[1], a.element_size())
-                       and _coaligned(v, a, b, out)):
+    if window and not (configs.use_window(a.shape[1], a.element_size()) and coaligned):
         v, window = 1, False  # element by element
     cols = a.shape[1] + (v - 1 if window else 0)  # _window(a, v): a's rows are off if any are
-    op, key, problem = route(kind, a.shape[0], cols, a.dtype, v, log, a.device, window)
+    packed = not window and coaligned and _end_to_end(a, b, out)
+    op, key, problem = route(kind, a.shape[0], cols, a.dtype, v, log, a.device, window, packed)
     op(key, problem, out, a, b)
 
 
@@ -435,4 +482,5 @@ def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return _call("vitrail.ops.log_softmax", x, dim, True)
 
 
-__all__ = ["softmax", "log_softmax", "softmax_fwd", "softmax_bwd", "OPS", "LaunchError"]
+__all__ = ["softmax", "log_softmax", "softmax_fwd", "softmax_bwd", "OPS", "LaunchError", "route",
+           "route_contiguous"]

@@ -7,7 +7,8 @@ from vitrail.bench import Row, register
 
 CASES = [((32768, 4096), "bfloat16"), ((32768, 4096), "float32"), ((4096, 32768), "bfloat16"),
          ((65536, 512), "bfloat16"), ((65536, 128), "float32"), ((16, 262144), "bfloat16"),
-         ((8, 1 << 20), "float32"), ((256, 65536), "bfloat16")]
+         ((8, 1 << 20), "float32"), ((256, 65536), "bfloat16"), ((4194304, 7), "bfloat16"),
+         ((2097152, 7), "float32")]
 
 
 def build() -> None:
@@ -15,15 +16,14 @@ def build() -> None:
     parallel."""
     import torch
 
-    from vitrail.ops.softmax import route
+    from vitrail.ops.softmax import route_contiguous
     from vitrail.tune import compile_all, limits
     lim = limits()
     jobs = {}
     for (rows, n), dt in CASES:
         dtype = getattr(torch, dt)
-        v = 16 // dtype.itemsize
         for kind, log in (("fwd", False), ("fwd", True), ("bwd", False)):
-            op, key, problem = route(kind, rows, n, dtype, v, log, None)
+            op, key, problem = route_contiguous(kind, rows, n, dtype, log, None)
             config = op.config(key, problem)
             jobs[op.name, config] = dict(op.render(config), arch=lim.arch.name)
     for (name, config), error in compile_all(list(jobs.items()), label="softmax bench").items():

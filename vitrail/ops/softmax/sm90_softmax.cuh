@@ -14,7 +14,8 @@
 // and write), else the chunked path (two kernels over rows x chunks CTAs that the caller sizes to
 // the GPU: per-chunk statistics with an online max/sum, then normalize), which reads the input
 // twice (the second time mostly from L2 where the input is not much larger than it) but has no
-// length or row limit.
+// length or row limit. Short rows laid end to end (up to 1 KiB) take the packed path on sm_90:
+// a CTA moves a run of whole rows with bulk copies and lanes reduce them from shared memory.
 //
 // Rows that do not start on a 16-byte boundary (n % V != 0, or a view at an offset) can keep their
 // 16-byte vectors (kernels compiled with Window): a row is read through the aligned window that
@@ -676,6 +677,128 @@ tile_kernel(T* __restrict__ out, const T* __restrict__ a, const T* __restrict__ 
   Reduce::cluster_done();
 }
 
+// ------------------------------------------------------------------ packed path (short rows)
+// Rows of at most TPR * Items elements (a few to a thousand) laid end to end (row stride n in
+// every array): CTA c takes the run of rows [c * run, (c + 1) * run), one contiguous stretch of
+// each array, and moves it as the tile path moves a slice: TMA bulk copies of its whole 16-byte
+// vectors into shared memory, the run's two edge vectors (partial where the run starts or ends
+// inside a vector) by the threads that own them; then groups of TPR lanes each take a row at a
+// time from shared memory (element j of a row to lane j % TPR, Items per lane), reduce it with
+// warp shuffles and write the output back in place; then one bulk copy of the whole vectors out,
+// the edges by their threads. Where rows are a few elements long, the register path's thread a
+// row reads with a warp's loads strided by the row (element by element where rows are off
+// vector boundaries: 2-byte loads for odd lengths in 16-bit types); here every global access is a
+// 16-byte vector or a bulk copy, whatever n is.
+template <int Mode>
+constexpr int packed_arrays() { return Mode == 0 ? 1 : 2; }
+// Vectors of shared memory per array for a run of `run` rows of n: its window (the run, plus up
+// to V - 1 elements before it in its first vector).
+template <int V>
+__host__ __device__ inline int packed_vecs(int run, int n) { return (run * n + 2 * V - 2) / V; }
+
+template <class T, int V, int Mode, bool IsLog, int Threads, int TPR, int Items>
+__global__ void __launch_bounds__(Threads)
+packed_kernel(T* __restrict__ out, const T* __restrict__ a, const T* __restrict__ b,
+              long long rows, int n, int run) {
+  static_assert(V * sizeof(T) == 16, "the packed path moves whole 16-byte vectors");
+  static_assert(TPR >= 1 && TPR <= 32 && Threads % 32 == 0, "a row's lanes are within a warp");
+  constexpr int Groups = Threads / TPR;
+  extern __shared__ __align__(128) unsigned char packed_raw[];
+  __shared__ uint64_t bar;
+  const int t = threadIdx.x;
+  const long long r0 = (long long)blockIdx.x * run;
+  const int count = int(min((long long)run, rows - r0));  // rows in this CTA's run
+  const long long e0 = r0 * n;
+  const int head = head_of<V, true>(a + e0);  // the run's window starts head elements before it
+  const int len = count * n + head;
+  const int vecs = len / V, tail = len - vecs * V;
+  const int w0 = head > 0 ? 1 : 0, w1 = max(w0, vecs);  // whole vectors: bulk copies
+  Frg<T, V>* sa = reinterpret_cast<Frg<T, V>*>(packed_raw);
+  Frg<T, V>* sb = sa + packed_vecs<V>(run, n);
+  const T* ar = a + e0 - head;
+  const T* br = b + e0 - head;
+  T* orow = out + e0 - head;
+  const T fill = from_float<T>(Mode == 0 ? -__builtin_huge_valf() : 0.f);
+
+  if (t == 0) {
+    Bulk::init(&bar, 1);
+    Bulk::expect(&bar, (w1 - w0) * 16 * packed_arrays<Mode>());
+    if (w1 > w0) {
+      Bulk::load(sa + w0, ar + w0 * V, (w1 - w0) * 16, &bar);
+      if constexpr (Mode != 0) Bulk::load(sb + w0, br + w0 * V, (w1 - w0) * 16, &bar);
+    }
+  }
+  // Edge e: vector edge[e] with its elements [lo[e], hi[e]) in the run (none where lo >= hi),
+  // loaded by thread e * (Threads - 1) into shared memory beside the bulk copies.
+  const int edge[2] = {0, vecs};
+  const int lo[2] = {w0 ? head : 0, 0};
+  const int hi[2] = {w0 ? min(V, len) : 0, w0 && vecs == 0 ? 0 : tail};
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    if (lo[e] < hi[e] && t == e * (Threads - 1)) {
+      sa[edge[e]] = load_row<true, V>(ar + edge[e] * V, lo[e], hi[e], fill, e == 0);
+      if constexpr (Mode != 0)
+        sb[edge[e]] = load_row<true, V>(br + edge[e] * V, lo[e], hi[e], fill, e == 0);
+    }
+  }
+  __syncthreads();  // the barrier's init and the edges
+  Bulk::wait(&bar, 0);
+
+  // Rows: group g = t / TPR takes rows g, g + Groups, ...; every lane of a warp runs every pass
+  // (the shuffles need the whole warp), lanes past the run with fill values.
+  T* xa = reinterpret_cast<T*>(sa) + head;  // element j of the run's first array
+  const T* xb = reinterpret_cast<const T*>(sb) + head;
+  const int g = t / TPR, lane = t % TPR;
+  const int passes = (count + Groups - 1) / Groups;
+#pragma unroll 1
+  for (int p = 0; p < passes; ++p) {
+    const int r = p * Groups + g;
+    const int base = r * n;
+    T va[Items], vb[Items];
+#pragma unroll
+    for (int i = 0; i < Items; ++i) {
+      const int j = lane + i * TPR;
+      const bool in = r < count && j < n;
+      if constexpr (Mode != 2) va[i] = in ? xa[base + j] : fill;
+      else va[i] = in ? xa[base + j] : from_float<T>(0.f);
+      if constexpr (Mode != 0) vb[i] = in ? xb[base + j] : fill;
+      else vb[i] = va[i];
+    }
+    float m = 0.f, s = 0.f;
+    if constexpr (Mode == 0) {
+      m = -__builtin_huge_valf();
+#pragma unroll
+      for (int i = 0; i < Items; ++i) m = fmaxf(m, to_float(va[i]));
+      m = warp_reduce<TPR>(m, Max{});
+#pragma unroll
+      for (int i = 0; i < Items; ++i) s += exp_of(to_float(va[i]) - m);
+    } else {
+#pragma unroll
+      for (int i = 0; i < Items; ++i)
+        s += Mode == 1 ? to_float(va[i]) * to_float(vb[i]) : to_float(vb[i]);
+    }
+    s = warp_reduce<TPR>(s, Sum{});
+    const float scale = scale_of<Mode, IsLog>(MaxSum{m, s});
+#pragma unroll
+    for (int i = 0; i < Items; ++i) {
+      const int j = lane + i * TPR;
+      if (r < count && j < n)
+        xa[base + j] = from_float<T>(output_of<Mode, IsLog>(va[i], vb[i], m, scale));
+    }
+  }
+  Bulk::fence_shared();  // the output in shared memory, before the bulk copy reads it
+  __syncthreads();
+  if (t == 0 && w1 > w0) {
+    Bulk::store(orow + w0 * V, sa + w0, (w1 - w0) * 16);
+    Bulk::commit();
+  }
+#pragma unroll
+  for (int e = 0; e < 2; ++e)
+    if (lo[e] < hi[e] && t == e * (Threads - 1))
+      store_row<true, V>(orow + edge[e] * V, sa[edge[e]], lo[e], hi[e], e == 0);
+  if (t == 0) Bulk::store_wait<0>();  // shared memory stays until the copy has read it
+}
+
 // ------------------------------------------------------------------ host entry helpers
 template <class T, int V, int TPR, int Threads, int Iters, int Cluster, bool IsLog, bool Window>
 cudaError_t launch_fwd(T* y, const T* x, long long rows, int n, long long ldx, long long ldy,
@@ -696,6 +819,25 @@ cudaError_t launch_bwd(T* dx, const T* y, const T* dy, long long rows, int n, lo
   const long long ctas = (rows + Threads / TPR - 1) / (Threads / TPR) * Cluster;
   return launch(bwd_kernel<T, V, TPR, Threads, Iters, Cluster, IsLog, Window>, dim3((unsigned)ctas),
                 dim3(Threads), 0, stream, Cluster, dx, y, dy, rows, n, ldy, lddy, lddx);
+}
+
+// Packed path: rows laid end to end (row stride n in every array; b and out coaligned with a),
+// n <= TPR * Items; `run` rows per CTA (ceil(rows / run) CTAs, fewer than 2^31). Dynamic shared
+// memory: packed_vecs(run, n) vectors per array (refused by the launch where they do not fit).
+template <class T, int V, int Mode>
+size_t packed_smem(int run, int n) {
+  return size_t(packed_vecs<V>(run, n)) * 16 * packed_arrays<Mode>();
+}
+
+template <class T, int V, int Mode, bool IsLog, int Threads, int TPR, int Items>
+cudaError_t launch_packed(T* out, const T* a, const T* b, long long rows, int n, int run,
+                          cudaStream_t stream) {
+  VITRAIL_TRY(require(n >= 1 && n <= TPR * Items && rows >= 1 && run >= 1 &&
+                      (long long)run * n <= (1 << 24) && (rows + run - 1) / run < (1LL << 31) &&
+                      coaligned<V>(a, 0, b, 0) && coaligned<V>(a, 0, out, 0)));
+  constexpr auto kernel = packed_kernel<T, V, Mode, IsLog, Threads, TPR, Items>;
+  return launch(kernel, dim3(ceil_div(rows, run)), dim3(Threads), packed_smem<T, V, Mode>(run, n),
+                stream, 1, out, a, b, rows, n, run);
 }
 
 // Chunked path: stats holds rows * ceil((n + V - 1) / chunk) MaxSum (8 bytes each; chunks cut
