@@ -32,6 +32,10 @@ The CTAs of a row publish their statistics to a global workspace, meet at a per-
 write. The rest (more rows) take the chunked path: each row cut into chunks, one CTA per chunk,
 about CHUNK_CTAS_PER_SM CTAs per SM in all; one more read of the input, which the second kernel
 takes in reverse order so that what the first read last is still in L2.
+
+Before all of these, short rows laid end to end (a contiguous tensor's, up to 1 KiB) take the
+packed path where ``use_packed`` says so (sm_90+): a CTA a run of rows, TPR lanes x ITEMS
+elements a row, runs of KB KiB (``packed_heuristic``, ``packed_run``).
 """
 from __future__ import annotations
 
