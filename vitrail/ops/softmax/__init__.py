@@ -330,15 +330,22 @@ def route(kind: str, rows: int, n: int, dtype: torch.dtype, v: int, log: bool,
 
 def route_contiguous(kind: str, rows: int, n: int, dtype: torch.dtype, log: bool,
                      device: torch.device | None) -> tuple[Op, str, object]:
-    """``route`` of a contiguous rows x n tensor as ``_run`` calls it (16-byte-aligned base):
-    windows where rows start off a vector boundary and configs.use_window says so, else
-    element by element; rows end to end, so short ones may take the packed path."""
+    """``route`` of a contiguous rows x n tensor (16-byte-aligned base) as ``_run`` calls it."""
     v = configs.vec(dtype)
-    window = n % v != 0 and rows > 1
-    if window and not configs.use_window(n, dtype.itemsize):
-        v, window = 1, False
+    v, window = _vectors(n, dtype.itemsize, v, n % v == 0 or rows == 1, True)
     return route(kind, rows, n + (v - 1 if window else 0), dtype, v, log, device, window,
                  not window)
+
+
+def _vectors(n: int, size: int, v: int, aligned: bool, coaligned: bool) -> tuple[int, bool]:
+    """(vector width, windowed) for rows of n: 16-byte vectors where every row starts on a
+    vector boundary (aligned); windows where rows start off one, all arrays' alike (coaligned),
+    and configs.use_window says so; else element by element."""
+    if aligned:
+        return v, False
+    if coaligned and configs.use_window(n, size):
+        return v, True
+    return 1, False
 
 
 @functools.lru_cache(maxsize=4096)
@@ -379,9 +386,7 @@ def _run(kind: str, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, log: bo
     """Route rows x n to a path and launch it. kind "fwd": a = b = x; "bwd": a = y, b = dy."""
     v = configs.vec(a.dtype)
     coaligned = _coaligned(v, a, b, out)
-    window = not _aligned(v, a, b, out)
-    if window and not (configs.use_window(a.shape[1], a.element_size()) and coaligned):
-        v, window = 1, False  # element by element
+    v, window = _vectors(a.shape[1], a.element_size(), v, _aligned(v, a, b, out), coaligned)
     cols = a.shape[1] + (v - 1 if window else 0)  # _window(a, v): a's rows are off if any are
     packed = not window and coaligned and _end_to_end(a, b, out)
     op, key, problem = route(kind, a.shape[0], cols, a.dtype, v, log, a.device, window, packed)
