@@ -131,7 +131,8 @@ def _sympow_bwd_impl(x: torch.Tensor, dz: torch.Tensor, power: int, d_tile: int,
         if pipe_block:  # the next block's dz in flight while one computes
             smem = configs.gather_smem(d, power, d_tile, tuples, pipe_block, 2 * stage)
             _run("elementwise", x.dtype, power, d_tile, vec, "sympow_bwd_pipe",
-                 configs.pipe_grid(-(-rows // pipe_block), smem, x.device), smem,
+                 configs.pipe_grid(-(-rows // pipe_block), smem, x.device,
+                                   configs.PIPE_CTAS[x.element_size()]), smem,
                  dx, x, dz, tidx, tcoef, slots, rows, d, D, tuples, entries, pipe_block, 1.0)
             return dx
     per_block = per_block or configs.gather_rows(d, power, d_tile, tuples, stage,

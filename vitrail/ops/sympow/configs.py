@@ -184,10 +184,13 @@ def pipe_rows(d: int, power: int, d_tile: int, n_tuples: int, stage: int) -> int
     return max(fits, key=lambda r: (round(r * n_tuples / 256, 2), r))
 
 
-def pipe_grid(blocks: int, smem: int, device: torch.device) -> int:
-    """sympow_bwd_pipe's CTAs: as many as are resident at once (by shared memory, at most 8 of
-    256 threads per SM), at most one per block."""
-    per_sm = max(1, min(8, SMEM_PER_SM // (smem + 1024)))
+PIPE_CTAS = {4: 3, 2: 4}  # element size -> sympow_bwd_pipe's __launch_bounds__ CTAs per SM
+
+
+def pipe_grid(blocks: int, smem: int, device: torch.device, ctas: int = 8) -> int:
+    """A persistent kernel's CTAs: as many as are resident at once (by shared memory, at most
+    `ctas` of 256 threads per SM: what its registers allow), at most one per block."""
+    per_sm = max(1, min(ctas, SMEM_PER_SM // (smem + 1024)))
     return max(1, min(blocks, per_sm * sm_count(device)))
 
 

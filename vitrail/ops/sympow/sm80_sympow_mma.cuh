@@ -18,6 +18,16 @@
 namespace smma {
 using namespace sympow_detail;
 constexpr int BM = 64, BN = 64, BK = 64, THREADS = 256;
+// CTAs an SM must hold, each kernel's __launch_bounds__' second argument: ptxas then allocates
+// against 65536 / (256 x CTAs) registers a thread (3: 80, 2: 128, 1: 255) instead of an
+// occupancy tier of its own choosing, which moved between NVRTC releases and spilled. 0 leaves
+// the choice to ptxas: sympow_mma_m in 16-bit types spilled at 3 CTAs, ran 20% slower at 2, and
+// its own choice spills on no NVRTC 13.0-13.5. The backward kernels use up to 94 registers in
+// 16-bit types; fp32's spilled at 128.
+constexpr bool F32 = sizeof(T) == 4;
+constexpr int FWD_K_CTAS = F32 ? 2 : 3;  // sympow_mma_k
+constexpr int FWD_M_CTAS = F32 ? 2 : 0;  // sympow_mma_m
+constexpr int BWD_CTAS = F32 ? 1 : 2;    // mma_sympow_bwd_k, mma_sympow_bwd_m
 constexpr int PAD = T_ID == 0 ? 4 : 8;
 constexpr int LDA = BK + PAD;  // sA [BM][LDA]: row m, column k
 constexpr int LDB = BN + PAD;  // sB [BK][LDB]: row k, column n
@@ -175,7 +185,7 @@ __device__ __forceinline__ unsigned lead_index(unsigned packed, int l) {
 // step's tiles visible and retires the previous step's readers of the buffers refilled next.
 
 // C[P, M, N] = (sympow(A[P, M, d] along its rows) * scale) @ B[P, D, N]   (expand K)
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(256, smma::FWD_K_CTAS)
 sympow_mma_k(T* __restrict__ C, const T* __restrict__ A, const T* __restrict__ B,
              const int* __restrict__ gidx, const float* __restrict__ gcoef, int M, int N, int d,
              int D, long long groups, float scale, int b_vec) {
@@ -232,7 +242,7 @@ sympow_mma_k(T* __restrict__ C, const T* __restrict__ A, const T* __restrict__ B
 }
 
 // C[P, D, N] = (sympow(A[P, d, K] along its columns) * scale) @ B[P, K, N]   (expand M)
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(256, smma::FWD_M_CTAS)
 sympow_mma_m(T* __restrict__ C, const T* __restrict__ A, const T* __restrict__ B,
              const int* __restrict__ gidx, const float* __restrict__ gcoef, int K, int N, int d,
              int D, long long groups, float scale, int a_vec, int b_vec) {
@@ -305,7 +315,7 @@ __device__ __forceinline__ void flush(float* acc, int step, unsigned last, float
 }  // namespace smma
 
 // dc[P, M, d] = gradient wrt c of <sympow(c[P, M, d] along rows) * scale, a[P, M, n] @ b[P, n, D]>
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(256, smma::BWD_CTAS)
 mma_sympow_bwd_k(T* __restrict__ dc, const T* __restrict__ c, const T* __restrict__ a,
                  const T* __restrict__ b, const int* __restrict__ gidx,
                  const float* __restrict__ gcoef, int M, int n, int d, int D, long long groups,
@@ -403,7 +413,7 @@ mma_sympow_bwd_k(T* __restrict__ dc, const T* __restrict__ c, const T* __restric
 }
 
 // dc[P, d, K] = gradient wrt c of <sympow(c[P, d, K] along columns) * scale, a[P, D, n] @ b[P, n, K]>
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(256, smma::BWD_CTAS)
 mma_sympow_bwd_m(T* __restrict__ dc, const T* __restrict__ c, const T* __restrict__ a,
                  const T* __restrict__ b, const int* __restrict__ gidx,
                  const float* __restrict__ gcoef, int K, int n, int d, int D, long long groups,

@@ -276,7 +276,11 @@ sympow_bwd_gather(T* __restrict__ dx, const T* __restrict__ x, const T* __restri
 // stages, the next block's dz on its way (cp.async) while this block's items and gather run, so
 // the SM always has loads in flight (the one-block kernel waits for its whole stage, then
 // computes with nothing in flight). Shared memory: x's rows, the partials, two stages.
-extern "C" __global__ void __launch_bounds__(256)
+// CTAs an SM holds (its registers: 64 a thread in 16-bit types, 80 in fp32), stated so that
+// ptxas allocates against that budget rather than a tier of its own (NVRTC 13.5 chose 48 for
+// bf16 p=2 d_tile=8 and spilled); configs.PIPE_CTAS launches no more.
+constexpr int PIPE_CTAS = sizeof(T) == 4 ? 3 : 4;
+extern "C" __global__ void __launch_bounds__(256, PIPE_CTAS)
 sympow_bwd_pipe(T* __restrict__ dx, const T* __restrict__ x, const T* __restrict__ dz,
                 const int* __restrict__ tidx, const float* __restrict__ tcoef,
                 const int* __restrict__ slots, long long rows, int d, int D, int tuples,
