@@ -1,12 +1,15 @@
 """``vitrail doctor``: is this machine ready to compile and run vitrail kernels?
 
-Reports the toolchain (nvcc, host compiler, NVRTC, CUTLASS), the GPUs and target arch, the cache;
+Reports the toolchain (nvcc, host compiler, NVRTC, CUTLASS, cuda-bindings, the driver) with a
+warning for each version outside the tested set (toolchain.TESTED), the GPUs and target arch, the
+cache;
 builds a small CuTe kernel with nvcc and a kernel with NVRTC, runs both where a GPU exists and
 checks their results; says plainly what is missing and how to fix it.
 """
 from __future__ import annotations
 
 import platform
+import re
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -60,13 +63,17 @@ class Check:
     ok: bool | None  # None: not applicable here (e.g. no GPU to run on)
     detail: str
     fix: str = ""
+    warning: str = ""  # works, but outside what vitrail was tested with
 
 
-def _try(what: str, fn: Callable[[], str], fix: str = "") -> Check:
+def _try(what: str, fn: Callable[[], str | tuple[str, str]], fix: str = "") -> Check:
+    """fn returns its detail, or (detail, warning)."""
     try:
-        return Check(what, True, fn())
+        got = fn()
     except Exception as e:  # doctor reports every failure instead of stopping at the first
         return Check(what, False, f"{type(e).__name__}: {e}".strip(), fix)
+    detail, warning = got if isinstance(got, tuple) else (got, "")
+    return Check(what, True, detail, warning=warning)
 
 
 def run_checks() -> list[Check]:
@@ -75,23 +82,57 @@ def run_checks() -> list[Check]:
     from vitrail import jit
     from vitrail.jit import housekeeping, toolchain
 
+    torch_version = tuple(int(v) for v in re.findall(r"\d+", torch.__version__)[:2])
     checks = [Check("vitrail", True, f"{__version__} (python {platform.python_version()}, torch "
-                    f"{torch.__version__}, CUDA {torch.version.cuda or 'none'})")]
+                    f"{torch.__version__}, CUDA {torch.version.cuda or 'none'})",
+                    warning=toolchain.untested("torch", torch_version))]
 
-    def nvcc() -> str:
+    def nvcc() -> tuple[str, str]:
         t = toolchain.nvcc()
-        return f"{t.version_text} at {t.path} (toolkit {t.cuda_home}; host {t.host_compiler})"
+        return (f"{t.version_text} at {t.path} (toolkit {t.cuda_home}; host {t.host_compiler})",
+                toolchain.untested("nvcc", t.version))
     checks.append(_try("nvcc", nvcc, "install the CUDA toolkit or set VITRAIL_NVCC / CUDA_HOME"))
 
-    def nvrtc() -> str:
+    def nvrtc() -> tuple[str, str]:
         t = toolchain.nvrtc()
-        return f"{t.version_text} ({t.library})"
+        from importlib.metadata import version
+        warning = toolchain.untested("NVRTC", t.version)
+        try:  # the headers NVRTC compiles against are the toolkit's where there is one
+            headers = toolchain.nvcc().version[:2]
+            if headers != t.version and not warning:
+                warning = (f"NVRTC {t.version_text} compiles against the CUDA "
+                           f"{'.'.join(map(str, headers))} toolkit's headers; install "
+                           f"nvidia-cuda-nvrtc=={headers[0]}.{headers[1]}.* or set VITRAIL_NVRTC")
+        except toolchain.ToolchainError:
+            pass
+        bindings = version("cuda-bindings")
+        bound = tuple(int(v) for v in bindings.split(".")[:2])
+        warning = warning or toolchain.untested("cuda-bindings", bound)
+        return (f"{t.version_text} ({t.source}: {t.library}; cuda-bindings {bindings})", warning)
     checks.append(_try("NVRTC", nvrtc, "pip install nvidia-cuda-nvrtc cuda-bindings"))
 
-    def cutlass() -> str:
+    def cutlass() -> tuple[str, str]:
         t = toolchain.cutlass()
-        return f"{t.version_text} at {t.include_dir} ({t.source})"
+        return (f"{t.version_text} at {t.include_dir} ({t.source})",
+                toolchain.untested("CUTLASS", t.version))
     checks.append(_try("CUTLASS/CuTe", cutlass, "pip install nvidia-cutlass, or set CUTLASS_PATH"))
+
+    def driver() -> str:
+        have = toolchain.driver_version()
+        if have is None:
+            raise toolchain.ToolchainError("no NVIDIA driver (libcuda) on this machine")
+        for compiler, tool in (("NVRTC", toolchain.nvrtc), ("nvcc", toolchain.nvcc)):
+            try:
+                toolchain.check_driver_runs(compiler, tool().version_text)
+            except toolchain.ToolchainError as e:
+                if "need a CUDA" in str(e):
+                    raise
+        return f"supports CUDA {have[0]}.{have[1]}: loads the cubins vitrail builds"
+    driver_check = _try("driver", driver, "update the NVIDIA driver (CUDA 13 needs r580 or newer)")
+    if toolchain.driver_version() is None:  # compiling needs no driver; running does
+        driver_check = Check("driver", None, "none on this machine: kernels compile but cannot "
+                             "run here")
+    checks.append(driver_check)
 
     gpu = torch.cuda.is_available()
     if gpu:
@@ -153,8 +194,10 @@ def main() -> int:
     checks = run_checks()
     width = max(len(c.what) for c in checks)
     for c in checks:
-        mark = {True: "ok ", False: "FAIL", None: "-- "}[c.ok]
+        mark = {True: "warn" if c.warning else "ok ", False: "FAIL", None: "-- "}[c.ok]
         print(f"[{mark:4}] {c.what:<{width}}  {c.detail}")
+        if c.warning and c.ok:
+            print(f"{'':7}{'':<{width}}  warning: {c.warning}")
         if c.fix and c.ok is not True:
             print(f"{'':7}{'':<{width}}  fix: {c.fix}")
     set_knobs = [k for k in knobs.ALL if k.is_set()]

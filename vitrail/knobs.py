@@ -71,6 +71,11 @@ NVCC = _knob(
     "VITRAIL_NVCC", "", _str,
     "Path of the nvcc to use. Default: $CUDA_HOME/bin/nvcc, then nvcc on PATH, then "
     "/usr/local/cuda/bin/nvcc.")
+NVRTC = _knob(
+    "VITRAIL_NVRTC", "", _str,
+    "Path of the NVRTC library (libnvrtc.so.13) to compile with, or the folder holding it; read "
+    "once, at the process's first NVRTC compile. Default: the toolkit's beside nvcc, else the "
+    "nvidia-cuda-nvrtc wheel's.")
 ARCH = _knob(
     "VITRAIL_ARCH", "", _str,
     "Target GPU architecture, e.g. 90a, sm_90a or 9.0. Default: the current GPU "

@@ -234,8 +234,16 @@ def test_key_is_stable_across_processes(tmp_path):
 
 def _bump_nvrtc_version(monkeypatch):
     real = toolchain.nvrtc()
-    newer = dataclasses.replace(real, version=(real.version[0], real.version[1] + 1))
+    newer = dataclasses.replace(real, version=(real.version[0], real.version[1] + 1),
+                                full_version=f"{real.version[0]}.{real.version[1] + 1}.0")
     monkeypatch.setattr(toolchain, "nvrtc", lambda: newer)
+    return {}
+
+
+def _bump_nvrtc_patch(monkeypatch):  # a patch release may allocate registers differently
+    real = toolchain.nvrtc()
+    patched = dataclasses.replace(real, full_version=real.version_text + ".1")
+    monkeypatch.setattr(toolchain, "nvrtc", lambda: patched)
     return {}
 
 
@@ -254,6 +262,7 @@ CHANGES = {
     "define removed": lambda mp: dict(defines={}),
     "arch": lambda mp: dict(arch="80"),
     "nvrtc version": _bump_nvrtc_version,
+    "nvrtc patch": _bump_nvrtc_patch,
     "vitrail version": _bump_vitrail_version,
 }
 
@@ -280,7 +289,7 @@ def test_backend_and_nvcc_version_change_the_key(monkeypatch, tmp_path):
     assert by_nvcc != by_nvrtc
 
     real_version = toolchain.nvcc().version_text
-    other = "12.9.86" if not real_version.startswith("12.9") else "12.8.93"
+    other = "13.1.80" if not real_version.startswith("13.1") else "13.0.88"
     monkeypatch.setenv("VITRAIL_NVCC", str(_nvcc_wrapper(tmp_path, version=other)))
     assert toolchain.nvcc().version_text == other
     assert key_of(monkeypatch, backend="nvcc", **kw) != by_nvcc

@@ -181,7 +181,7 @@ def test_a_missing_vitrail_nvcc_names_nvcc_and_the_version_needed(monkeypatch, t
     msg = str(e.value)
     assert "nvcc not found" in msg
     assert f"{missing} (VITRAIL_NVCC)" in msg
-    assert "nvcc >= 12.4" in msg
+    assert "nvcc >= 13.0" in msg
 
 
 def test_a_non_executable_vitrail_nvcc_is_not_found(monkeypatch, tmp_path):
@@ -198,16 +198,16 @@ def test_an_old_nvcc_is_refused_with_both_versions(monkeypatch, tmp_path):
     with pytest.raises(ToolchainError) as e:
         toolchain.nvcc()
     msg = str(e.value)
-    assert "11.8.89" in msg and "12.4" in msg
+    assert "11.8.89" in msg and "13.0" in msg
     assert str(script) in msg
 
 
 def test_nvcc_just_below_the_minimum_is_refused_and_the_minimum_accepted(monkeypatch, tmp_path):
-    monkeypatch.setenv("VITRAIL_NVCC", str(_fake_nvcc(tmp_path, "12.3.107")))
-    with pytest.raises(ToolchainError, match=r"12\.3\.107.*>= 12\.4"):
+    monkeypatch.setenv("VITRAIL_NVCC", str(_fake_nvcc(tmp_path, "12.9.86")))
+    with pytest.raises(ToolchainError, match=r"12\.9\.86.*>= 13\.0"):
         toolchain.nvcc()
-    monkeypatch.setenv("VITRAIL_NVCC", str(_fake_nvcc(tmp_path, "12.4.99")))
-    assert toolchain.nvcc().version == (12, 4, 99)
+    monkeypatch.setenv("VITRAIL_NVCC", str(_fake_nvcc(tmp_path, "13.0.48")))
+    assert toolchain.nvcc().version == (13, 0, 48)
 
 
 def test_an_unreadable_version_is_reported(monkeypatch, tmp_path):
@@ -247,10 +247,10 @@ def test_a_wrapper_nvcc_reports_its_toolkit_through_dryrun(monkeypatch, tmp_path
 
 
 def test_changing_vitrail_nvcc_re_runs_the_lookup(monkeypatch, tmp_path):
-    monkeypatch.setenv("VITRAIL_NVCC", str(_fake_nvcc(tmp_path, "12.8.93")))
-    assert toolchain.nvcc().version == (12, 8, 93)
-    monkeypatch.setenv("VITRAIL_NVCC", str(_fake_nvcc(tmp_path, "12.9.86")))
-    assert toolchain.nvcc().version == (12, 9, 86)
+    monkeypatch.setenv("VITRAIL_NVCC", str(_fake_nvcc(tmp_path, "13.0.88")))
+    assert toolchain.nvcc().version == (13, 0, 88)
+    monkeypatch.setenv("VITRAIL_NVCC", str(_fake_nvcc(tmp_path, "13.1.80")))
+    assert toolchain.nvcc().version == (13, 1, 80)
 
 
 @needs_nvcc
@@ -365,7 +365,8 @@ def test_cutlass_path_without_version_h_is_a_toolchain_error(monkeypatch, tmp_pa
 def test_the_real_nvrtc():
     found = toolchain.nvrtc()
     assert found.version >= toolchain.NVRTC_MIN
-    assert found.version_text == f"{found.version[0]}.{found.version[1]}"
+    assert found.version_text.startswith(f"{found.version[0]}.{found.version[1]}")
+    assert found.source in ("VITRAIL_NVRTC", "toolkit", "wheel", "system", "process")
     assert Path(found.library).is_file() and "nvrtc" in Path(found.library).name
     assert 90 in found.supported and 80 in found.supported
     found.check_arch(Arch.parse("90a"))
@@ -381,3 +382,71 @@ def test_nvrtc_check_arch_rejects_an_unsupported_arch():
     assert "sm_75, sm_80" in msg
     # an empty list (NVRTC that does not say) accepts anything
     Nvrtc((12, 4), "x", frozenset()).check_arch(Arch.parse("100a"))
+
+
+def test_nvrtc_full_version_from_name_record_or_bytes(tmp_path):
+    """The cache key's NVRTC version: a toolkit file's name, else the wheel record that lists
+    the library, else major.minor and a digest of the bytes (a patch release changes them)."""
+    lib = tmp_path / "cuda/lib64/libnvrtc.so.13.0.88"
+    lib.parent.mkdir(parents=True)
+    lib.write_bytes(b"toolkit")
+    (lib.parent / "libnvrtc.so.13").symlink_to(lib.name)
+    assert toolchain._full_version(str(lib.parent / "libnvrtc.so.13"), 13, 0) == "13.0.88"
+    site = tmp_path / "site"
+    wheel_lib = site / "nvidia/cu13/lib/libnvrtc.so.13"
+    wheel_lib.parent.mkdir(parents=True)
+    wheel_lib.write_bytes(b"wheel")
+    info = site / "nvidia_cuda_nvrtc-13.5.37.dist-info"
+    info.mkdir()
+    (info / "RECORD").write_text("nvidia/cu13/lib/libnvrtc.so.13,sha256=x,5\n")
+    assert toolchain._full_version(str(wheel_lib), 13, 5) == "13.5.37"
+    (info / "RECORD").write_text("nvidia/cu13/include/nvrtc.h,sha256=x,5\n")  # not this file
+    one = toolchain._full_version(str(wheel_lib), 13, 5)
+    wheel_lib.write_bytes(b"patched")
+    assert one.startswith("13.5+") and toolchain._full_version(str(wheel_lib), 13, 5) != one
+
+
+def test_nvrtc_choice_names_a_bad_override(monkeypatch, tmp_path):
+    monkeypatch.setenv("VITRAIL_NVRTC", str(tmp_path))
+    with pytest.raises(ToolchainError, match="VITRAIL_NVRTC=.*no libnvrtc.so"):
+        toolchain._preload_nvrtc()
+    (tmp_path / "libnvrtc.so.13").write_bytes(b"")
+    (tmp_path / "libnvrtc.so").write_bytes(b"")
+    assert toolchain._nvrtc_in(tmp_path) == tmp_path / "libnvrtc.so.13"
+    assert toolchain._nvrtc_in(tmp_path / "libnvrtc.so") == tmp_path / "libnvrtc.so"
+
+
+def test_driver_check_refuses_cubins_of_a_newer_major(monkeypatch):
+    """Minor version compatibility: a 13.5 cubin loads on a 13.0 driver (measured on an H100
+    with driver 580); a 13.x cubin on a 12.x driver does not, and vitrail says so first."""
+    monkeypatch.setattr(toolchain, "driver_version", lambda: (13, 0))
+    toolchain.check_driver_runs("NVRTC", "13.5.37")
+    toolchain.check_driver_runs("NVRTC", "13.0+0123456789abcdef")
+    monkeypatch.setattr(toolchain, "driver_version", lambda: (12, 8))
+    with pytest.raises(ToolchainError, match=r"CUDA 12\.8.*NVRTC 13\.0.*r580"):
+        toolchain.check_driver_runs("NVRTC", "13.0.88")
+    monkeypatch.setattr(toolchain, "driver_version", lambda: None)  # no driver: nothing runs
+    toolchain.check_driver_runs("nvcc", "13.0.88")
+
+
+def test_untested_versions_are_named():
+    assert toolchain.untested("NVRTC", (13, 0)) == toolchain.untested("NVRTC", (13, 5, 37)) == ""
+    assert toolchain.untested("NVRTC", (13, 6)) == "NVRTC 13.6 is outside the tested 13.0 to 13.5"
+    assert toolchain.untested("CUTLASS", (4, 3, 0)) == "CUTLASS 4.3.0 is outside the tested 4.2"
+
+
+def test_pyproject_bounds_match_the_tested_set():
+    """pyproject.toml's ranges and constraints.txt's pins say what toolchain.TESTED says."""
+    import re
+    root = Path(__file__).resolve().parents[2]
+    project = (root / "pyproject.toml").read_text()
+    pins = dict(re.findall(r"^([\w.-]+)==([\w.]+)$", (root / "constraints.txt").read_text(), re.M))
+    for package, tool in [("nvidia-cuda-nvrtc", "NVRTC"), ("cuda-bindings", "cuda-bindings"),
+                          ("nvidia-cutlass", "CUTLASS"), ("torch", "torch")]:
+        low, high = toolchain.TESTED[tool]
+        spec = re.search(rf'"{package}>=([\d.]+),<([\d.]+)"', project)
+        assert spec, package
+        assert tuple(map(int, spec.group(1).split("."))) == low, package
+        assert tuple(map(int, spec.group(2).split("."))) == (high[0], high[1] + 1), package
+        pinned = tuple(map(int, pins[package].split(".")[:2]))
+        assert low <= pinned <= high, package

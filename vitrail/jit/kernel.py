@@ -17,6 +17,7 @@ import threading
 
 import torch
 
+from vitrail.jit import toolchain
 from vitrail.jit.cache import Entry
 from vitrail.jit.errors import ArgumentError, LaunchError
 from vitrail.jit.module import Module
@@ -93,9 +94,14 @@ class CubinModule(Module):
     def _load(self):
         with self._lock:
             if self._library is None:
+                toolchain.check_driver_runs("NVRTC", self.meta["compiler"])  # before the driver sees it
                 driver = _driver()
                 err, lib = driver.cuLibraryLoadData(self._cubin, None, None, 0, None, None, 0)
-                _check(err, f"loading kernel module '{self.name}'")
+                if int(err) != 0:
+                    raise LaunchError(
+                        f"loading kernel module '{self.name}' (a cubin for {self.arch} from NVRTC "
+                        f"{self.meta['compiler']}, on a driver for CUDA "
+                        f"{toolchain.driver_version()}) failed: {driver.cuGetErrorName(err)[1]}")
                 self._library = lib
         return self._library
 

@@ -2,7 +2,11 @@
 
 - nvcc: ``VITRAIL_NVCC``, then ``$CUDA_HOME/bin/nvcc`` (or ``$CUDA_PATH``), then PATH, then
   /usr/local/cuda; its version, the host C++ compiler it drives, and the toolkit's headers.
-- NVRTC: the library cuda-bindings loads (the toolkit's, or the ``nvidia-cuda-nvrtc`` wheel's).
+- NVRTC: ``VITRAIL_NVRTC``, else the toolkit's beside nvcc (so that NVRTC matches the headers
+  it compiles against), else the ``nvidia-cuda-nvrtc`` wheel's; loaded once per process, with
+  its full version (13.0.88) read for the cache key.
+- The driver: its CUDA version (``cuDriverGetVersion``); cubins from an NVRTC of a newer major
+  version than the driver's do not load, and vitrail says so before it launches anything.
 - The target arch: ``VITRAIL_ARCH``, else the current GPU (``sm_90a`` on Hopper, so wgmma and TMA are
   usable), else the highest entry of ``TORCH_CUDA_ARCH_LIST``.
 - CUTLASS/CuTe headers: ``CUTLASS_PATH``, else the installed ``nvidia-cutlass`` package.
@@ -24,9 +28,22 @@ from pathlib import Path
 from vitrail import knobs
 from vitrail.jit.errors import ToolchainError
 
-NVCC_MIN = (12, 4)
-NVRTC_MIN = (12, 4)
+NVCC_MIN = (13, 0)
+NVRTC_MIN = (13, 0)
 CUTLASS_MIN = (3, 6)
+# The versions vitrail's kernels were built, checked for spills and timed with (pyproject.toml's
+# bounds; constraints.txt pins one such set). Others may work; doctor warns about them.
+TESTED = {"nvcc": ((13, 0), (13, 0)), "NVRTC": ((13, 0), (13, 5)), "CUTLASS": ((4, 2), (4, 2)),
+          "torch": ((2, 11), (2, 13)), "cuda-bindings": ((13, 0), (13, 5))}
+
+
+def untested(tool: str, version: tuple[int, ...]) -> str:
+    """'' where version (major, minor, ...) is in TESTED's range for tool, else a sentence."""
+    low, high = TESTED[tool]
+    if low <= tuple(version[:2]) <= high:
+        return ""
+    span = _fmt(low) if low == high else f"{_fmt(low)} to {_fmt(high)}"
+    return f"{tool} {_fmt(version)} is outside the tested {span}"
 VITRAIL_INCLUDE = Path(__file__).resolve().parent.parent / "include"
 
 
@@ -222,10 +239,12 @@ class Nvrtc:
     version: tuple[int, int]
     library: str
     supported: frozenset[int]  # numeric archs NVRTC can target: 90, 100, ...
+    full_version: str = ""     # 13.0.88: part of every NVRTC cache key (patches change codegen)
+    source: str = ""           # VITRAIL_NVRTC, toolkit, wheel or process (loaded before vitrail)
 
     @property
     def version_text(self) -> str:
-        return _fmt(self.version)
+        return self.full_version or _fmt(self.version)
 
     def check_arch(self, arch: Arch) -> None:
         if self.supported and arch.major * 10 + arch.minor not in self.supported:
@@ -237,14 +256,16 @@ class Nvrtc:
 
 @functools.lru_cache(maxsize=1)
 def nvrtc() -> Nvrtc:
-    """The NVRTC library cuda-bindings loads; raises ToolchainError if absent or too old."""
+    """The NVRTC library this process compiles with (chosen and loaded once: a process cannot
+    swap it); raises ToolchainError if absent or too old."""
     try:
-        from cuda.bindings import nvrtc as _nvrtc
         from cuda.pathfinder import load_nvidia_dynamic_lib
     except ImportError as e:
         raise ToolchainError(f"cuda-bindings is not installed ({e}); pip install cuda-bindings") \
             from None
+    source = _preload_nvrtc()
     try:
+        from cuda.bindings import nvrtc as _nvrtc
         library = load_nvidia_dynamic_lib("nvrtc").abs_path or "nvrtc"
         err, major, minor = _nvrtc.nvrtcVersion()
     except Exception as e:
@@ -260,7 +281,112 @@ def nvrtc() -> Nvrtc:
     if n:
         err, listed = _nvrtc.nvrtcGetSupportedArchs()
         archs = frozenset(int(a) for a in listed)
-    return Nvrtc((major, minor), str(library), archs)
+    if source != "VITRAIL_NVRTC" and source != "toolkit":
+        source = "wheel" if "site-packages" in str(library) else "system"
+    return Nvrtc((major, minor), str(library), archs, _full_version(str(library), major, minor),
+                 source)
+
+
+def _preload_nvrtc() -> str:
+    """Load the NVRTC to use before cuda-bindings looks for one (it takes a library already in
+    the process): VITRAIL_NVRTC, else the toolkit's beside nvcc. Returns where it came from
+    ('' where cuda-bindings should search: the wheel's, else the system's)."""
+    import ctypes
+    explicit = knobs.NVRTC.get()
+    if explicit:
+        path, source = _nvrtc_in(Path(explicit)), "VITRAIL_NVRTC"
+        if path is None:
+            raise ToolchainError(f"VITRAIL_NVRTC={explicit}: no libnvrtc.so.<major> there; point "
+                                 f"it at the library or the folder that holds it")
+    else:
+        try:
+            home = Path(nvcc().cuda_home)
+        except ToolchainError:
+            return ""
+        path = next(filter(None, (_nvrtc_in(d) for d in [home / "lib64", home / "lib",
+                                                          *sorted(home.glob("targets/*/lib"))])),
+                    None)
+        source = "toolkit"
+        if path is None:
+            return ""
+    loaded = _loaded_nvrtc()
+    if loaded and os.path.realpath(loaded) != os.path.realpath(path):
+        return "process"  # someone loaded one before us: that one is the process's NVRTC
+    try:  # the builtins first: NVRTC opens them by name, which its folder may not resolve
+        for builtins in sorted(path.parent.glob("libnvrtc-builtins.so.*")):
+            ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
+        ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+    except OSError as e:
+        raise ToolchainError(f"loading NVRTC from {path} ({source}) failed: {e}") from None
+    return source
+
+
+def _nvrtc_in(where: Path) -> Path | None:
+    """libnvrtc.so.<major> at where (a file, or a folder holding one)."""
+    if where.is_file():
+        return where
+    found = sorted(where.glob("libnvrtc.so.[0-9]*"), key=lambda p: len(p.name))
+    return found[0] if found else None
+
+
+def _loaded_nvrtc() -> str:
+    """The libnvrtc this process has mapped already ('' if none)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return ""
+    found = re.search(r"(/\S*/libnvrtc\.so[.\d]*)$", maps, re.M)
+    return found.group(1) if found else ""
+
+
+def _full_version(library: str, major: int, minor: int) -> str:
+    """NVRTC's full version: the toolkit file's name (libnvrtc.so.13.0.88), else the version of
+    the wheel whose record lists it, else major.minor and a digest of the library's bytes."""
+    real = os.path.realpath(library)
+    named = re.search(r"\.so\.(\d+\.\d+\.\d+)$", real)
+    if named:
+        return named.group(1)
+    for folder in list(Path(real).parents)[:4]:  # a wheel, installed or unpacked: its record
+        for info in folder.glob("nvidia_cuda_nvrtc*-*.dist-info"):
+            record = info / "RECORD"
+            rel = os.path.relpath(real, folder)
+            if record.is_file() and rel in record.read_text(errors="replace"):
+                return info.name[:-len(".dist-info")].rsplit("-", 1)[1]
+    import hashlib
+    digest = hashlib.sha256()
+    with open(real, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return f"{major}.{minor}+{digest.hexdigest()[:16]}"
+
+
+# --------------------------------------------------------------------------------------- driver
+@functools.lru_cache(maxsize=1)
+def driver_version() -> tuple[int, int] | None:
+    """The CUDA version the installed driver supports (13.0 for r580), or None without one."""
+    try:
+        from cuda.bindings import driver
+        err, version = driver.cuDriverGetVersion()
+    except Exception:  # no libcuda: no driver on this machine
+        return None
+    if err != driver.CUresult.CUDA_SUCCESS or not version:
+        return None
+    return version // 1000, version % 1000 // 10
+
+
+def check_driver_runs(compiler: str, version_text: str) -> None:
+    """Raise ToolchainError where the driver cannot load cubins built by this compiler version:
+    within a major version a newer compiler's cubins load on an older driver (CUDA's minor
+    version compatibility; vitrail never hands PTX to the driver, which would need a driver as
+    new as the compiler), but not across major versions."""
+    version = tuple(int(v) for v in re.findall(r"\d+", version_text)[:2])
+    have = driver_version()
+    if have is not None and version and have[0] < version[0]:
+        raise ToolchainError(
+            f"the NVIDIA driver supports CUDA {_fmt(have)}, and cubins from {compiler} "
+            f"{_fmt(version)} need a CUDA {version[0]}.x driver: update the driver (CUDA "
+            f"{version[0]}.0 needs r580 or newer), or compile with a CUDA {have[0]}.x toolkit "
+            f"(VITRAIL_NVCC, VITRAIL_NVRTC)")
 
 
 def cuda_include_dirs() -> list[str]:
