@@ -15,7 +15,7 @@ import pytest
 import vitrail
 import vitrail.jit as jit
 from tests.conftest import requires_nvrtc
-from vitrail import knobs
+from vitrail import bench, knobs
 from vitrail.cli import main
 from vitrail.jit import housekeeping as hk
 from vitrail.jit.cache import KernelCache, dir_size
@@ -202,11 +202,37 @@ def test_bench_without_a_gpu_builds_instead(capsys, tmp_path, monkeypatch, cache
     code, out, _ = run(capsys, "bench", "jit.launch_overhead", "--out", str(tmp_path / "results"))
     assert code == 0
     assert "no GPU is visible" in out and "--compile-only" in out
-    assert re.search(r"^built jit\.launch_overhead in \d+\.\d s$", out, re.M)
+    assert re.search(r"^\[1/1\] built jit\.launch_overhead in \d+\.\d s$", out, re.M)
+    last = out.strip().splitlines()[-3:]  # what was built, where, and what to run next
+    assert re.match(r"built 1 of 1 benchmarks for sm_\w+ in \d+ s: jit\.launch_overhead$", last[0])
+    assert last[1].startswith(f"kernels cached in {cache_dir}") and "vitrail bench" in last[2]
     assert not (tmp_path / "results").exists()  # nothing timed, nothing written
     built = {r["name"]: r for r in hk.entries()}
     assert {(n, r["backend"]) for n, r in built.items()} == {("vitrail_noop", "nvrtc"),
                                                              ("vitrail_noop_launch", "nvcc")}
+
+
+def test_bench_without_a_gpu_or_arch_builds_for_hopper(capsys, tmp_path, monkeypatch, cache_dir):
+    """The README's main command on a machine with no GPU and no VITRAIL_ARCH: it says which
+    target it builds for (sm_90a) instead of failing."""
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: bench would time for real")
+    try:
+        jit.toolchain.nvrtc()
+    except jit.ToolchainError as e:
+        pytest.skip(f"needs NVRTC: {e}")
+    for name in ("VITRAIL_ARCH", "TORCH_CUDA_ARCH_LIST"):  # recorded, so the default the run
+        monkeypatch.setenv(name, "")                      # sets is undone after the test
+        monkeypatch.delenv(name)
+    target = []
+    monkeypatch.setattr(bench, "load", lambda: {"probe": bench.Benchmark(
+        "probe", "the arch a build sees", lambda: [],
+        lambda: target.append(jit.toolchain.target_arch().sm))})
+    code, out, _ = run(capsys, "bench")
+    assert code == 0 and target == ["sm_90a"], out
+    assert "building for sm_90a (Hopper" in out and "VITRAIL_ARCH" in out
+    assert out.strip().splitlines()[-3].startswith("built 1 of 1 benchmarks for sm_90a")
 
 
 # -------------------------------------------------------------------------------------- knobs

@@ -117,6 +117,44 @@ def print_table(bench: Benchmark, rows: list[Row], peaks=None) -> None:
         print(line + "".join(f"{m:>20}" for m in marks))
 
 
+DEFAULT_ARCH = "90a"  # what a machine with no GPU builds for: Hopper, the GPUs vitrail tunes for
+
+
+def _build(selected: list[Benchmark]) -> int:
+    """Compile the benchmarks' kernels (for the GPU here, else VITRAIL_ARCH, else Hopper) with
+    a line per benchmark, and say at the end what was built, where, and what to run next."""
+    import os
+
+    from vitrail.jit import ToolchainError, housekeeping, toolchain
+    try:
+        arch = toolchain.target_arch()
+    except ToolchainError:  # no GPU, no VITRAIL_ARCH, no TORCH_CUDA_ARCH_LIST
+        os.environ["VITRAIL_ARCH"] = DEFAULT_ARCH  # this process and the compilers it starts
+        arch = toolchain.target_arch()
+        print(f"vitrail bench: building for {arch} (Hopper: H100, H200), the default with no "
+              f"GPU; set VITRAIL_ARCH for another target")
+    start, built = time.perf_counter(), []
+    for i, b in enumerate(selected, 1):
+        print(f"[{i}/{len(selected)}] building {b.name} ...", flush=True)
+        t = time.perf_counter()
+        try:
+            b.build()
+        except Exception as e:  # one family failing to build does not hide the others
+            print(f"[{i}/{len(selected)}] {b.name} failed: {type(e).__name__}: {e}", flush=True)
+            continue
+        built.append(b.name)
+        print(f"[{i}/{len(selected)}] built {b.name} in {time.perf_counter() - t:.1f} s",
+              flush=True)
+    info = housekeeping.info()
+    print(f"\nbuilt {len(built)} of {len(selected)} benchmarks for {arch} in "
+          f"{time.perf_counter() - start:.0f} s: {', '.join(built) or 'none'}")
+    print(f"kernels cached in {info.root} ({info.entries} kernels, "
+          f"{housekeeping.format_size(info.size)})")
+    print("next: run `vitrail bench` on a machine with an NVIDIA GPU to time them (copy this "
+          "cache there, or point VITRAIL_CACHE_DIR at it, to skip these builds)")
+    return 0 if len(built) == len(selected) else 1
+
+
 def main(names: list[str], out_dir: str = "results", compile_only: bool = False,
          list_only: bool = False) -> int:
     registry = load()
@@ -136,11 +174,7 @@ def main(names: list[str], out_dir: str = "results", compile_only: bool = False,
               "benchmarks' kernels instead (--compile-only)")
         compile_only = True
     if compile_only:
-        for b in selected:
-            start = time.perf_counter()
-            b.build()
-            print(f"built {b.name} in {time.perf_counter() - start:.1f} s")
-        return 0
+        return _build(selected)
     from vitrail.profile import peaks as measure_peaks
     peaks = measure_peaks()  # measured once per machine, then read from the cache
     results = {}

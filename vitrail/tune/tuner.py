@@ -348,16 +348,22 @@ class _Progress:
 
     def step(self) -> None:
         self.done_count += 1
-        if self.enabled:
+        if not self.enabled:
+            return
+        elapsed = f"{self.done_count}/{self.total} {time.monotonic() - self.start:.0f} s"
+        if sys.stderr.isatty():  # one line, redrawn
             width = 24
             filled = width * self.done_count // self.total
             sys.stderr.write(f"\rvitrail: {self.what} [{'#' * filled}{'.' * (width - filled)}] "
-                             f"{self.done_count}/{self.total} "
-                             f"{time.monotonic() - self.start:.0f} s")
-            sys.stderr.flush()
+                             f"{elapsed}")
+        else:  # a log file: whole lines, about ten of them
+            if self.done_count % max(1, self.total // 10) and self.done_count != self.total:
+                return
+            sys.stderr.write(f"vitrail: {self.what} {elapsed}\n")
+        sys.stderr.flush()
 
     def done(self) -> None:
-        if self.enabled:
+        if self.enabled and sys.stderr.isatty():
             sys.stderr.write("\n")
 
 
