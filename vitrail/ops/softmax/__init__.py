@@ -434,7 +434,8 @@ def _backward(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool) -> torch.T
 # ------------------------------------------------------------------ custom ops and autograd
 @torch.library.custom_op("vitrail::softmax_fwd", mutates_args=())
 def softmax_fwd(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
-    return _forward(x, dim, log)
+    # dim normalized: -1 is the last dim (in place), not a transposed copy
+    return _forward(x, check_dim("vitrail::softmax_fwd", dim, x.dim()), log)
 
 
 @softmax_fwd.register_fake
@@ -444,7 +445,7 @@ def _(x, dim, log):
 
 @torch.library.custom_op("vitrail::softmax_bwd", mutates_args=())
 def softmax_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
-    return _backward(y, dy, dim, log)
+    return _backward(y, dy, check_dim("vitrail::softmax_bwd", dim, y.dim()), log)
 
 
 @softmax_bwd.register_fake
