@@ -74,7 +74,8 @@ NVCC = _knob(
 NVRTC = _knob(
     "VITRAIL_NVRTC", "", _str,
     "Path of the NVRTC library (libnvrtc.so.13) to compile with, or the folder holding it; read "
-    "once, at the process's first NVRTC compile. Default: the toolkit's beside nvcc, else the "
+    "once, at the process's first NVRTC compile, and refused where the process loaded another "
+    "NVRTC first (a CUDA build of torch does). Default: the toolkit's beside nvcc, else the "
     "nvidia-cuda-nvrtc wheel's.")
 ARCH = _knob(
     "VITRAIL_ARCH", "", _str,

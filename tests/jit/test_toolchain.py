@@ -366,7 +366,8 @@ def test_the_real_nvrtc():
     found = toolchain.nvrtc()
     assert found.version >= toolchain.NVRTC_MIN
     assert found.version_text.startswith(f"{found.version[0]}.{found.version[1]}")
-    assert found.source in ("VITRAIL_NVRTC", "toolkit", "wheel", "system", "process")
+    assert found.source in ("VITRAIL_NVRTC", "toolkit", "wheel", "system") or \
+        found.source.startswith("loaded before vitrail")
     assert Path(found.library).is_file() and "nvrtc" in Path(found.library).name
     assert 90 in found.supported and 80 in found.supported
     found.check_arch(Arch.parse("90a"))
@@ -414,6 +415,22 @@ def test_nvrtc_choice_names_a_bad_override(monkeypatch, tmp_path):
     (tmp_path / "libnvrtc.so").write_bytes(b"")
     assert toolchain._nvrtc_in(tmp_path) == tmp_path / "libnvrtc.so.13"
     assert toolchain._nvrtc_in(tmp_path / "libnvrtc.so") == tmp_path / "libnvrtc.so"
+
+
+def test_nvrtc_override_refused_where_the_process_has_another(monkeypatch, tmp_path):
+    """A CUDA build of torch loads its NVRTC first; VITRAIL_NVRTC cannot replace it and says so
+    instead of being ignored."""
+    (tmp_path / "libnvrtc.so.13").write_bytes(b"")
+    monkeypatch.setenv("VITRAIL_NVRTC", str(tmp_path))
+    monkeypatch.setattr(toolchain, "_loaded_nvrtc", lambda: "/site-packages/libnvrtc.so.13")
+    with pytest.raises(ToolchainError, match="cannot take effect.*/site-packages/libnvrtc"):
+        toolchain._preload_nvrtc()
+    monkeypatch.delenv("VITRAIL_NVRTC")
+    monkeypatch.setattr(toolchain, "nvcc", lambda: toolchain.Nvcc(
+        "nvcc", (13, 0, 88), str(tmp_path.parent), "g++", frozenset(), ()))
+    (tmp_path.parent / "lib64").mkdir(exist_ok=True)
+    (tmp_path.parent / "lib64" / "libnvrtc.so.13").write_bytes(b"")
+    assert toolchain._preload_nvrtc() == "process"  # the toolkit's is only a preference
 
 
 def test_driver_check_refuses_cubins_of_a_newer_major(monkeypatch):

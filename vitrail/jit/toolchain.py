@@ -240,7 +240,7 @@ class Nvrtc:
     library: str
     supported: frozenset[int]  # numeric archs NVRTC can target: 90, 100, ...
     full_version: str = ""     # 13.0.88: part of every NVRTC cache key (patches change codegen)
-    source: str = ""           # VITRAIL_NVRTC, toolkit, wheel or process (loaded before vitrail)
+    source: str = ""           # VITRAIL_NVRTC, toolkit, wheel, system or loaded before vitrail
 
     @property
     def version_text(self) -> str:
@@ -281,8 +281,11 @@ def nvrtc() -> Nvrtc:
     if n:
         err, listed = _nvrtc.nvrtcGetSupportedArchs()
         archs = frozenset(int(a) for a in listed)
-    if source != "VITRAIL_NVRTC" and source != "toolkit":
+    if not source:
         source = "wheel" if "site-packages" in str(library) else "system"
+    elif source == "process":
+        source = "loaded before vitrail" + (", a wheel's" if "site-packages" in str(library)
+                                            else "")
     return Nvrtc((major, minor), str(library), archs, _full_version(str(library), major, minor),
                  source)
 
@@ -311,7 +314,15 @@ def _preload_nvrtc() -> str:
             return ""
     loaded = _loaded_nvrtc()
     if loaded and os.path.realpath(loaded) != os.path.realpath(path):
-        return "process"  # someone loaded one before us: that one is the process's NVRTC
+        # Loaded before vitrail (a CUDA build of torch links its wheel's): cuda-bindings takes
+        # that one, and a process cannot swap it.
+        if source == "VITRAIL_NVRTC":
+            raise ToolchainError(
+                f"VITRAIL_NVRTC={explicit} cannot take effect: this process loaded NVRTC from "
+                f"{loaded} before vitrail looked (a CUDA build of torch loads its own), and "
+                f"cuda-bindings compiles with that one. Unset VITRAIL_NVRTC, or install the "
+                f"NVRTC you want as the nvidia-cuda-nvrtc wheel")
+        return "process"
     try:  # the builtins first: NVRTC opens them by name, which its folder may not resolve
         for builtins in sorted(path.parent.glob("libnvrtc-builtins.so.*")):
             ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
