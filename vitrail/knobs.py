@@ -53,6 +53,12 @@ class Knob(Generic[T]):
     def is_set(self) -> bool:
         return bool(os.environ.get(self.name))
 
+    def set(self, raw: str) -> None:
+        """Set it for this process and the processes it starts (the compilers, the tuner's
+        workers): what a command line does where the user gave no value."""
+        self.parse(self.name, raw)  # a bad value fails here, not at the next read
+        os.environ[self.name] = raw
+
 
 ALL: list[Knob] = []
 

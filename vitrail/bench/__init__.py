@@ -123,13 +123,12 @@ DEFAULT_ARCH = "90a"  # what a machine with no GPU builds for: Hopper, the GPUs 
 def _build(selected: list[Benchmark]) -> int:
     """Compile the benchmarks' kernels (for the GPU here, else VITRAIL_ARCH, else Hopper) with
     a line per benchmark, and say at the end what was built, where, and what to run next."""
-    import os
-
+    from vitrail import knobs
     from vitrail.jit import ToolchainError, housekeeping, toolchain
     try:
         arch = toolchain.target_arch()
     except ToolchainError:  # no GPU, no VITRAIL_ARCH, no TORCH_CUDA_ARCH_LIST
-        os.environ["VITRAIL_ARCH"] = DEFAULT_ARCH  # this process and the compilers it starts
+        knobs.ARCH.set(DEFAULT_ARCH)
         arch = toolchain.target_arch()
         print(f"vitrail bench: building for {arch} (Hopper: H100, H200), the default with no "
               f"GPU; set VITRAIL_ARCH for another target")
