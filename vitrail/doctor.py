@@ -9,7 +9,6 @@ checks their results; says plainly what is missing and how to fix it.
 from __future__ import annotations
 
 import platform
-import re
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -82,10 +81,9 @@ def run_checks() -> list[Check]:
     from vitrail import jit
     from vitrail.jit import housekeeping, toolchain
 
-    torch_version = tuple(int(v) for v in re.findall(r"\d+", torch.__version__)[:2])
     checks = [Check("vitrail", True, f"{__version__} (python {platform.python_version()}, torch "
                     f"{torch.__version__}, CUDA {torch.version.cuda or 'none'})",
-                    warning=toolchain.untested("torch", torch_version))]
+                    warning=toolchain.untested("torch", toolchain.major_minor(torch.__version__)))]
 
     def nvcc() -> tuple[str, str]:
         t = toolchain.nvcc()
@@ -106,8 +104,7 @@ def run_checks() -> list[Check]:
         except toolchain.ToolchainError:
             pass
         bindings = version("cuda-bindings")
-        bound = tuple(int(v) for v in bindings.split(".")[:2])
-        warning = warning or toolchain.untested("cuda-bindings", bound)
+        warning = warning or toolchain.untested("cuda-bindings", toolchain.major_minor(bindings))
         return (f"{t.version_text} ({t.source}: {t.library}; cuda-bindings {bindings})", warning)
     checks.append(_try("NVRTC", nvrtc, "pip install nvidia-cuda-nvrtc cuda-bindings"))
 
@@ -123,10 +120,10 @@ def run_checks() -> list[Check]:
             raise toolchain.ToolchainError("no NVIDIA driver (libcuda) on this machine")
         for compiler, tool in (("NVRTC", toolchain.nvrtc), ("nvcc", toolchain.nvcc)):
             try:
-                toolchain.check_driver_runs(compiler, tool().version_text)
-            except toolchain.ToolchainError as e:
-                if "need a CUDA" in str(e):
-                    raise
+                built_by = tool().version_text
+            except toolchain.ToolchainError:  # missing: its own check says so
+                continue
+            toolchain.check_driver_runs(compiler, built_by)
         return f"supports CUDA {have[0]}.{have[1]}: loads the cubins vitrail builds"
     driver_check = _try("driver", driver, "update the NVIDIA driver (CUDA 13 needs r580 or newer)")
     if toolchain.driver_version() is None:  # compiling needs no driver; running does

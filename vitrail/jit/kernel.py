@@ -94,7 +94,8 @@ class CubinModule(Module):
     def _load(self):
         with self._lock:
             if self._library is None:
-                toolchain.check_driver_runs("NVRTC", self.meta["compiler"])  # before the driver sees it
+                # a cubin from a newer CUDA major than the driver's: say so before it loads
+                toolchain.check_driver_runs("NVRTC", self.meta["compiler"])
                 driver = _driver()
                 err, lib = driver.cuLibraryLoadData(self._cubin, None, None, 0, None, None, 0)
                 if int(err) != 0:

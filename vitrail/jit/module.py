@@ -118,7 +118,7 @@ class SharedLibrary(Module):
     def __init__(self, entry: Entry, source: str, how: str):
         super().__init__(entry, source, how)
         from vitrail.jit import toolchain
-        toolchain.check_driver_runs("nvcc", self.meta["compiler"])  # a clear error, not one at the launch
+        toolchain.check_driver_runs("nvcc", self.meta["compiler"])  # not an error at the launch
         self._lib = ctypes.CDLL(str(self.path), mode=ctypes.RTLD_LOCAL)
         self._entries: dict[str, EntryPoint] = {}
 

@@ -37,6 +37,11 @@ TESTED = {"nvcc": ((13, 0), (13, 0)), "NVRTC": ((13, 0), (13, 5)), "CUTLASS": ((
           "torch": ((2, 11), (2, 13)), "cuda-bindings": ((13, 0), (13, 5))}
 
 
+def major_minor(text: str) -> tuple[int, ...]:
+    """(major, minor) of a version string: '13.0.88' -> (13, 0), '2.13.0+cpu' -> (2, 13)."""
+    return tuple(int(v) for v in re.findall(r"\d+", text)[:2])
+
+
 def untested(tool: str, version: tuple[int, ...]) -> str:
     """'' where version (major, minor, ...) is in TESTED's range for tool, else a sentence."""
     low, high = TESTED[tool]
@@ -390,7 +395,7 @@ def check_driver_runs(compiler: str, version_text: str) -> None:
     within a major version a newer compiler's cubins load on an older driver (CUDA's minor
     version compatibility; vitrail never hands PTX to the driver, which would need a driver as
     new as the compiler), but not across major versions."""
-    version = tuple(int(v) for v in re.findall(r"\d+", version_text)[:2])
+    version = major_minor(version_text)
     have = driver_version()
     if have is not None and version and have[0] < version[0]:
         raise ToolchainError(
