@@ -20,7 +20,7 @@ import torch
 from vitrail.jit import toolchain
 from vitrail.jit.cache import Entry
 from vitrail.jit.errors import ArgumentError, LaunchError
-from vitrail.jit.module import Module
+from vitrail.jit.module import HOOKS, Module
 from vitrail.jit.arguments import Marshaller, current_device, stream_of
 from vitrail.jit.signature import Prototype, find_prototype, parse_signature
 
@@ -219,6 +219,8 @@ class _Launch:
 
     def __call__(self, *args, shared_mem: int = 0, stream=None) -> None:
         params, device = self.kernel._marshal(args, None)  # packed into this thread's buffer
+        if HOOKS.record is not None:
+            HOOKS.record("kernel", self, args, (shared_mem, stream))
         if self.empty:
             return
         current = current_device()

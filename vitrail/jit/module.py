@@ -12,10 +12,12 @@ Both report ``resources()`` (registers, shared memory, stack and spills per kern
 from __future__ import annotations
 
 import ctypes
+import functools
 import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -43,6 +45,17 @@ class Resources:
         return bool(self.spill_stores or self.spill_loads)
 
 
+
+
+class Hooks:
+    """Observers of the launch paths: ``record(kind, target, values, extra)``, when set, sees
+    every entry-point call ("entry", the EntryPoint, its C values) and kernel launch ("kernel",
+    the bound launch, its arguments, shared memory; kernel.py) before it runs. vitrail.plan sets
+    it while a plan is recorded; otherwise it costs one attribute read a call."""
+    record: Callable | None = None
+
+
+HOOKS = Hooks()
 
 
 class Module:
@@ -155,11 +168,14 @@ class EntryPoint:
         fn.argtypes = [p.ctype for p in proto.params]
         fn.restype = _restype(proto.result)
         self._fn = fn
+        self._fast: Callable | None = None
         self._check = result_is_checked(proto.result)
         self._marshal = Marshaller(proto, self.where).function
 
     def __call__(self, *args, stream=None):
         values, device = self._marshal(args, stream)
+        if HOOKS.record is not None:
+            HOOKS.record("entry", self, values, None)
         if device is not None and device != current_device():
             with torch.cuda.device(device):  # the runtime launches on the current device
                 result = self._fn(*values)
@@ -167,10 +183,28 @@ class EntryPoint:
             result = self._fn(*values)
         if self._check:
             if result != 0:
-                raise LaunchError(f"{self.where} returned {_cuda_error_name(result)} ({result}) "
-                                  f"[{self.proto}]")
+                raise self.error(result)
             return None
         return result
+
+    @property
+    def fast(self) -> Callable:
+        """``fast(*values) -> result``: the function called with C values as they are (pointers
+        and the stream as ints, integers in range, numbers for floats) through its generated C
+        caller (launcher.caller), else through ctypes. For hot paths (vitrail.plan) whose values
+        come from checked arguments: nothing is checked here, the device is the caller's to make
+        current, and a checked result that is not 0 the caller's to raise (``error(result)``)."""
+        if self._fast is None:
+            from vitrail.jit import launcher
+            call = launcher.caller(self.proto)
+            address = ctypes.cast(self._fn, ctypes.c_void_p).value
+            self._fast = functools.partial(call, address) if call is not None else self._fn
+        return self._fast
+
+    def error(self, result: int) -> LaunchError:
+        """The error a cudaError_t result that is not cudaSuccess raises."""
+        return LaunchError(f"{self.where} returned {_cuda_error_name(result)} ({result}) "
+                           f"[{self.proto}]")
 
     def __repr__(self) -> str:
         return f"<EntryPoint {self.proto}>"
