@@ -45,7 +45,10 @@ class Knob(Generic[T]):
     doc: str
 
     def get(self) -> T:
-        raw = os.environ.get(self.name)
+        return self.value(os.environ.get(self.name))
+
+    def value(self, raw: str | None) -> T:
+        """The knob's value for the variable's text ``raw`` (None: unset)."""
         if raw is None or (raw == "" and self.parse is not _bool):
             return self.default
         return self.parse(self.name, raw)

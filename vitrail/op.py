@@ -16,7 +16,7 @@ import threading
 from typing import Any, Callable, Iterable
 
 from vitrail.jit.errors import LaunchError
-from vitrail.tune.settings import current
+from vitrail.tune.settings import current, current_policy
 from vitrail.tune.space import Config, Limits, Space, limits
 from vitrail.tune.tuner import Tunable, compile_all, pick
 
@@ -56,11 +56,11 @@ class Op:
 
     def config(self, problem_key: str, problem: Any, args: tuple = ()) -> Config:
         """The config for this problem under the current settings (tuning it if they say so)."""
-        s = current()
-        memo = (problem_key, s.policy)
-        hit = self._configs.get(memo)
+        hit = self._configs.get((problem_key, current_policy()))
         if hit is None:
             with self._lock:
+                s = current()
+                memo = (problem_key, s.policy)
                 hit = self._configs.get(memo)
                 if hit is None:
                     hit = pick(self.tunable, problem_key, problem, run=self._run, args=args,

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
+import os
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -91,10 +93,23 @@ _scoped: contextvars.ContextVar[Settings | None] = contextvars.ContextVar("vitra
 
 
 def _from_env() -> Settings:
-    workers = int(knobs.TUNE_WORKERS.get())
-    return Settings(policy=policy_named(knobs.POLICY.get(), "VITRAIL_POLICY"),
-                    max_workers=workers or None,
-                    devices=parse_devices(knobs.TUNE_DEVICES.get(), "VITRAIL_TUNE_DEVICES"))
+    """The environment's settings, read at every call (a variable set at run time applies) but
+    parsed only when its text changes (every op call reads the policy: ``current_policy``)."""
+    return _parse_env(os.environ.get(knobs.POLICY.name), os.environ.get(knobs.TUNE_WORKERS.name),
+                      os.environ.get(knobs.TUNE_DEVICES.name))
+
+
+@functools.lru_cache(maxsize=16)
+def _parse_env(policy: str | None, workers: str | None, devices: str | None) -> Settings:
+    return Settings(policy=_env_policy(policy),
+                    max_workers=int(knobs.TUNE_WORKERS.value(workers)) or None,
+                    devices=parse_devices(knobs.TUNE_DEVICES.value(devices),
+                                          "VITRAIL_TUNE_DEVICES"))
+
+
+@functools.lru_cache(maxsize=16)
+def _env_policy(raw: str | None) -> Policy:
+    return policy_named(knobs.POLICY.value(raw), "VITRAIL_POLICY")
 
 
 def current() -> Settings:
@@ -103,6 +118,17 @@ def current() -> Settings:
     if scoped is not None:
         return scoped
     return _defaults if _defaults is not None else _from_env()
+
+
+def current_policy() -> Policy:
+    """``current().policy``, reading one variable of the environment rather than all of them
+    (every op call asks: vitrail.op.Op.config)."""
+    scoped = _scoped.get()
+    if scoped is not None:
+        return scoped.policy
+    if _defaults is not None:
+        return _defaults.policy
+    return _env_policy(os.environ.get(knobs.POLICY.name))
 
 
 def set_defaults(**changes) -> Settings:

@@ -1,0 +1,156 @@
+"""vitrail.plan on the CPU: plans recorded from a general path and replayed, with host functions
+standing in for launches (nvcc builds them; their pointers are host memory)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vitrail import jit, plan
+from vitrail.jit.errors import LaunchError
+from vitrail.plan import GENERAL, Plans, keep, scratch, signature
+
+SOURCE = r"""
+#include <cuda_runtime.h>
+extern "C" cudaError_t scale(float* out, const float* x, long long n, float a, cudaStream_t s) {
+  if (n < 0) return cudaErrorInvalidValue;
+  for (long long i = 0; i < n; ++i) out[i] = a * x[i];
+  return cudaSuccess;
+}
+extern "C" cudaError_t shift(float* out, const float* x, const float* table, long long n,
+                             cudaStream_t s) {
+  for (long long i = 0; i < n; ++i) out[i] = x[i] + table[i % 4];
+  return cudaSuccess;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def module():
+    return jit.compile(SOURCE, name="plan_test")
+
+
+@pytest.fixture(autouse=True)
+def cpu_device(monkeypatch):
+    """The plans' device and stream on a machine with no GPU: device 0, stream 0."""
+    monkeypatch.setattr(plan, "_device", lambda: 0)
+    monkeypatch.setattr(plan, "_stream", lambda device: 0)
+
+
+def _outputs(x, *rest):
+    return (torch.empty_like(x),)
+
+
+def _key(x, *scalars):
+    return (signature(x), *scalars)
+
+
+def test_a_plan_is_recorded_then_replayed_with_new_pointers(module):
+    plans, calls = Plans("test"), []
+
+    def general(x, out, a):
+        calls.append(a)
+        if x.dim() != 1:
+            raise ValueError("x must be 1-D")
+        module.scale(out.data_ptr(), x.data_ptr(), x.numel(), a, stream=0)
+
+    for a in (2.0, 3.0):
+        for _ in range(3):
+            x = torch.randn(37)
+            y, = plans.run(_key(x, a), (x,), _outputs, general, (a,))
+            torch.testing.assert_close(y, a * x)
+    assert calls == [2.0, 3.0]  # one general call per key; the others were plans
+    built = plans.get(_key(x, 3.0))
+    assert built is not GENERAL and "f0(" in built.source
+    x = torch.randn(5)  # another shape: a miss
+    y, = plans.run(_key(x, 3.0), (x,), _outputs, general, (3.0,))
+    torch.testing.assert_close(y, 3.0 * x)
+    assert len(calls) == 3 and len(plans) == 3
+    with pytest.raises(ValueError, match="1-D"):  # the miss path still refuses, and plans nothing
+        plans.run(_key(torch.ones(2, 2), 1.0), (torch.ones(2, 2),), _outputs, general, (1.0,))
+    assert plans.get(_key(torch.ones(2, 2), 1.0)) is None
+
+
+def test_scratch_is_allocated_again_and_kept_tensors_are_constants(module):
+    plans, calls = Plans("test"), []
+    table = torch.tensor([1.0, 2.0, 3.0, 4.0])
+
+    def general(x, out):
+        calls.append(1)
+        tmp = scratch(x.numel(), torch.float32, x.device)
+        keep(table)
+        module.scale(tmp.data_ptr(), x.data_ptr(), x.numel(), 2.0, stream=0)
+        module.shift(out.data_ptr(), tmp.data_ptr(), table.data_ptr(), x.numel(), stream=0)
+
+    for _ in range(3):
+        x = torch.randn(10)
+        y, = plans.run(_key(x), (x,), _outputs, general)
+        torch.testing.assert_close(y, 2 * x + table.repeat(3)[:10])
+    assert len(calls) == 1
+    source = plans.get(_key(x)).source
+    assert "s0 = empty(10" in source and str(table.data_ptr()) in source
+
+
+def test_what_a_plan_cannot_repeat_takes_the_general_path(module):
+    plans, calls = Plans("test"), []
+    other = torch.zeros(8)
+
+    def with_copy(x, out):  # a torch op the plan would skip
+        calls.append("copy")
+        module.scale(out.data_ptr(), x.data_ptr(), x.numel(), 2.0, stream=0)
+        out.add_(1.0)
+
+    def foreign_pointer(x, out):  # a buffer the plan knows nothing of
+        calls.append("foreign")
+        module.scale(other.data_ptr(), x.data_ptr(), x.numel(), 2.0, stream=0)
+        module.scale(out.data_ptr(), other.data_ptr(), x.numel(), 1.0, stream=0)
+
+    def other_stream(x, out):
+        calls.append("stream")
+        module.scale(out.data_ptr(), x.data_ptr(), x.numel(), 2.0, stream=1234)
+
+    for general in (with_copy, foreign_pointer, other_stream):
+        for _ in range(2):
+            x = torch.randn(8)
+            y, = plans.run(_key(x, general.__name__), (x,), _outputs, general)
+            expect = 2 * x + 1 if general is with_copy else 2 * x
+            torch.testing.assert_close(y, expect)
+        assert plans.get(_key(x, general.__name__)) is GENERAL
+    assert calls == ["copy", "copy", "foreign", "foreign", "stream", "stream"]
+
+
+def test_a_planned_call_raises_the_entry_points_error(module):
+    plans = Plans("test")
+    n = [4]
+
+    def general(x, out):
+        module.scale(out.data_ptr(), x.data_ptr(), n[0], 2.0, stream=0)
+
+    x = torch.randn(4)
+    plans.run(_key(x), (x,), _outputs, general)
+    built = plans.get(_key(x))
+    built.__globals__["c0_2"] = -1  # the plan's constant n: the function now refuses
+    with pytest.raises(LaunchError, match="test \\(planned call\\).*scale"):
+        built(x)
+
+
+def test_keys_hold_what_decides_a_route():
+    x = torch.randn(4, 6)
+    assert signature(x) != signature(x.t())  # strides
+    assert signature(x) != signature(x.double())  # dtype
+    assert signature(x) != signature(x.view(6, 4))  # shape
+    assert signature(x[:, 1:]) != signature(x[:, :-1])  # address modulo 16 (and strides equal)
+    assert signature(x[:, 1:]).__getitem__(slice(0, 4)) == signature(x[:, :-1])[:4]
+
+
+def test_plans_are_bounded_and_cleared(module):
+    plans = Plans("test", capacity=4)
+
+    def general(x, out):
+        module.scale(out.data_ptr(), x.data_ptr(), x.numel(), 1.0, stream=0)
+
+    for n in range(1, 7):
+        x = torch.randn(n)
+        plans.run(_key(x), (x,), _outputs, general)
+    assert 0 < len(plans) <= 4
+    plan.clear_all()
+    assert len(plans) == 0

@@ -1,0 +1,282 @@
+"""Plans: the slow work of an op call done once per signature; later calls are one lookup and
+one C call.
+
+Each op family keeps a :class:`Plans` cache. Its public function, on the plain eager path, builds
+a key from everything that decides the route (``signature(t)`` of each tensor: shape, strides,
+dtype, device and address modulo 16; and the scalars the family names) and calls
+``plans.run(key, inputs, outputs, general)``:
+
+- **hit**: the plan allocates the outputs and repeats the launches it recorded, with this call's
+  pointers and the current stream. No checks, routing or config lookups run, and no Python object
+  is built but the outputs; an entry point is called through its generated C caller
+  (``EntryPoint.fast``), a kernel through the driver launcher.
+- **miss**: ``general(*inputs, *outputs)`` runs as it always does (it checks, routes, picks the
+  config, compiles) while its launches are recorded. The record becomes the key's plan when every
+  pointer passed is an input's, an output's, a scratch buffer's (``scratch``) or one the family
+  keeps alive (``keep``), and no torch op but allocations and views ran (a TorchDispatchMode
+  watches: a copy, a fill or a sync that a plan would skip makes it ``GENERAL``, and every call of
+  that key takes the general path).
+
+A plan exists only for a signature whose arguments once passed every check, so the checks hold
+for it; any other call misses, and the miss path raises what it always raised. The current
+device and tuning policy are part of every key. Plans are per process, bounded (the oldest half
+goes when a cache is full) and dropped with ``clear()`` (``vitrail.plan.clear_all()``: every
+family's).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from vitrail.jit.errors import LaunchError
+from vitrail.jit.module import HOOKS
+from vitrail.tune.settings import current_policy
+
+__all__ = ["Plans", "GENERAL", "signature", "scratch", "keep", "setup", "clear_all",
+           "recording"]
+
+GENERAL = "general"  # a key whose calls take the general path (what they do cannot be replayed)
+_ALL: list["Plans"] = []
+_state = threading.local()  # .record: the Record of this thread's miss being recorded, or None
+_recording = 0  # misses being recorded, in any thread (while one is, hits check their thread)
+_count_lock = threading.Lock()
+if torch.cuda.is_available():
+    _stream, _device = torch._C._cuda_getCurrentRawStream, torch._C._cuda_getDevice
+else:  # no plan is ever made: keys say so
+    _stream, _device = None, (lambda: -1)
+
+
+def signature(t: torch.Tensor) -> tuple:
+    """What of a tensor decides a route: shape, strides, dtype, device, address modulo 16."""
+    return t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() & 15
+
+
+def recording() -> "Record | None":
+    """The record of this thread's plan miss, or None (the launch paths' hook)."""
+    return getattr(_state, "record", None)
+
+
+def keep(*tensors: torch.Tensor) -> None:
+    """Say that the launch being made passes these long-lived tensors (tables cached per device,
+    persistent buffers): a plan may pass their addresses as constants, and holds them."""
+    record = recording()
+    if record is not None:
+        record.kept.extend(tensors)
+
+
+def scratch(n: int, dtype: torch.dtype, device: torch.device | int) -> torch.Tensor:
+    """A buffer of n elements for one launch (a workspace, partial results), allocated again at
+    every call of a plan that records it. Nothing needs to keep it: torch's caching allocator
+    hands its memory out again only to work queued after the launch on the current stream."""
+    buf = torch.empty(n, dtype=dtype, device=device)
+    record = recording()
+    if record is not None:
+        record.scratch.append((buf, n, dtype, buf.device))
+    return buf
+
+
+class Record:
+    """The launches one general call made: [(kind, target, values, extra)]."""
+
+    def __init__(self):
+        self.launches: list[tuple[str, Any, tuple, Any]] = []
+        self.scratch: list[tuple[torch.Tensor, int, torch.dtype, torch.device]] = []
+        self.kept: list[torch.Tensor] = []
+        self.paused = 0  # inside plan.setup()
+        self.replayable = True
+        self.why = ""
+
+    def add(self, kind: str, target, values, extra) -> None:
+        """An entry point called with C values (pointers as ints, the stream as a handle), or a
+        kernel launched as target(*values, shared_mem=, stream=) (extra: those two)."""
+        if kind == "kernel" and extra[1] is not None:
+            self.refuse("a kernel launched on an explicit stream")
+        if kind == "entry" and all(p.kind == "scalar" for p in target.proto.params):
+            return  # a query of sizes (a workspace's, an occupancy): its answer is in the launch
+        self.launches.append((kind, target, tuple(values), extra and extra[0]))
+
+    def refuse(self, why: str) -> None:
+        self.replayable, self.why = False, self.why or why
+
+
+def _on_launch(kind: str, target, values, extra) -> None:
+    record = recording()
+    if record is not None:  # launches of other threads are not this record's
+        record.add(kind, target, values, extra)
+
+
+class setup:
+    """``with plan.setup():`` work whose result outlives the call (tables cached per device, a
+    buffer kept per stream): what it runs is no reason to refuse the record. Its tensors reach a
+    plan only through ``keep``."""
+
+    def __enter__(self):
+        self.record = recording()
+        if self.record is not None:
+            self.record.paused += 1
+
+    def __exit__(self, *exc):
+        if self.record is not None:
+            self.record.paused -= 1
+
+
+class _Watch(TorchDispatchMode):
+    """Refuses the record when the general path runs a torch op a plan would not repeat."""
+
+    _ALLOC = {"aten::empty", "aten::empty_like", "aten::new_empty", "aten::empty_strided",
+              "aten::new_empty_strided"}
+
+    def __init__(self, record: Record):
+        super().__init__()
+        self.record = record
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not (self.record.paused or func.is_view or func._schema.name in self._ALLOC):
+            self.record.refuse(f"it runs {func}")
+        return func(*args, **(kwargs or {}))
+
+
+class Plans:
+    """One op family's plans: key -> plan (a function of the inputs returning the outputs) or
+    GENERAL."""
+
+    def __init__(self, family: str, capacity: int = 4096):
+        self.family, self.capacity = family, capacity
+        self._plans: dict[tuple, Any] = {}
+        self._lock = threading.Lock()
+        _ALL.append(self)
+
+    def get(self, key: tuple):
+        """The plan of key (with the current device and policy added), GENERAL, or None (also
+        inside a call being recorded, which must see the launches of the ops it calls)."""
+        if _recording and recording() is not None:
+            return None
+        return self._plans.get((key, _device(), current_policy()))
+
+    def run(self, key: tuple, inputs: tuple, make_outputs: Callable[..., tuple],
+            general: Callable[..., None], params: tuple = ()) -> tuple:
+        """The outputs of one call: through key's plan, or the general path (recording it).
+
+        make_outputs(*inputs, *params) -> tuple of new output tensors; general(*inputs,
+        *outputs, *params) fills them (it may launch, allocate ``scratch`` and take views,
+        nothing else for a plan). The key holds everything that decides the route, params
+        included."""
+        global _recording
+        full = (key, _device(), current_policy())
+        plan = self._plans.get(full)
+        nested = _recording and recording() is not None  # an op inside a recorded call
+        if plan is not None and plan is not GENERAL and not nested:
+            return plan(*inputs)
+        outputs = make_outputs(*inputs, *params)
+        if plan is GENERAL or nested:  # a nested call is recorded as part of the outer one
+            general(*inputs, *outputs, *params)
+            return outputs
+        record = _state.record = Record()
+        with _count_lock:
+            _recording += 1
+            HOOKS.record = _on_launch
+        try:
+            with _Watch(record):
+                general(*inputs, *outputs, *params)
+        finally:
+            _state.record = None
+            with _count_lock:
+                _recording -= 1
+                if not _recording:
+                    HOOKS.record = None
+        self._store(full, _compile(record, inputs, outputs, make_outputs, params, self.family))
+        return outputs
+
+    def _store(self, key: tuple, plan) -> None:
+        with self._lock:
+            if len(self._plans) >= self.capacity:  # drop the oldest half (dicts keep order)
+                for old in list(self._plans)[: self.capacity // 2]:
+                    del self._plans[old]
+            self._plans[key] = plan
+
+    def clear(self) -> None:
+        with self._lock:
+            self._plans.clear()
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def __repr__(self) -> str:
+        general = sum(p is GENERAL for p in self._plans.values())
+        return f"<Plans '{self.family}': {len(self)} keys, {general} general>"
+
+
+def clear_all() -> None:
+    """Drop every family's plans (a changed tuning store or settings take effect at once)."""
+    for plans in _ALL:
+        plans.clear()
+
+
+def _compile(record: Record, inputs: tuple, outputs: tuple, make_outputs, params: tuple,
+             family: str):
+    """The plan of a recorded general call: a generated function, or GENERAL."""
+    if not record.replayable or not record.launches:
+        return GENERAL
+    named = [(f"i{k}", t) for k, t in enumerate(inputs)] + \
+        [(f"o{k}", t) for k, t in enumerate(outputs)] + \
+        [(f"s{k}", s[0]) for k, s in enumerate(record.scratch)]
+    where: dict[int, str] = {}  # address -> this call's pointer, as an expression
+    for name, t in reversed(named):  # the first name of an address wins
+        if t is not None and t.numel():
+            where[t.data_ptr()] = f"{name}.data_ptr()"
+    for t in record.kept:  # alive as long as the plan: their addresses are constants
+        where.setdefault(t.data_ptr(), str(t.data_ptr()))
+    scope: dict[str, Any] = {"make_outputs": make_outputs, "stream": _stream, "P": params,
+                             "current": _device, "empty": torch.empty, "kept": record.kept}
+    names = ", ".join(f"i{k}" for k in range(len(inputs)))
+    lines = [f"def plan({names}):",
+             f"    {''.join(f'o{k}, ' for k in range(len(outputs)))}"
+             f"{'= ' if outputs else ''}make_outputs({names}{', ' if names else ''}*P)",
+             "    device = current()"]
+    for k, (_, n, dtype, device) in enumerate(record.scratch):
+        scope[f"sd{k}"], scope[f"sv{k}"] = dtype, device
+        lines.append(f"    s{k} = empty({n}, dtype=sd{k}, device=sv{k})")
+    for j, (kind, target, values, shared_mem) in enumerate(record.launches):
+        proto = target.proto if kind == "entry" else target.kernel.proto
+        args = []
+        for p, v in zip(proto.params, values):
+            if p.kind == "stream":
+                if kind == "kernel" or v != _stream(_device()):
+                    return GENERAL  # an explicit stream, not the current one
+                args.append("stream(device)")
+            elif p.kind == "pointer":
+                address = v.data_ptr() if isinstance(v, torch.Tensor) else (v or 0)
+                if isinstance(v, torch.Tensor) and not v.is_contiguous():
+                    return GENERAL
+                if address and address not in where:
+                    return GENERAL  # a pointer the plan cannot reproduce
+                args.append(where[address] if address else "0")
+            elif p.kind == "scalar":
+                scope[f"c{j}_{len(args)}"] = v
+                args.append(f"c{j}_{len(args)}")
+            else:
+                return GENERAL  # a struct by value: through the general path
+        if kind == "entry":
+            scope[f"f{j}"] = target.fast
+            call = f"f{j}({', '.join(args)})"
+            if target._check:
+                lines += [f"    r = {call}", "    if r:", f"        raise failed({j}, r)"]
+            else:
+                lines.append(f"    {call}")
+        else:
+            scope[f"k{j}"] = target
+            lines.append(f"    k{j}({', '.join(args)}, shared_mem={int(shared_mem)})")
+    lines.append(f"    return ({''.join(f'o{k}, ' for k in range(len(outputs)))})")
+    launches = record.launches
+
+    def failed(j: int, result: int) -> LaunchError:
+        return LaunchError(f"{family} (planned call): {launches[j][1].error(result)}")
+    scope["failed"] = failed
+    source = "\n".join(lines)
+    exec(compile(source, f"<vitrail plan {family}>", "exec"), scope)
+    plan = scope["plan"]
+    plan.source = source
+    return plan
