@@ -327,9 +327,11 @@ def scratch(n: int, dtype, device: int, stream: int):
     current stream, and on another stream ``record_stream`` defers that until the launch is
     done. (Keeping each launch's buffer in the arguments grew without bound when they were
     reused: a timing loop ran the GPU out of memory.)"""
+    if stream == torch._C._cuda_getCurrentRawStream(device):
+        from vitrail import plan
+        return plan.scratch(n, dtype, torch.device("cuda", device))  # a plan allocates it again
     buf = torch.empty(n, dtype=dtype, device=f"cuda:{device}")
-    if stream != torch._C._cuda_getCurrentRawStream(device):
-        buf.record_stream(torch.cuda.ExternalStream(stream, device=f"cuda:{device}"))
+    buf.record_stream(torch.cuda.ExternalStream(stream, device=f"cuda:{device}"))
     return buf
 
 

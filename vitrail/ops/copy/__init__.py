@@ -22,6 +22,7 @@ import torch
 
 from vitrail.jit.errors import ArgumentError
 from vitrail.op import Op
+from vitrail.plan import GENERAL, Plans, signature
 from vitrail.ops.common import FLOATS, check_same_device, check_tensor, plain_eager
 from vitrail.ops.copy import configs
 from vitrail.tune import bucket
@@ -222,12 +223,26 @@ def _check(x, out, dtype):
         raise ArgumentError(f"{name}: dtype must be one of float32, float16, bfloat16, got {dtype}")
 
 
+# Plans (vitrail.plan): a signature's route and launch arguments, fixed at its first call.
+PLANS = Plans("copy")
+
+
+def _new(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor]:
+    return (x.new_empty(x.shape, dtype=dtype),)
+
+
+def _none(x: torch.Tensor, out: torch.Tensor) -> tuple:
+    return ()
+
+
+def _into(x: torch.Tensor, out: torch.Tensor, *_) -> None:
+    _run(out, x)
+
+
 # ------------------------------------------------------------------ custom ops and autograd
 @torch.library.custom_op("vitrail::copy", mutates_args=())
 def copy_op(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    out = torch.empty(x.shape, dtype=dtype, device=x.device)
-    _run(out, x)
-    return out
+    return PLANS.run((signature(x), dtype), (x,), _new, _into, (dtype,))[0]
 
 
 @copy_op.register_fake
@@ -237,7 +252,7 @@ def _(x, dtype):
 
 @torch.library.custom_op("vitrail::copy_out", mutates_args=("out",))
 def copy_out_op(x: torch.Tensor, out: torch.Tensor) -> None:
-    _run(out, x)
+    PLANS.run((signature(x), signature(out), None), (x, out), _none, _into)
 
 
 @copy_out_op.register_fake
@@ -260,16 +275,20 @@ torch.library.register_autograd("vitrail::copy", _grad, setup_context=_setup)
 def copy(x: torch.Tensor, *, out: torch.Tensor | None = None,
          dtype: torch.dtype | None = None) -> torch.Tensor:
     """x copied into a new contiguous tensor (of ``dtype``, default x's) or into ``out``."""
+    eager = plain_eager(x, out)
+    if eager:  # a signature that passed the checks before: its plan
+        key = (signature(x), dtype) if out is None else (signature(x), signature(out), dtype)
+        hit = PLANS.get(key)
+        if hit is not None and hit is not GENERAL:
+            return hit(x)[0] if out is None else (hit(x, out), out)[1]
     _check(x, out, dtype)
     if out is None:
         target = dtype or x.dtype
-        if plain_eager(x):
-            y = torch.empty(x.shape, dtype=target, device=x.device)
-            _run(y, x)
-            return y
+        if eager:
+            return PLANS.run(key, (x,), _new, _into, (target,))[0]
         return copy_op(x, target)
-    if plain_eager(x, out):
-        _run(out, x)
+    if eager:
+        PLANS.run(key, (x, out), _none, _into)
     else:
         copy_out_op(x, out)
     return out

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from vitrail.ops.common import check_same_device, check_tensor, plain_eager
-from vitrail.ops.gemm.launch import run
+from vitrail.ops.gemm.launch import eager
 from vitrail.ops.gemm.reference import activation_grad, activation as _act
 from vitrail.gemm.epilogue import ACTIVATIONS
 from vitrail.jit.errors import ArgumentError
@@ -85,8 +85,7 @@ def _out_shape(a: Tensor, b: Tensor) -> tuple[int, ...]:
 def _gemm(a: Tensor, b: Tensor, c: Optional[Tensor], bias: Optional[Tensor], alpha: float,
           beta: float, activation: Optional[str], slope: float, clamp_min: Optional[float],
           clamp_max: Optional[float], out_dtype: Optional[torch.dtype]) -> Tensor:
-    return run(a, b, c, bias, alpha, beta, activation, slope, clamp_min, clamp_max,
-               out_dtype or a.dtype)
+    return eager(a, b, c, bias, alpha, beta, activation, slope, clamp_min, clamp_max, out_dtype)
 
 
 @_gemm.register_fake
@@ -165,28 +164,34 @@ def gemm(a: Tensor, b: Tensor, c: Optional[Tensor] = None, *, alpha: float = 1.0
     hardswish; clamp_min/clamp_max clamp the result. dtypes: bf16, fp16, fp32 (TF32 math);
     out_dtype defaults to a's.
     """
+    if plain_eager(a, b, c, bias):  # through its plan; checked on a miss
+        return eager(a, b, c, bias, float(alpha), float(beta), activation, float(slope),
+                     None if clamp_min is None else float(clamp_min),
+                     None if clamp_max is None else float(clamp_max), out_dtype,
+                     check=lambda: _check("vitrail.ops.gemm", a, b, c, bias, activation,
+                                          out_dtype, None))
     _check("vitrail.ops.gemm", a, b, c, bias, activation, out_dtype, None)
-    args = (a, b, c, bias, float(alpha), float(beta), activation, float(slope),
-            None if clamp_min is None else float(clamp_min),
-            None if clamp_max is None else float(clamp_max), out_dtype)
-    if plain_eager(a, b, c, bias):
-        return run(*args[:-1], out_dtype or a.dtype)
-    return _gemm(*args)
+    return _gemm(a, b, c, bias, float(alpha), float(beta), activation, float(slope),
+                 None if clamp_min is None else float(clamp_min),
+                 None if clamp_max is None else float(clamp_max), out_dtype)
 
 
 def mm(a: Tensor, b: Tensor, *, out_dtype: Optional[torch.dtype] = None) -> Tensor:
     """a @ b for 2-D a (M, K) and b (K, N); transposed views are read without a copy."""
-    _check("vitrail.ops.mm", a, b, None, None, None, out_dtype, 2)
     if plain_eager(a, b):
-        return run(a, b, None, None, 1.0, 0.0, None, 0.0, None, None, out_dtype or a.dtype)
+        return eager(a, b, None, None, 1.0, 0.0, None, 0.0, None, None, out_dtype,
+                     check=lambda: _check("vitrail.ops.mm", a, b, None, None, None, out_dtype, 2))
+    _check("vitrail.ops.mm", a, b, None, None, None, out_dtype, 2)
     return _gemm(a, b, None, None, 1.0, 0.0, None, 0.0, None, None, out_dtype)
 
 
 def bmm(a: Tensor, b: Tensor, *, out_dtype: Optional[torch.dtype] = None) -> Tensor:
     """Batched a @ b for 3-D a (L, M, K) and b (L, K, N)."""
-    _check("vitrail.ops.bmm", a, b, None, None, None, out_dtype, 3)
     if plain_eager(a, b):
-        return run(a, b, None, None, 1.0, 0.0, None, 0.0, None, None, out_dtype or a.dtype)
+        return eager(a, b, None, None, 1.0, 0.0, None, 0.0, None, None, out_dtype,
+                     check=lambda: _check("vitrail.ops.bmm", a, b, None, None, None, out_dtype,
+                                          3))
+    _check("vitrail.ops.bmm", a, b, None, None, None, out_dtype, 3)
     return _gemm(a, b, None, None, 1.0, 0.0, None, 0.0, None, None, out_dtype)
 
 

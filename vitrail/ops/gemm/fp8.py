@@ -15,7 +15,7 @@ from torch import Tensor
 
 from vitrail.jit.errors import ArgumentError
 from vitrail.ops.common import check_same_device, check_tensor, plain_eager
-from vitrail.ops.gemm.launch import run
+from vitrail.ops.gemm.launch import eager
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 OUT = (torch.bfloat16, torch.float16, torch.float32)
@@ -52,8 +52,8 @@ def _check_scaled(a, b, scale_a, scale_b, bias, out_dtype) -> None:
 @torch.library.custom_op("vitrail::scaled_mm", mutates_args=())
 def _scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, bias: Optional[Tensor],
                out_dtype: torch.dtype, use_fast_accum: bool) -> Tensor:
-    return run(a, b, None, bias, 1.0, 0.0, None, 0.0, None, None, out_dtype, scale_a=scale_a,
-               scale_b=scale_b, fast_accum=use_fast_accum)
+    return eager(a, b, None, bias, 1.0, 0.0, None, 0.0, None, None, out_dtype, scale_a=scale_a,
+                 scale_b=scale_b, fast_accum=use_fast_accum)
 
 
 @_scaled_mm.register_fake
@@ -65,8 +65,9 @@ def scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, *,
               bias: Optional[Tensor] = None, out_dtype: torch.dtype = torch.bfloat16,
               use_fast_accum: bool = False) -> Tensor:
     """FP8 a @ b with scales: scale_a * scale_b * (a @ b) + bias, in out_dtype."""
+    if plain_eager(a, b, scale_a, scale_b, bias):  # through its plan; checked on a miss
+        return eager(a, b, None, bias, 1.0, 0.0, None, 0.0, None, None, out_dtype,
+                     scale_a=scale_a, scale_b=scale_b, fast_accum=use_fast_accum,
+                     check=lambda: _check_scaled(a, b, scale_a, scale_b, bias, out_dtype))
     _check_scaled(a, b, scale_a, scale_b, bias, out_dtype)
-    if plain_eager(a, b, scale_a, scale_b, bias):
-        return run(a, b, None, bias, 1.0, 0.0, None, 0.0, None, None, out_dtype,
-                   scale_a=scale_a, scale_b=scale_b, fast_accum=use_fast_accum)
     return _scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum)

@@ -23,6 +23,7 @@ from vitrail.gemm import LinearCombination, emitter
 from vitrail.gemm import arguments as gargs
 from vitrail.gemm.epilogue import ACTIVATION_FUNCTOR
 from vitrail.op import Op
+from vitrail.plan import GENERAL, Plans, signature
 from vitrail.ops.gemm import configs
 from vitrail.ops.gemm.configs import Kind, Problem
 from vitrail.ops.gemm.reference import gemm_reference
@@ -154,6 +155,14 @@ def aligned(t: torch.Tensor, want: Optional[str]) -> tuple[torch.Tensor, str]:
     return view, layout
 
 
+def out_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[int, ...]:
+    """D's shape: (M, N), or (L, M, N) where a or b is batched."""
+    M, N = a.shape[-2], b.shape[-1]
+    if a.dim() == 3 or b.dim() == 3:
+        return (max(a.shape[0] if a.dim() == 3 else 1, b.shape[0] if b.dim() == 3 else 1), M, N)
+    return (M, N)
+
+
 def run(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], bias: Optional[torch.Tensor],
         alpha: float, beta: float, activation: Optional[str], slope: float,
         clamp_min: Optional[float], clamp_max: Optional[float], out_dtype: torch.dtype, *,
@@ -163,18 +172,73 @@ def run(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], bias: Optio
 
     a: (M, K) or (L, M, K); b: (K, N) or (L, K, N); c broadcastable to D; bias (N,) per
     column or (M, 1) per row. Returns a new contiguous D of dtype out_dtype."""
+    d = torch.empty(out_shape(a, b), dtype=out_dtype, device=a.device)
+    run_into(d, a, b, c, bias, alpha, beta, activation, slope, clamp_min, clamp_max,
+             scale_a=scale_a, scale_b=scale_b, fast_accum=fast_accum, splits=splits)
+    return d
+
+
+# ------------------------------------------------------------------ plans of eager calls
+# vitrail.plan: a signature's kind, config, layouts and launch arguments, fixed at its first
+# call; a call that needs aligned copies, a padded output, a conversion or torch's fallback
+# takes the general path every time (the plan would skip that work).
+PLANS = Plans("gemm")
+
+
+def _sig(t: Optional[torch.Tensor]):
+    return None if t is None else signature(t)
+
+
+def _new_output(a, b, c, bias, sa, sb, shape, out_dtype, *_) -> tuple[torch.Tensor]:
+    return (a.new_empty(shape, dtype=out_dtype),)
+
+
+def _general(a, b, c, bias, sa, sb, d, shape, out_dtype, alpha, beta, activation, slope, lo, hi,
+             fast) -> None:
+    run_into(d, a, b, c, bias, alpha, beta, activation, slope, lo, hi, scale_a=sa, scale_b=sb,
+             fast_accum=fast)
+
+
+def eager(a, b, c, bias, alpha, beta, activation, slope, clamp_min, clamp_max, out_dtype, *,
+          scale_a=None, scale_b=None, fast_accum=False, check=None) -> torch.Tensor:
+    """``run`` of a plain eager call (vitrail.ops.common.plain_eager) through its plan. check():
+    the public function's checks, run on a miss (a hit's signature passed them before)."""
+    key = (signature(a), signature(b), _sig(c), _sig(bias), _sig(scale_a), _sig(scale_b), alpha,
+           beta, activation, slope, clamp_min, clamp_max, out_dtype, fast_accum, POISON,
+           a.dtype is torch.float32 and torch.get_float32_matmul_precision())
+    hit = PLANS.get(key)
+    if hit is not None and hit is not GENERAL and RECORD is None:
+        return hit(a, b, c, bias, scale_a, scale_b)[0]
+    if check is not None:
+        check()
+    out_dtype = out_dtype or a.dtype
+    if RECORD is not None:
+        return run(a, b, c, bias, alpha, beta, activation, slope, clamp_min, clamp_max, out_dtype,
+                   scale_a=scale_a, scale_b=scale_b, fast_accum=fast_accum)
+    return PLANS.run(key, (a, b, c, bias, scale_a, scale_b), _new_output, _general,
+                     (out_shape(a, b), out_dtype, alpha, beta, activation, slope, clamp_min,
+                      clamp_max, fast_accum))[0]
+
+
+def run_into(d: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor],
+             bias: Optional[torch.Tensor], alpha: float, beta: float, activation: Optional[str],
+             slope: float, clamp_min: Optional[float], clamp_max: Optional[float], *,
+             scale_a: Optional[torch.Tensor] = None, scale_b: Optional[torch.Tensor] = None,
+             fast_accum: bool = False, splits: int = 1) -> None:
+    """``run`` into d: a new contiguous tensor of D's shape (out_shape) and dtype."""
+    out_dtype = d.dtype
     M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
-    batched = a.dim() == 3 or b.dim() == 3
-    L = max(a.shape[0] if a.dim() == 3 else 1, b.shape[0] if b.dim() == 3 else 1)
-    shape = (L, M, N) if batched else (M, N)
+    shape = tuple(d.shape)
+    L = shape[0] if len(shape) == 3 else 1
     if M == 0 or N == 0 or L == 0:
-        return torch.empty(shape, dtype=out_dtype, device=a.device)
+        return
     use_c = c is not None and beta != 0
     if (K != 0 and a.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
             and is_hopper(a.device) and RECORD is None):
         from vitrail.ops.gemm import accurate  # 3xTF32: fp32-level error
-        return accurate.run(a, b, c if use_c else None, bias, alpha, beta, activation, slope,
-                            clamp_min, clamp_max, out_dtype)
+        d.copy_(accurate.run(a, b, c if use_c else None, bias, alpha, beta, activation, slope,
+                             clamp_min, clamp_max, out_dtype))
+        return
     if K == 0 or not is_hopper(a.device):
         if K != 0:
             why = (f"{torch.cuda.get_device_name(a.device)} is not a Hopper GPU (the kernels "
@@ -182,22 +246,24 @@ def run(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], bias: Optio
             warn_once(f"torch:{why}", f"vitrail.ops.gemm runs torch's matmul here: {why}")
         compute = torch.float32 if a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) \
             else a.dtype
-        return gemm_reference(a, b, c if use_c else None, alpha=alpha, beta=beta, bias=bias,
-                              activation_name=activation, slope=slope, clamp_min=clamp_min,
-                              clamp_max=clamp_max, scale_a=scale_a, scale_b=scale_b,
-                              out_dtype=out_dtype, compute_dtype=torch.float32
-                              if compute in (torch.float16, torch.bfloat16) else compute
-                              ).contiguous()
+        d.copy_(gemm_reference(a, b, c if use_c else None, alpha=alpha, beta=beta, bias=bias,
+                               activation_name=activation, slope=slope, clamp_min=clamp_min,
+                               clamp_max=clamp_max, scale_a=scale_a, scale_b=scale_b,
+                               out_dtype=out_dtype, compute_dtype=torch.float32
+                               if compute in (torch.float16, torch.bfloat16) else compute))
+        return
 
     # a batch of A against one B: fold the batch into M (no copy of B per batch)
     fold = (a.dim() == 3 and b.dim() == 2 and (bias is None or bias.dim() == 1)
             and a.stride(-1) == 1 and a.stride(0) == M * a.stride(1))
     if fold:
-        out = run(a.reshape(L * M, K), b, None if not use_c else c.expand(shape).reshape(L * M, N),
-                  bias, alpha, beta, activation, slope, clamp_min, clamp_max, out_dtype,
-                  scale_a=scale_a, scale_b=scale_b, fast_accum=fast_accum, splits=splits)
-        return out.view(shape)
+        run_into(d.view(L * M, N), a.reshape(L * M, K), b,
+                 None if not use_c else c.expand(shape).reshape(L * M, N), bias, alpha, beta,
+                 activation, slope, clamp_min, clamp_max, scale_a=scale_a, scale_b=scale_b,
+                 fast_accum=fast_accum, splits=splits)
+        return
 
+    batched = len(shape) == 3
     if batched:  # a 2-D operand of a batched product is shared by every batch: materialized
         a = a if a.dim() == 3 else a.expand(L, *a.shape)
         b = b if b.dim() == 3 else b.expand(L, *b.shape)
@@ -205,12 +271,12 @@ def run(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], bias: Optio
     k_major = element in ("tf32", "e4m3", "e5m2")
     a_t, la = aligned(a, "row" if k_major else None)
     b_t, lb = aligned(b, "col" if k_major else None)
-    align_d = 16 // torch.empty((), dtype=out_dtype).element_size()
-    n_pad = _round_up(N, align_d)
-    d_buf = torch.empty(*shape[:-1], n_pad, dtype=out_dtype, device=a.device)
+    n_pad = _round_up(N, 16 // d.element_size())
+    out = d  # what the kernel writes: d itself, or a buffer of 16-byte rows copied into d
+    if n_pad != N:
+        d = torch.empty(*shape[:-1], n_pad, dtype=out_dtype, device=a.device)[..., :N]
     if POISON:
-        d_buf.fill_(float("nan"))
-    d = d_buf[..., :N]
+        d.fill_(float("nan"))
     c_t = None
     if use_c:
         c_t, _ = aligned(c.expand(shape) if tuple(c.shape) != shape else c, "row")
@@ -240,10 +306,12 @@ def run(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], bias: Optio
     sb = None if scale_b is None else scale_b.reshape(-1).contiguous()
     if RECORD is not None:
         RECORD.append((kind, problem, (a_t, b_t, c_t, d, bias_t, sa, sb)))
-        return torch.zeros(shape, dtype=out_dtype, device=a.device)
+        out.zero_()
+        return
     op_for(kind)(key, problem, a_t, b_t, c_t, d, bias_t, sa, sb, float(alpha), float(beta),
                  float(slope), lo, hi, splits)
-    return d if n_pad == N else d.contiguous()
+    if out is not d:
+        out.copy_(d)
 
 
 # the default kinds' Ops exist from import on, so `vitrail precompile` and `vitrail tune` see them

@@ -23,6 +23,7 @@ import torch
 
 from vitrail.jit.errors import LaunchError
 from vitrail.op import Op
+from vitrail.plan import GENERAL, Plans, scratch, signature
 from vitrail.ops.common import FLOATS, check_dim, check_tensor, plain_eager
 from vitrail.ops.softmax import configs
 from vitrail.tune import bucket
@@ -122,8 +123,8 @@ def _chunked_launcher(v: int):
     def launch(module, config, out, a, b):
         (rows, n), window = a.shape, _window(a, v)  # the chunks cut the rows' windows
         chunk = configs.chunk_length(window, rows, v, config, _sms(a.device))
-        stats = torch.empty(rows * math.ceil(window / chunk) * 2, dtype=torch.float32,
-                            device=a.device)  # (max, sum) per chunk
+        stats = scratch(rows * math.ceil(window / chunk) * 2, torch.float32,
+                        a.device)  # (max, sum) per chunk
         module.softmax_chunked(out.data_ptr(), stats.data_ptr(), a.data_ptr(), b.data_ptr(),
                                rows, n, chunk, _ld(a), _ld(b), _ld(out))
     return launch
@@ -384,13 +385,18 @@ def _path(kind: str, rows: int, n: int, dtype: torch.dtype, v: int, log: bool, l
 
 def _run(kind: str, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, log: bool) -> None:
     """Route rows x n to a path and launch it. kind "fwd": a = b = x; "bwd": a = y, b = dy."""
+    op, key, problem = _resolve(kind, out, a, b, log)
+    op(key, problem, out, a, b)
+
+
+def _resolve(kind: str, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, log: bool):
+    """``route`` of rows x n as these arrays lie: (op, problem key, problem)."""
     v = configs.vec(a.dtype)
     coaligned = _coaligned(v, a, b, out)
     v, window = _vectors(a.shape[1], a.element_size(), v, _aligned(v, a, b, out), coaligned)
     cols = a.shape[1] + (v - 1 if window else 0)  # _window(a, v): a's rows are off if any are
     packed = not window and coaligned and _end_to_end(a, b, out)
-    op, key, problem = route(kind, a.shape[0], cols, a.dtype, v, log, a.device, window, packed)
-    op(key, problem, out, a, b)
+    return route(kind, a.shape[0], cols, a.dtype, v, log, a.device, window, packed)
 
 
 def _rows(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -405,30 +411,51 @@ def _rows(t: torch.Tensor, dim: int) -> torch.Tensor:
         return t.reshape(-1, n)
 
 
+# Plans (vitrail.plan): a call's route, config and launch arguments, fixed at the first call of
+# its signature; the paths with a per-stream workspace (split) take the general path each call.
+PLANS = Plans("softmax")
+
+
+def _like(*ts: torch.Tensor) -> tuple[torch.Tensor]:
+    """A new contiguous tensor shaped as the first of ts (the forward's y, the backward's dx)."""
+    t = ts[0]
+    return (torch.empty_like(t) if t.is_contiguous() else
+            torch.empty_like(t, memory_format=torch.contiguous_format),)
+
+
 def _forward(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
-    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    """softmax of x along dim (checked, normalized) into a new contiguous tensor."""
+    return PLANS.run((signature(x), dim, log), (x,), _like, _forward_into, (dim, log))[0]
+
+
+def _forward_into(x: torch.Tensor, y: torch.Tensor, dim: int, log: bool) -> None:
+    """y (contiguous, x's shape) = softmax of x along dim."""
     if x.numel() == 0:
-        return y
+        return
     x2 = _rows(x, dim)
     inplace = x.dim() == 0 or dim == x.dim() - 1
     y2 = y.view(-1, x2.shape[1]) if inplace else torch.empty_like(x2)
     _run("fwd", y2, x2, x2, log)
     if not inplace:
         y.copy_(y2.view(x.movedim(dim, -1).shape).movedim(-1, dim))
-    return y
 
 
 def _backward(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
-    dx = torch.empty_like(y, memory_format=torch.contiguous_format)
+    """The gradient of x from y = softmax(x) (or log_softmax) and dy, along dim (normalized)."""
+    return PLANS.run((signature(y), signature(dy), dim, log), (y, dy), _like, _backward_into,
+                     (dim, log))[0]
+
+
+def _backward_into(y: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, dim: int,
+                   log: bool) -> None:
     if y.numel() == 0:
-        return dx
+        return
     y2, dy2 = _rows(y, dim), _rows(dy, dim)
     inplace = y.dim() == 0 or dim == y.dim() - 1
     dx2 = dx.view(-1, y2.shape[1]) if inplace else torch.empty_like(y2)
     _run("bwd", dx2, y2, dy2, log)
     if not inplace:
         dx.copy_(dx2.view(y.movedim(dim, -1).shape).movedim(-1, dim))
-    return dx
 
 
 # ------------------------------------------------------------------ custom ops and autograd
@@ -468,10 +495,15 @@ torch.library.register_autograd("vitrail::softmax_fwd", _grad, setup_context=_se
 
 # ------------------------------------------------------------------ public functions
 def _call(name: str, x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+    if type(x) is torch.Tensor and type(dim) is int and plain_eager(x):
+        d = dim + x.dim() if dim < 0 else dim  # as check_dim: an invalid dim stays invalid
+        hit = PLANS.get((signature(x), d, log))
+        if hit is not None and hit is not GENERAL:  # a signature that passed the checks
+            return hit(x)[0]
     check_tensor(name, "x", x, dtypes=FLOATS)
     d = check_dim(name, dim, x.dim())
     if plain_eager(x):
-        if x.device.index != torch.cuda.current_device():
+        if x.get_device() != torch.cuda.current_device():
             with torch.cuda.device(x.device):
                 return _forward(x, d, log)
         return _forward(x, d, log)

@@ -20,6 +20,7 @@ import torch
 from vitrail.jit.errors import ArgumentError
 from vitrail.jit.tma import tensor_map
 from vitrail.op import Op
+from vitrail.plan import GENERAL, Plans, keep, setup, signature
 from vitrail.ops.common import check_dim, check_same_device, check_tensor, plain_eager
 from vitrail.ops.sympow import configs
 from vitrail.ops.sympow.configs import DTYPES
@@ -81,45 +82,92 @@ def _run(kind, dtype, power, d_tile, vec, kernel, grid, smem, *args) -> None:
 
 
 # ---------------------------------------------------------------- implementations
+# Plans (vitrail.plan) of the elementwise kernels: a signature's kernel, grid and arguments,
+# fixed at its first call (the tables are kept alive by the plan).
+PLANS = Plans("sympow")
+
+
+def _new_z(x: torch.Tensor, power: int, d_tile: int, dc: bool, D: int) -> tuple[torch.Tensor]:
+    return (x.new_empty(x.shape[:-1] + (D,)),)
+
+
+def _new_dx(x: torch.Tensor, dz: torch.Tensor, *_) -> tuple[torch.Tensor]:
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),)
+
+
+def _tables(d: int, power: int, d_tile: int, dc: bool, device: torch.device) -> tuple:
+    """configs.tables, which a plan keeps alive and passes as constants."""
+    with setup():  # built once per device and kept
+        found = configs.tables(d, power, d_tile, dc, device)
+    keep(*found)
+    return found
+
+
 def _sympow_impl(x: torch.Tensor, power: int, d_tile: int, dc: bool,
                  out: torch.Tensor | None = None) -> torch.Tensor:
+    key = (signature(x), power, d_tile, dc)
+    if out is None:
+        hit = PLANS.get(key)
+        if hit is not None and hit is not GENERAL:
+            return hit(x)[0]
+    D = configs.check_support("sympow", x.shape[-1], power, d_tile)
+    if out is not None:
+        _sympow_into(x, out, power, d_tile, dc, D)
+        return out
+    return PLANS.run(key, (x,), _new_z, _sympow_into, (power, d_tile, dc, D))[0]
+
+
+def _sympow_into(x: torch.Tensor, z: torch.Tensor, power: int, d_tile: int, dc: bool,
+                 D: int) -> None:
     d = x.shape[-1]
-    D = configs.check_support("sympow", d, power, d_tile)
     x = x.contiguous()
-    z = out if out is not None else x.new_empty(x.shape[:-1] + (D,))
     rows = x.numel() // d if d else 0
     if rows == 0:
-        return z
-    gidx, gcoef, _, _ = configs.tables(d, power, d_tile, dc, x.device)
+        return
+    gidx, gcoef, _, _ = _tables(d, power, d_tile, dc, x.device)
     vec = configs.vector_width(x.dtype, d_tile ** power, z)
     chunks = D // vec
     at_once = configs.fwd_rows_at_once(rows, chunks, x.device)
     _run("elementwise", x.dtype, power, d_tile, vec, "sympow_fwd", -(-chunks * at_once // 256), 0,
          z, x, gidx, gcoef, rows, d, D, 1.0, at_once)
-    return z
 
 
 def _sympow_bwd_impl(x: torch.Tensor, dz: torch.Tensor, power: int, d_tile: int,
                      dc: bool, out: torch.Tensor | None = None, pipe: bool = True) -> torch.Tensor:
     """pipe=False: the one-block-per-CTA gather kernel even where a persistent one
     (sympow_bwd_pipe, sympow_bwd_quarter) applies (for comparisons)."""
+    key = (signature(x), signature(dz), power, d_tile, dc)
+    if out is None and pipe:
+        hit = PLANS.get(key)
+        if hit is not None and hit is not GENERAL:
+            return hit(x, dz)[0]
+    D = configs.check_support("sympow backward", x.shape[-1], power, d_tile)
+    if out is not None or not pipe:
+        dx = out if out is not None else _new_dx(x, dz)[0]
+        _sympow_bwd_into(x, dz, dx, power, d_tile, dc, D, pipe)
+        return dx
+    return PLANS.run(key, (x, dz), _new_dx, _sympow_bwd_into, (power, d_tile, dc, D))[0]
+
+
+def _sympow_bwd_into(x: torch.Tensor, dz: torch.Tensor, dx: torch.Tensor, power: int,
+                     d_tile: int, dc: bool, D: int, pipe: bool = True) -> None:
     d = x.shape[-1]
-    D = configs.check_support("sympow backward", d, power, d_tile)
     x, dz = x.contiguous(), dz.to(x.dtype).contiguous()
-    dx = out if out is not None else torch.empty_like(x)
     rows = x.numel() // d if d else 0
     if rows == 0:
-        return dx
-    _, _, tidx, tcoef = configs.tables(d, power, d_tile, dc, x.device)
+        return
+    _, _, tidx, tcoef = _tables(d, power, d_tile, dc, x.device)
     tuples = tidx.numel()
     vec = configs.vector_width(x.dtype, d_tile ** power, dz)
-    slots, entries = configs.gather_slots(d, power, d_tile, x.device)
+    with setup():  # built once per device and kept
+        slots, entries = configs.gather_slots(d, power, d_tile, x.device)
+    keep(slots)
     smem = configs.quarter_smem(x.dtype, power, d_tile, vec, d, tuples) if pipe else 0
     if smem:  # 512-byte blocks: staged in quarters, 4 threads an item, persistent
         _run("elementwise", x.dtype, power, d_tile, vec, "sympow_bwd_quarter",
              configs.pipe_grid(rows, smem, x.device), smem,
              dx, x, dz, tidx, tcoef, slots, rows, d, D, tuples, entries, 1.0)
-        return dx
+        return
     stage = configs.gather_stage(x.dtype, power, d_tile, vec)
     # no atomics: partial sums per (row, tuple), then one gather per dx element. Small CTAs
     # first (GATHER_SMEM: more of them per SM), then the persistent two-stage kernel, then
@@ -134,7 +182,7 @@ def _sympow_bwd_impl(x: torch.Tensor, dz: torch.Tensor, power: int, d_tile: int,
                  configs.pipe_grid(-(-rows // pipe_block), smem, x.device,
                                    configs.PIPE_CTAS[x.element_size()]), smem,
                  dx, x, dz, tidx, tcoef, slots, rows, d, D, tuples, entries, pipe_block, 1.0)
-            return dx
+            return
     per_block = per_block or configs.gather_rows(d, power, d_tile, tuples, stage,
                                                  budget=configs.GATHER_SMEM_MAX)
     if per_block:
@@ -142,7 +190,7 @@ def _sympow_bwd_impl(x: torch.Tensor, dz: torch.Tensor, power: int, d_tile: int,
              -(-rows // per_block),
              configs.gather_smem(d, power, d_tile, tuples, per_block, stage),
              dx, x, dz, tidx, tcoef, slots, rows, d, D, tuples, entries, per_block, 1.0)
-        return dx
+        return
     es, block = x.element_size(), d_tile ** power
     staged = 32 <= block * es <= 128  # as STAGE in sm90_sympow.cuh
     if staged:  # about one stage of 256 tuples per CTA
@@ -155,7 +203,6 @@ def _sympow_bwd_impl(x: torch.Tensor, dz: torch.Tensor, power: int, d_tile: int,
     grid = -(-rows // per_block)
     _run("elementwise", x.dtype, power, d_tile, vec, "sympow_bwd", grid, smem,
          dx, x, dz, tidx, tcoef, rows, d, D, tuples, per_block, 1.0)
-    return dx
 
 
 def _vec_ok(t: torch.Tensor) -> int:
@@ -427,18 +474,24 @@ def sympow(x: torch.Tensor, power: int, d_tile: int = 1, dim: int = -1,
            duplicate_correction: bool = True) -> torch.Tensor:
     """The tiled symmetric power of x along dim: that dimension's d features become
     D = C(d/d_tile + power - 1, power) * d_tile**power (vidrial 0.2.1's order)."""
+    dc = bool(duplicate_correction)
+    if (plain_eager(x) and type(power) is int and type(d_tile) is int and type(dim) is int
+            and x.dim() and dim in (-1, x.dim() - 1)):  # a signature checked before: its plan
+        hit = PLANS.get((signature(x), power, d_tile, dc))
+        if hit is not None and hit is not GENERAL:
+            return hit(x)[0]
     _check_float("sympow", "x", x)
     if x.dim() == 0:
         raise ArgumentError("sympow: x must have at least 1 dimension, got a scalar")
     dim = check_dim("sympow", dim, x.dim())
     configs.check_support("sympow", x.shape[dim], power, d_tile)
-    xl = x.movedim(dim, -1)
-    dc = bool(duplicate_correction)
+    last = dim == x.dim() - 1
+    xl = x if last else x.movedim(dim, -1)
     if plain_eager(x):
         z = _sympow_impl(xl, power, d_tile, dc)
     else:
         z = torch.ops.vitrail.sympow(xl, power, d_tile, dc)
-    return z.movedim(-1, dim)
+    return z if last else z.movedim(-1, dim)
 
 
 def _flatten(op: str, a: torch.Tensor, b: torch.Tensor, expand_dim: int):
