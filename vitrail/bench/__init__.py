@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-_MODULES = ["vitrail.bench.jit_overhead"]
+_MODULES = ["vitrail.bench.jit_overhead", "vitrail.bench.host"]
 
 
 @dataclass

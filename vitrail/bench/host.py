@@ -1,0 +1,219 @@
+"""`vitrail bench host`: what an eager call costs the host, for every public op beside torch.
+
+Two tables. **Host µs per call**: each public op on a problem small enough that the GPU keeps up,
+called back to back (no synchronization inside a round of ``CALLS`` calls, fewer than the launch
+queue holds), beside torch's equivalent call. **Small problems**: eager wall time per call
+(back-to-back calls, then one synchronization) of problems whose GPU work takes 5-100 µs,
+forward and forward+backward, for vitrail and torch, and the same calls replayed from a CUDA
+graph (the host's share removed), so that the table shows where host time decides.
+
+sympow has no torch op; its rows compare with the one torch call that does the nearest work:
+the outer product ``x[..., :, None] * x[..., None, :]`` (sympow p2), ``torch.bmm`` of the same
+operands (sympow_mma, mma_sympow_bwd).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+from vitrail.bench import Row, register
+
+CALLS = 200  # calls a round: the launch queue (1024 entries) never fills, so the host is timed
+ROUNDS = 15
+
+
+def host_us(fns: dict[str, Callable[[], object]]) -> dict[str, float]:
+    """Median over ROUNDS of host µs per call, rounds interleaved over the functions."""
+    import torch
+    for fn in fns.values():
+        for _ in range(20):
+            fn()
+    torch.cuda.synchronize()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(ROUNDS):
+        for name, fn in fns.items():
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(CALLS):
+                fn()
+            samples[name].append((time.perf_counter() - start) / CALLS * 1e6)
+    torch.cuda.synchronize()
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def wall_us(fn: Callable[[], object], calls: int = 100, rounds: int = 7) -> float:
+    """Median wall µs per call of ``calls`` back-to-back calls ending in a synchronization."""
+    import torch
+    for _ in range(10):
+        fn()
+    out = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        out.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(out)
+
+
+def graph_us(fn: Callable[[], object], calls: int = 100, rounds: int = 7) -> float:
+    """Median wall µs per call of ``calls`` calls captured in one CUDA graph and replayed."""
+    import torch
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    out = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize()
+        out.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(out)
+
+
+def _host_cases():
+    """[(case, {impl: fn}, baseline impl)] of every public op on a small problem."""
+    import torch
+    import torch.nn.functional as F
+
+    import vitrail.ops as ops
+    dev, bf = "cuda", torch.bfloat16
+    a = torch.randn(256, 256, device=dev, dtype=bf)
+    b = torch.randn(256, 256, device=dev, dtype=bf)
+    bias = torch.randn(256, device=dev, dtype=bf)
+    a3 = torch.randn(4, 256, 256, device=dev, dtype=bf)
+    b3 = torch.randn(4, 256, 256, device=dev, dtype=bf)
+    a8 = a.to(torch.float8_e4m3fn)
+    b8 = b.t().contiguous().to(torch.float8_e4m3fn).t()
+    one = torch.tensor(1.0, device=dev)
+    ga = torch.randn(512, 256, device=dev, dtype=bf)
+    gw = torch.randn(4, 256, 256, device=dev, dtype=bf)
+    ends = torch.tensor([128, 256, 384, 512], device=dev, dtype=torch.int32)
+    xs = torch.randn(32, 4096, device=dev, dtype=bf)
+    xt = torch.randn(1024, 1024, device=dev, dtype=bf).t()
+    xc = torch.randn(1024, 1024, device=dev, dtype=bf)
+    xp = torch.randn(4, 256, 64, device=dev, dtype=bf)
+    qa = torch.randn(4, 256, 64, device=dev, dtype=bf)
+    D = ops.sympow(qa[:1, :1], 2, 8).shape[-1]
+    qb = torch.randn(4, D, 64, device=dev, dtype=bf) / 48
+    g = torch.randn(4, 256, 64, device=dev, dtype=bf)
+    gt = torch.randn(4, 64, D, device=dev, dtype=bf)
+    cases = [
+        ("mm bf16 256^3", {"vitrail": lambda: ops.mm(a, b), "torch": lambda: torch.mm(a, b)}),
+        ("bmm bf16 4x256^3", {"vitrail": lambda: ops.bmm(a3, b3),
+                              "torch": lambda: torch.bmm(a3, b3)}),
+        ("gemm bias+relu bf16 256^3", {
+            "vitrail": lambda: ops.gemm(a, b, bias=bias, activation="relu"),
+            "torch": lambda: F.relu(torch.addmm(bias, a, b))}),
+        ("gemm c, beta=1 bf16 256^3", {"vitrail": lambda: ops.gemm(a, b, a, beta=1.0),
+                                       "torch": lambda: torch.addmm(a, a, b)}),
+        ("scaled_mm fp8 256^3", {
+            "vitrail": lambda: ops.scaled_mm(a8, b8, one, one),
+            "torch": lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=bf)}),
+        ("copy transpose bf16 1024^2", {"vitrail": lambda: ops.copy(xt),
+                                        "torch": lambda: xt.contiguous()}),
+        ("copy bf16->fp32 1024^2", {"vitrail": lambda: ops.copy(xc, dtype=torch.float32),
+                                    "torch": lambda: xc.to(torch.float32)}),
+        ("softmax bf16 32x4096", {"vitrail": lambda: ops.softmax(xs),
+                                  "torch": lambda: torch.softmax(xs, -1)}),
+        ("log_softmax bf16 32x4096", {"vitrail": lambda: ops.log_softmax(xs),
+                                      "torch": lambda: torch.log_softmax(xs, -1)}),
+        ("sympow p2 t8 4x256x64", {
+            "vitrail": lambda: ops.sympow(xp, 2, 8),
+            "torch": lambda: xp[..., :, None] * xp[..., None, :]}),
+        ("sympow_mma p2 t8 4x256x64", {"vitrail": lambda: ops.sympow_mma(qa, qb, -1, 2, 8),
+                                       "torch": lambda: torch.bmm(qa, qa.transpose(1, 2))}),
+        ("mma_sympow_bwd p2 t8 4x256x64", {
+            "vitrail": lambda: ops.mma_sympow_bwd(g, gt, qa, -1, 2, 8),
+            "torch": lambda: torch.bmm(g, gt)}),
+    ]
+    grouped = {"vitrail": lambda: ops.grouped_mm(ga, gw, ends)}
+    if hasattr(torch, "_grouped_mm"):
+        wt = gw.transpose(-1, -2).contiguous().transpose(-1, -2)
+        grouped["torch"] = lambda: torch._grouped_mm(ga, wt, ends)
+    else:
+        grouped["torch"] = lambda: torch.mm(ga, gw[0])
+    cases.insert(5, ("grouped_mm bf16 4 groups 512x256x256", grouped))
+    return cases
+
+
+def _small_cases():
+    """[(case, {impl: fn})] of small problems, forward and forward+backward."""
+    import torch
+    import torch.nn.functional as F
+
+    import vitrail.ops as ops
+    dev, bf = "cuda", torch.bfloat16
+    cases = []
+    for m, n in ((256, 8192), (32, 131072), (4096, 1024)):
+        x = torch.randn(m, n, device=dev, dtype=bf)
+        xg = x.clone().requires_grad_(True)
+        dy = torch.randn_like(x)
+        cases.append((f"softmax fwd bf16 {m}x{n}", {
+            "vitrail": lambda x=x: ops.softmax(x), "torch": lambda x=x: torch.softmax(x, -1)}))
+        cases.append((f"softmax fwd+bwd bf16 {m}x{n}", {
+            "vitrail": lambda xg=xg, dy=dy: torch.autograd.grad(ops.softmax(xg), xg, dy),
+            "torch": lambda xg=xg, dy=dy: torch.autograd.grad(torch.softmax(xg, -1), xg, dy)}))
+    for m, n, k in ((256, 256, 256), (1024, 1024, 1024), (2048, 2048, 8192)):
+        a = torch.randn(m, k, device=dev, dtype=bf)
+        b = torch.randn(k, n, device=dev, dtype=bf)
+        cases.append((f"mm bf16 {m}x{n}x{k}", {
+            "vitrail": lambda a=a, b=b: ops.mm(a, b), "torch": lambda a=a, b=b: a @ b}))
+    a = torch.randn(1024, 1024, device=dev, dtype=bf, requires_grad=True)
+    w = torch.randn(1024, 1024, device=dev, dtype=bf, requires_grad=True)
+    bias = torch.randn(1024, device=dev, dtype=bf, requires_grad=True)
+    gy = torch.randn(1024, 1024, device=dev, dtype=bf)
+    cases.append(("gemm bias+relu fwd+bwd bf16 1024^3", {
+        "vitrail": lambda: torch.autograd.grad(
+            ops.gemm(a, w, bias=bias, activation="relu"), (a, w, bias), gy),
+        "torch": lambda: torch.autograd.grad(F.relu(torch.addmm(bias, a, w)), (a, w, bias), gy)}))
+    xt = torch.randn(2048, 2048, device=dev, dtype=bf).t()
+    cases.append(("copy transpose bf16 2048^2", {
+        "vitrail": lambda: ops.copy(xt), "torch": lambda: xt.contiguous()}))
+    return cases
+
+
+def build() -> None:
+    """The cases' kernels are those of the op families' own benchmarks and tests: built on the
+    first call of a run (host time is measured after warm-up)."""
+
+
+@register("host", "host µs per eager call of every public op, and small problems eager vs "
+          "graph, beside torch", build)
+def run() -> list[Row]:
+    rows: list[Row] = []
+    print(f"  host µs per call ({CALLS} back-to-back calls a round, median of {ROUNDS} rounds)")
+    for case, fns in _host_cases():
+        try:
+            got = host_us(fns)
+        except Exception as e:  # one op failing must not hide the others' figures
+            print(f"    {case}: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        for impl, us in got.items():
+            rows.append(Row(f"host {case}", impl, us, "µs/call", baseline=impl == "torch"))
+        print(f"    {case:40s} vitrail {got['vitrail']:7.1f}  torch {got['torch']:7.1f}  "
+              f"({got['torch'] / got['vitrail']:.2f}x)")
+    print("  small problems: µs per call, eager (back to back) and replayed from a CUDA graph")
+    for case, fns in _small_cases():
+        try:
+            got = {f"{impl} {how}": f(fn) for impl, fn in fns.items()
+                   for how, f in (("eager", wall_us), ("graph", graph_us))}
+        except Exception as e:
+            print(f"    {case}: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        for impl, us in got.items():
+            rows.append(Row(case, impl, us, "µs/call", baseline=impl == "torch eager"))
+        print(f"    {case:40s} " + "  ".join(f"{k} {v:7.1f}" for k, v in got.items())
+              + f"  (eager {got['torch eager'] / got['vitrail eager']:.2f}x)")
+    return rows
