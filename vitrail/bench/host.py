@@ -18,28 +18,10 @@ import time
 from typing import Callable
 
 from vitrail.bench import Row, register
+from vitrail.bench.jit_overhead import per_call_us
 
 CALLS = 200  # calls a round: the launch queue (1024 entries) never fills, so the host is timed
 ROUNDS = 15
-
-
-def host_us(fns: dict[str, Callable[[], object]]) -> dict[str, float]:
-    """Median over ROUNDS of host µs per call, rounds interleaved over the functions."""
-    import torch
-    for fn in fns.values():
-        for _ in range(20):
-            fn()
-    torch.cuda.synchronize()
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(ROUNDS):
-        for name, fn in fns.items():
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(CALLS):
-                fn()
-            samples[name].append((time.perf_counter() - start) / CALLS * 1e6)
-    torch.cuda.synchronize()
-    return {name: statistics.median(s) for name, s in samples.items()}
 
 
 def wall_us(fn: Callable[[], object], calls: int = 100, rounds: int = 7) -> float:
@@ -196,7 +178,7 @@ def run() -> list[Row]:
     print(f"  host µs per call ({CALLS} back-to-back calls a round, median of {ROUNDS} rounds)")
     for case, fns in _host_cases():
         try:
-            got = host_us(fns)
+            got = per_call_us(fns, calls=CALLS, rounds=ROUNDS)
         except Exception as e:  # one op failing must not hide the others' figures
             print(f"    {case}: {type(e).__name__}: {str(e)[:200]}")
             continue
