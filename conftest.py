@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 import vitrail.jit as jit
+from vitrail.tune import reset_defaults
 from tests.conftest import has_gpu
 
 
@@ -37,5 +38,6 @@ def cache_dir(tmp_path, monkeypatch, request):
     jit.clear_memory_cache()
     yield root
     jit.clear_memory_cache()
+    reset_defaults()  # the tuning settings are read from the environment once: again next test
     if not warm:
         shutil.rmtree(root, ignore_errors=True)

@@ -2,7 +2,8 @@
 
 Nothing else in vitrail reads ``os.environ`` for a ``VITRAIL_*`` name: add a knob here, with its
 documentation, and read it as ``knobs.NAME.get()``. Values are read at the moment of the call (so a
-test or a user may change the environment between calls); keep reads off per-launch paths.
+test or a user may change the environment between calls), except the tuning settings, which an op
+call needs: read once per process (vitrail.tune.settings); keep reads off per-launch paths.
 ``vitrail doctor`` prints the table, and the README's knob list is generated from the same entries.
 """
 from __future__ import annotations
@@ -108,13 +109,14 @@ POLICY = _knob(
     "VITRAIL_POLICY", "PickAny", _str,
     "Default tuning policy: PickAny (the tuning store's config, else the heuristic's; compiles "
     "one) or PickBest (on a store miss, compile the candidates in parallel, time them, keep the "
-    "fastest). vitrail.settings(policy=...) overrides it in a scope.")
+    "fastest). Read once per process; vitrail.settings(policy=...) overrides it in a scope, "
+    "vitrail.tune.set_defaults for the process.")
 TUNE_WORKERS = _knob(
     "VITRAIL_TUNE_WORKERS", 0.0, _float,
     "Processes compiling candidate configs in parallel (PickBest, precompile). 0: as many as "
-    "cores and memory allow (about 2 GiB per nvcc).")
+    "cores and memory allow (about 2 GiB per nvcc). Read once per process.")
 TUNE_DEVICES = _knob(
     "VITRAIL_TUNE_DEVICES", "current", _str,
     "GPUs PickBest times candidate configs on: current (the arguments' GPU), all (every local "
     "GPU of the same model, sharing the candidates) or indices such as 0,1. "
-    "vitrail.settings(devices=...) overrides it in a scope.")
+    "Read once per process; vitrail.settings(devices=...) overrides it in a scope.")

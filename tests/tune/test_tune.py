@@ -19,6 +19,7 @@ from vitrail.tune import (Config, Limits, PickAny, PickBest, Space, TuningError,
                           bucket, limits, max_registers, max_shared, max_threads, pick,
                           problem_key, require, settings, tuner)
 from vitrail.tune.store import Record, RecordKey
+from vitrail.tune.settings import current_policy
 
 REPO = Path(__file__).resolve().parents[2]
 H100 = Limits(arch=Arch(9, 0, "a"), max_threads_per_block=1024, max_shared_per_block=227 << 10,
@@ -104,6 +105,7 @@ def test_limits_without_a_gpu_come_from_the_arch_table(monkeypatch):
 # -------------------------------------------------------------------------------- settings
 def test_settings_scope_nest_and_stay_per_thread(monkeypatch):
     monkeypatch.delenv("VITRAIL_POLICY", raising=False)
+    vitrail.tune.reset_defaults()
     assert vitrail.tune.current().policy is PickAny
     seen = {}
     with settings(policy=PickBest, max_workers=3) as outer:
@@ -126,11 +128,17 @@ def test_settings_scope_nest_and_stay_per_thread(monkeypatch):
 
 def test_policy_from_env_and_process_defaults(monkeypatch):
     monkeypatch.setenv("VITRAIL_POLICY", "pickbest")
+    vitrail.tune.reset_defaults()  # the environment is read once, and again after a reset
     assert vitrail.tune.current().policy is PickBest
+    monkeypatch.setenv("VITRAIL_POLICY", "any")
+    assert vitrail.tune.current().policy is PickBest  # not read at every call
+    assert current_policy() is PickBest
     monkeypatch.setenv("VITRAIL_POLICY", "fastest")
+    vitrail.tune.reset_defaults()
     with pytest.raises(ValueError, match="VITRAIL_POLICY='fastest'"):
         vitrail.tune.current()
     monkeypatch.setenv("VITRAIL_POLICY", "any")
+    vitrail.tune.reset_defaults()
     try:
         vitrail.tune.set_defaults(policy=PickBest)
         assert vitrail.tune.current().policy is PickBest  # process defaults beat the env
@@ -399,8 +407,10 @@ def test_devices_setting_is_validated_and_read_from_the_environment(monkeypatch)
         with pytest.raises(ValueError, match="devices="):
             tuner.Settings(devices=bad)
     monkeypatch.setenv("VITRAIL_TUNE_DEVICES", "all")
+    vitrail.tune.reset_defaults()
     assert vitrail.tune.current().devices == "all"
     monkeypatch.setenv("VITRAIL_TUNE_DEVICES", "gpu0")
+    vitrail.tune.reset_defaults()
     with pytest.raises(ValueError, match="VITRAIL_TUNE_DEVICES='gpu0'"):
         vitrail.tune.current()
     # the current device only, and no GPU here: one timing stream, no switching

@@ -2,7 +2,7 @@
 
     vitrail.settings(policy=vitrail.PickBest, max_workers=8)   # context manager, per thread/task
     vitrail.tune.settings.set_defaults(policy=vitrail.PickBest)  # for the whole process
-    VITRAIL_POLICY=PickBest                                       # for every process
+    VITRAIL_POLICY=PickBest                                       # every process (read once)
 
 Scoped settings live in a ContextVar, so threads and asyncio tasks each see their own scope.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import functools
 import os
 from dataclasses import dataclass
 from typing import Iterator
@@ -88,47 +87,44 @@ def parse_devices(value, source: str = "devices") -> str | tuple[int, ...]:
 
 
 _defaults: Settings | None = None
+_env: Settings | None = None  # the environment's settings, once read
 _scoped: contextvars.ContextVar[Settings | None] = contextvars.ContextVar("vitrail_settings",
                                                                           default=None)
 
 
 def _from_env() -> Settings:
-    """The environment's settings, read at every call (a variable set at run time applies) but
-    parsed only when its text changes (every op call reads the policy: ``current_policy``)."""
-    return _parse_env(os.environ.get(knobs.POLICY.name), os.environ.get(knobs.TUNE_WORKERS.name),
-                      os.environ.get(knobs.TUNE_DEVICES.name))
+    """The environment's settings, read once per process (at first use, and again after
+    ``reset_defaults()``): an op call asks for the policy and pays no environment read."""
+    global _env
+    if _env is None:
+        _env = _parse_env(os.environ.get(knobs.POLICY.name),
+                          os.environ.get(knobs.TUNE_WORKERS.name),
+                          os.environ.get(knobs.TUNE_DEVICES.name))
+    return _env
 
 
-@functools.lru_cache(maxsize=16)
 def _parse_env(policy: str | None, workers: str | None, devices: str | None) -> Settings:
-    return Settings(policy=_env_policy(policy),
+    return Settings(policy=policy_named(knobs.POLICY.value(policy), "VITRAIL_POLICY"),
                     max_workers=int(knobs.TUNE_WORKERS.value(workers)) or None,
                     devices=parse_devices(knobs.TUNE_DEVICES.value(devices),
                                           "VITRAIL_TUNE_DEVICES"))
 
 
-@functools.lru_cache(maxsize=16)
-def _env_policy(raw: str | None) -> Policy:
-    return policy_named(knobs.POLICY.value(raw), "VITRAIL_POLICY")
-
-
 def current() -> Settings:
-    """The settings in force here: the innermost scope, else the process defaults, else env."""
+    """The settings in force here: the innermost scope, else the process defaults, else the
+    environment's (read once: ``_from_env``)."""
     scoped = _scoped.get()
     if scoped is not None:
         return scoped
-    return _defaults if _defaults is not None else _from_env()
+    return _defaults if _defaults is not None else _env or _from_env()
 
 
 def current_policy() -> Policy:
-    """``current().policy``, reading one variable of the environment rather than all of them
-    (every op call asks: vitrail.op.Op.config)."""
+    """``current().policy`` (every op call's plan key holds it)."""
     scoped = _scoped.get()
     if scoped is not None:
         return scoped.policy
-    if _defaults is not None:
-        return _defaults.policy
-    return _env_policy(os.environ.get(knobs.POLICY.name))
+    return (_defaults or _env or _from_env()).policy
 
 
 def set_defaults(**changes) -> Settings:
@@ -139,8 +135,9 @@ def set_defaults(**changes) -> Settings:
 
 
 def reset_defaults() -> None:
-    global _defaults
-    _defaults = None
+    """Back to the environment's settings, read again (a variable changed at run time)."""
+    global _defaults, _env
+    _defaults = _env = None
 
 
 @contextlib.contextmanager
