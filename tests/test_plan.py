@@ -154,3 +154,52 @@ def test_plans_are_bounded_and_cleared(module):
     assert 0 < len(plans) <= 4
     plan.clear_all()
     assert len(plans) == 0
+
+
+def test_aliased_pointers_are_not_planned_and_views_replay_at_their_offsets(module):
+    """A call whose inputs alias (one tensor passed twice) stores no plan: the next call of its
+    signature may pass two tensors. A pointer inside a tensor (a view's start, an array's row)
+    replays at the same offset from that tensor's new address."""
+    plans, calls = Plans("test"), []
+
+    def add(x, y, out):  # out = 2 x then + the table y[:4]; out's second half from x's
+        calls.append(1)
+        module.shift(out.data_ptr(), x.data_ptr(), y.data_ptr(), x.numel(), stream=0)
+
+    x = torch.randn(8)
+    plans.run((signature(x), signature(x)), (x, x), _outputs, add)  # aliased: nothing stored
+    assert plans.get((signature(x), signature(x))) is None
+    for _ in range(3):
+        x, y = torch.randn(8), torch.randn(8)
+        out, = plans.run((signature(x), signature(y)), (x, y), _outputs, add)
+        torch.testing.assert_close(out, x + y[:4].repeat(2))
+    assert len(calls) == 2  # the aliased call, then one recorded for the next three
+
+    def second_half(x, out):  # a pointer inside x and one inside out
+        calls.append(2)
+        n = x.numel() // 2
+        module.scale(out.data_ptr() + 4 * n, x.data_ptr() + 4 * n, n, 3.0, stream=0)
+        module.scale(out.data_ptr(), x.data_ptr(), n, 1.0, stream=0)
+
+    for _ in range(3):
+        x = torch.randn(10)
+        out, = plans.run((signature(x), "half"), (x,), _outputs, second_half)
+        torch.testing.assert_close(out, torch.cat([x[:5], 3 * x[5:]]))
+    assert calls.count(2) == 1 and "i0.data_ptr() + 20" in plans.get((signature(x), "half")).source
+
+
+def test_a_pointer_passed_as_an_integer_is_never_replayed(module):
+    plans = Plans("test")
+    source = SOURCE.replace("float* out, const float* x, long long n, float a",
+                            "long long out, const float* x, long long n, float a")
+    source = source.replace("out[i] = a * x[i]", "((float*)out)[i] = a * x[i]")
+    by_int = jit.compile(source, name="plan_test_int")
+
+    def general(x, out):
+        by_int.scale(out.data_ptr(), x.data_ptr(), x.numel(), 2.0, stream=0)
+
+    for _ in range(2):
+        x = torch.randn(6)
+        out, = plans.run(_key(x), (x,), _outputs, general)
+        torch.testing.assert_close(out, 2 * x)
+    assert plans.get(_key(x)) is GENERAL

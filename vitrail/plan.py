@@ -187,7 +187,9 @@ class Plans:
                 _recording -= 1
                 if not _recording:
                     HOOKS.record = None
-        self._store(full, _compile(record, inputs, outputs, make_outputs, params, self.family))
+        plan = _compile(record, inputs, outputs, make_outputs, params, self.family)
+        if plan is not None:
+            self._store(full, plan)
         return outputs
 
     def _store(self, key: tuple, plan) -> None:
@@ -209,6 +211,13 @@ class Plans:
         return f"<Plans '{self.family}': {len(self)} keys, {general} general>"
 
 
+def _extent(t: torch.Tensor) -> int:
+    """The bytes from t's first element to one past its last (any strides, non-negative)."""
+    if not t.numel():
+        return 0
+    return (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
+
+
 def clear_all() -> None:
     """Drop every family's plans (a changed tuning store or settings take effect at once)."""
     for plans in _ALL:
@@ -217,18 +226,31 @@ def clear_all() -> None:
 
 def _compile(record: Record, inputs: tuple, outputs: tuple, make_outputs, params: tuple,
              family: str):
-    """The plan of a recorded general call: a generated function, or GENERAL."""
+    """The plan of a recorded general call: a generated function, GENERAL, or None (nothing to
+    store: pointers that alias in this call, which the next may not)."""
     if not record.replayable or not record.launches:
         return GENERAL
     named = [(f"i{k}", t) for k, t in enumerate(inputs)] + \
         [(f"o{k}", t) for k, t in enumerate(outputs)] + \
         [(f"s{k}", s[0]) for k, s in enumerate(record.scratch)]
-    where: dict[int, str] = {}  # address -> this call's pointer, as an expression
-    for name, t in reversed(named):  # the first name of an address wins
-        if t is not None and t.numel():
-            where[t.data_ptr()] = f"{name}.data_ptr()"
-    for t in record.kept:  # alive as long as the plan: their addresses are constants
-        where.setdefault(t.data_ptr(), str(t.data_ptr()))
+    spans = [(name, t.data_ptr(), t.data_ptr() + _extent(t)) for name, t in named
+             if t is not None and t.numel()]
+    kept = {t.data_ptr(): t for t in record.kept if t.numel()}  # alive with the plan: constants
+    spans += [(str(p), p, p + _extent(t)) for p, t in kept.items()]
+
+    def where(address: int) -> tuple[str | None, bool]:
+        """(this call's pointer as an expression, whether the address is a tensor's): the one
+        named tensor whose bytes hold the address (at the same offset from its start at every
+        call of the signature); no expression where several do (a tensor passed twice,
+        overlapping views: the next call of the signature may not alias them alike)."""
+        found = [(name, start) for name, start, end in spans if start <= address < end]
+        if len(found) != 1:
+            return None, bool(found)
+        name, start = found[0]
+        if name.isdigit():  # a kept tensor's
+            return str(address), True
+        return f"{name}.data_ptr()" + (f" + {address - start}" if address != start else ""), True
+    addresses = {start for _, start, _ in spans} | {end for _, _, end in spans}
     scope: dict[str, Any] = {"make_outputs": make_outputs, "stream": _stream, "P": params,
                              "current": _device, "empty": torch.empty, "kept": record.kept}
     names = ", ".join(f"i{k}" for k in range(len(inputs)))
@@ -251,10 +273,13 @@ def _compile(record: Record, inputs: tuple, outputs: tuple, make_outputs, params
                 address = v.data_ptr() if isinstance(v, torch.Tensor) else (v or 0)
                 if isinstance(v, torch.Tensor) and not v.is_contiguous():
                     return GENERAL
-                if address and address not in where:
-                    return GENERAL  # a pointer the plan cannot reproduce
-                args.append(where[address] if address else "0")
+                expr, known = where(address) if address else ("0", True)
+                if expr is None:  # aliased: store nothing; unknown: never reproducible
+                    return None if known else GENERAL
+                args.append(expr)
             elif p.kind == "scalar":
+                if type(v) is int and v and (v in addresses or where(v)[1]):
+                    return GENERAL  # a pointer passed as an integer: replayed it would be stale
                 scope[f"c{j}_{len(args)}"] = v
                 args.append(f"c{j}_{len(args)}")
             else:
