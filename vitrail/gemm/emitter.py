@@ -226,7 +226,19 @@ def emit(op, *, entry: str = ENTRY, workspace_entry: str = WORKSPACE_ENTRY,
 
 # The end of every entry point (plain and grouped): workspace, parameters, and the launch with
 # the cluster shape as a launch attribute (no GemmUniversalAdapter: it pulls in far more code).
-LAUNCH = r"""  if (static_cast<int64_t>(GemmKernel::get_workspace_size(args)) > workspace_bytes) return -4;
+LAUNCH = r"""  // A thread that has made no CUDA call yet has no current context (torch's autograd engine
+  // thread on device 0 runs a backward's GEMMs so), and encoding the TMA descriptors fails
+  // without one (CUDA_ERROR_INVALID_CONTEXT): make the current device's primary context
+  // current, once per thread.
+  static thread_local bool bound = false;
+  if (!bound) {
+    int device = 0;
+    cudaError_t bind = cudaGetDevice(&device);
+    if (bind == cudaSuccess) bind = cudaSetDevice(device);
+    if (bind != cudaSuccess) return static_cast<int>(bind);
+    bound = true;
+  }
+  if (static_cast<int64_t>(GemmKernel::get_workspace_size(args)) > workspace_bytes) return -4;
   if (GemmKernel::initialize_workspace(args, workspace, stream) != cutlass::Status::kSuccess)
     return -5;
   typename GemmKernel::Params params = GemmKernel::to_underlying_arguments(args, workspace);

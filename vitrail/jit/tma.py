@@ -13,6 +13,7 @@ opaque (by-value struct) parameter.
 from __future__ import annotations
 
 import struct
+import threading
 from typing import Sequence
 
 from vitrail.jit.errors import ArgumentError
@@ -24,6 +25,24 @@ _ELEMENT = {  # torch dtype name -> (CUtensorMapDataType name, bytes)
     "uint8": ("UINT8", 1), "int8": ("UINT8", 1), "float8_e4m3fn": ("UINT8", 1),
     "float8_e5m2": ("UINT8", 1),
 }
+
+
+_thread = threading.local()
+
+
+def _bind_context(driver, device: int) -> None:
+    """Make the device's primary context current where this thread has none: a thread that has
+    made no CUDA call yet (torch's autograd engine thread on device 0) has none, and encoding a
+    tensor map fails without one (CUDA_ERROR_INVALID_CONTEXT). Once per thread."""
+    from vitrail.jit.kernel import _check
+    err, ctx = driver.cuCtxGetCurrent()
+    _check(err, "cuCtxGetCurrent")
+    if not int(ctx):
+        err, primary = driver.cuDevicePrimaryCtxRetain(device)
+        _check(err, "cuDevicePrimaryCtxRetain")
+        (err,) = driver.cuCtxSetCurrent(primary)
+        _check(err, "cuCtxSetCurrent")
+    _thread.bound = True
 
 
 def tensor_map(tensor, dims: Sequence[int], strides: Sequence[int], box: Sequence[int], *,
@@ -65,6 +84,8 @@ def tensor_map(tensor, dims: Sequence[int], strides: Sequence[int], box: Sequenc
                             f"{address:#x}")
     from vitrail.jit.kernel import _check, _driver
     driver = _driver()
+    if not getattr(_thread, "bound", False):
+        _bind_context(driver, tensor.device.index or 0)
     u32, u64 = driver.cuuint32_t, driver.cuuint64_t
     err, desc = driver.cuTensorMapEncodeTiled(
         getattr(driver.CUtensorMapDataType, f"CU_TENSOR_MAP_DATA_TYPE_{kind}"), u32(rank),
