@@ -48,10 +48,18 @@ def _cases():
          mats((77, 130)), 0),
         ("sympow", lambda x: ops.sympow(x, 2, 8), lambda x: sympow_reference(x, 2, 8),
          mats((3, 50, 64)), 3e-2),
+        ("grouped_mm packed", ops.grouped_mm,
+         lambda a, b, ends: torch.cat([a[s:e].float() @ b[g].float() for g, (s, e) in
+                                       enumerate(((0, 50), (50, 120), (120, 200)))]),
+         lambda: mats((200, 64), (3, 64, 48))() + (
+             torch.tensor([50, 120, 200], device="cuda", dtype=torch.int32),), 0.05),
     ]
 
 
-@pytest.mark.parametrize("case", range(8))
+CASES = 9
+
+
+@pytest.mark.parametrize("case", range(CASES))
 def test_hit_path_matches_the_reference_on_fresh_data(case):
     name, fn, ref, make, tol = _cases()[case]
     for _ in range(4):  # the first call plans, the others replay the plan
@@ -67,8 +75,9 @@ def test_plans_are_recorded_for_the_common_calls():
     from vitrail.ops.sympow import PLANS as sympow_plans
     x = torch.randn(64, 512, device="cuda", dtype=BF)
     xs = torch.randn(64, 64, device="cuda", dtype=BF)
+    w = torch.randn(64, 64, device="cuda", dtype=BF)
     for plans, call in ((softmax_plans, lambda: ops.softmax(x)),
-                        (gemm_plans, lambda: ops.mm(x[:, :64], x[:64])),
+                        (gemm_plans, lambda: ops.mm(x[:, :64], w)),
                         (copy_plans, lambda: ops.copy(x.t())),
                         (sympow_plans, lambda: ops.sympow(xs, 2, 8))):
         before = len(plans)
@@ -90,6 +99,16 @@ def test_strides_and_alignment_of_one_shape_take_their_own_plans():
             _close(ops.copy(x), x, 0)
             w = torch.randn(256, 32, device="cuda", dtype=BF)
             _close(ops.mm(x, w), x.float() @ w.float(), 0.1)
+
+
+def test_aliased_operands_are_not_planned_for_other_tensors():
+    """mm(a, a) stores no plan: a later mm(a, b) of the same signatures must read b."""
+    ops = _ops()
+    a, b = (torch.randn(64, 64, device="cuda", dtype=BF) for _ in range(2))
+    for _ in range(2):
+        _close(ops.mm(a, a), a.float() @ a.float(), 0.1)
+    for _ in range(2):
+        _close(ops.mm(a, b), a.float() @ b.float(), 0.1)
 
 
 def test_the_miss_path_still_refuses_bad_input():
@@ -114,7 +133,7 @@ def test_the_miss_path_still_refuses_bad_input():
         ops.mm(a, a.t().float())
 
 
-@pytest.mark.parametrize("case", range(8))
+@pytest.mark.parametrize("case", range(CASES))
 def test_graph_capture_and_replay_match_eager(case):
     name, fn, ref, make, tol = _cases()[case]
     args = make()
@@ -134,3 +153,86 @@ def test_graph_capture_and_replay_match_eager(case):
     torch.cuda.synchronize()
     _close(out, ref(*args), tol)
     assert eager.shape == out.shape
+
+
+# ------------------------------------------------------------------ the autograd path
+def _grads(out, inputs, g):
+    return torch.autograd.grad(out, inputs, g)
+
+
+def _double(*ts):
+    return tuple(t.detach().double().requires_grad_() for t in ts)
+
+
+@pytest.mark.parametrize("activation,clamp", [(None, None), ("relu", None), ("gelu", None),
+                                              ("sigmoid", None), ("relu", (-0.5, 0.5))])
+def test_gemm_autograd_path_matches_fp64_and_the_custom_op(activation, clamp):
+    """An eager call that records gradients runs the family's autograd.Function (not the custom
+    op): its gradients equal the custom op's and fp64 autograd's, through the output's
+    derivative (relu, sigmoid) or z recomputed (gelu, clamps); create_graph goes through the
+    custom op, so a second derivative exists."""
+    ops = _ops()
+    from vitrail.ops.gemm.reference import gemm_reference
+    lo, hi = clamp or (None, None)
+    a, b, bias = (torch.randn(*s, device="cuda", dtype=BF) for s in ((70, 48), (48, 40), (40,)))
+    a, b, bias = (t.requires_grad_() for t in (a, b, bias))
+    g = torch.randn(70, 40, device="cuda", dtype=BF)
+    out = ops.gemm(a, b, bias=bias, activation=activation, clamp_min=lo, clamp_max=hi)
+    assert type(out.grad_fn).__name__ == "_GemmBackward"
+    ours = _grads(out, (a, b, bias), g)
+    via_op = _grads(torch.ops.vitrail.gemm(a, b, None, bias, 1.0, 0.0, activation, 0.01, lo, hi,
+                                           None), (a, b, bias), g)
+    a2, b2, bias2 = _double(a, b, bias)
+    ref = gemm_reference(a2, b2, bias=bias2, activation_name=activation, clamp_min=lo,
+                         clamp_max=hi, out_dtype=torch.float64)
+    refs = _grads(ref, (a2, b2, bias2), g.double())
+    for mine, op, r in zip(ours, via_op, refs):
+        scale = r.abs().max().item() + 1e-3
+        assert (mine.double() - r).abs().max().item() <= 0.03 * scale
+        assert (mine.double() - op.double()).abs().max().item() <= 0.02 * scale
+    if activation is None:  # create_graph: a second derivative, as torch.mm's
+        w = b.detach().requires_grad_()
+        (gx,) = torch.autograd.grad(ops.mm(a, w), a, g, create_graph=True)
+        (gw,) = torch.autograd.grad((gx.float() ** 2).sum(), w)
+        a2, w2 = _double(a, w)
+        (gx2,) = torch.autograd.grad(a2 @ w2, a2, g.double(), create_graph=True)
+        (want,) = torch.autograd.grad((gx2 ** 2).sum(), w2)
+        _close(gw, want, 0.03 * want.abs().max().item())
+
+
+def test_autograd_paths_of_softmax_copy_and_sympow():
+    """softmax, log_softmax, copy (with a dtype change) and sympow record their gradients through
+    their autograd.Functions on the eager path, equal to fp64 autograd; a second backward of
+    softmax is refused, as through the custom op."""
+    ops = _ops()
+    from vitrail.ops.sympow.reference import sympow_reference
+    x = torch.randn(33, 1000, device="cuda", dtype=BF, requires_grad=True)
+    dy = torch.randn(33, 1000, device="cuda", dtype=BF)
+    for fn, ref, name in ((ops.softmax, torch.softmax, "_SoftmaxBackward"),
+                          (ops.log_softmax, torch.log_softmax, "_SoftmaxBackward")):
+        for _ in range(2):  # the second call replays plans
+            y = fn(x, -1)
+            assert type(y.grad_fn).__name__ == name
+            (gx,) = _grads(y, (x,), dy)
+            (x2,) = _double(x)
+            (want,) = _grads(ref(x2, -1), (x2,), dy.double())
+            _close(gx, want, 2e-2)
+    y = ops.softmax(x)
+    (gx,) = torch.autograd.grad(y, x, dy, create_graph=True)
+    with pytest.raises(RuntimeError):
+        torch.autograd.grad(gx.float().sum(), x)
+    for _ in range(2):
+        z = ops.copy(x.t(), dtype=torch.float32)
+        assert type(z.grad_fn).__name__ == "_CopyBackward" and z.dtype == torch.float32
+        (gx,) = _grads(z, (x,), dy.t().float())
+        assert gx.dtype == BF
+        torch.testing.assert_close(gx, dy)
+    xs = torch.randn(3, 50, 64, device="cuda", dtype=BF, requires_grad=True)
+    for _ in range(2):
+        z = ops.sympow(xs, 2, 8)
+        assert type(z.grad_fn).__name__ == "_SympowBackward"
+        dz = torch.randn_like(z)
+        (gx,) = _grads(z, (xs,), dz)
+        (x2,) = _double(xs)
+        (want,) = _grads(sympow_reference(x2, 2, 8), (x2,), dz.double())
+        _close(gx, want, 3e-2 * want.abs().max().item())

@@ -23,7 +23,8 @@ import torch
 from vitrail.jit.errors import ArgumentError
 from vitrail.op import Op
 from vitrail.plan import GENERAL, Plans, signature
-from vitrail.ops.common import FLOATS, check_same_device, check_tensor, plain_eager
+from vitrail.ops.common import (DISPATCH, EAGER, FLOATS, GRAD, autograd_apply, call_mode,
+                                check_same_device, check_tensor)
 from vitrail.ops.copy import configs
 from vitrail.tune import bucket
 
@@ -242,7 +243,7 @@ def _into(x: torch.Tensor, out: torch.Tensor, *_) -> None:
 # ------------------------------------------------------------------ custom ops and autograd
 @torch.library.custom_op("vitrail::copy", mutates_args=())
 def copy_op(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return PLANS.run((signature(x), dtype), (x,), _new, _into, (dtype,))[0]
+    return _copy(x, dtype)
 
 
 @copy_op.register_fake
@@ -271,23 +272,54 @@ def _grad(ctx, dy):
 torch.library.register_autograd("vitrail::copy", _grad, setup_context=_setup)
 
 
+def _copy(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x into a new contiguous tensor of dtype, through the signature's plan."""
+    return PLANS.run((signature(x), dtype), (x,), _new, _into, (dtype,))[0]
+
+
+class _Copy(torch.autograd.Function):
+    """A GRAD call (vitrail.ops.common.call_mode): the copy and its gradient (the same copy back
+    to x's dtype) straight to the kernels through their plans."""
+
+    @staticmethod
+    def forward(ctx, x, dtype, plan):
+        ctx.dtype = x.dtype
+        return plan(x)[0] if plan is not None else _copy(x, dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        if torch.is_grad_enabled():  # create_graph: through the custom op (differentiable)
+            return copy_op(dy, ctx.dtype), None, None
+        return _copy(dy, ctx.dtype), None, None
+
+
+_COPY = autograd_apply(_Copy)
+
+
 # ------------------------------------------------------------------ public function
 def copy(x: torch.Tensor, *, out: torch.Tensor | None = None,
          dtype: torch.dtype | None = None) -> torch.Tensor:
     """x copied into a new contiguous tensor (of ``dtype``, default x's) or into ``out``."""
-    eager = plain_eager(x, out)
-    if eager:  # a signature that passed the checks before: its plan
+    mode = call_mode(x, out)
+    if mode == GRAD and out is not None:
+        mode = DISPATCH  # copy_out_op: an in-place write, which autograd refuses as torch does
+    if mode != DISPATCH:  # a signature that passed the checks before: its plan
         key = (signature(x), dtype) if out is None else (signature(x), signature(out), dtype)
         hit = PLANS.get(key)
         if hit is not None and hit is not GENERAL:
-            return hit(x)[0] if out is None else (hit(x, out), out)[1]
+            if out is not None:
+                hit(x, out)
+                return out
+            return hit(x)[0] if mode == EAGER else _COPY(x, dtype, hit)
     _check(x, out, dtype)
     if out is None:
         target = dtype or x.dtype
-        if eager:
+        if mode == EAGER:
             return PLANS.run(key, (x,), _new, _into, (target,))[0]
+        if mode == GRAD:
+            return _COPY(x, target, None)
         return copy_op(x, target)
-    if eager:
+    if mode == EAGER:
         PLANS.run(key, (x, out), _none, _into)
     else:
         copy_out_op(x, out)

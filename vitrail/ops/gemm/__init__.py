@@ -1,8 +1,9 @@
 """The GEMM family's torch ops: mm, bmm, gemm (fused epilogues), scaled_mm (FP8), grouped_mm.
 
 Each is a ``torch.library`` custom op in the ``vitrail`` namespace with a fake implementation
-(torch.compile, meta tensors) and, for gemm/mm/bmm, autograd; the public functions skip the
-dispatcher when nothing traces or records gradients (vitrail.ops.common.plain_eager). Kernels
+(torch.compile, meta tensors) and, for gemm/mm/bmm, autograd; an eager call skips the dispatcher
+and goes to the kernels, under an autograd.Function where gradients are recorded
+(vitrail.ops.common.call_mode). Kernels
 are CUTLASS 3 sm_90a GEMMs described and emitted by vitrail.gemm (see launch.py for layouts,
 aligned copies and fallbacks).
 
@@ -20,9 +21,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from vitrail.ops.common import check_same_device, check_tensor, plain_eager
+from vitrail.ops.common import (DISPATCH, EAGER, autograd_apply, call_mode,
+                                check_same_device, check_tensor)
 from vitrail.ops.gemm.launch import eager
-from vitrail.ops.gemm.reference import activation_grad, activation as _act
+from vitrail.ops.gemm.reference import activation as _act, activation_backward, grad_from_output
 from vitrail.gemm.epilogue import ACTIVATIONS
 from vitrail.jit.errors import ArgumentError
 
@@ -95,8 +97,17 @@ def _gemm_fake(a, b, c, bias, alpha, beta, activation, slope, clamp_min, clamp_m
 
 def _gemm_setup(ctx, inputs, output):
     a, b, c, bias, alpha, beta, activation, slope, lo, hi, _ = inputs
-    ctx.save_for_backward(a, b, c, bias)
-    ctx.params = (alpha, beta, activation, slope, lo, hi)
+    _save(ctx, a, b, c, bias, output, (alpha, beta, activation, slope, lo, hi))
+
+
+def _save(ctx, a, b, c, bias, y, params) -> None:
+    """What the backward needs: the operands, and the output y where the activation's
+    derivative is a function of it (no clamp: reference.grad_from_output); else z is
+    recomputed in fp32 by one GEMM."""
+    _, _, activation, slope, lo, hi = params
+    from_y = lo is None and hi is None and grad_from_output(activation, slope)
+    ctx.save_for_backward(a, b, c, bias, y if from_y and activation is not None else None)
+    ctx.params, ctx.from_y = params, from_y
     ctx.c_shape = None if c is None else tuple(c.shape)
 
 
@@ -110,13 +121,18 @@ def _sum_to(g: Tensor, shape: tuple) -> Tensor:
     return g
 
 
-def _gemm_backward(ctx, grad: Tensor):
-    a, b, c, bias = ctx.saved_tensors
+def _grads(ctx, grad: Tensor, mm) -> tuple:
+    """The gradients of a, b, c and bias; mm(a, b, c, bias, alpha, beta, activation, slope,
+    clamp_min, clamp_max, out_dtype) runs the GEMMs (the custom op, or the kernels directly)."""
+    a, b, c, bias, y = ctx.saved_tensors
     alpha, beta, activation, slope, lo, hi = ctx.params
+    needs = ctx.needs_input_grad
     g = grad
-    if activation is not None or lo is not None or hi is not None:
-        z = _gemm(a, b, c, bias, alpha, beta, None, slope, None, None, torch.float32)
-        gz = grad.float() * activation_grad(z, activation, slope)
+    if ctx.from_y:  # one aten kernel from the output (torch's own formulas: relu, tanh...)
+        g = activation_backward(grad, y, activation, slope)
+    else:  # z recomputed in fp32, the derivative's kernel from it, the clamps' mask
+        z = mm(a, b, c, bias, alpha, beta, None, slope, None, None, torch.float32)
+        g = activation_backward(grad.float(), z, activation, slope)
         if lo is not None or hi is not None:
             y = _act(z, activation, slope)
             inside = torch.ones_like(y, dtype=torch.bool)
@@ -124,31 +140,74 @@ def _gemm_backward(ctx, grad: Tensor):
                 inside &= y >= lo
             if hi is not None:
                 inside &= y <= hi
-            gz = gz * inside
-        g = gz
+            g = g * inside
     ga = gb = gc = gbias = None
     gm = g.to(a.dtype)
-    if ctx.needs_input_grad[0]:
-        ga = _sum_to(_gemm(gm, b.transpose(-1, -2), None, None, alpha, 0.0, None, 0.0, None, None,
-                           a.dtype), tuple(a.shape))
-    if ctx.needs_input_grad[1]:
-        gb = _sum_to(_gemm(a.transpose(-1, -2), gm, None, None, alpha, 0.0, None, 0.0, None, None,
-                           b.dtype), tuple(b.shape))
-    if c is not None and ctx.needs_input_grad[2]:
+    if needs[0]:
+        ga = _sum_to(mm(gm, b.transpose(-1, -2), None, None, alpha, 0.0, None, 0.0, None, None,
+                        a.dtype), tuple(a.shape))
+    if needs[1]:
+        gb = _sum_to(mm(a.transpose(-1, -2), gm, None, None, alpha, 0.0, None, 0.0, None, None,
+                        b.dtype), tuple(b.shape))
+    if c is not None and needs[2]:
         gc = _sum_to(g * beta, ctx.c_shape).to(c.dtype)
-    if bias is not None and ctx.needs_input_grad[3]:
-        gf = g.float()
-        if bias.dim() == 1:  # per column: sum over rows (and batch)
-            gbias = gf.reshape(-1, gf.shape[-1]).sum(0)
-        else:  # per row (M, 1): sum over columns and batch
-            gbias = gf.sum(-1, keepdim=True)
+    if bias is not None and needs[3]:  # summed in fp32, one kernel
+        if bias.dim() == 1:  # per column: over rows (and batch)
+            gbias = g.reshape(-1, g.shape[-1]).sum(0, dtype=torch.float32)
+        else:  # per row (M, 1): over columns and batch
+            gbias = g.sum(-1, keepdim=True, dtype=torch.float32)
             while gbias.dim() > 2:
                 gbias = gbias.sum(0)
         gbias = gbias.to(bias.dtype)
-    return ga, gb, gc, gbias, None, None, None, None, None, None, None
+    return ga, gb, gc, gbias
+
+
+def _gemm_backward(ctx, grad: Tensor):
+    return *_grads(ctx, grad, _gemm), None, None, None, None, None, None, None
 
 
 _gemm.register_autograd(_gemm_backward, setup_context=_gemm_setup)
+
+
+def _direct(a, b, c, bias, alpha, beta, activation, slope, lo, hi, out_dtype) -> Tensor:
+    return eager(a, b, c, bias, alpha, beta, activation, slope, lo, hi, out_dtype)
+
+
+class _Gemm(torch.autograd.Function):
+    """A GRAD call (vitrail.ops.common.call_mode): the forward and the backward's GEMMs straight
+    to the kernels through their plans; check: the public function's checks (run on a miss)."""
+
+    @staticmethod
+    def forward(ctx, a, b, c, bias, alpha, beta, activation, slope, lo, hi, out_dtype, check):
+        y = eager(a, b, c, bias, alpha, beta, activation, slope, lo, hi, out_dtype, check=check)
+        _save(ctx, a, b, c, bias, y, (alpha, beta, activation, slope, lo, hi))
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        # create_graph: through the custom op, whose backward is differentiable
+        mm = _gemm if torch.is_grad_enabled() else _direct
+        return *_grads(ctx, grad, mm), None, None, None, None, None, None, None, None
+
+
+_GEMM = autograd_apply(_Gemm)
+
+
+def _call(name: str, a, b, c, bias, alpha, beta, activation, slope, clamp_min, clamp_max,
+          out_dtype, ndim: Optional[int]) -> Tensor:
+    """A public function's call: straight to the kernels (checked on a plan miss), under
+    autograd, or through the custom op (vitrail.ops.common.call_mode)."""
+    lo = None if clamp_min is None else float(clamp_min)
+    hi = None if clamp_max is None else float(clamp_max)
+    args = (float(alpha), float(beta), activation, float(slope), lo, hi, out_dtype)
+    mode = call_mode(a, b, c, bias)
+    if mode == DISPATCH:
+        _check(name, a, b, c, bias, activation, out_dtype, ndim)
+        return _gemm(a, b, c, bias, *args)
+    check = lambda: _check(name, a, b, c, bias, activation, out_dtype, ndim)  # noqa: E731
+    if mode == EAGER:
+        return eager(a, b, c, bias, *args, check=check)
+    return _GEMM(a, b, c, bias, *args, check)
 
 
 # ------------------------------------------------------------------------- public functions
@@ -164,35 +223,20 @@ def gemm(a: Tensor, b: Tensor, c: Optional[Tensor] = None, *, alpha: float = 1.0
     hardswish; clamp_min/clamp_max clamp the result. dtypes: bf16, fp16, fp32 (TF32 math);
     out_dtype defaults to a's.
     """
-    if plain_eager(a, b, c, bias):  # through its plan; checked on a miss
-        return eager(a, b, c, bias, float(alpha), float(beta), activation, float(slope),
-                     None if clamp_min is None else float(clamp_min),
-                     None if clamp_max is None else float(clamp_max), out_dtype,
-                     check=lambda: _check("vitrail.ops.gemm", a, b, c, bias, activation,
-                                          out_dtype, None))
-    _check("vitrail.ops.gemm", a, b, c, bias, activation, out_dtype, None)
-    return _gemm(a, b, c, bias, float(alpha), float(beta), activation, float(slope),
-                 None if clamp_min is None else float(clamp_min),
-                 None if clamp_max is None else float(clamp_max), out_dtype)
+    return _call("vitrail.ops.gemm", a, b, c, bias, alpha, beta, activation, slope, clamp_min,
+                 clamp_max, out_dtype, None)
 
 
 def mm(a: Tensor, b: Tensor, *, out_dtype: Optional[torch.dtype] = None) -> Tensor:
     """a @ b for 2-D a (M, K) and b (K, N); transposed views are read without a copy."""
-    if plain_eager(a, b):
-        return eager(a, b, None, None, 1.0, 0.0, None, 0.0, None, None, out_dtype,
-                     check=lambda: _check("vitrail.ops.mm", a, b, None, None, None, out_dtype, 2))
-    _check("vitrail.ops.mm", a, b, None, None, None, out_dtype, 2)
-    return _gemm(a, b, None, None, 1.0, 0.0, None, 0.0, None, None, out_dtype)
+    return _call("vitrail.ops.mm", a, b, None, None, 1.0, 0.0, None, 0.0, None, None, out_dtype,
+                 2)
 
 
 def bmm(a: Tensor, b: Tensor, *, out_dtype: Optional[torch.dtype] = None) -> Tensor:
     """Batched a @ b for 3-D a (L, M, K) and b (L, K, N)."""
-    if plain_eager(a, b):
-        return eager(a, b, None, None, 1.0, 0.0, None, 0.0, None, None, out_dtype,
-                     check=lambda: _check("vitrail.ops.bmm", a, b, None, None, None, out_dtype,
-                                          3))
-    _check("vitrail.ops.bmm", a, b, None, None, None, out_dtype, 3)
-    return _gemm(a, b, None, None, 1.0, 0.0, None, 0.0, None, None, out_dtype)
+    return _call("vitrail.ops.bmm", a, b, None, None, 1.0, 0.0, None, 0.0, None, None, out_dtype,
+                 3)
 
 
 from vitrail.ops.gemm.fp8 import scaled_mm  # noqa: E402

@@ -19,8 +19,9 @@ from vitrail.gemm.arguments import _sm_count, describe
 from vitrail.gemm.emitter import CODES
 from vitrail.gemm.grouped import GroupedGemmOperation
 from vitrail.jit.errors import ArgumentError, LaunchError
-from vitrail.ops.common import check_tensor
+from vitrail.ops.common import EAGER, GRAD, call_mode, check_tensor
 from vitrail.ops.gemm.launch import is_hopper
+from vitrail.plan import GENERAL, Plans, scratch, signature
 
 ELEMENTS = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _MODULES: dict = {}
@@ -31,8 +32,8 @@ _MODULES: dict = {}
 _PREP = r"""
 template <typename E>
 __global__ void vitrail_grouped_prep(
-    const E* ends, int groups, long long rows, int N, int K, long long a, long long a_ld,
-    long long b, long long b_group, long long b_ld, long long d, long long d_ld, int es,
+    const E* ends, int groups, long long rows, int N, int K, const char* a, long long a_ld,
+    const char* b, long long b_group, long long b_ld, const char* d, long long d_ld, int es,
     int* sizes, long long* ptr_a, long long* ptr_b, long long* ptr_d, long long* lda,
     long long* ldb, long long* ldd, uint4* out, long long row_chunks) {
   long long last = (long long)ends[groups - 1];
@@ -45,8 +46,9 @@ __global__ void vitrail_grouped_prep(
         __trap();
       }
       sizes[3 * g] = (int)(end - start); sizes[3 * g + 1] = N; sizes[3 * g + 2] = K;
-      ptr_a[g] = a + start * a_ld * es; ptr_b[g] = b + g * b_group * es;
-      ptr_d[g] = d + start * d_ld * es;
+      ptr_a[g] = (long long)(a + start * a_ld * es);
+      ptr_b[g] = (long long)(b + g * b_group * es);
+      ptr_d[g] = (long long)(d + start * d_ld * es);
       lda[g] = a_ld; ldb[g] = b_ld; ldd[g] = d_ld;
     }
   }
@@ -80,7 +82,7 @@ def _launch(op, sizes, ptr_a, ptr_b, ptr_d, lda, ldb, ldd, groups: int, device) 
     mod = _module(op)
     sm = _sm_count(device.index or 0)
     ws = mod.function("vitrail_grouped_gemm_workspace")(groups, sm)
-    buf = torch.empty(max(ws, 1), dtype=torch.uint8, device=device)
+    buf = scratch(max(ws, 1), torch.uint8, device)
     code = mod.function("vitrail_grouped_gemm")(groups, sizes, ptr_a, ptr_b, ptr_d, lda, ldb, ldd,
                                                 1.0, buf, ws, sm)
     if code:
@@ -101,18 +103,17 @@ def _packed_kernel(a: Tensor, b: Tensor, ends: Tensor, out: Tensor) -> bool:
         return False
     dev, rows = a.device, a.shape[0]
     chunks = out.stride(0) * es // 16
-    sizes = torch.empty(G, 3, dtype=torch.int32, device=dev)
-    arrays = torch.empty(6, G, dtype=torch.int64, device=dev)  # ptr a, b, d; ld a, b, d
+    sizes = scratch(G * 3, torch.int32, dev)
+    arrays = scratch(6 * G, torch.int64, dev).view(6, G)  # ptr a, b, d; ld a, b, d
     name = f"vitrail_grouped_prep<{'int' if ends.dtype == torch.int32 else 'long long'}>"
     from vitrail import jit
     kernel = _MODULES.get(name) or _MODULES.setdefault(name, jit.RawKernel(
-        _PREP, name, signature="const void*, int, long long, int, int, long long, long long, "
-        "long long, long long, long long, long long, long long, int, int*, long long*, "
+        _PREP, name, signature="const void*, int, long long, int, int, const void*, long long, "
+        "const void*, long long, long long, const void*, long long, int, int*, long long*, "
         "long long*, long long*, long long*, long long*, long long*, void*, long long"))
     blocks = min(1024, max(1, (rows * chunks + 255) // 256))
-    kernel[blocks, 256](ends.contiguous(), G, rows, N, K, a.data_ptr(), a.stride(0), b.data_ptr(),
-                        b.stride(0), info.ld, out.data_ptr(), out.stride(0), es, sizes,
-                        *arrays, out, chunks)
+    kernel[blocks, 256](ends.contiguous(), G, rows, N, K, a, a.stride(0), b, b.stride(0),
+                        info.ld, out, out.stride(0), es, sizes, *arrays, out, chunks)
     _launch(operation(a.dtype, info.layout), sizes, *arrays, G, dev)
     return True
 
@@ -240,6 +241,12 @@ def grouped_mm(a, b, offsets: Optional[Tensor] = None, *,
             if outs is not None:
                 return outs
         return [gemm(x, y, out_dtype=out_dtype) for x, y in zip(a, b)]
+    mode = call_mode(a, b, offsets)
+    key = (signature(a), signature(b), signature(offsets), out_dtype)
+    if mode == EAGER:  # a signature that passed the checks before: its plan
+        hit = PLANS.get(key)
+        if hit is not None and hit is not GENERAL:
+            return hit(a, b, offsets)[0]
     check_tensor(name, "a", a, ndim=2)
     check_tensor(name, "b", b, ndim=3)
     if offsets is None:
@@ -251,12 +258,33 @@ def grouped_mm(a, b, offsets: Optional[Tensor] = None, *,
         raise ArgumentError(f"{name}: a {tuple(a.shape)} and b {tuple(b.shape)}: K differs")
     if a.dtype != b.dtype:
         raise ArgumentError(f"{name}: a and b must have one dtype, got {a.dtype} and {b.dtype}")
-    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+    if mode == GRAD or (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)):
         return _GroupedPacked.apply(a, b, offsets, out_dtype)
-    out = torch.empty(a.shape[0], b.shape[2], dtype=out_dtype or a.dtype, device=a.device)
+    if mode == EAGER:
+        return PLANS.run(key, (a, b, offsets), _new_packed, _packed_into, (out_dtype,))[0]
+    out = _new_packed(a, b, offsets, out_dtype)[0]
+    _packed_into(a, b, offsets, out, out_dtype)
+    return out
+
+
+# Plans (vitrail.plan) of the packed form: the preparation kernel and the grouped GEMM with this
+# call's pointers (its arrays and workspace are scratch); the loop of gemm launches, which syncs
+# on the offsets, takes the general path.
+PLANS = Plans("grouped_mm")
+
+
+def _new_packed(a: Tensor, b: Tensor, offsets: Tensor, out_dtype) -> tuple[Tensor]:
+    return (torch.empty(a.shape[0], b.shape[2], dtype=out_dtype or a.dtype, device=a.device),)
+
+
+def _packed_into(a: Tensor, b: Tensor, offsets: Tensor, out: Tensor, out_dtype) -> None:
+    """out = the packed form of a, b and offsets (checked): the grouped kernel where it takes
+    the operands, else a loop of gemm launches."""
+    from vitrail.ops.gemm import gemm
+    name = "vitrail.ops.grouped_mm"
     if (out.dtype == a.dtype and b.shape[0] and a.shape[1] and b.shape[2]
             and _packed_kernel(a, b, offsets, out)):
-        return out
+        return
     ends = offsets.tolist()
     if any(e2 < e1 for e1, e2 in zip([0] + ends, ends)) or (ends and ends[-1] > a.shape[0]):
         raise ArgumentError(f"{name}: offsets must be non-decreasing and at most {a.shape[0]}, "
@@ -267,4 +295,3 @@ def grouped_mm(a, b, offsets: Optional[Tensor] = None, *,
         if end > start:
             out[start:end] = gemm(a[start:end], b[g], out_dtype=out_dtype)
         start = end
-    return out

@@ -67,6 +67,36 @@ def activation_grad(z: torch.Tensor, name: Optional[str], slope: float = 0.01) -
     raise ValueError(f"activation={name!r} is unknown")
 
 
+def grad_from_output(name: Optional[str], slope: float = 0.01) -> bool:
+    """Whether act's derivative is a function of its output y (as torch's own backward formulas
+    use it): then the backward needs y, not z recomputed."""
+    return name in (None, "relu", "sigmoid", "tanh") or (name == "leaky_relu" and slope >= 0)
+
+
+def activation_backward(grad: torch.Tensor, t: torch.Tensor, name: Optional[str],
+                        slope: float = 0.01) -> torch.Tensor:
+    """grad * act'(z), one aten backward kernel: t is act's output y where grad_from_output(name,
+    slope), else z (pass fp32 z and grad for accuracy)."""
+    aten = torch.ops.aten
+    if name is None:
+        return grad
+    if name == "relu":
+        return aten.threshold_backward(grad, t, 0)
+    if name == "leaky_relu":
+        return aten.leaky_relu_backward(grad, t, slope, grad_from_output(name, slope))
+    if name == "sigmoid":
+        return aten.sigmoid_backward(grad, t)
+    if name == "tanh":
+        return aten.tanh_backward(grad, t)
+    if name in ("gelu", "gelu_tanh"):
+        return aten.gelu_backward(grad, t, approximate="tanh" if name == "gelu_tanh" else "none")
+    if name == "silu":
+        return aten.silu_backward(grad, t)
+    if name == "hardswish":
+        return aten.hardswish_backward(grad, t)
+    raise ValueError(f"activation={name!r} is unknown")
+
+
 def gemm_reference(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor] = None, *,
                    alpha: float = 1.0, beta: float = 0.0, bias: Optional[torch.Tensor] = None,
                    activation_name: Optional[str] = None, slope: float = 0.01,

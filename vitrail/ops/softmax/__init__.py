@@ -9,7 +9,8 @@ few very long rows the split path (one cooperative kernel, each row over G CTAs 
 per-row barrier; see configs), whose barrier workspace is kept per (device, stream). Short rows
 laid end to end (a contiguous tensor's rows of up to 1 KiB, configs.use_packed) take the packed
 path: a CTA moves a run of rows with 16-byte vectors whatever n is (sm_90+).
-On the lean eager path (``plain_eager``) a call goes straight to the kernel; otherwise through
+An eager call goes straight to the kernels through their plans, under an autograd.Function where
+gradients are recorded (vitrail.ops.common.call_mode); what compiles or traces goes through
 ``torch.ops.vitrail.softmax_fwd`` / ``softmax_bwd`` (fake impls registered, so
 ``torch.compile(fullgraph=True)`` traces them without a graph break).
 """
@@ -24,7 +25,8 @@ import torch
 from vitrail.jit.errors import LaunchError
 from vitrail.op import Op
 from vitrail.plan import GENERAL, Plans, scratch, signature
-from vitrail.ops.common import FLOATS, check_dim, check_tensor, plain_eager
+from vitrail.ops.common import (DISPATCH, EAGER, FLOATS, autograd_apply, call_mode, check_dim,
+                                check_tensor)
 from vitrail.ops.softmax import configs
 from vitrail.tune import bucket
 
@@ -493,21 +495,44 @@ def _grad(ctx, dy):
 torch.library.register_autograd("vitrail::softmax_fwd", _grad, setup_context=_setup)
 
 
+class _Softmax(torch.autograd.Function):
+    """A GRAD call (vitrail.ops.common.call_mode): forward and backward straight to the kernels
+    through their plans. plan: the forward's plan where the public function found it."""
+
+    @staticmethod
+    def forward(ctx, x, dim, log, plan):
+        y = plan(x)[0] if plan is not None else _forward(x, dim, log)
+        ctx.save_for_backward(y)
+        ctx.dim, ctx.log = dim, log
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: the custom op refuses a second backward
+            return softmax_bwd(y, dy, ctx.dim, ctx.log), None, None, None
+        return _backward(y, dy, ctx.dim, ctx.log), None, None, None
+
+
+_SOFTMAX = autograd_apply(_Softmax)
+
+
 # ------------------------------------------------------------------ public functions
 def _call(name: str, x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
-    if type(x) is torch.Tensor and type(dim) is int and plain_eager(x):
+    mode = call_mode(x)
+    if mode != DISPATCH and type(dim) is int:
         d = dim + x.dim() if dim < 0 else dim  # as check_dim: an invalid dim stays invalid
         hit = PLANS.get((signature(x), d, log))
         if hit is not None and hit is not GENERAL:  # a signature that passed the checks
-            return hit(x)[0]
+            return hit(x)[0] if mode == EAGER else _SOFTMAX(x, d, log, hit)
     check_tensor(name, "x", x, dtypes=FLOATS)
     d = check_dim(name, dim, x.dim())
-    if plain_eager(x):
-        if x.get_device() != torch.cuda.current_device():
-            with torch.cuda.device(x.device):
-                return _forward(x, d, log)
-        return _forward(x, d, log)
-    return softmax_fwd(x, d, log)
+    if mode == DISPATCH:
+        return softmax_fwd(x, d, log)
+    if x.get_device() != torch.cuda.current_device():
+        with torch.cuda.device(x.device):
+            return _forward(x, d, log) if mode == EAGER else _SOFTMAX(x, d, log, None)
+    return _forward(x, d, log) if mode == EAGER else _SOFTMAX(x, d, log, None)
 
 
 def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

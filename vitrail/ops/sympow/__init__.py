@@ -21,7 +21,8 @@ from vitrail.jit.errors import ArgumentError
 from vitrail.jit.tma import tensor_map
 from vitrail.op import Op
 from vitrail.plan import GENERAL, Plans, keep, setup, signature
-from vitrail.ops.common import check_dim, check_same_device, check_tensor, plain_eager
+from vitrail.ops.common import (EAGER, GRAD, autograd_apply, call_mode, check_dim,
+                                check_same_device, check_tensor, plain_eager)
 from vitrail.ops.sympow import configs
 from vitrail.ops.sympow.configs import DTYPES
 from vitrail.ops.sympow.configs import MMA_TILE as TILE
@@ -448,21 +449,66 @@ def _mma_setup(ctx, inputs, output):
     ctx.args = (expand_dim, power, d_tile, scale, dc)
 
 
-def _mma_backward(ctx, dc_out):
+def _mma_grads(ctx, dc_out, mma, bwd) -> tuple:
+    """The gradients of sympow_mma's a and b: bwd = mma_sympow_bwd, mma = sympow_mma (the
+    custom ops, or the implementations directly)."""
     a, b = ctx.saved_tensors
     expand_dim, power, d_tile, scale, dc = ctx.args
     da = db = None
     dc_out = dc_out.to(a.dtype)
     if ctx.needs_input_grad[0]:  # dE = dC @ b^T, contracted through sympow's derivative
-        da = torch.ops.vitrail.mma_sympow_bwd(dc_out, b.transpose(1, 2), a, expand_dim, power,
-                                               d_tile, scale, dc)
+        da = bwd(dc_out, b.transpose(1, 2), a, expand_dim, power, d_tile, scale, dc)
     if ctx.needs_input_grad[1]:  # db = E^T @ dC, and E^T is sympow of a^T along the other side
-        db = torch.ops.vitrail.sympow_mma(a.transpose(1, 2), dc_out, -3 - expand_dim, power,
-                                           d_tile, scale, dc)
-    return da, db, None, None, None, None, None
+        db = mma(a.transpose(1, 2), dc_out, -3 - expand_dim, power, d_tile, scale, dc)
+    return da, db
+
+
+def _mma_backward(ctx, dc_out):
+    return *_mma_grads(ctx, dc_out, torch.ops.vitrail.sympow_mma,
+                       torch.ops.vitrail.mma_sympow_bwd), None, None, None, None, None
 
 
 torch.library.register_autograd("vitrail::sympow_mma", _mma_backward, setup_context=_mma_setup)
+
+
+class _Sympow(torch.autograd.Function):
+    """A GRAD call of sympow (vitrail.ops.common.call_mode): forward and backward straight to
+    the kernels through their plans."""
+
+    @staticmethod
+    def forward(ctx, x, power, d_tile, dc):
+        ctx.save_for_backward(x)
+        ctx.args = (power, d_tile, dc)
+        return _sympow_impl(x, power, d_tile, dc)
+
+    @staticmethod
+    def backward(ctx, dz):
+        (x,) = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: the custom op refuses a second backward
+            return torch.ops.vitrail.sympow_bwd(x, dz, *ctx.args), None, None, None
+        return _sympow_bwd_impl(x, dz, *ctx.args), None, None, None
+
+
+class _SympowMma(torch.autograd.Function):
+    """A GRAD call of sympow_mma: forward and backward straight to the kernels."""
+
+    @staticmethod
+    def forward(ctx, a, b, expand_dim, power, d_tile, scale, dc):
+        ctx.save_for_backward(a, b)
+        ctx.args = (expand_dim, power, d_tile, scale, dc)
+        return _mma_impl(a, b, expand_dim, power, d_tile, scale, dc)
+
+    @staticmethod
+    def backward(ctx, dc_out):
+        if torch.is_grad_enabled():  # create_graph: through the custom ops
+            grads = _mma_grads(ctx, dc_out, torch.ops.vitrail.sympow_mma,
+                               torch.ops.vitrail.mma_sympow_bwd)
+        else:
+            grads = _mma_grads(ctx, dc_out, _mma_impl, _mma_bwd_impl)
+        return *grads, None, None, None, None, None
+
+
+_SYMPOW, _SYMPOW_MMA = autograd_apply(_Sympow), autograd_apply(_SympowMma)
 
 
 # ---------------------------------------------------------------- public functions
@@ -475,7 +521,8 @@ def sympow(x: torch.Tensor, power: int, d_tile: int = 1, dim: int = -1,
     """The tiled symmetric power of x along dim: that dimension's d features become
     D = C(d/d_tile + power - 1, power) * d_tile**power (vidrial 0.2.1's order)."""
     dc = bool(duplicate_correction)
-    if (plain_eager(x) and type(power) is int and type(d_tile) is int and type(dim) is int
+    mode = call_mode(x)
+    if (mode == EAGER and type(power) is int and type(d_tile) is int and type(dim) is int
             and x.dim() and dim in (-1, x.dim() - 1)):  # a signature checked before: its plan
         hit = PLANS.get((signature(x), power, d_tile, dc))
         if hit is not None and hit is not GENERAL:
@@ -487,8 +534,10 @@ def sympow(x: torch.Tensor, power: int, d_tile: int = 1, dim: int = -1,
     configs.check_support("sympow", x.shape[dim], power, d_tile)
     last = dim == x.dim() - 1
     xl = x if last else x.movedim(dim, -1)
-    if plain_eager(x):
+    if mode == EAGER:
         z = _sympow_impl(xl, power, d_tile, dc)
+    elif mode == GRAD:
+        z = _SYMPOW(xl, power, d_tile, dc)
     else:
         z = torch.ops.vitrail.sympow(xl, power, d_tile, dc)
     return z if last else z.movedim(-1, dim)
@@ -526,8 +575,11 @@ def sympow_mma(a: torch.Tensor, b: torch.Tensor, expand_dim: int, power: int, d_
                             f"got shape {tuple(b.shape)}")
     b3 = b.reshape((-1,) + b.shape[-2:])
     dc = bool(duplicate_correction)
-    if plain_eager(a, b):
+    mode = call_mode(a, b)
+    if mode == EAGER:
         c = _mma_impl(a3, b3, ed, power, d_tile, float(scale_a), dc)
+    elif mode == GRAD:
+        c = _SYMPOW_MMA(a3, b3, ed, power, d_tile, float(scale_a), dc)
     else:
         c = torch.ops.vitrail.sympow_mma(a3, b3, ed, power, d_tile, float(scale_a), dc)
     return c.reshape(a.shape[:-2] + c.shape[-2:])
