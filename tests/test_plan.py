@@ -156,24 +156,27 @@ def test_plans_are_bounded_and_cleared(module):
     assert len(plans) == 0
 
 
-def test_aliased_pointers_are_not_planned_and_views_replay_at_their_offsets(module):
-    """A call whose inputs alias (one tensor passed twice) stores no plan: the next call of its
-    signature may pass two tensors. A pointer inside a tensor (a view's start, an array's row)
-    replays at the same offset from that tensor's new address."""
+def test_aliased_inputs_replay_only_while_aliased_and_views_replay_at_their_offsets(module):
+    """A plan recorded from inputs that are one tensor (mm(a, a)) runs while they still are;
+    another call of its signature (two tensors) takes the general path, never the first input
+    twice. A pointer inside a tensor (a view's start, an array's row) replays at the same
+    offset from that tensor's new address."""
     plans, calls = Plans("test"), []
 
-    def add(x, y, out):  # out = 2 x then + the table y[:4]; out's second half from x's
+    def add(x, y, out):  # out = x + the table y[:4]
         calls.append(1)
         module.shift(out.data_ptr(), x.data_ptr(), y.data_ptr(), x.numel(), stream=0)
 
-    x = torch.randn(8)
-    plans.run((signature(x), signature(x)), (x, x), _outputs, add)  # aliased: nothing stored
-    assert plans.get((signature(x), signature(x))) is None
-    for _ in range(3):
+    for _ in range(2):
+        x = torch.randn(8)
+        out, = plans.run((signature(x), signature(x)), (x, x), _outputs, add)
+        torch.testing.assert_close(out, x + x[:4].repeat(2))
+    assert len(calls) == 1 and "unplanned" in plans.get((signature(x), signature(x))).source
+    for _ in range(2):
         x, y = torch.randn(8), torch.randn(8)
         out, = plans.run((signature(x), signature(y)), (x, y), _outputs, add)
         torch.testing.assert_close(out, x + y[:4].repeat(2))
-    assert len(calls) == 2  # the aliased call, then one recorded for the next three
+    assert len(calls) == 3  # the general path: the plan's inputs were one tensor
 
     def second_half(x, out):  # a pointer inside x and one inside out
         calls.append(2)

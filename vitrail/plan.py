@@ -187,7 +187,7 @@ class Plans:
                 _recording -= 1
                 if not _recording:
                     HOOKS.record = None
-        plan = _compile(record, inputs, outputs, make_outputs, params, self.family)
+        plan = _compile(record, inputs, outputs, make_outputs, general, params, self.family)
         if plan is not None:
             self._store(full, plan)
         return outputs
@@ -224,10 +224,12 @@ def clear_all() -> None:
         plans.clear()
 
 
-def _compile(record: Record, inputs: tuple, outputs: tuple, make_outputs, params: tuple,
-             family: str):
+def _compile(record: Record, inputs: tuple, outputs: tuple, make_outputs, general,
+             params: tuple, family: str):
     """The plan of a recorded general call: a generated function, GENERAL, or None (nothing to
-    store: pointers that alias in this call, which the next may not)."""
+    store: overlapping views in this call, which the next may not pass). Inputs that are one
+    tensor passed twice (mm(a, a), one scale for both operands) give a plan that runs while they
+    still are one; another call of the key runs the general path."""
     if not record.replayable or not record.launches:
         return GENERAL
     named = [(f"i{k}", t) for k, t in enumerate(inputs)] + \
@@ -244,13 +246,17 @@ def _compile(record: Record, inputs: tuple, outputs: tuple, make_outputs, params
         call of the signature); no expression where several do (a tensor passed twice,
         overlapping views: the next call of the signature may not alias them alike)."""
         found = [(name, start) for name, start, end in spans if start <= address < end]
-        if len(found) != 1:
+        if len(found) > 1 and len({start for _, start in found}) == 1 and \
+                all(name[0] == "i" for name, _ in found):  # one tensor passed as several inputs
+            guards.add(tuple(name for name, _ in found))  # the plan holds while they still are
+        elif len(found) != 1:
             return None, bool(found)
         name, start = found[0]
         if name.isdigit():  # a kept tensor's
             return str(address), True
         return f"{name}.data_ptr()" + (f" + {address - start}" if address != start else ""), True
     addresses = {start for _, start, _ in spans} | {end for _, _, end in spans}
+    guards: set[tuple[str, ...]] = set()
     scope: dict[str, Any] = {"make_outputs": make_outputs, "stream": _stream, "P": params,
                              "current": _device, "empty": torch.empty, "kept": record.kept}
     names = ", ".join(f"i{k}" for k in range(len(inputs)))
@@ -295,11 +301,20 @@ def _compile(record: Record, inputs: tuple, outputs: tuple, make_outputs, params
             scope[f"k{j}"] = target
             lines.append(f"    k{j}({', '.join(args)}, shared_mem={int(shared_mem)})")
     lines.append(f"    return ({''.join(f'o{k}, ' for k in range(len(outputs)))})")
+    for group in sorted(guards):  # aliased inputs: another call of the key runs the general path
+        same = " and ".join(f"{group[0]}.data_ptr() == {n}.data_ptr()" for n in group[1:])
+        lines.insert(1, f"    if not ({same}):\n        return unplanned({names})")
     launches = record.launches
 
     def failed(j: int, result: int) -> LaunchError:
         return LaunchError(f"{family} (planned call): {launches[j][1].error(result)}")
     scope["failed"] = failed
+
+    def unplanned(*args):
+        outs = make_outputs(*args, *params)
+        general(*args, *outs, *params)
+        return outs
+    scope["unplanned"] = unplanned
     source = "\n".join(lines)
     exec(compile(source, f"<vitrail plan {family}>", "exec"), scope)
     plan = scope["plan"]
