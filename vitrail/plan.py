@@ -240,23 +240,27 @@ def _compile(record: Record, inputs: tuple, outputs: tuple, make_outputs, genera
     kept = {t.data_ptr(): t for t in record.kept if t.numel()}  # alive with the plan: constants
     spans += [(str(p), p, p + _extent(t)) for p, t in kept.items()]
 
-    def where(address: int) -> tuple[str | None, bool]:
-        """(this call's pointer as an expression, whether the address is a tensor's): the one
-        named tensor whose bytes hold the address (at the same offset from its start at every
-        call of the signature); no expression where several do (a tensor passed twice,
-        overlapping views: the next call of the signature may not alias them alike)."""
-        found = [(name, start) for name, start, end in spans if start <= address < end]
+    def holders(address: int) -> list[tuple[str, int]]:
+        """(name, start) of every named tensor whose bytes hold the address."""
+        return [(name, start) for name, start, end in spans if start <= address < end]
+
+    guards: set[tuple[str, ...]] = set()  # inputs that are one tensor in this call
+
+    def where(address: int) -> str | None:
+        """This call's pointer as an expression: the one tensor whose bytes hold the address,
+        at the same offset from its start (as at every call of the signature); the first of
+        several inputs that are one tensor (the plan holds while they still are: guards);
+        None where overlapping views hold it (the next call may not pass them alike)."""
+        found = holders(address)
         if len(found) > 1 and len({start for _, start in found}) == 1 and \
-                all(name[0] == "i" for name, _ in found):  # one tensor passed as several inputs
-            guards.add(tuple(name for name, _ in found))  # the plan holds while they still are
+                all(name[0] == "i" for name, _ in found):
+            guards.add(tuple(name for name, _ in found))
         elif len(found) != 1:
-            return None, bool(found)
+            return None
         name, start = found[0]
         if name.isdigit():  # a kept tensor's
-            return str(address), True
-        return f"{name}.data_ptr()" + (f" + {address - start}" if address != start else ""), True
-    addresses = {start for _, start, _ in spans} | {end for _, _, end in spans}
-    guards: set[tuple[str, ...]] = set()
+            return str(address)
+        return f"{name}.data_ptr()" + (f" + {address - start}" if address != start else "")
     scope: dict[str, Any] = {"make_outputs": make_outputs, "stream": _stream, "P": params,
                              "current": _device, "empty": torch.empty, "kept": record.kept}
     names = ", ".join(f"i{k}" for k in range(len(inputs)))
@@ -279,12 +283,12 @@ def _compile(record: Record, inputs: tuple, outputs: tuple, make_outputs, genera
                 address = v.data_ptr() if isinstance(v, torch.Tensor) else (v or 0)
                 if isinstance(v, torch.Tensor) and not v.is_contiguous():
                     return GENERAL
-                expr, known = where(address) if address else ("0", True)
-                if expr is None:  # aliased: store nothing; unknown: never reproducible
-                    return None if known else GENERAL
+                expr = where(address) if address else "0"
+                if expr is None:  # overlapping views: store nothing; unknown: never reproducible
+                    return None if holders(address) else GENERAL
                 args.append(expr)
             elif p.kind == "scalar":
-                if type(v) is int and v and (v in addresses or where(v)[1]):
+                if type(v) is int and any(start <= v <= end for _, start, end in spans):
                     return GENERAL  # a pointer passed as an integer: replayed it would be stale
                 scope[f"c{j}_{len(args)}"] = v
                 args.append(f"c{j}_{len(args)}")

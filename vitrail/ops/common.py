@@ -101,14 +101,5 @@ def autograd_apply(function: type[torch.autograd.Function]):
 
 
 def plain_eager(*tensors: torch.Tensor | None) -> bool:
-    """True when a call can go straight to the kernel: no tracing, compiling, transform or
-    autograd (call_mode's EAGER)."""
-    if torch.compiler.is_compiling() or _transforms_active():
-        return False
-    grad = torch.is_grad_enabled()
-    for t in tensors:
-        if t is None:
-            continue
-        if type(t) is not torch.Tensor or (grad and t.requires_grad):
-            return False
-    return True
+    """True when a call can go straight to the kernel: call_mode's EAGER."""
+    return call_mode(*tensors) == EAGER

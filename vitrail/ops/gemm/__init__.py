@@ -169,10 +169,6 @@ def _gemm_backward(ctx, grad: Tensor):
 _gemm.register_autograd(_gemm_backward, setup_context=_gemm_setup)
 
 
-def _direct(a, b, c, bias, alpha, beta, activation, slope, lo, hi, out_dtype) -> Tensor:
-    return eager(a, b, c, bias, alpha, beta, activation, slope, lo, hi, out_dtype)
-
-
 class _Gemm(torch.autograd.Function):
     """A GRAD call (vitrail.ops.common.call_mode): the forward and the backward's GEMMs straight
     to the kernels through their plans; check: the public function's checks (run on a miss)."""
@@ -186,7 +182,7 @@ class _Gemm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         # create_graph: through the custom op, whose backward is differentiable
-        mm = _gemm if torch.is_grad_enabled() else _direct
+        mm = _gemm if torch.is_grad_enabled() else eager
         return *_grads(ctx, grad, mm), None, None, None, None, None, None, None, None
 
 

@@ -529,10 +529,11 @@ def _call(name: str, x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
     d = check_dim(name, dim, x.dim())
     if mode == DISPATCH:
         return softmax_fwd(x, d, log)
+    run = _forward if mode == EAGER else lambda x, d, log: _SOFTMAX(x, d, log, None)
     if x.get_device() != torch.cuda.current_device():
         with torch.cuda.device(x.device):
-            return _forward(x, d, log) if mode == EAGER else _SOFTMAX(x, d, log, None)
-    return _forward(x, d, log) if mode == EAGER else _SOFTMAX(x, d, log, None)
+            return run(x, d, log)
+    return run(x, d, log)
 
 
 def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
