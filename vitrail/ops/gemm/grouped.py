@@ -112,7 +112,10 @@ def _packed_kernel(a: Tensor, b: Tensor, ends: Tensor, out: Tensor) -> bool:
         "const void*, long long, long long, const void*, long long, int, int*, long long*, "
         "long long*, long long*, long long*, long long*, long long*, void*, long long"))
     blocks = min(1024, max(1, (rows * chunks + 255) // 256))
-    kernel[blocks, 256](ends.contiguous(), G, rows, N, K, a, a.stride(0), b, b.stride(0),
+    # strided a or b (a row stride past K, b transposed) as an address (the launcher refuses a
+    # strided tensor for a raw pointer); their strides follow
+    a_ptr, b_ptr = (t if t.is_contiguous() else t.data_ptr() for t in (a, b))
+    kernel[blocks, 256](ends.contiguous(), G, rows, N, K, a_ptr, a.stride(0), b_ptr, b.stride(0),
                         info.ld, out, out.stride(0), es, sizes, *arrays, out, chunks)
     _launch(operation(a.dtype, info.layout), sizes, *arrays, G, dev)
     return True
