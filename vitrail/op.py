@@ -31,7 +31,9 @@ class Op:
         space: the static parameters, their constraints and heuristic.
         kernel_source: the kernel's own code (template text, headers' text): its hash keys the
             tuning store, so a changed kernel is tuned afresh.
-        render: config -> keyword arguments of ``vitrail.jit.compile`` (source, name, ...).
+        render: config -> keyword arguments of ``vitrail.jit.compile`` (source, name, ...), or
+            None for a config that compiles nothing (it runs a library's function; launch
+            gets module None).
         launch: (module, config, *args) -> None; runs the compiled config on the arguments.
         examples: problem descriptions for ``precompile`` (the heuristic's configs for them are
             built ahead of time) and ``vitrail tune``.
@@ -69,10 +71,12 @@ class Op:
         return hit
 
     def module(self, config: Config):
+        """The config's compiled module (None for a config that compiles nothing)."""
         mod = self._modules.get(config)
-        if mod is None:
+        if mod is None and config not in self._modules:
+            kwargs = self.render(config)
             from vitrail import jit
-            mod = self._modules[config] = jit.compile(**self.render(config))
+            mod = self._modules[config] = None if kwargs is None else jit.compile(**kwargs)
         return mod
 
     def __call__(self, problem_key: str, problem: Any, *args: Any) -> None:
@@ -100,7 +104,10 @@ class Op:
         lim = limits(arch=arch)
         jobs = []
         for config in self.default_configs(lim):
-            kwargs = dict(self.render(config))
+            rendered = self.render(config)
+            if rendered is None:
+                continue
+            kwargs = dict(rendered)
             kwargs.setdefault("arch", lim.arch.name)
             jobs.append((config, kwargs))
         return compile_all(jobs, max_workers=max_workers, verbose=verbose, label=self.name)

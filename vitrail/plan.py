@@ -192,6 +192,11 @@ class Plans:
             self._store(full, plan)
         return outputs
 
+    def put(self, key: tuple, plan) -> None:
+        """Store a plan written by hand for key (e.g. a library call that the general path
+        found to be the route), replacing what a recording stored."""
+        self._store((key, _device(), current_policy()), plan)
+
     def _store(self, key: tuple, plan) -> None:
         with self._lock:
             if len(self._plans) >= self.capacity:  # drop the oldest half (dicts keep order)

@@ -25,7 +25,8 @@ def test_compile_representative_operations(monkeypatch):
 
     lim = limits(arch="90a")
     op = op_for(default_kinds()[0])
-    config = op.space.default(Problem(4096, 4096, 4096), lim)
+    config = op.space.default(Problem(8192, 8192, 8192), lim)  # a kernel, not torch's matmul
+    assert config.backend == "vitrail"
     plain = operation(default_kinds()[0], config)
     fused = GemmOperation(
         A=TensorDescription("f16", "row"), B=TensorDescription("f16", "col"),

@@ -3,6 +3,8 @@ on the CPU; values against an fp64 reference (every dtype, layouts, epilogues, o
 non-contiguous and misaligned inputs), autograd, opcheck and torch.compile on a GPU."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -34,6 +36,7 @@ def test_argument_errors():
 
 
 def test_fake_impls_shapes_and_dtypes():
+    family()  # registers the custom ops
     meta = lambda *s, dt=torch.bfloat16: torch.empty(*s, device="meta", dtype=dt)  # noqa: E731
     out = torch.ops.vitrail.gemm(meta(5, 7), meta(7, 3), None, meta(3), 1.0, 0.0, "gelu", 0.01,
                                  None, None, torch.float32)
@@ -49,28 +52,54 @@ def test_fake_impls_shapes_and_dtypes():
 
 
 def test_heuristic_and_space():
-    from vitrail.ops.gemm import configs
+    from vitrail.gemm import LinearCombination
+    from vitrail.ops.gemm import configs, model
     from vitrail.tune import limits
     lim = limits(arch="90a")
-    for kind in configs.default_kinds():
+    fused = configs.Kind("bf16", "bf16", "row", "col", LinearCombination("bf16", bias="col",
+                                                                          activation="silu"))
+    grid = [configs.Problem(m, n, k, batch) for m in (1, 7, 64, 300, 2048, 16384)
+            for n in (8, 1000, 4096, 57344) for k in (16, 777, 8192, 131072) for batch in (1, 9)]
+    for kind in configs.default_kinds() + [fused]:
         space = configs.space(kind)
         valid = space.valid(lim)
         assert 0 < len(valid) < space.size  # the descriptions refuse some combinations
+        assert kind.plain == (kind is not fused)
+        chosen = {space.default(p, lim) for p in grid}  # default() refuses an invalid choice
+        assert chosen <= set(model.CANDIDATES) | {model.TORCH_CONFIG}
+        assert (model.TORCH_CONFIG in chosen) == kind.plain  # torch only where it is exact
+        assert len({c.tile for c in chosen}) >= 3  # the choice follows the shape
         big = space.default(configs.Problem(8192, 8192, 8192), lim)
-        assert (big.tile, big.cluster, big.scheduler) == ("128x256x64", "2x1", "persistent")
-        skinny = space.default(configs.Problem(64, 8192, 8192), lim)  # one row of tiles
-        assert (skinny.tile, skinny.schedule) == ("64x64x64", "pingpong")
-        assert space.default(configs.Problem(128, 8192, 8192), lim).tile == "128x64x64"
-        few = space.default(configs.Problem(512, 2048, 8192), lim)  # few tiles, long K
-        assert few.scheduler == "stream_k"
-        short = space.default(configs.Problem(16384, 16384, 1024), lim)  # many tiles, short K
-        assert (short.tile, short.schedule) == ("128x128x64", "pingpong")
-        assert space.default(configs.Problem(8192, 8192, 2048), lim).schedule == "cooperative"
+        assert (big.tile, big.cluster, big.backend) == ("128x256x64", "2x1", "vitrail")
         reason = space.reasons(space.config(tile="64x128x64", cluster="1x1",
-                                            schedule="cooperative", scheduler="persistent"), lim)
+                                            schedule="cooperative", scheduler="persistent",
+                                            backend="vitrail"), lim)
         assert reason and "cooperative schedule" in reason[0]
+    assert "torch's matmul does not compute" in configs.space(fused).reasons(
+        model.TORCH_CONFIG, lim)[0]
     assert configs.space(configs.default_kinds()[0]).reasons(
         big, limits(arch="80"))[0].startswith("the GEMM kernels are sm_90a")
+
+
+def test_selection_generalizes():
+    """Each shape of the shipped sweep chosen from the others only (leave one out): the choice
+    is within a few percent of the shape's best option, and never much slower than torch."""
+    from vitrail.ops.gemm import model
+    rows = model.table()
+    slowdowns, vs_torch = [], []
+    for i, (point, slowdown) in enumerate(rows):
+        others = rows[:i] + rows[i + 1:]
+        m, n, k = (round(2 ** x) for x in point)
+        for torch_ok in (True, False):
+            chosen = model.label(model.choose(m, n, k, torch_ok=torch_ok, rows=others))
+            if torch_ok:
+                slowdowns.append(slowdown[chosen])
+                vs_torch.append(slowdown["torch"] / slowdown[chosen])
+            else:
+                assert chosen != model.TORCH
+    geo = math.exp(sum(map(math.log, slowdowns)) / len(slowdowns))
+    assert len(rows) > 300 and geo < 1.025, geo  # measured: 1.019
+    assert min(vs_torch) > 0.85 and sum(v < 0.97 for v in vs_torch) <= len(rows) // 60
 
 
 @pytest.fixture
@@ -89,8 +118,12 @@ def prepared_reasons(kind, problem, tensors):
     from vitrail.gemm.arguments import GemmArguments, describe
     from vitrail.ops.gemm import configs
     from vitrail.tune import limits
+    from vitrail.ops.gemm import model
     a, b, c, d, bias, sa, sb = tensors
-    op = configs.operation(kind, configs.space(kind).default(problem, limits(arch="90a")))
+    config = configs.space(kind).default(problem, limits(arch="90a"))
+    if config.backend != "vitrail":  # torch's matmul runs it; the kernel chosen without torch
+        config = model.choose(problem.M, problem.N, problem.K, problem.L, torch_ok=False)
+    op = configs.operation(kind, config)
     args = GemmArguments(A=describe(a, "a", op.A.layout), B=describe(b, "b", op.B.layout),
                          D=describe(d, "d", op.D.layout), M=problem.M, N=problem.N,
                          K=problem.K, L=problem.L, bias=bias, scale_a=sa, scale_b=sb,
@@ -179,10 +212,59 @@ def plain_args():
 # ------------------------------------------------------------------------------ GPU tests
 @pytest.fixture
 def poison():
+    """Outputs start as NaN, and every GEMM runs a vitrail kernel (not torch's matmul, which
+    the selection takes where it is faster: test_selection_routes)."""
     from vitrail.ops.gemm import launch
     launch.POISON = True
+    launch.kernels_only(True)
     yield
     launch.POISON = False
+    launch.kernels_only(False)
+
+
+@requires_gpu
+def test_selection_routes():
+    """Plain bf16 products on both routes of the selection (torch's matmul, vitrail's kernels),
+    through the general path and then the plan, against fp64; alpha on the torch route."""
+    ops = family()
+    from vitrail.ops.gemm import launch, model
+    routes = set()
+    for M, N, K in [(1024, 1024, 1024), (8192, 8192, 8192), (16, 4096, 14336), (100, 300, 70),
+                    (5000, 3000, 2000)]:
+        a, w = rand(M, K), rand(N, K)
+        ref = a.double() @ w.double().t()
+        routes.add(model.choose(M, N, K, torch_ok=True).backend)
+        for _ in range(2):  # a miss (the general path), then the plan
+            assert_matches(ops.mm(a, w.t()), ref, a @ w.t(), torch.bfloat16)
+        assert_matches(ops.gemm(a, w.t(), alpha=0.5), ref * 0.5, 0.5 * (a @ w.t()),
+                       torch.bfloat16)
+    assert routes == {"vitrail", "torch"}
+    # a torch-route signature calls torch directly from its plan
+    assert any(plan is launch._torch_plan for plan in launch.PLANS._plans.values())
+
+
+@requires_gpu
+def test_pick_best_times_torch_among_the_candidates(monkeypatch, tmp_path):
+    """PickBest times torch's matmul beside the kernels and the store keeps torch as the winner
+    where it is faster (M = N = 128, K = 131072: torch 30 µs, the best kernel 109 µs on the
+    H100); PickAny then takes the stored choice."""
+    ops = family()
+    from vitrail.ops.gemm import launch
+    from vitrail.tune import PickAny, PickBest, TuningStore, settings, tuner
+    store = TuningStore(tmp_path / "tuning.sqlite")  # not the shared cache's store
+    monkeypatch.setattr(tuner, "TuningStore", lambda: store)
+    launch.kernels_only(False)
+    a, b = rand(128, 131072), rand(131072, 128)
+    ref = a.double() @ b.double()
+    with settings(policy=PickBest, max_configs=3):
+        assert_matches(ops.mm(a, b), ref, a @ b, torch.bfloat16)
+    (record,) = store.records()
+    assert record.config["backend"] == "torch", record.timings
+    assert len([t for t in record.timings if t["ms"] is not None]) == 3
+    launch.kernels_only(False)  # forget the memo: the store answers PickAny
+    with settings(policy=PickAny):
+        assert_matches(ops.mm(a, b), ref, a @ b, torch.bfloat16)
+    assert any(plan is launch._torch_plan for plan in launch.PLANS._plans.values())
 
 
 def assert_matches(out, ref64, torch_out, dtype):

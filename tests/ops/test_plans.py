@@ -15,6 +15,16 @@ pytestmark = [requires_gpu, pytest.mark.warm_cache]
 BF = torch.bfloat16
 
 
+@pytest.fixture(autouse=True)
+def kernels_only():
+    """GEMMs on vitrail's kernels: the plans of kernel launches are under test here (the GEMM
+    selection's torch route has its own plan: tests/ops/test_gemm.py)."""
+    from vitrail.ops.gemm import launch
+    launch.kernels_only(True)
+    yield
+    launch.kernels_only(False)
+
+
 def _ops():
     import vitrail.ops as ops
     return ops

@@ -252,7 +252,9 @@ def compile_all(jobs: list[tuple[Config, dict]], *, max_workers: int | None = No
                 verbose: bool = False, label: str = "") -> dict[Config, str]:
     """Compile every (config, jit.compile kwargs) into the cache; returns {config: error} for
     the ones that failed. One process per job (vitrail.tune.compile_job), at most as many at
-    once as cores and memory allow; a process that dies fails its own job only."""
+    once as cores and memory allow; a process that dies fails its own job only. Kwargs None:
+    a config that compiles nothing (Op's render), skipped."""
+    jobs = [(config, kwargs) for config, kwargs in jobs if kwargs is not None]
     workers = worker_count(max_workers, len(jobs))
     progress = _Progress(len(jobs), f"compiling {label} configs", verbose)
     failures: dict[Config, str] = {}

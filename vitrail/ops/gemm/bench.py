@@ -51,7 +51,7 @@ def build() -> None:
     from vitrail.ops.gemm.grouped import operation as grouped_operation
     from vitrail.tune import compile_all, limits
     lim = limits()
-    kwargs = [op.render(c) for op, c in _jobs()]
+    kwargs = [kw for kw in (op.render(c) for op, c in _jobs()) if kw is not None]
     kwargs.append(grouped_operation(torch.bfloat16, "row").compile_kwargs())
     jobs = [(i, dict(kw, arch=lim.arch.name)) for i, kw in enumerate(kwargs)]
     failures = compile_all(jobs, verbose=True, label="gemm bench")
@@ -122,4 +122,48 @@ def run() -> list[Row]:
         wt = w.transpose(-1, -2).contiguous().transpose(-1, -2)
         fns["torch._grouped_mm"] = lambda: torch._grouped_mm(a, wt, ends)
     rows += _rows(f"grouped bf16 8 MoE groups N{n} K{k}", fns, 2.0 * sum(ms) * n * k)
+    return rows
+
+
+def build_sweep() -> None:
+    """The selection's kernels for the sweep (every candidate, B row- and column-major)."""
+    from vitrail.gemm import LinearCombination
+    from vitrail.ops.gemm import model
+    from vitrail.ops.gemm.configs import Kind
+    from vitrail.ops.gemm.launch import op_for
+    from vitrail.tune import compile_all, limits
+    lim = limits()
+    jobs = []
+    for el in ("bf16", "f16"):
+        for lb in ("row", "col"):
+            op = op_for(Kind(el, el, "row", lb, LinearCombination(el)))
+            jobs += [((el, lb, c), dict(op.render(c), arch=lim.arch.name))
+                     for c in model.CANDIDATES if not op.space.reasons(c, lim)]
+    for key, error in compile_all(jobs, verbose=True, label="gemm sweep").items():
+        print(f"  build failed {key}: {error[:2000]}")
+
+
+@register("gemm-sweep", "vitrail.ops mm/bmm on the selection's sweep (315 shapes: LLM linear "
+          "layers at 1-16384 tokens, squares, odd sizes, long K, batches) vs torch, bf16 and "
+          "fp16, CUDA graph and eager", build_sweep)
+def run_sweep() -> list[Row]:
+    import torch
+
+    from vitrail.ops.gemm import sweep
+    build_sweep()
+    rows = []
+    for dtype in (torch.bfloat16, torch.float16):
+        dn = str(dtype).removeprefix("torch.")
+        graph, eager = {}, {}
+        for rec in sweep.time_calls(dtype):
+            case = f"{dn} {rec['name']}" + (" held out" if rec["held_out"] else "")
+            flops = 2.0 * rec["M"] * rec["N"] * rec["K"] * rec["L"]
+            for impl, base in (("vitrail", False), ("torch", True)):
+                rows.append(Row(case=case, impl=impl, value=rec["graph"][impl] * 1e3, unit="us",
+                                baseline=base, ms=rec["graph"][impl], flops=flops,
+                                extra={"eager_us": rec["eager"][impl] * 1e3}))
+            graph[rec["name"]] = rec["graph"]["torch"] / rec["graph"]["vitrail"]
+            eager[rec["name"]] = rec["eager"]["torch"] / rec["eager"]["vitrail"]
+        print(f"{dn} CUDA graph, torch time / vitrail time: {sweep.summary(graph)}")
+        print(f"{dn} eager, torch time / vitrail time: {sweep.summary(eager)}")
     return rows

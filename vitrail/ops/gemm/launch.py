@@ -14,6 +14,7 @@ Fallback to torch, with a one-time warning: GPUs other than Hopper (sm_90).
 """
 from __future__ import annotations
 
+import threading
 import warnings
 from typing import Optional
 
@@ -24,7 +25,7 @@ from vitrail.gemm import arguments as gargs
 from vitrail.gemm.epilogue import ACTIVATION_FUNCTOR
 from vitrail.op import Op
 from vitrail.plan import GENERAL, Plans, signature
-from vitrail.ops.gemm import configs
+from vitrail.ops.gemm import configs, model
 from vitrail.ops.gemm.configs import Kind, Problem
 from vitrail.ops.gemm.reference import gemm_reference
 from vitrail.tune import bucket
@@ -45,6 +46,15 @@ def warn_once(key: str, message: str) -> None:
         warnings.warn(message, stacklevel=3)
 
 
+def kernels_only(on: bool) -> None:
+    """on: every GEMM runs a vitrail kernel, never torch's matmul (tests of the kernels);
+    forgets the configs and plans chosen before."""
+    model.TORCH_ALLOWED = not on
+    for op in _OPS.values():
+        op._configs.clear()
+    PLANS.clear()
+
+
 def op_for(kind: Kind) -> Op:
     """The Op of one kind (tensors' dtypes, layouts, epilogue), built on first use."""
     op = _OPS.get(kind)
@@ -58,10 +68,15 @@ def op_for(kind: Kind) -> Op:
             return g
 
         def render(config):
+            if config["backend"] == model.TORCH:
+                return None  # nothing to compile
             return gemm_operation(config).compile_kwargs()
 
         def launch(module, config, a, b, c, d, bias, scale_a, scale_b, alpha, beta, slope, lo,
                    hi, splits):
+            if config["backend"] == model.TORCH:  # a plain kind: D = alpha * a @ b
+                torch_matmul(a, b, alpha, d)
+                return
             g = gemm_operation(config)
             args = gargs.GemmArguments.from_tensors(
                 g, a, b, d, c=c, bias=bias, scale_a=scale_a, scale_b=scale_b, alpha=alpha,
@@ -77,6 +92,14 @@ def op_for(kind: Kind) -> Op:
                              render=render, launch=launch, examples=configs.DEFAULT_PROBLEMS,
                              make_problem=lambda shape, dtype: make_problem(kind, shape))
     return op
+
+
+def torch_matmul(a: torch.Tensor, b: torch.Tensor, alpha: float, d: torch.Tensor) -> None:
+    """d = alpha * a @ b in one torch (cuBLAS) call; a and b 2-D, or 3-D with one batch."""
+    if a.dim() == 2:
+        torch.addmm(d, a, b, beta=0, alpha=alpha, out=d)  # beta 0: d's contents not read
+    else:
+        torch.baddbmm(d, a, b, beta=0, alpha=alpha, out=d)
 
 
 _TORCH = {"bf16": torch.bfloat16, "f16": torch.float16, "tf32": torch.float32,
@@ -183,6 +206,7 @@ def run(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], bias: Optio
 # call; a call that needs aligned copies, a padded output, a conversion or torch's fallback
 # takes the general path every time (the plan would skip that work).
 PLANS = Plans("gemm")
+_ROUTE = threading.local()  # .torch: the last run_into of this thread called torch's matmul
 
 
 def _sig(t: Optional[torch.Tensor]):
@@ -215,9 +239,17 @@ def eager(a, b, c, bias, alpha, beta, activation, slope, clamp_min, clamp_max, o
     if RECORD is not None:
         return run(a, b, c, bias, alpha, beta, activation, slope, clamp_min, clamp_max, out_dtype,
                    scale_a=scale_a, scale_b=scale_b, fast_accum=fast_accum)
-    return PLANS.run(key, (a, b, c, bias, scale_a, scale_b), _new_output, _general,
-                     (out_shape(a, b), out_dtype, alpha, beta, activation, slope, clamp_min,
-                      clamp_max, fast_accum))[0]
+    _ROUTE.torch = False
+    d = PLANS.run(key, (a, b, c, bias, scale_a, scale_b), _new_output, _general,
+                  (out_shape(a, b), out_dtype, alpha, beta, activation, slope, clamp_min,
+                   clamp_max, fast_accum))[0]
+    if _ROUTE.torch and alpha == 1.0:  # torch's matmul runs this signature: call it directly
+        PLANS.put(key, _torch_plan)
+    return d
+
+
+def _torch_plan(a, b, *_) -> tuple[torch.Tensor]:
+    return (torch.matmul(a, b),)
 
 
 def run_into(d: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor],
@@ -308,8 +340,14 @@ def run_into(d: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: Optional[torc
         RECORD.append((kind, problem, (a_t, b_t, c_t, d, bias_t, sa, sb)))
         out.zero_()
         return
-    op_for(kind)(key, problem, a_t, b_t, c_t, d, bias_t, sa, sb, float(alpha), float(beta),
-                 float(slope), lo, hi, splits)
+    op = op_for(kind)
+    args = (a_t, b_t, c_t, d, bias_t, sa, sb, float(alpha), float(beta), float(slope), lo, hi,
+            splits)
+    if op.config(key, problem, args)["backend"] == model.TORCH:  # measured faster: cuBLAS
+        _ROUTE.torch = True
+        torch_matmul(a, b, alpha, out)
+        return
+    op(key, problem, *args)
     if out is not d:
         out.copy_(d)
 

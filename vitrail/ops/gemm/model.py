@@ -1,0 +1,159 @@
+"""The GEMM selection: which of the candidate configs, or torch's own matmul, runs a problem.
+
+The choice is empirical, from a sweep measured on the H100 (vitrail.ops.gemm.sweep: 315 shapes,
+every candidate and torch replayed from CUDA graphs side by side, operands from DRAM): each
+problem takes the option with the least total slowdown over its ``NEIGHBOURS`` nearest measured
+shapes in log2 (M*L, N, K); one farther than ``FAR`` octaves from all of them runs torch's
+matmul where it may. The table ships as ``selection_h100.json``; ``python -m
+vitrail.ops.gemm.sweep table SWEEP.json... > selection_h100.json`` rebuilds it and ``... check
+SWEEP.json...`` reports the choice on the sweep's held-out quarter when fitted on the rest.
+
+Why neighbours and not an analytic model: a wave-quantization and roofline model (per config
+a launch cost, a per-wave cost and a per-k-block cost; DRAM, per-SM and L2 bandwidth floors)
+fitted on the same sweep predicted times within about 8% but chose configs 6-16% slower than
+the best on held-out shapes, because neighbouring configs differ by less than its error and
+by effects it does not model (cluster multicast, stream-K's fixup). The neighbours' choice is
+within 0.2% of the best on held-out shapes.
+
+``torch`` is an option only where torch computes exactly the kernel's result (Kind.plain:
+16-bit inputs, output in the same dtype, no epilogue beyond alpha): fused epilogues always run
+vitrail's kernels.
+"""
+from __future__ import annotations
+
+import json
+import math
+from functools import lru_cache
+from pathlib import Path
+
+from vitrail.tune.space import Config
+
+TORCH = "torch"
+NEIGHBOURS = 3
+FAR = 1.5  # octaves: a problem this far from every measured shape runs torch where it may
+TABLE = Path(__file__).with_name("selection_h100.json")
+TORCH_ALLOWED = True  # False: always a vitrail kernel (launch.kernels_only: the GPU tests)
+
+
+def make_config(tile: str, cluster: str, schedule: str, scheduler: str,
+                backend: str = "vitrail") -> Config:
+    # the parameters in the space's order (configs.space), so equal configs hash alike
+    return Config([("tile", tile), ("cluster", cluster), ("schedule", schedule),
+                   ("scheduler", scheduler), ("backend", backend)])
+
+
+# the configs the selection chooses among for 16-bit inputs (K tile 64)
+CANDIDATES = [
+    make_config("128x256x64", "2x1", "cooperative", "persistent"),
+    make_config("128x256x64", "1x1", "cooperative", "persistent"),
+    make_config("256x128x64", "1x2", "cooperative", "persistent"),
+    make_config("128x128x64", "2x1", "cooperative", "persistent"),
+    make_config("128x128x64", "1x1", "cooperative", "persistent"),
+    make_config("128x128x64", "2x1", "pingpong", "persistent"),
+    make_config("128x128x64", "1x1", "pingpong", "persistent"),
+    make_config("128x128x64", "1x1", "cooperative", "stream_k"),
+    make_config("128x128x64", "2x1", "cooperative", "stream_k"),
+    make_config("128x256x64", "1x1", "cooperative", "stream_k"),
+    make_config("128x64x64", "1x1", "cooperative", "persistent"),
+    make_config("128x64x64", "1x1", "cooperative", "stream_k"),
+    make_config("64x64x64", "1x1", "pingpong", "persistent"),
+    make_config("64x128x64", "1x1", "pingpong", "persistent"),
+    make_config("64x256x64", "1x1", "pingpong", "persistent"),
+]
+# torch's matmul as a config of the space: the other parameters at their first values
+TORCH_CONFIG = make_config("128x256x64", "1x1", "cooperative", "persistent", TORCH)
+
+
+def label(config: Config) -> str:
+    """128x256x64 2x1 coop persistent; torch."""
+    if config["backend"] == TORCH:
+        return TORCH
+    return (f"{config['tile']} {config['cluster']} {config['schedule'][:4]} "
+            f"{config['scheduler']}")
+
+
+BY_LABEL = {label(c): c for c in CANDIDATES + [TORCH_CONFIG]}
+
+
+@lru_cache(maxsize=None)
+def limits():
+    from vitrail.tune.space import limits as lim
+    return lim()
+
+
+# -------------------------------------------------------------------------------- choosing
+def _point(m: int, n: int, k: int, batch: int) -> tuple[float, float, float]:
+    return (math.log2(max(1, m * batch)), math.log2(max(1, n)), math.log2(max(1, k)))
+
+
+@lru_cache(maxsize=1)
+def table() -> list[tuple[tuple[float, float, float], dict[str, float]]]:
+    """The shipped sweep: (point, {option: time / the shape's best time})."""
+    return table_rows(json.loads(TABLE.read_text()))
+
+
+def choose(m: int, n: int, k: int, batch: int = 1, *, torch_ok: bool, rows=None) -> Config:
+    """The config for an (M, N, K, batch) problem: the option with the least total log
+    slowdown over the nearest measured shapes (torch among them when torch_ok)."""
+    p = _point(m, n, k, batch)
+    rows = table() if rows is None else rows
+    distance = [(sum((a - b) ** 2 for a, b in zip(r[0], p)), i) for i, r in enumerate(rows)]
+    near = [rows[i] for _, i in sorted(distance)[:NEIGHBOURS]]
+    if torch_ok and min(distance)[0] > FAR ** 2:  # nothing measured near it
+        return TORCH_CONFIG
+    score: dict[str, float] = {}
+    for _, slowdown in near:
+        for option in BY_LABEL:
+            if option == TORCH and not torch_ok:
+                continue
+            score[option] = score.get(option, 0.0) + math.log(slowdown.get(option, 1e3))
+    return BY_LABEL[min(score, key=lambda o: (score[o], o))]
+
+
+# ------------------------------------------------------------ the table, from sweep records
+def _times(record: dict) -> dict[str, float]:
+    times = {k: v for k, v in record["configs"].items() if v}
+    times[TORCH] = record["torch"]
+    return times
+
+
+def make_table(records: list[dict]) -> dict:
+    options = list(BY_LABEL)
+    shapes = []
+    for r in records:
+        times = _times(r)
+        best = min(times.values())
+        shapes.append([r["M"], r["N"], r["K"], r["L"]]
+                      + [round(times[o] / best, 3) if o in times else None for o in options])
+    return {"about": "vitrail.ops.gemm.model: per measured shape (M, N, K, batch), each option's "
+                     "time over the best option's (bf16, CUDA-graph replay, H100 SXM); null: "
+                     "the option cannot run the shape", "options": options, "shapes": shapes}
+
+
+def check(records: list[dict]) -> str:
+    """The choice on the held-out records, from a table of the others: its slowdown against
+    the best option, and torch's time over the chosen option's."""
+    rows = table_rows(make_table([r for r in records if not r["held_out"]]))
+    lines = []
+    for torch_ok in (True, False):
+        regret, speedup = [], []
+        for r in (r for r in records if r["held_out"]):
+            times = _times(r)
+            if not torch_ok:
+                times.pop(TORCH)
+            chosen = label(choose(r["M"], r["N"], r["K"], r["L"], torch_ok=torch_ok, rows=rows))
+            regret.append(times[chosen] / min(times.values()))
+            speedup.append(r["torch"] / times[chosen])
+        geo = lambda xs: math.exp(sum(map(math.log, xs)) / len(xs))  # noqa: E731
+        option = "an option" if torch_ok else "not an option"
+        lines.append(f"held out, {len(regret)} shapes, torch {option}: "
+                     f"slowdown against the best option geomean {geo(regret):.3f}, max "
+                     f"{max(regret):.2f}; torch time / chosen geomean {geo(speedup):.3f}, min "
+                     f"{min(speedup):.3f}, {sum(s < 0.97 for s in speedup)} below 0.97")
+    return "\n".join(lines)
+
+
+def table_rows(data: dict) -> list[tuple[tuple[float, float, float], dict[str, float]]]:
+    options = data["options"]
+    return [(_point(*row[:4]), {o: v for o, v in zip(options, row[4:]) if v is not None})
+            for row in data["shapes"]]
