@@ -68,7 +68,8 @@ def test_heuristic_and_space():
         chosen = {space.default(p, lim) for p in grid}  # default() refuses an invalid choice
         assert chosen <= set(model.CANDIDATES) | {model.TORCH_CONFIG}
         assert (model.TORCH_CONFIG in chosen) == kind.plain  # torch only where it is exact
-        assert len({c.tile for c in chosen}) >= 3  # the choice follows the shape
+        kernels = {c.tile for c in chosen if c.backend == "vitrail"}
+        assert len(kernels) >= (2 if kind.plain else 3)  # the choice follows the shape
         big = space.default(configs.Problem(8192, 8192, 8192), lim)
         assert (big.tile, big.cluster, big.backend) == ("128x256x64", "2x1", "vitrail")
         reason = space.reasons(space.config(tile="64x128x64", cluster="1x1",
@@ -89,9 +90,9 @@ def test_selection_generalizes():
     slowdowns, vs_torch = [], []
     for i, (point, slowdown) in enumerate(rows):
         others = rows[:i] + rows[i + 1:]
-        m, n, k = (round(2 ** x) for x in point)
+        m, n, k, batch = (round(2 ** x) for x in point)
         for torch_ok in (True, False):
-            chosen = model.label(model.choose(m, n, k, torch_ok=torch_ok, rows=others))
+            chosen = model.label(model.choose(m, n, k, batch, torch_ok=torch_ok, rows=others))
             if torch_ok:
                 slowdowns.append(slowdown[chosen])
                 vs_torch.append(slowdown["torch"] / slowdown[chosen])

@@ -3,7 +3,7 @@
 The choice is empirical, from a sweep measured on the H100 (vitrail.ops.gemm.sweep: 315 shapes,
 every candidate and torch replayed from CUDA graphs side by side, operands from DRAM): each
 problem takes the option with the least total slowdown over its ``NEIGHBOURS`` nearest measured
-shapes in log2 (M*L, N, K); one farther than ``FAR`` octaves from all of them runs torch's
+shapes in log2 (M, N, K, batch); one farther than ``FAR`` octaves from all of them runs torch's
 matmul where it may. The table ships as ``selection_h100.json``; ``python -m
 vitrail.ops.gemm.sweep table SWEEP.json... > selection_h100.json`` rebuilds it and ``... check
 SWEEP.json...`` reports the choice on the sweep's held-out quarter when fitted on the rest.
@@ -82,12 +82,14 @@ def limits():
 
 
 # -------------------------------------------------------------------------------- choosing
-def _point(m: int, n: int, k: int, batch: int) -> tuple[float, float, float]:
-    return (math.log2(max(1, m * batch)), math.log2(max(1, n)), math.log2(max(1, k)))
+def _point(m: int, n: int, k: int, batch: int) -> tuple[float, ...]:
+    """Where a problem lies in the table: log2 of its sizes (a batch is its own axis: tiles do
+    not span batches, so 32 products of 128 x 128 are not one of 4096 x 128)."""
+    return tuple(math.log2(max(1, x)) for x in (m, n, k, batch))
 
 
 @lru_cache(maxsize=1)
-def table() -> list[tuple[tuple[float, float, float], dict[str, float]]]:
+def table() -> list[tuple[tuple[float, ...], dict[str, float]]]:
     """The shipped sweep: (point, {option: time / the shape's best time})."""
     return table_rows(json.loads(TABLE.read_text()))
 
@@ -153,7 +155,7 @@ def check(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def table_rows(data: dict) -> list[tuple[tuple[float, float, float], dict[str, float]]]:
+def table_rows(data: dict) -> list[tuple[tuple[float, ...], dict[str, float]]]:
     options = data["options"]
     return [(_point(*row[:4]), {o: v for o, v in zip(options, row[4:]) if v is not None})
             for row in data["shapes"]]
