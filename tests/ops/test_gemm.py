@@ -90,7 +90,7 @@ def test_selection_generalizes():
     slowdowns, vs_torch = [], []
     for i, (point, slowdown) in enumerate(rows):
         others = rows[:i] + rows[i + 1:]
-        m, n, k, batch = (round(2 ** x) for x in point)
+        m, n, k, batch = (round(2 ** x) for x in point[:4])
         for torch_ok in (True, False):
             chosen = model.label(model.choose(m, n, k, batch, torch_ok=torch_ok, rows=others))
             if torch_ok:
@@ -99,7 +99,7 @@ def test_selection_generalizes():
             else:
                 assert chosen != model.TORCH
     geo = math.exp(sum(map(math.log, slowdowns)) / len(slowdowns))
-    assert len(rows) > 300 and geo < 1.025, geo  # measured: 1.019
+    assert len(rows) > 300 and geo < 1.025, geo  # measured: 1.015
     assert min(vs_torch) > 0.85 and sum(v < 0.97 for v in vs_torch) <= len(rows) // 60
 
 

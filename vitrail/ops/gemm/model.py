@@ -3,8 +3,8 @@
 The choice is empirical, from a sweep measured on the H100 (vitrail.ops.gemm.sweep: 315 shapes,
 every candidate and torch replayed from CUDA graphs side by side, operands from DRAM): each
 problem takes the option with the least total slowdown over its ``NEIGHBOURS`` nearest measured
-shapes in log2 (M, N, K, batch); one farther than ``FAR`` octaves from all of them runs torch's
-matmul where it may. The table ships as ``selection_h100.json``; ``python -m
+shapes in log2 (M, N, K, batch) of its size class (N and K multiples of 8, or not); one
+farther than ``FAR`` octaves from all of them runs torch's matmul where it may. The table ships as ``selection_h100.json``; ``python -m
 vitrail.ops.gemm.sweep table SWEEP.json... > selection_h100.json`` rebuilds it and ``... check
 SWEEP.json...`` reports the choice on the sweep's held-out quarter when fitted on the rest.
 
@@ -84,8 +84,11 @@ def limits():
 # -------------------------------------------------------------------------------- choosing
 def _point(m: int, n: int, k: int, batch: int) -> tuple[float, ...]:
     """Where a problem lies in the table: log2 of its sizes (a batch is its own axis: tiles do
-    not span batches, so 32 products of 128 x 128 are not one of 4096 x 128)."""
-    return tuple(math.log2(max(1, x)) for x in (m, n, k, batch))
+    not span batches, so 32 products of 128 x 128 are not one of 4096 x 128), and its size class
+    far from the other: N or K not a multiple of 8 puts torch on kernels that do not use TMA
+    (2.5-4.5x slower than vitrail's on the H100) and vitrail.ops on aligned copies."""
+    odd = n % 8 or k % 8
+    return (*(math.log2(max(1, x)) for x in (m, n, k, batch)), 64.0 if odd else 0.0)
 
 
 @lru_cache(maxsize=1)
