@@ -140,4 +140,4 @@ def default_kinds() -> list[Kind]:
             Kind("f16", "f16", "row", "row", LinearCombination("f16"))]
 
 
-DEFAULT_PROBLEMS = [Problem(4096, 4096, 4096), Problem(64, 8192, 8192)]
+DEFAULT_PROBLEMS = [Problem(8192, 8192, 8192), Problem(64, 5120, 13824)]  # kernels, not torch
