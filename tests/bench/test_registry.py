@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from vitrail import bench
 from vitrail.bench import Benchmark, Row, print_table, ratios, roofline_of
 from vitrail.profile import Peaks
 
@@ -48,3 +49,11 @@ def test_roofline_columns_from_the_work_a_row_did(capsys):
     assert "1.10x" in out  # the vitrail copy against the torch baseline of its case
     copy_line = next(line for line in out.splitlines() if "2147" in line)
     assert copy_line.split()[-4] == "-"  # a copy did no FLOPs: no TFLOP/s shown, not 0.0
+
+
+def test_a_bare_bench_runs_all_but_the_benchmarks_run_by_name():
+    registry = bench.load()
+    assert registry["gemm-sweep"].by_name  # 60 kernels and 630 timed shapes: when asked for
+    bare = {b.name for b in bench.select(registry, [])}
+    assert "gemm-sweep" not in bare and {"gemm", "softmax", "host"} <= bare
+    assert [b.name for b in bench.select(registry, ["gemm-sweep"])] == ["gemm-sweep"]

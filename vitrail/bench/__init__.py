@@ -42,14 +42,15 @@ class Benchmark:
     description: str
     run: Callable[[], list[Row]]
     build: Callable[[], None]
+    by_name: bool = False  # run only when named (a long sweep), not by a bare `vitrail bench`
 
 
 REGISTRY: dict[str, Benchmark] = {}
 
 
-def register(name: str, description: str, build: Callable[[], None]):
+def register(name: str, description: str, build: Callable[[], None], *, by_name: bool = False):
     def wrap(run: Callable[[], list[Row]]) -> Callable[[], list[Row]]:
-        REGISTRY[name] = Benchmark(name, description, run, build)
+        REGISTRY[name] = Benchmark(name, description, run, build, by_name)
         return run
     return wrap
 
@@ -154,6 +155,13 @@ def _build(selected: list[Benchmark]) -> int:
     return 0 if len(built) == len(selected) else 1
 
 
+def select(registry: dict[str, Benchmark], names: list[str]) -> list[Benchmark]:
+    """The benchmarks named, or, with no names, every one not marked by_name."""
+    if names:
+        return [registry[n] for n in names]
+    return [b for b in registry.values() if not b.by_name]
+
+
 def main(names: list[str], out_dir: str = "results", compile_only: bool = False,
          list_only: bool = False) -> int:
     registry = load()
@@ -162,11 +170,11 @@ def main(names: list[str], out_dir: str = "results", compile_only: bool = False,
         print(f"vitrail bench: unknown benchmark(s) {', '.join(unknown)}; known: "
               f"{', '.join(registry)}")
         return 2
-    selected = [registry[n] for n in (names or registry)]
     if list_only:
-        for b in selected:
-            print(f"{b.name:<24}{b.description}")
+        for b in (registry[n] for n in (names or registry)):
+            print(f"{b.name:<24}{b.description}" + (" (run when named)" if b.by_name else ""))
         return 0
+    selected = select(registry, names)
     import torch
     if not compile_only and not torch.cuda.is_available():
         print("vitrail bench: no GPU is visible, so nothing can be timed here; building the "

@@ -145,7 +145,7 @@ def build_sweep() -> None:
 
 @register("gemm-sweep", "vitrail.ops mm/bmm on the selection's sweep (315 shapes: LLM linear "
           "layers at 1-16384 tokens, squares, odd sizes, long K, batches) vs torch, bf16 and "
-          "fp16, CUDA graph and eager", build_sweep)
+          "fp16, CUDA graph and eager", build_sweep, by_name=True)
 def run_sweep() -> list[Row]:
     import torch
 
