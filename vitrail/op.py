@@ -70,6 +70,11 @@ class Op:
                     self._configs[memo] = hit
         return hit
 
+    def forget_configs(self) -> None:
+        """Choose each problem's config afresh at its next call (settings that change the
+        heuristic's answer)."""
+        self._configs.clear()
+
     def module(self, config: Config):
         """The config's compiled module (None for a config that compiles nothing)."""
         mod = self._modules.get(config)

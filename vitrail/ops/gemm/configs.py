@@ -7,14 +7,15 @@ tiles, never dtypes, and times torch's matmul beside the kernels where torch com
 thing (Kind.plain). Constraints are the descriptions' own validation: a config that cannot
 become a kernel is refused with the description's reason.
 
-Heuristic: 16-bit kinds take vitrail.ops.gemm.model's choice (measured neighbours, torch among
-the options for plain kinds). TF32 uses 128x128x32 tiles, FP8 128x256x128, with a 2x1 cluster;
-with too few tiles to fill the GPU and a long K, 128x128 tiles on the stream-K scheduler. FP8 with exact accumulation takes 128x256 tiles too: the overlapped-promotion
-mainloop keeps two 64-column temporaries beside the accumulators, 192 registers (CUTLASS's
-collective needs a second full accumulator, which spills at 128x256). H100, torch._scaled_mm
-exact = 1, same run: 128x256 1.02x at 4096^3 and 1.00x at 6144^3, where 128x128 runs 0.94x and
-0.91x; at 8192^3 0.95-1.04x in six runs. Measured slower there: 128x192 (0.96-0.97x), a 1x2
-cluster (0.99x), stream-K (0.92x), 64x256 ping-pong (0.85-0.87x: each warpgroup loads its own B).
+Heuristic: 16-bit kinds take vitrail.ops.gemm.model's choice (measured neighbours, torch among the
+options for plain kinds). TF32 uses 128x128x32 tiles, FP8 128x256x128, with a 2x1 cluster; with too
+few tiles to fill the GPU and a long K, 128x128 tiles on the stream-K scheduler. FP8 with exact
+accumulation takes 128x256 tiles too: the overlapped-promotion mainloop keeps two 64-column
+temporaries beside the accumulators, 192 registers (CUTLASS's collective needs a second full
+accumulator, which spills at 128x256). H100, torch._scaled_mm exact = 1, same run: 128x256 1.02x at
+4096^3 and 1.00x at 6144^3, where 128x128 runs 0.94x and 0.91x; at 8192^3 0.95-1.04x in six runs.
+Measured slower there: 128x192 (0.96-0.97x), a 1x2 cluster (0.99x), stream-K (0.92x), 64x256
+ping-pong (0.85-0.87x: each warpgroup loads its own B).
 """
 from __future__ import annotations
 

@@ -51,7 +51,7 @@ def kernels_only(on: bool) -> None:
     forgets the configs and plans chosen before."""
     model.TORCH_ALLOWED = not on
     for op in _OPS.values():
-        op._configs.clear()
+        op.forget_configs()
     PLANS.clear()
 
 

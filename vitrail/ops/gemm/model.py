@@ -1,12 +1,13 @@
 """The GEMM selection: which of the candidate configs, or torch's own matmul, runs a problem.
 
 The choice is empirical, from a sweep measured on the H100 (vitrail.ops.gemm.sweep: 315 shapes,
-every candidate and torch replayed from CUDA graphs side by side, operands from DRAM): each
-problem takes the option with the least total slowdown over its ``NEIGHBOURS`` nearest measured
-shapes in log2 (M, N, K, batch) of its size class (N and K multiples of 8, or not); one
-farther than ``FAR`` octaves from all of them runs torch's matmul where it may. The table ships as ``selection_h100.json``; ``python -m
-vitrail.ops.gemm.sweep table SWEEP.json... > selection_h100.json`` rebuilds it and ``... check
-SWEEP.json...`` reports the choice on the sweep's held-out quarter when fitted on the rest.
+every candidate and torch replayed from CUDA graphs side by side, operands from DRAM): each problem
+takes the option with the least total slowdown over its ``NEIGHBOURS`` nearest measured shapes in
+log2 (M, N, K, batch) of its size class (N and K multiples of 8, or not); one farther than ``FAR``
+octaves from all of them runs torch's matmul where it may. The table ships as
+``selection_h100.json``; ``python -m vitrail.ops.gemm.sweep table SWEEP.json... >
+selection_h100.json`` rebuilds it and ``... check SWEEP.json...`` reports the choice on the sweep's
+held-out quarter when fitted on the rest.
 
 Why neighbours and not an analytic model: a wave-quantization and roofline model (per config
 a launch cost, a per-wave cost and a per-k-block cost; DRAM, per-SM and L2 bandwidth floors)
@@ -73,12 +74,6 @@ def label(config: Config) -> str:
 
 
 BY_LABEL = {label(c): c for c in CANDIDATES + [TORCH_CONFIG]}
-
-
-@lru_cache(maxsize=None)
-def limits():
-    from vitrail.tune.space import limits as lim
-    return lim()
 
 
 # -------------------------------------------------------------------------------- choosing
@@ -149,13 +144,17 @@ def check(records: list[dict]) -> str:
             chosen = label(choose(r["M"], r["N"], r["K"], r["L"], torch_ok=torch_ok, rows=rows))
             regret.append(times[chosen] / min(times.values()))
             speedup.append(r["torch"] / times[chosen])
-        geo = lambda xs: math.exp(sum(map(math.log, xs)) / len(xs))  # noqa: E731
         option = "an option" if torch_ok else "not an option"
         lines.append(f"held out, {len(regret)} shapes, torch {option}: "
-                     f"slowdown against the best option geomean {geo(regret):.3f}, max "
-                     f"{max(regret):.2f}; torch time / chosen geomean {geo(speedup):.3f}, min "
+                     f"slowdown against the best option geomean {geomean(regret):.3f}, max "
+                     f"{max(regret):.2f}; torch time / chosen geomean {geomean(speedup):.3f}, min "
                      f"{min(speedup):.3f}, {sum(s < 0.97 for s in speedup)} below 0.97")
     return "\n".join(lines)
+
+
+def geomean(values) -> float:
+    values = list(values)
+    return math.exp(sum(map(math.log, values)) / len(values))
 
 
 def table_rows(data: dict) -> list[tuple[tuple[float, ...], dict[str, float]]]:

@@ -25,6 +25,9 @@ import zlib
 from dataclasses import asdict, dataclass
 from typing import Iterator
 
+from vitrail.ops.gemm import model
+from vitrail.ops.gemm.configs import Problem
+
 # (out_features, in_features) of the linear layers of public model families: attention's fused
 # QKV and output projections, the MLP's fused gate+up and down projections
 LINEAR = {
@@ -40,11 +43,8 @@ MAX_FLOP = 3e12  # shapes above (~4 ms on an H100) add time and no new regime
 
 
 @dataclass(frozen=True)
-class Shape:
-    M: int
-    N: int
-    K: int
-    L: int = 1
+class Shape(Problem):
+    """A problem of the sweep: its sizes (M, N, K, L), B's layout and where it comes from."""
     layout_b: str = "row"  # "col": b is a transposed row-major weight (x @ W.t())
     family: str = ""
 
@@ -184,9 +184,10 @@ def time_configs(dtype_name: str = "bf16", *, only=None, log=sys.stderr) -> Iter
     import torch
 
     from vitrail.gemm import LinearCombination
-    from vitrail.ops.gemm import model
     from vitrail.ops.gemm.configs import Kind
     from vitrail.ops.gemm.launch import op_for
+    from vitrail.tune import limits
+    lim = limits()
     dtype = {"bf16": torch.bfloat16, "f16": torch.float16}[dtype_name]
     for s in shapes() if only is None else only:
         kind = Kind(dtype_name, dtype_name, "row", s.layout_b, LinearCombination(dtype_name))
@@ -197,7 +198,7 @@ def time_configs(dtype_name: str = "bf16", *, only=None, log=sys.stderr) -> Iter
         n = _launches(s)
         graphs = {"torch": Graph(_torch_launch, sets, n)}
         for config in model.CANDIDATES:
-            if op.space.reasons(config, model.limits()):
+            if op.space.reasons(config, lim):
                 continue
 
             def launch(a, b, d, c=config, module=op.module(config)):
@@ -249,9 +250,9 @@ def summary(ratios: dict[str, float], worst: int = 10) -> str:
     """Geometric mean, minimum and the worst shapes of {shape: torch time / vitrail time}."""
     if not ratios:
         return "no shapes"
-    geo = math.exp(sum(math.log(r) for r in ratios.values()) / len(ratios))
     low = sorted(ratios.items(), key=lambda kv: kv[1])[:worst]
-    return (f"{len(ratios)} shapes: geomean {geo:.3f}x, min {low[0][1]:.3f}x; worst: "
+    return (f"{len(ratios)} shapes: geomean {model.geomean(ratios.values()):.3f}x, min "
+            f"{low[0][1]:.3f}x; worst: "
             + ", ".join(f"{k} {v:.2f}x" for k, v in low))
 
 
@@ -268,7 +269,6 @@ def main(argv: list[str]) -> int:
         print(USAGE, file=sys.stderr)
         return 2
     if argv[0] in ("table", "check"):
-        from vitrail.ops.gemm import model
         records = [r for path in argv[1:] for r in json.load(open(path))["records"]]
         if argv[0] == "check":
             print(model.check(records))
