@@ -80,7 +80,8 @@ CACHE_DIR = _knob(
 NVCC = _knob(
     "VITRAIL_NVCC", "", _str,
     "Path of the nvcc to use. Default: $CUDA_HOME/bin/nvcc, then nvcc on PATH, then "
-    "/usr/local/cuda/bin/nvcc.")
+    "/usr/local/cuda/bin/nvcc. The default nvcc's phases run as two chains at once (device "
+    "code beside the host front end); an nvcc named here runs as given, as a wrapper expects.")
 NVRTC = _knob(
     "VITRAIL_NVRTC", "", _str,
     "Path of the NVRTC library (libnvrtc.so.13) to compile with, or the folder holding it; read "

@@ -201,3 +201,33 @@ def test_build_fills_the_cache_without_loading_or_importing_torch(cache_dir):
     assert is_built(src, name="one", arch="90a")
     assert not is_built(src.replace("1.f", "2.f"), name="one", arch="90a")
     assert jit.compile(src, name="one", arch="90a").how == "disk"
+
+
+@requires_nvcc
+def test_nvcc_phases_run_as_two_chains(tmp_path):
+    """nvcc's own phases (--dryrun), its device chain beside its host front end: cicc writes
+    the module id itself, under another name; two targets (or anything else unexpected) run nvcc
+    as is; a kernel built so has its launcher and its resource report."""
+    from vitrail.jit import compiler, toolchain
+    src = tmp_path / "k.cu"
+    src.write_text('extern "C" __global__ void k(float* x) { x[threadIdx.x] *= 2; }\n')
+    base = [toolchain.nvcc().path, "-shared", "-Xcompiler=-fPIC", "-Xptxas=-v"]
+
+    def dry(*gencode):
+        cmd = [*base, *gencode, "-o", str(tmp_path / "k.so"), str(src)]
+        return compiler._run_compiler([*cmd, "--dryrun"], tmp_path, "")
+    phases = compiler._nvcc_phases(dry("-gencode=arch=compute_90a,code=sm_90a"))
+    assert phases is not None
+    env, first, host, device, rest, (host_id, device_id) = phases
+    assert "cudafe++" in host[-1] and "-E" in host[0]
+    assert "cicc" in device[1] and "--gen_module_id_file" in device[1]
+    assert device_id == host_id + ".device" and f'"{device_id}"' in device[1]
+    assert "ptxas" in device[2] and "fatbinary" in device[3] and rest
+    assert any(line.startswith("export CICC_PATH=") for line in env)
+    assert compiler._nvcc_phases(dry("-gencode=arch=compute_90a,code=sm_90a",
+                                     "-gencode=arch=compute_80,code=sm_80")) is None
+    mod = jit.compile('#include <cuda_runtime.h>\n__global__ void twice(float* x) '
+                      '{ x[threadIdx.x] *= 2; }\nextern "C" cudaError_t run(float* x, '
+                      'cudaStream_t s) { twice<<<1, 32, 0, s>>>(x); return cudaGetLastError(); }'
+                      '\n', name="two_chains", backend="nvcc", arch="90a")
+    assert mod.function("run").proto.name == "run" and any("twice" in n for n in mod.resources())
