@@ -206,3 +206,170 @@ def test_a_pointer_passed_as_an_integer_is_never_replayed(module):
         out, = plans.run(_key(x), (x,), _outputs, general)
         torch.testing.assert_close(out, 2 * x)
     assert plans.get(_key(x)) is GENERAL
+
+
+# --------------------------------------------------------------- the C++ hit path (native)
+SOURCE_NAN = r"""
+#include <cuda_runtime.h>
+extern "C" cudaError_t scale_finite(float* out, const float* x, long long n, float a,
+                                    cudaStream_t s) {
+  for (long long i = 0; i < n; ++i) {
+    if (x[i] != x[i]) return cudaErrorInvalidValue;  // a NaN: refused
+    out[i] = a * x[i];
+  }
+  return cudaSuccess;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def ext():
+    from vitrail.plan import native
+    loaded = native.load(wait=True)
+    if loaded is None:
+        pytest.fail("the C++ hit path did not build (see the log)")
+    return loaded
+
+
+def _front_op(module, plans, calls):
+    """A public function in front of which the C++ hit path sits: scale(x, a) = a * x."""
+    from vitrail.plan import native
+
+    def general(x, out, a):
+        calls.append(a)
+        module.scale(out.data_ptr(), x.data_ptr(), x.numel(), a, stream=0)
+
+    @native.front(plans)
+    def scale(x, a=2.0, *, tag=None):
+        """a * x"""
+        return plans.run((signature(x), a, tag), (x,), _outputs, general, (a,))[0]
+    return scale
+
+
+def test_front_functions_run_their_plans_from_cpp(module, ext):
+    from vitrail.plan import native
+    plans, calls = Plans("native-test"), []
+    scale = _front_op(module, plans, calls)
+    front = scale.front
+    assert scale.__doc__ == "a * x" and front.table is not None
+    x = torch.randn(37)
+    torch.testing.assert_close(scale(x, 3.0), 3 * x)  # a miss: Python, and the table learns
+    assert calls == [3.0] and len(front.table) == 1
+    plans._plans.clear()  # from now on only the C++ table can skip the general path
+    for _ in range(3):
+        x = torch.randn(37)
+        torch.testing.assert_close(scale(x, 3.0), 3 * x)
+        torch.testing.assert_close(scale(x, a=3.0), 3 * x)  # a keyword is the same key
+    assert calls == [3.0]
+    assert front.call(x, 3.0, None) is not native.MISS
+    # anything that changes the key is a miss, and learned: a value, its type, a shape, strides,
+    # the address modulo 16, a keyword's value
+    y = torch.randn(64)
+    for args, kwargs, expect in [((x, 4.0), {}, 4 * x), ((x, 3), {}, 3 * x),
+                                 ((torch.randn(2, 37)[:, 0],), {}, None),
+                                 ((y[1:38],), {}, 2 * y[1:38]), ((x, 3.0), {"tag": "t"}, 3 * x)]:
+        before = len(calls)
+        out = scale(*args, **kwargs)
+        if expect is not None:
+            torch.testing.assert_close(out, expect)
+        assert len(calls) == before + 1, args
+    assert len(front.table) == 6
+    plans.clear()
+    assert len(front.table) == 0
+
+
+def test_what_no_key_vouches_for_keeps_to_python(module, ext):
+    from vitrail import tune
+    plans, calls = Plans("native-test"), []
+    scale = _front_op(module, plans, calls)
+    front = scale.front
+    x = torch.randn(16, requires_grad=True)  # a gradient recorded: never the C++ table
+    with torch.no_grad():
+        scale(x.detach(), 3.0)
+    assert len(front.table) == 1
+    assert front.call(x.detach(), 3.0, None) is not plan.native.MISS  # grad mode decides
+    assert front.call(x, 3.0, None) is plan.native.MISS and not front.pending()
+    with torch.no_grad():
+        assert front.call(x, 3.0, None) is not plan.native.MISS
+
+    class Sub(torch.Tensor):
+        pass
+    assert front.call(x.detach().as_subclass(Sub), 3.0, None) is plan.native.MISS
+    assert front.call(x.detach(), object(), None) is plan.native.MISS and not front.pending()
+    with tune.settings(policy=tune.PickBest):  # scoped settings: the key does not hold them
+        assert front.call(x.detach(), 3.0, None) is plan.native.MISS
+    tune.set_defaults(policy=tune.PickAny)  # changed defaults drop every C++ plan
+    try:
+        assert len(front.table) == 0
+    finally:
+        tune.reset_defaults()
+
+
+def test_a_general_key_a_result_that_is_an_input_and_errors_from_cpp(module, ext):
+    from vitrail.plan import native
+    plans, calls = Plans("native-test"), []
+    finite = jit.compile(SOURCE_NAN, name="plan_test_nan")
+
+    def copying(x, out):  # a torch op: the key is general, in C++ too
+        calls.append("copy")
+        out.copy_(x)
+
+    @native.front(plans)
+    def copy_of(x):
+        return plans.run((signature(x),), (x,), _outputs, copying)[0]
+
+    for _ in range(2):
+        x = torch.randn(5)
+        torch.testing.assert_close(copy_of(x), x)
+    assert calls == ["copy", "copy"] and len(copy_of.front.table) == 1
+    assert copy_of.front.call(x) is native.MISS and not copy_of.front.pending()
+
+    def into(x, out):
+        finite.scale_finite(out.data_ptr(), x.data_ptr(), x.numel(), 2.0, stream=0)
+
+    @native.front(plans)
+    def scale_into(x, out):
+        plans.run((signature(x), signature(out)), (x, out), lambda *a: (), into)
+        return out
+
+    x, out = torch.randn(6), torch.empty(6)
+    assert scale_into(x, out) is out and len(scale_into.front.table) == 1
+    x = torch.randn(6)
+    assert scale_into(x, out) is out  # the C++ plan returns the argument it wrote
+    torch.testing.assert_close(out, 2 * x)
+    x[3] = float("nan")
+    with pytest.raises(LaunchError, match="native-test \\(planned call\\).*scale_finite"):
+        scale_into(x, out)
+
+
+def test_a_call_inside_a_recorded_call_is_recorded_not_run_from_cpp(module, ext):
+    """While a call is recorded, the C++ tables miss: an op it calls through its front
+    function must be seen by the recording, or the outer plan would skip it."""
+    from vitrail.plan import native
+    plans, calls = Plans("native-test"), []
+
+    def into(x, out):
+        calls.append("inner")
+        module.scale(out.data_ptr(), x.data_ptr(), x.numel(), 5.0, stream=0)
+
+    @native.front(plans)
+    def scale_into(x, out):
+        plans.run((signature(x), signature(out)), (x, out), lambda *a: (), into)
+        return out
+
+    for _ in range(2):  # the second call runs from C++
+        scale_into(torch.randn(9), torch.empty(9))
+    assert calls == ["inner"]
+    outer = Plans("native-test-outer")
+
+    def general(x, out):  # out = 5 * x through scale_into, then doubled in place
+        scale_into(x, out)
+        module.scale(out.data_ptr(), out.data_ptr(), x.numel(), 2.0, stream=0)
+
+    for _ in range(3):
+        x = torch.randn(9)
+        out, = outer.run((signature(x),), (x,), _outputs, general)
+        torch.testing.assert_close(out, 10 * x)
+    assert calls == ["inner", "inner"]  # recorded once, through Python
+    source = outer.get((signature(x),)).source
+    assert "f0(" in source and "f1(" in source  # both calls are in the outer plan

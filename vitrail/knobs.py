@@ -106,6 +106,11 @@ COMPILE_TIMEOUT = _knob(
 LOG = _knob(
     "VITRAIL_LOG", "warning", _str,
     "Log level of the 'vitrail' logger: debug, info (one line per compile), warning or error.")
+NATIVE_PLANS = _knob(
+    "VITRAIL_NATIVE_PLANS", True, _bool,
+    "1: an op call whose signature has a plan runs it from C++ (vitrail.plan.native: a small "
+    "extension against libtorch, built once per machine and torch version, in the background at "
+    "the first plan). 0: plans run from Python. Read once per process.")
 POLICY = _knob(
     "VITRAIL_POLICY", "PickAny", _str,
     "Default tuning policy: PickAny (the tuning store's config, else the heuristic's; compiles "

@@ -99,6 +99,69 @@ def test_plans_are_recorded_for_the_common_calls():
         assert "f0(" in made.source or "k0(" in made.source
 
 
+@pytest.fixture(scope="module")
+def native():
+    """The C++ hit path, built (it builds in the background at the first plan otherwise)."""
+    from vitrail.plan import native
+    if native.load(wait=True) is None:
+        pytest.fail("the C++ hit path did not build (see the log)")
+    return native
+
+
+NATIVE = [("mm", lambda ops: ops.mm, 2), ("bmm", lambda ops: ops.bmm, 2),
+          ("softmax", lambda ops: ops.softmax, 1), ("log_softmax", lambda ops: ops.log_softmax, 1),
+          ("copy to fp32", lambda ops: ops.copy, 1), ("sympow", lambda ops: ops.sympow, 1),
+          ("grouped_mm packed", lambda ops: ops.grouped_mm, 3)]
+
+
+@pytest.mark.parametrize("name,public,tensors", NATIVE, ids=[n for n, _, _ in NATIVE])
+def test_the_cpp_hit_path_runs_the_plans_of_public_calls(native, name, public, tensors):
+    """After its first call, a public call's signature is a C++ plan: the front's table answers
+    it (not MISS), on fresh data, equal to the reference; torch's matmul route too."""
+    ops = _ops()
+    case = next(c for c in _cases() if c[0] == name)
+    _, fn, ref, make, tol = case
+    front = public(ops).front
+    for _ in range(4):
+        args = make()
+        _close(fn(*args), ref(*args), tol)
+    extra = {"log_softmax": (0,), "copy to fp32": (None, torch.float32), "sympow": (2, 8)}
+    args = make()
+    got = front.call(*args[:tensors], *extra.get(name, ()), *_defaults(public(ops), tensors,
+                                                                      len(extra.get(name, ()))))
+    assert got is not native.MISS, f"{name}: no C++ plan ({front})"
+    _close(got, ref(*args), tol)
+
+
+def _defaults(fn, given: int, extra: int) -> tuple:
+    """The defaults of fn's parameters after the first given + extra (as the front passes)."""
+    import inspect
+    params = list(inspect.signature(fn).parameters.values())[given + extra:]
+    return tuple(p.default for p in params)
+
+
+def test_the_cpp_hit_path_keeps_aliasing_strides_and_the_torch_route_right(native):
+    ops = _ops()
+    from vitrail.ops.gemm import launch
+    a, b = (torch.randn(64, 64, device="cuda", dtype=BF) for _ in range(2))
+    for _ in range(3):  # one tensor twice, then two: never the first twice
+        _close(ops.mm(a, a), a.float() @ a.float(), 0.1)
+    for _ in range(3):
+        _close(ops.mm(a, b), a.float() @ b.float(), 0.1)
+    base = torch.randn(70, 257, device="cuda", dtype=BF)
+    for x in (base[:, :256], base[:, 1:], base.t()[:256].t(), base[:, 1:].contiguous()):
+        for _ in range(3):
+            _close(ops.softmax(x), torch.softmax(x.float(), -1), 2e-2)
+    launch.kernels_only(False)  # the selection's routes: torch's matmul where it is faster
+    try:
+        x, w = (torch.randn(*s, device="cuda", dtype=BF) for s in ((2048, 2048), (2048, 2048)))
+        for _ in range(3):
+            _close(ops.mm(x, w), x.float() @ w.float(), 0.5)
+        assert ops.mm.front.call(x, w, None) is not native.MISS
+    finally:
+        launch.kernels_only(True)
+
+
 def test_strides_and_alignment_of_one_shape_take_their_own_plans():
     ops = _ops()
     base = torch.randn(70, 257, device="cuda", dtype=BF)

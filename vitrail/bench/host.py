@@ -174,7 +174,10 @@ def build() -> None:
 @register("host", "host µs per eager call of every public op, and small problems eager vs "
           "graph, beside torch", build)
 def run() -> list[Row]:
+    from vitrail.plan import native
     rows: list[Row] = []
+    path = "C++" if native.load(wait=True) is not None else "Python (VITRAIL_NATIVE_PLANS=0?)"
+    print(f"  plans run from {path}")
     print(f"  host µs per call ({CALLS} back-to-back calls a round, median of {ROUNDS} rounds)")
     for case, fns in _host_cases():
         try:

@@ -119,7 +119,7 @@ def _extension(source: str, name: str):
 # C spelling and conversion of each kind of value: (C type, from a Python object, to one)
 _INTS = {"b": "int8_t", "B": "uint8_t", "h": "int16_t", "H": "uint16_t", "i": "int32_t",
          "I": "uint32_t", "q": "int64_t", "Q": "uint64_t"}
-_callers: dict[str, Callable | None] = {}
+_callers: dict[str, object] = {}  # caller source -> its extension module, or None
 
 
 def _c_value(p) -> tuple[str, str] | None:
@@ -165,8 +165,10 @@ def _c_result(result: str) -> tuple[str, str] | None:
 
 
 def caller_source(proto) -> str | None:
-    """The C source of proto's caller, ``call(address, *values)``; None where a value or the
-    result is of a kind it does not take."""
+    """The C source of proto's caller, ``call(address, *values)`` (and ``packed``, whose address
+    ``packed_address()`` gives); None where a value or the result is of a kind it does not
+    take."""
+    from vitrail.jit.signature import result_is_checked
     values = [_c_value(p) for p in proto.params]
     result = _c_result(proto.result)
     if result is None or any(v is None for v in values):
@@ -174,6 +176,7 @@ def caller_source(proto) -> str | None:
     n = len(values)
     types = ", ".join(v[0] for v in values) or "void"
     lines = ["#include <Python.h>", "#include <stdbool.h>", "#include <stdint.h>",
+             "#include <string.h>",
              f"typedef {result[0]} (*fn_t)({types});",
              "static PyObject* call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {",
              f"  if (nargs != {n + 1}) {{",
@@ -190,6 +193,16 @@ def caller_source(proto) -> str | None:
     else:
         lines += [f"  {result[0]} r;", "  Py_BEGIN_ALLOW_THREADS", f"  r = {call};",
                   "  Py_END_ALLOW_THREADS", f"  return {result[1]};", "}"]
+    # packed(address, slots): the same call from an array of 8-byte slots, each holding its
+    # value's bytes at its start (vitrail.plan's C hit path); a checked result comes back,
+    # any other 0.
+    lines += ["static long long packed(void* address, const unsigned long long* s) {",
+              "  fn_t fn = (fn_t)address;"]
+    for i, (ctype, _) in enumerate(values):
+        lines.append(f"  {ctype} v{i}; memcpy(&v{i}, &s[{i}], sizeof v{i});")
+    checked = result[0] == "int" and result_is_checked(proto.result)
+    lines += [f"  {'return ' if checked else ''}{call};", f"  {'' if checked else 'return 0;'}",
+              "}"]
     return "\n".join(lines) + "\n"
 
 
@@ -200,6 +213,19 @@ def caller(proto) -> Callable | None:
     The values are trusted: pointers and streams as ints, integers in their type's range,
     numbers for floats. The hot paths that use it pass values they computed from checked
     arguments; anything from a user goes through the checking marshaller first."""
+    ext = _caller_module(proto)
+    return None if ext is None else ext.call
+
+
+def packed_caller(proto) -> int | None:
+    """The address of ``long long packed(void* address, const unsigned long long* slots)``,
+    which calls a function of prototype proto with the values in 8-byte slots (each value's
+    bytes at its slot's start) and returns its checked result (else 0); None as for caller."""
+    ext = _caller_module(proto)
+    return None if ext is None else ext.packed_address()
+
+
+def _caller_module(proto):
     body = caller_source(proto)
     if body is None:
         return None
@@ -210,7 +236,7 @@ def caller(proto) -> Callable | None:
             name = "vitrail_call_" + hashlib.sha256(body.encode()).hexdigest()[:16]
             source = body + _MODULE.replace("@NAME@", name)
             try:
-                _callers[body] = _extension(source, name).call
+                _callers[body] = _extension(source, name)
             except Exception as e:  # any failure: ctypes calls, say why once
                 log.info("vitrail: calling %s through ctypes (no C caller: %s)", proto.name,
                          str(e).splitlines()[0] if str(e) else type(e).__name__)
@@ -219,8 +245,12 @@ def caller(proto) -> Callable | None:
 
 
 _MODULE = r"""
+static PyObject* packed_address(PyObject* self, PyObject* unused) {
+  return PyLong_FromVoidPtr((void*)&packed);
+}
 static PyMethodDef methods[] = {
     {"call", (PyCFunction)(void (*)(void))call, METH_FASTCALL, "call(address, *values)"},
+    {"packed_address", packed_address, METH_NOARGS, "the address of packed(address, slots)"},
     {NULL, NULL, 0, NULL}};
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "@NAME@", NULL, -1, methods};
 PyMODINIT_FUNC PyInit_@NAME@(void) { return PyModule_Create(&module); }

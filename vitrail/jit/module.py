@@ -197,9 +197,13 @@ class EntryPoint:
         if self._fast is None:
             from vitrail.jit import launcher
             call = launcher.caller(self.proto)
-            address = ctypes.cast(self._fn, ctypes.c_void_p).value
-            self._fast = functools.partial(call, address) if call is not None else self._fn
+            self._fast = functools.partial(call, self.address) if call is not None else self._fn
         return self._fast
+
+    @property
+    def address(self) -> int:
+        """The function's address (vitrail.plan's C++ hit path calls it)."""
+        return ctypes.cast(self._fn, ctypes.c_void_p).value
 
     def error(self, result: int) -> LaunchError:
         """The error a cudaError_t result that is not cudaSuccess raises."""

@@ -13,7 +13,7 @@ import contextvars
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 from vitrail import knobs
 
@@ -131,6 +131,7 @@ def set_defaults(**changes) -> Settings:
     """Change the process-wide defaults (what applies outside every ``settings`` scope)."""
     global _defaults
     _defaults = dataclasses.replace(_defaults or _from_env(), **changes)
+    _changed()
     return _defaults
 
 
@@ -138,6 +139,20 @@ def reset_defaults() -> None:
     """Back to the environment's settings, read again (a variable changed at run time)."""
     global _defaults, _env
     _defaults = _env = None
+    _changed()
+
+
+_ON_CHANGE: list[Callable[[], None]] = []
+
+
+def on_change(hook: Callable[[], None]) -> None:
+    """Call hook() whenever the process-wide defaults change (caches keyed without them)."""
+    _ON_CHANGE.append(hook)
+
+
+def _changed() -> None:
+    for hook in _ON_CHANGE:
+        hook()
 
 
 @contextlib.contextmanager

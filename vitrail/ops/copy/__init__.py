@@ -23,6 +23,7 @@ import torch
 from vitrail.jit.errors import ArgumentError
 from vitrail.op import Op
 from vitrail.plan import GENERAL, Plans, signature
+from vitrail.plan.native import front
 from vitrail.ops.common import (DISPATCH, EAGER, FLOATS, GRAD, autograd_apply, call_mode,
                                 check_same_device, check_tensor)
 from vitrail.ops.copy import configs
@@ -297,6 +298,7 @@ _COPY = autograd_apply(_Copy)
 
 
 # ------------------------------------------------------------------ public function
+@front(PLANS)
 def copy(x: torch.Tensor, *, out: torch.Tensor | None = None,
          dtype: torch.dtype | None = None) -> torch.Tensor:
     """x copied into a new contiguous tensor (of ``dtype``, default x's) or into ``out``."""

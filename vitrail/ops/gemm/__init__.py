@@ -23,7 +23,8 @@ from torch import Tensor
 
 from vitrail.ops.common import (DISPATCH, EAGER, autograd_apply, call_mode,
                                 check_same_device, check_tensor)
-from vitrail.ops.gemm.launch import eager
+from vitrail.ops.gemm.launch import PLANS, eager, native_ok
+from vitrail.plan.native import front
 from vitrail.ops.gemm.reference import activation as _act, activation_backward, grad_from_output
 from vitrail.gemm.epilogue import ACTIVATIONS
 from vitrail.jit.errors import ArgumentError
@@ -207,6 +208,7 @@ def _call(name: str, a, b, c, bias, alpha, beta, activation, slope, clamp_min, c
 
 
 # ------------------------------------------------------------------------- public functions
+@front(PLANS, when=native_ok)
 def gemm(a: Tensor, b: Tensor, c: Optional[Tensor] = None, *, alpha: float = 1.0,
          beta: float = 0.0, bias: Optional[Tensor] = None, activation: Optional[str] = None,
          out_dtype: Optional[torch.dtype] = None, slope: float = 0.01,
@@ -223,12 +225,14 @@ def gemm(a: Tensor, b: Tensor, c: Optional[Tensor] = None, *, alpha: float = 1.0
                  clamp_max, out_dtype, None)
 
 
+@front(PLANS, when=native_ok)
 def mm(a: Tensor, b: Tensor, *, out_dtype: Optional[torch.dtype] = None) -> Tensor:
     """a @ b for 2-D a (M, K) and b (K, N); transposed views are read without a copy."""
     return _call("vitrail.ops.mm", a, b, None, None, 1.0, 0.0, None, 0.0, None, None, out_dtype,
                  2)
 
 
+@front(PLANS, when=native_ok)
 def bmm(a: Tensor, b: Tensor, *, out_dtype: Optional[torch.dtype] = None) -> Tensor:
     """Batched a @ b for 3-D a (L, M, K) and b (L, K, N)."""
     return _call("vitrail.ops.bmm", a, b, None, None, 1.0, 0.0, None, 0.0, None, None, out_dtype,

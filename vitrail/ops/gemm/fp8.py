@@ -15,7 +15,8 @@ from torch import Tensor
 
 from vitrail.jit.errors import ArgumentError
 from vitrail.ops.common import check_same_device, check_tensor, plain_eager
-from vitrail.ops.gemm.launch import eager
+from vitrail.ops.gemm.launch import PLANS, eager, native_ok
+from vitrail.plan.native import front
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 OUT = (torch.bfloat16, torch.float16, torch.float32)
@@ -61,6 +62,7 @@ def _scaled_mm_fake(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum):
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
+@front(PLANS, when=native_ok)
 def scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, *,
               bias: Optional[Tensor] = None, out_dtype: torch.dtype = torch.bfloat16,
               use_fast_accum: bool = False) -> Tensor:

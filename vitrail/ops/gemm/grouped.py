@@ -22,6 +22,7 @@ from vitrail.jit.errors import ArgumentError, LaunchError
 from vitrail.ops.common import EAGER, GRAD, call_mode, check_tensor
 from vitrail.ops.gemm.launch import is_hopper
 from vitrail.plan import GENERAL, Plans, scratch, signature
+from vitrail.plan.native import front
 
 ELEMENTS = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _MODULES: dict = {}
@@ -207,6 +208,13 @@ class _GroupedPacked(torch.autograd.Function):
         return ga, gb, None, None
 
 
+# Plans (vitrail.plan) of the packed form: the preparation kernel and the grouped GEMM with this
+# call's pointers (its arrays and workspace are scratch); the loop of gemm launches, which syncs
+# on the offsets, takes the general path.
+PLANS = Plans("grouped_mm")
+
+
+@front(PLANS)
 def grouped_mm(a, b, offsets: Optional[Tensor] = None, *,
                out_dtype: Optional[torch.dtype] = None):
     """Grouped GEMM, two forms:
@@ -268,12 +276,6 @@ def grouped_mm(a, b, offsets: Optional[Tensor] = None, *,
     out = _new_packed(a, b, offsets, out_dtype)[0]
     _packed_into(a, b, offsets, out, out_dtype)
     return out
-
-
-# Plans (vitrail.plan) of the packed form: the preparation kernel and the grouped GEMM with this
-# call's pointers (its arrays and workspace are scratch); the loop of gemm launches, which syncs
-# on the offsets, takes the general path.
-PLANS = Plans("grouped_mm")
 
 
 def _new_packed(a: Tensor, b: Tensor, offsets: Tensor, out_dtype) -> tuple[Tensor]:

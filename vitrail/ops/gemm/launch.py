@@ -24,7 +24,7 @@ from vitrail.gemm import LinearCombination, emitter
 from vitrail.gemm import arguments as gargs
 from vitrail.gemm.epilogue import ACTIVATION_FUNCTOR
 from vitrail.op import Op
-from vitrail.plan import GENERAL, Plans, signature
+from vitrail.plan import GENERAL, Plans, native, signature
 from vitrail.ops.gemm import configs, model
 from vitrail.ops.gemm.configs import Kind, Problem
 from vitrail.ops.gemm.reference import gemm_reference
@@ -248,8 +248,20 @@ def eager(a, b, c, bias, alpha, beta, activation, slope, clamp_min, clamp_max, o
     return d
 
 
-def _torch_plan(a, b, *_) -> tuple[torch.Tensor]:
-    return (torch.matmul(a, b),)
+def _torch_plan(a, b, *rest) -> tuple[torch.Tensor]:
+    out = (torch.matmul(a, b),)
+    if native.LEARNING[0]:
+        native.saw(_torch_plan, (a, b, *rest), out)
+    return out
+
+
+_torch_plan.native = {"kind": "matmul", "used": (0, 1)}  # the C++ hit path calls at::matmul
+
+
+def native_ok(a, *_) -> bool:
+    """Whether a front function's call may have a C++ plan: its key does not see the fp32
+    matmul precision (which picks the route of fp32 calls) or the tests' POISON."""
+    return a.dtype is not torch.float32 and not POISON
 
 
 def run_into(d: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor],

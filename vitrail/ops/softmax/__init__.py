@@ -25,6 +25,7 @@ import torch
 from vitrail.jit.errors import LaunchError
 from vitrail.op import Op
 from vitrail.plan import GENERAL, Plans, scratch, signature
+from vitrail.plan.native import front
 from vitrail.ops.common import (DISPATCH, EAGER, FLOATS, autograd_apply, call_mode, check_dim,
                                 check_tensor)
 from vitrail.ops.softmax import configs
@@ -536,11 +537,13 @@ def _call(name: str, x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
     return run(x, d, log)
 
 
+@front(PLANS)
 def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """softmax(x) along ``dim``: fp32, fp16, bf16; any shape, strides and dim; autograd."""
     return _call("vitrail.ops.softmax", x, dim, False)
 
 
+@front(PLANS)
 def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """log_softmax(x) along ``dim``: fp32, fp16, bf16; any shape, strides and dim; autograd."""
     return _call("vitrail.ops.log_softmax", x, dim, True)

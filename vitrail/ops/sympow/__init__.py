@@ -21,6 +21,7 @@ from vitrail.jit.errors import ArgumentError
 from vitrail.jit.tma import tensor_map
 from vitrail.op import Op
 from vitrail.plan import GENERAL, Plans, keep, setup, signature
+from vitrail.plan.native import front
 from vitrail.ops.common import (EAGER, GRAD, autograd_apply, call_mode, check_dim,
                                 check_same_device, check_tensor, plain_eager)
 from vitrail.ops.sympow import configs
@@ -516,6 +517,7 @@ def _check_float(op: str, name: str, t) -> None:
     check_tensor(op, name, t, dtypes=configs.DTYPES)
 
 
+@front(PLANS)
 def sympow(x: torch.Tensor, power: int, d_tile: int = 1, dim: int = -1,
            duplicate_correction: bool = True) -> torch.Tensor:
     """The tiled symmetric power of x along dim: that dimension's d features become

@@ -22,6 +22,11 @@ for it; any other call misses, and the miss path raises what it always raised. T
 device and tuning policy are part of every key. Plans are per process, bounded (the oldest half
 goes when a cache is full) and dropped with ``clear()`` (``vitrail.plan.clear_all()``: every
 family's).
+
+Below Python (``native``): an op's public function wrapped by ``native.front(plans)`` hands its
+arguments to the family's C++ table first; a hit runs the plan's description there (outputs
+allocated through ATen, calls and launches made from C++), a miss runs the function and teaches
+the table the plan it ran.
 """
 from __future__ import annotations
 
@@ -33,7 +38,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from vitrail.jit.errors import LaunchError
 from vitrail.jit.module import HOOKS
-from vitrail.tune.settings import current_policy
+from vitrail.plan import native
+
+from vitrail.tune.settings import current_policy, on_change
 
 __all__ = ["Plans", "GENERAL", "signature", "scratch", "keep", "setup", "clear_all",
            "recording"]
@@ -43,7 +50,8 @@ _ALL: list["Plans"] = []
 _state = threading.local()  # .record: the Record of this thread's miss being recorded, or None
 _recording = 0  # misses being recorded, in any thread (while one is, hits check their thread)
 _count_lock = threading.Lock()
-if torch.cuda.is_available():
+_GPU = torch.cuda.is_available()
+if _GPU:
     _stream, _device = torch._C._cuda_getCurrentRawStream, torch._C._cuda_getDevice
 else:  # no plan is ever made: keys say so
     _stream, _device = None, (lambda: -1)
@@ -147,6 +155,7 @@ class Plans:
         self.family, self.capacity = family, capacity
         self._plans: dict[tuple, Any] = {}
         self._lock = threading.Lock()
+        self.fronts: list[native.Front] = []  # the C++ tables of its front functions
         _ALL.append(self)
 
     def get(self, key: tuple):
@@ -173,11 +182,14 @@ class Plans:
         outputs = make_outputs(*inputs, *params)
         if plan is GENERAL or nested:  # a nested call is recorded as part of the outer one
             general(*inputs, *outputs, *params)
+            if not nested and native.LEARNING[0]:
+                native.saw(GENERAL, inputs, outputs)
             return outputs
         record = _state.record = Record()
         with _count_lock:
             _recording += 1
             HOOKS.record = _on_launch
+            _tell_recording()
         try:
             with _Watch(record):
                 general(*inputs, *outputs, *params)
@@ -187,15 +199,25 @@ class Plans:
                 _recording -= 1
                 if not _recording:
                     HOOKS.record = None
+                _tell_recording()
         plan = _compile(record, inputs, outputs, make_outputs, general, params, self.family)
         if plan is not None:
             self._store(full, plan)
+            if plan is not GENERAL and _GPU:
+                native.load()  # the first plan of a GPU call: the C++ hit path starts building
+        if native.LEARNING[0]:
+            native.saw(plan, inputs, outputs)
         return outputs
 
     def put(self, key: tuple, plan) -> None:
         """Store a plan written by hand for key (e.g. a library call that the general path
-        found to be the route), replacing what a recording stored."""
+        found to be the route), replacing what a recording stored (and what this call's
+        learning saw)."""
         self._store((key, _device(), current_policy()), plan)
+        seen = getattr(native._state, "seen", None)
+        if seen:
+            _, inputs, outputs = seen[-1]
+            seen[-1] = (plan, inputs, outputs)
 
     def _store(self, key: tuple, plan) -> None:
         with self._lock:
@@ -207,6 +229,8 @@ class Plans:
     def clear(self) -> None:
         with self._lock:
             self._plans.clear()
+            for front in self.fronts:
+                front.clear()
 
     def __len__(self) -> int:
         return len(self._plans)
@@ -229,12 +253,31 @@ def clear_all() -> None:
         plans.clear()
 
 
+def _tell_recording() -> None:
+    """The C++ tables miss while a call is recorded in any thread (its ops must be seen)."""
+    ext = native.loaded()
+    if ext is not None:
+        ext.set_recording(_recording)
+
+
+def _clear_native(*_) -> None:
+    """The default settings changed: C++ keys do not hold the policy, so their plans go."""
+    for plans in _ALL:
+        for front in plans.fronts:
+            front.clear()
+
+
+on_change(_clear_native)
+native.on_load(lambda ext: ext.set_recording(_recording))
+
+
 def _compile(record: Record, inputs: tuple, outputs: tuple, make_outputs, general,
              params: tuple, family: str):
     """The plan of a recorded general call: a generated function, GENERAL, or None (nothing to
     store: overlapping views in this call, which the next may not pass). Inputs that are one
     tensor passed twice (mm(a, a), one scale for both operands) give a plan that runs while they
-    still are one; another call of the key runs the general path."""
+    still are one; another call of the key runs the general path. The plan's ``native`` is its
+    description for the C++ hit path (native.describe), or None."""
     if not record.replayable or not record.launches:
         return GENERAL
     named = [(f"i{k}", t) for k, t in enumerate(inputs)] + \
@@ -243,7 +286,7 @@ def _compile(record: Record, inputs: tuple, outputs: tuple, make_outputs, genera
     spans = [(name, t.data_ptr(), t.data_ptr() + _extent(t)) for name, t in named
              if t is not None and t.numel()]
     kept = {t.data_ptr(): t for t in record.kept if t.numel()}  # alive with the plan: constants
-    spans += [(str(p), p, p + _extent(t)) for p, t in kept.items()]
+    spans += [("kept", p, p + _extent(t)) for p, t in kept.items()]
 
     def holders(address: int) -> list[tuple[str, int]]:
         """(name, start) of every named tensor whose bytes hold the address."""
@@ -251,11 +294,12 @@ def _compile(record: Record, inputs: tuple, outputs: tuple, make_outputs, genera
 
     guards: set[tuple[str, ...]] = set()  # inputs that are one tensor in this call
 
-    def where(address: int) -> str | None:
-        """This call's pointer as an expression: the one tensor whose bytes hold the address,
-        at the same offset from its start (as at every call of the signature); the first of
-        several inputs that are one tensor (the plan holds while they still are: guards);
-        None where overlapping views hold it (the next call may not pass them alike)."""
+    def where(address: int) -> tuple | None:
+        """This call's pointer as ("ptr", tensor name, offset): the one tensor whose bytes hold
+        the address, at the same offset from its start (as at every call of the signature); the
+        first of several inputs that are one tensor (the plan holds while they still are:
+        guards); ("addr", address) in a kept tensor; None where overlapping views hold it (the
+        next call may not pass them alike)."""
         found = holders(address)
         if len(found) > 1 and len({start for _, start in found}) == 1 and \
                 all(name[0] == "i" for name, _ in found):
@@ -263,69 +307,154 @@ def _compile(record: Record, inputs: tuple, outputs: tuple, make_outputs, genera
         elif len(found) != 1:
             return None
         name, start = found[0]
-        if name.isdigit():  # a kept tensor's
-            return str(address)
-        return f"{name}.data_ptr()" + (f" + {address - start}" if address != start else "")
-    scope: dict[str, Any] = {"make_outputs": make_outputs, "stream": _stream, "P": params,
-                             "current": _device, "empty": torch.empty, "kept": record.kept}
-    names = ", ".join(f"i{k}" for k in range(len(inputs)))
-    lines = [f"def plan({names}):",
-             f"    {''.join(f'o{k}, ' for k in range(len(outputs)))}"
-             f"{'= ' if outputs else ''}make_outputs({names}{', ' if names else ''}*P)",
-             "    device = current()"]
-    for k, (_, n, dtype, device) in enumerate(record.scratch):
-        scope[f"sd{k}"], scope[f"sv{k}"] = dtype, device
-        lines.append(f"    s{k} = empty({n}, dtype=sd{k}, device=sv{k})")
-    for j, (kind, target, values, shared_mem) in enumerate(record.launches):
+        return ("addr", address) if name == "kept" else ("ptr", name, address - start)
+
+    steps = []  # (kind, target, args, shared_mem): each arg ("stream",), ("ptr", name, offset),
+    # ("addr", address), ("const", value, parameter)
+    for kind, target, values, shared_mem in record.launches:
         proto = target.proto if kind == "entry" else target.kernel.proto
-        args = []
+        args: list[tuple] = []
         for p, v in zip(proto.params, values):
             if p.kind == "stream":
                 if kind == "kernel" or v != _stream(_device()):
                     return GENERAL  # an explicit stream, not the current one
-                args.append("stream(device)")
+                args.append(("stream",))
             elif p.kind == "pointer":
                 address = v.data_ptr() if isinstance(v, torch.Tensor) else (v or 0)
                 if isinstance(v, torch.Tensor) and not v.is_contiguous():
                     return GENERAL
-                expr = where(address) if address else "0"
+                expr = where(address) if address else ("addr", 0)
                 if expr is None:  # overlapping views: store nothing; unknown: never reproducible
                     return None if holders(address) else GENERAL
                 args.append(expr)
             elif p.kind == "scalar":
                 if type(v) is int and any(start <= v <= end for _, start, end in spans):
                     return GENERAL  # a pointer passed as an integer: replayed it would be stale
-                scope[f"c{j}_{len(args)}"] = v
-                args.append(f"c{j}_{len(args)}")
+                args.append(("const", v, p))
             else:
                 return GENERAL  # a struct by value: through the general path
+        steps.append((kind, target, args, shared_mem))
+
+    def failed(j: int, result: int) -> LaunchError:
+        kind, target = steps[j][:2]
+        if kind == "entry":
+            return LaunchError(f"{family} (planned call): {target.error(result)}")
+        return LaunchError(f"{family} (planned call): launching {target.kernel.where} failed "
+                           f"with CUresult {result}")
+
+    def unplanned(*args):
+        outs = make_outputs(*args, *params)
+        general(*args, *outs, *params)
+        if native.LEARNING[0]:
+            native.saw(None, args, outs)
+        return outs
+    plan = _python_plan(steps, len(inputs), len(outputs), record, guards, make_outputs, params,
+                        family, failed, unplanned)
+    plan.native = None if guards else _native_template(steps, inputs, outputs, record, failed)
+    plan.aliased = bool(guards)  # C++ keys do not see aliasing: such a call teaches them nothing
+    return plan
+
+
+def _python_plan(steps, n_inputs: int, n_outputs: int, record: Record, guards, make_outputs,
+                 params: tuple, family: str, failed, unplanned):
+    """The plan as generated Python: make the outputs, then each call or launch."""
+    scope: dict[str, Any] = {"make_outputs": make_outputs, "stream": _stream, "P": params,
+                             "current": _device, "empty": torch.empty, "failed": failed,
+                             "unplanned": unplanned, "L": native.LEARNING, "saw": native.saw}
+    names = ", ".join(f"i{k}" for k in range(n_inputs))
+    outs = "".join(f"o{k}, " for k in range(n_outputs))
+    lines = [f"def plan({names}):",
+             f"    {outs}{'= ' if n_outputs else ''}make_outputs({names}{', ' if names else ''}*P)",
+             "    device = current()"]
+    for k, (_, n, dtype, device) in enumerate(record.scratch):
+        scope[f"sd{k}"], scope[f"sv{k}"] = dtype, device
+        lines.append(f"    s{k} = empty({n}, dtype=sd{k}, device=sv{k})")
+    for j, (kind, target, args, shared_mem) in enumerate(steps):
+        exprs = []
+        for n, arg in enumerate(args):
+            if arg[0] == "stream":
+                exprs.append("stream(device)")
+            elif arg[0] == "ptr":
+                exprs.append(f"{arg[1]}.data_ptr()" + (f" + {arg[2]}" if arg[2] else ""))
+            elif arg[0] == "addr":
+                exprs.append(str(arg[1]))
+            else:
+                scope[f"c{j}_{n}"] = arg[1]
+                exprs.append(f"c{j}_{n}")
         if kind == "entry":
             scope[f"f{j}"] = target.fast
-            call = f"f{j}({', '.join(args)})"
+            call = f"f{j}({', '.join(exprs)})"
             if target._check:
                 lines += [f"    r = {call}", "    if r:", f"        raise failed({j}, r)"]
             else:
                 lines.append(f"    {call}")
         else:
             scope[f"k{j}"] = target
-            lines.append(f"    k{j}({', '.join(args)}, shared_mem={int(shared_mem)})")
-    lines.append(f"    return ({''.join(f'o{k}, ' for k in range(len(outputs)))})")
+            lines.append(f"    k{j}({', '.join(exprs)}, shared_mem={int(shared_mem)})")
+    lines += [f"    out = ({outs})", "    if L[0]:", f"        saw(plan, ({names}{',' if names else ''}), out)",
+              "    return out"]
     for group in sorted(guards):  # aliased inputs: another call of the key runs the general path
         same = " and ".join(f"{group[0]}.data_ptr() == {n}.data_ptr()" for n in group[1:])
         lines.insert(1, f"    if not ({same}):\n        return unplanned({names})")
-    launches = record.launches
-
-    def failed(j: int, result: int) -> LaunchError:
-        return LaunchError(f"{family} (planned call): {launches[j][1].error(result)}")
-    scope["failed"] = failed
-
-    def unplanned(*args):
-        outs = make_outputs(*args, *params)
-        general(*args, *outs, *params)
-        return outs
-    scope["unplanned"] = unplanned
     source = "\n".join(lines)
     exec(compile(source, f"<vitrail plan {family}>", "exec"), scope)
     plan = scope["plan"]
     plan.source = source
     return plan
+
+
+def _native_template(steps, inputs: tuple, outputs: tuple, record: Record, failed):
+    """The plan in the terms of the C++ hit path (native.describe fills in which argument each
+    input is): allocations, and each launch as 8-byte slots; None where it has no such form (an
+    output that is a view, a value no packed caller takes, a kernel not loaded here)."""
+    from vitrail.jit.kernel import _slot_format
+    from vitrail.jit.launcher import packed_caller
+    used = sorted({int(a[1][1:]) for _, _, args, _ in steps for a in args
+                   if a[0] == "ptr" and a[1][0] == "i"})
+    index = {f"i{k}": n for n, k in enumerate(used)}
+    index.update({f"o{k}": len(used) + k for k in range(len(outputs))})
+    index.update({f"s{k}": len(used) + len(outputs) + k for k in range(len(record.scratch))})
+    allocs = []
+    for o in outputs:
+        if o is None or o.storage_offset() or o.untyped_storage().nbytes() != _extent(o):
+            return None  # not a tensor of its own: empty_strided would not make it
+        allocs.append((tuple(o.shape), tuple(o.stride()), o.dtype, o.get_device()))
+    scratch = tuple(((n,), (1,), dtype, torch.device(device).index
+                     if torch.device(device).type == "cuda" else -1)
+                    for _, n, dtype, device in record.scratch)
+    device = _device()
+    launches = []
+    for kind, target, args, shared_mem in steps:
+        slots = []
+        for arg in args:
+            if arg[0] == "stream":
+                slots.append((native.STREAM, 0, 0))
+            elif arg[0] == "ptr":
+                slots.append((native.POINTER, index[arg[1]], arg[2]))
+            elif arg[0] == "addr":
+                slots.append((native.CONST, 0, arg[1]))
+            else:
+                value, p = arg[1], arg[2]
+                fmt = p.fmt if kind == "entry" else _slot_format(p)
+                if fmt in ("e", "bf16") or not isinstance(value, (int, float)):
+                    return None
+                slots.append(native.const_slot(value, fmt))
+        if kind == "entry":
+            packed = packed_caller(target.proto)
+            if packed is None:
+                return None
+            launches.append((True, target.address, packed, target._check, (0,) * 6, 0,
+                             tuple(slots)))
+        else:
+            function = target.kernel._functions.get(device)
+            if function is None:
+                return None
+            launches.append((False, function, 0, False, target.dims, int(shared_mem),
+                             tuple(slots)))
+    return {"kind": "launches", "device": device, "used": tuple(used), "outputs": tuple(allocs),
+            "scratch": scratch, "launches": tuple(launches), "keep": tuple(record.kept),
+            "failed": lambda j, code: _raise(failed(j, code))}
+
+
+def _raise(error: Exception):
+    raise error

@@ -1,0 +1,504 @@
+// The hit path of vitrail.plan below Python: one C++ call per op call that has a plan.
+//
+// A Table holds one op family's plans, keyed by the arguments of its public function as they
+// were passed: each tensor's shape, strides, dtype, device, dispatch keys and address modulo 16;
+// each scalar's type and value; and the current device. table.call(*args) builds that key, finds
+// the plan and runs it: allocates the outputs (and scratch buffers) through ATen, then calls the
+// recorded entry points (through their prototype's packed caller) and launches the recorded
+// kernels (cuLaunchKernel) with this call's pointers on the current stream, or calls
+// at::matmul where torch's matmul is the route. No Python object is built but the result.
+//
+// What the key cannot vouch for returns MISS: a tensor that records a gradient (grad mode on),
+// a tensor subclass, an argument of another type, settings scoped by `with
+// vitrail.tune.settings(...)`, a call being recorded by vitrail.plan in any thread, inputs that
+// were one tensor when the plan was made and no longer are, a kernel launch with no CUDA
+// context current. A MISS of a key with no plan is "pending": the family's Python path runs,
+// and if it ran exactly one plan whose outputs are the call's result, Python adds that plan's
+// description under the pending key (vitrail/plan/native.py).
+#include <Python.h>
+#include <dlfcn.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_strided.h>
+#include <ATen/ops/matmul.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+namespace {
+
+using LaunchFn = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                         unsigned, void*, void**, void**);
+using CtxFn = int (*)(void**);
+using Packed = long long (*)(void*, const unsigned long long*);
+
+LaunchFn cu_launch = nullptr;         // cuLaunchKernel, where libcuda is loaded
+CtxFn cu_ctx_current = nullptr;       // cuCtxGetCurrent
+PyObject* get_device = nullptr;       // () -> int: torch's current device (-1: none)
+PyObject* get_stream = nullptr;       // (device) -> int: torch's current stream there
+PyObject* scoped = nullptr;           // the ContextVar of `with vitrail.tune.settings(...)`
+PyObject* MISS = nullptr;             // what call() returns when the caller must run Python
+long recording = 0;                   // calls being recorded by vitrail.plan, in any thread
+
+enum SlotKind : int { CONST = 0, POINTER = 1, STREAM = 2 };
+struct Slot {
+  int kind;
+  int tensor;                // POINTER: the tensor (arguments, then outputs, then scratch)
+  unsigned long long value;  // CONST: the value's bytes; POINTER: the offset in bytes
+};
+
+struct Launch {
+  bool entry;              // an entry point, else a kernel
+  void* target;            // the entry point's address, or the CUfunction
+  Packed packed;           // entry: its prototype's caller from an array of 8-byte slots
+  bool check;              // entry: a result that is not 0 is an error
+  unsigned dims[6];        // kernel: grid and block
+  unsigned shared_mem;     // kernel: dynamic shared memory
+  std::vector<Slot> slots;
+};
+
+struct Alloc {
+  std::vector<int64_t> sizes, strides;
+  at::ScalarType dtype;
+  c10::Device device;
+};
+
+struct Plan {
+  enum Kind { LAUNCHES, MATMUL, GENERAL } kind = GENERAL;
+  std::vector<int> args;           // the argument position of each tensor the plan reads
+  std::vector<Alloc> outputs, scratch;
+  std::vector<Launch> launches;
+  int result = 0;                  // >= 0: that tensor; -1: None; -2: the outputs as a tuple
+  bool needs_stream = false, launches_kernels = false;
+  PyObject* keep = nullptr;        // objects alive as long as the plan (tables it passes)
+  PyObject* failed = nullptr;      // (launch index, result) -> raises the launch's error
+  ~Plan() {
+    Py_XDECREF(keep);
+    Py_XDECREF(failed);
+  }
+};
+
+struct Table {
+  PyObject_HEAD
+  std::unordered_map<std::string, std::shared_ptr<Plan>>* plans;
+  Py_ssize_t capacity;
+};
+
+thread_local std::string key_buffer;
+thread_local std::string pending;          // the key of this thread's last learnable miss
+thread_local Table* pending_table = nullptr;
+
+template <typename T>
+inline void put(std::string& key, const T& v) {
+  key.append(reinterpret_cast<const char*>(&v), sizeof(T));
+}
+
+// The key of a call into key; false where the call is not for this path (see the file's top).
+bool make_key(PyObject* const* args, Py_ssize_t n, std::string& key) {
+  key.clear();
+  const bool grad = c10::GradMode::is_enabled();
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* o = args[i];
+    if (o == Py_None) {
+      key.push_back('N');
+    } else if (Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(THPVariableClass)) {
+      const at::Tensor& t = THPVariable_Unpack(o);
+      if (grad && t.requires_grad()) return false;
+      try {  // sizes and strides throw for tensors without them (sparse, nested)
+        const int64_t dim = t.dim();
+        key.push_back('T');
+        put(key, dim);
+        key.append(reinterpret_cast<const char*>(t.sizes().data()), dim * sizeof(int64_t));
+        key.append(reinterpret_cast<const char*>(t.strides().data()), dim * sizeof(int64_t));
+        put(key, static_cast<int8_t>(t.scalar_type()));
+        put(key, static_cast<int8_t>(t.device().type()));
+        put(key, static_cast<int8_t>(t.device().index()));
+        put(key, t.key_set().raw_repr());  // conjugate and negative views, functorch wrappers
+        put(key, static_cast<uint8_t>(reinterpret_cast<uintptr_t>(t.data_ptr()) & 15));
+      } catch (const std::exception&) {
+        return false;
+      }
+    } else if (PyBool_Check(o)) {
+      key.push_back(o == Py_True ? 'y' : 'n');
+    } else if (PyLong_CheckExact(o)) {
+      int overflow = 0;
+      long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+      if (overflow || (v == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return false;
+      }
+      key.push_back('I');
+      put(key, v);
+    } else if (PyFloat_CheckExact(o)) {
+      key.push_back('F');
+      put(key, PyFloat_AS_DOUBLE(o));
+    } else if (PyUnicode_CheckExact(o)) {
+      Py_ssize_t len = 0;
+      const char* s = PyUnicode_AsUTF8AndSize(o, &len);
+      if (s == nullptr) {
+        PyErr_Clear();
+        return false;
+      }
+      key.push_back('S');
+      put(key, len);
+      key.append(s, len);
+    } else if (THPDtype_Check(o)) {
+      key.push_back('D');
+      put(key, static_cast<int8_t>(reinterpret_cast<THPDtype*>(o)->scalar_type));
+    } else {
+      return false;
+    }
+  }
+  PyObject* device = PyObject_CallNoArgs(get_device);
+  if (device == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  put(key, PyLong_AsLong(device));
+  Py_DECREF(device);
+  return true;
+}
+
+PyObject* run(const Plan& plan, PyObject* const* args) {
+  if (plan.kind == Plan::MATMUL) {
+    const at::Tensor& a = THPVariable_Unpack(args[plan.args[0]]);
+    const at::Tensor& b = THPVariable_Unpack(args[plan.args[1]]);
+    at::Tensor d;
+    Py_BEGIN_ALLOW_THREADS
+    d = at::matmul(a, b);
+    Py_END_ALLOW_THREADS
+    return THPVariable_Wrap(std::move(d));
+  }
+  std::vector<at::Tensor> tensors;  // the plan's: arguments, outputs, scratch
+  tensors.reserve(plan.args.size() + plan.outputs.size() + plan.scratch.size());
+  for (int j : plan.args) tensors.push_back(THPVariable_Unpack(args[j]));
+  for (const auto* allocs : {&plan.outputs, &plan.scratch}) {
+    for (const Alloc& a : *allocs) {
+      tensors.push_back(at::empty_strided(a.sizes, a.strides,
+                                          at::TensorOptions().dtype(a.dtype).device(a.device)));
+    }
+  }
+  unsigned long long stream = 0;
+  if (plan.needs_stream) {
+    PyObject* device = PyObject_CallNoArgs(get_device);
+    PyObject* s = device ? PyObject_CallOneArg(get_stream, device) : nullptr;
+    Py_XDECREF(device);
+    if (s == nullptr) return nullptr;
+    stream = PyLong_AsUnsignedLongLong(s);
+    Py_DECREF(s);
+  }
+  std::vector<char*> bases;
+  bases.reserve(tensors.size());
+  for (at::Tensor& t : tensors) bases.push_back(static_cast<char*>(t.data_ptr()));
+  int failed_at = -1;
+  long long code = 0;
+  Py_BEGIN_ALLOW_THREADS
+  unsigned long long values[64];
+  void* params[64];
+  for (size_t j = 0; j < plan.launches.size() && failed_at < 0; ++j) {
+    const Launch& l = plan.launches[j];
+    for (size_t k = 0; k < l.slots.size(); ++k) {
+      const Slot& s = l.slots[k];
+      values[k] = s.kind == CONST ? s.value
+                  : s.kind == STREAM ? stream
+                  : reinterpret_cast<unsigned long long>(bases[s.tensor] + s.value);
+      params[k] = &values[k];
+    }
+    if (l.entry) {
+      code = l.packed(l.target, values);
+      if (l.check && code != 0) failed_at = static_cast<int>(j);
+    } else if (l.dims[0] && l.dims[1] && l.dims[2]) {
+      code = cu_launch(l.target, l.dims[0], l.dims[1], l.dims[2], l.dims[3], l.dims[4],
+                       l.dims[5], l.shared_mem, reinterpret_cast<void*>(stream), params, nullptr);
+      if (code != 0) failed_at = static_cast<int>(j);
+    }
+  }
+  Py_END_ALLOW_THREADS
+  if (failed_at >= 0) {
+    PyObject* r = PyObject_CallFunction(plan.failed, "iL", failed_at, code);
+    Py_XDECREF(r);  // it raises
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "vitrail plan: launch failed");
+    return nullptr;
+  }
+  if (plan.result >= 0) return THPVariable_Wrap(tensors[plan.result]);
+  if (plan.result == -1) Py_RETURN_NONE;
+  const size_t first = plan.args.size();
+  PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(plan.outputs.size()));
+  for (size_t k = 0; k < plan.outputs.size(); ++k) {
+    PyTuple_SET_ITEM(out, k, THPVariable_Wrap(tensors[first + k]));
+  }
+  return out;
+}
+
+// table.call(*args) -> the plan's result, or MISS
+PyObject* table_call(Table* self, PyObject* const* args, Py_ssize_t n) {
+  pending_table = nullptr;
+  if (recording) return Py_NewRef(MISS);
+  PyObject* scope = nullptr;
+  if (PyContextVar_Get(scoped, Py_None, &scope) < 0) return nullptr;
+  Py_DECREF(scope);
+  if (scope != Py_None) return Py_NewRef(MISS);
+  std::string& key = key_buffer;
+  if (!make_key(args, n, key)) return Py_NewRef(MISS);
+  auto found = self->plans->find(key);
+  if (found == self->plans->end()) {
+    pending = key;
+    pending_table = self;
+    return Py_NewRef(MISS);
+  }
+  std::shared_ptr<Plan> plan = found->second;  // alive while it runs, cleared or not
+  if (plan->kind == Plan::GENERAL) return Py_NewRef(MISS);
+  if (plan->launches_kernels) {  // a thread with no current context: Python makes one
+    void* ctx = nullptr;
+    if (cu_ctx_current == nullptr || cu_ctx_current(&ctx) != 0 || ctx == nullptr) {
+      return Py_NewRef(MISS);
+    }
+  }
+  try {
+    return run(*plan, args);
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+// ------------------------------------------------------------------ plans from descriptions
+template <typename T>
+bool read_ints(PyObject* seq, std::vector<T>& out) {
+  PyObject* fast = PySequence_Fast(seq, "expected a sequence of ints");
+  if (fast == nullptr) return false;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); ++i) {
+    out.push_back(static_cast<T>(PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i))));
+  }
+  Py_DECREF(fast);
+  return !PyErr_Occurred();
+}
+
+// alloc: (sizes, strides, dtype, device index or -1 for the CPU)
+bool read_alloc(PyObject* o, std::vector<Alloc>& out) {
+  PyObject *sizes, *strides, *dtype;
+  int device;
+  if (!PyArg_ParseTuple(o, "OOO!i", &sizes, &strides, &THPDtypeType, &dtype, &device)) {
+    return false;
+  }
+  Alloc a{{}, {}, reinterpret_cast<THPDtype*>(dtype)->scalar_type,
+          device < 0 ? c10::Device(c10::kCPU)
+                     : c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device))};
+  if (!read_ints(sizes, a.sizes) || !read_ints(strides, a.strides)) return false;
+  out.push_back(std::move(a));
+  return true;
+}
+
+// launch: (is_entry, target, packed caller, check, (grid and block), shared_mem,
+//          ((kind, tensor, value), ...))
+bool read_launch(PyObject* o, Plan& plan) {
+  int entry, check;
+  unsigned long long target, packed;
+  unsigned shared_mem;
+  PyObject *dims, *slots;
+  if (!PyArg_ParseTuple(o, "pKKpOIO", &entry, &target, &packed, &check, &dims, &shared_mem,
+                        &slots)) {
+    return false;
+  }
+  Launch l{};
+  l.entry = entry;
+  l.target = reinterpret_cast<void*>(target);
+  l.packed = reinterpret_cast<Packed>(packed);
+  l.check = check;
+  l.shared_mem = shared_mem;
+  std::vector<unsigned> d;
+  if (!read_ints(dims, d)) return false;
+  if (d.size() != 6) {
+    PyErr_SetString(PyExc_ValueError, "a launch's dims are 6 ints");
+    return false;
+  }
+  std::copy(d.begin(), d.end(), l.dims);
+  PyObject* fast = PySequence_Fast(slots, "slots must be a sequence");
+  if (fast == nullptr) return false;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); ++i) {
+    Slot s{};
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "iiK", &s.kind, &s.tensor,
+                          &s.value)) {
+      Py_DECREF(fast);
+      return false;
+    }
+    plan.needs_stream |= s.kind == STREAM || !l.entry;
+    l.slots.push_back(s);
+  }
+  Py_DECREF(fast);
+  if (l.slots.size() > 64) {
+    PyErr_SetString(PyExc_ValueError, "a launch takes at most 64 values");
+    return false;
+  }
+  if (!l.entry && cu_launch == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "no libcuda: kernels cannot be launched");
+    return false;
+  }
+  if ((l.entry && l.packed == nullptr) || l.target == nullptr) {
+    PyErr_SetString(PyExc_ValueError, "a launch needs its target (and an entry its caller)");
+    return false;
+  }
+  plan.launches_kernels |= !l.entry;
+  plan.launches.push_back(std::move(l));
+  return true;
+}
+
+template <typename F>
+bool each(PyObject* seq, F&& f) {
+  PyObject* fast = PySequence_Fast(seq, "expected a sequence");
+  if (fast == nullptr) return false;
+  bool ok = true;
+  for (Py_ssize_t i = 0; ok && i < PySequence_Fast_GET_SIZE(fast); ++i) {
+    ok = f(PySequence_Fast_GET_ITEM(fast, i));
+  }
+  Py_DECREF(fast);
+  return ok;
+}
+
+// table.add(description) -> bool: the pending miss's key gets this plan (False: no pending
+// miss of this table in this thread). description: ("general",), ("matmul", (a, b)), or
+// ("launches", args, outputs, scratch, launches, result, keep, failed).
+PyObject* table_add(Table* self, PyObject* desc) {
+  if (pending_table != self) Py_RETURN_FALSE;
+  if (!PyTuple_Check(desc) || PyTuple_GET_SIZE(desc) < 1) {
+    PyErr_SetString(PyExc_TypeError, "a plan description is a tuple");
+    return nullptr;
+  }
+  auto plan = std::make_shared<Plan>();
+  const char* kind = PyUnicode_AsUTF8(PyTuple_GET_ITEM(desc, 0));
+  if (kind == nullptr) return nullptr;
+  if (std::strcmp(kind, "general") == 0) {
+    plan->kind = Plan::GENERAL;
+  } else if (std::strcmp(kind, "matmul") == 0) {
+    plan->kind = Plan::MATMUL;
+    if (PyTuple_GET_SIZE(desc) != 2 || !read_ints(PyTuple_GET_ITEM(desc, 1), plan->args) ||
+        plan->args.size() != 2) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "matmul takes (a, b)");
+      return nullptr;
+    }
+  } else if (std::strcmp(kind, "launches") == 0) {
+    plan->kind = Plan::LAUNCHES;
+    PyObject *args, *outputs, *scratch, *launches, *keep, *failed;
+    int result;
+    if (!PyArg_ParseTuple(desc, "sOOOOiOO", &kind, &args, &outputs, &scratch, &launches,
+                          &result, &keep, &failed) ||
+        !read_ints(args, plan->args) ||
+        !each(outputs, [&](PyObject* o) { return read_alloc(o, plan->outputs); }) ||
+        !each(scratch, [&](PyObject* o) { return read_alloc(o, plan->scratch); }) ||
+        !each(launches, [&](PyObject* o) { return read_launch(o, *plan); })) {
+      return nullptr;
+    }
+    plan->result = result;
+    plan->keep = Py_NewRef(keep);
+    plan->failed = Py_NewRef(failed);
+  } else {
+    PyErr_Format(PyExc_ValueError, "unknown plan kind '%s'", kind);
+    return nullptr;
+  }
+  pending_table = nullptr;  // a description that failed to parse leaves the key pending
+  if (static_cast<Py_ssize_t>(self->plans->size()) >= self->capacity) self->plans->clear();
+  (*self->plans)[pending] = std::move(plan);
+  Py_RETURN_TRUE;
+}
+
+PyObject* table_pending(Table* self, PyObject*) {
+  return PyBool_FromLong(pending_table == self);
+}
+
+PyObject* table_clear(Table* self, PyObject*) {
+  self->plans->clear();
+  if (pending_table == self) pending_table = nullptr;
+  Py_RETURN_NONE;
+}
+
+Py_ssize_t table_len(Table* self) { return static_cast<Py_ssize_t>(self->plans->size()); }
+
+PyObject* table_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  Py_ssize_t capacity = 4096;
+  static const char* names[] = {"capacity", nullptr};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|n", const_cast<char**>(names), &capacity)) {
+    return nullptr;
+  }
+  Table* self = reinterpret_cast<Table*>(type->tp_alloc(type, 0));
+  if (self == nullptr) return nullptr;
+  self->plans = new std::unordered_map<std::string, std::shared_ptr<Plan>>();
+  self->capacity = capacity;
+  return reinterpret_cast<PyObject*>(self);
+}
+
+void table_dealloc(Table* self) {
+  delete self->plans;
+  Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
+}
+
+PyMethodDef table_methods[] = {
+    {"call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(table_call)),
+     METH_FASTCALL, "call(*args): the plan's result, or MISS"},
+    {"add", reinterpret_cast<PyCFunction>(table_add), METH_O,
+     "add(description): the plan of this thread's pending miss"},
+    {"pending", reinterpret_cast<PyCFunction>(table_pending), METH_NOARGS,
+     "whether this thread's last call() of this table missed a key it could learn"},
+    {"clear", reinterpret_cast<PyCFunction>(table_clear), METH_NOARGS, "drop every plan"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PySequenceMethods table_sequence = {reinterpret_cast<lenfunc>(table_len)};
+
+PyTypeObject TableType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+// init(get_device, get_stream, scoped, miss)
+PyObject* init(PyObject*, PyObject* args) {
+  if (!PyArg_ParseTuple(args, "OOOO", &get_device, &get_stream, &scoped, &MISS)) return nullptr;
+  for (PyObject* o : {get_device, get_stream, scoped, MISS}) Py_INCREF(o);
+  Py_RETURN_NONE;
+}
+
+PyObject* set_recording(PyObject*, PyObject* n) {
+  recording = PyLong_AsLong(n);
+  if (recording == -1 && PyErr_Occurred()) return nullptr;
+  Py_RETURN_NONE;
+}
+
+PyObject* can_launch(PyObject*, PyObject*) { return PyBool_FromLong(cu_launch != nullptr); }
+
+PyMethodDef methods[] = {
+    {"init", init, METH_VARARGS, "init(get_device, get_stream, scoped, miss)"},
+    {"set_recording", set_recording, METH_O, "the number of calls being recorded"},
+    {"can_launch", can_launch, METH_NOARGS, "whether kernels can be launched (libcuda)"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "vitrail_hit", nullptr, -1, methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit_vitrail_hit(void) {
+  void* cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  if (cuda == nullptr) cuda = dlopen("libcuda.so.1", RTLD_NOW);
+  if (cuda != nullptr) {
+    cu_launch = reinterpret_cast<LaunchFn>(dlsym(cuda, "cuLaunchKernel"));
+    cu_ctx_current = reinterpret_cast<CtxFn>(dlsym(cuda, "cuCtxGetCurrent"));
+  }
+  TableType.tp_name = "vitrail_hit.Table";
+  TableType.tp_basicsize = sizeof(Table);
+  TableType.tp_flags = Py_TPFLAGS_DEFAULT;
+  TableType.tp_doc = "One op family's plans, keyed by its public function's arguments";
+  TableType.tp_new = table_new;
+  TableType.tp_dealloc = reinterpret_cast<destructor>(table_dealloc);
+  TableType.tp_methods = table_methods;
+  TableType.tp_as_sequence = &table_sequence;
+  if (PyType_Ready(&TableType) < 0) return nullptr;
+  PyObject* m = PyModule_Create(&module);
+  if (m == nullptr) return nullptr;
+  Py_INCREF(&TableType);
+  if (PyModule_AddObject(m, "Table", reinterpret_cast<PyObject*>(&TableType)) < 0) {
+    Py_DECREF(&TableType);
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
+}
