@@ -373,3 +373,28 @@ def test_a_call_inside_a_recorded_call_is_recorded_not_run_from_cpp(module, ext)
     assert calls == ["inner", "inner"]  # recorded once, through Python
     source = outer.get((signature(x),)).source
     assert "f0(" in source and "f1(" in source  # both calls are in the outer plan
+
+
+def test_one_tensor_passed_twice_is_its_own_cpp_key(module, ext):
+    """f(a, a) and f(a, b) of one signature are two C++ keys (which tensor arguments start at
+    one address is in the key): each replays its own plan, never the first input twice."""
+    from vitrail.plan import native
+    plans, calls = Plans("native-test"), []
+
+    def general(x, y, out):  # out = x + y[:4] repeated
+        calls.append(1)
+        module.shift(out.data_ptr(), x.data_ptr(), y.data_ptr(), x.numel(), stream=0)
+
+    @native.front(plans)
+    def add(x, y):
+        return plans.run((signature(x), signature(y)), (x, y), _outputs, general)[0]
+
+    for _ in range(3):
+        x = torch.randn(8)
+        torch.testing.assert_close(add(x, x), x + x[:4].repeat(2))
+        x, y = torch.randn(8), torch.randn(8)
+        torch.testing.assert_close(add(x, y), x + y[:4].repeat(2))
+    assert len(add.front.table) == 2 and len(calls) == 2  # one general call per key
+    view = x.view(2, 4)[0]  # a view at x's address is that tensor too
+    assert add.front.call(x, x) is not native.MISS
+    assert add.front.call(x[:8], x) is not native.MISS and view.data_ptr() == x.data_ptr()

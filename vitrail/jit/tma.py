@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import struct
 import threading
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from vitrail.jit.errors import ArgumentError
 
@@ -98,4 +98,34 @@ def tensor_map(tensor, dims: Sequence[int], strides: Sequence[int], box: Sequenc
         driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     _check(err, f"cuTensorMapEncodeTiled(dims {tuple(dims)}, strides {tuple(strides)}, box "
                 f"{tuple(box)})")
-    return struct.pack("<16Q", *(int(v) for v in desc.opaque))
+    encoded = struct.pack("<16Q", *(int(v) for v in desc.opaque))
+    from vitrail.plan import recording
+    record = recording()
+    if record is not None:  # a plan encodes it again at each call, for that call's tensor
+        record.tensor_maps[encoded] = TensorMap(
+            tensor, int(getattr(driver.CUtensorMapDataType, f"CU_TENSOR_MAP_DATA_TYPE_{kind}")),
+            size, tuple(int(n) for n in dims), tuple(int(s) * size for s in strides),
+            tuple(int(b) for b in box), swizzle, int(getattr(
+                driver.CUtensorMapSwizzle, f"CU_TENSOR_MAP_SWIZZLE_{swizzle}B" if swizzle else
+                "CU_TENSOR_MAP_SWIZZLE_NONE")), offset * size)
+    return encoded
+
+
+class TensorMap(NamedTuple):
+    """How a recorded tensor map was made (vitrail.plan encodes it again per call): the tensor,
+    the driver's data type, element bytes, dims, strides in bytes, box, swizzle (bytes, and the
+    driver's enum) and the view's byte offset from the tensor's start."""
+    tensor: object
+    data_type: int
+    size: int
+    dims: tuple
+    byte_strides: tuple
+    box: tuple
+    swizzle: int
+    swizzle_enum: int
+    byte_offset: int
+
+    def encode(self, tensor) -> bytes:
+        """The map of the same view of another tensor (of the same shape and strides)."""
+        return tensor_map(tensor, self.dims, [s // self.size for s in self.byte_strides],
+                          self.box, swizzle=self.swizzle, offset=self.byte_offset // self.size)

@@ -93,6 +93,7 @@ class Record:
         self.launches: list[tuple[str, Any, tuple, Any]] = []
         self.scratch: list[tuple[torch.Tensor, int, torch.dtype, torch.device]] = []
         self.kept: list[torch.Tensor] = []
+        self.tensor_maps: dict[bytes, Any] = {}  # encoded map -> jit.tma.TensorMap
         self.paused = 0  # inside plan.setup()
         self.replayable = True
         self.why = ""
@@ -173,34 +174,18 @@ class Plans:
         *outputs, *params) fills them (it may launch, allocate ``scratch`` and take views,
         nothing else for a plan). The key holds everything that decides the route, params
         included."""
-        global _recording
         full = (key, _device(), current_policy())
         plan = self._plans.get(full)
         nested = _recording and recording() is not None  # an op inside a recorded call
         if plan is not None and plan is not GENERAL and not nested:
             return plan(*inputs)
-        outputs = make_outputs(*inputs, *params)
         if plan is GENERAL or nested:  # a nested call is recorded as part of the outer one
+            outputs = make_outputs(*inputs, *params)
             general(*inputs, *outputs, *params)
             if not nested and native.LEARNING[0]:
                 native.saw(GENERAL, inputs, outputs)
             return outputs
-        record = _state.record = Record()
-        with _count_lock:
-            _recording += 1
-            HOOKS.record = _on_launch
-            _tell_recording()
-        try:
-            with _Watch(record):
-                general(*inputs, *outputs, *params)
-        finally:
-            _state.record = None
-            with _count_lock:
-                _recording -= 1
-                if not _recording:
-                    HOOKS.record = None
-                _tell_recording()
-        plan = _compile(record, inputs, outputs, make_outputs, general, params, self.family)
+        plan, outputs = _recorded(inputs, make_outputs, general, params, self.family)
         if plan is not None:
             self._store(full, plan)
             if plan is not GENERAL and _GPU:
@@ -271,6 +256,28 @@ on_change(_clear_native)
 native.on_load(lambda ext: ext.set_recording(_recording))
 
 
+def _recorded(inputs: tuple, make_outputs, general, params: tuple, family: str):
+    """(plan or GENERAL or None, outputs) of a general call, recorded."""
+    global _recording
+    outputs = make_outputs(*inputs, *params)
+    record = _state.record = Record()
+    with _count_lock:
+        _recording += 1
+        HOOKS.record = _on_launch
+        _tell_recording()
+    try:
+        with _Watch(record):
+            general(*inputs, *outputs, *params)
+    finally:
+        _state.record = None
+        with _count_lock:
+            _recording -= 1
+            if not _recording:
+                HOOKS.record = None
+            _tell_recording()
+    return _compile(record, inputs, outputs, make_outputs, general, params, family), outputs
+
+
 def _compile(record: Record, inputs: tuple, outputs: tuple, make_outputs, general,
              params: tuple, family: str):
     """The plan of a recorded general call: a generated function, GENERAL, or None (nothing to
@@ -331,8 +338,14 @@ def _compile(record: Record, inputs: tuple, outputs: tuple, make_outputs, genera
                 if type(v) is int and any(start <= v <= end for _, start, end in spans):
                     return GENERAL  # a pointer passed as an integer: replayed it would be stale
                 args.append(("const", v, p))
+            elif isinstance(v, bytes) and v in record.tensor_maps:  # encoded again per call
+                m = record.tensor_maps[v]
+                expr = where(m.tensor.data_ptr() + m.byte_offset) if m.tensor.numel() else None
+                if expr is None or expr[0] != "ptr" or expr[2] != m.byte_offset:
+                    return GENERAL  # a map of a tensor the plan does not know (a padded copy)
+                args.append(("map", expr[1], m))
             else:
-                return GENERAL  # a struct by value: through the general path
+                return GENERAL  # another struct by value: through the general path
         steps.append((kind, target, args, shared_mem))
 
     def failed(j: int, result: int) -> LaunchError:
@@ -342,16 +355,18 @@ def _compile(record: Record, inputs: tuple, outputs: tuple, make_outputs, genera
         return LaunchError(f"{family} (planned call): launching {target.kernel.where} failed "
                            f"with CUresult {result}")
 
-    def unplanned(*args):
+    def unplanned(*args):  # the inputs are no longer one tensor
+        if native.LEARNING[0]:  # a C++ key holds that: it learns this call's own plan
+            plan, outs = _recorded(args, make_outputs, general, params, family)
+            native.saw(plan, args, outs)
+            return outs
         outs = make_outputs(*args, *params)
         general(*args, *outs, *params)
-        if native.LEARNING[0]:
-            native.saw(None, args, outs)
         return outs
     plan = _python_plan(steps, len(inputs), len(outputs), record, guards, make_outputs, params,
                         family, failed, unplanned)
-    plan.native = None if guards else _native_template(steps, inputs, outputs, record, failed)
-    plan.aliased = bool(guards)  # C++ keys do not see aliasing: such a call teaches them nothing
+    # (C++ keys hold which tensor arguments start at one address: the guards are in the key)
+    plan.native = _native_template(steps, inputs, outputs, record, failed)
     return plan
 
 
@@ -378,6 +393,9 @@ def _python_plan(steps, n_inputs: int, n_outputs: int, record: Record, guards, m
                 exprs.append(f"{arg[1]}.data_ptr()" + (f" + {arg[2]}" if arg[2] else ""))
             elif arg[0] == "addr":
                 exprs.append(str(arg[1]))
+            elif arg[0] == "map":
+                scope[f"m{j}_{n}"] = arg[2].encode
+                exprs.append(f"m{j}_{n}({arg[1]})")
             else:
                 scope[f"c{j}_{n}"] = arg[1]
                 exprs.append(f"c{j}_{n}")
@@ -423,7 +441,7 @@ def _native_template(steps, inputs: tuple, outputs: tuple, record: Record, faile
                      if torch.device(device).type == "cuda" else -1)
                     for _, n, dtype, device in record.scratch)
     device = _device()
-    launches = []
+    launches, maps = [], []
     for kind, target, args, shared_mem in steps:
         slots = []
         for arg in args:
@@ -433,6 +451,11 @@ def _native_template(steps, inputs: tuple, outputs: tuple, record: Record, faile
                 slots.append((native.POINTER, index[arg[1]], arg[2]))
             elif arg[0] == "addr":
                 slots.append((native.CONST, 0, arg[1]))
+            elif arg[0] == "map":
+                m = arg[2]
+                slots.append((native.MAP, index[arg[1]], len(maps)))
+                maps.append((m.data_type, m.dims, m.byte_strides, m.box, m.swizzle_enum,
+                             m.byte_offset))
             else:
                 value, p = arg[1], arg[2]
                 fmt = p.fmt if kind == "entry" else _slot_format(p)
@@ -452,7 +475,8 @@ def _native_template(steps, inputs: tuple, outputs: tuple, record: Record, faile
             launches.append((False, function, 0, False, target.dims, int(shared_mem),
                              tuple(slots)))
     return {"kind": "launches", "device": device, "used": tuple(used), "outputs": tuple(allocs),
-            "scratch": scratch, "launches": tuple(launches), "keep": tuple(record.kept),
+            "scratch": scratch, "launches": tuple(launches), "maps": tuple(maps),
+            "keep": tuple(record.kept),
             "failed": lambda j, code: _raise(failed(j, code))}
 
 

@@ -1,7 +1,8 @@
 // The hit path of vitrail.plan below Python: one C++ call per op call that has a plan.
 //
 // A Table holds one op family's plans, keyed by the arguments of its public function as they
-// were passed: each tensor's shape, strides, dtype, device, dispatch keys and address modulo 16;
+// were passed: each tensor's shape, strides, dtype, device, dispatch keys, address modulo 16
+// and which earlier tensor argument starts at the same address (mm(a, a) is not mm(a, b));
 // each scalar's type and value; and the current device. table.call(*args) builds that key, finds
 // the plan and runs it: allocates the outputs (and scratch buffers) through ATen, then calls the
 // recorded entry points (through their prototype's packed caller) and launches the recorded
@@ -10,9 +11,8 @@
 //
 // What the key cannot vouch for returns MISS: a tensor that records a gradient (grad mode on),
 // a tensor subclass, an argument of another type, settings scoped by `with
-// vitrail.tune.settings(...)`, a call being recorded by vitrail.plan in any thread, inputs that
-// were one tensor when the plan was made and no longer are, a kernel launch with no CUDA
-// context current. A MISS of a key with no plan is "pending": the family's Python path runs,
+// vitrail.tune.settings(...)`, a call being recorded by vitrail.plan in any thread, a kernel
+// launch with no CUDA context current. A MISS of a key with no plan is "pending": the family's Python path runs,
 // and if it ran exactly one plan whose outputs are the call's result, Python adds that plan's
 // description under the pending key (vitrail/plan/native.py).
 #include <Python.h>
@@ -26,7 +26,9 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_strided.h>
+#include <ATen/ops/bmm.h>
 #include <ATen/ops/matmul.h>
+#include <ATen/ops/mm.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -37,20 +39,35 @@ using LaunchFn = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned
                          unsigned, void*, void**, void**);
 using CtxFn = int (*)(void**);
 using Packed = long long (*)(void*, const unsigned long long*);
+using EncodeFn = int (*)(void*, int, unsigned, void*, const unsigned long long*,
+                         const unsigned long long*, const unsigned*, const unsigned*, int, int,
+                         int, int);  // cuTensorMapEncodeTiled, enums as ints
 
 LaunchFn cu_launch = nullptr;         // cuLaunchKernel, where libcuda is loaded
 CtxFn cu_ctx_current = nullptr;       // cuCtxGetCurrent
+EncodeFn cu_encode = nullptr;         // cuTensorMapEncodeTiled
 PyObject* get_device = nullptr;       // () -> int: torch's current device (-1: none)
 PyObject* get_stream = nullptr;       // (device) -> int: torch's current stream there
 PyObject* scoped = nullptr;           // the ContextVar of `with vitrail.tune.settings(...)`
 PyObject* MISS = nullptr;             // what call() returns when the caller must run Python
 long recording = 0;                   // calls being recorded by vitrail.plan, in any thread
 
-enum SlotKind : int { CONST = 0, POINTER = 1, STREAM = 2 };
+enum SlotKind : int { CONST = 0, POINTER = 1, STREAM = 2, MAP = 3 };
 struct Slot {
   int kind;
-  int tensor;                // POINTER: the tensor (arguments, then outputs, then scratch)
-  unsigned long long value;  // CONST: the value's bytes; POINTER: the offset in bytes
+  int tensor;                // POINTER, MAP: the tensor (arguments, then outputs, then scratch)
+  unsigned long long value;  // CONST: the value's bytes; POINTER: the offset in bytes; MAP: the
+                             // plan's map, encoded at each call for the tensor (a kernel's
+                             // 128-byte CUtensorMap parameter)
+};
+
+struct TensorMap {  // cuTensorMapEncodeTiled's arguments but the address
+  int data_type;
+  unsigned rank;
+  unsigned long long dims[5], strides[5];
+  unsigned box[5];
+  int swizzle;
+  unsigned long long offset;  // of the view from the tensor's start, in bytes
 };
 
 struct Launch {
@@ -74,6 +91,7 @@ struct Plan {
   std::vector<int> args;           // the argument position of each tensor the plan reads
   std::vector<Alloc> outputs, scratch;
   std::vector<Launch> launches;
+  std::vector<TensorMap> maps;
   int result = 0;                  // >= 0: that tensor; -1: None; -2: the outputs as a tuple
   bool needs_stream = false, launches_kernels = false;
   PyObject* keep = nullptr;        // objects alive as long as the plan (tables it passes)
@@ -103,6 +121,8 @@ inline void put(std::string& key, const T& v) {
 bool make_key(PyObject* const* args, Py_ssize_t n, std::string& key) {
   key.clear();
   const bool grad = c10::GradMode::is_enabled();
+  const void* starts[16];  // the tensor arguments' addresses so far
+  int8_t tensors = 0;
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* o = args[i];
     if (o == Py_None) {
@@ -120,7 +140,13 @@ bool make_key(PyObject* const* args, Py_ssize_t n, std::string& key) {
         put(key, static_cast<int8_t>(t.device().type()));
         put(key, static_cast<int8_t>(t.device().index()));
         put(key, t.key_set().raw_repr());  // conjugate and negative views, functorch wrappers
-        put(key, static_cast<uint8_t>(reinterpret_cast<uintptr_t>(t.data_ptr()) & 15));
+        const void* start = t.data_ptr();
+        put(key, static_cast<uint8_t>(reinterpret_cast<uintptr_t>(start) & 15));
+        int8_t same = -1;  // the first earlier tensor argument at this address
+        for (int8_t k = 0; k < tensors && same < 0; ++k) same = starts[k] == start ? k : -1;
+        put(key, same);
+        if (tensors == 16) return false;
+        starts[tensors++] = start;
       } catch (const std::exception&) {
         return false;
       }
@@ -166,12 +192,14 @@ bool make_key(PyObject* const* args, Py_ssize_t n, std::string& key) {
 }
 
 PyObject* run(const Plan& plan, PyObject* const* args) {
-  if (plan.kind == Plan::MATMUL) {
+  if (plan.kind == Plan::MATMUL) {  // what torch.mm, torch.bmm or torch.matmul would call
     const at::Tensor& a = THPVariable_Unpack(args[plan.args[0]]);
     const at::Tensor& b = THPVariable_Unpack(args[plan.args[1]]);
     at::Tensor d;
     Py_BEGIN_ALLOW_THREADS
-    d = at::matmul(a, b);
+    d = a.dim() == 2 && b.dim() == 2   ? at::mm(a, b)
+        : a.dim() == 3 && b.dim() == 3 ? at::bmm(a, b)
+                                       : at::matmul(a, b);
     Py_END_ALLOW_THREADS
     return THPVariable_Wrap(std::move(d));
   }
@@ -201,15 +229,27 @@ PyObject* run(const Plan& plan, PyObject* const* args) {
   Py_BEGIN_ALLOW_THREADS
   unsigned long long values[64];
   void* params[64];
+  alignas(64) unsigned char maps[8][128];
+  static const unsigned ones[5] = {1, 1, 1, 1, 1};
   for (size_t j = 0; j < plan.launches.size() && failed_at < 0; ++j) {
     const Launch& l = plan.launches[j];
-    for (size_t k = 0; k < l.slots.size(); ++k) {
+    int encoded = 0;
+    for (size_t k = 0; k < l.slots.size() && failed_at < 0; ++k) {
       const Slot& s = l.slots[k];
+      params[k] = &values[k];
+      if (s.kind == MAP) {
+        const TensorMap& m = plan.maps[s.value];
+        code = cu_encode(maps[encoded], m.data_type, m.rank, bases[s.tensor] + m.offset,
+                         m.dims, m.strides, m.box, ones, 0, m.swizzle, 2 /* L2 128B */, 0);
+        if (code != 0) failed_at = static_cast<int>(j);
+        params[k] = maps[encoded++];
+        continue;
+      }
       values[k] = s.kind == CONST ? s.value
                   : s.kind == STREAM ? stream
                   : reinterpret_cast<unsigned long long>(bases[s.tensor] + s.value);
-      params[k] = &values[k];
     }
+    if (failed_at >= 0) break;
     if (l.entry) {
       code = l.packed(l.target, values);
       if (l.check && code != 0) failed_at = static_cast<int>(j);
@@ -295,6 +335,33 @@ bool read_alloc(PyObject* o, std::vector<Alloc>& out) {
   return true;
 }
 
+// map: (data type, dims, strides in bytes, box, swizzle, byte offset)
+bool read_map(PyObject* o, std::vector<TensorMap>& out) {
+  PyObject *dims, *strides, *box;
+  TensorMap m{};
+  if (!PyArg_ParseTuple(o, "iOOOiK", &m.data_type, &dims, &strides, &box, &m.swizzle,
+                        &m.offset)) {
+    return false;
+  }
+  std::vector<unsigned long long> d, s;
+  std::vector<unsigned> b;
+  if (!read_ints(dims, d) || !read_ints(strides, s) || !read_ints(box, b)) return false;
+  if (d.empty() || d.size() > 5 || b.size() != d.size() || s.size() + 1 != d.size()) {
+    PyErr_SetString(PyExc_ValueError, "a tensor map has 1 to 5 dims, a box each, strides but one");
+    return false;
+  }
+  if (cu_encode == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "no libcuda: tensor maps cannot be encoded");
+    return false;
+  }
+  m.rank = static_cast<unsigned>(d.size());
+  std::copy(d.begin(), d.end(), m.dims);
+  std::copy(s.begin(), s.end(), m.strides);
+  std::copy(b.begin(), b.end(), m.box);
+  out.push_back(m);
+  return true;
+}
+
 // launch: (is_entry, target, packed caller, check, (grid and block), shared_mem,
 //          ((kind, tensor, value), ...))
 bool read_launch(PyObject* o, Plan& plan) {
@@ -329,11 +396,18 @@ bool read_launch(PyObject* o, Plan& plan) {
       return false;
     }
     plan.needs_stream |= s.kind == STREAM || !l.entry;
+    if (s.kind == MAP && (l.entry || s.value >= plan.maps.size())) {
+      Py_DECREF(fast);
+      PyErr_SetString(PyExc_ValueError, "a map slot names one of the plan's maps, in a kernel");
+      return false;
+    }
     l.slots.push_back(s);
   }
   Py_DECREF(fast);
-  if (l.slots.size() > 64) {
-    PyErr_SetString(PyExc_ValueError, "a launch takes at most 64 values");
+  int n_maps = 0;
+  for (const Slot& s : l.slots) n_maps += s.kind == MAP;
+  if (l.slots.size() > 64 || n_maps > 8) {
+    PyErr_SetString(PyExc_ValueError, "a launch takes at most 64 values, 8 of them maps");
     return false;
   }
   if (!l.entry && cu_launch == nullptr) {
@@ -363,7 +437,7 @@ bool each(PyObject* seq, F&& f) {
 
 // table.add(description) -> bool: the pending miss's key gets this plan (False: no pending
 // miss of this table in this thread). description: ("general",), ("matmul", (a, b)), or
-// ("launches", args, outputs, scratch, launches, result, keep, failed).
+// ("launches", args, outputs, scratch, launches, maps, result, keep, failed).
 PyObject* table_add(Table* self, PyObject* desc) {
   if (pending_table != self) Py_RETURN_FALSE;
   if (!PyTuple_Check(desc) || PyTuple_GET_SIZE(desc) < 1) {
@@ -384,13 +458,14 @@ PyObject* table_add(Table* self, PyObject* desc) {
     }
   } else if (std::strcmp(kind, "launches") == 0) {
     plan->kind = Plan::LAUNCHES;
-    PyObject *args, *outputs, *scratch, *launches, *keep, *failed;
+    PyObject *args, *outputs, *scratch, *launches, *maps, *keep, *failed;
     int result;
-    if (!PyArg_ParseTuple(desc, "sOOOOiOO", &kind, &args, &outputs, &scratch, &launches,
+    if (!PyArg_ParseTuple(desc, "sOOOOOiOO", &kind, &args, &outputs, &scratch, &launches, &maps,
                           &result, &keep, &failed) ||
         !read_ints(args, plan->args) ||
         !each(outputs, [&](PyObject* o) { return read_alloc(o, plan->outputs); }) ||
         !each(scratch, [&](PyObject* o) { return read_alloc(o, plan->scratch); }) ||
+        !each(maps, [&](PyObject* o) { return read_map(o, plan->maps); }) ||
         !each(launches, [&](PyObject* o) { return read_launch(o, *plan); })) {
       return nullptr;
     }
@@ -482,6 +557,7 @@ PyMODINIT_FUNC PyInit_vitrail_hit(void) {
   if (cuda != nullptr) {
     cu_launch = reinterpret_cast<LaunchFn>(dlsym(cuda, "cuLaunchKernel"));
     cu_ctx_current = reinterpret_cast<CtxFn>(dlsym(cuda, "cuCtxGetCurrent"));
+    cu_encode = reinterpret_cast<EncodeFn>(dlsym(cuda, "cuTensorMapEncodeTiled"));
   }
   TableType.tp_name = "vitrail_hit.Table";
   TableType.tp_basicsize = sizeof(Table);

@@ -137,7 +137,7 @@ def on_load(hook: Callable[[Any], None]) -> None:
 
 
 # ------------------------------------------------------------------ plans as descriptions
-CONST, POINTER, STREAM = 0, 1, 2  # hit.cpp's slot kinds
+CONST, POINTER, STREAM, MAP = 0, 1, 2, 3  # hit.cpp's slot kinds
 
 
 def const_slot(value, fmt: str) -> tuple[int, int, int]:
@@ -149,14 +149,15 @@ def const_slot(value, fmt: str) -> tuple[int, int, int]:
 def describe(template: dict, inputs: tuple, outputs: tuple, result, args: tuple):
     """The description hit.cpp adds for a call of a front function with args whose Python
     path ran one plan (its native template, its inputs and outputs) and returned result; None
-    where it cannot be expressed in the call's arguments (an input that is not one of them, or
-    is twice)."""
+    where it cannot be expressed in the call's arguments (an input that is not one of them). An
+    input passed twice is read at its first position: the key holds which tensor arguments
+    start at one address."""
     positions = []
     for k in template["used"]:
-        found = [j for j, a in enumerate(args) if a is inputs[k]]
-        if len(found) != 1:
+        found = next((j for j, a in enumerate(args) if a is inputs[k]), None)
+        if found is None:
             return None
-        positions.append(found[0])
+        positions.append(found)
     if template["kind"] == "matmul":
         return None if result is not outputs[0] else ("matmul", tuple(positions))
     used = len(positions)
@@ -172,7 +173,7 @@ def describe(template: dict, inputs: tuple, outputs: tuple, result, args: tuple)
         if which is None:
             return None
     return ("launches", tuple(positions), template["outputs"], template["scratch"],
-            template["launches"], which, template["keep"], template["failed"])
+            template["launches"], template["maps"], which, template["keep"], template["failed"])
 
 
 # ------------------------------------------------------------------ front functions
@@ -238,8 +239,8 @@ def _adopt(front: Front, seen: list, result, args: tuple, when) -> None:
     if len(seen) == 1 and (when is None or when(*args)):
         plan, inputs, outputs = seen[0]
         template = getattr(plan, "native", None) if plan is not None else None
-        if plan is None or getattr(plan, "aliased", False):
-            description = None  # nothing to learn from this call: the next one tries again
+        if plan is None:
+            description = None  # nothing stored for this call: the next one tries again
         elif template is not None and template.get("device", None) in \
                 (None, plans_module._device()):  # launched on the device current here
             description = describe(template, inputs, outputs, result, args) or ("general",)

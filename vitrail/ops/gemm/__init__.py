@@ -175,19 +175,30 @@ class _Gemm(torch.autograd.Function):
     to the kernels through their plans; check: the public function's checks (run on a miss)."""
 
     @staticmethod
-    def forward(ctx, a, b, c, bias, alpha, beta, activation, slope, lo, hi, out_dtype, check):
-        y = eager(a, b, c, bias, alpha, beta, activation, slope, lo, hi, out_dtype, check=check)
+    def forward(ctx, a, b, c, bias, alpha, beta, activation, slope, lo, hi, out_dtype, name,
+                ndim):
+        y = _eager(a, b, c, bias, alpha, beta, activation, slope, lo, hi, out_dtype, name, ndim)
         _save(ctx, a, b, c, bias, y, (alpha, beta, activation, slope, lo, hi))
         return y
 
     @staticmethod
     def backward(ctx, grad):
         # create_graph: through the custom op, whose backward is differentiable
-        mm = _gemm if torch.is_grad_enabled() else eager
-        return *_grads(ctx, grad, mm), None, None, None, None, None, None, None, None
+        mm = _gemm if torch.is_grad_enabled() else _eager
+        return *_grads(ctx, grad, mm), None, None, None, None, None, None, None, None, None
 
 
 _GEMM = autograd_apply(_Gemm)
+
+
+@front(PLANS, when=native_ok)  # the GRAD path's GEMMs run from C++ (grad mode is off there)
+def _eager(a, b, c, bias, alpha, beta, activation, slope, lo, hi, out_dtype, name=None,
+           ndim=None) -> Tensor:
+    """``eager``, checked on a plan miss as the public function ``name`` (None: unchecked, the
+    backward's GEMMs of checked operands)."""
+    check = None if name is None else \
+        (lambda: _check(name, a, b, c, bias, activation, out_dtype, ndim))
+    return eager(a, b, c, bias, alpha, beta, activation, slope, lo, hi, out_dtype, check=check)
 
 
 def _call(name: str, a, b, c, bias, alpha, beta, activation, slope, clamp_min, clamp_max,
@@ -204,7 +215,7 @@ def _call(name: str, a, b, c, bias, alpha, beta, activation, slope, clamp_min, c
     check = lambda: _check(name, a, b, c, bias, activation, out_dtype, ndim)  # noqa: E731
     if mode == EAGER:
         return eager(a, b, c, bias, *args, check=check)
-    return _GEMM(a, b, c, bias, *args, check)
+    return _GEMM(a, b, c, bias, *args, name, ndim)
 
 
 # ------------------------------------------------------------------------- public functions

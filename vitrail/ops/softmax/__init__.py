@@ -426,6 +426,7 @@ def _like(*ts: torch.Tensor) -> tuple[torch.Tensor]:
             torch.empty_like(t, memory_format=torch.contiguous_format),)
 
 
+@front(PLANS)  # the GRAD path's forward and backward run from C++ too (grad mode is off there)
 def _forward(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
     """softmax of x along dim (checked, normalized) into a new contiguous tensor."""
     return PLANS.run((signature(x), dim, log), (x,), _like, _forward_into, (dim, log))[0]
@@ -443,6 +444,7 @@ def _forward_into(x: torch.Tensor, y: torch.Tensor, dim: int, log: bool) -> None
         y.copy_(y2.view(x.movedim(dim, -1).shape).movedim(-1, dim))
 
 
+@front(PLANS)
 def _backward(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
     """The gradient of x from y = softmax(x) (or log_softmax) and dy, along dim (normalized)."""
     return PLANS.run((signature(y), signature(dy), dim, log), (y, dy), _like, _backward_into,
@@ -498,11 +500,11 @@ torch.library.register_autograd("vitrail::softmax_fwd", _grad, setup_context=_se
 
 class _Softmax(torch.autograd.Function):
     """A GRAD call (vitrail.ops.common.call_mode): forward and backward straight to the kernels
-    through their plans. plan: the forward's plan where the public function found it."""
+    through their plans (from C++: ``_forward`` and ``_backward`` are front functions)."""
 
     @staticmethod
-    def forward(ctx, x, dim, log, plan):
-        y = plan(x)[0] if plan is not None else _forward(x, dim, log)
+    def forward(ctx, x, dim, log):
+        y = _forward(x, dim, log)
         ctx.save_for_backward(y)
         ctx.dim, ctx.log = dim, log
         return y
@@ -511,8 +513,8 @@ class _Softmax(torch.autograd.Function):
     def backward(ctx, dy):
         (y,) = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph: the custom op refuses a second backward
-            return softmax_bwd(y, dy, ctx.dim, ctx.log), None, None, None
-        return _backward(y, dy, ctx.dim, ctx.log), None, None, None
+            return softmax_bwd(y, dy, ctx.dim, ctx.log), None, None
+        return _backward(y, dy, ctx.dim, ctx.log), None, None
 
 
 _SOFTMAX = autograd_apply(_Softmax)
@@ -521,16 +523,16 @@ _SOFTMAX = autograd_apply(_Softmax)
 # ------------------------------------------------------------------ public functions
 def _call(name: str, x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
     mode = call_mode(x)
-    if mode != DISPATCH and type(dim) is int:
+    if mode == EAGER and type(dim) is int:
         d = dim + x.dim() if dim < 0 else dim  # as check_dim: an invalid dim stays invalid
         hit = PLANS.get((signature(x), d, log))
         if hit is not None and hit is not GENERAL:  # a signature that passed the checks
-            return hit(x)[0] if mode == EAGER else _SOFTMAX(x, d, log, hit)
+            return hit(x)[0]
     check_tensor(name, "x", x, dtypes=FLOATS)
     d = check_dim(name, dim, x.dim())
     if mode == DISPATCH:
         return softmax_fwd(x, d, log)
-    run = _forward if mode == EAGER else lambda x, d, log: _SOFTMAX(x, d, log, None)
+    run = _forward if mode == EAGER else _SOFTMAX
     if x.get_device() != torch.cuda.current_device():
         with torch.cuda.device(x.device):
             return run(x, d, log)

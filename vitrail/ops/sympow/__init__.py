@@ -228,6 +228,24 @@ def _smem(kind: str, dtype: torch.dtype, d: int) -> int:
     return 2 * d * TILE * 4 + g + 4 * tile
 
 
+def _new_mma(a, b, expand_dim, power, d_tile, scale, dc) -> tuple[torch.Tensor]:
+    """sympow_mma's output [P, M', N] (M' = M, or D where a's d rows expand)."""
+    rows = a.shape[1] if expand_dim == -1 else sympow_dim(a.shape[1], power, d_tile)
+    return (a.new_empty((a.shape[0], rows, b.shape[-1])),)
+
+
+def _mma_into(a, b, out, expand_dim, power, d_tile, scale, dc) -> None:
+    _mma_impl(a, b, expand_dim, power, d_tile, scale, dc, out=out)
+
+
+def _new_like_c(a, b, c, *_) -> tuple[torch.Tensor]:
+    return (torch.empty_like(c, memory_format=torch.contiguous_format),)
+
+
+def _mma_bwd_into(a, b, c, out, expand_dim, power, d_tile, scale, dc) -> None:
+    _mma_bwd_impl(a, b, c, expand_dim, power, d_tile, scale, dc, out=out)
+
+
 def _mma_impl(a: torch.Tensor, b: torch.Tensor, expand_dim: int, power: int, d_tile: int,
               scale: float, dc: bool, out: torch.Tensor | None = None,
               wgmma: bool | None = None, order: str | None = None,
@@ -245,7 +263,7 @@ def _mma_impl(a: torch.Tensor, b: torch.Tensor, expand_dim: int, power: int, d_t
     if wgmma is not False and configs.wgmma_applies(a.dtype, power, d_tile, a.device):
         return _mma90_impl(a, b, expand_dim, power, d_tile, d, D, scale, dc, out, order, wgs,
                            tma)
-    gidx, gcoef, _, _ = configs.tables(d, power, d_tile, dc, a.device)
+    gidx, gcoef, _, _ = _tables(d, power, d_tile, dc, a.device)
     groups = gidx.numel()
     if expand_dim == -1:
         M = a.shape[1]
@@ -285,7 +303,7 @@ def _mma90_impl(a, b, expand_dim, power, d_tile, d, D, scale, dc, out, order=Non
                 tma=None):
     """The wgmma kernels (sm90_sympow_mma.cuh): 128 x 64 output tiles, tuple tables. Operands
     the kernels read by cp.async are zero-padded where their rows are not 16-byte vectors."""
-    _, _, tidx, tcoef = configs.tables(d, power, d_tile, dc, a.device)
+    _, _, tidx, tcoef = _tables(d, power, d_tile, dc, a.device)
     P, N = a.shape[0], b.shape[-1]
     BM, BN = configs.WG_TILE
     rows = a.shape[1] if expand_dim == -1 else D
@@ -348,7 +366,7 @@ def _mma_bwd_impl(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, expand_dim:
     P, n = c.shape[0], a.shape[-1]
     d = c.shape[expand_dim]
     D = configs.check_support("mma_sympow_bwd", d, power, d_tile)
-    gidx, gcoef, _, _ = configs.tables(d, power, d_tile, dc, c.device)
+    gidx, gcoef, _, _ = _tables(d, power, d_tile, dc, c.device)
     out = out if out is not None else torch.empty_like(c)
     if not out.numel():
         return out
@@ -359,7 +377,7 @@ def _mma_bwd_impl(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, expand_dim:
         lda = -(-n // 8) * 8
         if wgmma is not False and configs.wgmma_bwd_fits(d, lda) and \
                 configs.wgmma_applies(c.dtype, power, d_tile, c.device):
-            _, _, tidx, tcoef = configs.tables(d, power, d_tile, dc, c.device)
+            _, _, tidx, tcoef = _tables(d, power, d_tile, dc, c.device)
             ap = _pad16(a)
             bp = b if _vec_ok(b) else b.clone()  # (D is a multiple of 64: only the address)
             defer = configs.WG_BWD_DEFER if defer is None else bool(defer)
@@ -555,9 +573,15 @@ def _flatten(op: str, a: torch.Tensor, b: torch.Tensor, expand_dim: int):
     if expand_dim not in (-1, -2, a.dim() - 1, a.dim() - 2):
         raise ArgumentError(f"{op}: expand_dim must be -1 (expand K) or -2 (expand M), got "
                             f"{expand_dim}")
-    return a.reshape((-1,) + a.shape[-2:]), (-1 if expand_dim in (-1, a.dim() - 1) else -2)
+    return _as3(a), (-1 if expand_dim in (-1, a.dim() - 1) else -2)
 
 
+def _as3(t: torch.Tensor) -> torch.Tensor:
+    """t as [P, rows, cols]: t itself where it is (a plan's inputs are the caller's tensors)."""
+    return t if t.dim() == 3 else t.reshape((-1,) + t.shape[-2:])
+
+
+@front(PLANS)
 def sympow_mma(a: torch.Tensor, b: torch.Tensor, expand_dim: int, power: int, d_tile: int = 1,
                scale_a: float = 1.0, duplicate_correction: bool = True) -> torch.Tensor:
     """sympow(a along expand_dim) * scale_a @ b without storing the expansion.
@@ -575,18 +599,21 @@ def sympow_mma(a: torch.Tensor, b: torch.Tensor, expand_dim: int, power: int, d_
     if b.shape[-2] != want:
         raise ArgumentError(f"{op}: b must have {want} rows ({'D = sympow_dim(d)' if ed == -1 else 'K, as a has columns'}), "
                             f"got shape {tuple(b.shape)}")
-    b3 = b.reshape((-1,) + b.shape[-2:])
+    b3 = _as3(b)
     dc = bool(duplicate_correction)
     mode = call_mode(a, b)
     if mode == EAGER:
-        c = _mma_impl(a3, b3, ed, power, d_tile, float(scale_a), dc)
+        key = (signature(a3), signature(b3), ed, power, d_tile, float(scale_a), dc)
+        c = PLANS.run(key, (a3, b3), _new_mma, _mma_into, (ed, power, d_tile, float(scale_a),
+                                                            dc))[0]
     elif mode == GRAD:
         c = _SYMPOW_MMA(a3, b3, ed, power, d_tile, float(scale_a), dc)
     else:
         c = torch.ops.vitrail.sympow_mma(a3, b3, ed, power, d_tile, float(scale_a), dc)
-    return c.reshape(a.shape[:-2] + c.shape[-2:])
+    return c if a.dim() == 3 else c.reshape(a.shape[:-2] + c.shape[-2:])
 
 
+@front(PLANS)
 def mma_sympow_bwd(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, expand_dim: int,
                    power: int, d_tile: int = 1, scale_a: float = 1.0,
                    duplicate_correction: bool = True) -> torch.Tensor:
@@ -608,12 +635,14 @@ def mma_sympow_bwd(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, expand_dim
     if a.shape[-2] != rows or b.shape[-1] != cols or a.shape[-1] != b.shape[-2]:
         raise ArgumentError(f"{op}: a @ b must have shape (..., {rows}, {cols}) (c expanded), "
                             f"got a {tuple(a.shape)} and b {tuple(b.shape)}")
-    a3 = a.reshape((-1,) + a.shape[-2:])
-    b3 = b.reshape((-1,) + b.shape[-2:])
+    a3, b3 = _as3(a), _as3(b)
     dc = bool(duplicate_correction)
     if plain_eager(a, b, c):
-        out = _mma_bwd_impl(a3, b3, c3, ed, power, d_tile, float(scale_a), dc)
+        key = (signature(a3), signature(b3), signature(c3), ed, power, d_tile, float(scale_a),
+               dc)
+        out = PLANS.run(key, (a3, b3, c3), _new_like_c, _mma_bwd_into,
+                        (ed, power, d_tile, float(scale_a), dc))[0]
     else:
         out = torch.ops.vitrail.mma_sympow_bwd(a3, b3, c3, ed, power, d_tile, float(scale_a),
                                                dc)
-    return out.reshape(c.shape)
+    return out if c.dim() == 3 else out.reshape(c.shape)
