@@ -89,6 +89,21 @@ def call_mode(*tensors: torch.Tensor | None) -> int:
     return mode
 
 
+def persistent(make, device):
+    """make()'s tensors on device, for a cache that outlives every call (tables per device):
+    made on a side stream, so that they come from torch's ordinary pool even where the current
+    stream allocates into a CUDA graph's pool (torch.compile's reduce-overhead warm-up, whose
+    pool must hold only the graph's own tensors), and complete before they are returned."""
+    if torch.device(device).type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return make()
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        made = make()
+    side.synchronize()
+    return made
+
+
 _transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 
 

@@ -409,7 +409,8 @@ def _python_plan(steps, n_inputs: int, n_outputs: int, record: Record, guards, m
         else:
             scope[f"k{j}"] = target
             lines.append(f"    k{j}({', '.join(exprs)}, shared_mem={int(shared_mem)})")
-    lines += [f"    out = ({outs})", "    if L[0]:", f"        saw(plan, ({names}{',' if names else ''}), out)",
+    inputs = f"({names}{',' if names else ''})"
+    lines += [f"    out = ({outs})", "    if L[0]:", f"        saw(plan, {inputs}, out)",
               "    return out"]
     for group in sorted(guards):  # aliased inputs: another call of the key runs the general path
         same = " and ".join(f"{group[0]}.data_ptr() == {n}.data_ptr()" for n in group[1:])
@@ -428,7 +429,7 @@ def _native_template(steps, inputs: tuple, outputs: tuple, record: Record, faile
     from vitrail.jit.kernel import _slot_format
     from vitrail.jit.launcher import packed_caller
     used = sorted({int(a[1][1:]) for _, _, args, _ in steps for a in args
-                   if a[0] == "ptr" and a[1][0] == "i"})
+                   if a[0] in ("ptr", "map") and a[1][0] == "i"})
     index = {f"i{k}": n for n, k in enumerate(used)}
     index.update({f"o{k}": len(used) + k for k in range(len(outputs))})
     index.update({f"s{k}": len(used) + len(outputs) + k for k in range(len(record.scratch))})

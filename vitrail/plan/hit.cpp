@@ -12,9 +12,9 @@
 // What the key cannot vouch for returns MISS: a tensor that records a gradient (grad mode on),
 // a tensor subclass, an argument of another type, settings scoped by `with
 // vitrail.tune.settings(...)`, a call being recorded by vitrail.plan in any thread, a kernel
-// launch with no CUDA context current. A MISS of a key with no plan is "pending": the family's Python path runs,
-// and if it ran exactly one plan whose outputs are the call's result, Python adds that plan's
-// description under the pending key (vitrail/plan/native.py).
+// launch with no CUDA context current. A MISS of a key with no plan is "pending": the family's
+// Python path runs, and if it ran exactly one plan whose outputs are the call's result, Python
+// adds that plan's description under the pending key (vitrail/plan/native.py).
 #include <Python.h>
 #include <dlfcn.h>
 

@@ -277,7 +277,9 @@ def front(plans, *, when: Callable[..., bool] | None = None):
         # every name of the wrapper's own starts with _v_: no parameter can shadow one
         source = "\n".join([
             f"def {fn.__name__}({', '.join(decl)}):",
-            "    if not _v_compiling():",
+            # while a call learns (any thread), front functions it calls run their Python path,
+            # so that the plans they run are seen by it
+            "    if not _v_learning[0] and not _v_compiling():",
             f"        _v_out = _v_front.call({args})",
             "        if _v_out is not _v_MISS:",
             "            return _v_out",
@@ -293,7 +295,7 @@ def front(plans, *, when: Callable[..., bool] | None = None):
         scope: dict[str, Any] = {"_v_compiling": torch.compiler.is_compiling,
                                  "_v_front": front, "_v_MISS": MISS, "_v_fn": fn,
                                  "_v_start": _start, "_v_stop": _stop, "_v_adopt": _adopt,
-                                 "_v_when": when}
+                                 "_v_when": when, "_v_learning": LEARNING}
         scope.update({f"_v_d_{p.name}": p.default for p in params if p.default is not p.empty})
         exec(compile(source, f"<vitrail front {fn.__module__}.{fn.__name__}>", "exec"), scope)
         wrapper = scope[fn.__name__]

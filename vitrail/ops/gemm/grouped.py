@@ -253,8 +253,8 @@ def grouped_mm(a, b, offsets: Optional[Tensor] = None, *,
                 return outs
         return [gemm(x, y, out_dtype=out_dtype) for x, y in zip(a, b)]
     mode = call_mode(a, b, offsets)
-    key = (signature(a), signature(b), signature(offsets), out_dtype)
     if mode == EAGER:  # a signature that passed the checks before: its plan
+        key = (signature(a), signature(b), signature(offsets), out_dtype)
         hit = PLANS.get(key)
         if hit is not None and hit is not GENERAL:
             return hit(a, b, offsets)[0]
@@ -273,9 +273,21 @@ def grouped_mm(a, b, offsets: Optional[Tensor] = None, *,
         return _GroupedPacked.apply(a, b, offsets, out_dtype)
     if mode == EAGER:
         return PLANS.run(key, (a, b, offsets), _new_packed, _packed_into, (out_dtype,))[0]
+    return _grouped_op(a, b, offsets, out_dtype)
+
+
+@torch.library.custom_op("vitrail::grouped_mm", mutates_args=())
+def _grouped_op(a: Tensor, b: Tensor, offsets: Tensor,
+                out_dtype: Optional[torch.dtype]) -> Tensor:
+    """The packed form for what traces, compiles or transforms (checked by grouped_mm)."""
     out = _new_packed(a, b, offsets, out_dtype)[0]
     _packed_into(a, b, offsets, out, out_dtype)
     return out
+
+
+@_grouped_op.register_fake
+def _(a, b, offsets, out_dtype):
+    return a.new_empty(a.shape[0], b.shape[2], dtype=out_dtype or a.dtype)
 
 
 def _new_packed(a: Tensor, b: Tensor, offsets: Tensor, out_dtype) -> tuple[Tensor]:

@@ -83,7 +83,8 @@ def tables(d: int, power: int, d_tile: int, duplicate_correction: bool,
             g_coef.append(coef)
     made = (torch.tensor(g_idx, dtype=torch.int32), torch.tensor(g_coef, dtype=torch.float32),
             torch.tensor(t_idx, dtype=torch.int32), torch.tensor(t_coef, dtype=torch.float32))
-    made = tuple(m.to(device) for m in made)
+    from vitrail.ops.common import persistent
+    made = persistent(lambda: tuple(m.to(device) for m in made), device)
     _TABLES[key] = made
     return made
 
@@ -132,7 +133,9 @@ def gather_slots(d: int, power: int, d_tile: int, device: torch.device) -> tuple
             per_tile[u].append(j * ld + l * d_tile)
     entries = len(per_tile[0])
     assert all(len(p) == entries for p in per_tile)
-    made = (torch.tensor(per_tile, dtype=torch.int32).to(device), entries)
+    from vitrail.ops.common import persistent
+    made = (persistent(lambda: torch.tensor(per_tile, dtype=torch.int32).to(device), device),
+            entries)
     _SLOTS[key] = made
     return made
 
