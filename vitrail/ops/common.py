@@ -8,6 +8,7 @@ custom op's Python layers cost tens of µs a call.
 """
 from __future__ import annotations
 
+import threading
 from typing import Iterable
 
 import torch
@@ -91,17 +92,27 @@ def call_mode(*tensors: torch.Tensor | None) -> int:
 
 def persistent(make, device):
     """make()'s tensors on device, for a cache that outlives every call (tables per device):
-    made on a side stream, so that they come from torch's ordinary pool even where the current
-    stream allocates into a CUDA graph's pool (torch.compile's reduce-overhead warm-up, whose
-    pool must hold only the graph's own tensors), and complete before they are returned."""
+    made by another thread, so that they come from torch's ordinary pool even where this
+    thread allocates into a CUDA graph's pool (torch.compile's reduce-overhead warm-up routes a
+    thread's allocations to its graphs' pool, which must hold only their own tensors), and
+    complete before they are returned. During a stream capture: made here."""
     if torch.device(device).type != "cuda" or torch.cuda.is_current_stream_capturing():
         return make()
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        made = make()
-    side.synchronize()
-    return made
+    made: list = []
+
+    def run():
+        with torch.cuda.device(device):
+            try:
+                made.append(make())
+                torch.cuda.current_stream().synchronize()
+            except BaseException as e:  # raised in the caller's thread
+                made.append(e)
+    worker = threading.Thread(target=run, name="vitrail-persistent")
+    worker.start()
+    worker.join()
+    if isinstance(made[0], BaseException):
+        raise made[0]
+    return made[0]
 
 
 _transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
