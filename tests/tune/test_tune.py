@@ -166,6 +166,34 @@ def test_store_keys_keep_records_apart(tmp_path):
     assert TuningStore(tmp_path / "t.sqlite").get(key("q")).config == c2  # survives a restart
 
 
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "foreign"])
+def test_a_damaged_store_is_kept_aside_and_replaced(tmp_path, caplog, damage):
+    """A tuning store that is not a database (garbage, truncated, another program's file) makes
+    no lookup fail: it is moved aside, named in a warning, and a new store works at once."""
+    import sqlite3
+    path = tmp_path / "tuning.sqlite"
+    store = TuningStore(path)
+    store.put(Record(key(), Config([("B", 1)])))
+    if damage == "garbage":
+        path.write_bytes(os.urandom(64) + b"not a database" * 200)
+    elif damage == "truncated":
+        for extra in path.parent.glob("tuning.sqlite-*"):  # the WAL holds the record
+            extra.unlink()
+        path.write_bytes(b"SQLite format 3\x00" + b"\xff" * 200)
+    else:
+        path.unlink()
+        with sqlite3.connect(path) as other:  # a database, but no records table of ours
+            other.execute("CREATE TABLE records (x)")
+    with caplog.at_level("WARNING", logger="vitrail"):
+        got = TuningStore(path).get(key())
+    assert got is None
+    aside = list(tmp_path.glob("tuning.sqlite.corrupt-*"))
+    assert len(aside) == 1 and "kept it as" in caplog.text and str(aside[0]) in caplog.text
+    fresh = TuningStore(path)
+    fresh.put(Record(key("q"), Config([("B", 2)])))
+    assert fresh.get(key("q")).config == Config([("B", 2)])
+
+
 def test_export_import_round_trip_and_conflicts(tmp_path):
     src = TuningStore(tmp_path / "a.sqlite")
     for i in range(3):

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from vitrail.jit import database
 from vitrail.jit.cache import KernelCache, dir_size
 
 log = logging.getLogger("vitrail.jit")
@@ -29,21 +30,14 @@ class Index:
 
     @contextlib.contextmanager
     def _db(self) -> Iterator[sqlite3.Connection]:
-        try:
-            db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
-        except sqlite3.Error as e:  # e.g. a read-only cache directory
-            raise OSError(f"cannot open the cache index {self.path}: {e}") from e
+        """A connection; a damaged index is moved aside and a new one started (the disk is the
+        truth: sync() fills it again)."""
+        db = database.connect(self.path, _SCHEMA, "the cache index", timeout=30,
+                              table=("kernels", COLUMNS))
         try:
             db.execute("PRAGMA synchronous=OFF")
-            db.execute(_SCHEMA)
-            yield db
-        except sqlite3.DatabaseError as e:
-            if _is_corrupt(e):
-                log.warning("vitrail: the cache index %s is corrupt (%s); starting a new one",
-                            self.path, e)
-                db.close()
-                self.path.unlink(missing_ok=True)
-            raise
+            with database.recovering(self.path, "the cache index"):
+                yield db
         finally:
             db.close()
 
@@ -77,9 +71,9 @@ class Index:
         try:
             return self._sync()
         except sqlite3.DatabaseError as e:
-            if not _is_corrupt(e):
+            if not database.is_corrupt(e):
                 raise
-            return self._sync()  # _db removed the corrupt file: rebuild the index from the disk
+            return self._sync()  # _db moved the damaged file aside: rebuild it from the disk
 
     def _sync(self) -> list[dict]:
         on_disk = {key: (d, meta) for key, d, meta in self.cache.entries()}
@@ -102,7 +96,3 @@ class Index:
 
     def forget(self, key: str) -> None:
         self._write("DELETE FROM kernels WHERE key=?", (key,))
-
-
-def _is_corrupt(e: sqlite3.DatabaseError) -> bool:
-    return "not a database" in str(e) or "malformed" in str(e)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import sqlite3
 import time
@@ -18,7 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from vitrail.jit import database
 from vitrail.tune.space import Config
+
+log = logging.getLogger("vitrail")
 
 FORMAT = "vitrail-tuning"
 FORMAT_VERSION = 1
@@ -72,27 +76,42 @@ class TuningStore:
 
     @contextlib.contextmanager
     def _db(self) -> Iterator[sqlite3.Connection]:
-        db = sqlite3.connect(self.path, timeout=60, isolation_level=None)
+        """A connection (WAL, busy timeout); a damaged file is moved aside and replaced, also
+        when a query finds the damage (vitrail.jit.database)."""
+        db = database.connect(self.path, _SCHEMA, "the tuning store",
+                              table=("records", _COLUMNS + ("config", "timings", "created")))
         try:
-            db.execute(_SCHEMA)
-            yield db
+            with database.recovering(self.path, "the tuning store"):
+                yield db
         finally:
             db.close()
 
     def get(self, key: RecordKey) -> Record | None:
-        with self._db() as db:
-            row = db.execute("SELECT config, timings, created FROM records WHERE op=? AND "
-                             "source_hash=? AND problem=? AND gpu=? AND sms=? AND vitrail=?",
-                             key.as_tuple()).fetchone()
-        if row is None:
+        """The record of key, or None: also where the store cannot be read (every op call
+        looks here; a damaged or unreadable store must not fail it: a warning says why)."""
+        try:
+            with self._db() as db:
+                row = db.execute("SELECT config, timings, created FROM records WHERE op=? AND "
+                                 "source_hash=? AND problem=? AND gpu=? AND sms=? AND "
+                                 "vitrail=?", key.as_tuple()).fetchone()
+            if row is None:
+                return None
+            return Record(key, Config.from_json(row[0]), json.loads(row[1]), row[2])
+        except (OSError, sqlite3.Error, ValueError, TypeError) as e:
+            _warn_once(self.path, f"vitrail: the tuning store {self.path} cannot be read ({e}); "
+                                  "configs come from the heuristics")
             return None
-        return Record(key, Config.from_json(row[0]), json.loads(row[1]), row[2])
 
     def put(self, record: Record) -> None:
-        with self._db() as db:
-            db.execute("INSERT OR REPLACE INTO records VALUES (?,?,?,?,?,?,?,?,?)",
-                       (*record.key.as_tuple(), record.config.to_json(),
-                        json.dumps(record.timings), record.created))
+        """Keep a record (a failed write is a warning: the tuned config is still used now)."""
+        try:
+            with self._db() as db:
+                db.execute("INSERT OR REPLACE INTO records VALUES (?,?,?,?,?,?,?,?,?)",
+                           (*record.key.as_tuple(), record.config.to_json(),
+                            json.dumps(record.timings), record.created))
+        except (OSError, sqlite3.Error) as e:
+            _warn_once(self.path, f"vitrail: the tuning store {self.path} cannot be written "
+                                  f"({e}); the tuned config is not kept")
 
     def records(self, op: str | None = None) -> list[Record]:
         query, args = "SELECT * FROM records", ()
@@ -135,6 +154,16 @@ class TuningStore:
             self.put(record)
             added += 1
         return added, kept
+
+
+_WARNED: set[tuple[str, str]] = set()
+
+
+def _warn_once(path: Path, message: str) -> None:
+    key = (str(path), message.split(" (")[0])
+    if key not in _WARNED:
+        _WARNED.add(key)
+        log.warning("%s", message)
 
 
 def _json_safe(value: Any) -> Any:
