@@ -304,3 +304,52 @@ def test_knob_parsing(monkeypatch):
     monkeypatch.setenv("VITRAIL_FORCE_RECOMPILE", "maybe")
     with pytest.raises(ValueError, match="VITRAIL_FORCE_RECOMPILE"):
         knobs.FORCE_RECOMPILE.get()
+
+
+# ------------------------------------------------------------ families, typos, pipes, errors
+def test_precompile_lists_families_and_names_the_nearest_on_a_typo(capsys):
+    assert main(["precompile", "--list"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert {line.split()[0] for line in listed} >= {"softmax", "log_softmax", "copy", "gemm"}
+    with pytest.raises(SystemExit, match="unknown op or family 'softmx'; did you mean softmax"):
+        main(["precompile", "softmx"])
+    from vitrail.cli import _load_ops, _select_ops
+    registry = _load_ops([])
+    family = _select_ops(["copy"], registry, "precompile")
+    assert family and all(op.name.startswith("copy.") for op in family)
+
+
+def test_every_op_has_default_configs_for_precompile():
+    """precompile builds each op's defaults: none may fail to have one (copy.rows had none)."""
+    from vitrail.cli import _load_ops
+    from vitrail.tune import limits
+    lim = limits(arch="90a")
+    for name, op in _load_ops([]).items():
+        assert op.default_configs(lim), name
+
+
+def test_a_closed_pipe_and_a_bad_cache_are_one_line_not_a_traceback(tmp_path):
+    import subprocess
+    import sys
+    env = {**__import__("os").environ, "VITRAIL_ARCH": "90a"}
+    run = subprocess.run(f"{sys.executable} -m vitrail.cli precompile --list | head -1",
+                         shell=True, capture_output=True, text=True, env=env, timeout=120,
+                         cwd=REPO)
+    assert run.returncode == 0 and "Traceback" not in run.stderr and run.stdout.count("\n") == 1
+    (tmp_path / "f").write_text("x")
+    env["VITRAIL_CACHE_DIR"] = str(tmp_path / "f")
+    run = subprocess.run([sys.executable, "-m", "vitrail.cli", "cache", "info"],
+                         capture_output=True, text=True, env=env, timeout=120, cwd=REPO)
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert run.stderr.count("\n") == 1 and "is not a directory" in run.stderr
+
+
+def test_a_bare_import_reaches_every_layer():
+    import subprocess
+    import sys
+    code = ("import vitrail; print(vitrail.jit.compile.__name__, vitrail.tune.PickAny, "
+            "vitrail.profile.__name__, vitrail.gemm.__name__)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-500:]
+    assert run.stdout.split()[0] == "compile"

@@ -29,9 +29,14 @@ _LAZY = {"settings": "vitrail.tune.settings", "PickAny": "vitrail.tune.settings"
          "PickBest": "vitrail.tune.settings"}
 
 
+_SUBMODULES = ("jit", "tune", "ops", "gemm", "profile", "plan", "bench", "op", "knobs", "cli")
+
+
 def __getattr__(name: str):
     if name in _LAZY:  # loaded on first use, so `import vitrail` stays light
         value = getattr(_importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
         return value
+    if name in _SUBMODULES:  # vitrail.jit.compile(...) after a bare `import vitrail`
+        return _importlib.import_module(f"vitrail.{name}")
     raise AttributeError(f"module 'vitrail' has no attribute '{name}'")

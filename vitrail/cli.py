@@ -68,12 +68,37 @@ def _load_ops(extra: list[str]) -> dict:
     return REGISTRY
 
 
+def _families(registry: dict) -> dict[str, list[str]]:
+    """Op names by family (the name's first part: softmax, copy, gemm, ...)."""
+    out: dict[str, list[str]] = {}
+    for name in sorted(registry):
+        out.setdefault(name.split(".")[0], []).append(name)
+    return out
+
+
 def _select_ops(names: list[str], registry: dict, command: str):
-    unknown = [n for n in names if n not in registry]
-    if unknown:
-        known = ", ".join(sorted(registry)) or "none registered"
-        raise SystemExit(f"vitrail {command}: unknown op(s) {', '.join(unknown)}; known: {known}")
-    return [registry[n] for n in (names or sorted(registry))]
+    """The ops named: each name an op or a whole family; an unknown one exits with the nearest
+    names (and `vitrail {command} --list`), not the whole registry."""
+    import difflib
+    families = _families(registry)
+    chosen: list[str] = []
+    for n in names:
+        if n in registry:
+            chosen.append(n)
+        elif n in families:
+            chosen.extend(families[n])
+        else:
+            near = difflib.get_close_matches(n, list(families) + list(registry), n=3)
+            hint = f"; did you mean {', '.join(near)}?" if near else ""
+            raise SystemExit(f"vitrail {command}: unknown op or family {n!r}{hint} "
+                             f"(`vitrail {command} --list` shows them)")
+    return [registry[n] for n in dict.fromkeys(chosen or sorted(registry))]
+
+
+def _list_ops(registry: dict) -> int:
+    for family, names in _families(registry).items():
+        print(f"{family:<14}{len(names):>4} variants  e.g. {names[0]}")
+    return 0
 
 
 def _tune(args: argparse.Namespace) -> int:
@@ -88,7 +113,12 @@ def _tune(args: argparse.Namespace) -> int:
             n = store.export(args.file, op=args.op)
             print(f"exported {n} tuning records to {args.file}")
         else:
-            added, kept = store.import_(args.file, overwrite=args.overwrite)
+            try:
+                added, kept = store.import_(args.file, overwrite=args.overwrite,
+                                            ops=_load_ops(args.module))
+            except ValueError as e:
+                print(f"vitrail tune import: {e}", file=sys.stderr)
+                return 2
             print(f"imported {added} tuning records from {args.file}"
                   + (f"; kept {kept} already here (--overwrite replaces them)" if kept else ""))
         return 0
@@ -142,6 +172,8 @@ def _plot_sweep(op, key: str, args: argparse.Namespace) -> None:
 
 def _precompile(args: argparse.Namespace) -> int:
     registry = _load_ops(args.module)
+    if args.list:
+        return _list_ops(registry)
     ops = _select_ops(args.ops, registry, "precompile")
     if not ops:
         print("vitrail precompile: no ops are registered yet")
@@ -165,12 +197,14 @@ def _limits(arch: str | None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="vitrail", description=__doc__)
+    parser = argparse.ArgumentParser(prog="vitrail", description=__doc__.replace("``", ""))
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="check the toolchain, GPUs and cache; build and run two kernels"
                    ).set_defaults(fn=_doctor)
     cache = sub.add_parser("cache", help="inspect or clean the kernel cache")
-    cache.add_argument("action", choices=["ls", "info", "clear", "prune"])
+    cache.add_argument("action", choices=["ls", "info", "clear", "prune"],
+                       help="ls: every kernel; info: the directory and its size; clear: remove "
+                       "everything; prune: remove the least recently used down to --max-size")
     cache.add_argument("--max-size", help="prune: the size to shrink to (e.g. 500M, 2G)")
     cache.set_defaults(fn=_cache)
     bench = sub.add_parser("bench", help="benchmark vitrail against its baselines on this GPU")
@@ -196,14 +230,25 @@ def main(argv: list[str] | None = None) -> int:
     tune.set_defaults(fn=_tune)
     pre = sub.add_parser("precompile", help="build ops' default configs into the cache ahead of "
                          "time (for CI images and releases)")
-    pre.add_argument("ops", nargs="*", help="ops to build (default: all registered)")
+    pre.add_argument("ops", nargs="*", help="families (softmax, copy, gemm, ...) or ops to build "
+                     "(default: all registered)")
+    pre.add_argument("--list", action="store_true", help="list the families and exit")
     pre.add_argument("--arch", help="target, e.g. 90a (default: this GPU, or VITRAIL_ARCH)")
     pre.add_argument("--workers", type=int, help="compile processes (default: cores/memory)")
     pre.add_argument("--module", action="append", default=[],
                      help="import this module first (it registers more ops)")
     pre.set_defaults(fn=_precompile)
     args = parser.parse_args(argv)
-    return args.fn(args)
+    from vitrail.jit.errors import VitrailError
+    try:
+        return args.fn(args)
+    except BrokenPipeError:  # `vitrail cache ls | head`: the reader has all it wanted
+        import os
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except VitrailError as e:  # a misconfiguration: one line, not a traceback
+        print(f"vitrail {args.command}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -754,3 +754,87 @@ def test_a_corrupt_index_breaks_neither_compile_nor_sync(cache_dir):
     # a corrupt index met first by sync() (`vitrail cache ls`) is rebuilt from the disk too
     index.write_bytes(b"\xff" * 4096)
     assert {r["name"] for r in Index(KernelCache()).sync()} == {"alpha", "beta"}
+
+
+# ------------------------------------------------------------------ 9. a cache no one else writes
+def _trust_afresh(monkeypatch):
+    from vitrail.jit import cache
+    monkeypatch.setattr(cache, "_TRUSTED", set())
+
+
+def test_the_cache_is_made_private_at_every_level(tmp_path, monkeypatch):
+    from vitrail.jit.cache import cache_dir
+    _trust_afresh(monkeypatch)
+    monkeypatch.setenv("VITRAIL_CACHE_DIR", str(tmp_path / "a" / "b" / "c"))
+    root = cache_dir()
+    for d in (tmp_path / "a", tmp_path / "a" / "b", root):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
+
+
+@pytest.mark.parametrize("mode", [0o770, 0o707, 0o777])
+def test_a_cache_others_can_write_is_refused(tmp_path, monkeypatch, mode):
+    """Another user who can write the cache (or rename it away) could plant a kernel.so that
+    runs as us: refused with one line that says what to do."""
+    from vitrail.jit.cache import cache_dir
+    from vitrail.jit.errors import CacheError
+    _trust_afresh(monkeypatch)
+    root = tmp_path / "shared"
+    root.mkdir()
+    root.chmod(mode)
+    monkeypatch.setenv("VITRAIL_CACHE_DIR", str(root))
+    with pytest.raises(CacheError, match="can be written by other users.*chmod go-w"):
+        cache_dir()
+    root.chmod(0o700)
+    above = tmp_path / "open"  # a parent anyone may write: the cache could be swapped
+    (above / "cache").mkdir(parents=True)
+    (above / "cache").chmod(0o700)
+    above.chmod(0o777)
+    monkeypatch.setenv("VITRAIL_CACHE_DIR", str(above / "cache"))
+    with pytest.raises(CacheError, match="above the cache, can be changed by other users"):
+        cache_dir()
+    above.chmod(0o1777)  # sticky, as /tmp: no one renames what is not theirs
+    assert cache_dir() == above / "cache"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making files of another user needs root")
+def test_another_users_cache_or_planted_artifact_is_never_loaded(tmp_path, monkeypatch, caplog):
+    """As root, files of another uid stand in for another user's: a cache root of theirs is
+    refused; an artifact of theirs inside ours is not loaded but rebuilt (nvrtc)."""
+    from vitrail.jit.cache import KernelCache, cache_dir
+    from vitrail.jit.errors import CacheError
+    _trust_afresh(monkeypatch)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, 4321, 4321)
+    monkeypatch.setenv("VITRAIL_CACHE_DIR", str(theirs))
+    with pytest.raises(CacheError, match="owned by uid 4321, not by you"):
+        cache_dir()
+    ours = tmp_path / "ours"
+    monkeypatch.setenv("VITRAIL_CACHE_DIR", str(ours))
+    if not _has_nvrtc():
+        pytest.skip("needs NVRTC to build an artifact")
+    first = nvrtc(name="planted")
+    os.chown(first.path, 4321, 4321)  # as if another user had put it there
+    with caplog.at_level("WARNING", logger="vitrail.jit"):
+        assert KernelCache().lookup(first.key, read_artifact=True) is None
+        again = nvrtc(name="planted")
+    assert "is not yours" in caplog.text and again.how == "compiled"
+    assert os.stat(again.path).st_uid == os.geteuid()
+
+
+@pytest.mark.parametrize("kind", ["file", "dangling link", "relative"])
+def test_a_cache_path_that_cannot_be_a_cache_is_one_line(tmp_path, monkeypatch, kind):
+    from vitrail.jit.cache import cache_dir
+    from vitrail.jit.errors import CacheError
+    _trust_afresh(monkeypatch)
+    path = tmp_path / "c"
+    if kind == "file":
+        path.write_text("x")
+    elif kind == "dangling link":
+        path.symlink_to(tmp_path / "nowhere")
+    else:
+        path = Path("relative/cache")
+    monkeypatch.setenv("VITRAIL_CACHE_DIR", str(path))
+    with pytest.raises(CacheError, match="VITRAIL_CACHE_DIR") as error:
+        cache_dir()
+    assert "\n" not in str(error.value)

@@ -1,6 +1,7 @@
 """CPU tests of vitrail.tune: spaces, settings, the store, the policies with a fake timer."""
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -214,15 +215,74 @@ def test_export_import_round_trip_and_conflicts(tmp_path):
         dst.import_(tmp_path / "bad.json")
 
 
+def _registered():
+    """(a registered op's name, two configs of its space)."""
+    registry = cli._load_ops([])
+    name = sorted(registry)[0]
+    configs = list(itertools.islice(registry[name].space.all(), 2))
+    return name, configs[0], configs[-1]
+
+
 def test_cli_export_import(tmp_path, capsys):
-    TuningStore().put(Record(key(), Config([("B", 3)])))
+    name, first, second = _registered()
+    TuningStore().put(Record(key(op=name), first))
     assert cli.main(["tune", "export", str(tmp_path / "x.json")]) == 0
     assert "exported 1 tuning records" in capsys.readouterr().out
-    TuningStore().put(Record(key(), Config([("B", 4)])))
+    TuningStore().put(Record(key(op=name), second))
     assert cli.main(["tune", "import", str(tmp_path / "x.json")]) == 0
     assert "kept 1 already here" in capsys.readouterr().out
     assert cli.main(["tune", "import", str(tmp_path / "x.json"), "--overwrite"]) == 0
-    assert TuningStore().get(key()).config == Config([("B", 3)])
+    assert TuningStore().get(key(op=name)).config == first
+
+
+def _export(records, **top) -> str:
+    return json.dumps({"format": "vitrail-tuning", "version": 1, "records": records, **top})
+
+
+GOOD = {"op": "op", "source_hash": "abc", "problem": "p", "gpu": "Fake H100", "sms": 132,
+        "vitrail": "0.1.0", "config": {"B": 1}, "timings": [], "created": 1.0}
+HOSTILE = {
+    "not json": "{", "a list": "[]", "another format": '{"format": "x"}',
+    "version text": _export([], version="2"), "version newer": _export([], version=99),
+    "records not a list": _export({}), "record not an object": _export([5]),
+    "missing field": _export([{k: v for k, v in GOOD.items() if k != "gpu"}]),
+    "unknown field": _export([{**GOOD, "extra": 1}]),
+    "sms text": _export([{**GOOD, "sms": "lots"}]), "sms bool": _export([{**GOOD, "sms": True}]),
+    "sms huge": _export([{**GOOD, "sms": 10 ** 30}]), "op a number": _export([{**GOOD, "op": 5}]),
+    "config a list": _export([{**GOOD, "config": []}]),
+    "config nested": _export([{**GOOD, "config": {"B": {"x": [1]}}}]),
+    "timings text": _export([{**GOOD, "timings": "fast"}]),
+    "ms negative": _export([{**GOOD, "timings": [{"config": {"B": 1}, "ms": -1, "error": None}]}]),
+    "ms nan": _export([{**GOOD, "timings": [{"ms": float("nan")}]}]),
+    "ms text": _export([{**GOOD, "timings": [{"ms": "1"}]}]),
+    "created infinite": _export([{**GOOD, "created": float("inf")}]),
+    "nested deeply": '{"format": "vitrail-tuning", "records": ' + "[" * 100000 + "]" * 100000 + "}",
+    "good then bad": _export([GOOD, {**GOOD, "problem": "q", "sms": -3}]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_a_hostile_import_is_refused_whole_in_one_line(tmp_path, case):
+    path = tmp_path / "in.json"
+    path.write_text(HOSTILE[case])
+    store = TuningStore(tmp_path / "t.sqlite")
+    with pytest.raises(ValueError) as error:
+        store.import_(path)
+    assert "\n" not in str(error.value) and str(path) in str(error.value)
+    assert store.records() == []  # all or nothing
+
+
+def test_imports_name_known_ops_and_configs_of_their_space(tmp_path, capsys):
+    name, first, _ = _registered()
+    path = tmp_path / "in.json"
+    for record, why in [({**GOOD, "op": "no.such.op"}, "is not known here"),
+                        ({**GOOD, "op": name, "config": {"nope": 1}}, "is not in")]:
+        path.write_text(_export([record]))
+        assert cli.main(["tune", "import", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert why in err and err.count("\n") == 1
+    path.write_text(_export([{**GOOD, "op": name, "config": dict(first)}]))
+    assert cli.main(["tune", "import", str(path)]) == 0
     assert cli.main(["tune", "ls"]) == 0 and "1 records" in capsys.readouterr().out
     assert cli.main(["tune", "export"]) == 2
 

@@ -20,7 +20,8 @@ _EXPORTS = {
     "Module": "module", "SharedLibrary": "module", "EntryPoint": "module", "Resources": "module",
     "Arch": "toolchain", "target_arch": "toolchain",
     "VitrailError": "errors", "ToolchainError": "errors", "CompileError": "errors",
-    "CacheLockTimeout": "errors", "LaunchError": "errors", "ArgumentError": "errors",
+    "CacheLockTimeout": "errors", "CacheError": "errors", "LaunchError": "errors",
+    "ArgumentError": "errors",
 }
 __all__ = list(_EXPORTS)
 
@@ -31,15 +32,15 @@ def __getattr__(name: str):
         globals()[name] = value
         return value
     if name in ("toolchain", "cache", "index", "compiler", "module", "kernel", "signature",
-                "arguments", "launcher", "housekeeping", "errors", "tma", "sass"):
+                "arguments", "launcher", "housekeeping", "errors", "tma", "sass", "database"):
         return importlib.import_module(f"vitrail.jit.{name}")
     raise AttributeError(f"module 'vitrail.jit' has no attribute '{name}'")
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads these
     from vitrail.jit.compiler import clear_memory_cache, compile  # noqa: F401
-    from vitrail.jit.errors import (ArgumentError, CacheLockTimeout, CompileError,  # noqa: F401
-                                    LaunchError, ToolchainError, VitrailError)
+    from vitrail.jit.errors import (ArgumentError, CacheError, CacheLockTimeout,  # noqa: F401
+                                    CompileError, LaunchError, ToolchainError, VitrailError)
     from vitrail.jit.kernel import CubinModule, Kernel, RawKernel  # noqa: F401
     from vitrail.jit.module import EntryPoint, Module, Resources, SharedLibrary  # noqa: F401
     from vitrail.jit.toolchain import Arch, target_arch  # noqa: F401

@@ -29,6 +29,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import tempfile
 import time
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import Iterator
 
 from vitrail import knobs
-from vitrail.jit.errors import CacheLockTimeout
+from vitrail.jit.errors import CacheError, CacheLockTimeout
 
 log = logging.getLogger("vitrail.jit")
 LAYOUT = "v1"
@@ -44,18 +45,82 @@ META = "meta.json"
 
 
 def cache_dir() -> Path:
-    """The cache root for this user, created with mode 0700 (never the working directory)."""
+    """The cache root for this user, created with mode 0700 at every level it creates (never
+    the working directory), and trusted only where no other user can write to it: see
+    ``trusted``."""
     explicit = knobs.CACHE_DIR.get()
     if explicit:
         root = Path(explicit).expanduser()
+        where = f"VITRAIL_CACHE_DIR={explicit}"
     else:
         xdg = os.environ.get("XDG_CACHE_HOME", "")
         base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".cache"
         root = base / "vitrail"
+        where = f"the default cache directory {root}"
     if not root.is_absolute():
-        raise ValueError(f"VITRAIL_CACHE_DIR={explicit!r} must be an absolute path")
-    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        raise CacheError(f"VITRAIL_CACHE_DIR={explicit!r} must be an absolute path")
+    make_private_dirs(root, where)
+    trusted(root, where)
     return root
+
+
+def make_private_dirs(path: Path, where: str = "") -> None:
+    """Create path and every missing directory above it with mode 0700 (pathlib gives the
+    parents the umask's mode)."""
+    missing = []
+    p = path
+    while not os.path.lexists(p):
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise CacheError(f"{where or path}: cannot create {d} ({e.strerror}); set "
+                             f"VITRAIL_CACHE_DIR to a directory of yours") from None
+    if not path.is_dir():
+        raise CacheError(f"{where or path}: {path} is not a directory (a file, or a link to "
+                         f"nothing); set VITRAIL_CACHE_DIR to a directory of yours")
+
+
+_TRUSTED: set[str] = set()  # roots checked in this process
+
+
+def trusted(root: Path, where: str = "") -> None:
+    """Refuse a cache another user could plant code in (as ssh does for its keys): the root
+    (its real path) must be owned by this user and writable by no one else; every directory
+    above it owned by this user or root, and writable by others only with the sticky bit (so
+    that no one renames the cache away and puts another in its place) or by this user's own
+    group."""
+    real = os.path.realpath(root)
+    if real in _TRUSTED:
+        return
+    uid, gid = os.geteuid(), os.getegid()
+    fix = "(chmod go-w, or set VITRAIL_CACHE_DIR to a directory only you can write)"
+    st = os.stat(real)
+    if st.st_uid != uid:
+        raise CacheError(f"{where or root}: {real} is owned by uid {st.st_uid}, not by you "
+                         f"(uid {uid}): kernels loaded from it would run as you; set "
+                         f"VITRAIL_CACHE_DIR to a directory of yours")
+    if st.st_mode & 0o022:
+        raise CacheError(f"{where or root}: {real} can be written by other users (mode "
+                         f"{stat.S_IMODE(st.st_mode):o}); they could plant kernels that run as "
+                         f"you {fix}")
+    parent = os.path.dirname(real)
+    while True:
+        st = os.stat(parent)
+        open_to_others = st.st_mode & 0o002 or (st.st_mode & 0o020 and st.st_gid != gid)
+        if st.st_uid not in (uid, 0) or (open_to_others and not st.st_mode & stat.S_ISVTX):
+            raise CacheError(f"{where or root}: {parent}, above the cache, can be changed by "
+                             f"other users (owner uid {st.st_uid}, mode "
+                             f"{stat.S_IMODE(st.st_mode):o}): they could put another cache in "
+                             f"its place {fix}")
+        if parent == os.path.dirname(parent):
+            break
+        parent = os.path.dirname(parent)
+    _TRUSTED.add(real)
 
 
 # ----------------------------------------------------------------------------------------- keys
@@ -143,7 +208,7 @@ class KernelCache:
     def __init__(self, root: Path | None = None):
         self.root = (root or cache_dir()) / LAYOUT
         for sub in ("kernels", "locks", "tmp", "failed", "trash"):
-            (self.root / sub).mkdir(mode=0o700, parents=True, exist_ok=True)
+            make_private_dirs(self.root / sub)
 
     def entry_dir(self, key: str) -> Path:
         return self.root / "kernels" / key[:2] / key
@@ -154,8 +219,11 @@ class KernelCache:
         d = self.entry_dir(key)
         try:
             meta = json.loads((d / META).read_text())
-            data = (d / meta["artifact"]).read_bytes()
+            data = _read_own(d / meta["artifact"])
         except FileNotFoundError:
+            return None
+        except PermissionError as e:  # another user's file: never loaded
+            log.warning("vitrail: cache entry %s is not yours (%s); rebuilding it", d, e)
             return None
         except (OSError, ValueError, KeyError, TypeError) as e:
             log.warning("vitrail: cache entry %s is unreadable (%s); rebuilding it", d, e)
@@ -258,6 +326,21 @@ def dir_size(path: Path) -> int:
             with contextlib.suppress(OSError):
                 total += os.lstat(os.path.join(root, f)).st_size
     return total
+
+
+def _read_own(path: Path) -> bytes:
+    """A file's bytes, read only if this user owns it and no one else can write it (checked
+    on the open descriptor, so nothing can swap the file between the check and the read)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            raise PermissionError(f"{path} is owned by uid {st.st_uid} with mode "
+                                  f"{stat.S_IMODE(st.st_mode):o}")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read()
+    finally:
+        os.close(fd)
 
 
 def _read_pid(fd: int) -> str:

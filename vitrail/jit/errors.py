@@ -32,6 +32,11 @@ class CompileError(VitrailError):
             f"source and full log saved for reproduction: {source_path}")
 
 
+class CacheError(VitrailError):
+    """The kernel cache's directory cannot be used safely (it, or a directory above it, can be
+    written by another user; it is not a directory; it cannot be created). Says what to set."""
+
+
 class CacheLockTimeout(VitrailError):
     """Another process held a kernel's build lock for longer than VITRAIL_LOCK_TIMEOUT."""
 

@@ -17,7 +17,7 @@ import sqlite3
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 from vitrail.jit import database
 from vitrail.tune.space import Config
@@ -130,30 +130,134 @@ class TuningStore:
         Path(path).write_text(json.dumps(doc, indent=1, default=_json_safe))
         return len(records)
 
-    def import_(self, path: str | Path, *, overwrite: bool = False) -> tuple[int, int]:
+    def import_(self, path: str | Path, *, overwrite: bool = False,
+                ops: Mapping[str, Any] | None = None) -> tuple[int, int]:
         """Read records from a file written by export(); returns (added, kept as they were).
 
-        A record already here for the same key is kept unless overwrite is set: a team's
-        shipped results do not replace what this machine measured itself.
-        """
-        try:
-            doc = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{path}: not a readable tuning export ({e})") from None
-        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-            raise ValueError(f"{path}: not a vitrail tuning export (no \"format\": \"{FORMAT}\")")
-        if doc.get("version", 0) > FORMAT_VERSION:
-            raise ValueError(f"{path}: export format version {doc.get('version')} is newer than "
-                             f"this vitrail reads ({FORMAT_VERSION}); upgrade vitrail")
+        The whole file is checked first (``validated``: types, ranges, finite numbers, sizes;
+        with ``ops``, a registry name -> Op, each record's op is known and its config inside
+        the op's space) and imported in one transaction, all or nothing; a bad file raises
+        ValueError naming the first bad record. A record already here for the same key is kept
+        unless overwrite is set: a team's shipped results do not replace what this machine
+        measured itself."""
+        records = read_export(path, ops)
         added = kept = 0
-        for data in doc.get("records", []):
-            record = Record.from_json(data)
-            if not overwrite and self.get(record.key) is not None:
-                kept += 1
-                continue
-            self.put(record)
-            added += 1
+        with self._db() as db:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                for record in records:
+                    if not overwrite and db.execute(
+                            "SELECT 1 FROM records WHERE op=? AND source_hash=? AND problem=? "
+                            "AND gpu=? AND sms=? AND vitrail=?",
+                            record.key.as_tuple()).fetchone():
+                        kept += 1
+                        continue
+                    db.execute("INSERT OR REPLACE INTO records VALUES (?,?,?,?,?,?,?,?,?)",
+                               (*record.key.as_tuple(), record.config.to_json(),
+                                json.dumps(record.timings), record.created))
+                    added += 1
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
         return added, kept
+
+
+MAX_EXPORT_BYTES = 64 << 20  # an export of every record of a busy machine is a few MB
+_TEXT = 4096  # the longest key field, error or config value kept
+
+
+def read_export(path: str | Path, ops: Mapping[str, Any] | None = None) -> list[Record]:
+    """The records of an export file, every one checked (``validated``); ValueError (one line,
+    naming the file and the first bad record) for anything else."""
+    try:
+        size = Path(path).stat().st_size
+        if size > MAX_EXPORT_BYTES:
+            raise ValueError(f"{size} bytes, more than the {MAX_EXPORT_BYTES} an export may have")
+        doc = json.loads(Path(path).read_text())
+    except RecursionError:
+        raise ValueError(f"{path}: not a tuning export (nested too deeply)") from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable tuning export ({e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a vitrail tuning export (no \"format\": \"{FORMAT}\")")
+    version = doc.get("version", 0)
+    if type(version) is not int or version < 0:
+        raise ValueError(f"{path}: \"version\" must be a non-negative integer, got {version!r}")
+    if version > FORMAT_VERSION:
+        raise ValueError(f"{path}: export format version {version} is newer than this vitrail "
+                         f"reads ({FORMAT_VERSION}); upgrade vitrail")
+    records = doc.get("records", [])
+    if not isinstance(records, list):
+        raise ValueError(f"{path}: \"records\" must be a list")
+    out = []
+    for i, data in enumerate(records):
+        try:
+            out.append(validated(data, ops))
+        except ValueError as e:
+            raise ValueError(f"{path}: record {i}: {e}; nothing was imported") from None
+    return out
+
+
+def validated(data: Any, ops: Mapping[str, Any] | None = None) -> Record:
+    """A record from its JSON form, every field checked; ValueError says the first problem."""
+    if not isinstance(data, dict):
+        raise ValueError(f"expected an object, got {type(data).__name__}")
+    allowed = set(_COLUMNS) | {"config", "timings", "created"}
+    extra = set(data) - allowed
+    if extra:
+        raise ValueError(f"unknown field(s) {sorted(map(str, extra))[:3]}")
+    missing = [c for c in (*_COLUMNS, "config") if c not in data]
+    if missing:
+        raise ValueError(f"missing field(s) {missing}")
+    for c in _COLUMNS:
+        v = data[c]
+        if c == "sms":
+            if type(v) is not int or not 1 <= v <= 100_000:
+                raise ValueError(f"sms must be an integer from 1 to 100000, got {v!r:.60}")
+        elif not isinstance(v, str) or not 0 < len(v) <= _TEXT:
+            raise ValueError(f"{c} must be a string of 1 to {_TEXT} characters, got "
+                             f"{type(v).__name__}")
+    config = _config(data["config"], "config")
+    if ops is not None:
+        op = ops.get(data["op"])
+        if op is None:
+            raise ValueError(f"op {data['op']!r:.80} is not known here")
+        try:
+            op.space.config(**config)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"config {config} is not in {data['op']}'s space: {e}") from None
+    timings = data.get("timings", [])
+    if not isinstance(timings, list) or len(timings) > 100_000:
+        raise ValueError("timings must be a list of at most 100000 entries")
+    for t in timings:
+        if not isinstance(t, dict) or set(t) - {"config", "ms", "error"}:
+            raise ValueError(f"a timing must be an object of config, ms and error, got {t!r:.80}")
+        if t.get("config") is not None:
+            _config(t["config"], "a timing's config")
+        ms = t.get("ms")
+        if ms is not None and (type(ms) not in (int, float) or not math.isfinite(ms) or ms < 0):
+            raise ValueError(f"a timing's ms must be a finite number >= 0 or null, got {ms!r:.40}")
+        error = t.get("error")
+        if error is not None and (not isinstance(error, str) or len(error) > 64 * _TEXT):
+            raise ValueError("a timing's error must be a string (at most 256 KiB) or null")
+    created = data.get("created", time.time())
+    if type(created) not in (int, float) or not math.isfinite(created) or created < 0:
+        raise ValueError(f"created must be a finite time >= 0, got {created!r:.40}")
+    return Record(RecordKey(*(data[c] for c in _COLUMNS)), Config.from_json(config), timings,
+                  float(created))
+
+
+def _config(value: Any, what: str) -> dict:
+    if not isinstance(value, dict) or not 0 < len(value) <= 256:
+        raise ValueError(f"{what} must be an object of 1 to 256 parameters")
+    for k, v in value.items():
+        ok = isinstance(v, (bool, int, str)) or (type(v) is float and math.isfinite(v))
+        if not isinstance(k, str) or len(k) > 256 or not ok or \
+                (isinstance(v, int) and abs(v) > 1 << 62) or (isinstance(v, str) and len(v) > 256):
+            raise ValueError(f"{what}: {k!r:.40} = {v!r:.40} is not a name and a number, "
+                             f"bool or short string")
+    return value
 
 
 _WARNED: set[tuple[str, str]] = set()

@@ -28,8 +28,9 @@ TRANSPOSE = Space({"LANES1": [2, 4, 8], "WARPS1": [1, 2, 4, 8], "THREADS": [128,
 def _rows_heuristic(problem: tuple[int, int], lim) -> dict:
     """problem: (vectors per row, bytes per input vector). About 32 bytes in flight per lane
     (more vectors per lane for narrow vectors), fewer where the row is short; lanes enough to cover
-    the row in one chunk where possible, wasting at most half of them on the row's last chunk."""
-    vectors, nbytes = problem
+    the row in one chunk where possible, wasting at most half of them on the row's last chunk.
+    No problem (precompile): a row of 1024 16-byte vectors."""
+    vectors, nbytes = problem if problem is not None else (1024, 16)
     u = min(8, max(1, 32 // nbytes))
     while u > 1 and 32 * u > vectors:
         u //= 2
