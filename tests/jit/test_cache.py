@@ -838,3 +838,16 @@ def test_a_cache_path_that_cannot_be_a_cache_is_one_line(tmp_path, monkeypatch, 
     with pytest.raises(CacheError, match="VITRAIL_CACHE_DIR") as error:
         cache_dir()
     assert "\n" not in str(error.value)
+
+
+@needs_nvrtc
+def test_a_group_writable_umask_still_publishes_loadable_artifacts(monkeypatch):
+    """Under umask 002 (a group per user, as many distributions set) the artifact is published
+    writable by its owner alone, so the ownership check loads it instead of rebuilding it."""
+    old = os.umask(0o002)
+    try:
+        first = nvrtc(name="umask")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(first.path).st_mode) & 0o022 == 0
+    assert nvrtc(name="umask").how == "disk"

@@ -282,7 +282,8 @@ class KernelCache:
         meta = {**meta, "key": key, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
         (build / META).write_text(json.dumps(meta, indent=1, sort_keys=True))
         for f in build.rglob("*"):
-            if f.is_file():
+            if f.is_file():  # writable by this user alone, whatever the umask (see _read_own)
+                os.chmod(f, stat.S_IMODE(f.stat().st_mode) & ~0o022)
                 _fsync_path(f)
         _fsync_path(build)
         final = self.entry_dir(key)
