@@ -535,3 +535,9 @@ def test_parse_ptxas():
     r = Resources(**found["spill"])
     assert r.spills and not Resources(**found["saxpy"]).spills
     assert parse_ptxas("") == {} and parse_ptxas("nvcc warning : nothing to see\n") == {}
+
+
+@pytest.mark.parametrize("bad", [-1, 2 ** 64, 2 ** 70, True])
+def test_an_int_that_is_no_address_is_refused_by_name(bad):
+    with pytest.raises(ArgumentError, match="k: argument 'x' \\(float\\*\\) got"):
+        pointer_of(bad, PTR, "k")

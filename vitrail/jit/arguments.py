@@ -33,7 +33,10 @@ def pointer_of(arg: object, param: Param, where: str) -> tuple[int, int | None]:
         return arg.data_ptr(), arg.device.index
     if arg is None:
         return 0, None
-    if isinstance(arg, int):
+    if isinstance(arg, int) and not isinstance(arg, bool):
+        if not 0 <= arg < 1 << 64:
+            raise ArgumentError(f"{where}: argument '{param.name}' ({param.type}) got the int "
+                                f"{arg}, which is no address (0 to 2**64 - 1)")
         return arg, None
     cai = getattr(arg, "__cuda_array_interface__", None)
     if cai is not None:
