@@ -133,7 +133,12 @@ def _tune(args: argparse.Namespace) -> int:
         return 0
     registry = _load_ops(args.module)
     (op,) = _select_ops([what], registry, "tune")
-    if op.make_problem is None or not args.shape:
+    if op.make_problem is None:
+        print(f"vitrail tune {what}: this op makes no problem from a shape on the command line; "
+              f"tune it from Python (vitrail.settings(policy=vitrail.PickBest) around a call)",
+              file=sys.stderr)
+        return 2
+    if not args.shape:
         print(f"vitrail tune {what}: give --shape (e.g. --shape 4096x4096)", file=sys.stderr)
         return 2
     import torch
