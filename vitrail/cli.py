@@ -183,17 +183,21 @@ def _precompile(args: argparse.Namespace) -> int:
     if not ops:
         print("vitrail precompile: no ops are registered yet")
         return 0
-    failed = 0
+    from vitrail.tune.tuner import compile_all
+    start = time.perf_counter()
+    jobs = [((op.name, config), kwargs) for op in ops
+            for config, kwargs in op.precompile_jobs(args.arch)]
+    # one pool for every op's configs: --workers compiles across ops, not one op at a time
+    failures = compile_all(jobs, max_workers=args.workers, verbose=True,
+                           label=f"{len(ops)} ops'")
     for op in ops:
-        start = time.perf_counter()
-        failures = op.precompile(arch=args.arch, max_workers=args.workers, verbose=True)
         configs = len(op.default_configs(_limits(args.arch)))
-        print(f"{op.name}: {configs - len(failures)}/{configs} default configs built in "
-              f"{time.perf_counter() - start:.1f} s")
-        for config, error in failures.items():
+        mine = {config: error for (name, config), error in failures.items() if name == op.name}
+        print(f"{op.name}: {configs - len(mine)}/{configs} default configs built")
+        for config, error in mine.items():
             print(f"  {config.label}: {error}")
-        failed += len(failures)
-    return 1 if failed else 0
+    print(f"{len(jobs)} kernels of {len(ops)} ops in {time.perf_counter() - start:.1f} s")
+    return 1 if failures else 0
 
 
 def _limits(arch: str | None):

@@ -103,9 +103,8 @@ class Op:
                 seen.append(config)
         return seen
 
-    def precompile(self, *, arch: str | None = None, max_workers: int | None = None,
-                   verbose: bool = False) -> dict[Config, str]:
-        """Build the default configs into the cache; returns {config: error} of failures."""
+    def precompile_jobs(self, arch: str | None = None) -> list[tuple[Config, dict]]:
+        """(config, jit.compile kwargs) of each default config that compiles something."""
         lim = limits(arch=arch)
         jobs = []
         for config in self.default_configs(lim):
@@ -115,7 +114,13 @@ class Op:
             kwargs = dict(rendered)
             kwargs.setdefault("arch", lim.arch.name)
             jobs.append((config, kwargs))
-        return compile_all(jobs, max_workers=max_workers, verbose=verbose, label=self.name)
+        return jobs
+
+    def precompile(self, *, arch: str | None = None, max_workers: int | None = None,
+                   verbose: bool = False) -> dict[Config, str]:
+        """Build the default configs into the cache; returns {config: error} of failures."""
+        return compile_all(self.precompile_jobs(arch), max_workers=max_workers, verbose=verbose,
+                           label=self.name)
 
     def __repr__(self) -> str:
         return f"<Op '{self.name}': {len(self.space.params)} parameters, {self.space.size} configs>"
