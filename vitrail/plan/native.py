@@ -2,19 +2,20 @@
 C++ call, with no Python between the public function and the launch.
 
 An op's public function is wrapped by ``front(plans)``. The wrapper passes its arguments, as
-given, to the family's ``Table`` (C++), which keys them (each tensor's shape, strides, dtype,
-device, dispatch keys and address modulo 16; each scalar's type and value; the current device),
+given, to the function's own ``Table`` (C++), which keys them (each tensor's shape, strides,
+dtype, device, dispatch keys, address modulo 16 and which earlier tensor argument starts at the
+same address; each scalar's type and value; the current device),
 finds the plan, allocates the outputs through ATen and makes the recorded calls and launches on
 the current stream. A key it has no plan for is *pending*: the function runs its Python path
 while the plans it uses are watched, and if exactly one ran and its outputs are the function's
 result, that plan's description (``describe``: the allocations, the launches as 8-byte slots,
 which argument each pointer comes from) is added under the pending key; any other outcome adds
 "general", and the key's calls keep to Python. What no key can vouch for (gradients recorded,
-tensor subclasses, scoped settings, a call being recorded, inputs that were one tensor) is a
-miss every time, and Python decides as before.
+tensor subclasses, scoped settings, a call being recorded) is a miss every time, and Python
+decides as before.
 
 The extension is compiled once per machine and torch version (host C++ against libtorch, about
-10 s), in a background thread started by the first plan of a CUDA call; until it is loaded every
+15 s), in a background thread started by the first plan of a CUDA call; until it is loaded every
 call takes the Python plans. ``VITRAIL_NATIVE_PLANS=0`` keeps everything in Python.
 """
 from __future__ import annotations
@@ -188,15 +189,20 @@ def saw(plan, inputs: tuple, outputs: tuple) -> None:
         seen.append((plan, inputs, outputs))
 
 
+_learning_lock = threading.Lock()
+
+
 def _start() -> list:
     seen = _state.seen = []
-    LEARNING[0] += 1
+    with _learning_lock:
+        LEARNING[0] += 1
     return seen
 
 
 def _stop() -> None:
     _state.seen = None
-    LEARNING[0] -= 1
+    with _learning_lock:
+        LEARNING[0] -= 1
 
 
 class Front:
