@@ -30,6 +30,27 @@ def test_nvcc_compile_error_names_file_line_command_and_saved_source():
     assert "typo.cu(3)" in text and e.command in text and str(saved) in text
 
 
+CUTE_MISTAKE = r"""#include <cute/tensor.hpp>
+using namespace cute;
+extern "C" __global__ void k(float* x) {
+  auto t = make_tensor(make_gmem_ptr(x), make_layout(make_shape(Int<4>{}, Int<4>{})));
+  x[0] = t(1, 2, 3);  // a rank-2 tensor indexed with 3 coordinates
+}
+"""
+
+
+@requires_nvcc
+def test_an_error_deep_in_cute_is_shown_at_the_users_line_first():
+    """The static assertion fires in cute/stride.hpp; the summary starts at line 5 of the
+    user's file, where the instantiation began (nvcc names it only in its context lines)."""
+    with pytest.raises(jit.CompileError) as info:
+        jit.compile(CUTE_MISTAKE, name="cute_mistake", backend="nvcc")
+    first = info.value.errors[0]
+    saved = info.value.source_path
+    assert first.startswith(f"{saved}/cute_mistake.cu(5): from your code: ")
+    assert "cute/" in first and "error" in first
+
+
 def test_nvrtc_compile_error_names_file_line_and_saved_source():
     with pytest.raises(jit.CompileError) as info:
         jit.compile(BAD, name="typo_rtc", backend="nvrtc")

@@ -432,15 +432,33 @@ def _meta(name: str, backend: str, arch: toolchain.Arch, artifact: str, start: f
 _ERROR_LINE = re.compile(r"(error|catastrophic|fatal)\b", re.I)
 
 
+_AT_LINE = re.compile(r'at line (\d+) of "?([^"\s]+?)"?\s*$')
+
+
 def _first_errors(out: str, build: Path, saved: Path, limit: int = 10) -> list[str]:
-    """The compiler's first error lines, with paths pointing at the saved copy of the source."""
-    lines = []
+    """The compiler's first error lines, with paths pointing at the saved copy of the source.
+    An error inside a header (CuTe, CUTLASS) that an instantiation in the user's own file led
+    to is shown at that line of the user's file first (the outermost such line nvcc names), and
+    such errors come before the others."""
+    sources = {p.name for p in saved.glob("*.cu")}
+    blocks: list[list] = []  # [error line, the user's line that led to it or None]
     for line in out.splitlines():
-        if _ERROR_LINE.search(line) and not line.startswith("$ "):
-            line = line.replace(str(build), str(saved))
-            if re.match(r"[\w.-]+\.cu[(:]", line):  # NVRTC names the file without a directory
-                line = f"{saved}/{line}"
-            lines.append(line.strip())
+        if line.startswith("$ "):
+            continue
+        if _ERROR_LINE.search(line) and not line[:1].isspace():
+            blocks.append([line.strip(), None])
+        elif blocks and line[:1].isspace():
+            found = _AT_LINE.search(line)
+            if found and Path(found.group(2)).name in sources:
+                blocks[-1][1] = (Path(found.group(2)).name, found.group(1))
+    lines = []
+    for text, mine in sorted(blocks, key=lambda b: b[1] is None):  # stable: yours first
+        text = text.replace(str(build), str(saved))
+        if re.match(r"[\w.-]+\.cu[(:]", text):  # NVRTC names the file without a directory
+            text = f"{saved}/{text}"
+        if mine is not None and not text.startswith(f"{saved}/{mine[0]}"):
+            text = f"{saved}/{mine[0]}({mine[1]}): from your code: {text}"
+        lines.append(text)
         if len(lines) >= limit:
             break
     return lines
