@@ -57,3 +57,39 @@ def test_a_bare_bench_runs_all_but_the_benchmarks_run_by_name():
     bare = {b.name for b in bench.select(registry, [])}
     assert "gemm-sweep" not in bare and {"gemm", "softmax", "host"} <= bare
     assert [b.name for b in bench.select(registry, ["gemm-sweep"])] == ["gemm-sweep"]
+
+
+def _stored_run(name: str = "gemm-h100.json"):
+    """Rows and peaks of a real `vitrail bench gemm` run on an H100 (its JSON, trimmed of the
+    derived roofline column, which the code under test computes again)."""
+    import json
+    from pathlib import Path
+    doc = json.loads((Path(__file__).parent / "data" / name).read_text())
+    rows = [Row(**{k: v for k, v in r.items() if k not in ("speedup_over", "roofline")})
+            for r in doc["results"]["gemm"]]
+    return rows, doc["peaks"]
+
+
+def test_each_row_is_put_under_its_own_maths_roof(capsys):
+    """FP8 rows read 158-170% of the bf16 roof before: each row's roof is its own math's (fp8
+    twice bf16's, derived) and the table says what each roof is."""
+    rows, peaks = _stored_run()
+    fp8 = [r for r in rows if r.case.startswith("fp8")]
+    bf16 = [r for r in rows if r.case.startswith("bfloat16")]
+    assert fp8 and bf16
+    for r in rows:
+        roof = roofline_of(r, peaks)
+        share = 2.0 if r in fp8 else 1.0
+        assert roof["pct_roofline"] == pytest.approx(
+            100 * r.value / (share * peaks["bf16_tflops"]), rel=1e-6), r.case
+        assert roof["pct_roofline"] < 100, r.case  # no row above its own roof
+    assert max(roofline_of(r, peaks)["pct_roofline"] for r in fp8) > 75  # FP8 near its roof
+    print_table(Benchmark("gemm", "stored H100 run", lambda: rows, lambda: None), rows, peaks)
+    out = capsys.readouterr().out
+    legend = next(line for line in out.splitlines() if line.startswith("  * "))
+    assert "% roof*" in out and f"fp8 {2 * peaks['bf16_tflops']:.0f} TFLOP/s" in legend
+    assert "derived" in legend and f"bf16 {peaks['bf16_tflops']:.0f} TFLOP/s (measured)" in legend
+    fp8_line = next(line for line in out.splitlines() if "fp8 e4m3 4096^3 fast" in line
+                    and "vitrail" in line)
+    pct = float(fp8_line.split("%")[0].split()[-1])
+    assert pct == pytest.approx(100 * fp8[0].value / (2 * peaks["bf16_tflops"]), abs=0.6)

@@ -34,6 +34,22 @@ class Row:
     ms: float | None = None
     flops: float = 0.0
     bytes: float = 0.0
+    math: str = ""  # what the FLOPs run in (bf16, fp16, fp8, tf32): whose peak is the roof
+
+
+# Each math's compute roof as a multiple of the measured bf16 matmul rate: Hopper's dense
+# tensor cores do twice BF16/FP16's FLOPs per clock in FP8 and half in TF32 (derived, not
+# measured; the bf16 rate is measured by vitrail.profile.peaks).
+MATH_ROOFS = {"bf16": 1.0, "fp16": 1.0, "fp8": 2.0, "tf32": 0.5}
+
+
+def math_of(row: Row) -> str:
+    """A row's math: as it says, else from its case's name (results written before rows said
+    it), else bf16."""
+    if row.math:
+        return row.math
+    case = row.case.lower()
+    return "fp8" if "fp8" in case or "e4m3" in case or "e5m2" in case else "bf16"
 
 
 @dataclass
@@ -81,13 +97,27 @@ def ratios(rows: list[Row]) -> list[tuple[Row, dict[str, float | None]]]:
 
 
 def roofline_of(row: Row, peaks) -> dict | None:
-    """TFLOP/s, GB/s and % of the measured roofline of a row that says what work it did."""
+    """TFLOP/s, GB/s and % of the roofline of a row that says what work it did; the compute
+    roof is its own math's (MATH_ROOFS), the memory roof the measured copy bandwidth."""
     if row.ms is None or not (row.flops or row.bytes) or row.ms <= 0:
         return None
     from vitrail.profile import roofline
-    r = roofline(flops=row.flops, bytes=row.bytes, ms=row.ms, peaks=peaks)
-    return {"tflops": r.tflops, "gbps": r.gbps,
-            "pct_roofline": r.pct_roofline if peaks is not None else None}
+    math = math_of(row)
+    roof = None
+    if peaks is not None:
+        roof = {"tflops": _bf16(peaks) * MATH_ROOFS.get(math, 1.0), "gbps": _gbps(peaks)}
+    r = roofline(flops=row.flops, bytes=row.bytes, ms=row.ms, peaks=roof)
+    return {"tflops": r.tflops, "gbps": r.gbps, "math": math,
+            "roof_tflops": roof["tflops"] if roof else None,
+            "pct_roofline": r.pct_roofline if roof is not None else None}
+
+
+def _bf16(peaks) -> float:
+    return peaks["bf16_tflops"] if isinstance(peaks, dict) else peaks.bf16_tflops
+
+
+def _gbps(peaks) -> float:
+    return peaks["copy_gbps"] if isinstance(peaks, dict) else peaks.copy_gbps
 
 
 def print_table(bench: Benchmark, rows: list[Row], peaks=None) -> None:
@@ -101,7 +131,7 @@ def print_table(bench: Benchmark, rows: list[Row], peaks=None) -> None:
     iw = max([len("implementation")] + [len(r.impl) for r in rows]) + 2
     head = f"  {'case':<{cw}}{'implementation':<{iw}}{'value':>12}  {'unit':<10}"
     if on_roof:
-        head += f"{'TFLOP/s':>9}{'GB/s':>8}{'% roof':>8}"
+        head += f"{'TFLOP/s':>9}{'GB/s':>8}{'% roof*':>8}"
     print(head + "".join(f"{'vs ' + b[:16]:>20}" for b in baselines))
     for (r, vs), roof in zip(ratios(rows), roofs):
         marks = ["baseline" if r.baseline and b == r.impl else
@@ -116,7 +146,18 @@ def print_table(bench: Benchmark, rows: list[Row], peaks=None) -> None:
             else:
                 line += f"{'-':>9}{'-':>8}{'-':>8}"
         print(line + "".join(f"{m:>20}" for m in marks))
+    if on_roof and peaks is not None:
+        print("  * " + roof_legend([r for r, roof in zip(rows, roofs) if roof], peaks))
 
+
+def roof_legend(rows: list[Row], peaks) -> str:
+    """What '% roof' divides by: each math's compute peak among rows, and the memory peak."""
+    maths = list(dict.fromkeys(math_of(r) for r in rows if r.flops))
+    parts = [f"{m} {_bf16(peaks) * MATH_ROOFS.get(m, 1.0):.0f} TFLOP/s"
+             + (" (measured)" if m == "bf16" else " (bf16's)" if MATH_ROOFS.get(m, 1.0) == 1.0
+                else f" ({MATH_ROOFS[m]:g}x bf16's, derived)") for m in maths]
+    return ("% of the roof of the row's own math: " + ", ".join(parts) + f"; memory "
+            f"{_gbps(peaks):.0f} GB/s (copy, measured)")
 
 DEFAULT_ARCH = "90a"  # what a machine with no GPU builds for: Hopper, the GPUs vitrail tunes for
 

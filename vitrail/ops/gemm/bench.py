@@ -59,7 +59,7 @@ def build() -> None:
         print(f"  build failed: {error[:2000]}")
 
 
-def _rows(case: str, fns: dict, flops: float) -> list[Row]:
+def _rows(case: str, fns: dict, flops: float, math: str = "bf16") -> list[Row]:
     """The case's implementations timed together (vitrail.profile.compare: interleaved rounds,
     so the GPU's clock drift under GEMM load falls on all of them alike)."""
     from vitrail.profile import compare
@@ -72,7 +72,8 @@ def _rows(case: str, fns: dict, flops: float) -> list[Row]:
             print(f"  {case} {impl}: {type(e).__name__}: {str(e)[:300]}")
     ours = next(iter(fns))
     return [Row(case=case, impl=impl, value=flops / t.median / 1e9, unit="TFLOP/s",
-                lower_is_better=False, baseline=impl != ours, ms=t.median, flops=flops)
+                lower_is_better=False, baseline=impl != ours, ms=t.median, flops=flops,
+                math=math)
             for impl, t in (compare(ok) if ok else {}).items()]
 
 
@@ -93,7 +94,7 @@ def run() -> list[Row]:
             ours = (lambda: bmm(x, y)) if b > 1 else (lambda: mm(x, y))
             case = f"{dn} {m}x{n}x{k}" + (f" batch {b}" if b > 1 else "")
             rows += _rows(case, {"vitrail": ours, "torch.matmul": lambda: x @ y},
-                          2.0 * m * n * k * b)
+                          2.0 * m * n * k * b, math="bf16" if dtype is torch.bfloat16 else "fp16")
     for s in (4096, 8192):
         x = torch.randn(s, s, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(s, s, device="cuda", dtype=torch.bfloat16)
@@ -109,7 +110,7 @@ def run() -> list[Row]:
                 "vitrail": lambda fast=fast: scaled_mm(a8, b8, one, one, use_fast_accum=fast),
                 "torch._scaled_mm": lambda fast=fast: torch._scaled_mm(
                     a8, b8, one, one, out_dtype=torch.bfloat16, use_fast_accum=fast)},
-                2.0 * s ** 3)
+                2.0 * s ** 3, math="fp8")
     ms = [m for m, _, _ in MOE]
     _, n, k = MOE[0]
     a = torch.randn(sum(ms), k, device="cuda", dtype=torch.bfloat16)
