@@ -98,16 +98,18 @@ def _build() -> Callable:
     return _extension(SOURCE, "vitrail_launch").launch
 
 
-def _extension(source: str, name: str):
-    """The CPython extension module ``name`` built from source through the kernel cache."""
+def _extension(source: str, name: str, *, flags: list[str] = (), include_dirs: list = (),
+               tag: str = ""):
+    """The CPython extension module ``name`` built from source through the kernel cache (extra
+    nvcc flags and include dirs; tag: what else the build is specific to, in its key)."""
     from vitrail.jit.compiler import compile as jit_compile
     include = sysconfig.get_paths()["include"]
     if not (Path(include) / "Python.h").is_file():
         raise FileNotFoundError(f"no Python.h under {include} (install python3-dev)")
     # The extension is specific to this Python: its version and ABI are in the source's key.
-    tag = f"// {sys.implementation.cache_tag} {sysconfig.get_config_var('SOABI')}\n"
-    module = jit_compile(tag + source, name=name, backend="nvcc", include_dirs=[include],
-                         arch=_host_arch())
+    tag = f"// {tag}{sys.implementation.cache_tag} {sysconfig.get_config_var('SOABI')}\n"
+    module = jit_compile(tag + source, name=name, backend="nvcc", flags=list(flags),
+                         include_dirs=[include, *include_dirs], arch=_host_arch())
     loader = importlib.machinery.ExtensionFileLoader(name, str(module.path))
     spec = importlib.util.spec_from_file_location(name, module.path, loader=loader)
     ext = importlib.util.module_from_spec(spec)

@@ -20,14 +20,10 @@ call takes the Python plans. ``VITRAIL_NATIVE_PLANS=0`` keeps everything in Pyth
 """
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import inspect
 import logging
 import os
 import struct
-import sys
-import sysconfig
 import threading
 from pathlib import Path
 from typing import Any, Callable
@@ -105,27 +101,16 @@ def _build():
     """The extension, compiled through the kernel cache (nvcc as the host C++ driver)."""
     from torch.utils import cpp_extension
 
-    from vitrail.jit.compiler import compile as jit_compile
-    from vitrail.jit.launcher import _host_arch
-    python = sysconfig.get_paths()["include"]
-    if not (Path(python) / "Python.h").is_file():
-        raise FileNotFoundError(f"no Python.h under {python} (install python3-dev)")
+    from vitrail.jit.launcher import _extension
     lib = os.path.join(os.path.dirname(torch.__file__), "lib")
-    # The build is specific to this Python and this torch: both are in the source's key.
-    tag = (f"// torch {torch.__version__} {sys.implementation.cache_tag} "
-           f"{sysconfig.get_config_var('SOABI')}\n")
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     flags = ["-x", "c++", "-std=c++20", "-O2", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
              "-Xcompiler=-Wno-deprecated-declarations", f"-L{lib}", "-lc10", "-ltorch_cpu",
              "-ltorch_python", f"-Xlinker=-rpath,{lib}"]
-    built = jit_compile(tag + SOURCE.read_text(), name="vitrail_hit", backend="nvcc",
-                        arch=_host_arch(), flags=flags,
-                        include_dirs=[python, *cpp_extension.include_paths()])
-    loader = importlib.machinery.ExtensionFileLoader("vitrail_hit", str(built.path))
-    spec = importlib.util.spec_from_file_location("vitrail_hit", built.path, loader=loader)
-    ext = importlib.util.module_from_spec(spec)
-    loader.exec_module(ext)
-    return ext
+    # specific to this torch as well as this Python: both are in the source's key
+    return _extension(SOURCE.read_text(), "vitrail_hit", flags=flags,
+                      include_dirs=cpp_extension.include_paths(),
+                      tag=f"torch {torch.__version__} ")
 
 
 def on_load(hook: Callable[[Any], None]) -> None:

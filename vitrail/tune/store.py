@@ -59,12 +59,8 @@ class Record:
 
     @classmethod
     def from_json(cls, data: dict) -> "Record":
-        try:
-            key = RecordKey(*(data[c] for c in _COLUMNS))
-            return cls(key, Config.from_json(data["config"]), list(data.get("timings", [])),
-                       float(data.get("created", time.time())))
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"not a tuning record ({e}): {json.dumps(data)[:200]}") from None
+        """A record from its JSON form, every field checked (``validated``)."""
+        return validated(data)
 
 
 class TuningStore:
