@@ -107,7 +107,10 @@ def test_bench_mappings_and_units_in_separate_panels(tmp_path):
         {"case": "4096^3", "impl": "vitrail.ops.gemm", "value": 205.0, "unit": "µs"},
         {"case": "odd", "impl": "only one", "value": 3.0, "unit": "µs"}]  # no baseline
     two = png_size(plot_bench(rows, tmp_path / "two.png", title="two units"))
-    assert two[1] > one[1] * 1.5
+    assert two[1] > one[1] + 100  # a second panel below the first, as tall as its bars
+    from vitrail.profile.plot import bench_figure
+    assert [ax.get_xlabel() for ax in bench_figure(rows, title="t").axes] == [
+        "TFLOP/s, higher is better", "µs, log scale, lower is better"]  # 3 beside 210
 
 
 def test_a_wide_range_of_values_is_drawn_on_a_log_scale(tmp_path):

@@ -35,6 +35,7 @@ class Row:
     flops: float = 0.0
     bytes: float = 0.0
     math: str = ""  # what the FLOPs run in (bf16, fp16, fp8, tf32): whose peak is the roof
+    group: str = ""  # the cases a reader compares it with (a plot's panel): "fp8 scaled_mm"
 
 
 # Each math's compute roof as a multiple of the measured bf16 matmul rate: Hopper's dense

@@ -186,7 +186,8 @@ def run() -> list[Row]:
             print(f"    {case}: {type(e).__name__}: {str(e)[:200]}")
             continue
         for impl, us in got.items():
-            rows.append(Row(f"host {case}", impl, us, "µs/call", baseline=impl == "torch"))
+            rows.append(Row(f"host {case}", impl, us, "µs/call", baseline=impl == "torch",
+                            group=f"host µs per call ({CALLS} back-to-back calls)"))
         print(f"    {case:40s} vitrail {got['vitrail']:7.1f}  torch {got['torch']:7.1f}  "
               f"({got['torch'] / got['vitrail']:.2f}x)")
     print("  small problems: µs per call, eager (back to back) and replayed from a CUDA graph")
@@ -198,7 +199,8 @@ def run() -> list[Row]:
             print(f"    {case}: {type(e).__name__}: {str(e)[:200]}")
             continue
         for impl, us in got.items():
-            rows.append(Row(case, impl, us, "µs/call", baseline=impl == "torch eager"))
+            rows.append(Row(case, impl, us, "µs/call", baseline=impl == "torch eager",
+                            group="small problems: eager, and replayed from a CUDA graph"))
         print(f"    {case:40s} " + "  ".join(f"{k} {v:7.1f}" for k, v in got.items())
               + f"  (eager {got['torch eager'] / got['vitrail eager']:.2f}x)")
     return rows

@@ -15,6 +15,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from vitrail.profile.bench import Timing, percentile
 
 MAX_SWEEP_BARS = 50
+DPI = 120  # the PNGs' pixels per inch: labels of 8 points stay legible
 BEST = "#2b8a3e"
 OTHER = "#4c6ef5"
 PALETTE = ["#4c6ef5", "#f08c00", "#2b8a3e", "#c2255c", "#7048e8", "#0c8599", "#e8590c",
@@ -88,81 +89,191 @@ def plot_sweep(results: Any, path: str | os.PathLike, *, title: str, x: str = "c
 
 
 LOG_SPAN = 20  # a panel whose values span more than this factor is drawn on a log scale
+MAX_BAR_CASES = 24  # a panel of more cases draws each case's speedup as a point, not bars
+SLOT_IN = 0.2  # inches of figure height per bar: room for one line of 8-point text
 
 
 def plot_bench(rows: Iterable[Any], path: str | os.PathLike, *, title: str) -> Path:
-    """Grouped bars of benchmark rows: one group per case, one bar per implementation.
+    """Benchmark rows as horizontal bars, one panel per (unit, group), one bar per
+    implementation of each case; returns the path of the PNG written.
 
     ``rows``: :class:`vitrail.bench.Row` objects or mappings with ``case``, ``impl``, ``value``,
-    ``unit`` and optionally ``lower_is_better`` and ``baseline``. Each case's baseline bar is
-    hatched and outlined, and every other bar is annotated with its speed ratio to it (> 1x:
-    faster). Rows of different units go to separate panels; a panel whose values span more than
-    LOG_SPAN times is drawn on a log scale. Returns the path of the PNG written.
+    ``unit`` and optionally ``lower_is_better``, ``baseline`` and ``group`` (what a reader
+    compares: a family's shapes, its epilogues, its FP8 cases). Each bar ends in its value and,
+    past a case's baseline (hatched), its speed ratio to it (> 1x: faster); every label has a
+    line of its own, so none can cover another. A panel whose values span more than LOG_SPAN
+    times is drawn on a log scale; one of more than MAX_BAR_CASES cases (a sweep) draws each
+    case's speedup over its baseline against the case's work instead.
     """
+    return _save(bench_figure(rows, title=title), path)
+
+
+def bench_figure(rows: Iterable[Any], *, title: str) -> Any:
+    """The matplotlib Figure :func:`plot_bench` saves (laid out, labels fitted to the axes)."""
     _check_title(title)
     data = [_bench_row(r, i) for i, r in enumerate(rows)]
     if not data:
         raise ValueError("rows: expected at least one benchmark row, got none")
-    units = list(dict.fromkeys(r["unit"] for r in data))
+    panels = list(dict.fromkeys((r["unit"], r["group"]) for r in data))
     impls = list(dict.fromkeys(r["impl"] for r in data))
     color = {impl: PALETTE[i % len(PALETTE)] for i, impl in enumerate(impls)}
-    baseline_impls = {r["impl"] for r in data if r["baseline"]}
+    mine = {p: [r for r in data if (r["unit"], r["group"]) == p] for p in panels}
+    heights = [_panel_height(mine[p]) for p in panels]
     Figure = _matplotlib()
-    n_cases = max(len({r["case"] for r in data if r["unit"] == u}) for u in units)
-    width = min(16.0, max(6.0, 1.2 + n_cases * (0.5 + 0.35 * len(impls))))
-    fig = Figure(figsize=(width, 1.0 + 3.6 * len(units)), layout="constrained")
-    axes = fig.subplots(len(units), 1, squeeze=False)[:, 0]
-    for ax, unit in zip(axes, units):
-        mine = [r for r in data if r["unit"] == unit]
-        cases = list(dict.fromkeys(r["case"] for r in mine))
-        by_case = {c: [r for i in impls for r in mine if r["case"] == c and r["impl"] == i]
-                   for c in cases}  # each case's rows in the legend's order
-        per_case = max(len(v) for v in by_case.values())
-        bar_w = 0.8 / per_case
-        top = max(r["value"] for r in mine)
-        positive = [r["value"] for r in mine if r["value"] > 0]
-        log = needs_log_scale(positive)  # else the small bars vanish beside the large
-        for ci, case in enumerate(cases):
-            base = next((r for r in by_case[case] if r["baseline"]), None)
-            for ii, r in enumerate(by_case[case]):
-                impl = r["impl"]
-                pos = ci + bar_w * (ii + 0.5 - len(by_case[case]) / 2)
-                ax.bar(pos, r["value"], bar_w * 0.92, color=color[impl],
-                       hatch="//" if r["baseline"] else None,
-                       edgecolor="black" if r["baseline"] else color[impl],
-                       linewidth=1.2 if r["baseline"] else 0.5)
-                if r["baseline"]:
-                    note = "base"
-                elif base is not None and base["value"] and r["value"]:
-                    ratio = (base["value"] / r["value"] if r["lower_is_better"]
-                             else r["value"] / base["value"])
-                    note = f"{ratio:.2f}x"
-                else:
-                    note = _num(r["value"])
-                where = r["value"] * 1.08 if log else r["value"] + top * 0.01
-                ax.text(pos, where, note, ha="center", va="bottom",
-                        fontsize=7, rotation=90 if per_case > 4 else 0)
-        ax.set_xticks(range(len(cases)), cases, fontsize=8,
-                      rotation=20 if len(cases) > 4 else 0)
-        if log:
-            ax.set_yscale("log")
-            ax.set_ylim(min(positive) / 2, top * 4)
+    width = 11.0
+    fig = Figure(figsize=(width, 0.7 + sum(heights)), dpi=DPI, layout="constrained")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    FigureCanvasAgg(fig)  # a renderer to measure the labels with (no pyplot, no GUI)
+    axes = fig.subplots(len(panels), 1, squeeze=False, height_ratios=heights)[:, 0]
+    bars = False
+    for ax, (unit, group) in zip(axes, panels):
+        cases = list(dict.fromkeys(r["case"] for r in mine[unit, group]))
+        if len(cases) > MAX_BAR_CASES and any(r["baseline"] for r in mine[unit, group]):
+            _speedup_panel(ax, mine[unit, group], group, color)
         else:
-            ax.set_ylim(0, top * 1.18)
-        lower = all(r["lower_is_better"] for r in mine)
-        higher = not any(r["lower_is_better"] for r in mine)
-        better = " (lower is better)" if lower else " (higher is better)" if higher else ""
-        ax.set_ylabel(f"{unit}{', log scale' if log else ''}{better}")
-        ax.grid(axis="y", alpha=0.3)
-        ax.set_axisbelow(True)
+            _bars_panel(ax, mine[unit, group], unit, group, color)
+            bars = True
+    fig.suptitle(_wrap(title, width) + ("\nafter a bar's value: its speed over the case's "
+                 "baseline (hatched); > 1x is faster" if bars else ""), fontsize=10)
+    _fit_labels(fig, axes)
+    return fig
+
+
+def _panel_height(rows: list[dict]) -> float:
+    cases = len({r["case"] for r in rows})
+    if cases > MAX_BAR_CASES and any(r["baseline"] for r in rows):
+        return 3.2
+    return 1.0 + SLOT_IN * (len(rows) + CASE_GAP * cases)
+
+
+CASE_GAP = 0.7  # empty slots between two cases' bars
+
+
+def _bars_panel(ax: Any, rows: list[dict], unit: str, group: str, color: dict) -> None:
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    positive = [r["value"] for r in rows if r["value"] > 0]
+    log = needs_log_scale(positive)  # else the small bars vanish beside the large
+    y, ticks = 0.0, []
+    for case in cases:
+        own = [r for i in impls for r in rows if r["case"] == case and r["impl"] == i]
+        bases = [r for r in own if r["baseline"]]
+        ticks.append(y + (len(own) - 1) / 2)
+        for r in own:
+            ax.barh(y, r["value"], 0.8, color=color[r["impl"]],
+                    hatch="//" if r["baseline"] else None,
+                    edgecolor="black" if r["baseline"] else color[r["impl"]],
+                    linewidth=1.0 if r["baseline"] else 0.5)
+            note = f" {_num(r['value'])}"
+            ratios = [] if r["baseline"] else [(b["impl"], _ratio(r, b)) for b in bases]
+            ratios = [(b, x) for b, x in ratios if x is not None]
+            if len(ratios) == 1 and len(bases) == 1:
+                note += f"  {ratios[0][1]:.2f}x"
+            elif ratios:
+                note += "  " + ", ".join(f"{x:.2f}x vs {b}" for b, x in ratios)
+            ax.text(r["value"], y, note, va="center", ha="left", fontsize=8,
+                    gid="bar-label")
+            y += 1
+        y += CASE_GAP
+    ax.set_yticks(ticks, [_label(c) for c in cases], fontsize=9)
+    ax.set_ylim(y - CASE_GAP + 0.2, -0.8)  # first case on top
+    top = max(r["value"] for r in rows)
+    if log:
+        ax.set_xscale("log")
+        ax.set_xlim(min(positive) / 2, top * 4)
+        _ratio_ticks(ax.xaxis, suffix="")
+    else:
+        ax.set_xlim(0, top * 1.25 if top > 0 else 1)
+    lower = all(r["lower_is_better"] for r in rows)
+    higher = not any(r["lower_is_better"] for r in rows)
+    better = ", lower is better" if lower else ", higher is better" if higher else ""
+    ax.set_xlabel(f"{unit}{', log scale' if log else ''}{better}", fontsize=9)
+    ax.tick_params(axis="x", labelsize=8)
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_axisbelow(True)
+    if group:
+        ax.set_title(group, fontsize=10, loc="left")
+    _legend(ax, impls, {r["impl"] for r in rows if r["baseline"]}, color)
+
+
+def _speedup_panel(ax: Any, rows: list[dict], group: str, color: dict) -> None:
+    """Each case's speedup over its (first) baseline, one point per case and implementation,
+    against the case's work (FLOPs, else bytes) where every row says it, else in case order."""
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    by_case = {c: [r for r in rows if r["case"] == c] for c in cases}
+    points: dict[str, list[tuple[float, float]]] = {}
+    for i, case in enumerate(cases):
+        base = next((r for r in by_case[case] if r["baseline"]), None)
+        for r in by_case[case]:
+            x = _ratio(r, base) if base is not None and not r["baseline"] else None
+            if x is not None:
+                work = base["work"] if all(q["work"] for q in rows) else i
+                points.setdefault(r["impl"], []).append((work, x))
+    base_name = next(r["impl"] for r in rows if r["baseline"])
+    for impl, pts in points.items():
+        ratios = [x for _, x in pts]
+        mean = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+        above = sum(x >= 1.0 for x in ratios)
+        ax.scatter([w for w, _ in pts], ratios, s=9, color=color[impl], alpha=0.7,
+                   label=f"{impl}: geomean {mean:.2f}x, {above}/{len(ratios)} at or above 1x")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    work = all(r["work"] for r in rows)
+    if work:
+        ax.set_xscale("log")
+    what = "FLOPs" if all(r["flops"] for r in rows) else "FLOPs or bytes"
+    ax.set_xlabel(f"the case's work ({what}), log scale" if work else "case", fontsize=9)
+    ax.set_ylabel(f"speed over {base_name}", fontsize=9)
+    ax.tick_params(labelsize=8)
+    every = [x for pts in points.values() for _, x in pts]
+    if every and needs_log_scale(every):
+        ax.set_yscale("log")
+        _ratio_ticks(ax.yaxis, suffix="x")
+    ax.grid(alpha=0.3)
+    ax.set_axisbelow(True)
+    ax.set_title(f"{group + ': ' if group else ''}{len(cases)} cases, each point one case "
+                 f"(> 1x: faster than {base_name})", fontsize=9, loc="left")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+
+
+def _ratio(row: dict, base: dict | None) -> float | None:
+    """How many times faster row is than base, whichever way the unit points."""
+    if base is None or not base["value"] or not row["value"]:
+        return None
+    return (base["value"] / row["value"] if row["lower_is_better"]
+            else row["value"] / base["value"])
+
+
+def _ratio_ticks(axis: Any, suffix: str) -> None:
+    """Log-scale ticks at 1, 2, 5 of each decade, written as plain numbers (0.5x, 2x, 20)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}{suffix}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
+def _legend(ax: Any, impls: list[str], baselines: set[str], color: dict) -> None:
     from matplotlib.patches import Patch
-    handles = [Patch(facecolor=color[i], edgecolor="black" if i in baseline_impls else color[i],
-                     hatch="//" if i in baseline_impls else None,
-                     label=f"{i} (baseline)" if i in baseline_impls else i) for i in impls]
-    axes[0].legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0),
-                   title="ratio = speed vs baseline", title_fontsize=7)
-    fig.suptitle(_wrap(title, width), fontsize=11)  # over the whole figure, legend included
-    return _save(fig, path)
+    handles = [Patch(facecolor=color[i], edgecolor="black" if i in baselines else color[i],
+                     hatch="//" if i in baselines else None,
+                     label=f"{i} (baseline)" if i in baselines else i) for i in impls]
+    ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+
+
+def _fit_labels(fig: Any, axes: Any) -> None:
+    """Widen each bar panel's value axis until every bar's label ends inside the panel."""
+    for _ in range(8):
+        fig.draw_without_rendering()
+        renderer = fig.canvas.get_renderer()
+        grown = False
+        for ax in axes:
+            labels = [t for t in ax.texts if t.get_gid() == "bar-label"]
+            right = max((t.get_window_extent(renderer).x1 for t in labels), default=0.0)
+            if right > ax.bbox.x1 - 4:
+                lo, hi = ax.get_xlim()
+                ax.set_xlim(lo, hi * 2.0 if ax.get_xscale() == "log" else lo + (hi - lo) * 1.2)
+                grown = True
+        if not grown:
+            return
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -184,7 +295,7 @@ def _matplotlib() -> Any:
 def _save(fig: Any, path: str | os.PathLike) -> Path:
     out = Path(os.fspath(path))
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png", dpi=120)
+    fig.savefig(out, format="png", dpi=DPI)
     return out
 
 
@@ -258,4 +369,6 @@ def _bench_row(r: Any, i: int) -> dict:
                          f"{get('value')!r}")
     return {"case": str(get("case")), "impl": str(get("impl")), "value": value,
             "unit": str(get("unit")), "lower_is_better": bool(get("lower_is_better", True)),
-            "baseline": bool(get("baseline", False))}
+            "baseline": bool(get("baseline", False)), "group": str(get("group", "") or ""),
+            "work": float(get("flops", 0.0) or get("bytes", 0.0) or 0.0),
+            "flops": float(get("flops", 0.0) or 0.0)}

@@ -59,6 +59,15 @@ def build() -> None:
         print(f"  build failed: {error[:2000]}")
 
 
+def group_of(case: str) -> str:
+    """The plot's panel of a case: what a reader compares it with."""
+    first = case.split()[0]
+    if first in ("bfloat16", "float16"):
+        return f"{first} mm/bmm shapes"
+    return {"bf16": "bf16 bias+gelu epilogue", "fp8": "fp8 e4m3 scaled_mm",
+            "grouped": "grouped_mm (MoE)"}.get(first, "other")
+
+
 def _rows(case: str, fns: dict, flops: float, math: str = "bf16") -> list[Row]:
     """The case's implementations timed together (vitrail.profile.compare: interleaved rounds,
     so the GPU's clock drift under GEMM load falls on all of them alike)."""
@@ -73,7 +82,7 @@ def _rows(case: str, fns: dict, flops: float, math: str = "bf16") -> list[Row]:
     ours = next(iter(fns))
     return [Row(case=case, impl=impl, value=flops / t.median / 1e9, unit="TFLOP/s",
                 lower_is_better=False, baseline=impl != ours, ms=t.median, flops=flops,
-                math=math)
+                math=math, group=group_of(case))
             for impl, t in (compare(ok) if ok else {}).items()]
 
 
@@ -162,7 +171,8 @@ def run_sweep() -> list[Row]:
             for impl, base in (("vitrail", False), ("torch", True)):
                 rows.append(Row(case=case, impl=impl, value=rec["graph"][impl] * 1e3, unit="us",
                                 baseline=base, ms=rec["graph"][impl], flops=flops,
-                                extra={"eager_us": rec["eager"][impl] * 1e3}))
+                                extra={"eager_us": rec["eager"][impl] * 1e3},
+                                group=f"{dn}, CUDA graph"))
             graph[rec["name"]] = rec["graph"]["torch"] / rec["graph"]["vitrail"]
             eager[rec["name"]] = rec["eager"]["torch"] / rec["eager"]["vitrail"]
         print(f"{dn} CUDA graph, torch time / vitrail time: {sweep.summary(graph)}")

@@ -41,7 +41,7 @@ def copy_gbps(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / t.median / 1e6
 
 
-def rows_for(case: str, impls: dict, nbytes: float, ceiling: float) -> list[Row]:
+def rows_for(case: str, impls: dict, nbytes: float, ceiling: float, group: str = "") -> list[Row]:
     from vitrail.profile import bench
     out = []
     for impl, fn in impls.items():
@@ -53,7 +53,8 @@ def rows_for(case: str, impls: dict, nbytes: float, ceiling: float) -> list[Row]
         gbps = nbytes / ms / 1e6
         out.append(Row(case, impl, gbps, "GB/s", lower_is_better=False,
                        baseline=impl == "torch eager", ms=ms, bytes=nbytes,
-                       extra={"pct_of_copy": 100 * gbps / ceiling, "copy_gbps": ceiling}))
+                       extra={"pct_of_copy": 100 * gbps / ceiling, "copy_gbps": ceiling},
+                       group=group))
         print(f"  {case:<34}{impl:<16}{gbps:8.0f} GB/s  {100 * gbps / ceiling:5.1f}% of copy")
     return out
 
@@ -85,14 +86,17 @@ def run() -> list[Row]:
         case = f"fwd {dt} {m}x{n}"
         rows += rows_for(case, {"vitrail": lambda: ops.softmax(x),
                                 "torch eager": lambda: torch.softmax(x, -1),
-                                "torch.compile": lambda: cfwd(x), **same_fwd}, nb, ceiling)
+                                "torch.compile": lambda: cfwd(x), **same_fwd}, nb, ceiling,
+                         "softmax forward")
         if n <= 4096 and dt == "bfloat16":
             rows += rows_for(f"log fwd {dt} {m}x{n}",
                              {"vitrail": lambda: ops.log_softmax(x),
-                              "torch eager": lambda: torch.log_softmax(x, -1)}, nb, ceiling)
+                              "torch eager": lambda: torch.log_softmax(x, -1)}, nb, ceiling,
+                             "log_softmax forward")
         case = f"bwd {dt} {m}x{n}"
         rows += rows_for(case, {
             "vitrail": lambda: softmax_bwd(y, dy, 1, False),
             "torch eager": lambda: torch._softmax_backward_data(dy, y, -1, x.dtype),
-            "torch.compile": lambda: cbwd(y, dy), **same_bwd}, 1.5 * nb, ceiling)
+            "torch.compile": lambda: cbwd(y, dy), **same_bwd}, 1.5 * nb, ceiling,
+            "softmax backward")
     return rows

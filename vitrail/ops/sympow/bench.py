@@ -77,8 +77,10 @@ def run() -> list[Row]:
             extra["pct_copy"] = round(100 * nbytes / ms / 1e6 / copy_gbps, 1)
         if flops:
             extra["pct_matmul"] = round(100 * flops / ms / 1e9 / mm_tflops, 1)
+        group = ("sympow_mma, mma_sympow_bwd: fused vs unfused" if flops else
+                 "sympow, sympow_bwd (elementwise)")
         rows.append(Row(case, impl, ms, "ms", baseline=baseline, ms=ms, flops=flops,
-                        bytes=nbytes, extra=extra))
+                        bytes=nbytes, extra=extra, group=group))
         print(f"    {case:38s} {impl:26s} {ms:8.3f} ms " + " ".join(
             f"{k}={v}%" for k, v in extra.items()))
 

@@ -1,0 +1,242 @@
+"""`vitrail bench`'s output read as a user reads it (issue 34): plots whose labels never cover
+one another.
+
+The GEMM figures are a real H100 run's (data/gemm-h100.json); the other families' rows are
+SYNTHETIC (made-up values over the families' own case and implementation names, spanning the
+ranges their runs report) and test only the layout. Look at the PNGs by eye after changing the
+drawing: `VITRAIL_PLOT_DIR=/tmp/png python -m pytest tests/bench/test_output.py`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+from vitrail.bench import Row
+
+DATA = Path(__file__).parent / "data"
+
+
+def stored_run(name: str = "gemm-h100.json") -> tuple[dict, list[Row]]:
+    """The JSON of a real `vitrail bench gemm` run and its rows (grouped as the bench groups
+    them now: the run predates rows saying their group)."""
+    from vitrail.ops.gemm.bench import group_of
+    doc = json.loads((DATA / name).read_text())
+    rows = [Row(**{k: v for k, v in r.items() if k not in ("speedup_over", "roofline")})
+            for r in doc["results"]["gemm"]]
+    for r in rows:
+        r.group = r.group or group_of(r.case)
+    return doc, rows
+
+
+# ------------------------------------------------------------------------ synthetic families
+def _pair(case, group, unit, ours, base, *, lower=True, impl="vitrail", base_impl="torch",
+          **kw):
+    return [Row(case, impl, ours, unit, lower_is_better=lower, group=group, **kw),
+            Row(case, base_impl, base, unit, lower_is_better=lower, baseline=True, group=group,
+                **kw)]
+
+
+def synthetic_softmax() -> list[Row]:
+    from vitrail.ops.softmax.bench import CASES
+    rows = []
+    for i, ((m, n), dt) in enumerate(CASES):
+        for kind, group in (("fwd", "softmax forward"), ("log fwd", "log_softmax forward"),
+                            ("bwd", "softmax backward")):
+            if kind == "log fwd" and not (n <= 4096 and dt == "bfloat16"):
+                continue
+            gbps = 400.0 + 250 * (i % 9)
+            rows += [Row(f"{kind} {dt} {m}x{n}", impl, gbps * f, "GB/s", False, impl ==
+                         "torch eager", group=group)
+                     for impl, f in (("vitrail", 1.0), ("torch eager", 0.55),
+                                     ("torch.compile", 0.8), ("copy, same bytes", 1.2))]
+    return rows
+
+
+def synthetic_sympow() -> list[Row]:
+    from vitrail.ops.sympow.bench import CASES_ELEMENTWISE
+    ew, mma = "sympow, sympow_bwd (elementwise)", "sympow_mma, mma_sympow_bwd: fused vs unfused"
+    rows = []
+    for name, *_ in CASES_ELEMENTWISE:  # vitrail ~0.1 ms beside torch autograd's ~135 ms
+        rows += _pair(f"sympow fwd {name}", ew, "ms", 0.12, 0.92, base_impl="torch eager")
+        rows += _pair(f"sympow bwd {name}", ew, "ms", 2.29, 135.1, base_impl="torch autograd")
+    for case in ("sympow_mma query P64 M4096 d64 N64", "sympow_mma state P64 d64 K4096 N64",
+                 "mma_sympow_bwd query P64 M4096 d64 N64",
+                 "mma_sympow_bwd state P64 d64 K4096 N64"):
+        rows += [Row(case, "unfused (sympow+bmm)", 3.1, "ms", baseline=True, group=mma),
+                 Row(case, "vitrail fused", 0.9, "ms", group=mma),
+                 Row(case, "vitrail fused sm80 mma.sync", 1.7, "ms", group=mma)]
+    rows += [Row("peak memory query fwd+bwd", "unfused", 2112.0, "MiB", baseline=True),
+             Row("peak memory query fwd+bwd", "vitrail fused", 96.0, "MiB")]
+    return rows
+
+
+def synthetic_copy() -> list[Row]:
+    rows = []
+    for dt in ("bfloat16", "float32"):
+        for kind in ("contiguous", "transpose", "permute(0,2,1)", "slice [:, :16000]"):
+            rows += [Row(f"{kind} {dt} 16384^2", "vitrail", 2900.0, "GB/s", False),
+                     Row(f"{kind} {dt} 16384^2", "torch eager", 2400.0, "GB/s", False, True),
+                     Row(f"{kind} {dt} 16384^2", "torch.compile", 2700.0, "GB/s", False)]
+    return rows + _pair("bf16->fp32 16384^2", "", "GB/s", 2950.0, 2800.0, lower=False,
+                        base_impl="torch eager")
+
+
+def synthetic_host() -> list[Row]:
+    host, small = "host µs per call (200 back-to-back calls)", "small problems"
+    rows = []
+    for i, op in enumerate(("mm bf16 256^3", "bmm bf16 4x256^3", "gemm bias+relu bf16 256^3",
+                            "grouped_mm bf16 4 groups 512x256x256", "scaled_mm fp8 256^3",
+                            "copy transpose bf16 1024^2", "softmax bf16 32x4096",
+                            "mma_sympow_bwd p2 t8 4x256x64")):
+        rows += _pair(f"host {op}", host, "µs/call", 4.0 + i, 6.0 + 2 * i)
+    for case in ("softmax fwd+bwd bf16 32x131072", "mm bf16 2048x2048x8192",
+                 "gemm bias+relu fwd+bwd bf16 1024^3"):
+        rows += [Row(case, f"{impl} {how}", us, "µs/call", baseline=impl + how == "torcheager",
+                     group=small)
+                 for (impl, how), us in ((("vitrail", "eager"), 9.0), (("vitrail", "graph"), 4.0),
+                                         (("torch", "eager"), 95.0), (("torch", "graph"), 5.0))]
+    return rows
+
+
+def synthetic_launch_overhead() -> list[Row]:
+    return [Row("trivial kernel", name, us, "µs/call", baseline=name == "CuPy RawKernel")
+            for name, us in (("vitrail RawKernel, k[g, b](...)", 4.1),
+                             ("vitrail RawKernel, bound launcher", 3.2),
+                             ("vitrail nvcc entry point", 2.9),
+                             ("vitrail jit.compile (memo hit)", 0.4),
+                             ("torch Tensor.add_", 5.6), ("CuPy RawKernel", 3.9))]
+
+
+def synthetic_gemm_sweep() -> list[Row]:
+    rows = []
+    for dn in ("bfloat16", "float16"):
+        for i in range(315):  # 1-16384 tokens: the work spans five decades
+            m = 1 + (i * 53) % 16384
+            flops = 2.0 * m * 4096 * 4096
+            ours = 2 + m / 400
+            case = f"{dn} llm {m}x4096x4096" + (" held out" if i % 5 == 0 else "")
+            rows += _pair(case, f"{dn}, CUDA graph", "us", ours, ours * (0.8 + (i % 7) / 15),
+                          flops=flops, ms=ours / 1e3)
+    return rows
+
+
+FAMILIES = {"softmax": synthetic_softmax, "sympow": synthetic_sympow, "copy": synthetic_copy,
+            "host": synthetic_host, "jit.launch_overhead": synthetic_launch_overhead,
+            "gemm-sweep": synthetic_gemm_sweep}
+
+
+# ------------------------------------------------------------------------------ text boxes
+def drawn_texts(fig) -> list:
+    """Every text the figure draws: titles, labels, legends, bar labels, and the tick labels
+    that lie in their axis's view (matplotlib keeps others that it does not draw)."""
+    from matplotlib.text import Text
+    fig.draw_without_rendering()
+    ticks, shown = set(), []
+    for ax in fig.axes:
+        for axis, lim in ((ax.xaxis, ax.get_xlim()), (ax.yaxis, ax.get_ylim())):
+            lo, hi = sorted(lim)
+            tol = (hi - lo) * 1e-9
+            for tick in axis.get_major_ticks() + axis.get_minor_ticks():
+                for label in (tick.label1, tick.label2):
+                    ticks.add(id(label))
+                    if (tick.get_visible() and label.get_visible() and label.get_text()
+                            and lo - tol <= tick.get_loc() <= hi + tol):
+                        shown.append(label)
+    rest = [t for t in fig.findobj(Text) if id(t) not in ticks and t.get_visible()
+            and t.get_text().strip()]
+    return rest + shown
+
+
+def assert_legible(fig, name: str) -> None:
+    """No two drawn texts overlap, and every one lies inside the figure."""
+    renderer = fig.canvas.get_renderer()
+    texts = drawn_texts(fig)
+    assert len(texts) > 5, name
+    boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in texts]
+    width, height = fig.bbox.width, fig.bbox.height
+    for text, b in boxes:
+        assert b.x0 >= -0.5 and b.y0 >= -0.5 and b.x1 <= width + 0.5 and b.y1 <= height + 0.5, \
+            f"{name}: {text!r} at {b.bounds} leaves the {width:.0f}x{height:.0f} figure"
+    for i, (t1, b1) in enumerate(boxes):
+        for t2, b2 in boxes[i + 1:]:
+            overlap_x = min(b1.x1, b2.x1) - max(b1.x0, b2.x0)
+            overlap_y = min(b1.y1, b2.y1) - max(b1.y0, b2.y0)
+            assert overlap_x <= 0.5 or overlap_y <= 0.5, f"{name}: {t1!r} overlaps {t2!r}"
+    for ax in fig.axes:  # a bar's label ends inside its panel
+        for t in ax.texts:
+            assert t.get_window_extent(renderer).x1 <= ax.bbox.x1 + 0.5, (name, t.get_text())
+
+
+def _save_for_eyes(fig, name: str) -> None:
+    where = os.environ.get("VITRAIL_PLOT_DIR")
+    if where:
+        Path(where).mkdir(parents=True, exist_ok=True)
+        fig.savefig(Path(where) / f"{name}.png", dpi=fig.dpi)
+
+
+# ------------------------------------------------------------------------------------- plots
+def test_the_gemm_plot_of_a_real_run_has_no_colliding_labels():
+    """The H100 run's 21 cases sat in one panel: x labels overlapped, "0.99x" ran into the
+    neighbouring bar's "base". Now one panel per group, every label on a line of its own."""
+    pytest.importorskip("matplotlib")
+    from vitrail.profile.plot import bench_figure
+    doc, rows = stored_run()
+    fig = bench_figure(rows, title=f"gemm on {doc['device']}: vitrail.ops mm/bmm/gemm/"
+                       "scaled_mm/grouped_mm vs torch (cuBLAS)")
+    _save_for_eyes(fig, "gemm")
+    assert_legible(fig, "gemm")
+    groups = list(dict.fromkeys(r.group for r in rows))
+    assert len(fig.axes) == len(groups) == 5  # bf16, fp16 shapes, epilogue, fp8, grouped
+    assert [ax.get_title(loc="left") for ax in fig.axes] == groups
+    labels = {t.get_text().strip() for ax in fig.axes for t in ax.texts}
+    for case in {r.case for r in rows}:  # every vitrail bar says its ratio, as the table does
+        ours = next(r for r in rows if r.case == case and not r.baseline)
+        base = next(r for r in rows if r.case == case and r.baseline)
+        ratio = f"{ours.value / base.value:.2f}x"
+        assert any(t.startswith(f"{ours.value:,.0f}" if ours.value >= 1000 else
+                                f"{ours.value:.3g}") and ratio in t for t in labels), case
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_familys_plot_has_no_colliding_labels(family):
+    pytest.importorskip("matplotlib")
+    from vitrail.profile.plot import bench_figure
+    rows = FAMILIES[family]()  # synthetic values: layout only
+    fig = bench_figure(rows, title=f"{family} on NVIDIA H100 80GB HBM3 (synthetic rows)")
+    _save_for_eyes(fig, f"synthetic-{family}")
+    assert_legible(fig, family)
+    panels = list(dict.fromkeys((r.unit, r.group) for r in rows))
+    assert len(fig.axes) == len(panels)
+
+
+def test_a_sweep_draws_speedups_not_630_bars():
+    pytest.importorskip("matplotlib")
+    from vitrail.profile.plot import bench_figure
+    rows = synthetic_gemm_sweep()
+    fig = bench_figure(rows, title="gemm-sweep (synthetic rows)")
+    for ax in fig.axes:
+        assert not ax.patches  # no bars: one point per case
+        (points,) = ax.collections
+        assert len(points.get_offsets()) == 315
+        assert ax.get_xscale() == "log"
+        label = ax.get_legend().get_texts()[0].get_text()
+        mine = [r for r in rows if r.group == ax.get_title(loc="left").split(":")[0]]
+        ratios = [b.value / o.value for o, b in zip(mine[::2], mine[1::2])]
+        mean = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        assert f"geomean {mean:.2f}x" in label
+        assert f"{sum(x >= 1 for x in ratios)}/315 at or above 1x" in label
+
+
+def test_the_overlap_check_finds_overlapping_labels():
+    """The check itself can fail: two texts drawn on top of each other are caught."""
+    pytest.importorskip("matplotlib")
+    from vitrail.profile.plot import bench_figure
+    fig = bench_figure(synthetic_copy(), title="copy (synthetic rows)")
+    fig.axes[0].text(0.5, 0.5, "overlap me", transform=fig.axes[0].transAxes)
+    fig.axes[0].text(0.5, 0.5, "overlap me", transform=fig.axes[0].transAxes)
+    with pytest.raises(AssertionError, match="overlaps"):
+        assert_legible(fig, "copy")
