@@ -1,5 +1,5 @@
 """`vitrail bench`'s output read as a user reads it (issue 34): plots whose labels never cover
-one another.
+one another, one summary whose numbers are the rows', and no carriage returns in a log file.
 
 The GEMM figures are a real H100 run's (data/gemm-h100.json); the other families' rows are
 SYNTHETIC (made-up values over the families' own case and implementation names, spanning the
@@ -8,6 +8,7 @@ drawing: `VITRAIL_PLOT_DIR=/tmp/png python -m pytest tests/bench/test_output.py`
 """
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from vitrail.bench import Row
+from vitrail.bench import Row, report
 
 DATA = Path(__file__).parent / "data"
 
@@ -240,3 +241,85 @@ def test_the_overlap_check_finds_overlapping_labels():
     fig.axes[0].text(0.5, 0.5, "overlap me", transform=fig.axes[0].transAxes)
     with pytest.raises(AssertionError, match="overlaps"):
         assert_legible(fig, "copy")
+
+
+# ----------------------------------------------------------------------------------- summary
+def _expected(rows: list[Row]) -> dict[tuple[str, str], list[float]]:
+    """Speedups of vitrail's rows over each baseline of their case, from the values."""
+    got: dict[tuple[str, str], list[float]] = {}
+    for r in rows:
+        if r.baseline or not r.impl.startswith("vitrail"):
+            continue
+        for b in rows:
+            if b.baseline and b.case == r.case:
+                x = b.value / r.value if r.lower_is_better else r.value / b.value
+                got.setdefault((r.impl, b.impl), []).append(x)
+    return got
+
+
+def test_the_summary_is_written_last_and_first_in_the_json_with_the_rows_numbers(
+        tmp_path, capsys, monkeypatch):
+    doc, rows = stored_run()
+    meta = {k: doc[k] for k in ("device", "sms", "torch", "python", "time")}
+    sympow = synthetic_sympow()
+    monkeypatch.setattr("sys.stdout", io.StringIO())  # a file, not a terminal
+    out_doc = report.write({"gemm": rows, "sympow": sympow}, {"gemm": "GEMMs"}, doc["peaks"],
+                           meta, tmp_path / "bench-1")
+    out = __import__("sys").stdout.getvalue()
+    monkeypatch.undo()
+    assert "\r" not in out
+    written = json.loads((tmp_path / "bench-1.json").read_text())
+    assert written == json.loads(json.dumps(out_doc))
+    assert list(written)[0] == "summary"
+    summary = written["summary"]
+    assert summary["device"] == "NVIDIA H100 80GB HBM3" and summary["torch"] == doc["torch"]
+    for family, family_rows in (("gemm", rows), ("sympow", sympow)):
+        expected = _expected(family_rows)
+        entries = summary["benchmarks"][family]
+        assert {(e["impl"], e["baseline"]) for e in entries} == set(expected)
+        for e in entries:
+            xs = expected[e["impl"], e["baseline"]]
+            assert e["cases"] == len(xs)
+            assert e["geomean"] == pytest.approx(math.prod(xs) ** (1 / len(xs)), rel=1e-12)
+            assert e["min"] == pytest.approx(min(xs)) and e["max"] == pytest.approx(max(xs))
+            assert e["at_or_above_1x"] == sum(x >= 1.0 for x in xs)
+            # and the rows' own "speedup_over" in the same JSON says the same
+            stored = [r["speedup_over"][e["baseline"]] for r in written["results"][family]
+                      if r["impl"] == e["impl"] and e["baseline"] in r["speedup_over"]]
+            assert sorted(stored) == pytest.approx(sorted(xs))
+    gemm = {e["baseline"]: e for e in summary["benchmarks"]["gemm"]}
+    assert gemm["torch.matmul"]["cases"] == 14 and gemm["torch._scaled_mm"]["cases"] == 4
+    assert gemm["torch.matmul"]["min_case"] == "bfloat16 2048x2048x2048"
+    assert gemm["torch.matmul"]["min"] == pytest.approx(0.9372294627275369)
+    # the terminal's summary is the last thing printed, one line per entry, the same numbers
+    lines = out.rstrip("\n").splitlines()
+    start = max(i for i, line in enumerate(lines) if line.startswith("summary: "))
+    assert "NVIDIA H100 80GB HBM3" in lines[start] and f"torch {doc['torch']}" in lines[start]
+    body = lines[start + 2:]
+    e = gemm["torch.matmul"]
+    line = next(line for line in body if "vitrail vs torch.matmul " in line)
+    assert line.split()[:10] == [
+        "gemm", "vitrail", "vs", "torch.matmul", "14", f"{e['geomean']:.2f}x",
+        f"{e['min']:.2f}x", f"{e['max']:.2f}x", f"{e['at_or_above_1x']}/14", "bfloat16"]
+    assert f"results: {tmp_path / 'bench-1.json'}" in out
+    pngs = summary["plots"]
+    plotted = pytest.importorskip("matplotlib") and pngs
+    assert [Path(p).name for p in plotted] == [
+        "bench-1-gemm.png", "bench-1-sympow.png", "bench-1-summary.png"]
+    assert all(Path(p).stat().st_size > 10_000 and p in out for p in plotted)
+
+
+def test_the_summary_picture_has_no_colliding_labels():
+    pytest.importorskip("matplotlib")
+    from vitrail.profile.plot import summary_figure
+    _, rows = stored_run()
+    results = {"gemm": rows, **{name: make() for name, make in FAMILIES.items()}}
+    summary = report.summarize(results)
+    fig = summary_figure(summary, title="vitrail against its baselines (gemm: an H100 run; "
+                         "others synthetic)")
+    _save_for_eyes(fig, "summary")
+    assert_legible(fig, "summary")
+    (ax,) = fig.axes
+    entries = [e for es in summary.values() for e in es]
+    assert len(ax.get_yticklabels()) == len(entries) > 10
+    assert ax.get_xscale() == "log"  # sympow's 59x beside gemm's 0.94x

@@ -4,16 +4,16 @@ A benchmark registers a ``run()`` returning rows (one per implementation and cas
 ``build()`` that compiles its kernels without running them (``--compile-only``, and what
 ``vitrail bench`` does on a machine with no GPU). Rows carry the measured value, its unit,
 whether lower is better, and which row of the same case is the baseline; the runner prints the
-ratio to the baseline and writes everything, with the device's description, to JSON.
+ratio to the baseline and writes everything, with the device's description, to JSON; the run
+ends in one summary (vitrail.bench.report), also the JSON's first key, and a PNG per benchmark.
 """
 from __future__ import annotations
 
 import importlib
 import importlib.util
-import json
 import platform
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -228,28 +228,14 @@ def main(names: list[str], out_dir: str = "results", compile_only: bool = False,
     peaks = measure_peaks()  # measured once per machine, then read from the cache
     results = {}
     for b in selected:
-        rows = b.run()
-        print_table(b, rows, peaks)
-        results[b.name] = [{**asdict(r), "speedup_over": vs, "roofline": roofline_of(r, peaks)}
-                           for r, vs in ratios(rows)]
+        results[b.name] = b.run()
+        print_table(b, results[b.name], peaks)
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    report = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
-              "peaks": {"copy_gbps": peaks.copy_gbps, "bf16_tflops": peaks.bf16_tflops},
-              "python": platform.python_version(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-              "results": results}
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"bench-{time.strftime('%Y%m%d-%H%M%S')}"
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
-    print(f"\nresults written to {stem.with_suffix('.json')}")
-    for b in selected:
-        png = stem.parent / f"{stem.name}-{b.name}.png"
-        try:
-            from vitrail.profile import plot_bench
-            rows = [Row(**{k: v for k, v in r.items() if k not in ("speedup_over", "roofline")})
-                    for r in results[b.name]]
-            plot_bench(rows, png, title=f"{b.name} on {props.name}: {b.description}")
-            print(f"plot written to {png}")
-        except ImportError as e:  # matplotlib is an optional extra
-            print(f"no plot: {e}")
+    from vitrail import __version__
+    meta = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+            "cuda": torch.version.cuda, "python": platform.python_version(),
+            "vitrail": __version__, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    from vitrail.bench import report
+    report.write(results, {b.name: b.description for b in selected}, peaks, meta,
+                 Path(out_dir) / f"bench-{time.strftime('%Y%m%d-%H%M%S')}")
     return 0

@@ -139,6 +139,69 @@ def bench_figure(rows: Iterable[Any], *, title: str) -> Any:
     return fig
 
 
+def plot_summary(summary: Mapping[str, Sequence[Mapping]], path: str | os.PathLike, *,
+                 title: str) -> Path:
+    """One bar per (benchmark, vitrail implementation, baseline) of a run's summary
+    (vitrail.bench.report.summarize): the geometric mean of the speedups, a whisker from the
+    worst case to the best, and a line at 1x. Returns the path of the PNG written."""
+    return _save(summary_figure(summary, title=title), path)
+
+
+def comparison(entry: Mapping, family: Sequence[Mapping]) -> str:
+    """'vitrail vs torch' of a summary entry, with its unit where its family has several."""
+    several = len({e.get("unit") for e in family}) > 1
+    return f"{entry['impl']} vs {entry['baseline']}" + (f", {entry['unit']}" if several else "")
+
+
+def summary_figure(summary: Mapping[str, Sequence[Mapping]], *, title: str) -> Any:
+    """The matplotlib Figure :func:`plot_summary` saves."""
+    _check_title(title)
+    entries = [(name, e) for name, es in summary.items() for e in es]
+    if not entries:
+        raise ValueError("summary: expected at least one benchmark entry, got none")
+    Figure = _matplotlib()
+    width = 11.0
+    fig = Figure(figsize=(width, 1.6 + 0.32 * len(entries)), dpi=DPI, layout="constrained")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    means = [e["geomean"] for _, e in entries]
+    lows = [e["min"] for _, e in entries]
+    highs = [e["max"] for _, e in entries]
+    colors = [BEST if m >= 1.0 else PALETTE[3] for m in means]
+    ys = list(range(len(entries)))
+    log = max(highs) > 4 * min(lows)
+    left = min(lows) / 1.5 if log else min(0.9, min(lows) - 0.05)
+    ax.barh(ys, [m - 1.0 for m in means], 0.6, left=1.0, color=colors)  # from 1x, either way
+    ax.errorbar(means, ys, xerr=[[max(0.0, m - lo) for m, lo in zip(means, lows)],
+                                 [max(0.0, hi - m) for m, hi in zip(means, highs)]],
+                fmt="none", ecolor="#343a40", capsize=3, linewidth=1)
+    for y, (_, e) in zip(ys, entries):
+        ax.text(e["max"], y, f"  {e['geomean']:.2f}x  ({e['min']:.2f}-{e['max']:.2f}x, "
+                f"{e['at_or_above_1x']}/{e['cases']} at or above 1x)", va="center",
+                fontsize=8, gid="bar-label")
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_yticks(ys, [_label(f"{name}: {comparison(e, summary[name])}") for name, e in entries],
+                  fontsize=9)
+    ax.set_ylim(len(entries) - 0.4, -0.6)
+    if log:
+        ax.set_xscale("log")
+        ax.set_xlim(left, max(highs) * 3)
+        _ratio_ticks(ax.xaxis, suffix="x")
+    else:
+        ax.set_xlim(left, max(highs) + 0.25 * (max(highs) - left))
+        from matplotlib.ticker import FuncFormatter
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+    ax.tick_params(axis="x", labelsize=8)
+    ax.set_xlabel("speed over the baseline" + (", log scale" if log else ""), fontsize=9)
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_axisbelow(True)
+    fig.suptitle(_wrap(title, width) + "\nbar: the geometric mean of the cases' speedups; "
+                 "whisker: the worst case to the best; > 1x is faster", fontsize=10)
+    _fit_labels(fig, [ax])
+    return fig
+
+
 def _panel_height(rows: list[dict]) -> float:
     cases = len({r["case"] for r in rows})
     if cases > MAX_BAR_CASES and any(r["baseline"] for r in rows):
