@@ -323,3 +323,48 @@ def test_the_summary_picture_has_no_colliding_labels():
     entries = [e for es in summary.values() for e in es]
     assert len(ax.get_yticklabels()) == len(entries) > 10
     assert ax.get_xscale() == "log"  # sympow's 59x beside gemm's 0.94x
+
+
+# ---------------------------------------------------------------------------------- progress
+class Stream(io.StringIO):
+    """A captured stream that says whether it is a terminal."""
+
+    def __init__(self, tty: bool):
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+def _compile_output(monkeypatch, stdout_tty: bool, stderr_tty: bool) -> tuple[str, str]:
+    """What the GEMM bench's build (vitrail.tune.compile_all, verbose) writes for 40 kernels,
+    with the compiles themselves replaced by no-ops."""
+    from vitrail.tune import compile_job, tuner
+    monkeypatch.setattr(compile_job, "run", lambda kwargs: None)
+    out, err = Stream(stdout_tty), Stream(stderr_tty)
+    monkeypatch.setattr("sys.stdout", out)
+    monkeypatch.setattr("sys.stderr", err)
+    failures = tuner.compile_all([(i, {"name": f"k{i}"}) for i in range(40)], max_workers=1,
+                                 verbose=True, label="gemm bench")
+    monkeypatch.undo()
+    assert failures == {}
+    return out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("stdout_tty, stderr_tty", [(False, True), (False, False),
+                                                    (True, False)])
+def test_progress_written_to_a_file_is_whole_lines(monkeypatch, stdout_tty, stderr_tty):
+    """`vitrail bench > log` (stderr still a terminal), `> log 2>&1`, `2> log`: no carriage
+    return anywhere, about ten whole lines, the last one saying all 40 were done."""
+    out, err = _compile_output(monkeypatch, stdout_tty, stderr_tty)
+    assert "\r" not in out + err
+    lines = err.splitlines()
+    assert 4 <= len(lines) <= 12 and all(ln.startswith("vitrail: compiling gemm bench configs ")
+                                         for ln in lines)
+    assert lines[-1].split()[-3:-1] == ["40/40", "0"]
+
+
+def test_progress_on_a_terminal_is_one_line_redrawn(monkeypatch):
+    out, err = _compile_output(monkeypatch, True, True)
+    assert err.count("\r") == 40 and err.endswith("\n") and err.count("\n") == 1

@@ -341,11 +341,15 @@ def _available_memory() -> int:
 
 
 class _Progress:
-    """A one-line progress bar on stderr, shown when verbose or when stderr is a terminal."""
+    """A progress bar on stderr, shown when verbose or when stderr is a terminal: one line
+    redrawn with carriage returns when stdout and stderr are both terminals, else (`vitrail
+    bench > log`, `| tee`, CI) about ten whole lines, stdout flushed first so a log that holds
+    both keeps their order."""
 
     def __init__(self, total: int, what: str, verbose: bool):
         self.total, self.what, self.done_count = total, what, 0
-        self.enabled = total > 1 and (verbose or sys.stderr.isatty())
+        self.enabled = total > 1 and (verbose or _isatty(sys.stderr))
+        self.redraw = _isatty(sys.stderr) and _isatty(sys.stdout)
         self.start = time.monotonic()
 
     def step(self) -> None:
@@ -353,7 +357,7 @@ class _Progress:
         if not self.enabled:
             return
         elapsed = f"{self.done_count}/{self.total} {time.monotonic() - self.start:.0f} s"
-        if sys.stderr.isatty():  # one line, redrawn
+        if self.redraw:  # one line, redrawn
             width = 24
             filled = width * self.done_count // self.total
             sys.stderr.write(f"\rvitrail: {self.what} [{'#' * filled}{'.' * (width - filled)}] "
@@ -361,12 +365,20 @@ class _Progress:
         else:  # a log file: whole lines, about ten of them
             if self.done_count % max(1, self.total // 10) and self.done_count != self.total:
                 return
+            sys.stdout.flush()
             sys.stderr.write(f"vitrail: {self.what} {elapsed}\n")
         sys.stderr.flush()
 
     def done(self) -> None:
-        if self.enabled and sys.stderr.isatty():
+        if self.enabled and self.redraw:
             sys.stderr.write("\n")
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # replaced by an object without it, or closed
+        return False
 
 
 def _print_timings(name: str, problem_key: str, candidates: list[Config], timings: list[dict],
