@@ -237,7 +237,8 @@ def _plot_sweep(op, key: str, label: str, args: argparse.Namespace) -> None:
     record = TuningStore().get(tuner.record_key(op.tunable, key, limits()))
     if record is None or not record.timings:
         return
-    path = Path(args.out) / f"tune-{op.name}-{args.shape}.png"
+    dtype = f"-{args.dtype.replace(':', '-')}" if args.dtype else ""
+    path = Path(args.out) / f"tune-{op.name}-{args.shape}{dtype}.png"
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         from vitrail.profile import plot_sweep
