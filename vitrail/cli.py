@@ -4,9 +4,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import textwrap
 import time
-
-
 
 def _doctor(args: argparse.Namespace) -> int:
     from vitrail import doctor
@@ -132,31 +131,105 @@ def _tune(args: argparse.Namespace) -> int:
         print(f"{len(records)} records in {store.path}")
         return 0
     registry = _load_ops(args.module)
-    (op,) = _select_ops([what], registry, "tune")
-    if op.make_problem is None:
-        print(f"vitrail tune {what}: this op makes no problem from a shape on the command line; "
-              f"tune it from Python (vitrail.settings(policy=vitrail.PickBest) around a call)",
+    try:
+        shaped, label = resolve_tune(what, args.shape, args.dtype, args.backward, registry,
+                                     device=_gpu())
+    except _Usage as e:
+        print(f"vitrail tune {what}: {e}", file=sys.stderr)
+        return 2
+    print(f"{label}: {'' if shaped.op.name == what else shaped.op.name + ', '}problem "
+          f"{shaped.key}")
+    if _gpu() is None:
+        print("vitrail tune: no GPU is visible: tuning times the candidate kernels on one",
               file=sys.stderr)
-        return 2
-    if not args.shape:
-        print(f"vitrail tune {what}: give --shape (e.g. --shape 4096x4096)", file=sys.stderr)
-        return 2
-    import torch
-
-    import vitrail
-    if not torch.cuda.is_available():
-        print("vitrail tune: no GPU is visible: tuning times kernels on one", file=sys.stderr)
         return 1
-    shape = tuple(int(d) for d in args.shape.lower().split("x"))
-    key, problem, call_args = op.make_problem(shape, args.dtype)
+    import vitrail
     with vitrail.settings(policy=vitrail.PickBest, verbose=True, max_workers=args.workers):
-        config = op.config(key, problem, call_args)
-    print(f"{op.name} {args.shape} {args.dtype}: {config.label}")
-    _plot_sweep(op, key, args)
+        config = shaped.op.config(shaped.key, shaped.problem, shaped.args())
+    print(f"{label}: {shaped.op.name} {config.label}")
+    _plot_sweep(shaped.op, shaped.key, label, args)
     return 0
 
 
-def _plot_sweep(op, key: str, args: argparse.Namespace) -> None:
+class _Usage(Exception):
+    """A command line that cannot be tuned: one line saying what to give."""
+
+
+def _gpu():
+    import torch
+    return torch.device("cuda") if torch.cuda.is_available() else None
+
+
+def resolve_tune(what: str, shape: str | None, dtype: str | None, backward: bool,
+                 registry: dict, device=None):
+    """(Shaped, a label) of ``vitrail tune WHAT --shape ... --dtype ...``: a family (or a
+    public function: vitrail.op.FAMILIES) routed as its public function routes the shape on
+    ``device`` (None: the build target), or a variant (an op name) given the shape as is.
+    _Usage says what is wrong in one line."""
+    from vitrail.op import FAMILIES, parse_shape
+    fam = FAMILIES.get(what)
+    if fam is None and what not in registry:
+        import difflib
+        near = difflib.get_close_matches(what, list(FAMILIES) + list(registry), n=3)
+        if what in _families(registry):
+            raise _Usage("this family gives no shapes to tune; name one of its variants "
+                         "(`vitrail precompile --list`)")
+        hint = f"; did you mean {', '.join(near)}?" if near else ""
+        raise _Usage(f"unknown op or family{hint} (`vitrail tune --help` lists the families)")
+    if fam is not None and fam.resolve is None:
+        raise _Usage(fam.why_not)
+    op = None if fam is not None else registry[what]
+    if op is not None and op.make_problem is None:
+        raise _Usage("this op makes no problem from a shape on the command line; tune it from "
+                     "Python (vitrail.settings(policy=vitrail.PickBest) around a call)")
+    spec = fam.shape if fam is not None else op.shape
+    if not shape:
+        raise _Usage(f"give --shape {spec}" + (f": {fam.doc}" if fam is not None else ""))
+    try:
+        dims = parse_shape(shape, spec)
+    except ValueError as e:
+        raise _Usage(str(e)) from None
+    if fam is None:
+        if backward:
+            raise _Usage("--backward is for a family; a variant is a forward or a backward")
+        try:
+            return op.make_problem(dims, dtype), f"{what} {shape}"
+        except ValueError as e:
+            raise _Usage(str(e)) from None
+    dtype = dtype or fam.dtypes[0]
+    if dtype not in fam.dtypes:
+        shown = ", ".join(d for d in fam.dtypes if ":" not in d)
+        raise _Usage(f"--dtype {dtype!r}: {what} takes {shown}"
+                     + (" or IN:OUT" if any(":" in d for d in fam.dtypes) else ""))
+    if backward and not fam.backward:
+        raise _Usage(f"{what} has no backward to tune (--backward)")
+    try:
+        shaped = fam.resolve(dims, dtype, backward=backward, device=device)
+    except ValueError as e:
+        raise _Usage(str(e)) from None
+    return shaped, f"{what}{' backward' if backward else ''} {shape} {dtype}"
+
+
+def _tune_epilog() -> str:
+    """The families `vitrail tune` takes, what --shape means for each and their dtypes."""
+    from vitrail.op import FAMILIES
+    _load_ops([])
+    lines = ["families (--shape, its meaning; --dtype, the first the default):"]
+    for name, fam in sorted(FAMILIES.items()):
+        if fam.resolve is None:
+            lines.append(f"  {name}: {fam.why_not}")
+            continue
+        dtypes = ", ".join(d for d in fam.dtypes if ":" not in d)
+        lines.append(f"  {name} --shape {fam.shape}" + (" [--backward]" if fam.backward else ""))
+        lines.extend(textwrap.wrap(f"{fam.doc}; dtypes {dtypes}", 94, initial_indent="      ",
+                                   subsequent_indent="      "))
+    lines.append("a variant (an op name, `vitrail precompile --list`) takes the same shape as "
+                 "its family and fixes its dtype; a family runs the variant its public "
+                 "function runs for the shape")
+    return "\n".join(lines)
+
+
+def _plot_sweep(op, key: str, label: str, args: argparse.Namespace) -> None:
     """A PNG of every candidate's time, from the tuning store's record of this problem."""
     from pathlib import Path
 
@@ -164,12 +237,13 @@ def _plot_sweep(op, key: str, args: argparse.Namespace) -> None:
     record = TuningStore().get(tuner.record_key(op.tunable, key, limits()))
     if record is None or not record.timings:
         return
-    path = Path(args.out) / f"tune-{op.name}-{args.shape}-{args.dtype}.png"
+    dtype = f"-{args.dtype.replace(':', '-')}" if args.dtype else ""
+    path = Path(args.out) / f"tune-{op.name}-{args.shape}{dtype}.png"
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         from vitrail.profile import plot_sweep
         plot_sweep([(t["config"], t["ms"]) for t in record.timings], path,
-                   title=f"{op.name} {args.shape} {args.dtype} on {record.key.gpu}")
+                   title=f"{label}: {op.name} on {record.key.gpu}")
         print(f"sweep plotted to {path}")
     except ImportError as e:  # matplotlib is an optional extra
         print(f"no plot: {e}")
@@ -223,12 +297,21 @@ def main(argv: list[str] | None = None) -> int:
                        help="build the benchmarks' kernels without running them")
     bench.add_argument("--out", default="results", help="folder for the JSON results")
     bench.set_defaults(fn=_bench)
-    tune = sub.add_parser("tune", help="tune an op for a shape (PickBest), or list, export and "
-                          "import tuning records")
-    tune.add_argument("what", help="an op name, or ls | export | import")
+    words = sys.argv[1:] if argv is None else argv  # tune's help lists the families (ops load)
+    helping = words[:1] == ["tune"] and bool({"-h", "--help"} & set(words))
+    tune = sub.add_parser("tune", help="tune a family or op for a shape (PickBest), or list, "
+                          "export and import tuning records",
+                          epilog=_tune_epilog() if helping else None,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    tune.add_argument("what", help="a family (softmax, gemm, ...: below), an op (a variant), "
+                      "or ls | export | import")
     tune.add_argument("file", nargs="?", help="export/import: the JSON file")
-    tune.add_argument("--shape", help="the problem's shape, e.g. 4096x4096")
-    tune.add_argument("--dtype", default="float32", help="the problem's dtype (torch name)")
+    tune.add_argument("--shape", help="the problem's shape: what it means is the family's "
+                      "(below), e.g. softmax 4096x4096 (ROWSxCOLS), gemm 4096x4096x4096 (MxNxK)")
+    tune.add_argument("--dtype", help="the problem's dtype (torch name; default: the family's "
+                      "first, below; a variant fixes its own)")
+    tune.add_argument("--backward", action="store_true",
+                      help="tune the family's backward (softmax, log_softmax)")
     tune.add_argument("--op", help="ls/export: only this op's records")
     tune.add_argument("--overwrite", action="store_true",
                       help="import: replace records this machine already has")

@@ -77,6 +77,18 @@ CACHE_DIR = _knob(
     "VITRAIL_CACHE_DIR", "", _str,
     "Kernel cache directory. Default: $XDG_CACHE_HOME/vitrail, else ~/.cache/vitrail. "
     "Created with mode 0700; never the working directory.")
+SHARED_CACHE = _knob(
+    "VITRAIL_SHARED_CACHE", "", _str,
+    "Read-only kernel caches shared by a team or an administrator, DIR[:DIR...] (each built as "
+    "VITRAIL_CACHE_DIR=DIR vitrail precompile, then made read-only), consulted after a miss of "
+    "your own cache and before compiling; never written. An artifact loads only where root, you "
+    "or VITRAIL_SHARED_CACHE_OWNERS own it and every directory down to it, none writable by "
+    "group or others (checked on the open files); a shared library loads from a private copy in "
+    "your cache. DIR/tuning.sqlite, if there, is read after your tuning store.")
+SHARED_CACHE_OWNERS = _knob(
+    "VITRAIL_SHARED_CACHE_OWNERS", "", _str,
+    "Users trusted to own VITRAIL_SHARED_CACHE's files besides root and you: uids or user names, "
+    "separated by commas or spaces (e.g. the account that builds a team's cache).")
 NVCC = _knob(
     "VITRAIL_NVCC", "", _str,
     "Path of the nvcc to use. Default: $CUDA_HOME/bin/nvcc, then nvcc on PATH, then "

@@ -8,11 +8,16 @@
       -> launch(module, config, *args) on the current stream
 
 Ops register themselves by name, so ``vitrail tune OP`` and ``vitrail precompile`` find them.
+An op family also registers how a shape the user gives becomes a problem (``Family``:
+``vitrail tune softmax --shape 4096x4096`` runs the variant softmax's public function would
+run for that shape); each Op makes its own problem from a shape (``Op.make_problem``).
 """
 from __future__ import annotations
 
 import hashlib
+import re
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from vitrail.jit.errors import LaunchError
@@ -21,6 +26,64 @@ from vitrail.tune.space import Config, Limits, Space, limits
 from vitrail.tune.tuner import Tunable, compile_all, pick
 
 REGISTRY: dict[str, "Op"] = {}
+
+
+@dataclass(frozen=True)
+class Shaped:
+    """A problem made from a shape on the command line: the variant (Op) that runs it, the
+    problem key and problem its heuristic and tuner take, and ``args()``, which makes the
+    launch arguments (random inputs on the GPU) when the candidates are timed (so a problem is
+    built, and checked, without a GPU)."""
+    op: "Op"
+    key: str
+    problem: Any
+    args: Callable[[], tuple]
+
+
+@dataclass(frozen=True)
+class Family:
+    """How ``vitrail tune NAME --shape ... --dtype ...`` reads a shape for a family (or a public
+    function of one): ``shape`` spells its dims (``ROWSxCOLS``; optional ones in brackets:
+    ``MxNxK[xL]``), ``doc`` says what they mean, ``dtypes`` the dtypes it takes (the first is
+    the default), ``resolve(shape, dtype, backward=, device=)`` routes it as the public function
+    would on ``device`` (None: the build target, vitrail.tune.limits()) and returns the variant's
+    problem (``Shaped``); ``backward``: whether it has a backward to tune (``--backward``);
+    ``why_not``: a family with nothing to tune says why (resolve None)."""
+    name: str
+    shape: str
+    doc: str
+    dtypes: tuple[str, ...]
+    resolve: Callable[..., Shaped] | None
+    backward: bool = False
+    why_not: str = ""
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def family(name: str, shape: str, doc: str, dtypes: Iterable[str],
+           resolve: Callable[..., Shaped] | None, *, backward: bool = False,
+           why_not: str = "") -> Family:
+    """Register how ``vitrail tune`` makes a problem of this family from a shape and dtype."""
+    f = FAMILIES[name] = Family(name, shape, doc, tuple(dtypes), resolve, backward, why_not)
+    return f
+
+
+def parse_shape(text: str, spec: str) -> tuple[int, ...]:
+    """The dims of ``text`` (``4096x4096``) as ``spec`` (``ROWSxCOLS``, ``MxNxK[xL]``) asks;
+    ValueError saying what is expected."""
+    names = [n for n in re.split(r"\[?x", spec.replace("]", "")) if n]
+    least = len(re.split(r"\[?x", spec.split("[")[0]))
+    example = "x".join("4096" for _ in range(least))
+    counts = f"{least}" if least == len(names) else f"{least} to {len(names)}"
+    try:
+        dims = tuple(int(d) for d in text.lower().split("x"))
+    except ValueError:
+        dims = ()
+    if not least <= len(dims) <= len(names) or min(dims) < 1:
+        raise ValueError(f"--shape {text!r}: expected {spec} ({counts} positive integers joined "
+                         f"by x, e.g. {example})")
+    return dims
 
 
 class Op:
@@ -37,17 +100,19 @@ class Op:
         launch: (module, config, *args) -> None; runs the compiled config on the arguments.
         examples: problem descriptions for ``precompile`` (the heuristic's configs for them are
             built ahead of time) and ``vitrail tune``.
-        make_problem: (shape, dtype) -> (problem_key, problem, args) for ``vitrail tune``.
+        make_problem: (shape, dtype) -> ``Shaped`` for ``vitrail tune`` (ValueError where the
+            shape does not fit this variant); dtype None: the variant's own.
+        shape: what make_problem's shape spells (``ROWSxCOLS``; see ``parse_shape``).
     """
 
     def __init__(self, name: str, *, space: Space, kernel_source: str,
                  render: Callable[[Config], dict], launch: Callable[..., None],
                  examples: Iterable[Any] = (),
-                 make_problem: Callable[[tuple[int, ...], str], tuple[str, Any, tuple]] | None
-                 = None, register: bool = True):
+                 make_problem: Callable[[tuple[int, ...], str | None], Shaped] | None = None,
+                 shape: str = "", register: bool = True):
         self.name, self.space, self.render, self.launch = name, space, render, launch
         self.examples = list(examples)
-        self.make_problem = make_problem
+        self.make_problem, self.shape = make_problem, shape
         self.tunable = Tunable(name, space, render,
                                hashlib.sha256(kernel_source.encode()).hexdigest()[:16])
         self._configs: dict[tuple, Config] = {}

@@ -6,9 +6,11 @@ are ITEMS elements apart (uncoalesced for ITEMS > 1: a clearly slower corner of 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
-from vitrail.op import Op
+from vitrail.op import Op, Shaped
 from vitrail.tune import Space, max_threads, problem_key, require
 
 KERNEL = r"""
@@ -43,14 +45,18 @@ def launch(module, config, y: torch.Tensor, x: torch.Tensor, alpha: float) -> No
     module.kernel("scale")[(n + per_cta - 1) // per_cta, config.BLOCK](y, x, alpha, n)
 
 
-def make_problem(shape: tuple[int, ...], dtype: str):
-    x = torch.randn(shape, device="cuda", dtype=getattr(torch, dtype))
-    y = torch.empty_like(x)
-    return problem_key(x), x.numel(), (y, x, 2.0)
+def make_problem(shape: tuple[int, ...], dtype: str | None = None) -> Shaped:
+    dt = getattr(torch, dtype or "float32")
+
+    def args() -> tuple:
+        x = torch.randn(shape, device="cuda", dtype=dt)
+        return torch.empty_like(x), x, 2.0
+    return Shaped(OP, problem_key(torch.empty(shape, dtype=dt, device="meta")),
+                  math.prod(shape), args)
 
 
 OP = Op("tests.scale", space=SPACE, kernel_source=KERNEL, render=render, launch=launch,
-        examples=[1 << 10, 1 << 24], make_problem=make_problem)
+        examples=[1 << 10, 1 << 24], make_problem=make_problem, shape="N[xM]")
 
 
 def scale(x: torch.Tensor, alpha: float) -> torch.Tensor:

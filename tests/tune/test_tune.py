@@ -478,8 +478,8 @@ def test_vitrail_tune_plots_the_stored_sweep(tmp_path, monkeypatch, capsys):
     timings = [{"config": dict(c), "ms": 0.05 + 0.01 * i, "error": None}
                for i, c in enumerate(OP.space.valid(H100))]
     TuningStore().put(Record(tuner.record_key(OP.tunable, "k", H100), config, timings))
-    cli._plot_sweep(OP, "k", argparse.Namespace(out=str(tmp_path), shape="16x16",
-                                                dtype="float32"))
+    cli._plot_sweep(OP, "k", "tests.scale 16x16", argparse.Namespace(
+        out=str(tmp_path), shape="16x16", dtype="float32"))
     png = tmp_path / "tune-tests.scale-16x16-float32.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert f"sweep plotted to {png}" in capsys.readouterr().out

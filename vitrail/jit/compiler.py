@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 from vitrail import __version__, knobs
-from vitrail.jit import toolchain
-from vitrail.jit.cache import LAYOUT, KernelCache, _safe, dir_size, header_closure, make_key
+from vitrail.jit import shared, toolchain
+from vitrail.jit.cache import (LAYOUT, META, KernelCache, _safe, dir_size, header_closure,
+                                make_key)
 from vitrail.jit.errors import CompileError, ToolchainError
 from vitrail.jit.index import Index
 from vitrail.jit.ptxas import parse_ptxas
@@ -95,8 +96,8 @@ def build(source: str, *, name: str, backend: str = "nvcc", arch: str | None = N
           flags: Sequence[str] = (), include_dirs: Sequence[str | os.PathLike] = (),
           defines: Mapping[str, object] | None = None, kernels: Sequence[str] = ()) -> str:
     """What :func:`compile` does short of loading: the artifact is in the cache afterwards.
-    Returns "disk" (it was) or "compiled". Imports no torch and touches no GPU, for compile
-    processes and machines without one."""
+    Returns "disk" (it was), "shared" (copied from VITRAIL_SHARED_CACHE) or "compiled". Imports
+    no torch and touches no GPU, for compile processes and machines without one."""
     target = toolchain.Arch.parse(arch) if arch is not None else toolchain.target_arch()
     return _build(source, name, backend, target, list(flags), list(include_dirs), defines or {},
                   list(kernels))[1]
@@ -147,6 +148,9 @@ def _build(source: str, name: str, backend: str, arch: toolchain.Arch, flags: li
     if entry is None:
         with cache.lock(key, name):
             entry = None if force else cache.lookup(key, read_artifact=is_cubin)
+            if entry is None and not force:
+                entry = _from_shared(cache, key, is_cubin)
+                how = "disk" if entry is None else "shared"
             if entry is None:
                 build = cache.new_build_dir(key)
                 try:
@@ -165,11 +169,32 @@ def _build(source: str, name: str, backend: str, arch: toolchain.Arch, flags: li
                 how = "compiled"
                 log.info("vitrail: compiled '%s' (%s, %s) in %.1f s", name, backend, arch.sm,
                          entry.meta["compile_seconds"])
-    if how == "compiled":
+    if how != "disk":
         index.record(key, entry.meta, dir_size(entry.dir))
     else:
         index.touch(key, entry.meta, entry.dir)
     return entry, how
+
+
+def _from_shared(cache: KernelCache, key: str, is_cubin: bool):
+    """key's entry from a shared read-only cache (VITRAIL_SHARED_CACHE), published as a private
+    copy in this user's cache (what loads: vitrail.jit.shared says why), or None. Call it
+    holding the key's lock."""
+    found = shared.find(key)
+    if found is None:
+        return None
+    meta, files = found
+    build = cache.new_build_dir(key)
+    try:
+        for name, data in files.items():
+            if name != META:
+                (build / name).write_bytes(data)
+        meta = {k: v for k, v in meta.items() if k not in ("key", "sha256", "size")}
+        entry = cache.publish(key, build, meta, read_artifact=is_cubin)
+    finally:
+        shutil.rmtree(build, ignore_errors=True)
+    log.info("vitrail: '%s' from the shared cache", meta.get("name"))
+    return entry
 
 
 def _check_inputs(source, name, backend, flags, include_dirs, defines, kernels) -> None:

@@ -63,7 +63,9 @@ class Module:
 
     def __init__(self, entry: Entry, source: str, how: str):
         self._entry, self.source = entry, source
-        self.how = how  # "compiled" (by this call) or "disk" (found in the cache)
+        # "compiled" (by this call), "disk" (found in the cache) or "shared" (found in a shared
+        # read-only cache, VITRAIL_SHARED_CACHE, and copied into this user's)
+        self.how = how
         meta = entry.meta
         self.name, self.backend, self.arch, self.key = (meta["name"], meta["backend"],
                                                         meta["arch"], entry.key)

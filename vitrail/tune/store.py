@@ -32,6 +32,9 @@ _SCHEMA = """CREATE TABLE IF NOT EXISTS records (
     config TEXT, timings TEXT, created REAL,
     PRIMARY KEY (op, source_hash, problem, gpu, sms, vitrail))"""
 
+_GET = ("SELECT config, timings, created FROM records WHERE op=? AND source_hash=? AND problem=? "
+        "AND gpu=? AND sms=? AND vitrail=?")
+
 
 @dataclass(frozen=True)
 class RecordKey:
@@ -65,6 +68,7 @@ class Record:
 
 class TuningStore:
     def __init__(self, path: str | Path | None = None):
+        self.shared = path is None  # the user's own store: shared ones are read after it
         if path is None:
             from vitrail.jit.cache import cache_dir
             path = cache_dir() / "tuning.sqlite"
@@ -87,16 +91,31 @@ class TuningStore:
         looks here; a damaged or unreadable store must not fail it: a warning says why)."""
         try:
             with self._db() as db:
-                row = db.execute("SELECT config, timings, created FROM records WHERE op=? AND "
-                                 "source_hash=? AND problem=? AND gpu=? AND sms=? AND "
-                                 "vitrail=?", key.as_tuple()).fetchone()
+                row = db.execute(_GET, key.as_tuple()).fetchone()
             if row is None:
-                return None
+                return self._get_shared(key) if self.shared else None
             return Record(key, Config.from_json(row[0]), json.loads(row[1]), row[2])
         except (OSError, sqlite3.Error, ValueError, TypeError) as e:
             _warn_once(self.path, f"vitrail: the tuning store {self.path} cannot be read ({e}); "
                                   "configs come from the heuristics")
             return None
+
+    def _get_shared(self, key: RecordKey) -> Record | None:
+        """key's record in the first shared read-only cache's store that has it
+        (VITRAIL_SHARED_CACHE; opened as vitrail.jit.shared says)."""
+        from vitrail.jit import shared
+        if not shared.roots():
+            return None
+        with shared.stores() as found:
+            for path, db in found:
+                try:
+                    row = db.execute(_GET, key.as_tuple()).fetchone()
+                    if row is not None:
+                        return Record(key, Config.from_json(row[0]), json.loads(row[1]), row[2])
+                except (sqlite3.Error, ValueError, TypeError) as e:
+                    _warn_once(Path(path), f"vitrail: the shared tuning store {path} cannot be "
+                                           f"read ({e})")
+        return None
 
     def put(self, record: Record) -> None:
         """Keep a record (a failed write is a warning: the tuned config is still used now)."""

@@ -15,6 +15,7 @@ Order: kernels and Ops, custom ops, autograd, the public function.
 """
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Any
 
@@ -330,3 +331,4 @@ def copy(x: torch.Tensor, *, out: torch.Tensor | None = None,
 
 __all__ = ["copy", "copy_op", "copy_out_op", "route", "FLAT_OPS", "ROWS_OPS", "TILED_OPS",
            "TRANSPOSE_OPS"]
+importlib.import_module("vitrail.ops.copy.problems")  # vitrail tune's shapes

@@ -16,6 +16,7 @@ for bf16/fp16, else a loop of gemm launches; autograd for both forms.
 """
 from __future__ import annotations
 
+import importlib
 from typing import Optional
 
 import torch
@@ -254,3 +255,5 @@ from vitrail.ops.gemm.fp8 import scaled_mm  # noqa: E402
 from vitrail.ops.gemm.grouped import grouped_mm  # noqa: E402
 
 __all__ = ["gemm", "mm", "bmm", "scaled_mm", "grouped_mm"]
+
+importlib.import_module("vitrail.ops.gemm.problems")  # vitrail tune's shapes

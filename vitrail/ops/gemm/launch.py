@@ -23,7 +23,7 @@ import torch
 from vitrail.gemm import LinearCombination, emitter
 from vitrail.gemm import arguments as gargs
 from vitrail.gemm.epilogue import ACTIVATION_FUNCTOR
-from vitrail.op import Op
+from vitrail.op import Op, Shaped
 from vitrail.plan import GENERAL, Plans, native, signature
 from vitrail.ops.gemm import configs, model
 from vitrail.ops.gemm.configs import Kind, Problem
@@ -90,7 +90,8 @@ def op_for(kind: Kind) -> Op:
         op = _OPS[kind] = Op(kind.name, space=configs.space(kind),
                              kernel_source=emitter._TEMPLATE + ACTIVATION_FUNCTOR + kind.name,
                              render=render, launch=launch, examples=configs.DEFAULT_PROBLEMS,
-                             make_problem=lambda shape, dtype: make_problem(kind, shape))
+                             make_problem=lambda shape, dtype=None: make_problem(kind, shape),
+                             shape=SHAPE)
     return op
 
 
@@ -106,34 +107,42 @@ _TORCH = {"bf16": torch.bfloat16, "f16": torch.float16, "tf32": torch.float32,
           "f32": torch.float32, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
-def make_problem(kind: Kind, shape: tuple) -> tuple:
-    """(problem key, problem, launch arguments) of random operands for ``vitrail tune`` (shape
-    M x N x K, or M x N x K x L); dtypes and layouts are the kind's."""
-    if len(shape) not in (3, 4):
-        raise ValueError(f"shape {shape}: expected M x N x K or M x N x K x L")
+SHAPE = "MxNxK[xL]"
+
+
+def problem_key(M: int, N: int, K: int, L: int) -> str:
+    """The tuning store's key of a GEMM problem (its sizes bucketed)."""
+    return f"M{bucket(M)}N{bucket(N)}K{bucket(K)}L{bucket(L)}"
+
+
+def make_problem(kind: Kind, shape: tuple) -> Shaped:
+    """The problem of ``vitrail tune`` on the kind's Op (shape M x N x K, or M x N x K x L);
+    its arguments: random operands of the kind's dtypes and layouts, made when timed."""
     M, N, K = shape[:3]
     L = shape[3] if len(shape) == 4 else 1
-    dev = "cuda"
-    lead = (L,) if L > 1 else ()
 
-    def matrix(rows, cols, el, layout):
-        t = torch.randn(*lead, rows, cols, device=dev).to(_TORCH[el])
-        return t if layout == "row" else t.transpose(-1, -2).contiguous().transpose(-1, -2)
-    epi = kind.epilogue
-    a = matrix(M, K, kind.element, kind.layout_a)
-    b = matrix(K, N, kind.element_b, kind.layout_b)
-    d = torch.empty(*lead, M, N, device=dev, dtype=_TORCH[epi.element_output])
-    c = matrix(M, N, epi.element_source, "row") if epi.has_source else None
-    bias = None
-    if epi.bias:
-        bias = torch.randn(M if epi.bias == "row" else N, device=dev).to(_TORCH[epi.element_bias])
-    sa = None if epi.scale_a is None else torch.rand(1 if epi.scale_a == "tensor" else M,
-                                                     device=dev)
-    sb = None if epi.scale_b is None else torch.rand(1 if epi.scale_b == "tensor" else N,
-                                                     device=dev)
-    key = f"M{bucket(M)}N{bucket(N)}K{bucket(K)}L{bucket(L)}"
-    return key, Problem(M, N, K, L), (a, b, c, d, bias, sa, sb, 1.0, 0.5, 0.01, float("-inf"),
-                                      float("inf"), 1)
+    def args() -> tuple:
+        dev = "cuda"
+        lead = (L,) if L > 1 else ()
+
+        def matrix(rows, cols, el, layout):
+            t = torch.randn(*lead, rows, cols, device=dev).to(_TORCH[el])
+            return t if layout == "row" else t.transpose(-1, -2).contiguous().transpose(-1, -2)
+        epi = kind.epilogue
+        a = matrix(M, K, kind.element, kind.layout_a)
+        b = matrix(K, N, kind.element_b, kind.layout_b)
+        d = torch.empty(*lead, M, N, device=dev, dtype=_TORCH[epi.element_output])
+        c = matrix(M, N, epi.element_source, "row") if epi.has_source else None
+        bias = None
+        if epi.bias:
+            bias = torch.randn(M if epi.bias == "row" else N, device=dev).to(
+                _TORCH[epi.element_bias or epi.element_output])
+        sa = None if epi.scale_a is None else torch.rand(1 if epi.scale_a == "tensor" else M,
+                                                         device=dev)
+        sb = None if epi.scale_b is None else torch.rand(1 if epi.scale_b == "tensor" else N,
+                                                         device=dev)
+        return (a, b, c, d, bias, sa, sb, 1.0, 0.5, 0.01, float("-inf"), float("inf"), 1)
+    return Shaped(op_for(kind), problem_key(M, N, K, L), Problem(M, N, K, L), args)
 
 
 def is_hopper(device: torch.device) -> bool:
@@ -343,7 +352,7 @@ def run_into(d: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: Optional[torc
                             scale_a=sa_kind, scale_b=sb_kind)
     kind = Kind(element, ELEMENTS[b.dtype], la, lb, epi, fast_accum)
     problem = Problem(M, N, K, L)
-    key = f"M{bucket(M)}N{bucket(N)}K{bucket(K)}L{bucket(L)}"
+    key = problem_key(M, N, K, L)
     lo = float("-inf") if clamp_min is None else float(clamp_min)
     hi = float("inf") if clamp_max is None else float(clamp_max)
     sa = None if scale_a is None else scale_a.reshape(-1).contiguous()

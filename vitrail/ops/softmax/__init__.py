@@ -16,6 +16,7 @@ gradients are recorded (vitrail.ops.common.call_mode); what compiles or traces g
 """
 from __future__ import annotations
 
+import importlib
 import functools
 import math
 from pathlib import Path
@@ -370,20 +371,29 @@ def _path(kind: str, rows: int, n: int, dtype: torch.dtype, v: int, log: bool, l
     """(OPS key, problem key, problem) of rows x n (the windows' columns) on lim's GPU."""
     arrays = 1 if kind == "fwd" else 2
     sms, size = lim.sm_count, dtype.itemsize
-    key = f"n{bucket(n)};rows{bucket(rows)}"  # registers, chunked, packed
     if packed and lim.arch.major >= 9 and configs.use_packed(n, size, v, arrays):
-        return ("packed", kind, dtype, configs.vec(dtype), log), key, bucket(n)
-    fine = (bucket(n, configs.KEY_STEPS), bucket(rows, configs.KEY_STEPS))  # tile, split
-    fine_key = f"n{fine[0]};rows{fine[1]}"
-    if lim.arch.major >= 9 and configs.use_tile(n, rows, v, size, arrays, sms, lim.shared_per_sm):
-        if configs.split_over_tile(n, rows, v, size, arrays, lim):
-            return ("split", kind, dtype, v, log), fine_key, fine
-        return ("tile", kind, dtype, v, log), fine_key, (*fine, size)
-    if configs.use_split(n, rows, v, arrays, sms):
-        return ("split", kind, dtype, v, log), fine_key, fine
-    if configs.use_chunked(n, rows, v, arrays, sms):
-        return ("chunked", kind, dtype, v, log), key, n
-    return (kind, dtype, v, log), key, bucket(n)  # registers
+        path = ("packed", kind, dtype, configs.vec(dtype), log)
+    elif lim.arch.major >= 9 and configs.use_tile(n, rows, v, size, arrays, sms,
+                                                  lim.shared_per_sm):
+        split = configs.split_over_tile(n, rows, v, size, arrays, lim)
+        path = ("split" if split else "tile", kind, dtype, v, log)
+    elif configs.use_split(n, rows, v, arrays, sms):
+        path = ("split", kind, dtype, v, log)
+    elif configs.use_chunked(n, rows, v, arrays, sms):
+        path = ("chunked", kind, dtype, v, log)
+    else:
+        path = (kind, dtype, v, log)  # registers
+    return (path, *problem_of(path[0], rows, n, size))
+
+
+def problem_of(path: str, rows: int, n: int, size: int) -> tuple[str, object]:
+    """(problem key, problem) of rows x n (the windows' columns) of size-byte elements on a
+    path (fwd/bwd: registers; chunked, packed, tile, split): what its heuristic and tuner take."""
+    if path in ("tile", "split"):
+        fine = (bucket(n, configs.KEY_STEPS), bucket(rows, configs.KEY_STEPS))
+        return f"n{fine[0]};rows{fine[1]}", (*fine, size) if path == "tile" else fine
+    key = f"n{bucket(n)};rows{bucket(rows)}"  # registers, chunked, packed
+    return key, n if path == "chunked" else bucket(n)
 
 
 def _run(kind: str, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, log: bool) -> None:
@@ -553,3 +563,5 @@ def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 __all__ = ["softmax", "log_softmax", "softmax_fwd", "softmax_bwd", "OPS", "LaunchError", "route",
            "route_contiguous"]
+
+importlib.import_module("vitrail.ops.softmax.problems")  # vitrail tune's shapes

@@ -63,8 +63,14 @@ def _op(kind: str, dtype: torch.dtype, power: int, d_tile: int) -> Op:
         space = configs.ELEMENTWISE if kind == "elementwise" else configs.MMA
         op = _OPS[key] = Op(name, space=space, kernel_source=source, render=render,
                             launch=_launch, register=key in _EXAMPLES,
-                            examples=[{"vec": 8}] if kind == "elementwise" else [None])
+                            examples=[{"vec": 8}] if kind == "elementwise" else [None],
+                            make_problem=lambda shape, dtype=None, key=key: _shape_problem(
+                                key, shape), shape="ROWSxD" if kind == "elementwise" else "MxNxD")
     return op
+
+
+def _shape_problem(key: tuple, shape: tuple):
+    return problems.variant_problem(key, shape)  # (imported at the end)
 
 
 _EXAMPLES = {("elementwise", torch.bfloat16, 2, 8), ("mma", torch.bfloat16, 2, 8),
@@ -78,9 +84,19 @@ def _launch(module, config, kernel: str, grid, smem: int, *args) -> None:
     module.kernel(kernel)[grid, _THREADS.get(kernel, 256)](*args, shared_mem=smem)
 
 
+CAPTURE: list | None = None  # a list: _run records (op, key, problem, args), launches nothing
+
+
 def _run(kind, dtype, power, d_tile, vec, kernel, grid, smem, *args) -> None:
     op = _op(kind, dtype, power, d_tile)
+    if CAPTURE is not None:  # vitrail tune's arguments of a problem (problems.py)
+        CAPTURE.append((op, f"vec={vec}", {"vec": vec}, (kernel, grid, smem, *args)))
+        return
     op(f"vec={vec}", {"vec": vec}, kernel, grid, smem, *args)
+
+
+for _example in sorted(_EXAMPLES, key=str):  # registered from import on, for precompile and tune
+    _op(*_example)
 
 
 # ---------------------------------------------------------------- implementations
@@ -646,3 +662,5 @@ def mma_sympow_bwd(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, expand_dim
         out = torch.ops.vitrail.mma_sympow_bwd(a3, b3, c3, ed, power, d_tile, float(scale_a),
                                                dc)
     return out if c.dim() == 3 else out.reshape(c.shape)
+
+from vitrail.ops.sympow import problems  # noqa: E402  (vitrail tune's shapes)

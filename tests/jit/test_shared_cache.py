@@ -1,0 +1,194 @@
+"""A shared read-only cache (VITRAIL_SHARED_CACHE): a trusted artifact is used without compiling,
+one that another user owns or could write (the file or any directory above it) is refused with
+one warning and compiled privately, and vitrail never writes into the shared directory. The
+shared cache is built as an administrator would (``VITRAIL_CACHE_DIR=DIR``, then read-only);
+another user is simulated by chown to an unused uid (the tests run as root where they can)."""
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+import vitrail.jit as jit
+from tests.jit.test_cache import ADD_ONE, SAXPY, needs_nvcc, needs_nvrtc
+from vitrail.jit import shared
+from vitrail.tune.space import Config
+from vitrail.tune.store import Record, RecordKey, TuningStore
+
+OTHER = 4321  # a uid no one uses here
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+
+
+def compile_saxpy() -> jit.Module:
+    jit.clear_memory_cache()
+    return jit.compile(SAXPY, name="saxpy", backend="nvrtc")
+
+
+def snapshot(root: Path) -> dict:
+    """Every path under root with its mode, owner, size and mtime (what a write would change)."""
+    out = {}
+    for dirpath, dirs, files in os.walk(root):
+        for name in [".", *dirs, *files]:
+            st = os.lstat(os.path.join(dirpath, name))
+            out[os.path.join(dirpath, name)] = (st.st_mode, st.st_uid, st.st_size, st.st_mtime_ns)
+    return out
+
+
+def read_only(root: Path) -> None:
+    for dirpath, dirs, files in os.walk(root):
+        for name in files:
+            os.chmod(os.path.join(dirpath, name), 0o444)
+        os.chmod(dirpath, 0o555)
+
+
+@pytest.fixture
+def team(tmp_path, monkeypatch, cache_dir):
+    """A shared cache holding saxpy (built as its administrator would), read-only, and this
+    user's own cache empty: (shared root, the saxpy entry's directory)."""
+    root = tmp_path / "team-cache"
+    monkeypatch.setenv("VITRAIL_CACHE_DIR", str(root))
+    built = compile_saxpy()
+    assert built.how == "compiled"
+    entry = built.dir
+    read_only(root)
+    monkeypatch.setenv("VITRAIL_CACHE_DIR", str(cache_dir))
+    monkeypatch.setenv("VITRAIL_SHARED_CACHE", str(root))
+    monkeypatch.setattr(shared, "_WARNED", set())
+    yield root, entry
+    for dirpath, _, _ in os.walk(root):  # let pytest remove it
+        os.chmod(dirpath, 0o755)
+
+
+@needs_nvrtc
+def test_a_trusted_shared_kernel_is_used_and_the_shared_dir_is_not_written(team, cache_dir):
+    root, entry = team
+    before = snapshot(root)
+    mod = compile_saxpy()
+    assert mod.how == "shared"  # no compile
+    assert mod.dir.is_relative_to(cache_dir) and mod.key == entry.name  # a private copy loads
+    assert (mod.dir / mod.meta["artifact"]).read_bytes() == (entry /
+                                                             mod.meta["artifact"]).read_bytes()
+    assert compile_saxpy().how == "disk"  # the copy is the user's cache entry from now on
+    assert snapshot(root) == before
+
+
+@needs_nvrtc
+def test_without_the_knob_the_shared_cache_is_not_read(team, monkeypatch):
+    monkeypatch.delenv("VITRAIL_SHARED_CACHE")
+    assert compile_saxpy().how == "compiled"
+
+
+def _levels(root: Path, entry: Path) -> list[Path]:
+    """The artifact, its entry directory, the directories above it, up to the shared root."""
+    meta = entry / "meta.json"
+    out, p = [meta, entry / "kernel.cubin"], entry
+    while p != root.parent:
+        out.append(p)
+        p = p.parent
+    return out
+
+
+@as_root
+@needs_nvrtc
+@pytest.mark.parametrize("damage", ["foreign owner", "group-writable", "world-writable"])
+@pytest.mark.parametrize("level", range(7))
+def test_an_untrusted_file_or_directory_is_refused_and_compiled_privately(team, caplog, damage,
+                                                                            level):
+    root, entry = team
+    levels = _levels(root, entry)
+    if level >= len(levels):
+        pytest.skip("fewer levels")
+    target = levels[level]
+    assert (entry / "kernel.cubin").exists()
+    if damage == "foreign owner":
+        os.chown(target, OTHER, OTHER)
+    else:
+        os.chmod(target, stat.S_IMODE(os.stat(target).st_mode)
+                 | (0o020 if damage == "group-writable" else 0o002))
+    before = snapshot(root)
+    with caplog.at_level(logging.WARNING, logger="vitrail.jit"):
+        mod = compile_saxpy()
+    assert mod.how == "compiled"
+    warnings = [r.getMessage() for r in caplog.records if "shared cache" in r.getMessage()]
+    assert len(warnings) == 1 and str(target) in warnings[0] and "compiling it privately" in \
+        warnings[0]
+    assert snapshot(root) == before
+
+
+@as_root
+@needs_nvrtc
+def test_listed_owners_are_trusted(team, monkeypatch):
+    root, entry = team
+    for p in _levels(root, entry):
+        os.chown(p, OTHER, OTHER)
+    assert compile_saxpy().how == "compiled"
+    jit.clear_memory_cache()
+    import shutil
+    shutil.rmtree(Path(os.environ["VITRAIL_CACHE_DIR"]) / "v1" / "kernels")
+    monkeypatch.setenv("VITRAIL_SHARED_CACHE_OWNERS", f"nobody-here-{OTHER}, {OTHER}")
+    assert compile_saxpy().how == "shared"
+
+
+@as_root
+@needs_nvrtc
+def test_a_planted_symlink_in_the_shared_cache_is_not_followed(team, tmp_path):
+    root, entry = team
+    elsewhere = tmp_path / "elsewhere"
+    os.chmod(entry.parent, 0o755)
+    os.rename(entry, elsewhere)
+    os.symlink(elsewhere, entry)
+    os.chmod(entry.parent, 0o555)
+    assert compile_saxpy().how == "compiled"
+
+
+@needs_nvcc
+def test_a_shared_library_loads_from_a_private_copy(tmp_path, monkeypatch, cache_dir):
+    root = tmp_path / "team-cache"
+    monkeypatch.setenv("VITRAIL_CACHE_DIR", str(root))
+    jit.clear_memory_cache()
+    built = jit.compile(ADD_ONE, name="add_one")
+    read_only(root)
+    before = snapshot(root)
+    monkeypatch.setenv("VITRAIL_CACHE_DIR", str(cache_dir))
+    monkeypatch.setenv("VITRAIL_SHARED_CACHE", f"{tmp_path / 'absent'}:{root}")
+    jit.clear_memory_cache()
+    mod = jit.compile(ADD_ONE, name="add_one")
+    assert mod.how == "shared" and mod.add_one(41) == 42
+    assert Path(mod.path).is_relative_to(cache_dir) and mod.key == built.key
+    assert snapshot(root) == before
+    for dirpath, _, _ in os.walk(root):
+        os.chmod(dirpath, 0o755)
+
+
+def _record() -> Record:
+    key = RecordKey("tests.scale", "abc", "n1024", "NVIDIA H100 80GB HBM3", 132, "0")
+    return Record(key, Config([("BLOCK", 256)]), [{"config": {"BLOCK": 256}, "ms": 0.01}])
+
+
+def test_a_shared_tuning_store_is_read_only_and_after_the_users(tmp_path, monkeypatch):
+    root = tmp_path / "team-cache"
+    root.mkdir(mode=0o755)
+    TuningStore(root / "tuning.sqlite").put(_record())
+    assert sorted(p.name for p in root.iterdir()) == ["tuning.sqlite"]  # WAL checkpointed
+    read_only(root)
+    before = snapshot(root)
+    monkeypatch.setattr(shared, "_WARNED", set())
+    assert TuningStore().get(_record().key) is None
+    monkeypatch.setenv("VITRAIL_SHARED_CACHE", str(root))
+    got = TuningStore().get(_record().key)
+    assert got is not None and dict(got.config) == {"BLOCK": 256}
+    assert snapshot(root) == before
+    if os.geteuid() == 0:  # another user's store is not read
+        os.chown(root / "tuning.sqlite", OTHER, OTHER)
+        assert TuningStore().get(_record().key) is None
+    os.chmod(root, 0o755)
+
+
+def test_the_knobs_are_read_as_documented(monkeypatch, tmp_path):
+    monkeypatch.setenv("VITRAIL_SHARED_CACHE", f"{tmp_path}/a::{tmp_path}/b")
+    assert shared.roots() == [f"{tmp_path}/a", f"{tmp_path}/b"]
+    monkeypatch.setenv("VITRAIL_SHARED_CACHE_OWNERS", "0, root 12")
+    assert shared.owners() == {0, os.geteuid(), 12}

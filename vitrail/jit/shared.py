@@ -1,0 +1,179 @@
+"""Shared read-only caches (``VITRAIL_SHARED_CACHE=DIR[:DIR...]``): kernels and tuning records
+prebuilt by an administrator or a team (``VITRAIL_CACHE_DIR=DIR vitrail precompile``, then made
+read-only), consulted after a miss of the user's own cache and before compiling. vitrail never
+writes to them.
+
+Kernels run as the user, so a shared artifact is loaded only where no untrusted user could have
+planted or swapped it: every directory from ``/`` to the artifact is opened one level at a time
+relative to the last (``openat`` with O_NOFOLLOW: no symlink or rename can redirect the walk) and
+checked on its open descriptor (``fstat``): from the shared root down, owned by a trusted owner
+(root, the current user, and the uids of ``VITRAIL_SHARED_CACHE_OWNERS``) and writable by neither
+group nor others; above the root, owned by a trusted owner and writable by others only with the
+sticky bit (``/tmp``). The artifact and its meta.json are then opened in the checked directory,
+checked the same way on their descriptors, and read through them; the checksum in meta.json must
+hold. A shared library is loaded by path (dlopen), so it is not loaded from the shared directory
+at all: the checked bytes are published as a private copy in the user's own cache (0700, the
+user's), and that copy is what loads (no window between the check and the load). An artifact that
+fails a check is skipped with one warning and compiled privately.
+
+The tuning store of a shared cache (``DIR/tuning.sqlite``) is opened the same way and then through
+``/proc/self/fd/N`` (the checked file itself, not its path again) with ``mode=ro&immutable=1``:
+sqlite neither writes nor locks it (checkpoint the WAL before making the directory read-only).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import pwd
+import sqlite3
+import stat
+from typing import Iterator
+
+from vitrail import knobs
+
+log = logging.getLogger("vitrail.jit")
+LAYOUT = "v1"
+_WARNED: set[str] = set()
+
+
+class Untrusted(Exception):
+    """A shared file or a directory above it that an untrusted user could have written."""
+
+
+def roots() -> list[str]:
+    """The shared caches' directories (absolute), in the order given."""
+    raw = knobs.SHARED_CACHE.get()
+    return [os.path.realpath(os.path.expanduser(d)) for d in raw.split(":") if d.strip()]
+
+
+def owners() -> set[int]:
+    """Trusted owners: root, this user, and VITRAIL_SHARED_CACHE_OWNERS (uids or user names)."""
+    found = {0, os.geteuid()}
+    for word in knobs.SHARED_CACHE_OWNERS.get().replace(",", " ").split():
+        if word.isdigit():
+            found.add(int(word))
+        else:
+            try:
+                found.add(pwd.getpwnam(word).pw_uid)
+            except KeyError:
+                _warn_once(f"owner:{word}", f"vitrail: VITRAIL_SHARED_CACHE_OWNERS names "
+                                            f"{word!r}, no user of this machine; ignored")
+    return found
+
+
+def _check(fd: int, path: str, trusted: set[int], below_root: bool) -> None:
+    """From the root down: a trusted owner, writable by no group or others; above it: a trusted
+    owner, writable by others only with the sticky bit (no one renames what is not theirs)."""
+    st = os.fstat(fd)
+    open_to_others = st.st_mode & 0o022 and (below_root or not st.st_mode & stat.S_ISVTX)
+    if st.st_uid not in trusted or open_to_others:
+        raise Untrusted(f"{path} (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}) "
+                        f"could be written by a user not trusted to give you code (trusted: uids "
+                        f"{', '.join(map(str, sorted(trusted)))}; VITRAIL_SHARED_CACHE_OWNERS adds "
+                        f"others)")
+
+
+@contextlib.contextmanager
+def _open_dir(root: str, parts: list[str], trusted: set[int]) -> Iterator[int]:
+    """A descriptor of root/parts..., every level opened relative to the last and checked."""
+    fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        _check(fd, "/", trusted, root == "/")
+        path = ""
+        above = [p for p in root.split("/") if p]
+        for i, name in enumerate(above + parts):
+            path += "/" + name
+            nxt = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+            _check(fd, path, trusted, i >= len(above) - 1)
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _read(dir_fd: int, name: str, path: str, trusted: set[int]) -> bytes:
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dir_fd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise Untrusted(f"{path}/{name} is not a regular file")
+        _check(fd, f"{path}/{name}", trusted, True)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read()
+    finally:
+        os.close(fd)
+
+
+def find(key: str) -> tuple[dict, dict[str, bytes]] | None:
+    """(meta, {file name: bytes}) of key's entry in the first shared cache that holds a trusted
+    one whose checksum holds (every regular file of the entry, read through checked
+    descriptors), else None; a refused entry is one warning."""
+    trusted = None
+    for root in roots():
+        parts = [LAYOUT, "kernels", key[:2], key]
+        where = os.path.join(root, *parts)
+        if not os.path.isdir(where):  # nothing there (the checked walk decides what loads)
+            continue
+        trusted = trusted or owners()
+        try:
+            with _open_dir(root, parts, trusted) as fd:
+                files = {}
+                for name in os.listdir(fd):
+                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                    if stat.S_ISREG(st.st_mode):
+                        files[name] = _read(fd, name, where, trusted)
+            meta = json.loads(files["meta.json"])
+            data = files[meta["artifact"]]
+        except Untrusted as e:
+            _warn_once(key, f"vitrail: the shared cache's kernel {where} is not trusted: {e}; "
+                            f"compiling it privately")
+            continue
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            _warn_once(key, f"vitrail: the shared cache's kernel {where} is unreadable ({e}); "
+                            f"compiling it privately")
+            continue
+        if meta.get("key") != key or hashlib.sha256(data).hexdigest() != meta.get("sha256"):
+            _warn_once(key, f"vitrail: the shared cache's kernel {where} failed its checksum; "
+                            f"compiling it privately")
+            continue
+        return meta, files
+    return None
+
+
+@contextlib.contextmanager
+def stores() -> Iterator[list[tuple[str, sqlite3.Connection]]]:
+    """(path, read-only connection) of each shared cache's tuning store that passes the checks
+    (closed on exit); a refused one is one warning."""
+    conns, fds = [], []
+    trusted = None
+    try:
+        for root in roots():
+            path = os.path.join(root, "tuning.sqlite")
+            if not os.path.isfile(path):
+                continue
+            trusted = trusted or owners()
+            try:
+                with _open_dir(root, [], trusted) as dir_fd:
+                    fd = os.open("tuning.sqlite", os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dir_fd)
+                    fds.append(fd)
+                    _check(fd, path, trusted, True)
+                db = sqlite3.connect(f"file:/proc/self/fd/{fd}?mode=ro&immutable=1", uri=True)
+                conns.append((path, db))
+            except (Untrusted, OSError, sqlite3.Error) as e:
+                _warn_once(path, f"vitrail: the shared tuning store {path} is not used: {e}")
+        yield conns
+    finally:
+        for _, db in conns:
+            db.close()
+        for fd in fds:
+            os.close(fd)
+
+
+def _warn_once(what: str, message: str) -> None:
+    if what not in _WARNED:
+        _WARNED.add(what)
+        log.warning(message)

@@ -1,0 +1,59 @@
+"""softmax and log_softmax problems from a shape (``vitrail tune``): rows x n of a contiguous
+tensor, the variant the public function routes them to (``route_contiguous``), or a variant the
+user names, and random inputs on the GPU when the candidates are timed."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from vitrail.op import Shaped, family
+from vitrail.ops.softmax import OPS, WINDOW, problem_of, route_contiguous
+
+SHAPE = "ROWSxCOLS"
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _args(kind: str, rows: int, n: int, dtype: torch.dtype, log: bool):
+    """(out, a, b) as the op is called: the forward's a = b = x, the backward's a = y, b = dy."""
+    def make() -> tuple:
+        x = torch.randn(rows, n, device="cuda", dtype=dtype)
+        if kind == "fwd":
+            return torch.empty_like(x), x, x
+        y = (torch.log_softmax if log else torch.softmax)(x.float(), -1).to(dtype)
+        return torch.empty_like(x), y, torch.randn_like(x)
+    return make
+
+
+def variant_problem(path: tuple, shape: tuple[int, ...], dtype: str | None = None) -> Shaped:
+    """The problem of rows x n (a contiguous tensor) on the variant OPS[path], whatever the
+    public function would route it to."""
+    window = path[-1] == WINDOW
+    dt, v, log = path[-4:-1] if window else path[-3:]
+    kind = path[0] if path[0] in ("fwd", "bwd") else path[1]
+    rows, n = shape
+    if v > 1 and not window and path[0] != "packed" and n % v and rows > 1:
+        raise ValueError(f"{OPS[path].name} reads rows in 16-byte vectors of {v} elements: "
+                         f"--shape's COLS must be a multiple of {v} (the windowed variant, "
+                         f"...v{v}w, takes other rows)")
+    cols = n + (v - 1 if window else 0)  # the windows' columns (route_contiguous)
+    key, problem = problem_of(path[0], rows, cols, dt.itemsize)
+    return Shaped(OPS[path], key, problem, _args(kind, rows, n, dt, log))
+
+
+def _family(log: bool):
+    def resolve(shape: tuple[int, ...], dtype: str, *, backward: bool = False,
+                device: torch.device | None = None) -> Shaped:
+        rows, n = shape
+        dt = getattr(torch, dtype)
+        kind = "bwd" if backward else "fwd"
+        op, key, problem = route_contiguous(kind, rows, n, dt, log, device)
+        return Shaped(op, key, problem, _args(kind, rows, n, dt, log))
+    return resolve
+
+
+for _path, _op in OPS.items():
+    _op.make_problem, _op.shape = functools.partial(variant_problem, _path), SHAPE
+for _log, _name in ((False, "softmax"), (True, "log_softmax")):
+    family(_name, SHAPE, f"{_name} along the last dim of a contiguous ROWS x COLS tensor (the "
+           f"forward; --backward: the backward)", DTYPES, _family(_log), backward=True)
