@@ -90,6 +90,27 @@ def test_scratch_is_allocated_again_and_kept_tensors_are_constants(module):
     assert "s0 = empty(10" in source and str(table.data_ptr()) in source
 
 
+def test_a_plan_holds_on_the_stream_it_was_recorded_on(module, monkeypatch):
+    """State kept per stream (a workspace two grids must not share) is a plan's constant: a
+    call on another stream is a key of its own, and passes that stream's state."""
+    plans, calls, current = Plans("test"), [], [1]
+    tables = {1: torch.full((4,), 1.0), 2: torch.full((4,), 2.0)}
+    monkeypatch.setattr(plan, "_stream", lambda device: current[0])
+
+    def general(x, out):
+        calls.append(current[0])
+        keep(tables[current[0]])
+        module.shift(out.data_ptr(), x.data_ptr(), tables[current[0]].data_ptr(), x.numel(),
+                     stream=current[0])
+
+    for stream in (1, 2, 1, 2, 2):
+        current[0] = stream
+        x = torch.randn(6)
+        y, = plans.run(_key(x), (x,), _outputs, general)
+        torch.testing.assert_close(y, x + stream)
+    assert calls == [1, 2] and len(plans) == 2
+
+
 def test_what_a_plan_cannot_repeat_takes_the_general_path(module):
     plans, calls = Plans("test"), []
     other = torch.zeros(8)

@@ -183,6 +183,38 @@ def test_the_cpp_hit_path_keeps_aliasing_strides_and_the_torch_route_right(nativ
         launch.kernels_only(True)
 
 
+def test_the_split_path_is_planned_per_stream(native):
+    """Long rows take the split path (cooperative grids, counters in a workspace kept per
+    stream): a C++ plan, whose workspace is its stream's; calls on two streams at once, each
+    against the reference."""
+    import importlib
+    sm = importlib.import_module("vitrail.ops.softmax")  # the module (ops.softmax: the function)
+    y = torch.softmax(torch.randn(32, 131072, device="cuda", dtype=BF).float(), -1).to(BF)
+    dys = [torch.randn_like(y) for _ in range(4)]
+    op, _, _ = sm.route_contiguous("bwd", *y.shape, BF, False, y.device)
+    if "split" not in op.name:
+        pytest.skip(f"32 x 131072 takes {op.name} on this GPU, not the split path")
+
+    def want(dy):
+        yf, dyf = y.float(), dy.float()
+        return yf * (dyf - (yf * dyf).sum(-1, keepdim=True))
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    outs = {}
+    for round_ in range(3):  # the first call on each stream plans, the others replay
+        for k, s in enumerate(streams):
+            with torch.cuda.stream(s):
+                outs[k] = sm._backward(y, dys[2 * k + round_ % 2], 1, False)
+        torch.cuda.synchronize()
+        for k in range(2):
+            _close(outs[k], want(dys[2 * k + round_ % 2]), 2e-2)
+    for s in streams:
+        with torch.cuda.stream(s):
+            assert sm._backward.front.call(y, dys[0], 1, False) is not native.MISS
+    torch.cuda.synchronize()
+
+
 def test_strides_and_alignment_of_one_shape_take_their_own_plans():
     ops = _ops()
     base = torch.randn(70, 257, device="cuda", dtype=BF)

@@ -19,9 +19,10 @@ dtype, device and address modulo 16; and the scalars the family names) and calls
 
 A plan exists only for a signature whose arguments once passed every check, so the checks hold
 for it; any other call misses, and the miss path raises what it always raised. The current
-device and tuning policy are part of every key. Plans are per process, bounded (the oldest half
-goes when a cache is full) and dropped with ``clear()`` (``vitrail.plan.clear_all()``: every
-family's).
+device, its current stream and the tuning policy are part of every key (a plan holds on its
+own stream only: it may pass state kept per stream, see ``keep``). Plans are per process,
+bounded (the oldest half goes when a cache is full) and dropped with ``clear()``
+(``vitrail.plan.clear_all()``: every family's).
 
 Below Python (``native``): an op's public function wrapped by ``native.front(plans)`` hands its
 arguments to the family's C++ table first; a hit runs the plan's description there (outputs
@@ -57,6 +58,13 @@ else:  # no plan is ever made: keys say so
     _stream, _device = None, (lambda: -1)
 
 
+def _where() -> tuple[int, int]:
+    """The current device and its current stream: part of every key (a plan may pass state
+    kept per stream, e.g. a workspace whose counters two grids must not share)."""
+    device = _device()
+    return device, 0 if _stream is None else _stream(device)
+
+
 def signature(t: torch.Tensor) -> tuple:
     """What of a tensor decides a route: shape, strides, dtype, device, address modulo 16."""
     return t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() & 15
@@ -69,7 +77,8 @@ def recording() -> "Record | None":
 
 def keep(*tensors: torch.Tensor) -> None:
     """Say that the launch being made passes these long-lived tensors (tables cached per device,
-    persistent buffers): a plan may pass their addresses as constants, and holds them."""
+    persistent buffers, a workspace kept per stream): a plan may pass their addresses as
+    constants, and holds them. A plan runs on the stream it was recorded on only."""
     record = recording()
     if record is not None:
         record.kept.extend(tensors)
@@ -160,11 +169,11 @@ class Plans:
         _ALL.append(self)
 
     def get(self, key: tuple):
-        """The plan of key (with the current device and policy added), GENERAL, or None (also
-        inside a call being recorded, which must see the launches of the ops it calls)."""
+        """The plan of key (with the current device, stream and policy added), GENERAL, or None
+        (also inside a call being recorded, which must see the launches of the ops it calls)."""
         if _recording and recording() is not None:
             return None
-        return self._plans.get((key, _device(), current_policy()))
+        return self._plans.get((key, *_where(), current_policy()))
 
     def run(self, key: tuple, inputs: tuple, make_outputs: Callable[..., tuple],
             general: Callable[..., None], params: tuple = ()) -> tuple:
@@ -174,7 +183,7 @@ class Plans:
         *outputs, *params) fills them (it may launch, allocate ``scratch`` and take views,
         nothing else for a plan). The key holds everything that decides the route, params
         included."""
-        full = (key, _device(), current_policy())
+        full = (key, *_where(), current_policy())
         plan = self._plans.get(full)
         nested = _recording and recording() is not None  # an op inside a recorded call
         if plan is not None and plan is not GENERAL and not nested:
@@ -198,7 +207,7 @@ class Plans:
         """Store a plan written by hand for key (e.g. a library call that the general path
         found to be the route), replacing what a recording stored (and what this call's
         learning saw)."""
-        self._store((key, _device(), current_policy()), plan)
+        self._store((key, *_where(), current_policy()), plan)
         seen = getattr(native._state, "seen", None)
         if seen:
             _, inputs, outputs = seen[-1]

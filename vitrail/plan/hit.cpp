@@ -3,11 +3,12 @@
 // A Table holds one op family's plans, keyed by the arguments of its public function as they
 // were passed: each tensor's shape, strides, dtype, device, dispatch keys, address modulo 16
 // and which earlier tensor argument starts at the same address (mm(a, a) is not mm(a, b));
-// each scalar's type and value; and the current device. table.call(*args) builds that key, finds
-// the plan and runs it: allocates the outputs (and scratch buffers) through ATen, then calls the
-// recorded entry points (through their prototype's packed caller) and launches the recorded
-// kernels (cuLaunchKernel) with this call's pointers on the current stream, or calls
-// at::matmul where torch's matmul is the route. No Python object is built but the result.
+// each scalar's type and value; and the current device and stream (a plan may pass state kept
+// per stream). table.call(*args) builds that key, finds the plan and runs it: allocates the
+// outputs (and scratch buffers) through ATen, then calls the recorded entry points (through
+// their prototype's packed caller) and launches the recorded kernels (cuLaunchKernel) with this
+// call's pointers on the current stream, or calls at::matmul where torch's matmul is the route.
+// No Python object is built but the result.
 //
 // What the key cannot vouch for returns MISS: a tensor that records a gradient (grad mode on),
 // a tensor subclass, an argument of another type, settings scoped by `with
@@ -93,7 +94,7 @@ struct Plan {
   std::vector<Launch> launches;
   std::vector<TensorMap> maps;
   int result = 0;                  // >= 0: that tensor; -1: None; -2: the outputs as a tuple
-  bool needs_stream = false, launches_kernels = false;
+  bool launches_kernels = false;
   PyObject* keep = nullptr;        // objects alive as long as the plan (tables it passes)
   PyObject* failed = nullptr;      // (launch index, result) -> raises the launch's error
   ~Plan() {
@@ -109,6 +110,7 @@ struct Table {
 };
 
 thread_local std::string key_buffer;
+thread_local unsigned long long key_stream = 0;  // the current stream of the last make_key
 thread_local std::string pending;          // the key of this thread's last learnable miss
 thread_local Table* pending_table = nullptr;
 
@@ -181,13 +183,24 @@ bool make_key(PyObject* const* args, Py_ssize_t n, std::string& key) {
       return false;
     }
   }
+  // the current device and its current stream: a plan may pass state kept per stream (a
+  // workspace whose counters two grids must not share), so it holds on its own stream only
   PyObject* device = PyObject_CallNoArgs(get_device);
-  if (device == nullptr) {
+  PyObject* stream = device ? PyObject_CallOneArg(get_stream, device) : nullptr;
+  if (stream == nullptr) {
+    Py_XDECREF(device);
     PyErr_Clear();
     return false;
   }
   put(key, PyLong_AsLong(device));
+  key_stream = PyLong_AsUnsignedLongLong(stream);
   Py_DECREF(device);
+  Py_DECREF(stream);
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  put(key, key_stream);
   return true;
 }
 
@@ -208,15 +221,7 @@ PyObject* run(const Plan& plan, PyObject* const* args) {
                                           at::TensorOptions().dtype(a.dtype).device(a.device)));
     }
   }
-  unsigned long long stream = 0;
-  if (plan.needs_stream) {
-    PyObject* device = PyObject_CallNoArgs(get_device);
-    PyObject* s = device ? PyObject_CallOneArg(get_stream, device) : nullptr;
-    Py_XDECREF(device);
-    if (s == nullptr) return nullptr;
-    stream = PyLong_AsUnsignedLongLong(s);
-    Py_DECREF(s);
-  }
+  const unsigned long long stream = key_stream;  // the current stream (make_key)
   std::vector<char*> bases;
   bases.reserve(tensors.size());
   for (at::Tensor& t : tensors) bases.push_back(static_cast<char*>(t.data_ptr()));
@@ -391,7 +396,6 @@ bool read_launch(PyObject* o, Plan& plan) {
       Py_DECREF(fast);
       return false;
     }
-    plan.needs_stream |= s.kind == STREAM || !l.entry;
     if (s.kind == MAP && (l.entry || s.value >= plan.maps.size())) {
       Py_DECREF(fast);
       PyErr_SetString(PyExc_ValueError, "a map slot names one of the plan's maps, in a kernel");

@@ -25,10 +25,10 @@ import torch
 
 from vitrail.jit.errors import LaunchError
 from vitrail.op import Op
-from vitrail.plan import GENERAL, Plans, scratch, signature
+from vitrail.plan import GENERAL, Plans, keep, scratch, signature
 from vitrail.plan.native import front
 from vitrail.ops.common import (DISPATCH, EAGER, FLOATS, autograd_apply, call_mode, check_dim,
-                                check_tensor)
+                                check_tensor, persistent)
 from vitrail.ops.softmax import configs
 from vitrail.tune import bucket
 
@@ -207,13 +207,18 @@ def _slots(device: torch.device) -> int:
 
 
 def _workspace(device: torch.device, slots: int) -> torch.Tensor:
+    """The split path's workspace on the current stream: counters that two grids must not use
+    at once, so one per stream, zeroed once and kept (a plan passes it as a constant: plans hold
+    on their own stream only); a new one in a stream capture (the graph's own)."""
     words = 3 * slots  # slots counters + slots 8-byte partials
     if torch.cuda.is_current_stream_capturing():
         return torch.zeros(words, dtype=torch.int32, device=device)
     key = (device.index, torch.cuda.current_stream(device).cuda_stream)
     ws = _WORKSPACES.get(key)
     if ws is None or ws.numel() < words:
-        ws = _WORKSPACES[key] = torch.zeros(words, dtype=torch.int32, device=device)
+        ws = _WORKSPACES[key] = persistent(
+            lambda: torch.zeros(words, dtype=torch.int32, device=device), device)
+    keep(ws)
     return ws
 
 
