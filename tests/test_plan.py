@@ -419,3 +419,69 @@ def test_one_tensor_passed_twice_is_its_own_cpp_key(module, ext):
     view = x.view(2, 4)[0]  # a view at x's address is that tensor too
     assert add.front.call(x, x) is not native.MISS
     assert add.front.call(x[:8], x) is not native.MISS and view.data_ptr() == x.data_ptr()
+
+
+def test_calls_that_record_gradients_run_from_cpp_with_a_cpp_autograd_node(module, ext):
+    """A front with a gradient rule: a call that records gradients is a C++ plan of its own key
+    (which tensors require a gradient is in it), run with grad mode off, its output given a C++
+    autograd node whose backward calls the rule (here a front function itself); saved tensors
+    are checked for in-place changes, and a second backward without retain_graph refuses."""
+    from vitrail.plan import native
+    plans, calls = Plans("native-test"), []
+
+    def general(x, out, a):
+        calls.append(a)
+        module.scale(out.data_ptr(), x.data_ptr(), x.numel(), a, stream=0)
+
+    class Scale(torch.autograd.Function):  # the Python path's autograd
+        @staticmethod
+        def forward(ctx, x, a):
+            ctx.a = a
+            return plans.run((signature(x), a), (x,), _outputs, general, (a,))[0]
+
+        @staticmethod
+        def backward(ctx, g):
+            return scale(g.contiguous(), ctx.a), None
+
+    def backward(y, g, a):  # y: the saved output (unused but for the version check)
+        return scale(g.contiguous(), a)  # (sum's gradient is expanded: stride 0)
+
+    def rule(x, a=2.0):
+        return (backward, ((native.OUTPUT, 0), (native.GRAD, 0), (native.VALUE, a)), (0,),
+                "vitrail::ScaleBackward")
+
+    @native.front(plans, grad=rule)
+    def scale(x, a=2.0):
+        if torch.is_grad_enabled() and x.requires_grad:
+            return Scale.apply(x, a)
+        return plans.run((signature(x), a), (x,), _outputs, general, (a,))[0]
+
+    x = torch.randn(37, requires_grad=True)
+    scale(x, 3.0).sum().backward()  # learns the grad key (and the backward's plain one)
+    torch.testing.assert_close(x.grad, torch.full_like(x, 3.0))
+    assert len(scale.front.table) == 2
+    learned = len(calls)
+    for k in range(3):
+        x = torch.randn(37, requires_grad=True)
+        g = torch.randn(37)
+        y = scale(x, 3.0)
+        assert y.grad_fn is not None and y.grad_fn.name() == "vitrail::ScaleBackward"
+        torch.testing.assert_close(y, 3.0 * x.detach())
+        got, = torch.autograd.grad(y, x, g)
+        torch.testing.assert_close(got, 3.0 * g)
+    assert len(calls) == learned  # every later forward and backward ran from C++
+    assert scale.front.call(x, 3.0) is not native.MISS
+    with torch.no_grad():  # grad mode off: the plain key
+        assert scale(x, 3.0).grad_fn is None
+    y = scale(x, 3.0)  # through a graph: the gradient flows on to x's history
+    z = scale(y, 2.0)
+    z.backward(torch.ones(37))
+    torch.testing.assert_close(x.grad, torch.full_like(x, 6.0))
+    y = scale(x, 3.0)
+    y.mul_(2)  # the saved output changed in place
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    y = scale(x, 3.0)
+    y.sum().backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        y.sum().backward()

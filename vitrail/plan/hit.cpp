@@ -10,8 +10,15 @@
 // call's pointers on the current stream, or calls at::matmul where torch's matmul is the route.
 // No Python object is built but the result.
 //
-// What the key cannot vouch for returns MISS: a tensor that records a gradient (grad mode on),
-// a tensor subclass, an argument of another type, settings scoped by `with
+// A table given a gradient rule (set_grad) also answers calls that record gradients: the key
+// then holds which tensors require a gradient, the plan runs with grad mode off, and a C++
+// autograd node (GradNode) takes the outputs' history; its backward calls the rule's Python
+// function (a front function itself, so the backward's plan runs from C++ too). The rule's
+// arguments (saved outputs or inputs, output gradients, constants) are learned with the plan.
+//
+// What the key cannot vouch for returns MISS: a tensor that records a gradient where the table
+// has no rule (or one with a forward-mode gradient), a tensor subclass, an argument of another
+// type, settings scoped by `with
 // vitrail.tune.settings(...)`, a call being recorded by vitrail.plan in any thread, a kernel
 // launch with no CUDA context current. A MISS of a key with no plan is "pending": the family's
 // Python path runs, and if it ran exactly one plan whose outputs are the call's result, Python
@@ -32,13 +39,23 @@
 #include <ATen/ops/mm.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/Dtype.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/edge.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <type_traits>
 
 namespace {
 
 using LaunchFn = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                          unsigned, void*, void**, void**);
 using CtxFn = int (*)(void**);
+using SetCtxFn = int (*)(void*);
+using DeviceGetFn = int (*)(int*, int);
+using PrimaryFn = int (*)(void**, int);
 using Packed = long long (*)(void*, const unsigned long long*);
 using EncodeFn = int (*)(void*, int, unsigned, void*, const unsigned long long*,
                          const unsigned long long*, const unsigned*, const unsigned*, int, int,
@@ -46,6 +63,9 @@ using EncodeFn = int (*)(void*, int, unsigned, void*, const unsigned long long*,
 
 LaunchFn cu_launch = nullptr;         // cuLaunchKernel, where libcuda is loaded
 CtxFn cu_ctx_current = nullptr;       // cuCtxGetCurrent
+SetCtxFn cu_set_current = nullptr;    // cuCtxSetCurrent
+DeviceGetFn cu_device_get = nullptr;  // cuDeviceGet
+PrimaryFn cu_primary = nullptr;       // cuDevicePrimaryCtxRetain
 EncodeFn cu_encode = nullptr;         // cuTensorMapEncodeTiled
 PyObject* get_device = nullptr;       // () -> int: torch's current device (-1: none)
 PyObject* get_stream = nullptr;       // (device) -> int: torch's current stream there
@@ -87,6 +107,29 @@ struct Alloc {
   c10::Device device;
 };
 
+// The backward of a plan whose call records gradients: backward(*args) -> the gradient of each
+// differentiable input (a tensor, a tuple of them, None for none), where args are built from
+// the spec. Freed with the GIL, wherever the last node that uses it dies.
+struct GradRule {
+  enum Kind : int { OUTPUT = 0, INPUT = 1, GRAD = 2, VALUE = 3 };
+  struct Arg {
+    int kind;
+    int index;                  // OUTPUT, GRAD: the output; INPUT: the argument position
+    PyObject* value = nullptr;  // VALUE
+  };
+  PyObject* backward = nullptr;
+  std::vector<Arg> args;
+  std::vector<int> inputs;      // the argument positions of the differentiable tensors
+  std::string name;
+  ~GradRule() {
+    if (!Py_IsInitialized()) return;
+    PyGILState_STATE gil = PyGILState_Ensure();
+    Py_XDECREF(backward);
+    for (Arg& a : args) Py_XDECREF(a.value);
+    PyGILState_Release(gil);
+  }
+};
+
 struct Plan {
   enum Kind { LAUNCHES, MATMUL, GENERAL } kind = GENERAL;
   std::vector<int> args;           // the argument position of each tensor the plan reads
@@ -97,6 +140,7 @@ struct Plan {
   bool launches_kernels = false;
   PyObject* keep = nullptr;        // objects alive as long as the plan (tables it passes)
   PyObject* failed = nullptr;      // (launch index, result) -> raises the launch's error
+  std::shared_ptr<GradRule> grad;  // a plan of a call that records gradients: its backward
   ~Plan() {
     Py_XDECREF(keep);
     Py_XDECREF(failed);
@@ -107,12 +151,15 @@ struct Table {
   PyObject_HEAD
   std::unordered_map<std::string, std::shared_ptr<Plan>>* plans;
   Py_ssize_t capacity;
+  bool grad;  // calls that record gradients may have plans (set_grad)
 };
 
 thread_local std::string key_buffer;
 thread_local unsigned long long key_stream = 0;  // the current stream of the last make_key
+thread_local long key_device = -1;               // and the current device
 thread_local std::string pending;          // the key of this thread's last learnable miss
 thread_local Table* pending_table = nullptr;
+thread_local bool pending_grad = false;    // whether that miss recorded gradients
 
 template <typename T>
 inline void put(std::string& key, const T& v) {
@@ -120,8 +167,11 @@ inline void put(std::string& key, const T& v) {
 }
 
 // The key of a call into key; false where the call is not for this path (see the file's top).
-bool make_key(PyObject* const* args, Py_ssize_t n, std::string& key) {
+// records: whether the call records gradients (only where grad_ok: the table has a rule).
+bool make_key(PyObject* const* args, Py_ssize_t n, std::string& key, bool grad_ok,
+              bool& records) {
   key.clear();
+  records = false;
   const bool grad = c10::GradMode::is_enabled();
   const void* starts[16];  // the tensor arguments' addresses so far
   int8_t tensors = 0;
@@ -131,10 +181,13 @@ bool make_key(PyObject* const* args, Py_ssize_t n, std::string& key) {
       key.push_back('N');
     } else if (Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(THPVariableClass)) {
       const at::Tensor& t = THPVariable_Unpack(o);
-      if (grad && t.requires_grad()) return false;
+      const bool needs = grad && t.requires_grad();
+      if (needs && !grad_ok) return false;
+      records |= needs;
       try {  // sizes and strides throw for tensors without them (sparse, nested)
+        if (t._fw_grad(/*level=*/0).defined()) return false;  // forward-mode AD: Python's
         const int64_t dim = t.dim();
-        key.push_back('T');
+        key.push_back(needs ? 'G' : 'T');
         put(key, dim);
         key.append(reinterpret_cast<const char*>(t.sizes().data()), dim * sizeof(int64_t));
         key.append(reinterpret_cast<const char*>(t.strides().data()), dim * sizeof(int64_t));
@@ -192,7 +245,8 @@ bool make_key(PyObject* const* args, Py_ssize_t n, std::string& key) {
     PyErr_Clear();
     return false;
   }
-  put(key, PyLong_AsLong(device));
+  key_device = PyLong_AsLong(device);
+  put(key, key_device);
   key_stream = PyLong_AsUnsignedLongLong(stream);
   Py_DECREF(device);
   Py_DECREF(stream);
@@ -277,6 +331,156 @@ PyObject* run(const Plan& plan, PyObject* const* args) {
   return out;
 }
 
+// ------------------------------------------------------------------ autograd
+[[noreturn]] void throw_python_error() {  // the pending Python error, kept (GIL held)
+  python_error e;
+  e.persist();
+  throw std::move(e);
+}
+
+using NodePtr = decltype(torch::autograd::Edge::function);  // shared_ptr or intrusive_ptr
+
+template <class T, class P = NodePtr>
+P make_node(std::shared_ptr<GradRule> rule) {
+  if constexpr (std::is_same_v<P, std::shared_ptr<torch::autograd::Node>>) {
+    return std::make_shared<T>(std::move(rule));
+  } else {
+    return c10::make_intrusive<T>(std::move(rule));
+  }
+}
+
+// The backward of one planned call: the rule's function on the saved tensors, the output
+// gradients and the constants. Saved tensors are kept detached (an output kept as itself would
+// hold its own grad_fn: a cycle) with their version, checked as torch checks its own.
+struct GradNode : torch::autograd::Node {
+  explicit GradNode(std::shared_ptr<GradRule> r) : rule(std::move(r)) {}
+  std::shared_ptr<GradRule> rule;
+  std::vector<at::Tensor> saved;  // in the order of the rule's OUTPUT and INPUT args
+  std::vector<uint32_t> versions;
+  bool released = false;
+
+  std::string name() const override { return rule->name; }
+  void release_variables() override {
+    saved.clear();
+    released = true;
+  }
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    if (released) {
+      throw std::runtime_error(
+          "Trying to backward through the graph a second time (or directly access saved "
+          "tensors after they have already been freed). Specify retain_graph=True when calling "
+          ".backward() or autograd.grad() the first time.");
+    }
+    for (size_t k = 0; k < saved.size(); ++k) {
+      if (saved[k]._version() != versions[k]) {
+        throw std::runtime_error(
+            "one of the variables needed for gradient computation has been modified by an "
+            "inplace operation: " + rule->name + " saved a tensor at version " +
+            std::to_string(versions[k]) + ", which is now at version " +
+            std::to_string(saved[k]._version()));
+      }
+    }
+    torch::autograd::variable_list out(rule->inputs.size());
+    for (const GradRule::Arg& a : rule->args) {  // a zero gradient (undefined): zero results
+      if (a.kind == GradRule::GRAD && !grads[a.index].defined()) return out;
+    }
+    pybind11::gil_scoped_acquire gil;
+    PyObject* call = PyTuple_New(static_cast<Py_ssize_t>(rule->args.size()));
+    if (call == nullptr) throw_python_error();
+    size_t next_saved = 0;
+    for (size_t k = 0; k < rule->args.size(); ++k) {
+      const GradRule::Arg& a = rule->args[k];
+      PyObject* v = a.kind == GradRule::VALUE ? Py_NewRef(a.value)
+                    : a.kind == GradRule::GRAD ? THPVariable_Wrap(grads[a.index])
+                                               : THPVariable_Wrap(saved[next_saved++]);
+      if (v == nullptr) {
+        Py_DECREF(call);
+        throw_python_error();
+      }
+      PyTuple_SET_ITEM(call, k, v);
+    }
+    PyObject* r = PyObject_Call(rule->backward, call, nullptr);
+    Py_DECREF(call);
+    if (r == nullptr) throw_python_error();
+    const bool many = PyTuple_Check(r);
+    const Py_ssize_t got = many ? PyTuple_GET_SIZE(r) : 1;
+    if (got != static_cast<Py_ssize_t>(out.size())) {
+      Py_DECREF(r);
+      throw std::runtime_error(rule->name + ": the backward returned " + std::to_string(got) +
+                               " gradients for " + std::to_string(out.size()) + " inputs");
+    }
+    for (Py_ssize_t k = 0; k < got; ++k) {
+      PyObject* g = many ? PyTuple_GET_ITEM(r, k) : r;
+      if (g == Py_None) continue;
+      if (!THPVariable_Check(g)) {
+        Py_DECREF(r);
+        throw std::runtime_error(rule->name + ": the backward returned a non-tensor gradient");
+      }
+      out[k] = THPVariable_Unpack(g);
+    }
+    Py_DECREF(r);
+    return out;
+  }
+};
+
+// The plan's result, given its history: a GradNode whose inputs are the differentiable
+// arguments' gradient edges and whose outputs are the plan's new outputs.
+PyObject* run_recording(const Plan& plan, PyObject* const* args) {
+  PyObject* result;
+  {
+    c10::AutoGradMode off(false);
+    result = run(plan, args);
+  }
+  if (result == nullptr) return nullptr;
+  std::vector<at::Tensor> outputs;
+  if (PyTuple_Check(result)) {
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(result); ++k) {
+      outputs.push_back(THPVariable_Unpack(PyTuple_GET_ITEM(result, k)));
+    }
+  } else {
+    outputs.push_back(THPVariable_Unpack(result));
+  }
+  const GradRule& rule = *plan.grad;
+  auto node = make_node<GradNode>(plan.grad);
+  torch::autograd::edge_list edges;
+  for (int j : rule.inputs) {
+    edges.push_back(torch::autograd::impl::gradient_edge(THPVariable_Unpack(args[j])));
+  }
+  node->set_next_edges(std::move(edges));
+  auto* grad_node = static_cast<GradNode*>(node.get());
+  for (const GradRule::Arg& a : rule.args) {  // saved before the outputs get their history
+    if (a.kind != GradRule::OUTPUT && a.kind != GradRule::INPUT) continue;
+    const at::Tensor& t = a.kind == GradRule::OUTPUT ? outputs[a.index]
+                                                     : THPVariable_Unpack(args[a.index]);
+    grad_node->versions.push_back(t._version());
+    grad_node->saved.push_back(t.detach());
+  }
+  for (const at::Tensor& t : outputs) torch::autograd::set_history(t, node);
+  return result;
+}
+
+// A thread with no current CUDA context (autograd's device threads, before their first
+// runtime call) gets the device's primary context, as the runtime would give it.
+bool have_context(long device) {
+  void* ctx = nullptr;
+  if (cu_ctx_current == nullptr || cu_ctx_current(&ctx) != 0) return false;
+  if (ctx != nullptr) return true;
+  if (device < 0 || device >= 64 || cu_primary == nullptr || cu_set_current == nullptr) {
+    return false;
+  }
+  static void* primary[64] = {};
+  if (primary[device] == nullptr) {
+    int dev = 0;
+    void* made = nullptr;
+    if (cu_device_get(&dev, static_cast<int>(device)) != 0 || cu_primary(&made, dev) != 0) {
+      return false;
+    }
+    primary[device] = made;  // retained once for the process, as torch's runtime does
+  }
+  return cu_set_current(primary[device]) == 0;
+}
+
 // table.call(*args) -> the plan's result, or MISS
 PyObject* table_call(Table* self, PyObject* const* args, Py_ssize_t n) {
   pending_table = nullptr;
@@ -286,23 +490,23 @@ PyObject* table_call(Table* self, PyObject* const* args, Py_ssize_t n) {
   Py_DECREF(scope);
   if (scope != Py_None) return Py_NewRef(MISS);
   std::string& key = key_buffer;
-  if (!make_key(args, n, key)) return Py_NewRef(MISS);
+  bool records = false;
+  if (!make_key(args, n, key, self->grad, records)) return Py_NewRef(MISS);
   auto found = self->plans->find(key);
   if (found == self->plans->end()) {
     pending = key;
     pending_table = self;
+    pending_grad = records;
     return Py_NewRef(MISS);
   }
   std::shared_ptr<Plan> plan = found->second;  // alive while it runs, cleared or not
   if (plan->kind == Plan::GENERAL) return Py_NewRef(MISS);
-  if (plan->launches_kernels) {  // a thread with no current context: Python makes one
-    void* ctx = nullptr;
-    if (cu_ctx_current == nullptr || cu_ctx_current(&ctx) != 0 || ctx == nullptr) {
-      return Py_NewRef(MISS);
-    }
-  }
+  if (plan->launches_kernels && !have_context(key_device)) return Py_NewRef(MISS);
   try {
-    return run(*plan, args);
+    return records ? run_recording(*plan, args) : run(*plan, args);
+  } catch (python_error& e) {
+    e.restore();
+    return nullptr;
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return nullptr;
@@ -435,10 +639,55 @@ bool each(PyObject* seq, F&& f) {
   return ok;
 }
 
-// table.add(description) -> bool: the pending miss's key gets this plan (False: no pending
-// miss of this table in this thread). description: ("general",), ("matmul", (a, b)), or
-// ("launches", args, outputs, scratch, launches, maps, result, keep, failed).
-PyObject* table_add(Table* self, PyObject* desc) {
+// grad: (backward, ((kind, index or value), ...), (differentiable argument positions), name)
+bool read_grad(PyObject* o, Plan& plan) {
+  PyObject *backward, *args, *inputs;
+  const char* name;
+  if (!PyArg_ParseTuple(o, "OOOs", &backward, &args, &inputs, &name)) return false;
+  auto rule = std::make_shared<GradRule>();
+  rule->backward = Py_NewRef(backward);
+  rule->name = name;
+  if (!PyCallable_Check(backward) || !read_ints(inputs, rule->inputs)) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "a gradient rule's backward");
+    return false;
+  }
+  int outputs = plan.result == -2 ? static_cast<int>(plan.outputs.size()) : 1;
+  bool ok = each(args, [&](PyObject* a) {
+    int kind;
+    PyObject* v;
+    if (!PyArg_ParseTuple(a, "iO", &kind, &v)) return false;
+    GradRule::Arg arg{kind, 0, nullptr};
+    if (kind == GradRule::VALUE) {
+      arg.value = Py_NewRef(v);
+    } else {
+      arg.index = static_cast<int>(PyLong_AsLong(v));
+      if (PyErr_Occurred()) return false;
+      const int limit = kind == GradRule::INPUT ? 1 << 30 : outputs;
+      if (kind < 0 || kind > GradRule::VALUE || arg.index < 0 || arg.index >= limit) {
+        PyErr_SetString(PyExc_ValueError, "a gradient rule's argument names no output");
+        return false;
+      }
+    }
+    rule->args.push_back(arg);
+    return true;
+  });
+  if (!ok) return false;
+  plan.grad = std::move(rule);
+  return true;
+}
+
+// table.add(description, grad=None) -> bool: the pending miss's key gets this plan (False: no
+// pending miss of this table in this thread). description: ("general",), ("matmul", (a, b)),
+// or ("launches", args, outputs, scratch, launches, maps, result, keep, failed); grad (where
+// the miss recorded gradients): read_grad's. A call that records gradients gets a plan only
+// with its rule, and only one whose results are new outputs; else "general".
+PyObject* table_add(Table* self, PyObject* const* argv, Py_ssize_t argc) {
+  if (argc < 1 || argc > 2) {
+    PyErr_SetString(PyExc_TypeError, "add(description, grad=None)");
+    return nullptr;
+  }
+  PyObject* desc = argv[0];
+  PyObject* grad = argc == 2 ? argv[1] : Py_None;
   if (pending_table != self) Py_RETURN_FALSE;
   if (!PyTuple_Check(desc) || PyTuple_GET_SIZE(desc) < 1) {
     PyErr_SetString(PyExc_TypeError, "a plan description is a tuple");
@@ -476,6 +725,15 @@ PyObject* table_add(Table* self, PyObject* desc) {
     PyErr_Format(PyExc_ValueError, "unknown plan kind '%s'", kind);
     return nullptr;
   }
+  if (pending_grad && plan->kind != Plan::GENERAL) {
+    const bool fresh = plan->kind == Plan::LAUNCHES &&
+                       (plan->result == -2 || plan->result >= static_cast<int>(plan->args.size()));
+    if (!fresh || grad == Py_None) {
+      plan = std::make_shared<Plan>();  // general
+    } else if (!read_grad(grad, *plan)) {
+      return nullptr;
+    }
+  }
   pending_table = nullptr;  // a description that failed to parse leaves the key pending
   if (static_cast<Py_ssize_t>(self->plans->size()) >= self->capacity) self->plans->clear();
   (*self->plans)[pending] = std::move(plan);
@@ -484,6 +742,15 @@ PyObject* table_add(Table* self, PyObject* desc) {
 
 PyObject* table_pending(Table* self, PyObject*) {
   return PyBool_FromLong(pending_table == self);
+}
+
+PyObject* table_pending_grad(Table* self, PyObject*) {
+  return PyBool_FromLong(pending_table == self && pending_grad);
+}
+
+PyObject* table_set_grad(Table* self, PyObject*) {
+  self->grad = true;
+  Py_RETURN_NONE;
 }
 
 PyObject* table_clear(Table* self, PyObject*) {
@@ -504,6 +771,7 @@ PyObject* table_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   if (self == nullptr) return nullptr;
   self->plans = new std::unordered_map<std::string, std::shared_ptr<Plan>>();
   self->capacity = capacity;
+  self->grad = false;
   return reinterpret_cast<PyObject*>(self);
 }
 
@@ -515,8 +783,12 @@ void table_dealloc(Table* self) {
 PyMethodDef table_methods[] = {
     {"call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(table_call)),
      METH_FASTCALL, "call(*args): the plan's result, or MISS"},
-    {"add", reinterpret_cast<PyCFunction>(table_add), METH_O,
-     "add(description): the plan of this thread's pending miss"},
+    {"add", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(table_add)),
+     METH_FASTCALL, "add(description, grad=None): the plan of this thread's pending miss"},
+    {"pending_grad", reinterpret_cast<PyCFunction>(table_pending_grad), METH_NOARGS,
+     "whether this thread's pending miss recorded gradients (its plan needs a rule)"},
+    {"set_grad", reinterpret_cast<PyCFunction>(table_set_grad), METH_NOARGS,
+     "calls that record gradients may have plans, each with its gradient rule"},
     {"pending", reinterpret_cast<PyCFunction>(table_pending), METH_NOARGS,
      "whether this thread's last call() of this table missed a key it could learn"},
     {"clear", reinterpret_cast<PyCFunction>(table_clear), METH_NOARGS, "drop every plan"},
@@ -557,6 +829,9 @@ PyMODINIT_FUNC PyInit_vitrail_hit(void) {
   if (cuda != nullptr) {
     cu_launch = reinterpret_cast<LaunchFn>(dlsym(cuda, "cuLaunchKernel"));
     cu_ctx_current = reinterpret_cast<CtxFn>(dlsym(cuda, "cuCtxGetCurrent"));
+    cu_set_current = reinterpret_cast<SetCtxFn>(dlsym(cuda, "cuCtxSetCurrent"));
+    cu_device_get = reinterpret_cast<DeviceGetFn>(dlsym(cuda, "cuDeviceGet"));
+    cu_primary = reinterpret_cast<PrimaryFn>(dlsym(cuda, "cuDevicePrimaryCtxRetain"));
     cu_encode = reinterpret_cast<EncodeFn>(dlsym(cuda, "cuTensorMapEncodeTiled"));
   }
   TableType.tp_name = "vitrail_hit.Table";

@@ -3,16 +3,18 @@ C++ call, with no Python between the public function and the launch.
 
 An op's public function is wrapped by ``front(plans)``. The wrapper passes its arguments, as
 given, to the function's own ``Table`` (C++), which keys them (each tensor's shape, strides,
-dtype, device, dispatch keys, address modulo 16 and which earlier tensor argument starts at the
-same address; each scalar's type and value; the current device),
-finds the plan, allocates the outputs through ATen and makes the recorded calls and launches on
-the current stream. A key it has no plan for is *pending*: the function runs its Python path
-while the plans it uses are watched, and if exactly one ran and its outputs are the function's
-result, that plan's description (``describe``: the allocations, the launches as 8-byte slots,
-which argument each pointer comes from) is added under the pending key; any other outcome adds
-"general", and the key's calls keep to Python. What no key can vouch for (gradients recorded,
-tensor subclasses, scoped settings, a call being recorded) is a miss every time, and Python
-decides as before.
+dtype, device, dispatch keys, address modulo 16, whether it requires a gradient, and which
+earlier tensor argument starts at the same address; each scalar's type and value; the current
+device and stream), finds the plan, allocates the outputs through ATen and makes the recorded
+calls and launches on the current stream. A key it has no plan for is *pending*: the function
+runs its Python path while the plans it uses are watched, and if exactly one ran and its
+outputs are the function's result, that plan's description (``describe``: the allocations, the
+launches as 8-byte slots, which argument each pointer comes from) is added under the pending
+key; any other outcome adds "general", and the key's calls keep to Python. A call that records
+gradients has a plan only where the front has a gradient rule (``front(grad=)``): the outputs
+then get a C++ autograd node whose backward calls the rule. What no key can vouch for
+(gradients without a rule, tensor subclasses, scoped settings, a call being recorded) is a miss
+every time, and Python decides as before.
 
 The extension is compiled once per machine and torch version (host C++ against libtorch, about
 15 s), in a background thread started by the first plan of a CUDA call; until it is loaded every
@@ -34,7 +36,7 @@ from vitrail import knobs
 
 log = logging.getLogger("vitrail.plan")
 
-__all__ = ["MISS", "front", "load", "loaded"]
+__all__ = ["MISS", "front", "load", "loaded", "OUTPUT", "INPUT", "GRAD", "VALUE"]
 
 
 class _Miss:
@@ -190,19 +192,27 @@ def _stop() -> None:
         LEARNING[0] -= 1
 
 
-class Front:
-    """The C++ table of one front function (``front``): its key is that function's arguments."""
+# The kinds of a gradient rule's arguments (hit.cpp's GradRule): a saved output or input, an
+# output's gradient, a value
+OUTPUT, INPUT, GRAD, VALUE = 0, 1, 2, 3
 
-    def __init__(self, plans, name: str):
-        self.plans, self.name = plans, name
+
+class Front:
+    """The C++ table of one front function (``front``): its key is that function's arguments.
+    grad(*args): the gradient rule of a call that records gradients (``front``), or None."""
+
+    def __init__(self, plans, name: str, grad: Callable[..., tuple | None] | None = None):
+        self.plans, self.name, self.grad = plans, name, grad
         self.table = None  # once the extension is loaded
         self.call: Callable[..., Any] = _no_table  # table.call: the plan's result, or MISS
         plans.fronts.append(self)
         on_load(self._attach)
 
     def _attach(self, ext) -> None:
-        self.table = ext.Table(self.plans.capacity)
-        self.call = self.table.call
+        table = ext.Table(self.plans.capacity)
+        if self.grad is not None:
+            table.set_grad()
+        self.table, self.call = table, table.call
 
     def pending(self) -> bool:
         """Whether this thread's last ``call`` missed a key the table can learn."""
@@ -236,20 +246,30 @@ def _adopt(front: Front, seen: list, result, args: tuple, when) -> None:
                 (None, plans_module._device()):  # launched on the device current here
             description = describe(template, inputs, outputs, result, args) or ("general",)
     if description is not None:
-        try:
-            table.add(description)
+        try:  # a call that records gradients: its rule too (none: the key keeps to Python)
+            grad = front.grad(*args) if table.pending_grad() else None
+            table.add(description, grad)
         except Exception as e:  # a description the C++ side refuses: the key keeps to Python
             log.debug("vitrail: no C++ plan for a %s call: %s", front.name, e)
             table.add(("general",))
 
 
-def front(plans, *, when: Callable[..., bool] | None = None):
+def front(plans, *, when: Callable[..., bool] | None = None,
+          grad: Callable[..., tuple | None] | None = None):
     """Decorator: the C++ hit path in front of an op's public function (its parameters plain
     positional or keyword ones, no ``*args``/``**kwargs``), with a table of its own among the
     family's plans (``wrapper.front``). when(*args): whether a call may have a C++ plan at all
-    (the others keep to Python: state the key cannot see)."""
+    (the others keep to Python: state the key cannot see).
+
+    grad(*args) -> (backward, args, inputs, name) or None: calls that record gradients get C++
+    plans too, where the function's Python path ran one plan whose outputs are its result and
+    grad gives that call's rule: ``backward(*args)`` returns the gradient of each argument
+    position in ``inputs`` (a tensor, a tuple, None for none), each of args being (OUTPUT, k),
+    (INPUT, position), (GRAD, k): output k's gradient, or (VALUE, value); name names the
+    autograd node. The backward must be linear in the output gradients (a zero one gives zero
+    gradients without a call) and may be a front function itself."""
     def wrap(fn):
-        front = Front(plans, f"{fn.__module__}.{fn.__name__}")
+        front = Front(plans, f"{fn.__module__}.{fn.__name__}", grad)
         params = list(inspect.signature(fn).parameters.values())
         decl, names, call = [], [], []
         keyword_only = False

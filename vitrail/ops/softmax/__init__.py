@@ -26,7 +26,7 @@ import torch
 from vitrail.jit.errors import LaunchError
 from vitrail.op import Op
 from vitrail.plan import GENERAL, Plans, keep, scratch, signature
-from vitrail.plan.native import front
+from vitrail.plan.native import GRAD, OUTPUT, VALUE, front
 from vitrail.ops.common import (DISPATCH, EAGER, FLOATS, autograd_apply, call_mode, check_dim,
                                 check_tensor, persistent)
 from vitrail.ops.softmax import configs
@@ -527,9 +527,23 @@ class _Softmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         (y,) = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph: the custom op refuses a second backward
-            return softmax_bwd(y, dy, ctx.dim, ctx.log), None, None
-        return _backward(y, dy, ctx.dim, ctx.log), None, None
+        return _gradient(y, dy, ctx.dim, ctx.log), None, None
+
+
+def _gradient(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+    """The gradient of x (the GRAD path's backward, the C++ plans' too: vitrail.plan.native)."""
+    if torch.is_grad_enabled():  # create_graph: through the custom op, whose backward is
+        return softmax_bwd(y, dy, dim, log)  # differentiable
+    return _backward(y, dy, dim, log)
+
+
+def _rule(name: str, log: bool):
+    """The gradient rule of the public function's C++ plans: x's gradient from y, dy."""
+    def rule(x: torch.Tensor, dim: int = -1) -> tuple:
+        d = check_dim(name, dim, x.dim())  # the call passed it: the dim normalized
+        return (_gradient, ((OUTPUT, 0), (GRAD, 0), (VALUE, d), (VALUE, log)), (0,),
+                f"vitrail::{'Log' if log else ''}SoftmaxBackward")
+    return rule
 
 
 _SOFTMAX = autograd_apply(_Softmax)
@@ -554,13 +568,13 @@ def _call(name: str, x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
     return run(x, d, log)
 
 
-@front(PLANS)
+@front(PLANS, grad=_rule("vitrail.ops.softmax", False))
 def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """softmax(x) along ``dim``: fp32, fp16, bf16; any shape, strides and dim; autograd."""
     return _call("vitrail.ops.softmax", x, dim, False)
 
 
-@front(PLANS)
+@front(PLANS, grad=_rule("vitrail.ops.log_softmax", True))
 def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """log_softmax(x) along ``dim``: fp32, fp16, bf16; any shape, strides and dim; autograd."""
     return _call("vitrail.ops.log_softmax", x, dim, True)
