@@ -64,10 +64,10 @@ def _cases():
          mats((3, 50, 64)), 3e-2),
         ("sympow_mma query", lambda a, b: ops.sympow_mma(a, b, -1, 2, 8),
          lambda a, b: sympow_mma_reference(a, b, -1, 2, 8),
-         scaled(((4, 256, 64), 1.0), ((4, 2304, 64), 0.1)), 0.05),
+         scaled(((4, 256, 64), 1.0), ((4, 2304, 64), 0.1)), 0.1),  # bf16 out of ~5: 3 ulp
         ("sympow_mma state", lambda a, b: ops.sympow_mma(a, b, -2, 2, 8),
          lambda a, b: sympow_mma_reference(a, b, -2, 2, 8),
-         scaled(((4, 64, 256), 1.0), ((4, 256, 64), 0.1)), 0.05),
+         scaled(((4, 64, 256), 1.0), ((4, 256, 64), 0.1)), 0.1),
         ("mma_sympow_bwd", lambda g, bt, c: ops.mma_sympow_bwd(g, bt, c, -1, 2, 8),
          lambda g, bt, c: mma_sympow_bwd_reference(g, bt, c, -1, 2, 8),
          scaled(((4, 256, 64), 0.3), ((4, 64, 2304), 0.3), ((4, 256, 64), 1.0)), 0.1),
