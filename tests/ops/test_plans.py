@@ -307,36 +307,47 @@ def _double(*ts):
                                               ("sigmoid", None), ("relu", (-0.5, 0.5))])
 def test_gemm_autograd_path_matches_fp64_and_the_custom_op(activation, clamp):
     """An eager call that records gradients runs the family's autograd.Function (not the custom
-    op): its gradients equal the custom op's and fp64 autograd's, through the output's
-    derivative (relu, sigmoid) or z recomputed (gelu, clamps); create_graph goes through the
-    custom op, so a second derivative exists."""
+    op), then its C++ plan with vitrail's C++ autograd node: its gradients equal the custom
+    op's and fp64 autograd's, through the output's derivative (relu, sigmoid) or z recomputed
+    (gelu, clamps), with or without bias's gradient; create_graph goes through the custom op,
+    so a second derivative exists."""
     ops = _ops()
     from vitrail.ops.gemm.reference import gemm_reference
     lo, hi = clamp or (None, None)
-    a, b, bias = (torch.randn(*s, device="cuda", dtype=BF) for s in ((70, 48), (48, 40), (40,)))
-    a, b, bias = (t.requires_grad_() for t in (a, b, bias))
-    g = torch.randn(70, 40, device="cuda", dtype=BF)
-    out = ops.gemm(a, b, bias=bias, activation=activation, clamp_min=lo, clamp_max=hi)
-    assert type(out.grad_fn).__name__ == "_GemmBackward"
-    ours = _grads(out, (a, b, bias), g)
-    via_op = _grads(torch.ops.vitrail.gemm(a, b, None, bias, 1.0, 0.0, activation, 0.01, lo, hi,
-                                           None), (a, b, bias), g)
-    a2, b2, bias2 = _double(a, b, bias)
-    ref = gemm_reference(a2, b2, bias=bias2, activation_name=activation, clamp_min=lo,
-                         clamp_max=hi, out_dtype=torch.float64)
-    refs = _grads(ref, (a2, b2, bias2), g.double())
-    for mine, op, r in zip(ours, via_op, refs):
-        scale = r.abs().max().item() + 1e-3
-        assert (mine.double() - r).abs().max().item() <= 0.03 * scale
-        assert (mine.double() - op.double()).abs().max().item() <= 0.02 * scale
-    if activation is None:  # create_graph: a second derivative, as torch.mm's
-        w = b.detach().requires_grad_()
-        (gx,) = torch.autograd.grad(ops.mm(a, w), a, g, create_graph=True)
-        (gw,) = torch.autograd.grad((gx.float() ** 2).sum(), w)
-        a2, w2 = _double(a, w)
-        (gx2,) = torch.autograd.grad(a2 @ w2, a2, g.double(), create_graph=True)
-        (want,) = torch.autograd.grad((gx2 ** 2).sum(), w2)
-        _close(gw, want, 0.03 * want.abs().max().item())
+    for k in range(4):
+        a, b, bias = (torch.randn(*s, device="cuda", dtype=BF) for s in ((70, 48), (48, 40),
+                                                                          (40,)))
+        a, b = (t.requires_grad_() for t in (a, b))
+        bias.requires_grad_(k < 3)  # the last: a key of its own, bias's gradient not needed
+        g = torch.randn(70, 40, device="cuda", dtype=BF)
+        out = ops.gemm(a, b, bias=bias, activation=activation, clamp_min=lo, clamp_max=hi)
+        if k in (0, 3):
+            assert type(out.grad_fn).__name__ == "_GemmBackward"
+        else:
+            assert out.grad_fn.name() == "vitrail::GemmBackward"
+        leaves = (a, b, bias) if bias.requires_grad else (a, b)
+        ours = _grads(out, leaves, g)
+        via_op = _grads(torch.ops.vitrail.gemm(a, b, None, bias, 1.0, 0.0, activation, 0.01, lo,
+                                               hi, None), leaves, g)
+        a2, b2, bias2 = _double(a, b, bias)
+        ref = gemm_reference(a2, b2, bias=bias2, activation_name=activation, clamp_min=lo,
+                             clamp_max=hi, out_dtype=torch.float64)
+        refs = _grads(ref, (a2, b2, bias2)[:len(leaves)], g.double())
+        for mine, op, r in zip(ours, via_op, refs):
+            scale = r.abs().max().item() + 1e-3
+            assert (mine.double() - r).abs().max().item() <= 0.03 * scale
+            assert (mine.double() - op.double()).abs().max().item() <= 0.02 * scale
+    if activation is None:  # create_graph: a second derivative, as torch.mm's (C++ the 2nd)
+        for k in range(2):
+            w = b.detach().requires_grad_()
+            y = ops.mm(a, w)
+            assert k == 0 or y.grad_fn.name() == "vitrail::GemmBackward"
+            (gx,) = torch.autograd.grad(y, a, g, create_graph=True)
+            (gw,) = torch.autograd.grad((gx.float() ** 2).sum(), w)
+            a2, w2 = _double(a, w)
+            (gx2,) = torch.autograd.grad(a2 @ w2, a2, g.double(), create_graph=True)
+            (want,) = torch.autograd.grad((gx2 ** 2).sum(), w2)
+            _close(gw, want, 0.03 * want.abs().max().item())
 
 
 def test_autograd_paths_of_softmax_copy_and_sympow():

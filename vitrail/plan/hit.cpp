@@ -349,37 +349,34 @@ P make_node(std::shared_ptr<GradRule> rule) {
   }
 }
 
+// This node as the pointer type torch's edges hold (what a saved output is unpacked for).
+template <class P = NodePtr, class N = torch::autograd::Node>  // N: dependent, for old torch
+P self_pointer(N* node) {
+  if constexpr (std::is_same_v<P, std::shared_ptr<torch::autograd::Node>>) {
+    return node->shared_from_this();
+  } else {
+    return P::reclaim_copy(node);
+  }
+}
+
 // The backward of one planned call: the rule's function on the saved tensors, the output
-// gradients and the constants. Saved tensors are kept detached (an output kept as itself would
-// hold its own grad_fn: a cycle) with their version, checked as torch checks its own.
+// gradients and the values. Tensors are saved as torch saves its own (SavedVariable: an output
+// without a reference cycle, a version check, freed after backward, history kept for
+// create_graph).
 struct GradNode : torch::autograd::Node {
   explicit GradNode(std::shared_ptr<GradRule> r) : rule(std::move(r)) {}
   std::shared_ptr<GradRule> rule;
-  std::vector<at::Tensor> saved;  // in the order of the rule's OUTPUT and INPUT args
-  std::vector<uint32_t> versions;
-  bool released = false;
+  std::vector<torch::autograd::SavedVariable> saved;  // the rule's OUTPUT and INPUT args
 
   std::string name() const override { return rule->name; }
   void release_variables() override {
-    saved.clear();
-    released = true;
+    for (auto& v : saved) v.reset_data();
   }
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
-    if (released) {
-      throw std::runtime_error(
-          "Trying to backward through the graph a second time (or directly access saved "
-          "tensors after they have already been freed). Specify retain_graph=True when calling "
-          ".backward() or autograd.grad() the first time.");
-    }
-    for (size_t k = 0; k < saved.size(); ++k) {
-      if (saved[k]._version() != versions[k]) {
-        throw std::runtime_error(
-            "one of the variables needed for gradient computation has been modified by an "
-            "inplace operation: " + rule->name + " saved a tensor at version " +
-            std::to_string(versions[k]) + ", which is now at version " +
-            std::to_string(saved[k]._version()));
-      }
+    std::vector<at::Tensor> tensors;  // unpacked: checked for in-place changes and release
+    for (auto& v : saved) {
+      tensors.push_back(v.unpack(self_pointer<NodePtr, torch::autograd::Node>(this)));
     }
     torch::autograd::variable_list out(rule->inputs.size());
     for (const GradRule::Arg& a : rule->args) {  // a zero gradient (undefined): zero results
@@ -393,7 +390,7 @@ struct GradNode : torch::autograd::Node {
       const GradRule::Arg& a = rule->args[k];
       PyObject* v = a.kind == GradRule::VALUE ? Py_NewRef(a.value)
                     : a.kind == GradRule::GRAD ? THPVariable_Wrap(grads[a.index])
-                                               : THPVariable_Wrap(saved[next_saved++]);
+                                               : THPVariable_Wrap(tensors[next_saved++]);
       if (v == nullptr) {
         Py_DECREF(call);
         throw_python_error();
@@ -448,15 +445,15 @@ PyObject* run_recording(const Plan& plan, PyObject* const* args) {
     edges.push_back(torch::autograd::impl::gradient_edge(THPVariable_Unpack(args[j])));
   }
   node->set_next_edges(std::move(edges));
-  auto* grad_node = static_cast<GradNode*>(node.get());
-  for (const GradRule::Arg& a : rule.args) {  // saved before the outputs get their history
-    if (a.kind != GradRule::OUTPUT && a.kind != GradRule::INPUT) continue;
-    const at::Tensor& t = a.kind == GradRule::OUTPUT ? outputs[a.index]
-                                                     : THPVariable_Unpack(args[a.index]);
-    grad_node->versions.push_back(t._version());
-    grad_node->saved.push_back(t.detach());
-  }
   for (const at::Tensor& t : outputs) torch::autograd::set_history(t, node);
+  auto* grad_node = static_cast<GradNode*>(node.get());
+  for (const GradRule::Arg& a : rule.args) {  // saved once the outputs have their history
+    if (a.kind == GradRule::OUTPUT) {
+      grad_node->saved.emplace_back(outputs[a.index], /*is_output=*/true);
+    } else if (a.kind == GradRule::INPUT) {
+      grad_node->saved.emplace_back(THPVariable_Unpack(args[a.index]), /*is_output=*/false);
+    }
+  }
   return result;
 }
 

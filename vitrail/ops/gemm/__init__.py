@@ -25,7 +25,7 @@ from torch import Tensor
 from vitrail.ops.common import (DISPATCH, EAGER, autograd_apply, call_mode,
                                 check_same_device, check_tensor)
 from vitrail.ops.gemm.launch import PLANS, eager, native_ok
-from vitrail.plan.native import front
+from vitrail.plan.native import GRAD, INPUT, OUTPUT, VALUE, front
 from vitrail.ops.gemm.reference import activation as _act, activation_backward, grad_from_output
 from vitrail.gemm.epilogue import ACTIVATIONS
 from vitrail.jit.errors import ArgumentError
@@ -192,6 +192,50 @@ class _Gemm(torch.autograd.Function):
 _GEMM = autograd_apply(_Gemm)
 
 
+class _Saved:
+    """What ``_grads`` reads of an autograd ctx, for the C++ plans' backward (``_rule``)."""
+    __slots__ = ("saved_tensors", "params", "needs_input_grad", "from_y", "c_shape")
+
+    def __init__(self, saved, params, needs, from_y, c_shape):
+        self.saved_tensors, self.params, self.needs_input_grad = saved, params, needs
+        self.from_y, self.c_shape = from_y, c_shape
+
+
+def _plan_grads(a, b, c, bias, y, grad, params, needs, from_y, c_shape) -> tuple:
+    """The gradients of the tensors among a, b, c, bias (those not None, in that order): the
+    backward of a call that records gradients run as a C++ plan (vitrail.plan.native)."""
+    mm = _gemm if torch.is_grad_enabled() else _eager  # create_graph: the differentiable op
+    got = _grads(_Saved((a, b, c, bias, y), params, needs, from_y, c_shape), grad, mm)
+    return tuple(g for g, t in zip(got, (a, b, c, bias)) if t is not None)
+
+
+def _rule(a, b, c, bias, alpha, beta, activation, slope, clamp_min, clamp_max, positions):
+    """The gradient rule of a call's C++ plan (front(grad=)): what ``_save`` keeps, as the
+    rule's arguments; positions: the front arguments' positions of a, b, c, bias."""
+    lo = None if clamp_min is None else float(clamp_min)
+    hi = None if clamp_max is None else float(clamp_max)
+    params = (float(alpha), float(beta), activation, float(slope), lo, hi)
+    from_y = lo is None and hi is None and grad_from_output(activation, slope)
+    tensors = (a, b, c, bias)
+    args = tuple((INPUT, p) if t is not None else (VALUE, None)
+                 for t, p in zip(tensors, positions))
+    args += ((OUTPUT, 0) if from_y and activation is not None else (VALUE, None), (GRAD, 0),
+             (VALUE, params), (VALUE, tuple(t is not None and t.requires_grad for t in tensors)),
+             (VALUE, from_y), (VALUE, None if c is None else tuple(c.shape)))
+    inputs = tuple(p for t, p in zip(tensors, positions) if t is not None)
+    return _plan_grads, args, inputs, "vitrail::GemmBackward"
+
+
+def _gemm_rule(a, b, c=None, alpha=1.0, beta=0.0, bias=None, activation=None, out_dtype=None,
+               slope=0.01, clamp_min=None, clamp_max=None):
+    return _rule(a, b, c, bias, alpha, beta, activation, slope, clamp_min, clamp_max,
+                 (0, 1, 2, 5))
+
+
+def _mm_rule(a, b, out_dtype=None):
+    return _rule(a, b, None, None, 1.0, 0.0, None, 0.0, None, None, (0, 1, None, None))
+
+
 @front(PLANS, when=native_ok)  # the GRAD path's GEMMs run from C++ (grad mode is off there)
 def _eager(a, b, c, bias, alpha, beta, activation, slope, lo, hi, out_dtype, name=None,
            ndim=None) -> Tensor:
@@ -220,7 +264,7 @@ def _call(name: str, a, b, c, bias, alpha, beta, activation, slope, clamp_min, c
 
 
 # ------------------------------------------------------------------------- public functions
-@front(PLANS, when=native_ok)
+@front(PLANS, when=native_ok, grad=_gemm_rule)
 def gemm(a: Tensor, b: Tensor, c: Optional[Tensor] = None, *, alpha: float = 1.0,
          beta: float = 0.0, bias: Optional[Tensor] = None, activation: Optional[str] = None,
          out_dtype: Optional[torch.dtype] = None, slope: float = 0.01,
@@ -237,14 +281,14 @@ def gemm(a: Tensor, b: Tensor, c: Optional[Tensor] = None, *, alpha: float = 1.0
                  clamp_max, out_dtype, None)
 
 
-@front(PLANS, when=native_ok)
+@front(PLANS, when=native_ok, grad=_mm_rule)
 def mm(a: Tensor, b: Tensor, *, out_dtype: Optional[torch.dtype] = None) -> Tensor:
     """a @ b for 2-D a (M, K) and b (K, N); transposed views are read without a copy."""
     return _call("vitrail.ops.mm", a, b, None, None, 1.0, 0.0, None, 0.0, None, None, out_dtype,
                  2)
 
 
-@front(PLANS, when=native_ok)
+@front(PLANS, when=native_ok, grad=_mm_rule)
 def bmm(a: Tensor, b: Tensor, *, out_dtype: Optional[torch.dtype] = None) -> Tensor:
     """Batched a @ b for 3-D a (L, M, K) and b (L, K, N)."""
     return _call("vitrail.ops.bmm", a, b, None, None, 1.0, 0.0, None, 0.0, None, None, out_dtype,
