@@ -368,3 +368,20 @@ def test_progress_written_to_a_file_is_whole_lines(monkeypatch, stdout_tty, stde
 def test_progress_on_a_terminal_is_one_line_redrawn(monkeypatch):
     out, err = _compile_output(monkeypatch, True, True)
     assert err.count("\r") == 40 and err.endswith("\n") and err.count("\n") == 1
+
+
+def test_the_summary_compares_eager_with_eager_and_graph_with_graph():
+    """Rows that say how they ran (host's small problems: eager, replayed from a graph) are
+    summarized like with like, though each case has both baselines."""
+    rows = []
+    cases = {"a": (10.0, 4.0, 20.0, 8.0), "b": (30.0, 5.0, 15.0, 5.0)}
+    for case, (ve, vg, te, tg) in cases.items():
+        for impl, us in (("vitrail eager", ve), ("vitrail graph", vg), ("torch eager", te),
+                         ("torch graph", tg)):
+            rows.append(Row(case, impl, us, "µs/call", baseline=impl.startswith("torch")))
+    entries = report.summarize({"host": rows})["host"]
+    got = {(e["impl"], e["baseline"]): e for e in entries}
+    assert set(got) == {("vitrail eager", "torch eager"), ("vitrail graph", "torch graph")}
+    assert got["vitrail eager", "torch eager"]["geomean"] == pytest.approx((2.0 * 0.5) ** 0.5)
+    assert got["vitrail graph", "torch graph"]["min"] == pytest.approx(1.0)
+    assert got["vitrail graph", "torch graph"]["at_or_above_1x"] == 2

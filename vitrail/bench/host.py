@@ -199,7 +199,7 @@ def run() -> list[Row]:
             print(f"    {case}: {type(e).__name__}: {str(e)[:200]}")
             continue
         for impl, us in got.items():
-            rows.append(Row(case, impl, us, "µs/call", baseline=impl == "torch eager",
+            rows.append(Row(case, impl, us, "µs/call", baseline=impl.startswith("torch"),
                             group="small problems: eager, and replayed from a CUDA graph"))
         print(f"    {case:40s} " + "  ".join(f"{k} {v:7.1f}" for k, v in got.items())
               + f"  (eager {got['torch eager'] / got['vitrail eager']:.2f}x)")

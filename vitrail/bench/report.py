@@ -18,11 +18,27 @@ from vitrail.bench import Row, ratios, roofline_of
 OURS = "vitrail"  # a row is vitrail's when its implementation's name starts with this
 
 
+RUNS = ("eager", "graph")  # how a row ran, as the last word of its implementation's name
+
+
+def _how(impl: str) -> str:
+    """How an implementation ran ("eager" of "vitrail eager"), or "" where its name says not."""
+    last = impl.rsplit(" ", 1)[-1]
+    return last if last in RUNS else ""
+
+
+def _alike(impl: str, base: str) -> bool:
+    """Whether a summary compares impl with base: like with like where both say how they ran
+    (vitrail graph with torch graph, not with torch eager)."""
+    a, b = _how(impl), _how(base)
+    return not a or not b or a == b
+
+
 def summarize(results: dict[str, list[Row]]) -> dict[str, list[dict]]:
-    """Per benchmark, one entry per (vitrail implementation, baseline, unit) that share cases:
-    cases, geomean, min and max (with their cases) and at_or_above_1x of vitrail's ratios
-    (> 1: better, whichever way the unit points; a unit apart, as sympow's peak MiB is not
-    its ms)."""
+    """Per benchmark, one entry per (vitrail implementation, baseline, unit) that share cases
+    and ran alike (``_alike``): cases, geomean, min and max (with their cases) and
+    at_or_above_1x of vitrail's ratios (> 1: better, whichever way the unit points; a unit
+    apart, as sympow's peak MiB is not its ms)."""
     out: dict[str, list[dict]] = {}
     for name, rows in results.items():
         pairs: dict[tuple[str, str, str], list[tuple[str, float]]] = {}
@@ -30,7 +46,7 @@ def summarize(results: dict[str, list[Row]]) -> dict[str, list[dict]]:
             if r.baseline or not r.impl.startswith(OURS):
                 continue
             for base, x in vs.items():
-                if x:
+                if x and _alike(r.impl, base):
                     pairs.setdefault((r.impl, base, r.unit), []).append((r.case, x))
         out[name] = []
         for (impl, base, unit), got in pairs.items():
