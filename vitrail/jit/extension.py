@@ -27,6 +27,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import sys
 import sysconfig
 import threading
@@ -40,6 +41,8 @@ from typing import Mapping, Sequence
 from vitrail import __version__
 from vitrail.jit import toolchain
 from vitrail.jit.cache import LAYOUT, KernelCache, _safe, header_closure, make_key
+from vitrail.jit.compiler import _Failed, _run_compiler, _run_nvcc, cached_build
+from vitrail.jit.launcher import load_extension
 
 CPP_SUFFIXES = (".cpp", ".cc", ".cxx", ".c++", ".C")
 CUDA_SUFFIXES = (".cu",)
@@ -291,14 +294,12 @@ def _import(name: str, path: Path, key: str) -> types.ModuleType:
         module = types.ModuleType(name, f"torch extension {name} (ops only: torch.ops)")
         module.__file__ = str(path)
         return module
-    from vitrail.jit.launcher import load_extension
     module = load_extension(f"_vitrail_ext_{key[:16]}.{name}", path)
     module.__name__ = name
     return module
 
 
 def _build(name: str, units: list[_Unit], options: _Options):
-    from vitrail.jit.compiler import cached_build
     cache = KernelCache()
     key, plan = _key(name, units, options, cache)
     shown = {u.file: u.shown for u in units if u.shown}
@@ -314,8 +315,9 @@ def _key(name: str, units: list[_Unit], options: _Options, cache: KernelCache):
     cxx = _which(cxx, "CXX")
     arch = None
     nvcc = ""
-    if any(u.is_cuda for u in units):
+    if options.with_cuda or any(u.is_cuda for u in units):  # CUDA's headers, libraries
         nvcc = toolchain.nvcc_path()
+    if any(u.is_cuda for u in units):
         if not any(f.split("=")[0] in _ARCH_FLAGS for f in options.cuda_cflags):
             arch = toolchain.target_arch()
     dirs = list(options.include_dirs)
@@ -334,7 +336,6 @@ def _key(name: str, units: list[_Unit], options: _Options, cache: KernelCache):
 
 
 def _which(tool: str, what: str) -> str:
-    import shutil
     found = shutil.which(tool)
     if found is None:
         raise toolchain.ToolchainError(f"{what}={tool}: no such compiler on PATH")
@@ -372,7 +373,6 @@ def _tool_id(tool: str, cache: KernelCache) -> str:
 
 def _compile(build: Path, name: str, units: list[_Unit], options: _Options, plan: dict) -> dict:
     """Every unit compiled by its own process at once, then one link; the build's meta."""
-    from vitrail.jit.compiler import _Failed, _run_compiler, _run_nvcc
     start = time.time()
     torch_dir = plan["torch"]
     python = sysconfig.get_paths()["include"]
