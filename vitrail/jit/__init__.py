@@ -3,6 +3,8 @@
     mod = vitrail.jit.compile(source, name="add")            # nvcc: a shared library
     mod.launch_add(x, y, x.numel(), 2.0)                      # extern "C" entry point
 
+    ext = vitrail.jit.load_inline("ext", cpp_sources=src, functions=["f"])  # torch extension
+
     k = vitrail.jit.RawKernel(source, "saxpy")                # NVRTC: a device-only kernel
     k[(n + 255) // 256, 256](2.0, x, y, n)
 
@@ -22,6 +24,7 @@ _EXPORTS = {
     "VitrailError": "errors", "ToolchainError": "errors", "CompileError": "errors",
     "CacheLockTimeout": "errors", "CacheError": "errors", "LaunchError": "errors",
     "ArgumentError": "errors",
+    "load_inline": "extension", "load": "extension",
 }
 __all__ = list(_EXPORTS)
 
@@ -32,7 +35,8 @@ def __getattr__(name: str):
         globals()[name] = value
         return value
     if name in ("toolchain", "cache", "index", "compiler", "module", "kernel", "signature",
-                "arguments", "launcher", "housekeeping", "errors", "tma", "sass", "database"):
+                "arguments", "launcher", "housekeeping", "errors", "tma", "sass", "database",
+                "extension"):
         return importlib.import_module(f"vitrail.jit.{name}")
     raise AttributeError(f"module 'vitrail.jit' has no attribute '{name}'")
 

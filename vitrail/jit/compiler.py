@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from vitrail import __version__, knobs
 from vitrail.jit import shared, toolchain
@@ -139,36 +139,47 @@ def _build(source: str, name: str, backend: str, arch: toolchain.Arch, flags: li
            include_dirs: list, defines: Mapping[str, object], kernels: list[str]):
     key, tool, dirs, define_flags = _key(source, name, backend, arch, flags, include_dirs,
                                          defines, kernels)
+    builder = _build_nvcc if backend == "nvcc" else _build_nvrtc
+    return cached_build(key, name, backend, lambda build: builder(
+        build, source, name, arch, flags, dirs, define_flags, kernels, tool),
+        read_artifact=backend == "nvrtc")
+
+
+def cached_build(key: str, name: str, backend: str, builder: Callable[[Path], dict], *,
+                 read_artifact: bool = False, sources: Mapping[str, str] | None = None):
+    """(entry, how) of key: from this user's cache ("disk"), else from a shared cache
+    ("shared"), else built by ``builder(build dir) -> meta`` under key's lock and published
+    ("compiled"). A builder reports a failed step by raising :class:`_Failed`; the build is
+    saved and a CompileError names its first errors (sources: a file of the build -> the path
+    to show for it, where it is the user's own file)."""
     cache = KernelCache()
     index = Index(cache)
     force = knobs.FORCE_RECOMPILE.get()
-    is_cubin = backend == "nvrtc"
-    entry = None if force else cache.lookup(key, read_artifact=is_cubin)
+    entry = None if force else cache.lookup(key, read_artifact=read_artifact)
     how = "disk"
     if entry is None:
         with cache.lock(key, name):
-            entry = None if force else cache.lookup(key, read_artifact=is_cubin)
+            entry = None if force else cache.lookup(key, read_artifact=read_artifact)
             if entry is None and not force:
-                entry = _from_shared(cache, key, is_cubin)
+                entry = _from_shared(cache, key, read_artifact)
                 how = "disk" if entry is None else "shared"
             if entry is None:
                 build = cache.new_build_dir(key)
                 try:
-                    builder = _build_nvcc if backend == "nvcc" else _build_nvrtc
-                    meta = builder(build, source, name, arch, flags, dirs, define_flags, kernels,
-                                   tool)
-                    entry = cache.publish(key, build, meta, read_artifact=is_cubin)
+                    meta = builder(build)
+                    entry = cache.publish(key, build, meta, read_artifact=read_artifact)
                 except _Failed as failed:
                     (build / "build.log").write_text(f"$ {failed.command}\n{failed.log}")
                     saved = cache.save_failure(name, key, build)
-                    raise CompileError(name, backend, _first_errors(failed.log, build, saved),
+                    raise CompileError(name, failed.tool or backend,
+                                       _first_errors(failed.log, build, saved, sources),
                                        failed.command.replace(str(build), str(saved)), str(saved),
                                        failed.log) from None
                 finally:
                     shutil.rmtree(build, ignore_errors=True)
                 how = "compiled"
-                log.info("vitrail: compiled '%s' (%s, %s) in %.1f s", name, backend, arch.sm,
-                         entry.meta["compile_seconds"])
+                log.info("vitrail: compiled '%s' (%s, %s) in %.1f s", name, backend,
+                         entry.meta.get("arch"), entry.meta["compile_seconds"])
     if how != "disk":
         index.record(key, entry.meta, dir_size(entry.dir))
     else:
@@ -244,8 +255,8 @@ def _die_with_parent() -> None:
 
 
 class _Failed(Exception):
-    def __init__(self, log_text: str, command: str):
-        self.log, self.command = log_text, command
+    def __init__(self, log_text: str, command: str, tool: str = ""):
+        self.log, self.command, self.tool = log_text, command, tool
 
 
 # ---------------------------------------------------------------------------------------- nvcc
@@ -460,12 +471,18 @@ _ERROR_LINE = re.compile(r"(error|catastrophic|fatal)\b", re.I)
 _AT_LINE = re.compile(r'at line (\d+) of "?([^"\s]+?)"?\s*$')
 
 
-def _first_errors(out: str, build: Path, saved: Path, limit: int = 10) -> list[str]:
-    """The compiler's first error lines, with paths pointing at the saved copy of the source.
-    An error inside a header (CuTe, CUTLASS) that an instantiation in the user's own file led
-    to is shown at that line of the user's file first (the outermost such line nvcc names), and
-    such errors come before the others."""
-    sources = {p.name for p in saved.glob("*.cu")}
+_SOURCE_SUFFIXES = (".cu", ".cpp", ".cc", ".cxx", ".c++", ".C")
+
+
+def _first_errors(out: str, build: Path, saved: Path, shown: Mapping[str, str] | None = None,
+                  limit: int = 10) -> list[str]:
+    """The compiler's first error lines, with paths pointing at the saved copy of the source
+    (or, for a file in ``shown``, at the path shown for it: the user's own file). An error
+    inside a header (CuTe, CUTLASS) that an instantiation in the user's own file led to is
+    shown at that line of the user's file first (the outermost such line nvcc names), and such
+    errors come before the others."""
+    sources = {p.name for p in saved.iterdir() if p.suffix in _SOURCE_SUFFIXES}
+    shown = shown or {}
     blocks: list[list] = []  # [error line, the user's line that led to it or None]
     for line in out.splitlines():
         if line.startswith("$ "):
@@ -478,11 +495,15 @@ def _first_errors(out: str, build: Path, saved: Path, limit: int = 10) -> list[s
                 blocks[-1][1] = (Path(found.group(2)).name, found.group(1))
     lines = []
     for text, mine in sorted(blocks, key=lambda b: b[1] is None):  # stable: yours first
+        for file, path in shown.items():
+            text = text.replace(f"{build}/{file}", path)
         text = text.replace(str(build), str(saved))
         if re.match(r"[\w.-]+\.cu[(:]", text):  # NVRTC names the file without a directory
             text = f"{saved}/{text}"
         if mine is not None and not text.startswith(f"{saved}/{mine[0]}"):
-            text = f"{saved}/{mine[0]}({mine[1]}): from your code: {text}"
+            where = shown.get(mine[0], f"{saved}/{mine[0]}")
+            if not text.startswith(where):
+                text = f"{where}({mine[1]}): from your code: {text}"
         lines.append(text)
         if len(lines) >= limit:
             break

@@ -110,8 +110,17 @@ def _extension(source: str, name: str, *, flags: list[str] = (), include_dirs: l
     tag = f"// {tag}{sys.implementation.cache_tag} {sysconfig.get_config_var('SOABI')}\n"
     module = jit_compile(tag + source, name=name, backend="nvcc", flags=list(flags),
                          include_dirs=[include, *include_dirs], arch=_host_arch())
-    loader = importlib.machinery.ExtensionFileLoader(name, str(module.path))
-    spec = importlib.util.spec_from_file_location(name, module.path, loader=loader)
+    return load_extension(name, module.path)
+
+
+def load_extension(name: str, path) -> object:
+    """The CPython extension module of the library at path whose init function is
+    ``PyInit_<name>``, loaded under that name whatever the file is called. A dotted name
+    (``package.name``) is the module's full name and ``PyInit_`` is followed by its last part:
+    pybind11 keeps one module per full name for the process, so two libraries of one short
+    name are two modules only under two full names."""
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
     ext = importlib.util.module_from_spec(spec)
     loader.exec_module(ext)
     return ext

@@ -177,8 +177,16 @@ def nvcc() -> Nvcc:
     return _find_nvcc(env)
 
 
+def nvcc_path() -> str:
+    """Where the nvcc :func:`nvcc` uses is, found without running it (a cached build's key
+    names the compiler by this path's version line); raises ToolchainError if there is none."""
+    env = (knobs.NVCC.get(), os.environ.get("CUDA_HOME", ""), os.environ.get("CUDA_PATH", ""),
+           os.environ.get("PATH", ""))
+    return _nvcc_path(env)
+
+
 @functools.lru_cache(maxsize=8)
-def _find_nvcc(env: tuple[str, str, str, str]) -> Nvcc:
+def _nvcc_path(env: tuple[str, str, str, str]) -> str:
     explicit, cuda_home, cuda_path, _ = env
     if explicit:
         candidates = [("VITRAIL_NVCC", explicit)]
@@ -195,6 +203,12 @@ def _find_nvcc(env: tuple[str, str, str, str]) -> Nvcc:
         raise ToolchainError(
             f"nvcc not found (tried {tried}); nvcc >= {_fmt(NVCC_MIN)} is needed. Install the "
             f"CUDA toolkit, or point VITRAIL_NVCC or CUDA_HOME at it.")
+    return path
+
+
+@functools.lru_cache(maxsize=8)
+def _find_nvcc(env: tuple[str, str, str, str]) -> Nvcc:
+    path = _nvcc_path(env)
     out = _run([path, "--version"], "nvcc")
     m = re.search(r"release (\d+)\.(\d+), V(\d+)\.(\d+)\.(\d+)", out)
     if not m:
@@ -220,11 +234,27 @@ def _find_nvcc(env: tuple[str, str, str, str]) -> Nvcc:
 
 
 def _host_compiler() -> str:
+    return version_line(host_cxx())
+
+
+def host_cxx() -> str:
+    """The host C++ compiler nvcc drives, and that host code (torch extensions' .cpp files)
+    is compiled with: g++, else c++, on PATH."""
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         raise ToolchainError("nvcc needs a host C++ compiler and none (g++ or c++) is on PATH; "
                              "install g++ (Debian: apt-get install g++)")
-    return _run([cxx, "--version"], "host C++ compiler").splitlines()[0].strip()
+    return cxx
+
+
+def version_line(tool: str) -> str:
+    """The first line of ``tool --version``."""
+    return version_output(tool).splitlines()[0].strip()
+
+
+def version_output(tool: str) -> str:
+    """What ``tool --version`` prints (what a cache key names a compiler by)."""
+    return _run([tool, "--version"], tool)
 
 
 def _run(cmd: list[str], tool: str, stderr: bool = False) -> str:
