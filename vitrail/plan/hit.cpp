@@ -18,9 +18,9 @@
 //
 // What the key cannot vouch for returns MISS: a tensor that records a gradient where the table
 // has no rule (or one with a forward-mode gradient), a tensor subclass, an argument of another
-// type, settings scoped by `with
-// vitrail.tune.settings(...)`, a call being recorded by vitrail.plan in any thread, a kernel
-// launch with no CUDA context current. A MISS of a key with no plan is "pending": the family's
+// type, settings scoped by `with vitrail.tune.settings(...)`, a call being recorded by
+// vitrail.plan in any thread, a kernel launch in a thread that has no CUDA context and cannot
+// be given the device's primary one. A MISS of a key with no plan is "pending": the family's
 // Python path runs, and if it ran exactly one plan whose outputs are the call's result, Python
 // adds that plan's description under the pending key (vitrail/plan/native.py).
 #include <Python.h>

@@ -102,12 +102,30 @@ def _gemm_setup(ctx, inputs, output):
     _save(ctx, a, b, c, bias, output, (alpha, beta, activation, slope, lo, hi))
 
 
+def _params(alpha, beta, activation, slope, clamp_min, clamp_max) -> tuple:
+    """(alpha, beta, activation, slope, lo, hi) as the kernels and the backward take them."""
+    lo = None if clamp_min is None else float(clamp_min)
+    hi = None if clamp_max is None else float(clamp_max)
+    return float(alpha), float(beta), activation, float(slope), lo, hi
+
+
+def _from_y(params) -> bool:
+    """Whether the backward takes the activation's derivative from the output y (no clamp:
+    reference.grad_from_output); else z is recomputed in fp32 by one GEMM."""
+    _, _, activation, slope, lo, hi = params
+    return lo is None and hi is None and grad_from_output(activation, slope)
+
+
+def _backward_mm():
+    """The backward's GEMMs: the kernels, or under create_graph the custom op (differentiable)."""
+    return _gemm if torch.is_grad_enabled() else _eager
+
+
 def _save(ctx, a, b, c, bias, y, params) -> None:
     """What the backward needs: the operands, and the output y where the activation's
-    derivative is a function of it (no clamp: reference.grad_from_output); else z is
-    recomputed in fp32 by one GEMM."""
-    _, _, activation, slope, lo, hi = params
-    from_y = lo is None and hi is None and grad_from_output(activation, slope)
+    derivative is a function of it (``_from_y``)."""
+    activation = params[2]
+    from_y = _from_y(params)
     ctx.save_for_backward(a, b, c, bias, y if from_y and activation is not None else None)
     ctx.params, ctx.from_y = params, from_y
     ctx.c_shape = None if c is None else tuple(c.shape)
@@ -184,9 +202,8 @@ class _Gemm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # create_graph: through the custom op, whose backward is differentiable
-        mm = _gemm if torch.is_grad_enabled() else _eager
-        return *_grads(ctx, grad, mm), None, None, None, None, None, None, None, None, None
+        return (*_grads(ctx, grad, _backward_mm()), None, None, None, None, None, None, None, None,
+                None)
 
 
 _GEMM = autograd_apply(_Gemm)
@@ -204,18 +221,16 @@ class _Saved:
 def _plan_grads(a, b, c, bias, y, grad, params, needs, from_y, c_shape) -> tuple:
     """The gradients of the tensors among a, b, c, bias (those not None, in that order): the
     backward of a call that records gradients run as a C++ plan (vitrail.plan.native)."""
-    mm = _gemm if torch.is_grad_enabled() else _eager  # create_graph: the differentiable op
-    got = _grads(_Saved((a, b, c, bias, y), params, needs, from_y, c_shape), grad, mm)
+    got = _grads(_Saved((a, b, c, bias, y), params, needs, from_y, c_shape), grad,
+                 _backward_mm())
     return tuple(g for g, t in zip(got, (a, b, c, bias)) if t is not None)
 
 
 def _rule(a, b, c, bias, alpha, beta, activation, slope, clamp_min, clamp_max, positions):
     """The gradient rule of a call's C++ plan (front(grad=)): what ``_save`` keeps, as the
     rule's arguments; positions: the front arguments' positions of a, b, c, bias."""
-    lo = None if clamp_min is None else float(clamp_min)
-    hi = None if clamp_max is None else float(clamp_max)
-    params = (float(alpha), float(beta), activation, float(slope), lo, hi)
-    from_y = lo is None and hi is None and grad_from_output(activation, slope)
+    params = _params(alpha, beta, activation, slope, clamp_min, clamp_max)
+    from_y = _from_y(params)
     tensors = (a, b, c, bias)
     args = tuple((INPUT, p) if t is not None else (VALUE, None)
                  for t, p in zip(tensors, positions))
@@ -250,9 +265,7 @@ def _call(name: str, a, b, c, bias, alpha, beta, activation, slope, clamp_min, c
           out_dtype, ndim: Optional[int]) -> Tensor:
     """A public function's call: straight to the kernels (checked on a plan miss), under
     autograd, or through the custom op (vitrail.ops.common.call_mode)."""
-    lo = None if clamp_min is None else float(clamp_min)
-    hi = None if clamp_max is None else float(clamp_max)
-    args = (float(alpha), float(beta), activation, float(slope), lo, hi, out_dtype)
+    args = (*_params(alpha, beta, activation, slope, clamp_min, clamp_max), out_dtype)
     mode = call_mode(a, b, c, bias)
     if mode == DISPATCH:
         _check(name, a, b, c, bias, activation, out_dtype, ndim)
