@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sqlite3
 import stat
 from pathlib import Path
 
@@ -185,6 +186,29 @@ def test_a_shared_tuning_store_is_read_only_and_after_the_users(tmp_path, monkey
         os.chown(root / "tuning.sqlite", OTHER, OTHER)
         assert TuningStore().get(_record().key) is None
     os.chmod(root, 0o755)
+
+
+def test_a_shared_tuning_store_is_read_where_the_users_own_cannot_be(tmp_path, monkeypatch,
+                                                                     caplog):
+    from vitrail.tune import store
+    root = tmp_path / "team-cache"
+    root.mkdir(mode=0o755)
+    TuningStore(root / "tuning.sqlite").put(_record())
+    read_only(root)
+    monkeypatch.setattr(shared, "_WARNED", set())
+    monkeypatch.setenv("VITRAIL_SHARED_CACHE", str(root))
+    mine = TuningStore()  # the user's own, which cannot be opened
+    monkeypatch.setattr(TuningStore, "_db", _unreadable)
+    monkeypatch.setattr(store, "_WARNED", set())
+    with caplog.at_level(logging.WARNING, logger="vitrail"):
+        got = mine.get(_record().key)
+    assert got is not None and dict(got.config) == {"BLOCK": 256}
+    assert "cannot be read" in caplog.text
+    os.chmod(root, 0o755)
+
+
+def _unreadable(self):
+    raise sqlite3.OperationalError("unable to open database file")
 
 
 def test_the_knobs_are_read_as_documented(monkeypatch, tmp_path):

@@ -275,7 +275,7 @@ def test_a_hostile_import_is_refused_whole_in_one_line(tmp_path, case):
 def test_imports_name_known_ops_and_configs_of_their_space(tmp_path, capsys):
     name, first, _ = _registered()
     path = tmp_path / "in.json"
-    for record, why in [({**GOOD, "op": "no.such.op"}, "is not known here"),
+    for record, why in [({**GOOD, "op": "no.such.op"}, "is of no family known here"),
                         ({**GOOD, "op": name, "config": {"nope": 1}}, "is not in")]:
         path.write_text(_export([record]))
         assert cli.main(["tune", "import", str(path)]) == 2
@@ -285,6 +285,19 @@ def test_imports_name_known_ops_and_configs_of_their_space(tmp_path, capsys):
     assert cli.main(["tune", "import", str(path)]) == 0
     assert cli.main(["tune", "ls"]) == 0 and "1 records" in capsys.readouterr().out
     assert cli.main(["tune", "export"]) == 2
+    # an op of a known family that this process has not built (GEMM kinds are made on first
+    # use) imports, and a record tuned on several GPUs (timings with device, raw_ms) too
+    unbuilt = "gemm.tf32.rcr.lincomb"
+    assert unbuilt not in cli._load_ops([])
+    timings = [{"config": {"B": 1}, "ms": 1.5, "error": None, "device": 1, "raw_ms": 1.4}]
+    path.write_text(_export([{**GOOD, "op": unbuilt, "timings": timings}]))
+    assert cli.main(["tune", "import", str(path)]) == 0
+    assert cli.main(["tune", "ls"]) == 0 and "2 records" in capsys.readouterr().out
+    for bad in ({"device": "x"}, {"raw_ms": float("inf")}):
+        path.write_text(_export([{**GOOD, "op": unbuilt, "problem": "q",
+                                  "timings": [{**timings[0], **bad}]}]))
+        assert cli.main(["tune", "import", str(path)]) == 2
+        assert "a timing's" in capsys.readouterr().err
 
 
 def test_problem_keys_bucket_shapes_and_see_layout_and_alignment():

@@ -92,13 +92,12 @@ class TuningStore:
         try:
             with self._db() as db:
                 row = db.execute(_GET, key.as_tuple()).fetchone()
-            if row is None:
-                return self._get_shared(key) if self.shared else None
-            return Record(key, Config.from_json(row[0]), json.loads(row[1]), row[2])
+            if row is not None:
+                return Record(key, Config.from_json(row[0]), json.loads(row[1]), row[2])
         except (OSError, sqlite3.Error, ValueError, TypeError) as e:
             _warn_once(self.path, f"vitrail: the tuning store {self.path} cannot be read ({e}); "
-                                  "configs come from the heuristics")
-            return None
+                                  "configs come from shared stores or the heuristics")
+        return self._get_shared(key) if self.shared else None
 
     def _get_shared(self, key: RecordKey) -> Record | None:
         """key's record in the first shared read-only cache's store that has it
@@ -234,20 +233,28 @@ def validated(data: Any, ops: Mapping[str, Any] | None = None) -> Record:
             raise ValueError(f"{c} must be a string of 1 to {_TEXT} characters, got "
                              f"{type(v).__name__}")
     config = _config(data["config"], "config")
-    if ops is not None:
+    if ops is not None:  # an op of a known family not built in this process: no space to check
         op = ops.get(data["op"])
-        if op is None:
-            raise ValueError(f"op {data['op']!r:.80} is not known here")
+        if op is None and data["op"].split(".")[0] not in {n.split(".")[0] for n in ops}:
+            raise ValueError(f"op {data['op']!r:.80} is of no family known here")
         try:
-            op.space.config(**config)
+            if op is not None:
+                op.space.config(**config)
         except (ValueError, TypeError) as e:
             raise ValueError(f"config {config} is not in {data['op']}'s space: {e}") from None
     timings = data.get("timings", [])
     if not isinstance(timings, list) or len(timings) > 100_000:
         raise ValueError("timings must be a list of at most 100000 entries")
     for t in timings:
-        if not isinstance(t, dict) or set(t) - {"config", "ms", "error"}:
-            raise ValueError(f"a timing must be an object of config, ms and error, got {t!r:.80}")
+        if not isinstance(t, dict) or set(t) - {"config", "ms", "error", "device", "raw_ms"}:
+            raise ValueError(f"a timing must be an object of config, ms, error (and with several "
+                             f"GPUs device, raw_ms), got {t!r:.80}")
+        device = t.get("device")
+        if device is not None and (type(device) is not int or not 0 <= device < 1 << 16):
+            raise ValueError(f"a timing's device must be a GPU index, got {device!r:.40}")
+        raw = t.get("raw_ms")
+        if raw is not None and (type(raw) not in (int, float) or not math.isfinite(raw) or raw < 0):
+            raise ValueError(f"a timing's raw_ms must be a finite number >= 0, got {raw!r:.40}")
         if t.get("config") is not None:
             _config(t["config"], "a timing's config")
         ms = t.get("ms")
