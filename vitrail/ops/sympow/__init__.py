@@ -13,6 +13,7 @@ implementations, custom ops with fake implementations, autograd, public function
 """
 from __future__ import annotations
 
+import contextvars
 from pathlib import Path
 
 import torch
@@ -84,13 +85,17 @@ def _launch(module, config, kernel: str, grid, smem: int, *args) -> None:
     module.kernel(kernel)[grid, _THREADS.get(kernel, 256)](*args, shared_mem=smem)
 
 
-CAPTURE: list | None = None  # a list: _run records (op, key, problem, args), launches nothing
+# vitrail tune's arguments of a problem (problems.py): a list set in this context (another
+# thread's calls launch as ever), to which _run adds (op, key, problem, args), launching nothing
+CAPTURE: contextvars.ContextVar[list | None] = contextvars.ContextVar("vitrail_sympow_capture",
+                                                                     default=None)
 
 
 def _run(kind, dtype, power, d_tile, vec, kernel, grid, smem, *args) -> None:
     op = _op(kind, dtype, power, d_tile)
-    if CAPTURE is not None:  # vitrail tune's arguments of a problem (problems.py)
-        CAPTURE.append((op, f"vec={vec}", {"vec": vec}, (kernel, grid, smem, *args)))
+    found = CAPTURE.get()
+    if found is not None:
+        found.append((op, f"vec={vec}", {"vec": vec}, (kernel, grid, smem, *args)))
         return
     op(f"vec={vec}", {"vec": vec}, kernel, grid, smem, *args)
 

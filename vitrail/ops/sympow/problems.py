@@ -1,8 +1,9 @@
 """sympow problems from a shape (``vitrail tune``): the Op (kernel source, dtype, power, d_tile)
 the public function runs, its problem (the vector width), and its launch arguments, which the
-implementation itself makes on the GPU: it is called with ``CAPTURE`` set, so that its launch
-is recorded instead of made (the kernels take tables, grids and shared memory sizes that only it
-computes). Without a GPU the variant is predicted from the dtype, power and the build target."""
+implementation itself makes on the GPU: it is called with ``CAPTURE`` set (in this context), so
+that its launch is recorded instead of made (the kernels take tables, grids and shared memory
+sizes that only it computes). Without a GPU the variant is predicted from the dtype, power and
+the build target."""
 from __future__ import annotations
 
 import torch
@@ -34,12 +35,14 @@ def _dims(name: str, shape: tuple[int, ...]) -> tuple[int, int, int, int, int]:
     return rows, n, d, power, d_tile
 
 
-def _call(name: str, dims: tuple, dtype: torch.dtype) -> list:
-    """The implementation's launch of the problem on random inputs on the GPU, recorded."""
+def _call(name: str, dims: tuple, dtype: torch.dtype, wgmma: bool | None = None) -> list:
+    """The implementation's launch of the problem on random inputs on the GPU, recorded
+    (wgmma: the fused kernels' variant, None: the implementation's own choice)."""
     rows, n, d, power, d_tile = dims
     D = configs.check_support(name, d, power, d_tile)
     dev = "cuda"
-    _pkg.CAPTURE = found = []
+    found: list = []
+    token = _pkg.CAPTURE.set(found)
     try:
         if name == "sympow":
             x = torch.randn(rows, d, device=dev, dtype=dtype)
@@ -47,14 +50,14 @@ def _call(name: str, dims: tuple, dtype: torch.dtype) -> list:
         elif name == "sympow_mma":
             a = torch.randn(1, rows, d, device=dev, dtype=dtype)
             b = torch.randn(1, D, n, device=dev, dtype=dtype)
-            _pkg._mma_impl(a, b, -1, power, d_tile, 1.0, True)
+            _pkg._mma_impl(a, b, -1, power, d_tile, 1.0, True, wgmma=wgmma)
         else:
             c = torch.randn(1, rows, d, device=dev, dtype=dtype)
             a = torch.randn(1, rows, n, device=dev, dtype=dtype)
             b = torch.randn(1, n, D, device=dev, dtype=dtype)
             _pkg._mma_bwd_impl(a, b, c, -1, power, d_tile, 1.0, True)
     finally:
-        _pkg.CAPTURE = None
+        _pkg.CAPTURE.reset(token)
     return found
 
 
@@ -96,8 +99,18 @@ def variant_problem(key: tuple, shape: tuple[int, ...], dtype: str | None = None
     if len(shape) != (2 if name == "sympow" else 3):
         raise ValueError(f"--shape {'x'.join(map(str, shape))}: {_OPS[key].name} takes "
                          f"{SHAPES[name].split('[')[0]} (power and d_tile are the variant's)")
-    shaped = _shaped(name, (*shape, power, d_tile), dt, None)
-    return Shaped(_OPS[key], shaped.key, shaped.problem, shaped.args)
+    dims = _dims(name, (*shape, power, d_tile))
+    op = _OPS[key]
+    _, problem_key, problem = _predict(name, dims, dt)
+    wgmma = None if kind == "elementwise" else kind == "mma90"
+
+    def args() -> tuple:  # the variant's own launch, not the route's on this GPU
+        captured_op, _, _, launch_args = _call(name, dims, dt, wgmma)[0]
+        if captured_op is not op:
+            raise ValueError(f"{op.name} cannot run --shape {'x'.join(map(str, shape))} "
+                             f"on this GPU (the implementation runs {captured_op.name})")
+        return launch_args
+    return Shaped(op, problem_key, problem, args)
 
 
 for _name in SHAPES:
