@@ -383,3 +383,33 @@ def test_a_cuda_extension_compiles_for_sm_90a(shared):
     m = jit.load_inline("vt_ext_cuda", CUDA_CPP, CUDA, functions="square")
     x = torch.randn(1000, device="cuda")
     torch.testing.assert_close(m.square(x), x * x)
+
+
+def test_a_compilers_version_is_remembered_per_name_and_a_scripts_never(tmp_path, monkeypatch):
+    """tools.json keeps a compiler's --version per binary and the name it is called by (links to
+    one program, as ccache's, answer for different compilers); a wrapper script is asked again
+    in each process, as what it runs may change under it."""
+    from vitrail.jit.cache import KernelCache
+    monkeypatch.setenv("VITRAIL_CACHE_DIR", str(tmp_path / "cache"))
+    cache = KernelCache()
+    version = tmp_path / "version.txt"
+    version.write_text("wrapper 1")
+    script = tmp_path / "cxx-wrapper"
+    script.write_text(f"#!/bin/sh\ncat {version}\n")
+    script.chmod(0o755)
+    monkeypatch.setattr(extension, "_tools", {})
+    assert extension._tool_id(str(script), cache) == "wrapper 1"
+    version.write_text("wrapper 2")
+    monkeypatch.setattr(extension, "_tools", {})  # a new process
+    assert extension._tool_id(str(script), cache) == "wrapper 2"
+    known = cache.root / "tools.json"
+    assert not known.exists() or str(script) not in known.read_text()
+    binary = shutil.which("true")
+    link = tmp_path / "renamed-true"
+    link.symlink_to(binary)
+    monkeypatch.setattr(extension, "_tools", {})
+    extension._tool_id(binary, cache)
+    extension._tool_id(str(link), cache)
+    entries = json.loads(known.read_text())
+    assert sum(k.startswith(f"{link}|") for k in entries) == 1
+    assert sum(k.startswith(f"{binary}|") for k in entries) == 1

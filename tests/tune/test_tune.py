@@ -195,6 +195,21 @@ def test_a_damaged_store_is_kept_aside_and_replaced(tmp_path, caplog, damage):
     assert fresh.get(key("q")).config == Config([("B", 2)])
 
 
+def test_a_store_of_another_vitrail_version_is_left_as_it_is(tmp_path, caplog):
+    """A store whose table has every column of ours and more (a later version's) holds records
+    nothing can rebuild: it is not moved aside; lookups say so and fall back."""
+    import sqlite3
+    path = tmp_path / "tuning.sqlite"
+    TuningStore(path).put(Record(key(), Config([("B", 1)])))
+    with sqlite3.connect(path) as db:
+        db.execute("ALTER TABLE records ADD COLUMN later TEXT")
+    before = path.read_bytes()
+    with caplog.at_level("WARNING", logger="vitrail"):
+        assert TuningStore(path).get(key()) is None
+    assert "another version of vitrail" in caplog.text
+    assert not list(tmp_path.glob("tuning.sqlite.corrupt-*")) and path.read_bytes() == before
+
+
 def test_export_import_round_trip_and_conflicts(tmp_path):
     src = TuningStore(tmp_path / "a.sqlite")
     for i in range(3):

@@ -38,10 +38,13 @@ def move_aside(path: Path, what: str, error: BaseException) -> Path:
 
 
 def connect(path: Path, schema: str, what: str, timeout: float = 60.0,
-            table: tuple[str, tuple[str, ...]] | None = None) -> sqlite3.Connection:
+            table: tuple[str, tuple[str, ...]] | None = None,
+            precious: bool = False) -> sqlite3.Connection:
     """A connection to the database at path with schema (autocommit: one statement, or an
     explicit transaction, at a time); a damaged file, or one whose table (name, columns) has
-    other columns (another program's), is moved aside and replaced."""
+    other columns (another program's), is moved aside and replaced. precious: records nothing
+    can rebuild, so a table with all of our columns and more (another version of vitrail's) is
+    left as it is, and the connection refused (sqlite3.DatabaseError)."""
     for attempt in (0, 1):
         try:
             db = sqlite3.connect(path, timeout=timeout, isolation_level=None)
@@ -53,6 +56,9 @@ def connect(path: Path, schema: str, what: str, timeout: float = 60.0,
             db.execute(schema)
             if table is not None:
                 found = tuple(r[1] for r in db.execute(f"PRAGMA table_info({table[0]})"))
+                if found != table[1] and precious and set(table[1]) < set(found):
+                    raise sqlite3.DatabaseError(f"{what} {path} was written by another version "
+                                                f"of vitrail (columns {found}); left as it is")
                 if found != table[1]:
                     raise sqlite3.DatabaseError(f"not a database of ours: table {table[0]} has "
                                                 f"columns {found}")

@@ -343,12 +343,20 @@ def _which(tool: str, what: str) -> str:
 
 
 def _tool_id(tool: str, cache: KernelCache) -> str:
-    """``tool --version``, remembered per binary (real path, size, mtime, inode) for this
-    process and in the cache's tools.json, so that a warm load runs no compiler."""
+    """``tool --version``, remembered per binary (the name called, as links to one program
+    such as ccache's answer for the compiler they are named after; its real path, size, mtime,
+    inode) for this process, and in the cache's tools.json, so that a warm load runs no
+    compiler. A script (a wrapper) is asked again in every process: what it runs may change
+    under it."""
     real = os.path.realpath(tool)
     st = os.stat(real)
-    sig = f"{real}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+    sig = f"{tool}|{real}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
     if sig in _tools:
+        return _tools[sig]
+    with open(real, "rb") as f:
+        script = f.read(2) == b"#!"
+    if script:
+        _tools[sig] = toolchain.version_output(tool).strip()
         return _tools[sig]
     path = cache.root / "tools.json"
     try:

@@ -79,7 +79,8 @@ class TuningStore:
         """A connection (WAL, busy timeout); a damaged file is moved aside and replaced, also
         when a query finds the damage (vitrail.jit.database)."""
         db = database.connect(self.path, _SCHEMA, "the tuning store",
-                              table=("records", _COLUMNS + ("config", "timings", "created")))
+                              table=("records", _COLUMNS + ("config", "timings", "created")),
+                              precious=True)
         try:
             with database.recovering(self.path, "the tuning store"):
                 yield db
