@@ -88,6 +88,14 @@ def ctype(dtype: torch.dtype) -> str:
     return name
 
 
-def vector(dtype: torch.dtype) -> int:
-    """The elements of dtype in a 16-byte vector (8 for bf16, 4 for fp32)."""
-    return VECTOR_BYTES // dtype.itemsize
+class _VectorWidths(dict):
+    """dtype -> the elements of a 16-byte vector of it, each computed at its first lookup."""
+
+    def __missing__(self, dtype: torch.dtype) -> int:
+        width = self[dtype] = VECTOR_BYTES // dtype.itemsize
+        return width
+
+
+# vector(dtype): the elements of dtype in a 16-byte vector (8 for bf16, 4 for fp32). A dict's
+# own lookup, as cheap as ``16 // t.element_size()`` (a Python function would add a call).
+vector = _VectorWidths().__getitem__
