@@ -299,8 +299,9 @@ def route(kind: str, rows: int, n: int, dtype: torch.dtype, v: int, log: bool,
           device: torch.device | None, window: bool = False,
           packed: bool = False) -> tuple[Op, str, object]:
     """The path rows x n takes on `device` (None: the build target, vitrail.device's
-    target_limits: its default SM count where no GPU gives one); v: the vector width, 1 for element by element (rows
-    off vector boundaries that the windowed kernels do not take: ``_run``); n: the columns of
+    target_limits: its default SM count where no GPU gives one); v: the vector width, 1 for
+    element by element (rows off vector boundaries that the windowed kernels do not take:
+    ``_run``); n: the columns of
     the rows' windows (``_window``: n, or n + v - 1 where rows may start off a vector boundary);
     window: take the windowed kernels (rows that start off a vector boundary); packed: the rows
     lie end to end in arrays that are coaligned (``_end_to_end``, ``_coaligned``; not windowed),
