@@ -29,7 +29,8 @@ _LAZY = {"settings": "vitrail.tune.settings", "PickAny": "vitrail.tune.settings"
          "PickBest": "vitrail.tune.settings"}
 
 
-_SUBMODULES = ("jit", "tune", "ops", "gemm", "profile", "plan", "bench", "op", "knobs", "cli")
+_SUBMODULES = ("jit", "tune", "ops", "gemm", "profile", "plan", "bench", "op", "knobs", "device",
+               "cli")
 
 
 def __getattr__(name: str):

@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 
 from vitrail import jit
+from vitrail.device import ctype, vector
 from vitrail.ops.common import FLOATS, check_tensor
 
 HERE = Path(__file__).resolve().parent
-CTYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
 ENTRY = r"""
 extern "C" cudaError_t rms_norm(void* y, const void* x, long long rows, int n, long long ld,
                                 float eps, cudaStream_t stream) {
@@ -24,7 +24,7 @@ extern "C" cudaError_t rms_norm(void* y, const void* x, long long rows, int n, l
 
 def config(n: int, dtype: torch.dtype) -> dict:
     """Threads per row so that each thread holds at most 8 fragments of 16 bytes."""
-    v = 16 // torch.empty((), dtype=dtype).element_size()
+    v = vector(dtype)  # elements of a 16-byte vector
     vectors, tpr = -(-n // v), 1
     while tpr < 512 and -(-vectors // tpr) > 8:
         tpr *= 2
@@ -34,7 +34,7 @@ def config(n: int, dtype: torch.dtype) -> dict:
 
 def module(n: int, dtype: torch.dtype):
     c = config(n, dtype)
-    source = (f'#include "rms_norm.cuh"\nusing T = {CTYPES[dtype]};\n' +
+    source = (f'#include "rms_norm.cuh"\nusing T = {ctype(dtype)};\n' +
               "".join(f"constexpr int {k} = {v};\n" for k, v in c.items()) + ENTRY)
     # rms_norm.cuh is found through include_dirs; its text is part of the cache key
     return jit.compile(source, name="example_rms_norm", include_dirs=[HERE], flags=["-std=c++17"])
@@ -44,7 +44,7 @@ def rms_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     check_tensor("rms_norm", "x", x, dtypes=FLOATS, min_ndim=1)
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
-    v = 16 // x.element_size()
+    v = vector(x.dtype)
     if x2.stride(-1) != 1 or n % v or x2.data_ptr() % 16:
         x2 = x2.contiguous()
     if n % v:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import requires_gpu, requires_nvcc
+from vitrail.device import sm_count, target_limits, vector
 
 pytestmark = pytest.mark.warm_cache
 
@@ -75,7 +76,7 @@ def test_split_routing_and_plan():
     """CPU: few long rows take the split path where there are at most as many rows as SMs (132);
     the plan covers every row with slices that fit the GPU at once."""
     from vitrail.ops.softmax import configs
-    sms, lim = 132, configs._limits()
+    sms, lim = 132, target_limits("90a")
     for n, rows, v, arrays in [(262144, 16, 8, 1), (262144, 16, 8, 2), (1 << 20, 8, 4, 1),
                                (1 << 20, 8, 4, 2), (131072, 32, 8, 1), (1 << 20, 4, 8, 2),
                                (70001, 1, 1, 1), (300_000, 3, 4, 1), (1 << 20, 132, 8, 1)]:
@@ -137,7 +138,7 @@ def test_route_tile_or_split():
         ("fwd", 16, 262144, bf, "split", 256), ("bwd", 16, 262144, bf, "split", 512)]
     for kind, rows, n, dtype, path, value in cases:
         op, key, problem = route(kind, rows, n, dtype, 16 // dtype.itemsize, False, None)
-        config = op.space.default(problem, configs._limits())
+        config = op.space.default(problem, target_limits("90a"))
         got = (op.name.split(".")[1].split("_")[-1],
                config.CLUSTER if "tile" in op.name else config.THREADS)
         assert got == (path, value), (kind, rows, n, dtype, got)
@@ -219,7 +220,7 @@ def test_packed_routing():
         op = route(kind, 100_000, n, dtype, v, False, None, False, packed)[0]
         assert ("_packed." in op.name) == expect, (kind, n, dtype, v, packed, op.name)
         if expect:
-            assert op.name.endswith(f".v{configs.vec(dtype)}")
+            assert op.name.endswith(f".v{vector(dtype)}")
     from vitrail.ops.softmax import route_contiguous  # what a contiguous tensor's rows take
     for rows, n, dtype, name in [(4096, 7, torch.bfloat16, "fwd_packed.bfloat16.v8"),
                                  (1, 7, torch.bfloat16, "fwd.bfloat16.v8"),  # 14-byte row
@@ -383,10 +384,6 @@ def test_opcheck_compile_and_errors():
         ops.softmax(torch.randn(3))
 
 
-def _sms():
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-
-
 def _op(key, *ts):
     """OPS[key], or its windowed kernels where a row of ts starts off a vector boundary."""
     import importlib
@@ -406,8 +403,8 @@ def test_cluster_rows(n, log):
     from vitrail.ops.softmax.reference import softmax
     from vitrail.tune import bucket
     for dtype in (torch.float32, torch.bfloat16):
-        v = configs.vec(dtype) if n % configs.vec(dtype) == 0 else 1
-        rows = 2 * _sms()
+        v = vector(dtype) if n % vector(dtype) == 0 else 1
+        rows = 2 * sm_count()
         _check_rows(rows, n, dtype, log)
         x = (torch.randn(rows, n, device="cuda") * 4).to(dtype)
         y = softmax(x, -1, log).to(dtype)
@@ -433,11 +430,11 @@ def test_chunked_direct(shape, dtype, log):
     """The chunked path on any shape (one chunk per row, ragged last chunks, rows that start off
     a vector boundary: windows), with -inf and NaN rows, called directly, in 16-byte vectors and
     element by element (v = 1)."""
-    from vitrail.ops.softmax import _window, configs
+    from vitrail.ops.softmax import _window
     from vitrail.ops.softmax.reference import softmax
     rows, n = shape
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for v in (configs.vec(dtype), 1):
+    for v in (vector(dtype), 1):
         x = (torch.randn(rows, n, device="cuda") * 3).to(dtype)
         if rows >= 3:
             x[1, : n // 2] = float("-inf")
@@ -462,9 +459,9 @@ def test_chunked_direct(shape, dtype, log):
 def test_tile_rows(shape, dtype, log):
     """The public path on rows that take the tile path, forward and backward (one CTA a row, or
     a cluster of 2-8), against fp64, within 4x of torch's own error."""
-    from vitrail.ops.softmax import configs, route
+    from vitrail.ops.softmax import route
     rows, n = shape
-    v = configs.vec(dtype)
+    v = vector(dtype)
     for kind in ("fwd", "bwd"):
         assert "tile" in route(kind, rows, n, dtype, v, log, torch.device("cuda"))[0].name
     _check_rows(rows, n, dtype, log)
@@ -492,9 +489,9 @@ def test_tile_direct_every_cluster(dtype, log):
     row stride beyond n), rows that start 3 elements into a vector (edge vectors at both ends:
     the rows' windows), CTAs past a short row's end, -inf and NaN rows."""
     from vitrail.jit.errors import LaunchError
-    from vitrail.ops.softmax import OPS, configs
+    from vitrail.ops.softmax import OPS
     from vitrail.ops.softmax.reference import softmax
-    v = configs.vec(dtype)
+    v = vector(dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     # 24576 and 12288 at one CTA: 48 KiB of dynamic shared memory for some dtype and direction,
     # beside the kernel's static shared memory (over the default 48 KiB in all)
@@ -550,7 +547,7 @@ def test_window_rows(shape, path, dtype, log, monkeypatch):
     S = importlib.import_module("vitrail.ops.softmax")  # the module (vitrail.ops.softmax is the op)
     rows, n = shape
     window = S.configs.use_window(n, dtype.itemsize)
-    v = S.configs.vec(dtype) if window else 1
+    v = vector(dtype) if window else 1
     seen, real = [], S.route
 
     def spy(*args):
@@ -565,7 +562,7 @@ def test_window_rows(shape, path, dtype, log, monkeypatch):
         assert all("_packed." in s[3] for s in seen), seen
     else:
         assert all(s[3].endswith(f".v{v}w" if window else ".v1") for s in seen), seen
-    if dtype == torch.bfloat16 and _sms() == 132:
+    if dtype == torch.bfloat16 and sm_count() == 132:
         assert window == (path is not None), seen
         if window:
             assert seen[0][3].split(".")[1] == ("fwd" if path == "fwd" else f"fwd_{path}"), seen
@@ -584,7 +581,7 @@ def test_packed_rows(shape, dtype, log, monkeypatch):
     import importlib
     S = importlib.import_module("vitrail.ops.softmax")
     rows, n = shape
-    v = S.configs.vec(dtype)
+    v = vector(dtype)
     seen, real = [], S.route
 
     def spy(*args):
@@ -617,9 +614,9 @@ def test_packed_direct(dtype, log):
     one row to many and every lane count; it refuses rows longer than its lanes hold and arrays
     whose rows sit at different offsets within their vectors."""
     from vitrail.jit.errors import LaunchError
-    from vitrail.ops.softmax import OPS, configs
+    from vitrail.ops.softmax import OPS
     from vitrail.ops.softmax.reference import softmax
-    v = configs.vec(dtype)
+    v = vector(dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for n, rows, off, tpr, items, threads, kb in [
             (1, 5000, 3, 1, 1, 256, 16), (7, 3001, 1, 2, 4, 128, 4), (7, 3001, 5, 1, 8, 512, 32),
@@ -669,10 +666,10 @@ def _takes_split(rows, n, dtype, arrays=1):
     vectors over the rows' windows, n + v - 1 columns where rows start off a vector boundary and
     configs.use_window says so, else element by element)."""
     from vitrail.ops.softmax import configs
-    v = configs.vec(dtype)
+    v = vector(dtype)
     if n % v and rows > 1 and not configs.use_window(n, dtype.itemsize):
         v = 1  # element by element
-    return configs.use_split(_window_of(rows, n, v), rows, v, arrays, _sms())
+    return configs.use_split(_window_of(rows, n, v), rows, v, arrays, sm_count())
 
 
 def _window_of(rows, n, v):
@@ -699,9 +696,9 @@ def test_split_over_tile_rows(shape, dtype, log):
     """Rows the tile path could take that go to the split path (configs.split_over_tile:
     forward in every dtype at 64 x 131072; the backward's 256 x 4 CTAs at 150 x 50000, 16-bit
     types), forward and backward against fp64."""
-    from vitrail.ops.softmax import configs, route
+    from vitrail.ops.softmax import route
     rows, n = shape
-    paths = [route(kind, rows, n, dtype, configs.vec(dtype), log, torch.device("cuda"))[0].name
+    paths = [route(kind, rows, n, dtype, vector(dtype), log, torch.device("cuda"))[0].name
              for kind in ("fwd", "bwd")]
     assert any("split" in p for p in paths), paths
     _check_rows(rows, n, dtype, log)
@@ -719,8 +716,8 @@ def test_split_direct_poisoned_and_strided(dtype, log):
     for off in (8, 3):
         base = (torch.randn(rows, n + 64, device="cuda") * 3).to(dtype)
         x = base[:, off:off + n]
-        v = configs.vec(dtype) if off % configs.vec(dtype) == 0 else 1
-        assert configs.use_split(n, rows, v, 1, _sms())
+        v = vector(dtype) if off % vector(dtype) == 0 else 1
+        assert configs.use_split(n, rows, v, 1, sm_count())
         y = torch.full((rows, n), float("nan"), device="cuda", dtype=dtype)
         OPS["split", "fwd", dtype, v, log]("test", (n, rows), y, x, x)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -733,8 +730,8 @@ def test_split_direct_poisoned_and_strided(dtype, log):
         import vitrail.ops as ops  # the public path on the strided view
         _check((ops.log_softmax if log else ops.softmax)(x), _fns(log)[1](x, -1),
                softmax(x, -1, log))
-        if off % configs.vec(dtype):  # the windowed kernels, output rows 3 elements in as x's
-            v = configs.vec(dtype)
+        if off % vector(dtype):  # the windowed kernels, output rows 3 elements in as x's
+            v = vector(dtype)
             poisoned = torch.full((rows, n + 64), float("nan"), device="cuda", dtype=dtype)
             y = poisoned[:, off:off + n]
             window = (n + v - 1, rows)

@@ -22,11 +22,11 @@ from typing import Any, Optional
 
 import torch
 
+from vitrail.device import sm_count
 from vitrail.gemm.descriptions import DTYPES, bits
 from vitrail.jit.errors import ArgumentError, LaunchError
 
 _TORCH_NAMES = {v[2]: k for k, v in DTYPES.items() if k != "tf32"}
-_SM_COUNT: dict[int, int] = {}
 
 
 def dtype_name(t: torch.Tensor) -> str:
@@ -314,13 +314,6 @@ def scheduler_order(op, M: int, N: int) -> int:
     return 1
 
 
-def _sm_count(device: int) -> int:
-    n = _SM_COUNT.get(device)
-    if n is None:
-        n = _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return n
-
-
 def scratch(n: int, dtype, device: int, stream: int):
     """A buffer for one launch on ``stream`` (a raw handle). Nothing needs to keep it: torch's
     caching allocator hands its memory out again only to work queued after this launch on the
@@ -338,7 +331,7 @@ def scratch(n: int, dtype, device: int, stream: int):
 def launch(op, module, args: GemmArguments, stream=None) -> None:
     """Call the compiled entry point (checks already done by can_implement)."""
     from vitrail.gemm.emitter import CODES
-    sm = _sm_count(args.device)
+    sm = sm_count(args.device)
     if stream is None:
         stream = torch._C._cuda_getCurrentRawStream(args.device)
     workspace, ws_bytes = 0, 0

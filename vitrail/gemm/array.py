@@ -316,7 +316,8 @@ def reasons(op, args: ArrayArguments) -> list[str]:
 def launch(op, module, args: ArrayArguments, stream=None) -> None:
     """Copy the pointer arrays to the device and call the entry point (checks done)."""
     import torch
-    from vitrail.gemm.arguments import _sm_count, scratch
+    from vitrail.device import sm_count
+    from vitrail.gemm.arguments import scratch
     from vitrail.gemm.emitter import CODES
     from vitrail.jit.errors import LaunchError
     dev = torch.device("cuda", args.device)
@@ -328,7 +329,7 @@ def launch(op, module, args: ArrayArguments, stream=None) -> None:
     ptrs.copy_(host)  # on the current stream: ordered before the launch when it is that one
     if stream != torch._C._cuda_getCurrentRawStream(args.device):
         torch.cuda.current_stream(dev).synchronize()  # else the copy must be done first
-    sm = _sm_count(args.device)
+    sm = sm_count(args.device)
     ws = module.function(WORKSPACE_ENTRY)(args.M, args.N, args.K, args.L, sm)
     buf = scratch(max(ws, 1), torch.uint8, args.device, stream)
     lda, ldb, ldc, ldd = args.lds

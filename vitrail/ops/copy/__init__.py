@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from vitrail.device import ctype, sm_count, vector
 from vitrail.jit.errors import ArgumentError
 from vitrail.op import Op
 from vitrail.plan import GENERAL, Plans, signature
@@ -32,7 +33,6 @@ from vitrail.tune import bucket
 
 HERE = Path(__file__).resolve().parent
 KERNEL = (HERE / "sm90_copy.cuh").read_text()
-CTYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
 MAX_DIMS = 6
 ROWS_MIN_VECTORS = 16  # shorter rows would leave most lanes of the rows kernel idle: tiled kernel
 
@@ -72,24 +72,14 @@ def _render(entry: str, ti: torch.dtype, to: torch.dtype, v: int | None = None):
     def render(config) -> dict:
         consts = dict(config.items(), **({"V": v} if v else {}))
         consts = "".join(f"constexpr int {k} = {val};\n" for k, val in consts.items())
-        source = (f'#include "sm90_copy.cuh"\nusing TI = {CTYPES[ti]};\nusing TO = {CTYPES[to]};\n'
+        source = (f'#include "sm90_copy.cuh"\nusing TI = {ctype(ti)};\nusing TO = {ctype(to)};\n'
                   f"{consts}{entry}")
         return dict(source=source, name="copy", include_dirs=[str(HERE)], flags=["-std=c++17"])
     return render
 
 
-_SMS: dict[int, int] = {}
-
-
-def _sms(device: torch.device) -> int:
-    index = device.index or 0
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
-
-
 def _launch_flat(module, config, out, x):
-    module.copy_flat(out.data_ptr(), x.data_ptr(), x.numel(), _sms(x.device))
+    module.copy_flat(out.data_ptr(), x.data_ptr(), x.numel(), sm_count(x.get_device()))
 
 
 def _launch_tiled(module, config, out, x, ndim, along0, sizes, si, so):
@@ -108,9 +98,9 @@ FLAT_OPS: dict[tuple, Op] = {}
 TILED_OPS: dict[tuple, Op] = {}
 TRANSPOSE_OPS: dict[tuple, Op] = {}
 ROWS_OPS: dict[tuple, Op] = {}
-for _ti in CTYPES:
-    for _to in CTYPES:
-        _vmax = 16 // max(torch.empty((), dtype=d).element_size() for d in (_ti, _to))
+for _ti in FLOATS:
+    for _to in FLOATS:
+        _vmax = min(vector(_ti), vector(_to))  # elements of a 16-byte vector on both sides
         for _v in (_vmax, 1):
             FLAT_OPS[_ti, _to, _v] = Op(f"copy.flat.{_name(_ti)}.{_name(_to)}.v{_v}",
                                         space=configs.FLAT, kernel_source=KERNEL,
@@ -149,7 +139,7 @@ def route(x: torch.Tensor, out: torch.Tensor) -> tuple[Op, str, Any, tuple] | No
     if x.numel() == 0:
         return None
     dims = _plan(x.shape, x.stride(), out.stride())
-    vmax = 16 // max(x.element_size(), out.element_size())  # elements of a 16-byte vector
+    vmax = min(vector(x.dtype), vector(out.dtype))  # elements of a 16-byte vector on both sides
     if not dims or (len(dims) == 1 and dims[0][1] == 1 and dims[0][2] == 1):
         v = vmax
         if x.data_ptr() % (v * x.element_size()) or out.data_ptr() % (v * out.element_size()):
@@ -195,7 +185,7 @@ def _vector_transpose(x, out, si, so) -> bool:
     the output's dim 0 of stride 1, every other stride and both pointers 16-byte aligned."""
     if si[1] != 1 or so[0] != 1 or x.data_ptr() % 16 or out.data_ptr() % 16:
         return False
-    vi, vo = 16 // x.element_size(), 16 // out.element_size()
+    vi, vo = vector(x.dtype), vector(out.dtype)
     return all(s % vi == 0 for i, s in enumerate(si) if i != 1) and \
         all(s % vo == 0 for i, s in enumerate(so) if i != 0)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from vitrail.device import DEFAULT_SM_COUNT
 from vitrail.gemm import (GemmOperation, LinearCombination, MathInstruction, TensorDescription,
                           TileDescription)
 from vitrail.ops.gemm import model
@@ -120,7 +121,7 @@ def heuristic(kind: Kind):
                             "persistent")
         if problem is None:
             return big
-        sms = lim.sm_count or 132
+        sms = lim.sm_count or DEFAULT_SM_COUNT
         tiles = -(-problem.M // 128) * -(-problem.N // 256) * problem.L
         if tiles < sms // 2 and problem.K >= 2048:  # too few tiles, long K: split K
             return model.make_config(f"128x128x{tk}", "1x1", "cooperative", "stream_k")

@@ -14,8 +14,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from vitrail.device import ctype, sm_count
 from vitrail.gemm import MathInstruction, TensorDescription, TileDescription
-from vitrail.gemm.arguments import _sm_count, describe
+from vitrail.gemm.arguments import describe
 from vitrail.gemm.emitter import CODES
 from vitrail.gemm.grouped import GroupedGemmOperation
 from vitrail.jit.errors import ArgumentError, LaunchError
@@ -81,7 +82,7 @@ def _aligned(ptr: int, *strides_bytes: int) -> bool:
 
 def _launch(op, sizes, ptr_a, ptr_b, ptr_d, lda, ldb, ldd, groups: int, device) -> None:
     mod = _module(op)
-    sm = _sm_count(device.index or 0)
+    sm = sm_count(device.index)
     ws = mod.function("vitrail_grouped_gemm_workspace")(groups, sm)
     buf = scratch(max(ws, 1), torch.uint8, device)
     code = mod.function("vitrail_grouped_gemm")(groups, sizes, ptr_a, ptr_b, ptr_d, lda, ldb, ldd,
@@ -106,7 +107,7 @@ def _packed_kernel(a: Tensor, b: Tensor, ends: Tensor, out: Tensor) -> bool:
     chunks = out.stride(0) * es // 16
     sizes = scratch(G * 3, torch.int32, dev)
     arrays = scratch(6 * G, torch.int64, dev).view(6, G)  # ptr a, b, d; ld a, b, d
-    name = f"vitrail_grouped_prep<{'int' if ends.dtype == torch.int32 else 'long long'}>"
+    name = f"vitrail_grouped_prep<{ctype(ends.dtype)}>"  # int32 or int64 offsets
     from vitrail import jit
     kernel = _MODULES.get(name) or _MODULES.setdefault(name, jit.RawKernel(
         _PREP, name, signature="const void*, int, long long, int, int, const void*, long long, "

@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from vitrail.device import vector
 from vitrail.gemm import LinearCombination, emitter
 from vitrail.gemm import arguments as gargs
 from vitrail.gemm.epilogue import ACTIVATION_FUNCTOR
@@ -161,7 +162,7 @@ def aligned(t: torch.Tensor, want: Optional[str]) -> tuple[torch.Tensor, str]:
     """(t, its layout) when TMA can read t as is (in layout ``want`` if given), else an aligned
     copy in layout ``want`` (default row) and that layout."""
     info = gargs.describe(t, "operand", want)
-    align = 16 // t.element_size()
+    align = vector(t.dtype)  # elements of 16 bytes
     L = t.shape[0] if t.dim() == 3 else 1
     ok = (info.layout is not None and (want is None or info.layout == want)
           and info.ptr % 16 == 0 and info.ld % align == 0
@@ -324,7 +325,7 @@ def run_into(d: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: Optional[torc
     k_major = element in ("tf32", "e4m3", "e5m2")
     a_t, la = aligned(a, "row" if k_major else None)
     b_t, lb = aligned(b, "col" if k_major else None)
-    n_pad = _round_up(N, 16 // d.element_size())
+    n_pad = _round_up(N, vector(d.dtype))
     out = d  # what the kernel writes: d itself, or a buffer of 16-byte rows copied into d
     if n_pad != N:
         d = torch.empty(*shape[:-1], n_pad, dtype=out_dtype, device=a.device)[..., :N]

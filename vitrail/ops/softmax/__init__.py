@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from vitrail.device import ctype, gpu_limits, sm_count, target_limits, vector
 from vitrail.jit.errors import LaunchError
 from vitrail.op import Op
 from vitrail.plan import GENERAL, Plans, keep, scratch, signature
@@ -86,7 +87,7 @@ extern "C" cudaError_t softmax_tile(void* out, const void* a, const void* b, lon
 
 
 def _source(kind: str, dtype: torch.dtype, v: int, log: bool, mode: int, window: bool) -> str:
-    head = (f'#include "sm90_softmax.cuh"\nusing T = {configs.CTYPES[dtype]};\n'
+    head = (f'#include "sm90_softmax.cuh"\nusing T = {ctype(dtype)};\n'
             f"constexpr int V = {v};\nconstexpr bool IS_LOG = {str(log).lower()};\n"
             f"constexpr int MODE = {mode};\nconstexpr bool WINDOW = {str(window).lower()};\n"
             f"//CONSTS\n")
@@ -126,7 +127,7 @@ def _launch_bwd(module, config, dx, y, dy):
 def _chunked_launcher(v: int):
     def launch(module, config, out, a, b):
         (rows, n), window = a.shape, _window(a, v)  # the chunks cut the rows' windows
-        chunk = configs.chunk_length(window, rows, v, config, _sms(a.device))
+        chunk = configs.chunk_length(window, rows, v, config, sm_count(a.get_device()))
         stats = scratch(rows * math.ceil(window / chunk) * 2, torch.float32,
                         a.device)  # (max, sum) per chunk
         module.softmax_chunked(out.data_ptr(), stats.data_ptr(), a.data_ptr(), b.data_ptr(),
@@ -140,7 +141,7 @@ def _split_launcher(v: int, arrays: int, log: bool, windowed: bool):
         fit)."""
         (rows, n), window = a.shape, _window(a, v)  # the slices cut the rows' windows
         dev = a.device
-        sms, lim = _sms(dev), _limits(dev)
+        sms, lim = sm_count(dev.index), gpu_limits(dev.index)
         vec_bytes = v * a.element_size()
 
         def resident(smem_vecs: int) -> int:
@@ -174,7 +175,7 @@ def _tile_launcher(v: int, arrays: int):
         rows, n = a.shape
         slice_ = configs.tile_slice(_window(a, v), v, config.CLUSTER)
         smem = slice_ * a.element_size() * arrays
-        limit = _limits(a.device).max_shared_per_block - 2048  # less the static scratch
+        limit = gpu_limits(a.get_device()).max_shared_per_block - 2048  # less the static scratch
         if smem > limit:
             raise LaunchError(f"softmax tile path: CLUSTER={config.CLUSTER} leaves a slice of "
                               f"{smem} bytes per CTA for rows of {n}; at most {limit} fit")
@@ -185,7 +186,7 @@ def _tile_launcher(v: int, arrays: int):
 
 def _packed_launcher(module, config, out, a, b):
     rows, n = a.shape
-    run = configs.packed_run(n, rows, a.element_size(), config, _sms(a.device))
+    run = configs.packed_run(n, rows, a.element_size(), config, sm_count(a.get_device()))
     module.softmax_packed(out.data_ptr(), a.data_ptr(), b.data_ptr(), rows, n, run)
 
 
@@ -203,7 +204,7 @@ _OCCUPANCY: dict[tuple, int] = {}
 
 def _slots(device: torch.device) -> int:
     """Workspace slots: more than the CTAs any split launch can hold (16 CTAs per SM)."""
-    return 16 * _sms(device)
+    return 16 * sm_count(device.index)
 
 
 def _workspace(device: torch.device, slots: int) -> torch.Tensor:
@@ -222,25 +223,6 @@ def _workspace(device: torch.device, slots: int) -> torch.Tensor:
     return ws
 
 
-_SMS: dict[int, int] = {}
-_LIMITS: dict[int, object] = {}
-
-
-def _limits(device: torch.device):
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _LIMITS:
-        from vitrail.tune import limits
-        _LIMITS[index] = limits(index)
-    return _LIMITS[index]
-
-
-def _sms(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
-
-
 def _dname(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -251,8 +233,8 @@ def _dname(dtype: torch.dtype) -> str:
 # their registers (sm90_softmax.cuh, load_row).
 WINDOW = "window"
 OPS: dict[tuple, Op] = {}
-for _dt in configs.CTYPES:
-    for _v, _w in ((configs.vec(_dt), False), (configs.vec(_dt), True), (1, False)):
+for _dt in FLOATS:
+    for _v, _w in ((vector(_dt), False), (vector(_dt), True), (1, False)):
         for _log in (False, True):
             _base = (f"{'log_softmax' if _log else 'softmax'}.{{}}.{_dname(_dt)}.v{_v}"
                      + ("w" if _w else ""))
@@ -321,9 +303,10 @@ def _end_to_end(*ts: torch.Tensor) -> bool:
 def route(kind: str, rows: int, n: int, dtype: torch.dtype, v: int, log: bool,
           device: torch.device | None, window: bool = False,
           packed: bool = False) -> tuple[Op, str, object]:
-    """The path rows x n takes on `device` (None: the build target, vitrail.tune.limits(), with
-    132 SMs where no GPU says otherwise); v: the vector width, 1 for element by element (rows
-    off vector boundaries that the windowed kernels do not take: ``_run``); n: the columns of
+    """The path rows x n takes on `device` (None: the build target, vitrail.device's
+    target_limits: its default SM count where no GPU gives one); v: the vector width, 1 for
+    element by element (rows off vector boundaries that the windowed kernels do not take:
+    ``_run``); n: the columns of
     the rows' windows (``_window``: n, or n + v - 1 where rows may start off a vector boundary);
     window: take the windowed kernels (rows that start off a vector boundary); packed: the rows
     lie end to end in arrays that are coaligned (``_end_to_end``, ``_coaligned``; not windowed),
@@ -331,9 +314,7 @@ def route(kind: str, rows: int, n: int, dtype: torch.dtype, v: int, log: bool,
     problem key, problem); the op is called as op(key, problem, out, a, b). A GPU's routes are
     memoized (every call takes one)."""
     if device is None:
-        from vitrail.tune import limits
-        return _route(kind, rows, n, dtype, v, log, configs.with_sm_count(limits()), window,
-                      packed)
+        return _route(kind, rows, n, dtype, v, log, target_limits(), window, packed)
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _gpu_route(kind, rows, n, dtype, v, log, index, window, packed)
 
@@ -341,7 +322,7 @@ def route(kind: str, rows: int, n: int, dtype: torch.dtype, v: int, log: bool,
 def route_contiguous(kind: str, rows: int, n: int, dtype: torch.dtype, log: bool,
                      device: torch.device | None) -> tuple[Op, str, object]:
     """``route`` of a contiguous rows x n tensor (16-byte-aligned base) as ``_run`` calls it."""
-    v = configs.vec(dtype)
+    v = vector(dtype)
     v, window = _vectors(n, dtype.itemsize, v, n % v == 0 or rows == 1, True)
     return route(kind, rows, n + (v - 1 if window else 0), dtype, v, log, device, window,
                  not window)
@@ -361,8 +342,7 @@ def _vectors(n: int, size: int, v: int, aligned: bool, coaligned: bool) -> tuple
 @functools.lru_cache(maxsize=4096)
 def _gpu_route(kind: str, rows: int, n: int, dtype: torch.dtype, v: int, log: bool, index: int,
                window: bool, packed: bool):
-    return _route(kind, rows, n, dtype, v, log, _limits(torch.device("cuda", index)), window,
-                  packed)
+    return _route(kind, rows, n, dtype, v, log, gpu_limits(index), window, packed)
 
 
 def _route(kind: str, rows: int, n: int, dtype: torch.dtype, v: int, log: bool, lim,
@@ -377,7 +357,7 @@ def _path(kind: str, rows: int, n: int, dtype: torch.dtype, v: int, log: bool, l
     arrays = 1 if kind == "fwd" else 2
     sms, size = lim.sm_count, dtype.itemsize
     if packed and lim.arch.major >= 9 and configs.use_packed(n, size, v, arrays):
-        path = ("packed", kind, dtype, configs.vec(dtype), log)
+        path = ("packed", kind, dtype, vector(dtype), log)
     elif lim.arch.major >= 9 and configs.use_tile(n, rows, v, size, arrays, sms,
                                                   lim.shared_per_sm):
         split = configs.split_over_tile(n, rows, v, size, arrays, lim)
@@ -409,7 +389,7 @@ def _run(kind: str, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, log: bo
 
 def _resolve(kind: str, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, log: bool):
     """``route`` of rows x n as these arrays lie: (op, problem key, problem)."""
-    v = configs.vec(a.dtype)
+    v = vector(a.dtype)
     coaligned = _coaligned(v, a, b, out)
     v, window = _vectors(a.shape[1], a.element_size(), v, _aligned(v, a, b, out), coaligned)
     cols = a.shape[1] + (v - 1 if window else 0)  # _window(a, v): a's rows are off if any are

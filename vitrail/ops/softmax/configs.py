@@ -39,16 +39,13 @@ elements a row, runs of KB KiB (``packed_heuristic``, ``packed_run``).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
-import torch
-
+from vitrail.device import target_limits, with_sm_count
 from vitrail.tune import Space, bucket, max_threads, require
 from vitrail.tune.space import Config
 
-CTYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
 MAX_TPR, MAX_CLUSTER = 512, 8
 # The tile and split paths' problem keys hold rows and row lengths to a quarter octave
 # (vitrail.tune.bucket(x, KEY_STEPS): ..., 96, 112, 128, 160, ...): their choices turn on rows
@@ -58,10 +55,6 @@ KEY_STEPS = 4
 SHORT_ROW_BYTES = 512  # rows of at most this (aligned): CTAs of 128 threads, 4 vectors per thread
 CHUNK_CTAS_PER_SM = 4
 CLUSTER_CTAS_PER_SM = 2  # fewer clustered CTAs than this per SM: the chunked path instead
-
-
-def vec(dtype: torch.dtype) -> int:
-    return 16 // torch.empty((), dtype=dtype).element_size()
 
 
 # Rows that start off a 16-byte boundary (odd n in 16-bit types, a view at an offset) take the
@@ -85,18 +78,6 @@ def use_window(n: int, size: int) -> bool:
 
 def _pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
-
-
-def with_sm_count(lim):
-    """lim, with an H100's 132 SMs where no GPU gave its count (the build target's table)."""
-    return lim if lim.sm_count else dataclasses.replace(lim, sm_count=132)
-
-
-@functools.lru_cache(maxsize=1)
-def _limits():
-    """The heuristics' limits where none are given: sm_90a's, 132 SMs."""
-    from vitrail.tune import limits
-    return with_sm_count(limits(arch="90a"))
 
 
 def registers(c, v: int, arrays: int) -> int:
@@ -298,7 +279,7 @@ def split_heuristic(v: int, arrays: int, problem=None, lim=None, window: bool = 
     if arrays == 1 or problem is None or v == 1:
         return narrow if arrays == 1 else wide
     n, rows = problem
-    lim = with_sm_count(lim or _limits())
+    lim = with_sm_count(lim or target_limits("90a"))  # none given: sm_90a's
     sms = lim.sm_count
     if not split_fits(n, rows, v, Config(wide), sms, lim, arrays, 4) and split_fits(
             n, rows, v, Config(narrow), sms, lim, arrays):
@@ -339,7 +320,7 @@ SPLIT_OVER_TILE_BYTES = 16 << 20
 @functools.lru_cache(maxsize=4096)
 def split_over_tile(n: int, rows: int, v: int, size: int, arrays: int, lim) -> bool:
     """Whether rows x n, which the tile path takes (use_tile), goes to the split path instead
-    (lim: with its SM count, ``with_sm_count``)."""
+    (lim: with its SM count, ``vitrail.device.with_sm_count``)."""
     sms = lim.sm_count
     problem = (bucket(n, KEY_STEPS), bucket(rows, KEY_STEPS))
     c = tile_cluster(*problem, size, arrays, sms, lim.shared_per_sm)
@@ -444,7 +425,7 @@ def tile_heuristic(problem, arrays: int, lim=None) -> dict:
     copy at 128, 84% at 256; bf16 100 x 200000 forward, slices of 50 KB at 8 CTAs a row: 85 at
     256, 81 at 128)."""
     n, rows, size = problem or (65536, 256, 2)
-    lim = with_sm_count(lim or _limits())
+    lim = with_sm_count(lim or target_limits("90a"))  # none given: sm_90a's
     sms = lim.sm_count
     c = tile_cluster(n, rows, size, arrays, sms, lim.shared_per_sm) or MAX_CLUSTER
     return {"THREADS": 256 if n * size * arrays // c >= TILE_WIDE_BYTES else 128, "CLUSTER": c}

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from vitrail.device import vector
 from vitrail.jit.errors import ArgumentError
 from vitrail.jit.tma import tensor_map
 from vitrail.op import Op
@@ -314,7 +315,7 @@ def _pad16(t: torch.Tensor, rows: int | None = None) -> torch.Tensor:
     rows = r if rows is None else rows
     if rows == r and _vec_ok(t):
         return t
-    e = 16 // t.element_size()
+    e = vector(t.dtype)
     out = t.new_zeros(t.shape[:-2] + (rows, -(-n // e) * e))
     out[..., :r, :n] = t
     return out

@@ -18,6 +18,7 @@ import math
 
 import torch
 
+from vitrail.device import gpu_limits, sm_count, vector
 from vitrail.jit.errors import ArgumentError
 from vitrail.ops.sympow.reference import multiplicity, sympow_dim, tuples
 from vitrail.tune import Space, require
@@ -89,22 +90,11 @@ def tables(d: int, power: int, d_tile: int, duplicate_correction: bool,
     return made
 
 
-_SMS: dict[int, int] = {}
-
-
-def sm_count(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    sms = _SMS.get(index)
-    if sms is None:
-        sms = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return sms
-
-
 def fwd_rows_at_once(rows: int, chunks: int, device: torch.device) -> int:
     """Rows sympow_fwd covers at once (R there): its chunks * R threads fill the GPU about
     twice over at 2048 threads per SM (each thread then loops over rows / R rows), at least 1,
     at most rows; chunks * R stays below 2**31."""
-    return max(1, min(rows, 2 * sm_count(device) * 2048 // chunks, (1 << 31) // chunks - 1))
+    return max(1, min(rows, 2 * sm_count(device.index) * 2048 // chunks, (1 << 31) // chunks - 1))
 
 
 _SLOTS: dict[tuple, tuple[torch.Tensor, int]] = {}
@@ -194,7 +184,7 @@ def pipe_grid(blocks: int, smem: int, device: torch.device, ctas: int = 8) -> in
     """A persistent kernel's CTAs: as many as are resident at once (by shared memory, at most
     `ctas` of 256 threads per SM: what its registers allow), at most one per block."""
     per_sm = max(1, min(ctas, SMEM_PER_SM // (smem + 1024)))
-    return max(1, min(blocks, per_sm * sm_count(device)))
+    return max(1, min(blocks, per_sm * sm_count(device.index)))
 
 
 def quarter_smem(dtype: torch.dtype, power: int, d_tile: int, vec: int, d: int,
@@ -238,8 +228,7 @@ def wgmma_applies(dtype: torch.dtype, power: int, d_tile: int, device: torch.dev
     index = device.index if device.index is not None else torch.cuda.current_device()
     ok = _WG_ARCH.get(index)
     if ok is None:
-        from vitrail.tune import limits
-        arch = limits(index).arch
+        arch = gpu_limits(index).arch
         ok = _WG_ARCH[index] = (arch.major, arch.suffix) == (9, "a")
     return ok
 
@@ -344,8 +333,7 @@ def wgmma_bwd_fits(d: int, lda: int) -> bool:
 def vector_width(dtype: torch.dtype, block: int, *tensors: torch.Tensor) -> int:
     """The widest vector (elements, 16 bytes at most) that divides the t^p block and keeps every
     tensor's address aligned to the vector's size."""
-    size = torch.empty((), dtype=dtype).element_size()
-    v = 16 // size
+    size, v = dtype.itemsize, vector(dtype)
     while v > 1 and (block % v or any(t.data_ptr() % (v * size) for t in tensors)):
         v //= 2
     return v
