@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -278,9 +279,9 @@ def test_the_key_holds_sources_flags_and_headers_and_no_path(tmp_path, monkeypat
     assert key(dirs=(str(moved),)) == key()  # its folder's place is not
 
 
-def test_a_warm_key_runs_no_compiler(monkeypatch):
+def test_a_warm_key_runs_no_compiler(monkeypatch, tmp_path):
     units, options = extension._inline(NAME, A, (), ["f"], (), (), (), (), None, False)
-    cache = jit.cache.KernelCache()
+    cache = jit.cache.KernelCache(tmp_path)
     monkeypatch.setattr(extension, "_tools", {})
     first = extension._key(NAME, units, options, cache)[0]
     assert (cache.root / "tools.json").is_file()
@@ -290,6 +291,22 @@ def test_a_warm_key_runs_no_compiler(monkeypatch):
         raise AssertionError(f"ran {tool} --version")
     monkeypatch.setattr(toolchain, "version_output", no_compiler)
     assert extension._key(NAME, units, options, cache)[0] == first
+
+
+def test_processes_remembering_compilers_at_once_keep_every_one(monkeypatch, tmp_path):
+    """tools.json is read, merged and replaced under a lock: no writer drops another's entry."""
+    real = os.path.realpath(toolchain.host_cxx())
+    names = []
+    for i in range(8):
+        (tmp_path / f"cxx{i}").symlink_to(real)
+        names.append(str(tmp_path / f"cxx{i}"))
+    cache = jit.cache.KernelCache(tmp_path / "cache")
+    monkeypatch.setattr(extension, "_tools", {})
+    monkeypatch.setattr(toolchain, "version_output", lambda tool: (time.sleep(0.01), tool)[1])
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(lambda t: extension._tool_id(t, cache), names)) == names
+    known = json.loads((cache.root / "tools.json").read_text())
+    assert sorted(v for v in known.values()) == sorted(names)
 
 
 # ------------------------------------------------------------ 4. parallel units, errors, args

@@ -359,24 +359,29 @@ def _tool_id(tool: str, cache: KernelCache) -> str:
         _tools[sig] = toolchain.version_output(tool).strip()
         return _tools[sig]
     path = cache.root / "tools.json"
-    try:
-        known = json.loads(path.read_text())
-        if not isinstance(known, dict):
-            known = {}
-    except (OSError, ValueError):
-        known = {}
+    known = _read_tools(path)
     if isinstance(known.get(sig), str):
         _tools[sig] = known[sig]
         return known[sig]
-    out = toolchain.version_output(tool).strip()
-    known[sig] = _tools[sig] = out
-    tmp = path.with_name(f"tools.json.{os.getpid()}.{threading.get_ident()}")
+    out = _tools[sig] = toolchain.version_output(tool).strip()
     try:
-        tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
-        os.replace(tmp, path)  # a racing writer loses an entry at worst: it is found again
+        with cache.lock("tools.json", "the compilers' identities"):  # writers merge, in turn
+            known = _read_tools(path)
+            known[sig] = out
+            tmp = path.with_name(f"tools.json.{os.getpid()}.{threading.get_ident()}")
+            tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
+            os.replace(tmp, path)
     except OSError:
-        pass
+        pass  # not remembered: the next process asks the compiler again
     return out
+
+
+def _read_tools(path: Path) -> dict:
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return known if isinstance(known, dict) else {}
 
 
 def _compile(build: Path, name: str, units: list[_Unit], options: _Options, plan: dict) -> dict:
