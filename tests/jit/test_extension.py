@@ -282,6 +282,10 @@ def test_the_key_holds_sources_flags_and_headers_and_no_path(tmp_path, monkeypat
 def test_a_warm_key_runs_no_compiler(monkeypatch, tmp_path):
     units, options = extension._inline(NAME, A, (), ["f"], (), (), (), (), None, False)
     cache = jit.cache.KernelCache(tmp_path)
+    # A binary as the compiler, whatever this machine's g++ is (a wrapper script is asked anew
+    # in every process, by design); it is never run: its --version is given.
+    monkeypatch.setenv("CXX", os.path.realpath(sys.executable))
+    monkeypatch.setattr(toolchain, "version_output", lambda tool: f"{tool} 1.0")
     monkeypatch.setattr(extension, "_tools", {})
     first = extension._key(NAME, units, options, cache)[0]
     assert (cache.root / "tools.json").is_file()
