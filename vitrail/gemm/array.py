@@ -162,7 +162,7 @@ def emit(op) -> str:
                               }[t.kernel_schedule],
         "C_STRIDES": " || ldc % (128 / cutlass::sizeof_bits<ElementC>::value)" if has_c else "",
     }
-    return fill(_TEMPLATE, subs)
+    return fill(_TEMPLATE, subs, op.wgmma_n)
 
 
 @dataclass

@@ -221,7 +221,7 @@ def emit(op, *, entry: str = ENTRY, workspace_entry: str = WORKSPACE_ENTRY,
         "C_STRIDES": (" || ldc % (128 / cutlass::sizeof_bits<ElementC>::value) || batch_c % "
                       "(128 / cutlass::sizeof_bits<ElementC>::value)") if has_c else "",
     }
-    return fill(_TEMPLATE, subs)
+    return fill(_TEMPLATE, subs, op.wgmma_n)
 
 
 # The end of every entry point (plain and grouped): workspace, parameters, and the launch with
@@ -269,11 +269,22 @@ ENTRY_PARAMS = """    const void* A, const void* B, const void* C, void* D, cons
     int64_t ldd, int64_t batch_d, int64_t bias_batch_stride, float alpha, float beta,
     float slope, float lo, float hi, int splits, int swizzle, int raster, void* workspace,
     int64_t workspace_bytes, int sm_count, cudaStream_t stream"""
-# CuTe's wgmma selectors pick, for a tile N outside {8, 16, 32, 64, 96, 128, 192, 256}, the
-# largest of those that divides it unless this is defined: a 144-wide tile would run 9 m64n16
-# instructions (a fraction of the rate of one m64n144) where wgmma itself takes any multiple of 8.
-EXTENDED_SHAPES = "#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED"
-PTR_ARRAY_INCLUDES = EXTENDED_SHAPES + """
+# CuTe's wgmma selectors pick, for a tile N outside STANDARD_WGMMA_N, the largest of those that
+# divides it unless CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED is defined: a 144-wide tile would run 9
+# m64n16 instructions (a fraction of the rate of one m64n144) where wgmma itself takes any
+# multiple of 8. The extended shapes' headers are a third of a kernel's preprocessed source and
+# most of the host front end's time (cudafe++), so a source defines it only where it needs one.
+STANDARD_WGMMA_N = frozenset({8, 16, 32, 64, 96, 128, 192, 256})
+
+
+def extended_shapes(wgmma_n) -> str:
+    """The line enabling CuTe's extended wgmma shapes where one of the N widths the kernel's
+    MMAs take (wgmma_n) is not a standard one; else nothing."""
+    return ("#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED"
+            if any(n not in STANDARD_WGMMA_N for n in wgmma_n) else "")
+
+
+PTR_ARRAY_INCLUDES = """@EXTENDED_SHAPES@
 #include <cuda_runtime.h>
 #include <cstdint>
 #include <cutlass/cutlass.h>
@@ -289,13 +300,14 @@ PTR_ARRAY_INCLUDES = EXTENDED_SHAPES + """
 #include <cutlass/gemm/kernel/tile_scheduler.hpp>
 #include <cutlass/gemm/kernel/@KERNEL_HEADER@>
 #include <cutlass/device_kernel.h>"""
-SHARED = {"EXTENDED_SHAPES": EXTENDED_SHAPES, "LAUNCH": LAUNCH, "ENTRY_PARAMS": ENTRY_PARAMS,
+SHARED = {"LAUNCH": LAUNCH, "ENTRY_PARAMS": ENTRY_PARAMS,
           "PTR_ARRAY_INCLUDES": PTR_ARRAY_INCLUDES}
 
 
-def fill(template: str, subs: dict[str, str]) -> str:
-    """template with the shared fragments (SHARED: @EXTENDED_SHAPES@, @PTR_ARRAY_INCLUDES@,
-    @ENTRY_PARAMS@, @LAUNCH@) spliced in, then every @KEY@ replaced by subs[KEY]."""
-    for k, v in {**SHARED, **subs}.items():
+def fill(template: str, subs: dict[str, str], wgmma_n=()) -> str:
+    """template with the shared fragments (SHARED: @PTR_ARRAY_INCLUDES@, @ENTRY_PARAMS@,
+    @LAUNCH@) spliced in, @EXTENDED_SHAPES@ as the N widths of the kernel's wgmma (wgmma_n) need,
+    then every @KEY@ replaced by subs[KEY]."""
+    for k, v in {**SHARED, "EXTENDED_SHAPES": extended_shapes(wgmma_n), **subs}.items():
         template = template.replace(f"@{k}@", v)
     return template

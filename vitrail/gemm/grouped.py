@@ -124,6 +124,11 @@ class GroupedGemmOperation(Buildable):
                                  f"match the math instruction's {elem}")
 
     @property
+    def wgmma_n(self) -> tuple[int, ...]:
+        """The N width of the kernel's wgmma instructions: the tile's."""
+        return (self.tile.tile_shape[1],)
+
+    @property
     def name(self) -> str:
         tm, tn, tk = self.tile.tile_shape
         cm, cn, _ = self.tile.cluster_shape
@@ -160,5 +165,5 @@ class GroupedGemmOperation(Buildable):
                                   "pingpong": "cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong"
                                   }[t.kernel_schedule],
         }
-        return fill(_TEMPLATE, subs)
+        return fill(_TEMPLATE, subs, self.wgmma_n)
 

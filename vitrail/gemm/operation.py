@@ -153,6 +153,13 @@ class GemmOperation(Buildable):
         return self.fp8_exact and self.mode != "array" and self.tile.promotion_slices > 0
 
     @property
+    def wgmma_n(self) -> tuple[int, ...]:
+        """The N widths of the kernel's wgmma instructions: the tile's, and a promotion slice's
+        where FP8 exact accumulation overlaps its promotions."""
+        n = self.tile.tile_shape[1]
+        return (n, n // self.tile.promotion_slices) if self.overlapped_promotion else (n,)
+
+    @property
     def name(self) -> str:
         m, t = self.math, self.tile
         tm, tn, tk = t.tile_shape
