@@ -252,3 +252,34 @@ def test_nvcc_phases_run_as_two_chains(tmp_path):
                       'cudaStream_t s) { twice<<<1, 32, 0, s>>>(x); return cudaGetLastError(); }'
                       '\n', name="two_chains", backend="nvcc", arch="90a")
     assert mod.function("run").proto.name == "run" and any("twice" in n for n in mod.resources())
+
+
+@requires_nvcc
+def test_a_build_that_keeps_the_call_waiting_says_so_once(cache_dir, caplog):
+    """One line before an nvcc build: what, and how long its kind's builds took here (the
+    median of the last ones), none for a warm load, an NVRTC kernel of unknown time or a kind
+    that builds in under ANNOUNCE_SECONDS."""
+    from vitrail.jit import compiler
+    from vitrail.jit.cache import KernelCache
+    from vitrail.jit.index import Index
+    src = 'extern "C" __global__ void k(float* x) { x[threadIdx.x] += 1.f; }\n'
+    with caplog.at_level("WARNING", logger="vitrail.jit"):
+        jit.compile(src, name="announced", arch="90a", backend="nvcc")
+        jit.compile(src, name="announced", arch="90a", backend="nvcc")
+    lines = [r.getMessage() for r in caplog.records if "for its first use" in r.getMessage()]
+    assert len(lines) == 1 and "'announced' (nvcc)" in lines[0] and "about" not in lines[0]
+
+    index = Index(KernelCache())
+    for i, (name, backend, seconds) in enumerate([
+            ("gemm_a", "nvcc", 40.0), ("gemm_b", "nvcc", 61.0), ("gemm_c", "nvcc", 70.0),
+            ("gemmish_d", "nvcc", 900.0), ("softmax.fwd", "nvrtc", 0.5)]):
+        index.record(f"k{i}", {"name": name, "backend": backend,
+                               "compile_seconds": seconds}, 1)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="vitrail.jit"):
+        compiler._announce(index, "gemm_e", "nvcc")
+        compiler._announce(index, "softmax.bwd", "nvrtc")
+        compiler._announce(index, "copy.tile", "nvrtc")
+    assert [r.getMessage() for r in caplog.records] == [
+        "vitrail: compiling 'gemm_e' (nvcc) for its first use, about 61 s as before here; "
+        "later calls and processes load it from the cache"]

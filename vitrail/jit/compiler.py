@@ -165,6 +165,7 @@ def cached_build(key: str, name: str, backend: str, builder: Callable[[Path], di
                 how = "disk" if entry is None else "shared"
             if entry is None:
                 build = cache.new_build_dir(key)
+                _announce(index, name, backend)
                 try:
                     meta = builder(build)
                     entry = cache.publish(key, build, meta, read_artifact=read_artifact)
@@ -185,6 +186,21 @@ def cached_build(key: str, name: str, backend: str, builder: Callable[[Path], di
     else:
         index.touch(key, entry.meta, entry.dir)
     return entry, how
+
+
+def _announce(index: Index, name: str, backend: str) -> None:
+    """One line before a build that keeps the call waiting: what, and about how long its kind's
+    last builds took here (none where they took under ANNOUNCE_SECONDS, or for an NVRTC kernel
+    this cache has no time for: those take about a second)."""
+    typical = index.typical_seconds(name, backend)
+    if typical is None and backend == "nvrtc" or typical is not None and typical < ANNOUNCE_SECONDS:
+        return
+    about = f", about {typical:.0f} s as before here" if typical else ""
+    log.warning("vitrail: compiling '%s' (%s) for its first use%s; later calls and processes "
+                "load it from the cache", name, backend, about)
+
+
+ANNOUNCE_SECONDS = 5.0
 
 
 def _from_shared(cache: KernelCache, key: str, is_cubin: bool):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import sqlite3
 import time
 from pathlib import Path
@@ -94,5 +95,27 @@ class Index:
                 rows[key] = row
         return sorted(rows.values(), key=lambda r: (r["last_used"] or 0, r["key"]))
 
+    def typical_seconds(self, name: str, backend: str) -> float | None:
+        """The median compile time of the last builds (at most 20) whose names start as name's
+        does (its first word: gemm, softmax, ...) with this backend; None where there are none
+        or the index cannot be read."""
+        stem = _stem(name)
+        like = stem.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+        try:
+            with self._db() as db:
+                rows = db.execute(
+                    "SELECT name, compile_seconds FROM kernels WHERE backend=? AND name LIKE ? "
+                    "ESCAPE '\\' AND compile_seconds IS NOT NULL ORDER BY created DESC "
+                    "LIMIT 200", (backend, like)).fetchall()
+        except (OSError, sqlite3.Error):
+            return None
+        times = sorted([t for n, t in rows if _stem(n) == stem][:20])
+        return times[len(times) // 2] if times else None
+
     def forget(self, key: str) -> None:
         self._write("DELETE FROM kernels WHERE key=?", (key,))
+
+
+def _stem(name: str) -> str:
+    """A kernel name's first word (gemm_bf16_... -> gemm, softmax.fwd... -> softmax)."""
+    return re.split(r"[._\-]", name, maxsplit=1)[0]
