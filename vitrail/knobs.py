@@ -84,7 +84,8 @@ SHARED_CACHE = _knob(
     "your own cache and before compiling; never written. An artifact loads only where root, you "
     "or VITRAIL_SHARED_CACHE_OWNERS own it and every directory down to it, none writable by "
     "group or others (checked on the open files); a shared library loads from a private copy in "
-    "your cache. DIR/tuning.sqlite, if there, is read after your tuning store.")
+    "your cache. DIR/tuning.sqlite and DIR/tuning.json (an export), if there, are read after your "
+    "tuning store. Packages' layers (entry points vitrail.caches) are searched after these.")
 SHARED_CACHE_OWNERS = _knob(
     "VITRAIL_SHARED_CACHE_OWNERS", "", _str,
     "Users trusted to own VITRAIL_SHARED_CACHE's files besides root and you: uids or user names, "

@@ -5,6 +5,7 @@ shared cache is built as an administrator would (``VITRAIL_CACHE_DIR=DIR``, then
 another user is simulated by chown to an unused uid (the tests run as root where they can)."""
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import os
 import sqlite3
@@ -216,3 +217,80 @@ def test_the_knobs_are_read_as_documented(monkeypatch, tmp_path):
     assert shared.roots() == [f"{tmp_path}/a", f"{tmp_path}/b"]
     monkeypatch.setenv("VITRAIL_SHARED_CACHE_OWNERS", "0, root 12")
     assert shared.owners() == {0, os.geteuid(), 12}
+
+
+# ------------------------------------------------------------- layers shipped in packages
+def _layer_package(tmp_path: Path, monkeypatch, name: str, records: list[Record]) -> Path:
+    """An importable package `name` whose directory holds a tuning.json export of records, and
+    an installed entry point of the group vitrail.caches naming it."""
+    pkg = tmp_path / "site" / name
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    own = TuningStore(tmp_path / f"{name}.sqlite")
+    for r in records:
+        own.put(r)
+    assert own.export(pkg / "tuning.json") == len(records)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    return pkg
+
+
+def _with_layers(monkeypatch, *points: tuple[str, str]) -> None:
+    from vitrail.tune import store
+    eps = [importlib.metadata.EntryPoint(n, v, shared.ENTRY_POINTS) for n, v in points]
+    monkeypatch.setattr(shared.importlib.metadata, "entry_points",
+                        lambda group: [e for e in eps if e.group == group])
+    monkeypatch.setattr(shared, "SHIPPED", "/nonexistent/vitrail/shipped")
+    monkeypatch.setattr(shared, "_WARNED", set())
+    shared.layers.cache_clear()
+    store._exported.cache_clear()
+
+
+@pytest.fixture
+def fresh_layers():
+    from vitrail.tune import store
+    yield
+    shared.layers.cache_clear()
+    store._exported.cache_clear()
+
+
+def test_a_package_ships_tuning_records_read_after_the_users_and_the_knobs(
+        tmp_path, monkeypatch, cache_dir, fresh_layers, caplog):
+    """A package's layer (entry point vitrail.caches -> its directory, holding an export) is
+    searched after the user's own store and VITRAIL_SHARED_CACHE's; a broken entry point or
+    export is one warning and is skipped, never a failed lookup."""
+    base = _record()
+    pkg = _layer_package(tmp_path, monkeypatch, "demo_layer", [base])
+    bad = tmp_path / "site" / "bad_layer"
+    bad.mkdir()
+    (bad / "__init__.py").write_text("")
+    (bad / "tuning.json").write_text('{"format": "something else"}')
+    _with_layers(monkeypatch, ("a_bad", "bad_layer"), ("b_demo", "demo_layer"),
+                 ("c_gone", "no_such_package_here"))
+    assert shared.layers() == (os.path.realpath(bad), os.path.realpath(pkg))
+    with caplog.at_level(logging.WARNING, logger="vitrail"):
+        got = TuningStore().get(base.key)
+    assert got is not None and dict(got.config) == {"BLOCK": 256}
+    assert "c_gone" in caplog.text and "bad_layer" in caplog.text
+
+    team = tmp_path / "team-cache"  # the knob's directories come first
+    team.mkdir(mode=0o755)
+    TuningStore(team / "tuning.sqlite").put(Record(base.key, Config([("BLOCK", 512)])))
+    monkeypatch.setenv("VITRAIL_SHARED_CACHE", str(team))
+    assert shared.roots()[0] == str(team.resolve())
+    assert dict(TuningStore().get(base.key).config) == {"BLOCK": 512}
+    TuningStore().put(Record(base.key, Config([("BLOCK", 128)])))  # the user's own: first
+    assert dict(TuningStore().get(base.key).config) == {"BLOCK": 128}
+    assert sorted(p.name for p in pkg.iterdir()) == ["__init__.py", "tuning.json"]
+
+
+@needs_nvrtc
+def test_a_package_ships_kernels(tmp_path, monkeypatch, cache_dir, fresh_layers):
+    """A layer's v1/kernels (vitrail precompile with VITRAIL_CACHE_DIR in the package) loads
+    without compiling, from a private copy."""
+    pkg = _layer_package(tmp_path, monkeypatch, "kernels_layer", [])
+    monkeypatch.setenv("VITRAIL_CACHE_DIR", str(pkg))
+    assert compile_saxpy().how == "compiled"
+    monkeypatch.setenv("VITRAIL_CACHE_DIR", str(cache_dir))
+    _with_layers(monkeypatch, ("kernels", "kernels_layer"))
+    mod = compile_saxpy()
+    assert mod.how == "shared" and Path(mod.path).is_relative_to(cache_dir)

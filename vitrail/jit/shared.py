@@ -23,7 +23,10 @@ sqlite neither writes nor locks it (checkpoint the WAL before making the directo
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import importlib.metadata
+import importlib.util
 import json
 import logging
 import os
@@ -43,10 +46,40 @@ class Untrusted(Exception):
     """A shared file or a directory above it that an untrusted user could have written."""
 
 
+ENTRY_POINTS = "vitrail.caches"  # installed packages' read-only layers (see layers())
+SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "shipped")
+
+
 def roots() -> list[str]:
-    """The shared caches' directories (absolute), in the order given."""
+    """The shared caches' directories (absolute), in the order searched: VITRAIL_SHARED_CACHE's,
+    then the layers installed packages ship (``layers()``)."""
     raw = knobs.SHARED_CACHE.get()
-    return [os.path.realpath(os.path.expanduser(d)) for d in raw.split(":") if d.strip()]
+    given = [os.path.realpath(os.path.expanduser(d)) for d in raw.split(":") if d.strip()]
+    return given + [d for d in layers() if d not in given]
+
+
+@functools.lru_cache(maxsize=1)
+def layers() -> tuple[str, ...]:
+    """Read-only layers shipped inside installed packages, found once per process: each entry
+    point of the group ``vitrail.caches`` names a package (``mypkg.vitrail_cache``) whose
+    directory is laid out as a cache (``v1/kernels/...`` from ``vitrail precompile`` run with
+    VITRAIL_CACHE_DIR there, ``tuning.json`` from ``vitrail tune export``), in name order; then
+    vitrail's own (``vitrail/shipped``). They are checked and read like VITRAIL_SHARED_CACHE's."""
+    found = []
+    for ep in sorted(importlib.metadata.entry_points(group=ENTRY_POINTS), key=lambda e: e.name):
+        try:
+            spec = importlib.util.find_spec(ep.value)
+            where = (list(spec.submodule_search_locations or []) if spec else []) or (
+                [os.path.dirname(spec.origin)] if spec and spec.origin else [])
+            if not where:
+                raise ImportError(f"no package {ep.value!r}")
+            found.append(os.path.realpath(where[0]))
+        except (ImportError, ValueError, AttributeError) as e:
+            _warn_once(f"layer:{ep.name}", f"vitrail: the cache layer {ep.name} = {ep.value!r} "
+                                           f"({ENTRY_POINTS}) is not used: {e}")
+    if os.path.isdir(SHIPPED):
+        found.append(os.path.realpath(SHIPPED))
+    return tuple(dict.fromkeys(found))
 
 
 def owners() -> set[int]:
@@ -171,6 +204,24 @@ def stores() -> Iterator[list[tuple[str, sqlite3.Connection]]]:
             db.close()
         for fd in fds:
             os.close(fd)
+
+
+def tuning_exports(where: list[str] | None = None) -> list[tuple[str, bytes]]:
+    """(path, bytes) of each shared cache's ``tuning.json`` (a ``vitrail tune export`` file),
+    in the order of roots(), read through checked descriptors; a refused one is one warning."""
+    found = []
+    trusted = None
+    for root in roots() if where is None else where:
+        path = os.path.join(root, "tuning.json")
+        if not os.path.isfile(path):
+            continue
+        trusted = trusted or owners()
+        try:
+            with _open_dir(root, [], trusted) as fd:
+                found.append((path, _read(fd, "tuning.json", root, trusted)))
+        except (Untrusted, OSError) as e:
+            _warn_once(path, f"vitrail: the shared tuning records {path} are not used: {e}")
+    return found
 
 
 def _warn_once(what: str, message: str) -> None:

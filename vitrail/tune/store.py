@@ -5,11 +5,14 @@ majorness, alignment: see :func:`problem_key`), the GPU's name and SM count, and
 version; it holds the winning config and every candidate's timing (or why it failed). The store
 is a sqlite file beside the kernel cache (``<cache dir>/tuning.sqlite``), shared by every process
 of the user: a second process tuning the same problem finds the record and times nothing.
-``vitrail tune export FILE`` / ``import FILE`` move records between machines and releases.
+``vitrail tune export FILE`` / ``import FILE`` move records between machines and releases; a
+lookup that misses the user's store reads the shared caches' stores after it (VITRAIL_SHARED_CACHE,
+then the layers installed packages ship: vitrail.jit.shared.layers), read-only.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -104,7 +107,8 @@ class TuningStore:
         """key's record in the first shared read-only cache's store that has it
         (VITRAIL_SHARED_CACHE; opened as vitrail.jit.shared says)."""
         from vitrail.jit import shared
-        if not shared.roots():
+        roots = shared.roots()
+        if not roots:
             return None
         with shared.stores() as found:
             for path, db in found:
@@ -115,7 +119,7 @@ class TuningStore:
                 except (sqlite3.Error, ValueError, TypeError) as e:
                     _warn_once(Path(path), f"vitrail: the shared tuning store {path} cannot be "
                                            f"read ({e})")
-        return None
+        return _exported(tuple(roots)).get(key)
 
     def put(self, record: Record) -> None:
         """Keep a record (a failed write is a warning: the tuned config is still used now)."""
@@ -178,6 +182,21 @@ class TuningStore:
         return added, kept
 
 
+@functools.lru_cache(maxsize=4)
+def _exported(roots: tuple[str, ...]) -> dict[RecordKey, Record]:
+    """The records of the shared caches' tuning.json files (the shipped layers' form), read and
+    checked once per process: the first root holding a key wins."""
+    from vitrail.jit import shared
+    found: dict[RecordKey, Record] = {}
+    for path, text in shared.tuning_exports(list(roots)):
+        try:
+            for record in parse_export(text, path):
+                found.setdefault(record.key, record)
+        except ValueError as e:
+            _warn_once(Path(path), f"vitrail: the shared tuning records {path} are not used: {e}")
+    return found
+
+
 MAX_EXPORT_BYTES = 64 << 20  # an export of every record of a busy machine is a few MB
 _TEXT = 4096  # the longest key field, error or config value kept
 
@@ -189,10 +208,23 @@ def read_export(path: str | Path, ops: Mapping[str, Any] | None = None) -> list[
         size = Path(path).stat().st_size
         if size > MAX_EXPORT_BYTES:
             raise ValueError(f"{size} bytes, more than the {MAX_EXPORT_BYTES} an export may have")
-        doc = json.loads(Path(path).read_text())
+        text = Path(path).read_bytes()
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable tuning export ({e})") from None
+    return parse_export(text, path, ops)
+
+
+def parse_export(text: bytes | str, path: str | Path,
+                 ops: Mapping[str, Any] | None = None) -> list[Record]:
+    """The records of an export's text (read from path), every one checked."""
+    if len(text) > MAX_EXPORT_BYTES:
+        raise ValueError(f"{path}: {len(text)} bytes, more than the {MAX_EXPORT_BYTES} an export "
+                         f"may have")
+    try:
+        doc = json.loads(text)
     except RecursionError:
         raise ValueError(f"{path}: not a tuning export (nested too deeply)") from None
-    except (OSError, ValueError) as e:
+    except ValueError as e:
         raise ValueError(f"{path}: not a readable tuning export ({e})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ValueError(f"{path}: not a vitrail tuning export (no \"format\": \"{FORMAT}\")")
