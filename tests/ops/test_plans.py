@@ -370,21 +370,77 @@ def test_autograd_paths_of_softmax_copy_and_sympow():
     (gx,) = torch.autograd.grad(y, x, dy, create_graph=True)
     with pytest.raises(RuntimeError):
         torch.autograd.grad(gx.float().sum(), x)
-    for _ in range(2):
+    for k in range(2):  # the first runs the autograd.Function, the second the C++ plan
         z = ops.copy(x.t(), dtype=torch.float32)
-        assert type(z.grad_fn).__name__ == "_CopyBackward" and z.dtype == torch.float32
+        assert z.grad_fn.name() == ("_CopyBackward" if k == 0 else "vitrail::CopyBackward")
+        assert z.dtype == torch.float32
         (gx,) = _grads(z, (x,), dy.t().float())
         assert gx.dtype == BF
         torch.testing.assert_close(gx, dy)
     xs = torch.randn(3, 50, 64, device="cuda", dtype=BF, requires_grad=True)
-    for _ in range(2):
+    for k in range(2):
         z = ops.sympow(xs, 2, 8)
-        assert type(z.grad_fn).__name__ == "_SympowBackward"
+        assert z.grad_fn.name() == ("_SympowBackward" if k == 0 else "vitrail::SympowBackward")
         dz = torch.randn_like(z)
         (gx,) = _grads(z, (xs,), dz)
         (x2,) = _double(xs)
         (want,) = _grads(sympow_reference(x2, 2, 8), (x2,), dz.double())
         _close(gx, want, 3e-2 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF])
+def test_copy_and_sympow_gradients_are_recorded_from_cpp(native, dtype):
+    """copy, sympow and sympow_mma calls that record gradients are C++ plans after their first
+    call (the output's node is vitrail's C++ one), with the gradients of fp64 autograd on fresh
+    data; a call whose result is not the plan's output (sympow along another dim, sympow_mma of
+    4-D tensors) and one needing only b's gradient stay right."""
+    ops = _ops()
+    from vitrail.ops.sympow.reference import sympow_mma_reference, sympow_reference
+    for k in range(3):  # copy: a transpose, a dtype change; dy goes back exactly
+        x = torch.randn(33, 1000, device="cuda", dtype=dtype, requires_grad=True)
+        for target in (None, torch.float16):
+            z = ops.copy(x.t(), dtype=target)
+            assert k == 0 or z.grad_fn.name() == "vitrail::CopyBackward", (k, target)
+            dz = torch.randn_like(z)
+            (gx,) = _grads(z, (x,), dz)
+            assert gx.dtype == dtype
+            torch.testing.assert_close(gx, dz.t().to(dtype))
+    if dtype == torch.float32:
+        return  # the sympow kernels' dtypes are 16-bit ones
+    for k in range(3):
+        xs = torch.randn(3, 50, 64, device="cuda", dtype=dtype, requires_grad=True)
+        for dim in (-1, 1):
+            x = xs if dim == -1 else xs.transpose(1, 2)
+            z = ops.sympow(x, 2, 8, dim)
+            if k:
+                assert (z.grad_fn.name() == "vitrail::SympowBackward") == (dim == -1), (k, dim)
+            dz = torch.randn_like(z)
+            (gx,) = _grads(z, (xs,), dz)
+            (x2,) = _double(xs)
+            x2d = x2 if dim == -1 else x2.transpose(1, 2)
+            (want,) = _grads(sympow_reference(x2d, 2, 8, dim), (x2,), dz.double())
+            _close(gx, want, 3e-2 * want.abs().max().item())
+    D = 2304  # sympow_dim(64, 2, 8)
+    for expand_dim, sa, sb in ((-1, (3, 50, 64), (3, D, 24)), (-2, (3, 64, 50), (3, 50, 24)),
+                               (-1, (2, 3, 50, 64), (2, 3, D, 24))):
+        for grads in ((True, True), (False, True)):
+            for k in range(3):
+                a = torch.randn(*sa, device="cuda", dtype=dtype).requires_grad_(grads[0])
+                b = (torch.randn(*sb, device="cuda") / sb[-2] ** 0.5).to(dtype)
+                b.requires_grad_(grads[1])
+                c = ops.sympow_mma(a, b, expand_dim, 2, 8, scale_a=0.5)
+                if k:
+                    want_cpp = len(sa) == 3
+                    assert (c.grad_fn.name() == "vitrail::SympowMmaBackward") == want_cpp, \
+                        (expand_dim, sa, grads, k, c.grad_fn.name())
+                dc = torch.randn_like(c)
+                leaves = tuple(t for t in (a, b) if t.requires_grad)
+                ours = _grads(c, leaves, dc)
+                a2, b2 = _double(a, b)
+                ref = sympow_mma_reference(a2, b2, expand_dim, 2, 8, 0.5)
+                wants = _grads(ref, tuple(t for t, g in zip((a2, b2), grads) if g), dc.double())
+                for got, want in zip(ours, wants):
+                    _close(got, want, 3e-2 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, BF])

@@ -25,6 +25,7 @@ from vitrail.device import ctype, sm_count, vector
 from vitrail.jit.errors import ArgumentError
 from vitrail.op import Op
 from vitrail.plan import GENERAL, Plans, signature
+from vitrail.plan import native
 from vitrail.plan.native import front
 from vitrail.ops.common import (DISPATCH, EAGER, FLOATS, GRAD, autograd_apply, call_mode,
                                 check_same_device, check_tensor)
@@ -280,16 +281,31 @@ class _Copy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        if torch.is_grad_enabled():  # create_graph: through the custom op (differentiable)
-            return copy_op(dy, ctx.dtype), None, None
-        return _copy(dy, ctx.dtype), None, None
+        return _gradient(dy, ctx.dtype), None, None
+
+
+def _gradient(dy: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x's gradient: dy copied back to x's dtype (the GRAD path's backward, the C++ plans'
+    too: vitrail.plan.native)."""
+    if torch.is_grad_enabled():  # create_graph: through the custom op (differentiable)
+        return copy_op(dy, dtype)
+    return _copy(dy, dtype)
+
+
+def _rule(x: torch.Tensor, out: torch.Tensor | None = None,
+          dtype: torch.dtype | None = None) -> tuple | None:
+    """The gradient rule of copy's C++ plans (none into ``out``: autograd refuses that write)."""
+    if out is not None:
+        return None
+    return (_gradient, ((native.GRAD, 0), (native.VALUE, x.dtype)), (0,),
+            "vitrail::CopyBackward")
 
 
 _COPY = autograd_apply(_Copy)
 
 
 # ------------------------------------------------------------------ public function
-@front(PLANS)
+@front(PLANS, grad=_rule)
 def copy(x: torch.Tensor, *, out: torch.Tensor | None = None,
          dtype: torch.dtype | None = None) -> torch.Tensor:
     """x copied into a new contiguous tensor (of ``dtype``, default x's) or into ``out``."""

@@ -23,6 +23,7 @@ from vitrail.jit.errors import ArgumentError
 from vitrail.jit.tma import tensor_map
 from vitrail.op import Op
 from vitrail.plan import GENERAL, Plans, keep, setup, signature
+from vitrail.plan import native
 from vitrail.plan.native import front
 from vitrail.ops.common import (EAGER, GRAD, autograd_apply, call_mode, check_dim,
                                 check_same_device, check_tensor, plain_eager)
@@ -490,23 +491,24 @@ def _mma_setup(ctx, inputs, output):
     ctx.args = (expand_dim, power, d_tile, scale, dc)
 
 
-def _mma_grads(ctx, dc_out, mma, bwd) -> tuple:
-    """The gradients of sympow_mma's a and b: bwd = mma_sympow_bwd, mma = sympow_mma (the
-    custom ops, or the implementations directly)."""
-    a, b = ctx.saved_tensors
-    expand_dim, power, d_tile, scale, dc = ctx.args
+def _mma_pair(a, b, dc_out, args, needs, mma, bwd) -> tuple:
+    """The gradients of sympow_mma's a and b (where needs says): bwd = mma_sympow_bwd, mma =
+    sympow_mma (the custom ops, or the implementations directly)."""
+    expand_dim, power, d_tile, scale, dc = args
     da = db = None
     dc_out = dc_out.to(a.dtype)
-    if ctx.needs_input_grad[0]:  # dE = dC @ b^T, contracted through sympow's derivative
+    if needs[0]:  # dE = dC @ b^T, contracted through sympow's derivative
         da = bwd(dc_out, b.transpose(1, 2), a, expand_dim, power, d_tile, scale, dc)
-    if ctx.needs_input_grad[1]:  # db = E^T @ dC, and E^T is sympow of a^T along the other side
+    if needs[1]:  # db = E^T @ dC, and E^T is sympow of a^T along the other side
         db = mma(a.transpose(1, 2), dc_out, -3 - expand_dim, power, d_tile, scale, dc)
     return da, db
 
 
 def _mma_backward(ctx, dc_out):
-    return *_mma_grads(ctx, dc_out, torch.ops.vitrail.sympow_mma,
-                       torch.ops.vitrail.mma_sympow_bwd), None, None, None, None, None
+    a, b = ctx.saved_tensors
+    return (*_mma_pair(a, b, dc_out, ctx.args, ctx.needs_input_grad[:2],
+                       torch.ops.vitrail.sympow_mma, torch.ops.vitrail.mma_sympow_bwd),
+            None, None, None, None, None)
 
 
 torch.library.register_autograd("vitrail::sympow_mma", _mma_backward, setup_context=_mma_setup)
@@ -525,9 +527,27 @@ class _Sympow(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dz):
         (x,) = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph: the custom op refuses a second backward
-            return torch.ops.vitrail.sympow_bwd(x, dz, *ctx.args), None, None, None
-        return _sympow_bwd_impl(x, dz, *ctx.args), None, None, None
+        return _sympow_gradient(x, dz, *ctx.args), None, None, None
+
+
+def _sympow_gradient(x: torch.Tensor, dz: torch.Tensor, power: int, d_tile: int,
+                     dc: bool) -> torch.Tensor:
+    """x's gradient (the GRAD path's backward, the C++ plans' too: vitrail.plan.native)."""
+    if torch.is_grad_enabled():  # create_graph: the custom op refuses a second backward
+        return torch.ops.vitrail.sympow_bwd(x, dz, power, d_tile, dc)
+    return _sympow_bwd_impl(x, dz, power, d_tile, dc)
+
+
+def _sympow_rule(x: torch.Tensor, power: int, d_tile: int = 1, dim: int = -1,
+                 duplicate_correction: bool = True) -> tuple | None:
+    """The gradient rule of sympow's C++ plans, where the expansion is along the last dim (the
+    result is then the plan's output)."""
+    if dim not in (-1, x.dim() - 1):
+        return None
+    return (_sympow_gradient, ((native.INPUT, 0), (native.GRAD, 0), (native.VALUE, power),
+                               (native.VALUE, d_tile),
+                               (native.VALUE, bool(duplicate_correction))), (0,),
+            "vitrail::SympowBackward")
 
 
 class _SympowMma(torch.autograd.Function):
@@ -541,12 +561,32 @@ class _SympowMma(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dc_out):
-        if torch.is_grad_enabled():  # create_graph: through the custom ops
-            grads = _mma_grads(ctx, dc_out, torch.ops.vitrail.sympow_mma,
-                               torch.ops.vitrail.mma_sympow_bwd)
-        else:
-            grads = _mma_grads(ctx, dc_out, _mma_impl, _mma_bwd_impl)
-        return *grads, None, None, None, None, None
+        a, b = ctx.saved_tensors
+        return (*_mma_gradients(a, b, dc_out, *ctx.args, ctx.needs_input_grad[:2]),
+                None, None, None, None, None)
+
+
+def _mma_gradients(a, b, dc_out, expand_dim, power, d_tile, scale, dc, needs=(True, True)):
+    """a's and b's gradients (the GRAD path's backward, the C++ plans' too)."""
+    if torch.is_grad_enabled():  # create_graph: through the custom ops
+        return _mma_pair(a, b, dc_out, (expand_dim, power, d_tile, scale, dc), needs,
+                         torch.ops.vitrail.sympow_mma, torch.ops.vitrail.mma_sympow_bwd)
+    return _mma_pair(a, b, dc_out, (expand_dim, power, d_tile, scale, dc), needs, _mma_impl,
+                     _mma_bwd_impl)
+
+
+def _mma_rule(a: torch.Tensor, b: torch.Tensor, expand_dim: int, power: int, d_tile: int = 1,
+              scale_a: float = 1.0, duplicate_correction: bool = True) -> tuple | None:
+    """The gradient rule of sympow_mma's C++ plans, for 3-D a and b (the result is then the
+    plan's output)."""
+    if a.dim() != 3 or b.dim() != 3:
+        return None
+    ed = -1 if expand_dim in (-1, 2) else -2
+    values = (ed, power, d_tile, float(scale_a), bool(duplicate_correction))
+    return (_mma_gradients, ((native.INPUT, 0), (native.INPUT, 1), (native.GRAD, 0),
+                             *((native.VALUE, v) for v in values),
+                             (native.VALUE, (a.requires_grad, b.requires_grad))), (0, 1),
+            "vitrail::SympowMmaBackward")
 
 
 _SYMPOW, _SYMPOW_MMA = autograd_apply(_Sympow), autograd_apply(_SympowMma)
@@ -557,7 +597,7 @@ def _check_float(op: str, name: str, t) -> None:
     check_tensor(op, name, t, dtypes=configs.DTYPES)
 
 
-@front(PLANS)
+@front(PLANS, grad=_sympow_rule)
 def sympow(x: torch.Tensor, power: int, d_tile: int = 1, dim: int = -1,
            duplicate_correction: bool = True) -> torch.Tensor:
     """The tiled symmetric power of x along dim: that dimension's d features become
@@ -603,7 +643,7 @@ def _as3(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 3 else t.reshape((-1,) + t.shape[-2:])
 
 
-@front(PLANS)
+@front(PLANS, grad=_mma_rule)
 def sympow_mma(a: torch.Tensor, b: torch.Tensor, expand_dim: int, power: int, d_tile: int = 1,
                scale_a: float = 1.0, duplicate_correction: bool = True) -> torch.Tensor:
     """sympow(a along expand_dim) * scale_a @ b without storing the expansion.
