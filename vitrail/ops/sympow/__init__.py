@@ -261,6 +261,13 @@ def _mma_into(a, b, out, expand_dim, power, d_tile, scale, dc) -> None:
     _mma_impl(a, b, expand_dim, power, d_tile, scale, dc, out=out)
 
 
+def _mma_planned(a, b, expand_dim, power, d_tile, scale, dc) -> torch.Tensor:
+    """sympow_mma of 3-D a and b through their signature's plan."""
+    key = (signature(a), signature(b), expand_dim, power, d_tile, scale, dc)
+    return PLANS.run(key, (a, b), _new_mma, _mma_into,
+                     (expand_dim, power, d_tile, scale, dc))[0]
+
+
 def _new_like_c(a, b, c, *_) -> tuple[torch.Tensor]:
     return (torch.empty_like(c, memory_format=torch.contiguous_format),)
 
@@ -557,7 +564,7 @@ class _SympowMma(torch.autograd.Function):
     def forward(ctx, a, b, expand_dim, power, d_tile, scale, dc):
         ctx.save_for_backward(a, b)
         ctx.args = (expand_dim, power, d_tile, scale, dc)
-        return _mma_impl(a, b, expand_dim, power, d_tile, scale, dc)
+        return _mma_planned(a, b, expand_dim, power, d_tile, scale, dc)
 
     @staticmethod
     def backward(ctx, dc_out):
@@ -665,9 +672,7 @@ def sympow_mma(a: torch.Tensor, b: torch.Tensor, expand_dim: int, power: int, d_
     dc = bool(duplicate_correction)
     mode = call_mode(a, b)
     if mode == EAGER:
-        key = (signature(a3), signature(b3), ed, power, d_tile, float(scale_a), dc)
-        c = PLANS.run(key, (a3, b3), _new_mma, _mma_into, (ed, power, d_tile, float(scale_a),
-                                                            dc))[0]
+        c = _mma_planned(a3, b3, ed, power, d_tile, float(scale_a), dc)
     elif mode == GRAD:
         c = _SYMPOW_MMA(a3, b3, ed, power, d_tile, float(scale_a), dc)
     else:
