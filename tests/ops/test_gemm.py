@@ -107,11 +107,11 @@ def test_selection_generalizes():
 def record(monkeypatch):
     """launch.run on CPU tensors, recording (kind, problem, prepared operands) instead of
     launching: the host-side preparation (layouts, copies, kinds) is tested without a GPU."""
-    from vitrail.ops.gemm import launch
+    from vitrail.ops.gemm import launch, testing
     monkeypatch.setattr(launch, "is_hopper", lambda device: True)
     monkeypatch.setattr(launch, "_WARNED", set())
-    monkeypatch.setattr(launch, "RECORD", [])  # restored after the test (a precompile pass
-    yield launch.RECORD                           # may have set its own)
+    with testing.recording() as found:
+        yield found
 
 
 def prepared_reasons(kind, problem, tensors):
@@ -215,12 +215,9 @@ def plain_args():
 def poison():
     """Outputs start as NaN, and every GEMM runs a vitrail kernel (not torch's matmul, which
     the selection takes where it is faster: test_selection_routes)."""
-    from vitrail.ops.gemm import launch
-    launch.POISON = True
-    launch.kernels_only(True)
-    yield
-    launch.POISON = False
-    launch.kernels_only(False)
+    from vitrail.ops.gemm import testing
+    with testing.poisoned(), testing.kernels_only():
+        yield
 
 
 @requires_gpu
@@ -254,7 +251,7 @@ def test_pick_best_times_torch_among_the_candidates(monkeypatch, tmp_path):
     from vitrail.tune import PickAny, PickBest, TuningStore, settings, tuner
     store = TuningStore(tmp_path / "tuning.sqlite")  # not the shared cache's store
     monkeypatch.setattr(tuner, "TuningStore", lambda: store)
-    launch.kernels_only(False)
+    launch.forget_choices()  # (the store is new)
     a, b = rand(128, 131072), rand(131072, 128)
     ref = a.double() @ b.double()
     with settings(policy=PickBest, max_configs=3):
@@ -262,7 +259,7 @@ def test_pick_best_times_torch_among_the_candidates(monkeypatch, tmp_path):
     (record,) = store.records()
     assert record.config["backend"] == "torch", record.timings
     assert len([t for t in record.timings if t["ms"] is not None]) == 3
-    launch.kernels_only(False)  # forget the memo: the store answers PickAny
+    launch.forget_choices()  # forget the memo: the store answers PickAny
     with settings(policy=PickAny):
         assert_matches(ops.mm(a, b), ref, a @ b, torch.bfloat16)
     assert any(plan is launch._torch_plan for plan in launch.PLANS._plans.values())

@@ -19,10 +19,9 @@ BF = torch.bfloat16
 def kernels_only():
     """GEMMs on vitrail's kernels: the plans of kernel launches are under test here (the GEMM
     selection's torch route has its own plan: tests/ops/test_gemm.py)."""
-    from vitrail.ops.gemm import launch
-    launch.kernels_only(True)
-    yield
-    launch.kernels_only(False)
+    from vitrail.ops.gemm import testing
+    with testing.kernels_only():
+        yield
 
 
 def _ops():
@@ -163,7 +162,7 @@ def _defaults(fn, given: int, extra: int) -> tuple:
 
 def test_the_cpp_hit_path_keeps_aliasing_strides_and_the_torch_route_right(native):
     ops = _ops()
-    from vitrail.ops.gemm import launch
+    from vitrail.ops.gemm import testing
     a, b = (torch.randn(64, 64, device="cuda", dtype=BF) for _ in range(2))
     for _ in range(3):  # one tensor twice, then two: never the first twice
         _close(ops.mm(a, a), a.float() @ a.float(), 0.1)
@@ -173,14 +172,11 @@ def test_the_cpp_hit_path_keeps_aliasing_strides_and_the_torch_route_right(nativ
     for x in (base[:, :256], base[:, 1:], base.t()[:256].t(), base[:, 1:].contiguous()):
         for _ in range(3):
             _close(ops.softmax(x), torch.softmax(x.float(), -1), 2e-2)
-    launch.kernels_only(False)  # the selection's routes: torch's matmul where it is faster
-    try:
+    with testing.kernels_only(False):  # the selection's routes: torch's matmul where faster
         x, w = (torch.randn(*s, device="cuda", dtype=BF) for s in ((2048, 2048), (2048, 2048)))
         for _ in range(3):
             _close(ops.mm(x, w), x.float() @ w.float(), 0.5)
         assert ops.mm.front.call(x, w, None) is not native.MISS
-    finally:
-        launch.kernels_only(True)
 
 
 def test_the_split_path_is_planned_per_stream(native):

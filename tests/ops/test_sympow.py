@@ -358,10 +358,10 @@ def _lim():
 def test_launch_grid_orders_and_limits():
     """Tiles fastest: one dimension (P * tiles, as cta_tile decodes it); P fastest, or where the
     product is over gridDim.x's limit: (P, tiles0, tiles1); both decode to the same CTAs."""
-    assert configs.launch_grid(64, 18, 1) == (1152, 1, 1)
+    assert configs.launch_grid(64, 18, 1, "tiles") == (1152, 1, 1)
     assert configs.launch_grid(70000, 2, 3, "tiles") == (420000, 1, 1)
     assert configs.launch_grid(64, 18, 1, "p") == (64, 18, 1)
-    assert configs.launch_grid(1 << 20, 1 << 12, 1) == (1 << 20, 1 << 12, 1)
+    assert configs.launch_grid(1 << 20, 1 << 12, 1, "tiles") == (1 << 20, 1 << 12, 1)
 
     def decode(grid, block, tiles0, tiles1):  # cta_tile, in Python
         x, y, z = block
@@ -389,12 +389,56 @@ def test_launch_grid_orders_and_limits():
 
 def test_state_side_takes_the_tma_mainloop_where_it_applies():
     """The expand-M kernel's TMA mainloop: 3 warpgroups and K a multiple of 64 (b's view steps
-    16 rows, a k-block never reaches the next problem's rows); tma=False keeps cp.async."""
-    assert configs.state_tma(4096, 3) == configs.WG_STATE_TMA
-    assert configs.query_tma() == configs.WG_QUERY_TMA and not configs.query_tma(False)
-    assert configs.state_tma(64, 3, True) and configs.state_tma(1024, 3, True)
-    assert not configs.state_tma(1000, 3, True) and not configs.state_tma(130, 3, True)
-    assert not configs.state_tma(4096, 2, True) and not configs.state_tma(4096, 3, False)
+    16 rows, a k-block never reaches the next problem's rows); cp.async for the rest."""
+    assert configs.state_tma(4096, 3) and configs.state_tma(64, 3)
+    assert not configs.state_tma(1000, 3) and not configs.state_tma(130, 3)
+    assert not configs.state_tma(4096, 2)
+
+
+def test_wgmma_variants_are_the_configs_and_the_heuristic_keeps_the_measured_ones():
+    """The wgmma kernels' launch order, expand-K mainloop and backward kernel are parameters of
+    their space (PickBest times them); the heuristic takes tiles fastest, TMA and the deferred
+    sums; the sm80 kernels' space is unchanged."""
+    from vitrail.tune import limits
+    lim = limits(arch="90a")
+    assert dict(configs.MMA90.default(None, lim)) == {"THREADS": configs.MMA_THREADS,
+                                                      "ORDER": "tiles", "TMA": True,
+                                                      "DEFER": True}
+    assert len(configs.MMA90.valid(lim)) == 8
+    assert dict(configs.MMA.default(None, lim)) == {"THREADS": configs.MMA_THREADS}
+    op = S._op("mma90", torch.bfloat16, 2, 8)
+    assert op.space is configs.MMA90
+    sources = {op.render(c)["source"] for c in configs.MMA90.valid(lim)}
+    assert sources == {S.SOURCES["mma90"]}  # one build serves every variant
+
+
+def test_wgmma_launches_resolve_the_config_variant():
+    """_launch asks a wgmma launch for the config's kernel, grid and arguments (no GPU: a
+    module that records what it would launch)."""
+    launched = []
+
+    class Module:
+        def kernel(self, name):
+            class Launcher:
+                def __getitem__(self, grid_block):
+                    return lambda *args, shared_mem: launched.append(
+                        (name, grid_block, args, shared_mem))
+            return Launcher()
+
+    from vitrail.tune import limits
+
+    def variant(config, *args):
+        kernel = "k_tma" if config.TMA else "k_wg"
+        return kernel, configs.launch_grid(3, 2, 1, config.ORDER), 99, args
+    lim = limits(arch="90a")
+    for config in configs.MMA90.valid(lim):
+        S._launch(Module(), config, variant, None, 0, "x", 1)
+        name, (grid, threads), args, smem = launched[-1]
+        assert name == ("k_tma" if config.TMA else "k_wg") and threads == 256 and smem == 99
+        assert grid == ((6, 1, 1) if config.ORDER == "tiles" else (3, 2, 1))
+        assert args == ("x", 1)
+    S._launch(Module(), configs.MMA.default(None, lim), "sympow_mma_k", (4, 1, 1), 7, "y")
+    assert launched[-1] == ("sympow_mma_k", ((4, 1, 1), 256), ("y",), 7)
 
 
 @pytest.mark.slow
@@ -635,8 +679,8 @@ def test_sympow_mma_and_its_backward(dtype, expand_dim, power, d, d_tile):
 WG_CASES = [(2, 64, 8), (2, 32, 16), (3, 16, 4), (3, 16, 8), (4, 16, 4)]
 
 
-# (launch order, expand-M warpgroups, its TMA mainloop): the default, the first order, and each
-# state kernel (3 warpgroups: cp.async, and TMA where K is a multiple of 64)
+# (launch order, expand-M warpgroups, expand-K mainloop): the config's, each order, and each
+# state kernel (3 warpgroups: cp.async where K is not a multiple of 64, TMA where it is)
 WG_VARIANTS = [(None, None, None), ("p", 2, None), ("tiles", 2, None), ("tiles", 3, False),
                ("tiles", 3, True)]
 
@@ -653,7 +697,7 @@ def test_sympow_mma_on_wgmma(dtype, expand_dim, power, d, d_tile, P, M, N, K, or
     both launch orders, and the 2- and 3-warpgroup expand-M kernels (192 features a CTA: a
     partly live last tile where D is not a multiple of 192), the latter with both mainloops
     (third shape: K a multiple of 64, where the TMA one applies; N 72: a partial 64-wide box);
-    the expand-K kernel (which wgs does not concern) with both of its mainloops."""
+    the expand-K kernel (which wgs does not concern) with both of its mainloops (tma)."""
     if not configs.wgmma_applies(dtype, power, d_tile, torch.device("cuda")):
         pytest.skip("the wgmma kernels run on sm_90a")
     torch.manual_seed(power * 100 + d + d_tile + M - expand_dim)
@@ -677,15 +721,27 @@ def test_tma_mainloops_are_bitwise_the_cp_async_ones(dtype, power, d, d_tile, P,
     """The wgmma kernels' two mainloops feed the same fragments and the same b rows to the same
     wgmmas in the same order: their outputs are equal bit for bit (d 256: a's 256-row box;
     d 24: a's stage not a multiple of 1 KiB; N 136: three column tiles, the last box partial;
-    expand K: K is the number of rows)."""
+    expand K: K is the number of rows, tma picks the mainloop). Expand M takes TMA wherever K
+    is a multiple of 64: the cp.async kernel runs K - 24 (its last k-block's 24 rows
+    zero-filled), the TMA one K with those rows zero."""
     if not configs.wgmma_applies(dtype, power, d_tile, torch.device("cuda")):
         pytest.skip("the wgmma kernels run on sm_90a")
     torch.manual_seed(power * 100 + d + d_tile + K)
     a, b = _operands(expand_dim, power, d, d_tile, dtype, P=P, M=K, N=N, K=K)
     rows = K if expand_dim == -1 else sympow_dim(d, power, d_tile)
-    got = S._mma_impl(a, b, expand_dim, power, d_tile, 0.75, True,
-                      out=_nan((P, rows, N), dtype), wgs=3, tma=True)
-    want = S._mma_impl(a, b, expand_dim, power, d_tile, 0.75, True, wgs=3, tma=False)
+    if expand_dim == -1:
+        got = S._mma_impl(a, b, expand_dim, power, d_tile, 0.75, True,
+                          out=_nan((P, rows, N), dtype), tma=True)
+        want = S._mma_impl(a, b, expand_dim, power, d_tile, 0.75, True, tma=False)
+    else:
+        short = K - 24
+        assert configs.state_tma(K, 3) and not configs.state_tma(short, 3)
+        a[..., short:] = 0
+        b[:, short:] = 0
+        got = S._mma_impl(a, b, expand_dim, power, d_tile, 0.75, True,
+                          out=_nan((P, rows, N), dtype), wgs=3)
+        want = S._mma_impl(a[..., :short], b[:, :short], expand_dim, power, d_tile, 0.75, True,
+                           wgs=3)
     assert not got.isnan().any(), "TMA mainloop: unwritten outputs"
     assert torch.equal(got, want), (got.float() - want.float()).abs().max().item()
 

@@ -37,8 +37,10 @@ OUT_ELEMENTS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f3
 _OPS: dict[Kind, Op] = {}
 _WARNED: set[str] = set()
 _HOPPER: dict[int, bool] = {}
-POISON = False  # tests set it: outputs start as NaN, so an unwritten element fails
-RECORD: Optional[list] = None  # a list: record (kind, problem) and launch nothing (precompile)
+# test hooks, set only by vitrail.ops.gemm.testing's context managers: outputs start as NaN;
+# a list: run records (kind, problem, operands) into it and launches nothing
+_poison = False
+_record: Optional[list] = None
 
 
 def warn_once(key: str, message: str) -> None:
@@ -47,10 +49,9 @@ def warn_once(key: str, message: str) -> None:
         warnings.warn(message, stacklevel=3)
 
 
-def kernels_only(on: bool) -> None:
-    """on: every GEMM runs a vitrail kernel, never torch's matmul (tests of the kernels);
-    forgets the configs and plans chosen before."""
-    model.TORCH_ALLOWED = not on
+def forget_choices() -> None:
+    """Forget the configs and plans chosen so far: each signature chooses afresh at its next
+    call (after a change of what the heuristic or the store answers)."""
     for op in _OPS.values():
         op.forget_configs()
     PLANS.clear()
@@ -238,15 +239,15 @@ def eager(a, b, c, bias, alpha, beta, activation, slope, clamp_min, clamp_max, o
     """``run`` of a plain eager call (vitrail.ops.common.plain_eager) through its plan. check():
     the public function's checks, run on a miss (a hit's signature passed them before)."""
     key = (signature(a), signature(b), _sig(c), _sig(bias), _sig(scale_a), _sig(scale_b), alpha,
-           beta, activation, slope, clamp_min, clamp_max, out_dtype, fast_accum, POISON,
+           beta, activation, slope, clamp_min, clamp_max, out_dtype, fast_accum, _poison,
            a.dtype is torch.float32 and torch.get_float32_matmul_precision())
     hit = PLANS.get(key)
-    if hit is not None and hit is not GENERAL and RECORD is None:
+    if hit is not None and hit is not GENERAL and _record is None:
         return hit(a, b, c, bias, scale_a, scale_b)[0]
     if check is not None:
         check()
     out_dtype = out_dtype or a.dtype
-    if RECORD is not None:
+    if _record is not None:
         return run(a, b, c, bias, alpha, beta, activation, slope, clamp_min, clamp_max, out_dtype,
                    scale_a=scale_a, scale_b=scale_b, fast_accum=fast_accum)
     _ROUTE.torch = False
@@ -270,8 +271,8 @@ _torch_plan.native = {"kind": "matmul", "used": (0, 1)}  # the C++ hit path call
 
 def native_ok(a, *_) -> bool:
     """Whether a front function's call may have a C++ plan: its key does not see the fp32
-    matmul precision (which picks the route of fp32 calls) or the tests' POISON."""
-    return a.dtype is not torch.float32 and not POISON
+    matmul precision (which picks the route of fp32 calls) or the tests' poisoning."""
+    return a.dtype is not torch.float32 and not _poison
 
 
 def run_into(d: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor],
@@ -288,7 +289,7 @@ def run_into(d: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: Optional[torc
         return
     use_c = c is not None and beta != 0
     if (K != 0 and a.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
-            and is_hopper(a.device) and RECORD is None):
+            and is_hopper(a.device) and _record is None):
         from vitrail.ops.gemm import accurate  # 3xTF32: fp32-level error
         d.copy_(accurate.run(a, b, c if use_c else None, bias, alpha, beta, activation, slope,
                              clamp_min, clamp_max, out_dtype))
@@ -329,7 +330,7 @@ def run_into(d: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: Optional[torc
     out = d  # what the kernel writes: d itself, or a buffer of 16-byte rows copied into d
     if n_pad != N:
         d = torch.empty(*shape[:-1], n_pad, dtype=out_dtype, device=a.device)[..., :N]
-    if POISON:
+    if _poison:
         d.fill_(float("nan"))
     c_t = None
     if use_c:
@@ -358,8 +359,8 @@ def run_into(d: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: Optional[torc
     hi = float("inf") if clamp_max is None else float(clamp_max)
     sa = None if scale_a is None else scale_a.reshape(-1).contiguous()
     sb = None if scale_b is None else scale_b.reshape(-1).contiguous()
-    if RECORD is not None:
-        RECORD.append((kind, problem, (a_t, b_t, c_t, d, bias_t, sa, sb)))
+    if _record is not None:
+        _record.append((kind, problem, (a_t, b_t, c_t, d, bias_t, sa, sb)))
         out.zero_()
         return
     op = op_for(kind)

@@ -63,7 +63,8 @@ def _op(kind: str, dtype: torch.dtype, power: int, d_tile: int) -> Op:
             return dict(source=source, name=name.replace(".", "_"), backend="nvrtc",
                         defines=defines)
 
-        space = configs.ELEMENTWISE if kind == "elementwise" else configs.MMA
+        space = {"elementwise": configs.ELEMENTWISE, "mma90": configs.MMA90}.get(kind,
+                                                                                configs.MMA)
         op = _OPS[key] = Op(name, space=space, kernel_source=source, render=render,
                             launch=_launch, register=key in _EXAMPLES,
                             examples=[{"vec": 8}] if kind == "elementwise" else [None],
@@ -83,7 +84,11 @@ _EXAMPLES = {("elementwise", torch.bfloat16, 2, 8), ("mma", torch.bfloat16, 2, 8
 _THREADS = {"sympow_mma_m_wg3": 384, "sympow_mma_m_tma3": 384}  # kernels of other than 256 threads
 
 
-def _launch(module, config, kernel: str, grid, smem: int, *args) -> None:
+def _launch(module, config, kernel, grid, smem: int, *args) -> None:
+    """kernel: its name, or (the wgmma kernels) variant(config, *args) -> (kernel, grid, smem,
+    args): the config's variant (configs.MMA90) of the launch."""
+    if callable(kernel):
+        kernel, grid, smem, args = kernel(config, *args)
     module.kernel(kernel)[grid, _THREADS.get(kernel, 256)](*args, shared_mem=smem)
 
 
@@ -282,10 +287,10 @@ def _mma_impl(a: torch.Tensor, b: torch.Tensor, expand_dim: int, power: int, d_t
               wgs: int | None = None, tma: bool | None = None) -> torch.Tensor:
     """a [P, M, d] (expand_dim -1) or [P, d, K] (-2), b [P, K', N] -> [P, M', N].
     wgmma: None picks sm90_sympow_mma.cuh where it applies (configs.wgmma_applies); False forces
-    the sm80 kernels (for comparisons). order: the wgmma kernels' launch order
-    (configs.launch_grid; the sm80 kernels keep P fastest); wgs: the expand-M wgmma kernel's
-    warpgroups (configs.state_wgs); tma: the wgmma kernels' TMA mainloops (configs.query_tma,
-    configs.state_tma) or, False, their cp.async ones (all three for comparisons)."""
+    the sm80 kernels (for comparisons). order, tma: the wgmma kernels' launch order and the
+    expand-K kernel's mainloop where not the config's (configs.MMA90; the sm80 kernels keep P
+    fastest); wgs: the expand-M wgmma kernel's warpgroups (configs.state_wgs; all three for
+    comparisons)."""
     a, b = a.contiguous(), b.contiguous()
     P, N = a.shape[0], b.shape[-1]
     d = a.shape[expand_dim]
@@ -346,16 +351,17 @@ def _mma90_impl(a, b, expand_dim, power, d_tile, d, D, scale, dc, out, order=Non
         bp = _pad16(b)
         Np = bp.shape[-1]
         cp = c if Np == N else a.new_empty((P, rows, Np))
-        grid = configs.launch_grid(P, -(-rows // BM), -(-Np // BN), order)
-        if configs.query_tma(tma):  # b's k-blocks as 64 x 64 boxes of a [P, D, Np] map
-            map_b = tensor_map(bp, dims=(Np, D, P), strides=(Np, D * Np), box=(64, 64, 1))
-            _run("mma90", a.dtype, power, d_tile, 0, "sympow_mma_k_tma", grid,
-                 configs.wgmma_smem("k_tma", d), cp, a, map_b, tidx, tcoef, rows, Np, d, D,
-                 float(scale), _vec_ok(a))
-        else:
-            _run("mma90", a.dtype, power, d_tile, 0, "sympow_mma_k_wg", grid,
-                 configs.wgmma_smem("k", d), cp, a, bp, tidx, tcoef, rows, Np, d, D,
-                 float(scale), _vec_ok(a))
+        tiles = (P, -(-rows // BM), -(-Np // BN))
+
+        def query(config, cp, a, bp, *rest):
+            grid = configs.launch_grid(*tiles, config.ORDER if order is None else order)
+            if config.TMA if tma is None else tma:  # b's k-blocks: 64 x 64 boxes of [P, D, Np]
+                map_b = tensor_map(bp, dims=(Np, D, P), strides=(Np, D * Np), box=(64, 64, 1))
+                return ("sympow_mma_k_tma", grid, configs.wgmma_smem("k_tma", d),
+                        (cp, a, map_b, *rest))
+            return "sympow_mma_k_wg", grid, configs.wgmma_smem("k", d), (cp, a, bp, *rest)
+        _run("mma90", a.dtype, power, d_tile, 0, query, None, 0, cp, a, bp, tidx, tcoef, rows,
+             Np, d, D, float(scale), _vec_ok(a))
     else:
         ap = _pad16(a)
         K = ap.shape[-1]
@@ -363,20 +369,24 @@ def _mma90_impl(a, b, expand_dim, power, d_tile, d, D, scale, dc, out, order=Non
         Np = bp.shape[-1]
         cp = c if Np == N else a.new_empty((P, rows, Np))
         wgs = configs.state_wgs(power, wgs)
-        grid = configs.launch_grid(P, -(-rows // (64 * wgs)), -(-Np // BN), order)
-        if configs.state_tma(K, wgs, tma):
+        tiles = (P, -(-rows // (64 * wgs)), -(-Np // BN))
+        if configs.state_tma(K, wgs):
             # a's k-blocks as [d x 64] boxes; b's as one box of a 5-d view of its [P K, Np] rows
             # (16-row groups) that lands them in the kernel's permuted order (KPerm)
             map_a = tensor_map(ap, dims=(K, d, P), strides=(K, d * K), box=(64, d, 1))
             map_b = tensor_map(bp, dims=(Np, 2, P * K // 16, 2, 4),
                                strides=(Np, 16 * Np, 2 * Np, 4 * Np), box=(64, 2, 4, 2, 4))
-            _run("mma90", a.dtype, power, d_tile, 0, "sympow_mma_m_tma3", grid,
-                 configs.wgmma_smem("m_tma", d), cp, map_a, map_b, tidx, tcoef, K, Np, d, D,
-                 float(scale))
+            kernel, smem = "sympow_mma_m_tma3", configs.wgmma_smem("m_tma", d)
+            ops = (map_a, map_b)
         else:
-            _run("mma90", a.dtype, power, d_tile, 0,
-                 "sympow_mma_m_wg" + ("3" if wgs == 3 else ""), grid,
-                 configs.wgmma_smem("m", d), cp, ap, bp, tidx, tcoef, K, Np, d, D, float(scale))
+            kernel = "sympow_mma_m_wg" + ("3" if wgs == 3 else "")
+            smem, ops = configs.wgmma_smem("m", d), (ap, bp)
+
+        def state(config, *args):
+            grid = configs.launch_grid(*tiles, config.ORDER if order is None else order)
+            return kernel, grid, smem, args
+        _run("mma90", a.dtype, power, d_tile, 0, state, None, 0, cp, *ops, tidx, tcoef, K, Np,
+             d, D, float(scale))
     if cp is not c:
         c.copy_(cp[..., :N])
     return c
@@ -388,9 +398,9 @@ def _mma_bwd_impl(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, expand_dim:
                   order: str | None = None, defer: bool | None = None) -> torch.Tensor:
     """c [P, M, d] (-1) or [P, d, K] (-2); a @ b has c's expanded shape. wgmma: None takes
     mma_sympow_bwd_k_wg for expand K where it applies (configs.wgmma_bwd_fits); False forces
-    the sm80 kernels; order: the wgmma kernel's launch order (configs.launch_grid; the sm80
-    kernels keep P fastest); defer: the wgmma kernel that keeps factor 0's sums in registers
-    (configs.WG_BWD_DEFER) or not (both for comparisons)."""
+    the sm80 kernels; order, defer: the wgmma kernel's launch order, and whether it keeps
+    factor 0's sums in registers, where not the config's (configs.MMA90; the sm80 kernels keep
+    P fastest; both for comparisons)."""
     c = c.contiguous()
     a, b = a.to(c.dtype).contiguous(), b.to(c.dtype).contiguous()
     P, n = c.shape[0], a.shape[-1]
@@ -410,12 +420,15 @@ def _mma_bwd_impl(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, expand_dim:
             _, _, tidx, tcoef = _tables(d, power, d_tile, dc, c.device)
             ap = _pad16(a)
             bp = b if _vec_ok(b) else b.clone()  # (D is a multiple of 64: only the address)
-            defer = configs.WG_BWD_DEFER if defer is None else bool(defer)
-            _run("mma90", c.dtype, power, d_tile, 0,
-                 "mma_sympow_bwd_k_wg2" if defer else "mma_sympow_bwd_k_wg",
-                 configs.launch_grid(P, -(-M // configs.WG_TILE[0]), 1, order),
-                 configs.wgmma_bwd_smem(d, lda), out, c, ap,
-                 bp, tidx, tcoef, M, ap.shape[-1], n, d, D, float(scale), _vec_ok(c))
+            tiles = (P, -(-M // configs.WG_TILE[0]), 1)
+
+            def query_bwd(config, *args):
+                grid = configs.launch_grid(*tiles, config.ORDER if order is None else order)
+                deferred = config.DEFER if defer is None else defer
+                return ("mma_sympow_bwd_k_wg2" if deferred else "mma_sympow_bwd_k_wg", grid,
+                        configs.wgmma_bwd_smem(d, lda), args)
+            _run("mma90", c.dtype, power, d_tile, 0, query_bwd, None, 0, out, c, ap, bp, tidx,
+                 tcoef, M, ap.shape[-1], n, d, D, float(scale), _vec_ok(c))
             return out
         _run("mma", c.dtype, power, d_tile, 0, "mma_sympow_bwd_k",
              configs.launch_grid(P, -(-M // TILE), 1, "p"),

@@ -248,18 +248,15 @@ def wgmma_smem(kind: str, d: int) -> int:
 
 # The order CTAs are launched in (cta_tile in sympow_common.cuh): "tiles", one problem's tiles
 # fastest (the CTAs resident at once share few problems' operands in L2), or "p", the problem
-# index fastest (the first order, kept for comparisons).
-LAUNCH_ORDER = "tiles"
+# index fastest (the sm80 kernels' order). The wgmma kernels take their config's (MMA90).
 LAUNCH_ORDERS = ("tiles", "p")
 MAX_GRID_X = (1 << 31) - 1
 MAX_GRID_YZ = 65535
 
 
-def launch_grid(P: int, tiles0: int, tiles1: int = 1, order: str | None = None) -> tuple:
-    """The grid of P problems of tiles0 x tiles1 tiles each in `order` (LAUNCH_ORDER by
-    default): (P * tiles0 * tiles1,) for "tiles" (while it fits gridDim.x), else
-    (P, tiles0, tiles1)."""
-    order = LAUNCH_ORDER if order is None else order
+def launch_grid(P: int, tiles0: int, tiles1: int, order: str) -> tuple:
+    """The grid of P problems of tiles0 x tiles1 tiles each in `order`: (P * tiles0 * tiles1,)
+    for "tiles" (while it fits gridDim.x), else (P, tiles0, tiles1)."""
     if order not in LAUNCH_ORDERS:
         raise ArgumentError(f"launch order must be one of {LAUNCH_ORDERS}, got {order!r}")
     if order == "tiles" and P * tiles0 * tiles1 <= MAX_GRID_X:
@@ -274,13 +271,7 @@ def launch_grid(P: int, tiles0: int, tiles1: int = 1, order: str | None = None) 
 # CTA) or 3 (sympow_mma_m_wg3, 192 features: a third less L2 -> SM traffic per FLOP, 2 CTAs of
 # 384 threads per SM at p 2, one at p > 2). Powers not listed take 2.
 WG_STATE_WGS = {2: 3}
-# The expand-M kernel's TMA mainloop (sympow_mma_m_tma3: 3 warpgroups; a's rows K long, K a
-# multiple of 64), or, False, its cp.async mainloop everywhere.
-WG_STATE_TMA = True
 WG_STATE_VARIANTS = (2, 3)
-# mma_sympow_bwd_k_wg2 (factor 0's sums kept in registers over runs of k-blocks) or, False,
-# mma_sympow_bwd_k_wg (every k-block's sums added into shared memory).
-WG_BWD_DEFER = True
 
 
 def state_wgs(power: int, wgs: int | None = None) -> int:
@@ -292,23 +283,25 @@ def state_wgs(power: int, wgs: int | None = None) -> int:
     return wgs
 
 
-# The expand-K kernel's TMA mainloop (sympow_mma_k_tma: b's 64 x 64 k-blocks by TMA), or, False,
-# its cp.async one.
-WG_QUERY_TMA = True
+# The wgmma kernels' variants, a config's parameters so that PickBest times them (the
+# heuristic's are those measured faster on the H100: docs/ops/power-attention.md):
+#   ORDER  the CTAs' launch order (launch_grid)
+#   TMA    the expand-K kernel's mainloop: b's k-blocks by TMA (sympow_mma_k_tma; D is a
+#          multiple of 64, so every problem it serves can), else by cp.async (sympow_mma_k_wg)
+#   DEFER  the query-side backward: mma_sympow_bwd_k_wg2 (factor 0's sums kept in registers over
+#          runs of k-blocks), else mma_sympow_bwd_k_wg (each k-block's sums added into shared
+#          memory)
+MMA90 = Space({"THREADS": [MMA_THREADS], "ORDER": list(LAUNCH_ORDERS), "TMA": [True, False],
+               "DEFER": [True, False]},
+              heuristic=lambda problem, lim: {"THREADS": MMA_THREADS, "ORDER": "tiles",
+                                              "TMA": True, "DEFER": True})
 
 
-def query_tma(tma: bool | None = None) -> bool:
-    """The expand-K kernel takes its TMA mainloop: tma, default WG_QUERY_TMA (D is a multiple of
-    64, so every problem it serves can)."""
-    return WG_QUERY_TMA if tma is None else bool(tma)
-
-
-def state_tma(K: int, wgs: int, tma: bool | None = None) -> bool:
-    """The expand-M kernel takes its TMA mainloop: tma (default WG_STATE_TMA) and the problem
-    one it serves (3 warpgroups, K a multiple of 64: b's 5-d view steps 16 rows, and no k-block
-    crosses into the next problem's rows)."""
-    tma = WG_STATE_TMA if tma is None else bool(tma)
-    return tma and wgs == 3 and K % 64 == 0
+def state_tma(K: int, wgs: int) -> bool:
+    """The expand-M kernel takes its TMA mainloop (sympow_mma_m_tma3, the faster one:
+    docs/ops/power-attention.md) wherever it can: 3 warpgroups and K a multiple of 64 (b's
+    5-d view steps 16 rows, and no k-block crosses into the next problem's rows)."""
+    return wgs == 3 and K % 64 == 0
 
 
 WG_BWD_STAGES = 2     # b's tiles in mma_sympow_bwd_k_wg (BW_STAGES there)
