@@ -2,7 +2,8 @@
 
 ``RawKernel(source, name)[grid, block](*args, shared_mem=0, stream=None)`` (vitrail.jit.loading)
 compiles on first use (through the cache); this module loads the cubin as a context-independent
-CUDA library, and launches on the current torch stream of the arguments' device. A zero-sized grid launches nothing.
+CUDA library, and launches on the current torch stream of the arguments' device. A zero-sized
+grid launches nothing.
 
 The per-launch path is: match arguments to the parsed prototype, pack them into one buffer
 (one ``struct.pack_into``), one ``cuLaunchKernel``. Dynamic shared memory raises the kernel's
@@ -185,6 +186,10 @@ class Kernel:
         _launcher()
         self._functions[device] = int(fn)
         return int(fn)
+
+    def loaded_function(self, device: int) -> int | None:
+        """The CUfunction handle of this kernel on device, where a launch has loaded it."""
+        return self._functions.get(device)
 
     def _pack_general(self, *values) -> int:
         """The address of a void*[] of the values (valid until this thread's next launch)."""

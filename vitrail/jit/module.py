@@ -174,7 +174,7 @@ class EntryPoint:
         fn.restype = _restype(proto.result)
         self._fn = fn
         self._fast: Callable | None = None
-        self._check = result_is_checked(proto.result)
+        self.checked = result_is_checked(proto.result)  # a cudaError_t: 0 or raise
         self._marshal = Marshaller(proto, self.where).function
 
     def __call__(self, *args, stream=None):
@@ -186,7 +186,7 @@ class EntryPoint:
                 result = self._fn(*values)
         else:
             result = self._fn(*values)
-        if self._check:
+        if self.checked:
             if result != 0:
                 raise self.error(result)
             return None

@@ -414,7 +414,7 @@ def _python_plan(steps, n_inputs: int, n_outputs: int, record: Record, guards, m
         if kind == "entry":
             scope[f"f{j}"] = target.fast
             call = f"f{j}({', '.join(exprs)})"
-            if target._check:
+            if target.checked:
                 lines += [f"    r = {call}", "    if r:", f"        raise failed({j}, r)"]
             else:
                 lines.append(f"    {call}")
@@ -479,10 +479,10 @@ def _native_template(steps, inputs: tuple, outputs: tuple, record: Record, faile
             packed = packed_caller(target.proto)
             if packed is None:
                 return None
-            launches.append((True, target.address, packed, target._check, (0,) * 6, 0,
+            launches.append((True, target.address, packed, target.checked, (0,) * 6, 0,
                              tuple(slots)))
         else:
-            function = target.kernel._functions.get(device)
+            function = target.kernel.loaded_function(device)
             if function is None:
                 return None
             launches.append((False, function, 0, False, target.dims, int(shared_mem),
