@@ -33,6 +33,7 @@ def module():
 def cpu_device(monkeypatch):
     """The plans' device and stream on a machine with no GPU: device 0, stream 0."""
     monkeypatch.setattr(plan, "_device", lambda: 0)
+    monkeypatch.setattr(plan.native, "_current_device", lambda: 0)
     monkeypatch.setattr(plan, "_stream", lambda device: 0)
 
 

@@ -53,7 +53,8 @@ def _when(t: float | None) -> str:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from vitrail import bench
+    from vitrail import bench, ops
+    ops.load_benchmarks()  # the families' benchmarks, before the registry runs
     return bench.main(args.names, out_dir=args.out, compile_only=args.compile_only,
                       list_only=args.list)
 

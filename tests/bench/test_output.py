@@ -24,7 +24,7 @@ DATA = Path(__file__).parent / "data"
 def stored_run(name: str = "gemm-h100.json") -> tuple[dict, list[Row]]:
     """The JSON of a real `vitrail bench gemm` run and its rows (grouped as the bench groups
     them now: the run predates rows saying their group)."""
-    from vitrail.ops.gemm.bench import group_of
+    from vitrail.ops.gemm.benchmarks import group_of
     doc = json.loads((DATA / name).read_text())
     rows = [Row(**{k: v for k, v in r.items() if k not in ("speedup_over", "roofline")})
             for r in doc["results"]["gemm"]]
@@ -42,7 +42,7 @@ def _pair(case, group, unit, ours, base, *, lower=True, impl="vitrail", base_imp
 
 
 def synthetic_softmax() -> list[Row]:
-    from vitrail.ops.softmax.bench import CASES
+    from vitrail.ops.softmax.benchmarks import CASES
     rows = []
     for i, ((m, n), dt) in enumerate(CASES):
         for kind, group in (("fwd", "softmax forward"), ("log fwd", "log_softmax forward"),
@@ -58,7 +58,7 @@ def synthetic_softmax() -> list[Row]:
 
 
 def synthetic_sympow() -> list[Row]:
-    from vitrail.ops.sympow.bench import CASES_ELEMENTWISE
+    from vitrail.ops.sympow.benchmarks import CASES_ELEMENTWISE
     ew, mma = "sympow, sympow_bwd (elementwise)", "sympow_mma, mma_sympow_bwd: fused vs unfused"
     rows = []
     for name, *_ in CASES_ELEMENTWISE:  # vitrail ~0.1 ms beside torch autograd's ~135 ms

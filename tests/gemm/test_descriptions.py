@@ -315,7 +315,7 @@ def test_host_arrays_are_refused_or_copied():
 def test_scheduler_order_adds_no_tiles():
     """The default swizzle is the largest whose grid CUTLASS need not pad (a padded tile runs a
     whole mainloop on zeros); small grids get what CUTLASS would apply anyway."""
-    from vitrail.gemm.arguments import _log_swizzle, _round_up, scheduler_order
+    from vitrail.gemm.arguments import _log_swizzle, round_up, scheduler_order
     big = make_op(tile_shape=(128, 256, 64), cluster_shape=(2, 1, 1))
     assert scheduler_order(big, 8192, 8192) == 8      # 64 x 32 tiles
     assert scheduler_order(big, 5000, 5000) == 4      # 40 x 20: 8 would pad 40 to 48 rows
@@ -327,4 +327,4 @@ def test_scheduler_order_adds_no_tiles():
             s = scheduler_order(big, M, N)
             bm, bn = -(-M // 128), -(-N // 256)
             eff = 1 << _log_swizzle(bm, bn, s)
-            assert _round_up(bm, eff * 2) * bn == _round_up(bm, 2) * bn, (M, N, s)
+            assert round_up(bm, eff * 2) * bn == round_up(bm, 2) * bn, (M, N, s)

@@ -236,7 +236,7 @@ def test_nvcc_phases_run_as_two_chains(tmp_path):
 
     def dry(*gencode):
         cmd = [*base, *gencode, "-o", str(tmp_path / "k.so"), str(src)]
-        return compiler._run_compiler([*cmd, "--dryrun"], tmp_path, "")
+        return compiler.run_compiler([*cmd, "--dryrun"], tmp_path, "")
     phases = compiler._nvcc_phases(dry("-gencode=arch=compute_90a,code=sm_90a"))
     assert phases is not None
     env, first, host, device, rest, (host_id, device_id) = phases

@@ -107,9 +107,9 @@ def test_selection_generalizes():
 def record(monkeypatch):
     """launch.run on CPU tensors, recording (kind, problem, prepared operands) instead of
     launching: the host-side preparation (layouts, copies, kinds) is tested without a GPU."""
-    from vitrail.ops.gemm import launch, testing
+    from vitrail.ops.gemm import launch, operands, testing
     monkeypatch.setattr(launch, "is_hopper", lambda device: True)
-    monkeypatch.setattr(launch, "_WARNED", set())
+    monkeypatch.setattr(operands, "_WARNED", set())
     with testing.recording() as found:
         yield found
 
@@ -340,15 +340,16 @@ def test_mm_layouts(dtype, la, lb, poison):
 @requires_gpu
 def test_transposed_views_are_not_copied(monkeypatch):
     ops = family()
-    from vitrail.ops.gemm import launch
+    from vitrail.ops.gemm import launch, operands
     copies = []
-    real = launch.aligned
+    real = operands.aligned
 
     def spy(t, want):
         out = real(t, want)
         copies.append(out[0].data_ptr() != t.data_ptr())
         return out
-    monkeypatch.setattr(launch, "aligned", spy)
+    monkeypatch.setattr(launch, "aligned", spy)  # launch.run's
+    monkeypatch.setattr(operands, "aligned", spy)  # the 3xTF32 path's (accurate.py)
     a, b = rand(256, 512), rand(384, 512)
     ops.mm(a, b.t())
     ops.mm(a.t().contiguous().t(), b.t())

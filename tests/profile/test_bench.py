@@ -13,7 +13,7 @@ import torch
 
 from vitrail.profile import Timing, bench, timing_from_samples
 
-bench_mod = importlib.import_module("vitrail.profile.bench")
+timing_mod = importlib.import_module("vitrail.profile.timing")
 
 
 # ------------------------------------------------------------------------------- statistics
@@ -45,7 +45,7 @@ def test_percentile_matches_numpy_linear():
     np = pytest.importorskip("numpy")
     data = [0.31, 0.29, 0.5, 0.33, 0.3, 0.28, 0.41]
     for q in (0, 10, 25, 50, 90, 100):
-        assert bench_mod.percentile(data, q) == pytest.approx(float(np.percentile(data, q)))
+        assert timing_mod.percentile(data, q) == pytest.approx(float(np.percentile(data, q)))
 
 
 def test_timing_is_frozen_and_prints_briefly():
@@ -129,9 +129,9 @@ class FakeCuda:
         self.flush_sizes: list[int] = []
 
         def flush_buffer(dev):
-            self.flush_sizes.append(bench_mod.l2_flush_bytes(dev))
+            self.flush_sizes.append(timing_mod.l2_flush_bytes(dev))
             return Flush()
-        monkeypatch.setattr(bench_mod, "_flush_buffer", flush_buffer)
+        monkeypatch.setattr(timing_mod, "_flush_buffer", flush_buffer)
 
 
 def test_events_surround_each_call_the_flush_stays_outside_and_one_sync_ends_it(monkeypatch):
@@ -154,18 +154,18 @@ def test_without_flush_nothing_is_written_between_calls(monkeypatch):
 
 def test_the_flush_falls_back_to_256_mib_where_the_l2_size_is_unknown(monkeypatch):
     FakeCuda(monkeypatch, l2_bytes=0)
-    assert bench_mod.l2_flush_bytes(torch.device("cuda", 0)) == 256 << 20
+    assert timing_mod.l2_flush_bytes(torch.device("cuda", 0)) == 256 << 20
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace())
-    assert bench_mod.l2_flush_bytes(torch.device("cuda", 0)) == 256 << 20
+    assert timing_mod.l2_flush_bytes(torch.device("cuda", 0)) == 256 << 20
 
 
 def test_devices_are_accepted_in_every_spelling_and_checked(monkeypatch):
     FakeCuda(monkeypatch, devices=2)
     cuda1 = torch.device("cuda", 1)
-    assert bench_mod.cuda_device(None, "bench") == torch.device("cuda", 0)
-    assert bench_mod.cuda_device("cuda", "bench") == torch.device("cuda", 0)
+    assert timing_mod.cuda_device(None, "bench") == torch.device("cuda", 0)
+    assert timing_mod.cuda_device("cuda", "bench") == torch.device("cuda", 0)
     for spelling in (1, "cuda:1", cuda1):
-        assert bench_mod.cuda_device(spelling, "bench") == cuda1
+        assert timing_mod.cuda_device(spelling, "bench") == cuda1
     for bad in ("cpu", 2, "cuda:7", "nonsense", 1.5):
         with pytest.raises(ValueError, match="device"):
             bench(lambda: None, device=bad)
@@ -181,14 +181,14 @@ def test_the_gpu_hold_covers_the_hosts_queueing_and_is_capped(monkeypatch):
     monkeypatch.setattr(torch.cuda, "_sleep", spun.append)
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda d: SimpleNamespace(L2_cache_size=1 << 20, clock_rate=2_000_000))
-    bench_mod._hold_gpu(torch.device("cuda", 0), 1e-3)  # 1 ms at 2 GHz
-    bench_mod._hold_gpu(torch.device("cuda", 0), 60.0)  # capped
-    assert spun == [2_000_000, int(bench_mod.MAX_HOLD_S * 2e9)]
+    timing_mod._hold_gpu(torch.device("cuda", 0), 1e-3)  # 1 ms at 2 GHz
+    timing_mod._hold_gpu(torch.device("cuda", 0), 60.0)  # capped
+    assert spun == [2_000_000, int(timing_mod.MAX_HOLD_S * 2e9)]
 
 
 def test_compare_warms_every_function_then_interleaves_rotated_rounds(monkeypatch):
     cuda = FakeCuda(monkeypatch)
-    timings = bench_mod.compare({"a": lambda: cuda.log.append("a"),
+    timings = timing_mod.compare({"a": lambda: cuda.log.append("a"),
                                  "b": lambda: cuda.log.append("b")},
                                 rounds=3, rep=6, warmup_s=0)
     calls = [x for x in cuda.log if x in ("a", "b")]
@@ -207,4 +207,4 @@ def test_compare_warms_every_function_then_interleaves_rotated_rounds(monkeypatc
     (dict(fns={"x": print}, warmup_s=-1), ValueError, "warmup_s")])
 def test_compare_refuses_bad_arguments_naming_them(kwargs, error, name):
     with pytest.raises(error, match=name):
-        bench_mod.compare(**kwargs)
+        timing_mod.compare(**kwargs)

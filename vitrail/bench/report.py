@@ -3,17 +3,17 @@
 After a dozen tables a reader wants one screen: per benchmark, vitrail's speedup over each
 baseline (how many cases, the geometric mean, the worst and the best case, how many at or above
 1.0x), the GPU, the versions, and where the JSON and the plots went. The summary is computed from
-the rows' own ratios (vitrail.bench.ratios, the tables' "vs" columns), so its numbers are the
+the rows' own ratios (vitrail.bench.rows.ratios, the tables' "vs" columns), so its numbers are the
 rows'; the JSON carries it as its first key.
 """
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict
 from pathlib import Path
 
-from vitrail.bench import Row, ratios, roofline_of
+from vitrail.bench.rows import Row, ratios, roofline_of
+from vitrail.profile.timing import geomean
 
 OURS = "vitrail"  # a row is vitrail's when its implementation's name starts with this
 
@@ -54,7 +54,7 @@ def summarize(results: dict[str, list[Row]]) -> dict[str, list[dict]]:
             best = max(got, key=lambda cx: cx[1])
             out[name].append({
                 "impl": impl, "baseline": base, "unit": unit, "cases": len(got),
-                "geomean": math.exp(sum(math.log(x) for _, x in got) / len(got)),
+                "geomean": geomean([x for _, x in got]),
                 "min": worst[1], "min_case": worst[0], "max": best[1], "max_case": best[0],
                 "at_or_above_1x": sum(x >= 1.0 for _, x in got)})
     return out

@@ -76,9 +76,9 @@ def describe(t: torch.Tensor, name: str, want: str | None = None) -> Operand:
     align = max(1, 128 // bits(dtype_name(t))) if dtype_name(t) in DTYPES else 1
     options = {}  # layout -> leading stride, for each layout the strides allow
     if sc == 1 or cols == 1:
-        options["row"] = sr if rows > 1 else _round_up(max(cols, 1), align)
+        options["row"] = sr if rows > 1 else round_up(max(cols, 1), align)
     if sr == 1 or rows == 1:
-        options["col"] = sc if cols > 1 else _round_up(max(rows, 1), align)
+        options["col"] = sc if cols > 1 else round_up(max(rows, 1), align)
     order = ("col", "row") if want == "col" else ("row", "col")
     ranked = [o for o in order if o in options and options[o] % align == 0] + \
         [o for o in order if o in options]
@@ -88,11 +88,12 @@ def describe(t: torch.Tensor, name: str, want: str | None = None) -> Operand:
     if L > 1:
         batch = t.stride(0)
     else:  # never used to address anything; keep it aligned and non-zero for TMA
-        batch = _round_up(max(ld * (rows if layout == "row" else cols), 1), align)
+        batch = round_up(max(ld * (rows if layout == "row" else cols), 1), align)
     return Operand(t.data_ptr(), dtype_name(t), rows, cols, layout, ld, batch, tuple(t.stride()))
 
 
-def _round_up(x: int, m: int) -> int:
+def round_up(x: int, m: int) -> int:
+    """x rounded up to a multiple of m."""
     return (x + m - 1) // m * m
 
 
@@ -306,10 +307,10 @@ def scheduler_order(op, M: int, N: int) -> int:
     tm, tn, _ = op.tile.tile_shape
     cm, cn, _ = op.tile.cluster_shape
     bm, bn = -(-M // tm), -(-N // tn)
-    base = _round_up(bm, cm) * _round_up(bn, cn)
+    base = round_up(bm, cm) * round_up(bn, cn)
     for swizzle in (8, 4, 2):
         s = 1 << _log_swizzle(bm, bn, swizzle)
-        if _round_up(bm, s * cm) * _round_up(bn, s * cn) == base:
+        if round_up(bm, s * cm) * round_up(bn, s * cn) == base:
             return s
     return 1
 

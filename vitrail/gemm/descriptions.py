@@ -33,7 +33,7 @@ IMPLEMENTED_MODES = MODES
 SMEM_BYTES_SM90 = 227 * 1024  # opt-in shared memory per CTA on sm_90
 
 
-def _check_dtype(what: str, name: str, allowed=tuple(DTYPES)) -> None:
+def check_dtype(what: str, name: str, allowed=tuple(DTYPES)) -> None:
     if name not in allowed:
         raise ValueError(f"{what}: expected one of {', '.join(allowed)}, got {name!r}")
 
@@ -63,9 +63,9 @@ class MathInstruction:
     instruction_shape: Optional[tuple[int, int, int]] = None
 
     def __post_init__(self):
-        _check_dtype("MathInstruction.element_a", self.element_a)
-        _check_dtype("MathInstruction.element_b", self.element_b)
-        _check_dtype("MathInstruction.element_accumulator", self.element_accumulator, ("f32",))
+        check_dtype("MathInstruction.element_a", self.element_a)
+        check_dtype("MathInstruction.element_b", self.element_b)
+        check_dtype("MathInstruction.element_accumulator", self.element_accumulator, ("f32",))
         if self.opcode_class != "tensorop":
             raise ValueError(f"MathInstruction.opcode_class={self.opcode_class!r}: only "
                              f"'tensorop' (wgmma) kernels are emitted for sm_90; SIMT is not "
@@ -178,7 +178,7 @@ class TensorDescription:
     alignment: int = 0  # 0: 16 bytes' worth
 
     def __post_init__(self):
-        _check_dtype("TensorDescription.element", self.element)
+        check_dtype("TensorDescription.element", self.element)
         if self.layout not in LAYOUTS:
             raise ValueError(f"TensorDescription.layout={self.layout!r}: expected 'row' or 'col'")
         full = 128 // bits(self.element)

@@ -15,11 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from vitrail.gemm.descriptions import _check_dtype, cpp_type
+from vitrail.gemm.descriptions import check_dtype, cpp_type
 
 ACTIVATIONS = ("relu", "leaky_relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh",
                "hardswish")
-_ACT_IDS = {name: i + 1 for i, name in enumerate(ACTIVATIONS)}
+ACT_IDS = {name: i + 1 for i, name in enumerate(ACTIVATIONS)}
 
 # Elementwise activation, then optional clamp, on a fragment of the compute type. Runtime
 # parameters arrive through the functor's Arguments (Sm90Compute passes them to operator()).
@@ -88,12 +88,12 @@ class LinearCombination:
     element_compute: str = "f32"
 
     def __post_init__(self):
-        _check_dtype("LinearCombination.element_output", self.element_output,
+        check_dtype("LinearCombination.element_output", self.element_output,
                      ("bf16", "f16", "f32"))
         if self.element_source is not None:
-            _check_dtype("LinearCombination.element_source", self.element_source,
+            check_dtype("LinearCombination.element_source", self.element_source,
                          ("bf16", "f16", "f32"))
-        _check_dtype("LinearCombination.element_compute", self.element_compute, ("f32",))
+        check_dtype("LinearCombination.element_compute", self.element_compute, ("f32",))
         if self.bias not in (None, "row", "col"):
             raise ValueError(f"LinearCombination.bias={self.bias!r}: expected None, 'row' (M "
                              f"values) or 'col' (N values)")
@@ -102,7 +102,7 @@ class LinearCombination:
         if self.bias is not None and self.element_bias is None:
             object.__setattr__(self, "element_bias", self.element_output)
         if self.element_bias is not None:
-            _check_dtype("LinearCombination.element_bias", self.element_bias,
+            check_dtype("LinearCombination.element_bias", self.element_bias,
                          ("bf16", "f16", "f32"))
         if self.activation is not None and self.activation not in ACTIVATIONS:
             raise ValueError(f"LinearCombination.activation={self.activation!r}: expected None "
@@ -192,7 +192,7 @@ class LinearCombination:
         act = self.activation is not None or self.clamp
         preamble = ""
         if act:
-            act_id = _ACT_IDS.get(self.activation, 0) if self.activation else 0
+            act_id = ACT_IDS.get(self.activation, 0) if self.activation else 0
             fn = f"vitrail_epi::ActClamp<{act_id}, {'true' if self.clamp else 'false'}>::Fn"
             layers.append((fn, [None], "{slope, lo, hi}"))
             preamble = ACTIVATION_FUNCTOR

@@ -27,7 +27,7 @@ import dataclasses
 
 from vitrail.gemm import emitter
 from vitrail.gemm.descriptions import TensorDescription, cpp_type
-from vitrail.gemm.epilogue import ACTIVATION_FUNCTOR, LinearCombination, _ACT_IDS
+from vitrail.gemm.epilogue import ACTIVATION_FUNCTOR, LinearCombination, ACT_IDS
 
 PARTIAL_ENTRY = "vitrail_partial_gemm"
 PARTIAL_WORKSPACE_ENTRY = "vitrail_partial_gemm_workspace"
@@ -152,7 +152,7 @@ def emit(op) -> str:
     act = epi.activation is not None or epi.clamp
     activate = ""
     if act:
-        act_id = _ACT_IDS.get(epi.activation, 0) if epi.activation else 0
+        act_id = ACT_IDS.get(epi.activation, 0) if epi.activation else 0
         activate = ("    x = vitrail_epi::ActClamp<Act, false>::Fn<cutlass::Array<float, 1>>::act("
                     "x, slope);\n" if act_id else "")
         if epi.clamp:
@@ -166,7 +166,7 @@ def emit(op) -> str:
         "BIAS_KIND": {None: "0", "row": "1", "col": "2"}[epi.bias],
         "SCALE_A": {None: "0", "tensor": "1", "row": "2"}[epi.scale_a],
         "SCALE_B": {None: "0", "tensor": "1", "col": "2"}[epi.scale_b],
-        "ACT": str(_ACT_IDS.get(epi.activation, 0) if epi.activation else 0),
+        "ACT": str(ACT_IDS.get(epi.activation, 0) if epi.activation else 0),
         "CLAMP": "true" if epi.clamp else "false",
         "ACTIVATE": activate.rstrip("\n"),
         "C_ALIGNED": "",

@@ -17,8 +17,8 @@ import importlib
 from typing import TYPE_CHECKING
 
 _EXPORTS = {
-    "compile": "compiler", "clear_memory_cache": "compiler",
-    "RawKernel": "kernel", "Kernel": "kernel", "CubinModule": "kernel",
+    "compile": "loading", "clear_memory_cache": "loading",
+    "RawKernel": "loading", "Kernel": "kernel", "CubinModule": "kernel",
     "Module": "module", "SharedLibrary": "module", "EntryPoint": "module", "Resources": "module",
     "Arch": "toolchain", "target_arch": "toolchain",
     "VitrailError": "errors", "ToolchainError": "errors", "CompileError": "errors",
@@ -36,15 +36,15 @@ def __getattr__(name: str):
         return value
     if name in ("toolchain", "cache", "index", "compiler", "module", "kernel", "signature",
                 "arguments", "launcher", "housekeeping", "errors", "tma", "sass", "database",
-                "extension"):
+                "extension", "loading"):
         return importlib.import_module(f"vitrail.jit.{name}")
     raise AttributeError(f"module 'vitrail.jit' has no attribute '{name}'")
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads these
-    from vitrail.jit.compiler import clear_memory_cache, compile  # noqa: F401
+    from vitrail.jit.loading import RawKernel, clear_memory_cache, compile  # noqa: F401
     from vitrail.jit.errors import (ArgumentError, CacheError, CacheLockTimeout,  # noqa: F401
                                     CompileError, LaunchError, ToolchainError, VitrailError)
-    from vitrail.jit.kernel import CubinModule, Kernel, RawKernel  # noqa: F401
+    from vitrail.jit.kernel import CubinModule, Kernel  # noqa: F401
     from vitrail.jit.module import EntryPoint, Module, Resources, SharedLibrary  # noqa: F401
     from vitrail.jit.toolchain import Arch, target_arch  # noqa: F401

@@ -306,7 +306,7 @@ class KernelCache:
 
     def save_failure(self, name: str, key: str, build: Path) -> Path:
         """Keep a failed build's source and log for reproduction; returns where."""
-        dest = self.root / "failed" / f"{_safe(name)}-{key[:16]}"
+        dest = self.root / "failed" / f"{safe_name(name)}-{key[:16]}"
         shutil.rmtree(dest, ignore_errors=True)
         shutil.copytree(build, dest, ignore=shutil.ignore_patterns("keep"))
         return dest
@@ -360,5 +360,6 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def _safe(name: str) -> str:
+def safe_name(name: str) -> str:
+    """name as a file name: characters other than letters, digits, _ . - become _."""
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:80] or "kernel"

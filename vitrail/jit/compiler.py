@@ -1,14 +1,14 @@
-"""``vitrail.jit.compile``: one call, two backends, through the cache.
+"""Building: the cache key, the compile and its atomic publish, for two backends. Nothing here
+loads what it builds (vitrail.jit.loading does: ``vitrail.jit.compile``), nor imports torch, so
+compile processes (vitrail.tune.compile_job) and machines without a GPU build with it.
 
 - ``backend="nvcc"`` builds a shared library. Its ``extern "C"`` entry points may hold host code
   (CUTLASS device adapters, TMA descriptors) and are called from Python as ``module.launch_add(...)``.
 - ``backend="nvrtc"`` builds a cubin for device-only kernels, loaded through the driver API and
   launched as ``module.kernel(name)[grid, block](...)`` (or through :class:`RawKernel`).
 
-The first call of a process for a given input computes the cache key (source + included headers
-+ toolchain + options), then loads the artifact from disk or compiles it under the key's lock.
-Every later call with the same arguments is a dictionary lookup: no file is touched, no source
-is hashed.
+A build computes the cache key (source + included headers + toolchain + options), then finds
+the artifact on disk (or in a shared cache) or compiles it under the key's lock.
 """
 from __future__ import annotations
 
@@ -20,87 +20,45 @@ import shlex
 import shutil
 import signal
 import subprocess
-import threading
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from vitrail import __version__, knobs
 from vitrail.jit import shared, toolchain
-from vitrail.jit.cache import (LAYOUT, META, KernelCache, _safe, dir_size, header_closure,
-                                make_key)
+from vitrail.jit.cache import (LAYOUT, META, Entry, KernelCache, dir_size, header_closure,
+                                make_key, safe_name)
 from vitrail.jit.errors import CompileError, ToolchainError
 from vitrail.jit.index import Index
 from vitrail.jit.ptxas import parse_ptxas
 
-if TYPE_CHECKING:  # loading imports torch; building does not (vitrail.tune.compile_job)
-    from vitrail.jit.module import Module
-
 log = logging.getLogger("vitrail.jit")
 BACKENDS = ("nvcc", "nvrtc")
-_memo: dict[tuple, Module] = {}
-_memo_locks: dict[tuple, threading.Lock] = {}
-_memo_guard = threading.Lock()
-
-
-def compile(source: str, *, name: str, backend: str = "nvcc", arch: str | None = None,
-            flags: Sequence[str] = (), include_dirs: Sequence[str | os.PathLike] = (),
-            defines: Mapping[str, object] | None = None, kernels: Sequence[str] = ()) -> Module:
-    """Compile CUDA C++ ``source`` (or fetch it from the cache) and load it.
-
-    Args:
-        source: the translation unit.
-        name: a short name for logs, the cache index and saved sources.
-        backend: "nvcc" (shared library with host entry points) or "nvrtc" (device-only cubin).
-        arch: target such as "90a"; default :func:`toolchain.target_arch`.
-        flags: extra compiler flags (part of the cache key).
-        include_dirs: extra include directories; vitrail's, CUTLASS's and the toolkit's are added.
-        defines: macros, ``{"BLOCK": 128}`` -> ``-DBLOCK=128`` (None -> ``-DNAME``).
-        kernels: nvrtc only: name expressions of templated kernels to instantiate and look up,
-            e.g. ``["scale<float>"]`` (extern "C" kernels need none).
-    """
-    target = toolchain.Arch.parse(arch) if arch is not None else toolchain.target_arch()
-    memo_key = (source, name, backend, target.name, tuple(flags), tuple(map(str, include_dirs)),
-                tuple(sorted((defines or {}).items())), tuple(kernels))
-    hit = _memo.get(memo_key)
-    if hit is not None:
-        return hit
-    with _memo_guard:
-        lock = _memo_locks.setdefault(memo_key, threading.Lock())
-    with lock:  # threads of one process asking for one kernel compile it once
-        hit = _memo.get(memo_key)
-        if hit is None:
-            hit = _memo[memo_key] = _compile_uncached(
-                source, name, backend, target, list(flags), list(include_dirs), defines or {},
-                list(kernels))
-    return hit
-
-
-def clear_memory_cache() -> None:
-    """Forget loaded modules (the next compile() call goes to disk again); for tests and tools."""
-    _memo.clear()
-
-
-def _compile_uncached(source: str, name: str, backend: str, arch: toolchain.Arch,
-                      flags: list[str], include_dirs: list, defines: Mapping[str, object],
-                      kernels: list[str]) -> Module:
-    entry, how = _build(source, name, backend, arch, flags, include_dirs, defines, kernels)
-    from vitrail.jit.kernel import CubinModule
-    from vitrail.jit.module import SharedLibrary
-    cls = SharedLibrary if backend == "nvcc" else CubinModule
-    return cls(entry, source, how)
 
 
 def build(source: str, *, name: str, backend: str = "nvcc", arch: str | None = None,
           flags: Sequence[str] = (), include_dirs: Sequence[str | os.PathLike] = (),
           defines: Mapping[str, object] | None = None, kernels: Sequence[str] = ()) -> str:
-    """What :func:`compile` does short of loading: the artifact is in the cache afterwards.
-    Returns "disk" (it was), "shared" (copied from VITRAIL_SHARED_CACHE) or "compiled". Imports
-    no torch and touches no GPU, for compile processes and machines without one."""
-    target = toolchain.Arch.parse(arch) if arch is not None else toolchain.target_arch()
+    """What :func:`vitrail.jit.compile` does short of loading: the artifact is in the cache
+    afterwards. Returns "disk" (it was), "shared" (copied from VITRAIL_SHARED_CACHE) or
+    "compiled". Imports no torch and touches no GPU, for compile processes and machines without
+    one."""
+    return build_entry(source, name=name, backend=backend, arch=arch, flags=flags,
+                       include_dirs=include_dirs, defines=defines, kernels=kernels)[1]
+
+
+def build_entry(source: str, *, name: str, backend: str = "nvcc",
+                arch: str | toolchain.Arch | None = None, flags: Sequence[str] = (),
+                include_dirs: Sequence[str | os.PathLike] = (),
+                defines: Mapping[str, object] | None = None,
+                kernels: Sequence[str] = ()) -> tuple[Entry, str]:
+    """(the cache entry, how) of what :func:`build` builds; the loaders (vitrail.jit.loading,
+    vitrail.jit.launcher) load ``entry.artifact``."""
+    target = (arch if isinstance(arch, toolchain.Arch) else
+              toolchain.Arch.parse(arch) if arch is not None else toolchain.target_arch())
     return _build(source, name, backend, target, list(flags), list(include_dirs), defines or {},
-                  list(kernels))[1]
+                  list(kernels))
 
 
 def is_built(source: str, *, name: str, backend: str = "nvcc", arch: str | None = None,
@@ -149,7 +107,7 @@ def cached_build(key: str, name: str, backend: str, builder: Callable[[Path], di
                  read_artifact: bool = False, sources: Mapping[str, str] | None = None):
     """(entry, how) of key: from this user's cache ("disk"), else from a shared cache
     ("shared"), else built by ``builder(build dir) -> meta`` under key's lock and published
-    ("compiled"). A builder reports a failed step by raising :class:`_Failed`; the build is
+    ("compiled"). A builder reports a failed step by raising :class:`BuildFailed`; the build is
     saved and a CompileError names its first errors (sources: a file of the build -> the path
     to show for it, where it is the user's own file)."""
     cache = KernelCache()
@@ -169,7 +127,7 @@ def cached_build(key: str, name: str, backend: str, builder: Callable[[Path], di
                 try:
                     meta = builder(build)
                     entry = cache.publish(key, build, meta, read_artifact=read_artifact)
-                except _Failed as failed:
+                except BuildFailed as failed:
                     (build / "build.log").write_text(f"$ {failed.command}\n{failed.log}")
                     saved = cache.save_failure(name, key, build)
                     raise CompileError(name, failed.tool or backend,
@@ -270,7 +228,7 @@ def _die_with_parent() -> None:
         pass
 
 
-class _Failed(Exception):
+class BuildFailed(Exception):
     def __init__(self, log_text: str, command: str, tool: str = ""):
         self.log, self.command, self.tool = log_text, command, tool
 
@@ -282,7 +240,7 @@ _NVCC_DEFAULTS = {"-std": "-std=c++17", "-O": "-O3"}
 def _build_nvcc(build: Path, source: str, name: str, arch: toolchain.Arch, flags: list[str],
                 dirs: list[str], defines: list[str], kernels: list[str],
                 tool: toolchain.Nvcc) -> dict:
-    src = build / f"{_safe(name)}.cu"
+    src = build / f"{safe_name(name)}.cu"
     src.write_text(source)
     keep = build / "keep"
     keep.mkdir()
@@ -293,7 +251,7 @@ def _build_nvcc(build: Path, source: str, name: str, arch: toolchain.Arch, flags
            *(f"-I{d}" for d in dirs), *defines, *flags, "-o", str(build / "kernel.so"), str(src)]
     command = shlex.join(cmd)
     start = time.time()
-    out = _run_nvcc(cmd, build, command)
+    out = run_nvcc(cmd, build, command)
     (build / "build.log").write_text(f"$ {command}\n{out}")
     ptx = keep / f"{src.stem}.ptx"
     if ptx.is_file():
@@ -303,7 +261,7 @@ def _build_nvcc(build: Path, source: str, name: str, arch: toolchain.Arch, flags
                  source=src.name)
 
 
-def _run_nvcc(cmd: list[str], build: Path, command: str) -> str:
+def run_nvcc(cmd: list[str], build: Path, command: str) -> str:
     """nvcc's work, with its device chain (preprocess, cicc, ptxas, fatbinary) run beside its
     host front end (preprocess, cudafe++), which nvcc runs one after the other: the two take
     about as long each for a CUTLASS kernel, so a cold build takes about two thirds of the time
@@ -312,10 +270,10 @@ def _run_nvcc(cmd: list[str], build: Path, command: str) -> str:
     Anything unexpected (several targets, ids that differ) runs nvcc as is, and so does an nvcc
     named by VITRAIL_NVCC (it may be a wrapper whose work is more than nvcc's phases)."""
     if knobs.NVCC.get():
-        return _run_compiler(cmd, build, command)
-    phases = _nvcc_phases(_run_compiler([*cmd, "--dryrun"], build, command))
+        return run_compiler(cmd, build, command)
+    phases = _nvcc_phases(run_compiler([*cmd, "--dryrun"], build, command))
     if phases is None:
-        return _run_compiler(cmd, build, command)
+        return run_compiler(cmd, build, command)
     env, first, host, device, rest, ids = phases
     from concurrent.futures import ThreadPoolExecutor
     out = _run_script(env, first, build, command) if first else ""
@@ -324,7 +282,7 @@ def _run_nvcc(cmd: list[str], build: Path, command: str) -> str:
                               (host, device)))
     host_id, device_id = (Path(p).read_text() if Path(p).is_file() else None for p in ids)
     if host_id is None or host_id != device_id:
-        return _run_compiler(cmd, build, command)
+        return run_compiler(cmd, build, command)
     return out + "".join(parts) + _run_script(env, rest, build, command)
 
 
@@ -377,10 +335,10 @@ def _nvcc_phases(dryrun: str):
 
 
 def _run_script(env: list[str], commands: list[str], build: Path, command: str) -> str:
-    return _run_compiler(["bash", "-ec", "\n".join(env + commands)], build, command)
+    return run_compiler(["bash", "-ec", "\n".join(env + commands)], build, command)
 
 
-def _run_compiler(cmd: list[str], build: Path, command: str) -> str:
+def run_compiler(cmd: list[str], build: Path, command: str) -> str:
     timeout = knobs.COMPILE_TIMEOUT.get()
     proc = subprocess.Popen(cmd, cwd=build, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True, preexec_fn=_die_with_parent)
@@ -389,13 +347,13 @@ def _run_compiler(cmd: list[str], build: Path, command: str) -> str:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        raise _Failed(f"{out}\nerror: killed after VITRAIL_COMPILE_TIMEOUT={timeout:.0f} s",
+        raise BuildFailed(f"{out}\nerror: killed after VITRAIL_COMPILE_TIMEOUT={timeout:.0f} s",
                       command) from None
     except BaseException:  # KeyboardInterrupt: take the compiler down with us
         os.killpg(proc.pid, signal.SIGKILL)
         raise
     if proc.returncode != 0:
-        raise _Failed(out, command)
+        raise BuildFailed(out, command)
     return out
 
 
@@ -403,7 +361,7 @@ def _run_compiler(cmd: list[str], build: Path, command: str) -> str:
 def _build_nvrtc(build: Path, source: str, name: str, arch: toolchain.Arch, flags: list[str],
                  dirs: list[str], defines: list[str], kernels: list[str],
                  tool: toolchain.Nvrtc) -> dict:
-    src_name = f"{_safe(name)}.cu"
+    src_name = f"{safe_name(name)}.cu"
     (build / src_name).write_text(source)
     opts = nvrtc_options(arch.sm, flags, dirs, defines)
     command = "nvrtc " + shlex.join(opts)
@@ -450,7 +408,7 @@ def nvrtc_compile(source: str, src_name: str, opts: list[str], kernels: list[str
         nvrtc.nvrtcGetProgramLog(prog, buf)
         out = bytes(buf).rstrip(b"\x00 ").decode(errors="replace")
         if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise _Failed(out or str(result), command)
+            raise BuildFailed(out or str(result), command)
         get_size = getattr(nvrtc, f"nvrtcGet{output}Size")
         err, size = get_size(prog)
         _nvrtc_check(err, f"nvrtcGet{output}Size")

@@ -40,8 +40,8 @@ from typing import Mapping, Sequence
 
 from vitrail import __version__
 from vitrail.jit import toolchain
-from vitrail.jit.cache import LAYOUT, KernelCache, _safe, header_closure, make_key
-from vitrail.jit.compiler import _Failed, _run_compiler, _run_nvcc, cached_build
+from vitrail.jit.cache import LAYOUT, KernelCache, header_closure, make_key, safe_name
+from vitrail.jit.compiler import BuildFailed, cached_build, run_compiler, run_nvcc
 from vitrail.jit.launcher import load_extension
 
 CPP_SUFFIXES = (".cpp", ".cc", ".cxx", ".c++", ".C")
@@ -211,7 +211,7 @@ def _files(name, sources, cflags, cuda_cflags, ldflags, include_paths, with_cuda
         if not path.name.endswith(CPP_SUFFIXES + CUDA_SUFFIXES):
             raise ValueError(f"sources: {source} is neither C++ ({', '.join(CPP_SUFFIXES)}) "
                              f"nor CUDA (.cu)")
-        file = _safe(path.name)
+        file = safe_name(path.name)
         while file in used:  # a.cpp from two folders: both are compiled
             file = f"_{file}"
         used.add(file)
@@ -428,8 +428,8 @@ def _compile(build: Path, name: str, units: list[_Unit], options: _Options, plan
         u, cmd = item
         command = shlex.join(cmd)
         try:
-            return (_run_nvcc if u.is_cuda else _run_compiler)(cmd, build, command), None
-        except _Failed as failed:
+            return (run_nvcc if u.is_cuda else run_compiler)(cmd, build, command), None
+        except BuildFailed as failed:
             failed.tool = "nvcc" if u.is_cuda else os.path.basename(cmd[0])
             return None, failed
 
@@ -453,8 +453,8 @@ def _compile(build: Path, name: str, units: list[_Unit], options: _Options, plan
     if options.verbose:
         print("$", shlex.join(link))
     try:
-        out = _run_compiler(link, build, shlex.join(link))
-    except _Failed as failed:
+        out = run_compiler(link, build, shlex.join(link))
+    except BuildFailed as failed:
         failed.tool = "the linker"
         raise
     logs = [f"$ {shlex.join(cmd)}\n{text}" for (_, cmd), (text, _) in zip(commands, results)]

@@ -1,8 +1,9 @@
 """Device-only kernels built by NVRTC: loading through the driver API and launching.
 
-``RawKernel(source, name)[grid, block](*args, shared_mem=0, stream=None)`` compiles on first
-use (through the cache), loads the cubin as a context-independent CUDA library, and launches on
-the current torch stream of the arguments' device. A zero-sized grid launches nothing.
+``RawKernel(source, name)[grid, block](*args, shared_mem=0, stream=None)`` (vitrail.jit.loading)
+compiles on first use (through the cache); this module loads the cubin as a context-independent
+CUDA library, and launches on the current torch stream of the arguments' device. A zero-sized
+grid launches nothing.
 
 The per-launch path is: match arguments to the parsed prototype, pack them into one buffer
 (one ``struct.pack_into``), one ``cuLaunchKernel``. Dynamic shared memory raises the kernel's
@@ -30,13 +31,13 @@ _LAUNCH = None  # launch(function, gx, gy, gz, bx, by, bz, smem, stream, params)
 _primary: dict[int, object] = {}
 
 
-def _driver():
+def driver_api():
     global _DRIVER
     if _DRIVER is None:
         with _driver_lock:
             if _DRIVER is None:
                 from cuda.bindings import driver
-                _check(driver.cuInit(0)[0], "cuInit")
+                check_result(driver.cuInit(0)[0], "cuInit")
                 _DRIVER = driver
     return _DRIVER
 
@@ -53,7 +54,8 @@ def _launcher():
     return _LAUNCH
 
 
-def _check(err, what: str) -> None:
+def check_result(err, what: str) -> None:
+    """Raise a LaunchError naming what failed where a driver call returned err (not 0)."""
     if int(err) != 0:
         from cuda.bindings import driver
         name = driver.cuGetErrorName(err)[1]
@@ -62,13 +64,13 @@ def _check(err, what: str) -> None:
 
 def _make_current(device: int) -> None:
     """Make device's primary context current in this thread (what cudaSetDevice does)."""
-    driver = _driver()
+    driver = driver_api()
     ctx = _primary.get(device)
     if ctx is None:
         err, ctx = driver.cuDevicePrimaryCtxRetain(device)
-        _check(err, f"cuDevicePrimaryCtxRetain({device})")
+        check_result(err, f"cuDevicePrimaryCtxRetain({device})")
         _primary[device] = ctx
-    _check(driver.cuCtxSetCurrent(ctx)[0], "cuCtxSetCurrent")
+    check_result(driver.cuCtxSetCurrent(ctx)[0], "cuCtxSetCurrent")
 
 
 class CubinModule(Module):
@@ -96,7 +98,7 @@ class CubinModule(Module):
             if self._library is None:
                 # a cubin from a newer CUDA major than the driver's: say so before it loads
                 toolchain.check_driver_runs("NVRTC", self.meta["compiler"])
-                driver = _driver()
+                driver = driver_api()
                 err, lib = driver.cuLibraryLoadData(self._cubin, None, None, 0, None, None, 0)
                 if int(err) != 0:
                     raise LaunchError(
@@ -126,7 +128,7 @@ class Kernel:
         self._kernel = None  # the context-independent CUkernel
         self._functions: dict[int, int] = {}  # device -> CUfunction (handle) in its primary ctx
         self._smem_set: dict[int, int] = {}
-        self._launches: dict[object, _Launch] = {}  # (grid, block) as written -> launcher
+        self._launches: dict[object, Launch] = {}  # (grid, block) as written -> launcher
         self._local = threading.local()  # a reusable parameter buffer per thread
         # The parameter buffer: n pointers, then one 8-byte slot per value. cuLaunchKernel copies
         # the values during the call, so each thread reuses one buffer. Opaque (struct) values
@@ -134,7 +136,7 @@ class Kernel:
         if proto.params and all(p.kind != "opaque" for p in proto.params):
             n = len(proto.params)
             body = "".join(f + "x" * (8 - struct.calcsize("<" + f))
-                           for f in map(_slot_format, proto.params))
+                           for f in map(slot_format, proto.params))
             values = struct.Struct("<" + body)
             local, pack_into = self._local, values.pack_into
 
@@ -152,7 +154,7 @@ class Kernel:
         else:
             self._marshal = Marshaller(proto, self.where, self._pack_general).function
 
-    def __getitem__(self, config) -> "_Launch":
+    def __getitem__(self, config) -> "Launch":
         try:
             return self._launches[config]
         except (KeyError, TypeError):  # a new configuration, or an unhashable one (lists)
@@ -161,7 +163,7 @@ class Kernel:
             grid, block = config
         except (TypeError, ValueError):
             raise ArgumentError(f"{self.where}: launch as kernel[grid, block](...)") from None
-        launch = _Launch(self, _dim3(grid, "grid", self.where), _dim3(block, "block", self.where))
+        launch = Launch(self, _dim3(grid, "grid", self.where), _dim3(block, "block", self.where))
         if len(self._launches) < 256:
             try:
                 self._launches[config] = launch
@@ -171,36 +173,40 @@ class Kernel:
 
     def _function(self, device: int):
         """The CUfunction of this kernel in device's primary context (made current if none is)."""
-        driver = _driver()
+        driver = driver_api()
         if self._kernel is None:
             err, kernel = driver.cuLibraryGetKernel(self.module._load(), self.lowered.encode())
-            _check(err, f"looking up {self.where}")
+            check_result(err, f"looking up {self.where}")
             self._kernel = kernel
         err, ctx = driver.cuCtxGetCurrent()
         if int(err) != 0 or not int(ctx):
             _make_current(device)
         err, fn = driver.cuKernelGetFunction(self._kernel)
-        _check(err, f"loading {self.where} on cuda:{device}")
+        check_result(err, f"loading {self.where} on cuda:{device}")
         _launcher()
         self._functions[device] = int(fn)
         return int(fn)
+
+    def loaded_function(self, device: int) -> int | None:
+        """The CUfunction handle of this kernel on device, where a launch has loaded it."""
+        return self._functions.get(device)
 
     def _pack_general(self, *values) -> int:
         """The address of a void*[] of the values (valid until this thread's next launch)."""
         if not values:
             return 0
         held = [ctypes.create_string_buffer(v if p.kind == "opaque" else
-                                            struct.pack("<" + _slot_format(p), v))
+                                            struct.pack("<" + slot_format(p), v))
                 for p, v in zip(self.proto.params, values)]
         array = (ctypes.c_void_p * len(held))(*[ctypes.addressof(h) for h in held])
         self._local.held = (held, array)  # alive until this thread's next launch
         return ctypes.addressof(array)
 
     def _raise_smem_limit(self, device: int, shared_mem: int) -> None:
-        driver = _driver()
+        driver = driver_api()
         attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         function = driver.CUfunction(self._functions[device])
-        _check(driver.cuFuncSetAttribute(function, attr, shared_mem)[0],
+        check_result(driver.cuFuncSetAttribute(function, attr, shared_mem)[0],
                f"{self.where}: raising its dynamic shared memory limit to {shared_mem} bytes")
         self._smem_set[device] = shared_mem
 
@@ -208,7 +214,7 @@ class Kernel:
         return f"<Kernel {self.proto}>"
 
 
-class _Launch:
+class Launch:
     """A kernel bound to a grid and block shape; calling it launches."""
     __slots__ = ("kernel", "grid", "block", "dims", "empty")
 
@@ -253,7 +259,7 @@ class _Launch:
 _current_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None
 
 
-def _slot_format(p) -> str:
+def slot_format(p) -> str:
     """struct format of one parameter's value (16-bit floats arrive as their bits)."""
     if p.kind != "scalar":
         return "Q"
@@ -266,40 +272,3 @@ def _dim3(value, what: str, where: str) -> tuple[int, int, int]:
         raise ArgumentError(f"{where}: {what} must be an int or a tuple of 1 to 3 non-negative "
                             f"ints, got {value!r}")
     return (*dims, 1, 1)[:3]  # type: ignore[return-value]
-
-
-class RawKernel:
-    """A device-only CUDA kernel compiled with NVRTC on first launch.
-
-    ``name`` is an extern "C" ``__global__`` function, or a name expression of a templated one
-    (``"scale<float>"``). Its parameters are read from the source; pass ``signature=`` (e.g.
-    ``"const float*, float*, int"``) where they cannot be.
-    """
-
-    def __init__(self, source: str, name: str, *, signature: str | None = None,
-                 arch: str | None = None, flags=(), include_dirs=(), defines=None):
-        self.source, self.name, self.signature = source, name, signature
-        self._options = dict(arch=arch, flags=tuple(flags), include_dirs=tuple(include_dirs),
-                             defines=defines)
-        self._kernel: Kernel | None = None
-
-    def compile(self) -> Kernel:
-        if self._kernel is None:
-            from vitrail.jit.compiler import compile as jit_compile
-            templated = "<" in self.name or "::" in self.name
-            module = jit_compile(self.source, name=self.name, backend="nvrtc",
-                                 kernels=[self.name] if templated else [], **self._options)
-            self._kernel = module.kernel(self.name, self.signature)
-        return self._kernel
-
-    @property
-    def module(self) -> CubinModule:
-        return self.compile().module
-
-    def __getitem__(self, config) -> _Launch:
-        kernel = self._kernel or self.compile()
-        return kernel[config]
-
-    def __repr__(self) -> str:
-        return f"<RawKernel '{self.name}'>"
-

@@ -95,22 +95,24 @@ def get() -> Callable | None:
 
 
 def _build() -> Callable:
-    return _extension(SOURCE, "vitrail_launch").launch
+    return c_extension(SOURCE, "vitrail_launch").launch
 
 
-def _extension(source: str, name: str, *, flags: list[str] = (), include_dirs: list = (),
-               tag: str = ""):
+def c_extension(source: str, name: str, *, flags: list[str] = (), include_dirs: list = (),
+                tag: str = ""):
     """The CPython extension module ``name`` built from source through the kernel cache (extra
     nvcc flags and include dirs; tag: what else the build is specific to, in its key)."""
-    from vitrail.jit.compiler import compile as jit_compile
+    from vitrail.jit import toolchain
+    from vitrail.jit.compiler import build_entry
     include = sysconfig.get_paths()["include"]
     if not (Path(include) / "Python.h").is_file():
         raise FileNotFoundError(f"no Python.h under {include} (install python3-dev)")
     # The extension is specific to this Python: its version and ABI are in the source's key.
     tag = f"// {tag}{sys.implementation.cache_tag} {sysconfig.get_config_var('SOABI')}\n"
-    module = jit_compile(tag + source, name=name, backend="nvcc", flags=list(flags),
-                         include_dirs=[include, *include_dirs], arch=_host_arch())
-    return load_extension(name, module.path)
+    entry, _ = build_entry(tag + source, name=name, backend="nvcc", flags=list(flags),
+                           include_dirs=[include, *include_dirs], arch=_host_arch())
+    toolchain.check_driver_runs("nvcc", entry.meta["compiler"])  # as a loaded library would
+    return load_extension(name, entry.artifact)
 
 
 def load_extension(name: str, path) -> object:
@@ -247,7 +249,7 @@ def _caller_module(proto):
             name = "vitrail_call_" + hashlib.sha256(body.encode()).hexdigest()[:16]
             source = body + _MODULE.replace("@NAME@", name)
             try:
-                _callers[body] = _extension(source, name)
+                _callers[body] = c_extension(source, name)
             except Exception as e:  # any failure: ctypes calls, say why once
                 log.info("vitrail: calling %s through ctypes (no C caller: %s)", proto.name,
                          str(e).splitlines()[0] if str(e) else type(e).__name__)

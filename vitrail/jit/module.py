@@ -50,9 +50,12 @@ class Resources:
 class Hooks:
     """Observers of the launch paths: ``record(kind, target, values, extra)``, when set, sees
     every entry-point call ("entry", the EntryPoint, its C values) and kernel launch ("kernel",
-    the bound launch, its arguments, shared memory; kernel.py) before it runs. vitrail.plan sets
-    it while a plan is recorded; otherwise it costs one attribute read a call."""
+    the bound launch, its arguments, shared memory; kernel.py) before it runs;
+    ``tensor_map(encoded, how)`` sees each TMA descriptor encoded (tma.py: the bytes, and the
+    TensorMap that makes them). vitrail.plan sets them while a plan is recorded; otherwise each
+    costs one attribute read a call."""
     record: Callable | None = None
+    tensor_map: Callable | None = None
 
 
 HOOKS = Hooks()
@@ -171,7 +174,7 @@ class EntryPoint:
         fn.restype = _restype(proto.result)
         self._fn = fn
         self._fast: Callable | None = None
-        self._check = result_is_checked(proto.result)
+        self.checked = result_is_checked(proto.result)  # a cudaError_t: 0 or raise
         self._marshal = Marshaller(proto, self.where).function
 
     def __call__(self, *args, stream=None):
@@ -183,7 +186,7 @@ class EntryPoint:
                 result = self._fn(*values)
         else:
             result = self._fn(*values)
-        if self._check:
+        if self.checked:
             if result != 0:
                 raise self.error(result)
             return None

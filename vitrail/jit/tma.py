@@ -34,14 +34,14 @@ def _bind_context(driver, device: int) -> None:
     """Make the device's primary context current where this thread has none: a thread that has
     made no CUDA call yet (torch's autograd engine thread on device 0) has none, and encoding a
     tensor map fails without one (CUDA_ERROR_INVALID_CONTEXT). Once per thread."""
-    from vitrail.jit.kernel import _check
+    from vitrail.jit.kernel import check_result
     err, ctx = driver.cuCtxGetCurrent()
-    _check(err, "cuCtxGetCurrent")
+    check_result(err, "cuCtxGetCurrent")
     if not int(ctx):
         err, primary = driver.cuDevicePrimaryCtxRetain(device)
-        _check(err, "cuDevicePrimaryCtxRetain")
+        check_result(err, "cuDevicePrimaryCtxRetain")
         (err,) = driver.cuCtxSetCurrent(primary)
-        _check(err, "cuCtxSetCurrent")
+        check_result(err, "cuCtxSetCurrent")
     _thread.bound = True
 
 
@@ -82,8 +82,8 @@ def tensor_map(tensor, dims: Sequence[int], strides: Sequence[int], box: Sequenc
     if address % 16:
         raise ArgumentError(f"tensor_map: the view's address must be 16-byte aligned, got "
                             f"{address:#x}")
-    from vitrail.jit.kernel import _check, _driver
-    driver = _driver()
+    from vitrail.jit.kernel import check_result, driver_api
+    driver = driver_api()
     if not getattr(_thread, "bound", False):
         _bind_context(driver, tensor.device.index or 0)
     u32, u64 = driver.cuuint32_t, driver.cuuint64_t
@@ -96,18 +96,17 @@ def tensor_map(tensor, dims: Sequence[int], strides: Sequence[int], box: Sequenc
                 f"CU_TENSOR_MAP_SWIZZLE_{swizzle}B" if swizzle else "CU_TENSOR_MAP_SWIZZLE_NONE"),
         driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
         driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
-    _check(err, f"cuTensorMapEncodeTiled(dims {tuple(dims)}, strides {tuple(strides)}, box "
-                f"{tuple(box)})")
+    check_result(err, f"cuTensorMapEncodeTiled(dims {tuple(dims)}, strides {tuple(strides)}, "
+                      f"box {tuple(box)})")
     encoded = struct.pack("<16Q", *(int(v) for v in desc.opaque))
-    from vitrail.plan import recording
-    record = recording()
-    if record is not None:  # a plan encodes it again at each call, for that call's tensor
-        record.tensor_maps[encoded] = TensorMap(
+    from vitrail.jit.module import HOOKS
+    if HOOKS.tensor_map is not None:  # a plan encodes it again per call, for that call's tensor
+        HOOKS.tensor_map(encoded, TensorMap(
             tensor, int(getattr(driver.CUtensorMapDataType, f"CU_TENSOR_MAP_DATA_TYPE_{kind}")),
             size, tuple(int(n) for n in dims), tuple(int(s) * size for s in strides),
             tuple(int(b) for b in box), swizzle, int(getattr(
                 driver.CUtensorMapSwizzle, f"CU_TENSOR_MAP_SWIZZLE_{swizzle}B" if swizzle else
-                "CU_TENSOR_MAP_SWIZZLE_NONE")), offset * size)
+                "CU_TENSOR_MAP_SWIZZLE_NONE")), offset * size))
     return encoded
 
 

@@ -2,12 +2,13 @@
 
 One folder per op family (DESIGN.md): ``__init__.py`` (public function, custom op, autograd),
 ``sm90_<op>.cuh`` (the kernel), ``configs.py`` (space and heuristic), ``reference.py`` (plain
-torch), ``bench.py`` (its ``vitrail bench`` entries). Names load on first use, so
+torch), ``benchmarks.py`` (its ``vitrail bench`` entries). Names load on first use, so
 ``import vitrail.ops`` compiles and imports nothing.
 """
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import pkgutil
 import sys
 import types
@@ -60,3 +61,15 @@ def load_all() -> None:
     """Import every op family, registering its Ops (vitrail.op.REGISTRY) and custom ops."""
     for family in families():
         importlib.import_module(f"vitrail.ops.{family}")
+
+
+def load_benchmarks() -> dict:
+    """Register the op library's benchmarks with vitrail.bench (after the registry's own): the
+    host-time one (vitrail.ops.benchmarks) and each family's ``benchmarks.py``; the registry."""
+    from vitrail import bench
+    bench.load()
+    importlib.import_module(f"{__name__}.benchmarks")
+    for family in families():
+        if importlib.util.find_spec(f"{__name__}.{family}.benchmarks") is not None:
+            importlib.import_module(f"{__name__}.{family}.benchmarks")
+    return bench.REGISTRY

@@ -126,6 +126,12 @@ def _on_launch(kind: str, target, values, extra) -> None:
         record.add(kind, target, values, extra)
 
 
+def _on_tensor_map(encoded: bytes, how) -> None:
+    record = recording()
+    if record is not None:  # maps of other threads are not this record's
+        record.tensor_maps[encoded] = how
+
+
 class setup:
     """``with plan.setup():`` work whose result outlives the call (tables cached per device, a
     buffer kept per stream): what it runs is no reason to refuse the record. Its tensors reach a
@@ -208,10 +214,7 @@ class Plans:
         found to be the route), replacing what a recording stored (and what this call's
         learning saw)."""
         self._store((key, *_where(), current_policy()), plan)
-        seen = getattr(native._state, "seen", None)
-        if seen:
-            _, inputs, outputs = seen[-1]
-            seen[-1] = (plan, inputs, outputs)
+        native.amend(plan)
 
     def _store(self, key: tuple, plan) -> None:
         with self._lock:
@@ -272,7 +275,7 @@ def _recorded(inputs: tuple, make_outputs, general, params: tuple, family: str):
     record = _state.record = Record()
     with _count_lock:
         _recording += 1
-        HOOKS.record = _on_launch
+        HOOKS.record, HOOKS.tensor_map = _on_launch, _on_tensor_map
         _tell_recording()
     try:
         with _Watch(record):
@@ -282,7 +285,7 @@ def _recorded(inputs: tuple, make_outputs, general, params: tuple, family: str):
         with _count_lock:
             _recording -= 1
             if not _recording:
-                HOOKS.record = None
+                HOOKS.record = HOOKS.tensor_map = None
             _tell_recording()
     return _compile(record, inputs, outputs, make_outputs, general, params, family), outputs
 
@@ -411,7 +414,7 @@ def _python_plan(steps, n_inputs: int, n_outputs: int, record: Record, guards, m
         if kind == "entry":
             scope[f"f{j}"] = target.fast
             call = f"f{j}({', '.join(exprs)})"
-            if target._check:
+            if target.checked:
                 lines += [f"    r = {call}", "    if r:", f"        raise failed({j}, r)"]
             else:
                 lines.append(f"    {call}")
@@ -435,7 +438,7 @@ def _native_template(steps, inputs: tuple, outputs: tuple, record: Record, faile
     """The plan in the terms of the C++ hit path (native.describe fills in which argument each
     input is): allocations, and each launch as 8-byte slots; None where it has no such form (an
     output that is a view, a value no packed caller takes, a kernel not loaded here)."""
-    from vitrail.jit.kernel import _slot_format
+    from vitrail.jit.kernel import slot_format
     from vitrail.jit.launcher import packed_caller
     used = sorted({int(a[1][1:]) for _, _, args, _ in steps for a in args
                    if a[0] in ("ptr", "map") and a[1][0] == "i"})
@@ -468,7 +471,7 @@ def _native_template(steps, inputs: tuple, outputs: tuple, record: Record, faile
                              m.byte_offset))
             else:
                 value, p = arg[1], arg[2]
-                fmt = p.fmt if kind == "entry" else _slot_format(p)
+                fmt = p.fmt if kind == "entry" else slot_format(p)
                 if fmt in ("e", "bf16") or not isinstance(value, (int, float)):
                     return None
                 slots.append(native.const_slot(value, fmt))
@@ -476,10 +479,10 @@ def _native_template(steps, inputs: tuple, outputs: tuple, record: Record, faile
             packed = packed_caller(target.proto)
             if packed is None:
                 return None
-            launches.append((True, target.address, packed, target._check, (0,) * 6, 0,
+            launches.append((True, target.address, packed, target.checked, (0,) * 6, 0,
                              tuple(slots)))
         else:
-            function = target.kernel._functions.get(device)
+            function = target.kernel.loaded_function(device)
             if function is None:
                 return None
             launches.append((False, function, 0, False, target.dims, int(shared_mem),

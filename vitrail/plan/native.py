@@ -86,8 +86,8 @@ def _load() -> None:
             get_device, get_stream = torch._C._cuda_getDevice, torch._C._cuda_getCurrentRawStream
         else:
             get_device, get_stream = (lambda: -1), (lambda device: 0)
-        from vitrail.tune.settings import _scoped
-        ext.init(get_device, get_stream, _scoped, MISS)
+        from vitrail.tune.settings import scoped_settings
+        ext.init(get_device, get_stream, scoped_settings, MISS)
         with _lock:
             _module = ext
             for hook in _on_load:
@@ -103,16 +103,16 @@ def _build():
     """The extension, compiled through the kernel cache (nvcc as the host C++ driver)."""
     from torch.utils import cpp_extension
 
-    from vitrail.jit.launcher import _extension
+    from vitrail.jit.launcher import c_extension
     lib = os.path.join(os.path.dirname(torch.__file__), "lib")
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     flags = ["-x", "c++", "-std=c++20", "-O2", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
              "-Xcompiler=-Wno-deprecated-declarations", f"-L{lib}", "-lc10", "-ltorch_cpu",
              "-ltorch_python", f"-Xlinker=-rpath,{lib}"]
     # specific to this torch as well as this Python: both are in the source's key
-    return _extension(SOURCE.read_text(), "vitrail_hit", flags=flags,
-                      include_dirs=cpp_extension.include_paths(),
-                      tag=f"torch {torch.__version__} ")
+    return c_extension(SOURCE.read_text(), "vitrail_hit", flags=flags,
+                       include_dirs=cpp_extension.include_paths(),
+                       tag=f"torch {torch.__version__} ")
 
 
 def on_load(hook: Callable[[Any], None]) -> None:
@@ -167,6 +167,18 @@ def describe(template: dict, inputs: tuple, outputs: tuple, result, args: tuple)
 # ------------------------------------------------------------------ front functions
 _state = threading.local()  # .seen: the plans this thread's learning call ran, or None
 LEARNING = [0]  # threads learning: plans report themselves (``saw``) while it is not 0
+
+
+# the current CUDA device (-1 with no GPU), as the plans' keys say it
+_current_device = torch._C._cuda_getDevice if torch.cuda.is_available() else (lambda: -1)
+
+
+def amend(plan) -> None:
+    """The last plan this thread's learning call saw is plan instead (Plans.put)."""
+    seen = getattr(_state, "seen", None)
+    if seen:
+        _, inputs, outputs = seen[-1]
+        seen[-1] = (plan, inputs, outputs)
 
 
 def saw(plan, inputs: tuple, outputs: tuple) -> None:
@@ -232,7 +244,6 @@ def _no_table(*args):
 
 def _adopt(front: Front, seen: list, result, args: tuple, when) -> None:
     """Add the plan of the pending miss: what the Python path ran, described, or general."""
-    from vitrail import plan as plans_module
     table = front.table
     if table is None:
         return
@@ -243,7 +254,7 @@ def _adopt(front: Front, seen: list, result, args: tuple, when) -> None:
         if plan is None:
             description = None  # nothing stored for this call: the next one tries again
         elif template is not None and template.get("device", None) in \
-                (None, plans_module._device()):  # launched on the device current here
+                (None, _current_device()):  # launched on the device current here
             description = describe(template, inputs, outputs, result, args) or ("general",)
     if description is not None:
         try:  # a call that records gradients: its rule too (none: the key keeps to Python)

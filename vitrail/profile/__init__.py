@@ -11,11 +11,12 @@
 - :func:`plot_sweep` and :func:`plot_bench` draw PNGs (needs ``pip install "vitrail[plot]"``;
   matplotlib is imported only when a plot is drawn).
 
-Neither torch nor matplotlib is imported by ``import vitrail.profile``. The submodules share
-their names with the functions they define, so ``vitrail.profile.bench`` is the function; reach
-a module as ``importlib.import_module("vitrail.profile.bench")``.
+Neither torch nor matplotlib is imported by ``import vitrail.profile``. ``vitrail.profile.bench``
+is the function (its module is vitrail.profile.timing); peaks, roofline and trace share their
+names with their modules, so ``vitrail.profile.peaks`` is the function: reach such a module as
+``importlib.import_module("vitrail.profile.peaks")``.
 """
-from vitrail.profile.bench import Timing, bench, compare, timing_from_samples
+from vitrail.profile.timing import Timing, bench, compare, timing_from_samples
 from vitrail.profile.peaks import Peaks, peaks
 from vitrail.profile.plot import plot_bench, plot_sweep
 from vitrail.profile.roofline import Roofline, roofline

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from vitrail.profile.bench import bench, cuda_device
+from vitrail.profile.timing import bench, cuda_device
 
 log = logging.getLogger("vitrail.profile")
 

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from vitrail.profile.bench import Timing, percentile
+from vitrail.profile.timing import Timing, geomean, percentile, speedup_of
 
 MAX_SWEEP_BARS = 50
 DPI = 120  # the PNGs' pixels per inch: labels of 8 points stay legible
@@ -275,7 +275,7 @@ def _speedup_panel(ax: Any, rows: list[dict], group: str, color: dict) -> None:
     base_name = next(r["impl"] for r in rows if r["baseline"])
     for impl, pts in points.items():
         ratios = [x for _, x in pts]
-        mean = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+        mean = geomean(ratios)
         above = sum(x >= 1.0 for x in ratios)
         ax.scatter([w for w, _ in pts], ratios, s=9, color=color[impl], alpha=0.7,
                    label=f"{impl}: geomean {mean:.2f}x, {above}/{len(ratios)} at or above 1x")
@@ -300,10 +300,9 @@ def _speedup_panel(ax: Any, rows: list[dict], group: str, color: dict) -> None:
 
 def _ratio(row: dict, base: dict | None) -> float | None:
     """How many times faster row is than base, whichever way the unit points."""
-    if base is None or not base["value"] or not row["value"]:
+    if base is None:
         return None
-    return (base["value"] / row["value"] if row["lower_is_better"]
-            else row["value"] / base["value"])
+    return speedup_of(row["value"], base["value"], row["lower_is_better"])
 
 
 def _ratio_ticks(axis: Any, suffix: str) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from vitrail.profile.bench import check_count
+from vitrail.profile.timing import check_count
 
 # Where ncu is looked for after PATH: the toolkits named by the environment, then the default one.
 STANDARD_DIRS = ("/usr/local/cuda/bin",)

@@ -88,8 +88,9 @@ def parse_devices(value, source: str = "devices") -> str | tuple[int, ...]:
 
 _defaults: Settings | None = None
 _env: Settings | None = None  # the environment's settings, once read
-_scoped: contextvars.ContextVar[Settings | None] = contextvars.ContextVar("vitrail_settings",
-                                                                          default=None)
+# the settings of the innermost ``settings(...)`` block of this context (the C++ hit path reads it)
+scoped_settings: contextvars.ContextVar[Settings | None] = contextvars.ContextVar(
+    "vitrail_settings", default=None)
 
 
 def _from_env() -> Settings:
@@ -113,7 +114,7 @@ def _parse_env(policy: str | None, workers: str | None, devices: str | None) -> 
 def current() -> Settings:
     """The settings in force here: the innermost scope, else the process defaults, else the
     environment's (read once: ``_from_env``)."""
-    scoped = _scoped.get()
+    scoped = scoped_settings.get()
     if scoped is not None:
         return scoped
     return _defaults if _defaults is not None else _env or _from_env()
@@ -121,7 +122,7 @@ def current() -> Settings:
 
 def current_policy() -> Policy:
     """``current().policy`` (every op call's plan key holds it)."""
-    scoped = _scoped.get()
+    scoped = scoped_settings.get()
     if scoped is not None:
         return scoped.policy
     return (_defaults or _env or _from_env()).policy
@@ -162,8 +163,8 @@ def settings(**changes) -> Iterator[Settings]:
     if unknown:
         raise TypeError(f"settings: unknown option(s) {', '.join(sorted(unknown))}; expected "
                         f"{', '.join(f.name for f in dataclasses.fields(Settings))}")
-    token = _scoped.set(dataclasses.replace(current(), **changes))
+    token = scoped_settings.set(dataclasses.replace(current(), **changes))
     try:
-        yield _scoped.get()
+        yield scoped_settings.get()
     finally:
-        _scoped.reset(token)
+        scoped_settings.reset(token)

@@ -5,7 +5,7 @@ is 'highest'. The kernel computes alpha * a @ b + beta * c in fp32 (error at fp3
 rest of the epilogue (bias, activation, clamp, out_dtype) is applied by torch on its result,
 in fp32. Layouts come from strides (row or column major, no copy); operands whose address or
 leading stride is not 16-byte aligned, or that are broadcast over the batch, are copied
-(launch.aligned); a problem whose contiguous extents are not multiples of 4 floats runs
+(operands.aligned); a problem whose contiguous extents are not multiples of 4 floats runs
 zero-padded to multiples of 4 (a copy of the operands; zeros along K add nothing). One kernel per (layout of a, layout of b), built on first use.
 """
 from __future__ import annotations
@@ -37,7 +37,8 @@ def product(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], alpha: 
     or (L, K, N), c broadcastable to the output or None. A new contiguous fp32 tensor."""
     from vitrail.gemm.arguments import describe
     from vitrail.gemm.fast_f32 import CODES
-    from vitrail.ops.gemm.launch import _round_up, aligned
+    from vitrail.gemm.arguments import round_up
+    from vitrail.ops.gemm.operands import aligned
     M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
     batched = a.dim() == 3 or b.dim() == 3
     L = max(a.shape[0] if a.dim() == 3 else 1, b.shape[0] if b.dim() == 3 else 1)
@@ -52,7 +53,7 @@ def product(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], alpha: 
     # zero-padded to multiples of 4 (zeros along K add nothing) and the result sliced out.
     ragged = bool((K if la == "row" else M) % 4 or (N if lb == "row" else K) % 4 or N % 4)
     if ragged:
-        Mp, Np, Kp = _round_up(M, 4), _round_up(N, 4), _round_up(K, 4)
+        Mp, Np, Kp = round_up(M, 4), round_up(N, 4), round_up(K, 4)
         a_t, b_t = _padded(a, Mp, Kp, la), _padded(b, Kp, Np, lb)
     else:
         Mp, Np, Kp = M, N, K

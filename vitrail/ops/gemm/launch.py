@@ -15,7 +15,6 @@ Fallback to torch, with a one-time warning: GPUs other than Hopper (sm_90).
 from __future__ import annotations
 
 import threading
-import warnings
 from typing import Optional
 
 import torch
@@ -23,11 +22,13 @@ import torch
 from vitrail.device import vector
 from vitrail.gemm import LinearCombination, emitter
 from vitrail.gemm import arguments as gargs
+from vitrail.gemm.arguments import round_up as _round_up
 from vitrail.gemm.epilogue import ACTIVATION_FUNCTOR
 from vitrail.op import Op, Shaped
 from vitrail.plan import GENERAL, Plans, native, signature
 from vitrail.ops.gemm import configs, model
 from vitrail.ops.gemm.configs import Kind, Problem
+from vitrail.ops.gemm.operands import aligned, warn_once
 from vitrail.ops.gemm.reference import gemm_reference
 from vitrail.tune import bucket
 
@@ -35,18 +36,11 @@ ELEMENTS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "tf32",
             torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 OUT_ELEMENTS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 _OPS: dict[Kind, Op] = {}
-_WARNED: set[str] = set()
 _HOPPER: dict[int, bool] = {}
 # test hooks, set only by vitrail.ops.gemm.testing's context managers: outputs start as NaN;
 # a list: run records (kind, problem, operands) into it and launches nothing
 _poison = False
 _record: Optional[list] = None
-
-
-def warn_once(key: str, message: str) -> None:
-    if key not in _WARNED:
-        _WARNED.add(key)
-        warnings.warn(message, stacklevel=3)
 
 
 def forget_choices() -> None:
@@ -153,40 +147,6 @@ def is_hopper(device: torch.device) -> bool:
     if hit is None:
         hit = _HOPPER[index] = torch.cuda.get_device_capability(index) == (9, 0)
     return hit
-
-
-def _round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
-
-
-def aligned(t: torch.Tensor, want: Optional[str]) -> tuple[torch.Tensor, str]:
-    """(t, its layout) when TMA can read t as is (in layout ``want`` if given), else an aligned
-    copy in layout ``want`` (default row) and that layout."""
-    info = gargs.describe(t, "operand", want)
-    align = vector(t.dtype)  # elements of 16 bytes
-    L = t.shape[0] if t.dim() == 3 else 1
-    ok = (info.layout is not None and (want is None or info.layout == want)
-          and info.ptr % 16 == 0 and info.ld % align == 0
-          and (L == 1 or (info.batch_stride != 0 and info.batch_stride % align == 0)))
-    if ok:
-        return t, info.layout
-    layout = want or "row"
-    if want is None or info.layout is None or info.layout == want:
-        warn_once("copy", "vitrail.ops.gemm: an operand whose strides or address are not "
-                          "16-byte aligned (or that is broadcast over the batch) is copied into "
-                          "an aligned buffer before the TMA kernel reads it")
-    rows, cols = t.shape[-2], t.shape[-1]
-    lead = t.shape[:-2]
-    if layout == "row":
-        buf = torch.empty(*lead, rows, _round_up(max(cols, 1), align), dtype=t.dtype,
-                          device=t.device)
-        view = buf[..., :cols]
-    else:
-        buf = torch.empty(*lead, cols, _round_up(max(rows, 1), align), dtype=t.dtype,
-                          device=t.device)
-        view = buf[..., :rows].transpose(-1, -2)
-    view.copy_(t)
-    return view, layout
 
 
 def out_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[int, ...]:

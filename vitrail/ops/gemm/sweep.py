@@ -226,7 +226,7 @@ def time_calls(dtype, *, only=None, log=sys.stderr) -> Iterator[dict]:
     """vitrail.ops.mm/bmm (the library's choice) against torch.mm/bmm: graph and eager ms."""
     import torch
 
-    from vitrail.ops.gemm import bmm, mm
+    from vitrail.ops.gemm.dense import bmm, mm
     for s in shapes() if only is None else only:
         sets = _operands(s, dtype, _copies(s, torch.finfo(dtype).bits // 8))
         ours = bmm if s.L > 1 else mm

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from vitrail.bench import Row, register
+from vitrail.bench.memory import copy_gbps, rows_for
 
 
 def build() -> None:
@@ -27,7 +28,6 @@ def run() -> list[Row]:
     import torch
 
     import vitrail.ops as ops
-    from vitrail.ops.softmax.bench import copy_gbps, rows_for
     ceiling = copy_gbps()
     print(f"  copy bandwidth this run: {ceiling:.0f} GB/s")
     rows = []

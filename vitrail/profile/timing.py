@@ -58,6 +58,19 @@ def percentile(samples: Sequence[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
+def speedup_of(value: float, base: float, lower_is_better: bool) -> float | None:
+    """How many times better value is than base (> 1: better), whichever way the unit points;
+    None where either is 0 (or missing)."""
+    if not value or not base:
+        return None
+    return base / value if lower_is_better else value / base
+
+
+def geomean(values: Sequence[float]) -> float:
+    """The geometric mean of positive values (of speedups: the mean that 2x and 0.5x cancel in)."""
+    return math.exp(sum(math.log(x) for x in values) / len(values))
+
+
 def timing_from_samples(samples_ms: Sequence[float]) -> Timing:
     """A :class:`Timing` from per-call times in milliseconds (at least one; each finite and
     non-negative)."""

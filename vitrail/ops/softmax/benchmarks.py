@@ -4,6 +4,7 @@ bytes (the reach of a problem that small)."""
 from __future__ import annotations
 
 from vitrail.bench import Row, register
+from vitrail.bench.memory import copy_gbps, rows_for
 
 CASES = [((32768, 4096), "bfloat16"), ((32768, 4096), "float32"), ((4096, 32768), "bfloat16"),
          ((65536, 512), "bfloat16"), ((65536, 128), "float32"), ((16, 262144), "bfloat16"),
@@ -28,35 +29,6 @@ def build() -> None:
             jobs[op.name, config] = dict(op.render(config), arch=lim.arch.name)
     for (name, config), error in compile_all(list(jobs.items()), label="softmax bench").items():
         print(f"  build failed: {name} {dict(config)}: {error[:2000]}")
-
-
-def copy_gbps(nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy bandwidth now (bytes read + written), the ceiling of this run."""
-    import torch
-
-    from vitrail.profile import bench
-    a = torch.empty(nbytes // 4, device="cuda")
-    b = torch.empty_like(a)
-    t = bench(lambda: b.copy_(a), rep=30)
-    return 2 * nbytes / t.median / 1e6
-
-
-def rows_for(case: str, impls: dict, nbytes: float, ceiling: float, group: str = "") -> list[Row]:
-    from vitrail.profile import bench
-    out = []
-    for impl, fn in impls.items():
-        try:
-            ms = bench(fn, rep=50).median
-        except Exception as e:  # torch.compile may refuse a case: report, keep going
-            print(f"  {case} {impl}: {type(e).__name__}: {str(e)[:120]}")
-            continue
-        gbps = nbytes / ms / 1e6
-        out.append(Row(case, impl, gbps, "GB/s", lower_is_better=False,
-                       baseline=impl == "torch eager", ms=ms, bytes=nbytes,
-                       extra={"pct_of_copy": 100 * gbps / ceiling, "copy_gbps": ceiling},
-                       group=group))
-        print(f"  {case:<34}{impl:<16}{gbps:8.0f} GB/s  {100 * gbps / ceiling:5.1f}% of copy")
-    return out
 
 
 @register("softmax", "softmax/log_softmax fwd+bwd, GB/s vs torch", build)

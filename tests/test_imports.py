@@ -1,0 +1,179 @@
+"""The package's imports form no circle and point only down the layers (DESIGN.md: a call flows
+top to bottom, once). Read from the source with ``ast``: every import statement counts, those
+inside functions and ``if TYPE_CHECKING:`` blocks too (a function-local import hides a loop, it
+does not remove it); imports made by name at run time (``importlib.import_module``: the lazy
+names of vitrail, vitrail.jit and vitrail.ops, the registries' plug-ins) are not statements and
+are not seen.
+
+Layers, low to high; a module may import its own layer and those below:
+
+  base     vitrail (the package: version, logging), vitrail.knobs
+  jit      compile, cache, load and call CUDA C++
+  profile  timing (profile.timing: the function bench), peaks, roofline, traces, plots; the tuner
+           times through it
+  tune     config spaces, settings, the tuning store, the tuner
+  op       vitrail.op: an Op binds a config space to kernels and launches
+  device   the GPU's facts and limits (in tune's terms: tune.space.Limits)
+  plan     plans: an op call's launches recorded and replayed (native: the C++ hit path)
+  gemm     GEMM descriptions and the CUTLASS emitter, with their arguments and plans
+  bench    the benchmark registry, its rows and report, and the JIT's own benchmarks
+  ops      the op library: families, their configs, benchmarks and tuning problems
+  cli      vitrail.cli and vitrail.doctor, the commands
+
+blocks, vitrail's C++ building blocks (vitrail/include/vitrail/*.cuh), hold no Python: kernels
+include them, nothing imports them.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "vitrail"
+
+LAYERS = [
+    ["vitrail", "vitrail.knobs"],
+    ["vitrail.jit"],
+    ["vitrail.profile"],
+    ["vitrail.tune"],
+    ["vitrail.op"],
+    ["vitrail.device"],
+    ["vitrail.plan"],
+    ["vitrail.gemm"],
+    ["vitrail.bench"],
+    ["vitrail.ops"],
+    ["vitrail.cli", "vitrail.doctor"],
+]
+
+# Circles known and kept, each with its reason; a new one fails.
+KNOWN_CIRCLES = {
+    # problems.py (vitrail tune's shapes) drives the family's private entry points and the
+    # package asks it for a variant's problem; untangling them means moving code in sympow's
+    # modules, which another branch is changing now.
+    frozenset({"vitrail.ops.sympow", "vitrail.ops.sympow.problems"}),
+}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def _targets(module: str, path: Path, node: ast.AST, modules: dict) -> list[str]:
+    """The vitrail modules an import statement loads (the deepest one each name resolves to)."""
+    names = []
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        if node.level:  # relative: from the package the module is in
+            base = module.split(".")
+            if path.name != "__init__.py":
+                base = base[:-1]
+            base = base[:len(base) - (node.level - 1)]
+            prefix = ".".join(base + ([node.module] if node.module else []))
+        else:
+            prefix = node.module or ""
+        for a in node.names:  # `from package import submodule` loads the submodule
+            full = f"{prefix}.{a.name}"
+            names.append(full if full in modules else prefix)
+    out = []
+    for name in names:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        if name and name != module:
+            out.append(name)
+    return out
+
+
+def _graph() -> dict[str, dict[str, int]]:
+    """module -> {imported module: line of the first such import}, vitrail's modules only."""
+    modules = _modules()
+    graph: dict[str, dict[str, int]] = {m: {} for m in modules}
+    for module, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for target in _targets(module, path, node, modules):
+                    graph[module].setdefault(target, node.lineno)
+    return graph
+
+
+def _circles(graph: dict[str, dict[str, int]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(component)
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _layer(module: str) -> int:
+    best, rank = -1, None
+    for i, layer in enumerate(LAYERS):
+        for top in layer:
+            if (module == top or module.startswith(top + ".")) and len(top) > best:
+                best, rank = len(top), i
+    assert rank is not None, f"{module} is in no layer: add it to LAYERS (and the docstring)"
+    return rank
+
+
+def test_no_import_circles():
+    graph = _graph()
+    new = [c for c in _circles(graph) if frozenset(c) not in KNOWN_CIRCLES]
+    described = ["; ".join(f"{a} -> {b} (line {graph[a][b]})" for a in sorted(c)
+                           for b in sorted(graph[a]) if b in c) for c in new]
+    assert not new, "import circles:\n" + "\n".join(described)
+
+
+def test_imports_point_down_the_layers():
+    graph = _graph()
+    upward = [f"{a} (layer {LAYERS[_layer(a)][0]}) imports {b} (layer {LAYERS[_layer(b)][0]}) "
+              f"at line {line}"
+              for a, targets in sorted(graph.items()) for b, line in sorted(targets.items())
+              if _layer(b) > _layer(a)]
+    assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(upward)
+
+
+def test_the_check_sees_function_level_and_relative_imports(tmp_path):
+    """The reader counts what a loop hides behind: imports inside functions, relative ones."""
+    source = ("def f():\n    from vitrail.jit import compiler\n"
+              "def g():\n    from . import module\n")
+    tree = ast.parse(source)
+    modules = {"vitrail.jit": PACKAGE / "jit" / "__init__.py",
+               "vitrail.jit.compiler": PACKAGE / "jit" / "compiler.py",
+               "vitrail.jit.module": PACKAGE / "jit" / "module.py",
+               "vitrail.jit.kernel": PACKAGE / "jit" / "kernel.py"}
+    seen = [t for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+            for t in _targets("vitrail.jit.kernel", modules["vitrail.jit.kernel"], node, modules)]
+    assert seen == ["vitrail.jit.compiler", "vitrail.jit.module"]
+    assert _circles({"a": {"b": 1}, "b": {"a": 2}, "c": {}}) == [{"a", "b"}]

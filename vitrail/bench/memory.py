@@ -1,0 +1,36 @@
+"""Rows of memory-bound ops (softmax, copy): GB/s of each implementation beside the device's copy
+bandwidth measured in the same run, the ceiling such an op can reach."""
+from __future__ import annotations
+
+from vitrail.bench.rows import Row
+
+
+def copy_gbps(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth now (bytes read + written), the ceiling of this run."""
+    import torch
+
+    from vitrail.profile import bench
+    a = torch.empty(nbytes // 4, device="cuda")
+    b = torch.empty_like(a)
+    t = bench(lambda: b.copy_(a), rep=30)
+    return 2 * nbytes / t.median / 1e6
+
+
+def rows_for(case: str, impls: dict, nbytes: float, ceiling: float, group: str = "") -> list[Row]:
+    """A row per implementation of case (timed; one that fails is reported and left out): GB/s
+    for nbytes moved, torch eager the baseline, and its percentage of the ceiling (copy GB/s)."""
+    from vitrail.profile import bench
+    out = []
+    for impl, fn in impls.items():
+        try:
+            ms = bench(fn, rep=50).median
+        except Exception as e:  # torch.compile may refuse a case: report, keep going
+            print(f"  {case} {impl}: {type(e).__name__}: {str(e)[:120]}")
+            continue
+        gbps = nbytes / ms / 1e6
+        out.append(Row(case, impl, gbps, "GB/s", lower_is_better=False,
+                       baseline=impl == "torch eager", ms=ms, bytes=nbytes,
+                       extra={"pct_of_copy": 100 * gbps / ceiling, "copy_gbps": ceiling},
+                       group=group))
+        print(f"  {case:<34}{impl:<16}{gbps:8.0f} GB/s  {100 * gbps / ceiling:5.1f}% of copy")
+    return out
