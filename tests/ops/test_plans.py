@@ -389,7 +389,8 @@ def test_copy_and_sympow_gradients_are_recorded_from_cpp(native, dtype):
     """copy, sympow and sympow_mma calls that record gradients are C++ plans after their first
     call (the output's node is vitrail's C++ one), with the gradients of fp64 autograd on fresh
     data; a call whose result is not the plan's output (sympow along another dim, sympow_mma of
-    4-D tensors) and one needing only b's gradient stay right."""
+    4-D tensors), one the C++ path does not take and one needing only b's gradient stay
+    right."""
     ops = _ops()
     from vitrail.ops.sympow.reference import sympow_mma_reference, sympow_reference
     for k in range(3):  # copy: a transpose, a dtype change; dy goes back exactly
@@ -417,17 +418,19 @@ def test_copy_and_sympow_gradients_are_recorded_from_cpp(native, dtype):
             (want,) = _grads(sympow_reference(x2d, 2, 8, dim), (x2,), dz.double())
             _close(gx, want, 3e-2 * want.abs().max().item())
     D = 2304  # sympow_dim(64, 2, 8)
-    for expand_dim, sa, sb in ((-1, (3, 50, 64), (3, D, 24)), (-2, (3, 64, 50), (3, 50, 24)),
-                               (-1, (2, 3, 50, 64), (2, 3, D, 24))):
+    # (the state side's K of 50 is padded to 64 per call: a plan the C++ path does not take)
+    for expand_dim, sa, sb, cpp in ((-1, (3, 50, 64), (3, D, 24), True),
+                                    (-2, (3, 64, 256), (3, 256, 24), True),
+                                    (-2, (3, 64, 50), (3, 50, 24), None),
+                                    (-1, (2, 3, 50, 64), (2, 3, D, 24), False)):
         for grads in ((True, True), (False, True)):
             for k in range(3):
                 a = torch.randn(*sa, device="cuda", dtype=dtype).requires_grad_(grads[0])
                 b = (torch.randn(*sb, device="cuda") / sb[-2] ** 0.5).to(dtype)
                 b.requires_grad_(grads[1])
                 c = ops.sympow_mma(a, b, expand_dim, 2, 8, scale_a=0.5)
-                if k:
-                    want_cpp = len(sa) == 3
-                    assert (c.grad_fn.name() == "vitrail::SympowMmaBackward") == want_cpp, \
+                if k and cpp is not None:
+                    assert (c.grad_fn.name() == "vitrail::SympowMmaBackward") == cpp, \
                         (expand_dim, sa, grads, k, c.grad_fn.name())
                 dc = torch.randn_like(c)
                 leaves = tuple(t for t in (a, b) if t.requires_grad)
