@@ -7,6 +7,7 @@ anything is written.
 """
 from __future__ import annotations
 
+import json
 import os
 import textwrap
 from pathlib import Path
@@ -467,3 +468,31 @@ def test_pyproject_bounds_match_the_tested_set():
         assert tuple(map(int, spec.group(2).split("."))) == (high[0], high[1] + 1), package
         pinned = tuple(map(int, pins[package].split(".")[:2]))
         assert low <= pinned <= high, package
+
+
+def test_a_warm_process_learns_what_its_nvcc_is_without_running_it(tmp_path, monkeypatch):
+    """nvcc's version, targets and include directories, and its host compiler's version, are
+    remembered per binary in the cache's tools.json: a second process finds the same Nvcc and
+    runs no compiler (a wrapper script would be asked again)."""
+    real = Path(toolchain.nvcc().cuda_home) / "bin" / "nvcc"  # the binary a wrapper runs
+    with open(real, "rb") as f:
+        if f.read(2) == b"#!":
+            pytest.skip(f"nvcc at {real} is a script (asked anew in every process)")
+    cxx = os.path.realpath(toolchain.host_cxx())
+    with open(cxx, "rb") as f:
+        if f.read(2) == b"#!":
+            pytest.skip(f"the host compiler {cxx} is a script")
+    monkeypatch.setenv("VITRAIL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("VITRAIL_NVCC", str(real))
+    monkeypatch.setattr(toolchain, "_REMEMBERED", {})
+    toolchain._find_nvcc.cache_clear()
+    first = toolchain.nvcc()
+    assert len(json.loads((tmp_path / "v1" / "tools.json").read_text())) == 4
+    monkeypatch.setattr(toolchain, "_REMEMBERED", {})  # a new process
+    toolchain._find_nvcc.cache_clear()
+
+    def no_run(cmd, *args, **kwargs):
+        raise AssertionError(f"ran {cmd}")
+    monkeypatch.setattr(toolchain, "_run", no_run)
+    monkeypatch.setattr(toolchain, "version_line", no_run)
+    assert toolchain.nvcc() == first

@@ -58,7 +58,6 @@ _FUNCTION = re.compile(r"(?:[A-Za-z_]\w*::)*[A-Za-z_]\w*")
 
 _memo: dict[tuple, types.ModuleType] = {}
 _memo_lock = threading.Lock()
-_tools: dict[str, str] = {}  # compiler signature -> its --version output, for this process
 
 
 @dataclass(frozen=True)
@@ -343,45 +342,10 @@ def _which(tool: str, what: str) -> str:
 
 
 def _tool_id(tool: str, cache: KernelCache) -> str:
-    """``tool --version``, remembered per binary (the name called, as links to one program
-    such as ccache's answer for the compiler they are named after; its real path, size, mtime,
-    inode) for this process, and in the cache's tools.json, so that a warm load runs no
-    compiler. A script (a wrapper) is asked again in every process: what it runs may change
-    under it."""
-    real = os.path.realpath(tool)
-    st = os.stat(real)
-    sig = f"{tool}|{real}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
-    if sig in _tools:
-        return _tools[sig]
-    with open(real, "rb") as f:
-        script = f.read(2) == b"#!"
-    if script:
-        _tools[sig] = toolchain.version_output(tool).strip()
-        return _tools[sig]
-    path = cache.root / "tools.json"
-    known = _read_tools(path)
-    if isinstance(known.get(sig), str):
-        _tools[sig] = known[sig]
-        return known[sig]
-    out = _tools[sig] = toolchain.version_output(tool).strip()
-    try:
-        with cache.lock("tools.json", "the compilers' identities"):  # writers merge, in turn
-            known = _read_tools(path)
-            known[sig] = out
-            tmp = path.with_name(f"tools.json.{os.getpid()}.{threading.get_ident()}")
-            tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
-            os.replace(tmp, path)
-    except OSError:
-        pass  # not remembered: the next process asks the compiler again
-    return out
-
-
-def _read_tools(path: Path) -> dict:
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return known if isinstance(known, dict) else {}
+    """``tool --version``, remembered per binary (toolchain.remembered): a warm load runs no
+    compiler."""
+    return toolchain.remembered([tool, "--version"], tool,
+                                lambda: toolchain.version_output(tool).strip(), cache)
 
 
 def _compile(build: Path, name: str, units: list[_Unit], options: _Options, plan: dict) -> dict:

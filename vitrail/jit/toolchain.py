@@ -18,15 +18,18 @@ file is written.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import shutil
 import subprocess
+import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from vitrail import knobs
-from vitrail.jit.errors import ToolchainError
+from vitrail.jit.errors import CacheError, ToolchainError
 
 NVCC_MIN = (13, 0)
 NVRTC_MIN = (13, 0)
@@ -209,7 +212,11 @@ def _nvcc_path(env: tuple[str, str, str, str]) -> str:
 @functools.lru_cache(maxsize=8)
 def _find_nvcc(env: tuple[str, str, str, str]) -> Nvcc:
     path = _nvcc_path(env)
-    out = _run([path, "--version"], "nvcc")
+
+    def ask(*args: str, stderr: bool = False) -> str:
+        cmd = [path, *args]
+        return remembered(cmd, "nvcc", lambda: _run(cmd, "nvcc", stderr=stderr))
+    out = ask("--version")
     m = re.search(r"release (\d+)\.(\d+), V(\d+)\.(\d+)\.(\d+)", out)
     if not m:
         raise ToolchainError(f"could not read the version of nvcc at {path}; it printed:\n{out}")
@@ -218,9 +225,9 @@ def _find_nvcc(env: tuple[str, str, str, str]) -> Nvcc:
         raise ToolchainError(
             f"nvcc at {path} is version {_fmt(version)}; vitrail needs nvcc >= {_fmt(NVCC_MIN)}. "
             f"Install a newer CUDA toolkit, or point VITRAIL_NVCC at one.")
-    codes = frozenset(_run([path, "--list-gpu-code"], "nvcc").split())
+    codes = frozenset(ask("--list-gpu-code").split())
     # nvcc may be a wrapper script: ask it where its toolkit and headers are
-    dry = _run([path, "--dryrun", "-x", "cu", "-E", os.devnull], "nvcc", stderr=True)
+    dry = ask("--dryrun", "-x", "cu", "-E", os.devnull, stderr=True)
     top = re.search(r"^#\$ TOP=(.*)$", dry, re.M)
     home = os.path.normpath(top.group(1).strip()) if top else str(Path(path).resolve().parents[1])
     includes = []
@@ -234,7 +241,8 @@ def _find_nvcc(env: tuple[str, str, str, str]) -> Nvcc:
 
 
 def _host_compiler() -> str:
-    return version_line(host_cxx())
+    cxx = host_cxx()
+    return remembered([cxx, "--version"], cxx, lambda: version_line(cxx))
 
 
 def host_cxx() -> str:
@@ -255,6 +263,62 @@ def version_line(tool: str) -> str:
 def version_output(tool: str) -> str:
     """What ``tool --version`` prints (what a cache key names a compiler by)."""
     return _run([tool, "--version"], tool)
+
+
+_REMEMBERED: dict[str, str] = {}  # signature -> output, for this process
+
+
+def remembered(cmd: list[str], tool: str, run: Callable[[], str], cache=None) -> str:
+    """run() (what running cmd prints), remembered per binary -- the name called (links such
+    as ccache's answer for the compiler they are named after), its real path, size, mtime and
+    inode, the arguments and the NVCC_* environment -- for this process and, in the cache's
+    tools.json (``cache``: a KernelCache, default this user's), across processes: a warm
+    process runs no compiler to learn what it is. A script (a wrapper) is asked again in every
+    process: what it runs may change under it."""
+    from vitrail.jit.cache import KernelCache
+    real = os.path.realpath(shutil.which(cmd[0]) or cmd[0])
+    try:
+        st = os.stat(real)
+        with open(real, "rb") as f:
+            script = f.read(2) == b"#!"
+    except OSError:
+        return run()
+    env = sorted((k, v) for k, v in os.environ.items() if k.startswith("NVCC_"))
+    sig = json.dumps([cmd, real, st.st_size, st.st_mtime_ns, st.st_ino, env])
+    if sig in _REMEMBERED:
+        return _REMEMBERED[sig]
+    if script:
+        _REMEMBERED[sig] = out = run()
+        return out
+    try:
+        cache = cache or KernelCache()
+    except (OSError, CacheError):  # no cache to remember it in: asked in every process
+        _REMEMBERED[sig] = out = run()
+        return out
+    path = cache.root / "tools.json"
+    known = _read_json(path)
+    if isinstance(known.get(sig), str):
+        _REMEMBERED[sig] = known[sig]
+        return known[sig]
+    _REMEMBERED[sig] = out = run()
+    try:
+        with cache.lock("tools.json", "the compilers' identities"):  # writers merge, in turn
+            known = _read_json(path)
+            known[sig] = out
+            tmp = path.with_name(f"tools.json.{os.getpid()}.{threading.get_ident()}")
+            tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
+            os.replace(tmp, path)
+    except (OSError, CacheError):
+        pass  # not remembered: the next process asks the tool again
+    return out
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return known if isinstance(known, dict) else {}
 
 
 def _run(cmd: list[str], tool: str, stderr: bool = False) -> str:
