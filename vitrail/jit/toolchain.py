@@ -215,7 +215,9 @@ def _find_nvcc(env: tuple[str, str, str, str]) -> Nvcc:
 
     def ask(*args: str, stderr: bool = False) -> str:
         cmd = [path, *args]
-        return remembered(cmd, "nvcc", lambda: _run(cmd, "nvcc", stderr=stderr))
+        return remembered(cmd, "nvcc", lambda: _run(cmd, "nvcc", stderr=stderr),
+                          files=(profile,))
+    profile = os.path.join(os.path.dirname(os.path.realpath(path)), "nvcc.profile")
     out = ask("--version")
     m = re.search(r"release (\d+)\.(\d+), V(\d+)\.(\d+)\.(\d+)", out)
     if not m:
@@ -268,13 +270,15 @@ def version_output(tool: str) -> str:
 _REMEMBERED: dict[str, str] = {}  # signature -> output, for this process
 
 
-def remembered(cmd: list[str], tool: str, run: Callable[[], str], cache=None) -> str:
+def remembered(cmd: list[str], tool: str, run: Callable[[], str], cache=None,
+               files: tuple[str, ...] = ()) -> str:
     """run() (what running cmd prints), remembered per binary -- the name called (links such
     as ccache's answer for the compiler they are named after), its real path, size, mtime and
     inode, the arguments and the NVCC_* environment -- for this process and, in the cache's
     tools.json (``cache``: a KernelCache, default this user's), across processes: a warm
     process runs no compiler to learn what it is. A script (a wrapper) is asked again in every
-    process: what it runs may change under it."""
+    process: what it runs may change under it. files: others whose size and mtime the answer
+    depends on too (nvcc.profile)."""
     from vitrail.jit.cache import KernelCache
     real = os.path.realpath(shutil.which(cmd[0]) or cmd[0])
     try:
@@ -284,7 +288,8 @@ def remembered(cmd: list[str], tool: str, run: Callable[[], str], cache=None) ->
     except OSError:
         return run()
     env = sorted((k, v) for k, v in os.environ.items() if k.startswith("NVCC_"))
-    sig = json.dumps([cmd, real, st.st_size, st.st_mtime_ns, st.st_ino, env])
+    others = [(f, o.st_size, o.st_mtime_ns) for f in files for o in _stat(f)]
+    sig = json.dumps([cmd, real, st.st_size, st.st_mtime_ns, st.st_ino, env, others])
     if sig in _REMEMBERED:
         return _REMEMBERED[sig]
     if script:
@@ -311,6 +316,13 @@ def remembered(cmd: list[str], tool: str, run: Callable[[], str], cache=None) ->
     except (OSError, CacheError):
         pass  # not remembered: the next process asks the tool again
     return out
+
+
+def _stat(path: str) -> list[os.stat_result]:
+    try:
+        return [os.stat(path)]
+    except OSError:
+        return []
 
 
 def _read_json(path: Path) -> dict:
