@@ -353,3 +353,21 @@ def test_a_bare_import_reaches_every_layer():
                          timeout=120, cwd=REPO)
     assert run.returncode == 0, run.stderr[-500:]
     assert run.stdout.split()[0] == "compile"
+
+
+def test_precompile_takes_the_names_tune_takes():
+    """vitrail precompile NAME: a registry family (softmax), a public function (mm builds the
+    gemm ops, log_softmax its own, sympow_mma the fused sympow ops) or an op; a public function
+    with no registered ops says why in one line; an unknown name gets the nearest names."""
+    from vitrail.cli import _load_ops, _select_ops
+    registry = _load_ops([])
+    names = lambda what: [op.name for op in _select_ops(what, registry, "precompile")]  # noqa
+    assert names(["mm"]) == names(["bmm"]) == names(["gemm"]) == sorted(
+        n for n in registry if n.startswith("gemm."))
+    assert names(["sympow_mma"]) and all(n.startswith("sympow.mma") for n in names(["sympow_mma"]))
+    assert set(names(["sympow"])) >= set(names(["mma_sympow_bwd"]))
+    assert all(n.startswith("log_softmax.") for n in names(["log_softmax"]))
+    with pytest.raises(SystemExit, match="grouped_mm has no registered ops to build"):
+        names(["grouped_mm"])
+    with pytest.raises(SystemExit, match="did you mean.*sympow_mma"):
+        names(["sympow_mm"])

@@ -77,9 +77,11 @@ def _families(registry: dict) -> dict[str, list[str]]:
 
 
 def _select_ops(names: list[str], registry: dict, command: str):
-    """The ops named: each name an op or a whole family; an unknown one exits with the nearest
-    names (and `vitrail {command} --list`), not the whole registry."""
+    """The ops named: each name an op, a whole family or a public function (the families of
+    ``vitrail tune``: mm builds the gemm ops); an unknown one exits with the nearest names (and
+    `vitrail {command} --list`), not the whole registry."""
     import difflib
+    from vitrail.op import FAMILIES
     families = _families(registry)
     chosen: list[str] = []
     for n in names:
@@ -87,8 +89,15 @@ def _select_ops(names: list[str], registry: dict, command: str):
             chosen.append(n)
         elif n in families:
             chosen.extend(families[n])
+        elif n in FAMILIES:
+            found = [r for r in sorted(registry) if r.startswith(FAMILIES[n].prefixes)]
+            if not found:
+                why = FAMILIES[n].why_not or "its kernels are built at its first calls"
+                raise SystemExit(f"vitrail {command}: {n} has no registered ops to build ({why})")
+            chosen.extend(found)
         else:
-            near = difflib.get_close_matches(n, list(families) + list(registry), n=3)
+            near = difflib.get_close_matches(n, list(families) + list(FAMILIES) + list(registry),
+                                             n=3)
             hint = f"; did you mean {', '.join(near)}?" if near else ""
             raise SystemExit(f"vitrail {command}: unknown op or family {n!r}{hint} "
                              f"(`vitrail {command} --list` shows them)")
@@ -323,8 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     tune.set_defaults(fn=_tune)
     pre = sub.add_parser("precompile", help="build ops' default configs into the cache ahead of "
                          "time (for CI images and releases)")
-    pre.add_argument("ops", nargs="*", help="families (softmax, copy, gemm, ...) or ops to build "
-                     "(default: all registered)")
+    pre.add_argument("ops", nargs="*", help="families or public functions (softmax, copy, gemm, "
+                     "mm, sympow_mma, ...: the names tune takes) or ops to build (default: all "
+                     "registered)")
     pre.add_argument("--list", action="store_true", help="list the families and exit")
     pre.add_argument("--arch", help="target, e.g. 90a (default: this GPU, or VITRAIL_ARCH)")
     pre.add_argument("--workers", type=int, help="compile processes (default: cores/memory)")

@@ -48,7 +48,9 @@ class Family:
     the default), ``resolve(shape, dtype, backward=, device=)`` routes it as the public function
     would on ``device`` (None: the build target, vitrail.tune.limits()) and returns the variant's
     problem (``Shaped``); ``backward``: whether it has a backward to tune (``--backward``);
-    ``why_not``: a family with nothing to tune says why (resolve None)."""
+    ``why_not``: a family with nothing to tune says why (resolve None); ``variants``: the
+    prefixes of its variants' names in the registry (default ``NAME.``: mm's are ``gemm.``),
+    what ``vitrail precompile NAME`` builds."""
     name: str
     shape: str
     doc: str
@@ -56,6 +58,11 @@ class Family:
     resolve: Callable[..., Shaped] | None
     backward: bool = False
     why_not: str = ""
+    variants: tuple[str, ...] = ()
+
+    @property
+    def prefixes(self) -> tuple[str, ...]:
+        return self.variants or (self.name + ".",)
 
 
 FAMILIES: dict[str, Family] = {}
@@ -63,9 +70,11 @@ FAMILIES: dict[str, Family] = {}
 
 def family(name: str, shape: str, doc: str, dtypes: Iterable[str],
            resolve: Callable[..., Shaped] | None, *, backward: bool = False,
-           why_not: str = "") -> Family:
-    """Register how ``vitrail tune`` makes a problem of this family from a shape and dtype."""
-    f = FAMILIES[name] = Family(name, shape, doc, tuple(dtypes), resolve, backward, why_not)
+           why_not: str = "", variants: Iterable[str] = ()) -> Family:
+    """Register how ``vitrail tune`` makes a problem of this family from a shape and dtype (and
+    which registered ops ``vitrail precompile`` builds for it: ``variants``)."""
+    f = FAMILIES[name] = Family(name, shape, doc, tuple(dtypes), resolve, backward, why_not,
+                                tuple(variants))
     return f
 
 

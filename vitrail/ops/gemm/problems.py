@@ -40,10 +40,11 @@ _DOC = ("a (M x K) @ b (K x N), contiguous, {}; L: a batch of L products (bmm); 
         "3xTF32, one config)")
 for _name, _what in (("gemm", "plain (no C, bias or activation)"), ("mm", "out in a's dtype"),
                      ("bmm", "out in a's dtype")):
-    family(_name, SHAPE, _DOC.format(_what), ("bfloat16", "float16", "float32"), _plain)
+    family(_name, SHAPE, _DOC.format(_what), ("bfloat16", "float16", "float32"), _plain,
+           variants=("gemm.",))
 family("scaled_mm", "MxNxK", "FP8 a (M x K, row-major) @ b (K x N, column-major) with "
        "per-tensor scales, out bfloat16; --dtype is a's (b is float8_e4m3fn)",
-       ("float8_e4m3fn", "float8_e5m2"), _scaled)
+       ("float8_e4m3fn", "float8_e5m2"), _scaled, variants=("gemm.e4m3", "gemm.e5m2"))
 family("grouped_mm", "", "", (), None,
        why_not="grouped_mm has no configs to choose (one CUTLASS grouped kernel per dtype and "
                "layout); nothing to tune")
