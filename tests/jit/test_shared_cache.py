@@ -294,3 +294,33 @@ def test_a_package_ships_kernels(tmp_path, monkeypatch, cache_dir, fresh_layers)
     _with_layers(monkeypatch, ("kernels", "kernels_layer"))
     mod = compile_saxpy()
     assert mod.how == "shared" and Path(mod.path).is_relative_to(cache_dir)
+
+
+def test_one_rule_says_who_else_can_write_for_own_and_shared_caches(tmp_path):
+    """cache.writable_by_others, the rule of this user's cache (trusted) and of shared ones
+    (shared._check): at the root and below, no group or others may write; above it, others
+    only with the sticky bit, a group only where it is this user's own or with the sticky bit."""
+    from vitrail.jit.cache import writable_by_others
+    d = tmp_path / "d"
+    d.mkdir()
+    groups = [(os.getegid(), True)] + ([(OTHER, False)] if os.geteuid() == 0 else [])
+    for gid, mine in groups:
+        os.chown(d, -1, gid)
+        for mode, below, above in ((0o755, False, False), (0o775, True, not mine),
+                                   (0o757, True, True), (0o1777, True, False),
+                                   (0o1775, True, False)):
+            os.chmod(d, mode)
+            st = os.stat(d)
+            assert writable_by_others(st, above_root=False) == below, (oct(mode), gid)
+            assert writable_by_others(st, above_root=True) == above, (oct(mode), gid)
+            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                for is_below, refused in ((True, below), (False, above)):
+                    if refused:
+                        with pytest.raises(shared.Untrusted):
+                            shared._check(fd, str(d), shared.owners(), is_below)
+                    else:
+                        shared._check(fd, str(d), shared.owners(), is_below)
+            finally:
+                os.close(fd)
+    os.chmod(d, 0o755)

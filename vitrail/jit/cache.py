@@ -98,7 +98,7 @@ def trusted(root: Path, where: str = "") -> None:
     real = os.path.realpath(root)
     if real in _TRUSTED:
         return
-    uid, gid = os.geteuid(), os.getegid()
+    uid = os.geteuid()
     fix = "(chmod go-w, or set VITRAIL_CACHE_DIR to a directory only you can write)"
     st = os.stat(real)
     if st.st_uid != uid:
@@ -112,8 +112,7 @@ def trusted(root: Path, where: str = "") -> None:
     parent = os.path.dirname(real)
     while True:
         st = os.stat(parent)
-        open_to_others = st.st_mode & 0o002 or (st.st_mode & 0o020 and st.st_gid != gid)
-        if st.st_uid not in (uid, 0) or (open_to_others and not st.st_mode & stat.S_ISVTX):
+        if st.st_uid not in (uid, 0) or writable_by_others(st, above_root=True):
             raise CacheError(f"{where or root}: {parent}, above the cache, can be changed by "
                              f"other users (owner uid {st.st_uid}, mode "
                              f"{stat.S_IMODE(st.st_mode):o}): they could put another cache in "
@@ -122,6 +121,20 @@ def trusted(root: Path, where: str = "") -> None:
             break
         parent = os.path.dirname(parent)
     _TRUSTED.add(real)
+
+
+def writable_by_others(st: os.stat_result, above_root: bool) -> bool:
+    """Whether users other than this one could change what a directory or file holds: at a
+    cache's root and below it, a group or others may not write at all; above it (where
+    writing lets one rename the cache away and put another in its place), others may write
+    only with the sticky bit (as /tmp), and a group only where it is this user's own (a user
+    private group) or with the sticky bit. The one rule of this user's cache (``trusted``) and
+    of shared ones (vitrail.jit.shared)."""
+    if not above_root:
+        return bool(st.st_mode & 0o022)
+    if st.st_mode & stat.S_ISVTX:
+        return False
+    return bool(st.st_mode & 0o002 or (st.st_mode & 0o020 and st.st_gid != os.getegid()))
 
 
 # ----------------------------------------------------------------------------------------- keys
@@ -336,7 +349,9 @@ def _read_own(path: Path) -> bytes:
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
         st = os.fstat(fd)
-        if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        if not stat.S_ISREG(st.st_mode):
+            raise PermissionError(f"{path} is not a regular file")
+        if st.st_uid != os.geteuid() or writable_by_others(st, above_root=False):
             raise PermissionError(f"{path} is owned by uid {st.st_uid} with mode "
                                   f"{stat.S_IMODE(st.st_mode):o}")
         with os.fdopen(fd, "rb", closefd=False) as f:

@@ -36,6 +36,7 @@ import stat
 from typing import Iterator
 
 from vitrail import knobs
+from vitrail.jit.cache import writable_by_others
 
 log = logging.getLogger("vitrail.jit")
 LAYOUT = "v1"
@@ -98,11 +99,11 @@ def owners() -> set[int]:
 
 
 def _check(fd: int, path: str, trusted: set[int], below_root: bool) -> None:
-    """From the root down: a trusted owner, writable by no group or others; above it: a trusted
-    owner, writable by others only with the sticky bit (no one renames what is not theirs)."""
+    """A trusted owner, and no one else able to write (cache.writable_by_others: from the root
+    down, no group or others; above it, others only with the sticky bit, so that no one renames
+    what is not theirs)."""
     st = os.fstat(fd)
-    open_to_others = st.st_mode & 0o022 and (below_root or not st.st_mode & stat.S_ISVTX)
-    if st.st_uid not in trusted or open_to_others:
+    if st.st_uid not in trusted or writable_by_others(st, above_root=not below_root):
         raise Untrusted(f"{path} (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}) "
                         f"could be written by a user not trusted to give you code (trusted: uids "
                         f"{', '.join(map(str, sorted(trusted)))}; VITRAIL_SHARED_CACHE_OWNERS adds "
