@@ -371,3 +371,24 @@ def test_precompile_takes_the_names_tune_takes():
         names(["grouped_mm"])
     with pytest.raises(SystemExit, match="did you mean.*sympow_mma"):
         names(["sympow_mm"])
+
+
+def test_doctor_says_whether_torch_extensions_can_build_here():
+    """The torch-extensions check: nvcc of another CUDA major than torch's is an error saying
+    what to install, another minor a warning; a g++ too old for -std=c++20 is an error; a CPU
+    torch says which headers CUDA sources may use."""
+    from vitrail.doctor import torch_extensions
+    from vitrail.jit.errors import ToolchainError
+    gxx = "g++ (Debian 12.2.0-14) 12.2.0"
+    detail, warning = torch_extensions("13.0", (13, 0, 88), gxx, 1, True)
+    assert "C++11 ABI 1" in detail and "torch's CUDA 13.0" in detail and not warning
+    _, warning = torch_extensions("13.1", (13, 0, 88), gxx, 1, True)
+    assert "CUDA 13.1" in warning and "extensions load" in warning
+    with pytest.raises(ToolchainError, match="CUDA 12.8 and nvcc is 13.0.*install a CUDA 12"):
+        torch_extensions("12.8", (13, 0, 88), gxx, 1, True)
+    with pytest.raises(ToolchainError, match="g\\+\\+ 10 or newer"):
+        torch_extensions("13.0", (13, 0, 88), "g++ (GCC) 9.4.0", 1, True)
+    detail, _ = torch_extensions(None, (13, 0, 88), gxx, 1, False)
+    assert "a CPU build" in detail and "not c10/cuda" in detail
+    detail, _ = torch_extensions(None, None, "clang version 17.0.6", 0, False)
+    assert "c10/cuda" not in detail and "ABI 0" in detail

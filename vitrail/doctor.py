@@ -8,7 +8,9 @@ checks their results; says plainly what is missing and how to fix it.
 """
 from __future__ import annotations
 
+import os
 import platform
+import re
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -75,6 +77,39 @@ def _try(what: str, fn: Callable[[], str | tuple[str, str]], fix: str = "") -> C
     return Check(what, True, detail, warning=warning)
 
 
+def torch_extensions(torch_cuda: str | None, nvcc: tuple[int, ...] | None, cxx: str, abi: int,
+                     cuda_headers: bool) -> tuple[str, str]:
+    """Whether torch's headers and the compilers agree for torch extensions (vitrail.jit's
+    load_inline, load): (detail, warning), or ToolchainError saying what to fix. torch_cuda:
+    the CUDA torch was built with (None: a CPU build); nvcc: its version (None: none); cxx:
+    the host compiler's version line; abi: torch's _GLIBCXX_USE_CXX11_ABI; cuda_headers:
+    whether torch ships c10/cuda's headers."""
+    from vitrail.jit.toolchain import ToolchainError
+    m = re.search(r"\b(\d+)\.(\d+)(?:\.\d+)?\b", cxx)
+    if m and re.search(r"g\+\+|gcc|GCC", cxx) and int(m.group(1)) < 10:
+        raise ToolchainError(f"{cxx.strip()}: torch extensions build with -std=c++20 (torch's "
+                             f"default), which needs g++ 10 or newer; install it or set CXX")
+    warning = ""
+    if torch_cuda and nvcc:
+        built = tuple(int(x) for x in torch_cuda.split(".")[:2])
+        if built[0] != nvcc[0]:
+            raise ToolchainError(
+                f"torch was built with CUDA {torch_cuda} and nvcc is "
+                f"{'.'.join(map(str, nvcc[:2]))}: a CUDA extension this nvcc builds does not "
+                f"load into this torch (the major versions differ); install a CUDA "
+                f"{built[0]} toolkit (or point VITRAIL_NVCC at one), or a torch built for CUDA "
+                f"{nvcc[0]}")
+        if built[1] != nvcc[1]:
+            warning = (f"torch was built with CUDA {torch_cuda}, nvcc is "
+                       f"{'.'.join(map(str, nvcc[:2]))}: extensions load (the same major "
+                       f"version), but were not built by torch's own CUDA")
+    detail = (f"{cxx.strip()}, C++11 ABI {abi}; torch's CUDA {torch_cuda or 'none (a CPU build)'}"
+              + ("" if cuda_headers or not nvcc else "; torch has no c10/cuda headers: CUDA "
+                 "sources may include torch/types.h and the CUDA runtime, not c10/cuda or "
+                 "ATen/cuda"))
+    return detail, warning
+
+
 def run_checks() -> list[Check]:
     import torch
 
@@ -113,6 +148,20 @@ def run_checks() -> list[Check]:
         return (f"{t.version_text} at {t.include_dir} ({t.source})",
                 toolchain.untested("CUTLASS", t.version))
     checks.append(_try("CUTLASS/CuTe", cutlass, "pip install nvidia-cutlass, or set CUTLASS_PATH"))
+
+    def extensions() -> tuple[str, str]:
+        try:
+            version = toolchain.nvcc().version
+        except toolchain.ToolchainError:  # missing: its own check says so
+            version = None
+        include = os.path.join(os.path.dirname(torch.__file__), "include")
+        cxx = os.environ.get("CXX") or toolchain.host_cxx()
+        return torch_extensions(torch.version.cuda, version, toolchain.version_line(cxx),
+                                int(torch._C._GLIBCXX_USE_CXX11_ABI),
+                                os.path.isfile(os.path.join(include, "c10", "cuda", "impl",
+                                                            "cuda_cmake_macros.h")))
+    checks.append(_try("torch extensions", extensions,
+                       "install the compilers torch's headers need (see the message)"))
 
     def driver() -> str:
         have = toolchain.driver_version()
