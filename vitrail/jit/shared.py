@@ -183,13 +183,8 @@ def stores() -> Iterator[list[tuple[str, sqlite3.Connection]]]:
     """(path, read-only connection) of each shared cache's tuning store that passes the checks
     (closed on exit); a refused one is one warning."""
     conns, fds = [], []
-    trusted = None
     try:
-        for root in roots():
-            path = os.path.join(root, "tuning.sqlite")
-            if not os.path.isfile(path):
-                continue
-            trusted = trusted or owners()
+        for root, path, trusted in _present("tuning.sqlite"):
             try:
                 with _open_dir(root, [], trusted) as dir_fd:
                     fd = os.open("tuning.sqlite", os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dir_fd)
@@ -211,18 +206,24 @@ def tuning_exports(where: list[str] | None = None) -> list[tuple[str, bytes]]:
     """(path, bytes) of each shared cache's ``tuning.json`` (a ``vitrail tune export`` file),
     in the order of roots(), read through checked descriptors; a refused one is one warning."""
     found = []
-    trusted = None
-    for root in roots() if where is None else where:
-        path = os.path.join(root, "tuning.json")
-        if not os.path.isfile(path):
-            continue
-        trusted = trusted or owners()
+    for root, path, trusted in _present("tuning.json", where):
         try:
             with _open_dir(root, [], trusted) as fd:
                 found.append((path, _read(fd, "tuning.json", root, trusted)))
         except (Untrusted, OSError) as e:
             _warn_once(path, f"vitrail: the shared tuning records {path} are not used: {e}")
     return found
+
+
+def _present(name: str, where: list[str] | None = None) -> Iterator[tuple[str, str, set[int]]]:
+    """(root, its file name's path, the trusted owners) for each shared cache (of roots(), or
+    where) that holds the file; what is read from it is checked as _open_dir and _check say."""
+    trusted = None
+    for root in roots() if where is None else where:
+        path = os.path.join(root, name)
+        if os.path.isfile(path):
+            trusted = trusted or owners()
+            yield root, path, trusted
 
 
 def _warn_once(what: str, message: str) -> None:
