@@ -34,3 +34,13 @@ def rows_for(case: str, impls: dict, nbytes: float, ceiling: float, group: str =
                        group=group))
         print(f"  {case:<34}{impl:<16}{gbps:8.0f} GB/s  {100 * gbps / ceiling:5.1f}% of copy")
     return out
+
+
+def build_configs(chosen, label: str) -> None:
+    """Compile each (op, config) of chosen for the build target, in parallel (one pool); a
+    failure is one line, the benchmark runs on."""
+    from vitrail.tune import compile_all, limits
+    arch = limits().arch.name
+    jobs = {(op.name, config): dict(op.render(config), arch=arch) for op, config in chosen}
+    for (name, config), error in compile_all(list(jobs.items()), label=label).items():
+        print(f"  build failed: {name} {dict(config)}: {error[:2000]}")

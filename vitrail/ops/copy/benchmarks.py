@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from vitrail.bench import Row, register
-from vitrail.bench.memory import copy_gbps, rows_for
+from vitrail.bench.memory import build_configs, copy_gbps, rows_for
 
 
 def build() -> None:
@@ -10,17 +10,13 @@ def build() -> None:
     import torch
 
     from vitrail.ops.copy import FLAT_OPS, ROWS_OPS, TRANSPOSE_OPS
-    from vitrail.tune import compile_all, limits
+    from vitrail.tune import limits
     lim = limits()
     bf, f32 = torch.bfloat16, torch.float32
-    jobs = {}
-    for op, problem in [(FLAT_OPS[bf, f32, 4], None), (TRANSPOSE_OPS[bf, bf], None),
-                        (TRANSPOSE_OPS[f32, f32], None), (ROWS_OPS[bf, bf, 8], (2000, 16)),
-                        (ROWS_OPS[f32, f32, 4], (4000, 16))]:
-        config = op.space.default(problem, lim)
-        jobs[op.name, config] = dict(op.render(config), arch=lim.arch.name)
-    for (name, config), error in compile_all(list(jobs.items()), label="copy bench").items():
-        print(f"  build failed: {name} {dict(config)}: {error[:2000]}")
+    build_configs([(op, op.space.default(problem, lim)) for op, problem in [
+        (FLAT_OPS[bf, f32, 4], None), (TRANSPOSE_OPS[bf, bf], None),
+        (TRANSPOSE_OPS[f32, f32], None), (ROWS_OPS[bf, bf, 8], (2000, 16)),
+        (ROWS_OPS[f32, f32, 4], (4000, 16))]], "copy bench")
 
 
 @register("copy", "vitrail.ops.copy vs torch copy_ / contiguous()", build)

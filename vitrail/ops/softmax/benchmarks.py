@@ -4,7 +4,7 @@ bytes (the reach of a problem that small)."""
 from __future__ import annotations
 
 from vitrail.bench import Row, register
-from vitrail.bench.memory import copy_gbps, rows_for
+from vitrail.bench.memory import build_configs, copy_gbps, rows_for
 
 CASES = [((32768, 4096), "bfloat16"), ((32768, 4096), "float32"), ((4096, 32768), "bfloat16"),
          ((65536, 512), "bfloat16"), ((65536, 128), "float32"), ((16, 262144), "bfloat16"),
@@ -18,17 +18,13 @@ def build() -> None:
     import torch
 
     from vitrail.ops.softmax import route_contiguous
-    from vitrail.tune import compile_all, limits
-    lim = limits()
-    jobs = {}
+    chosen = []
     for (rows, n), dt in CASES:
         dtype = getattr(torch, dt)
         for kind, log in (("fwd", False), ("fwd", True), ("bwd", False)):
             op, key, problem = route_contiguous(kind, rows, n, dtype, log, None)
-            config = op.config(key, problem)
-            jobs[op.name, config] = dict(op.render(config), arch=lim.arch.name)
-    for (name, config), error in compile_all(list(jobs.items()), label="softmax bench").items():
-        print(f"  build failed: {name} {dict(config)}: {error[:2000]}")
+            chosen.append((op, op.config(key, problem)))
+    build_configs(chosen, "softmax bench")
 
 
 @register("softmax", "softmax/log_softmax fwd+bwd, GB/s vs torch", build)
