@@ -32,20 +32,8 @@ def build() -> None:
 
 def _torch_sympow(x, power, d_tile):
     """The unfused torch path in x's dtype (outer products of tiles, then one cat)."""
-    import math
-
-    import torch
-
-    from vitrail.ops.sympow.reference import multiplicity, tuples
-    n = x.shape[-1] // d_tile
-    tiles = x.reshape(x.shape[:-1] + (n, d_tile))
-    blocks = []
-    for tup in tuples(n, power):
-        z = tiles[..., tup[0], :]
-        for i in tup[1:]:
-            z = (z.unsqueeze(-1) * tiles[..., i, :].unsqueeze(-2)).flatten(-2)
-        blocks.append(z * math.sqrt(multiplicity(tup)))
-    return torch.cat(blocks, -1)
+    from vitrail.ops.sympow.reference import sympow_reference
+    return sympow_reference(x, power, d_tile, keep_dtype=True)
 
 
 def _time(fn) -> float:

@@ -48,9 +48,11 @@ def _wide(x: torch.Tensor) -> torch.Tensor:
 
 
 def sympow_reference(x: torch.Tensor, power: int, d_tile: int = 1, dim: int = -1,
-                     duplicate_correction: bool = True) -> torch.Tensor:
-    """The explicit tiled symmetric power of x along dim (float32, or float64 for float64)."""
-    x = _wide(x).movedim(dim, -1)
+                     duplicate_correction: bool = True, *,
+                     keep_dtype: bool = False) -> torch.Tensor:
+    """The explicit tiled symmetric power of x along dim (float32, or float64 for float64;
+    keep_dtype: in x's own dtype, the unfused torch path a benchmark compares with)."""
+    x = (x if keep_dtype else _wide(x)).movedim(dim, -1)
     d = x.shape[-1]
     n, t = d // d_tile, d_tile
     tiles = x.reshape(x.shape[:-1] + (n, t))
