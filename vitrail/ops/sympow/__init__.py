@@ -601,7 +601,7 @@ def _mma_rule(a: torch.Tensor, b: torch.Tensor, expand_dim: int, power: int, d_t
     plan's output)."""
     if a.dim() != 3 or b.dim() != 3:
         return None
-    ed = -1 if expand_dim in (-1, 2) else -2
+    ed = _flatten("sympow_mma", a, b, expand_dim)[1]  # as the call normalized it
     values = (ed, power, d_tile, float(scale_a), bool(duplicate_correction))
     return (_mma_gradients, ((native.INPUT, 0), (native.INPUT, 1), (native.GRAD, 0),
                              *((native.VALUE, v) for v in values),
