@@ -82,12 +82,10 @@ def _load() -> None:
     global _module
     try:
         ext = _build()
-        if torch.cuda.is_available():
-            get_device, get_stream = torch._C._cuda_getDevice, torch._C._cuda_getCurrentRawStream
-        else:
-            get_device, get_stream = (lambda: -1), (lambda device: 0)
+        get_stream = (torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else
+                      (lambda device: 0))
         from vitrail.tune.settings import scoped_settings
-        ext.init(get_device, get_stream, scoped_settings, MISS)
+        ext.init(_current_device, get_stream, scoped_settings, MISS)
         with _lock:
             _module = ext
             for hook in _on_load:
