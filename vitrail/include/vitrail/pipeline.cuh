@@ -12,7 +12,11 @@
 // full[s] completes when the producer's arrivals (and the bytes it announced) are in; empty[s]
 // when every consumer has released the stage. Phases alternate 0/1 on each pass of the ring.
 #pragma once
+#if defined(__CUDACC_RTC__)  // NVRTC has no C++ standard library headers
+#include <cuda/std/cstdint>
+#else
 #include <cstdint>
+#endif
 
 #include <cute/arch/copy_sm90_desc.hpp>
 

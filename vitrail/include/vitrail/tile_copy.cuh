@@ -13,13 +13,20 @@
 //   a slab and a tile in 16-byte chunks, predicated at the slab's edges.
 // - Bulk: sm_90 TMA bulk copies (cp.async.bulk) global -> shared completing on an mbarrier, and
 //   shared -> global committed as bulk groups (see pipeline.cuh for staged use).
+// - TensorMap / Tma: sm_90 TMA tensor copies of a box of a slab (a CUtensorMap made on the host
+//   by vitrail.jit.tma) into a tile, swizzled for wgmma (tile_mma.cuh), on an mbarrier.
 // Built on CuTe's arch layer (cute/arch/copy_sm80.hpp, copy_sm90_*.hpp).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#if defined(__CUDACC_RTC__)  // NVRTC has no C++ standard library headers
+#include <cuda/std/cstdint>
+#else
 #include <cuda_runtime.h>
 #include <cstdint>
-#include <type_traits>
+#endif
+
+#include <cuda/std/type_traits>
 
 #include <cuda/std/bit>
 
@@ -72,7 +79,7 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
 }
 // Any of the three float types to any other (through float; exact where the target can hold it).
 template <class To, class From> __device__ __forceinline__ To convert(From x) {
-  if constexpr (std::is_same_v<To, From>)
+  if constexpr (cuda::std::is_same_v<To, From>)
     return x;  // a plain move (a round trip through float would cost two conversions)
   else
     return from_float<To>(to_float(x));
@@ -262,6 +269,31 @@ struct Bulk {
   __device__ static void commit() { cute::tma_store_arrive(); }
   // Wait until at most InFlight committed store groups are still reading shared memory.
   template <int InFlight> __device__ static void store_wait() { cute::tma_store_wait<InFlight>(); }
+};
+
+// A CUtensorMap, passed to a kernel by value (`const __grid_constant__ vitrail::TensorMap map`):
+// the 128 bytes that vitrail.jit.tma.tensor_map encodes on the host.
+struct alignas(64) TensorMap {
+  uint64_t opaque[16];
+};
+
+// Tma: sm_90 tensor copies (cp.async.bulk.tensor) of one box of a TensorMap's view of a slab
+// into a tile, completing on an mbarrier (as Bulk::load; announce the box's bytes with
+// Bulk::expect or Pipeline::expect). Coordinates are elements, innermost dimension first; what
+// lies outside the slab lands as zeros. The map's swizzle decides the tile's layout (vitrail's
+// SmemTile for the 128-byte swizzle and 64 two-byte elements innermost).
+struct Tma {
+  template <class... Coords>
+  __device__ static void load(void* smem, const TensorMap& map, uint64_t* mbar, Coords... c) {
+    static_assert(sizeof...(Coords) >= 1 && sizeof...(Coords) <= 5, "Tma::load: 1 to 5 coords");
+    cute::SM90_TMA_LOAD::copy(&map, mbar,
+                              static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL),
+                              smem, static_cast<int32_t>(c)...);
+  }
+  // Any thread, before the first load: fetch the map into the descriptor cache.
+  __device__ static void prefetch(const TensorMap& map) {
+    cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(&map));
+  }
 };
 
 }  // namespace vitrail

@@ -1,0 +1,283 @@
+// tile_mma.cuh: matrix multiply-accumulate of a CTA's tiles into register fragments, on CuTe's
+// MMA atoms.
+//
+//   using Mma = vitrail::TileMMA<T, 128, 256, 64, 2>;  // a 128 x 256 x 64 step, 2 warpgroups
+//   Mma mma(thread);                                 // thread: 0 .. Mma::kThreads - 1
+//   auto acc = mma.accumulators();                   // fp32, this thread's part of 128 x 256
+//   auto sA = Mma::tile_a(smem_a), sB = Mma::tile_b(smem_b);   // (rows, K, stages) views
+//   mma.mma(sA(_, _, stage), sB(_, _, stage), acc, first);      // acc (+)= A B^T, asynchronous
+//   Mma::wait<1>(acc);                               // all but the last batch retired
+//
+// - TileMMA<T, M, N, K, WarpGroups, MajorA, MajorB> (sm_90a): Hopper's wgmma. A and B are tiles
+//   in shared memory (SS) laid out as tile_a / tile_b say (the widest swizzle their contiguous
+//   extent allows; what TMA writes with the same swizzle); or A comes from registers (RS,
+//   `mma_rs`), e.g. the previous product converted to T with `as_a` (attention's P V).
+//   WarpGroups split M (M / WarpGroups a multiple of 64). wgmma is asynchronous: `mma` fences
+//   and commits one batch (a group in PTX); `wait<N>` leaves N batches in flight and fences the
+//   accumulators, so that no read of them moves above the wait. An RS batch reads its A
+//   registers while in flight: keep the fragment alive and untouched until a wait retires it
+//   (`wait<N>(acc, a)` fences it too), or the compiler may reuse its registers early.
+// - TileMMA80<T, M, N, K, Warps> (sm_80+): mma.sync over the same kind of tiles; operands move
+//   from shared memory to registers with ldmatrix. Synchronous.
+// T: __nv_bfloat16 or __half (or CuTe's bfloat16_t / half_t); accumulators are fp32.
+//
+// NVRTC: compile with -default-device (CuTe's constexpr helpers carry no __device__).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cute/atom/copy_atom.hpp>
+#include <cute/arch/mma_sm80.hpp>
+#include <cute/arch/copy_sm75.hpp>
+#include <cute/atom/mma_traits_sm80.hpp>
+#include <cute/atom/copy_traits_sm75.hpp>
+#include <cute/arch/mma_sm90.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+
+namespace vitrail {
+
+// CuTe's element type for T.
+template <class T> struct CuteType { using type = T; };
+template <> struct CuteType<__nv_bfloat16> { using type = cute::bfloat16_t; };
+template <> struct CuteType<__half> { using type = cute::half_t; };
+template <class T> using cute_t = typename CuteType<T>::type;
+
+// Which extent of an operand tile is contiguous in shared memory: K (a row of A or of B^T) or
+// M / N (a column).
+enum class Major { K, MN };
+
+namespace detail {
+// The widest wgmma swizzle atom whose contiguous extent divides `extent` elements.
+template <class T, Major major, int extent>
+constexpr auto smem_atom() {
+  using namespace cute;
+  constexpr int bytes = extent * int(sizeof(T));
+  if constexpr (major == Major::K) {
+    if constexpr (bytes % 128 == 0) return GMMA::Layout_K_SW128_Atom<T>{};
+    else if constexpr (bytes % 64 == 0) return GMMA::Layout_K_SW64_Atom<T>{};
+    else if constexpr (bytes % 32 == 0) return GMMA::Layout_K_SW32_Atom<T>{};
+    else return GMMA::Layout_K_INTER_Atom<T>{};
+  } else {
+    if constexpr (bytes % 128 == 0) return GMMA::Layout_MN_SW128_Atom<T>{};
+    else if constexpr (bytes % 64 == 0) return GMMA::Layout_MN_SW64_Atom<T>{};
+    else if constexpr (bytes % 32 == 0) return GMMA::Layout_MN_SW32_Atom<T>{};
+    else return GMMA::Layout_MN_INTER_Atom<T>{};
+  }
+}
+constexpr cute::GMMA::Major gmma_major(Major m) {
+  return m == Major::K ? cute::GMMA::Major::K : cute::GMMA::Major::MN;
+}
+}  // namespace detail
+
+// The shared-memory layout of a Rows x Cols (x Stages) operand tile that wgmma reads: Rows is M
+// (A) or N (B), Cols is K. Its swizzle atoms are stacked along the contiguous extent last, so a
+// K-major tile with K * sizeof(T) == 128 is Rows rows of 128 bytes, 1024-byte swizzle periods in
+// a row: what one TMA box of (K, Rows) with the 128-byte swizzle writes. Align each tile to 1024
+// bytes.
+template <class T, int Rows, int Cols, Major major = Major::K, int Stages = 1>
+using SmemTile = decltype(cute::tile_to_shape(
+    detail::smem_atom<cute_t<T>, major, major == Major::K ? Cols : Rows>(),
+    cute::Shape<cute::Int<Rows>, cute::Int<Cols>, cute::Int<Stages>>{},
+    cute::conditional_t<major == Major::K, cute::Step<cute::_1, cute::_2, cute::_3>,
+                        cute::Step<cute::_2, cute::_1, cute::_3>>{}));
+
+template <class T_, int M, int N, int K, int WarpGroups = 1, Major MajorA = Major::K,
+          Major MajorB = Major::K>
+struct TileMMA {
+  using T = cute_t<T_>;
+  static constexpr int kThreads = 128 * WarpGroups;
+  static_assert(M % (64 * WarpGroups) == 0, "TileMMA: M must be a multiple of 64 x WarpGroups");
+  static_assert(K % 16 == 0, "TileMMA: K must be a multiple of 16");
+  // One wgmma instruction: 64 rows of a warpgroup, as much of N as one instruction takes.
+  using AtomShape = cute::Shape<cute::_64, cute::Int<N>, cute::Int<K>>;
+  using OpSS = decltype(cute::SM90::GMMA::ss_op_selector<T, T, float, AtomShape,
+                                                           detail::gmma_major(MajorA),
+                                                           detail::gmma_major(MajorB)>());
+  using OpRS = decltype(cute::SM90::GMMA::rs_op_selector<T, T, float, AtomShape,
+                                                           cute::GMMA::Major::K,
+                                                           detail::gmma_major(MajorB)>());
+  using WarpGroupLayout = cute::Layout<cute::Shape<cute::Int<WarpGroups>, cute::_1, cute::_1>>;
+  using TiledSS = decltype(cute::make_tiled_mma(OpSS{}, WarpGroupLayout{}));
+  using TiledRS = decltype(cute::make_tiled_mma(OpRS{}, WarpGroupLayout{}));
+  template <int Stages = 1> using LayoutA = SmemTile<T, M, K, MajorA, Stages>;
+  template <int Stages = 1> using LayoutB = SmemTile<T, N, K, MajorB, Stages>;
+
+  int thread;
+  __device__ explicit TileMMA(int thread_in_mma) : thread(thread_in_mma) {}
+
+  // (M, K, Stages) and (N, K, Stages) views of shared memory at p (1024-byte aligned).
+  template <int Stages = 1>
+  __device__ static auto tile_a(void* p) {
+    return cute::make_tensor(cute::make_smem_ptr(static_cast<T*>(p)), LayoutA<Stages>{});
+  }
+  template <int Stages = 1>
+  __device__ static auto tile_b(void* p) {
+    return cute::make_tensor(cute::make_smem_ptr(static_cast<T*>(p)), LayoutB<Stages>{});
+  }
+  template <int Stages = 1> static constexpr int kBytesA = M * K * Stages * int(sizeof(T));
+  template <int Stages = 1> static constexpr int kBytesB = N * K * Stages * int(sizeof(T));
+
+  // This thread's fp32 accumulators of the M x N tile, and which (row, column) each one is.
+  __device__ auto accumulators() const {
+    return cute::partition_fragment_C(TiledSS{}, cute::Shape<cute::Int<M>, cute::Int<N>>{});
+  }
+  __device__ auto coordinates() const {
+    auto id = cute::make_identity_tensor(cute::Shape<cute::Int<M>, cute::Int<N>>{});
+    return TiledSS{}.get_thread_slice(thread).partition_C(id);
+  }
+
+  // Zeros in every accumulator, each set by its own instruction: zeros the compiler merges into
+  // one register are copied into the accumulators later, inside the pipeline, and ptxas then
+  // serializes the wgmmas (warning C7515).
+  template <class Acc>
+  __device__ static void zero(Acc& acc) {
+    CUTE_UNROLL
+    for (int i = 0; i < cute::size(acc); ++i) asm volatile("mov.b32 %0, 0;\n" : "=f"(acc(i)));
+  }
+
+  // acc = A B^T (overwrite) or acc += A B^T over the tiles' K: one asynchronous batch.
+  template <class SA, class SB, class Acc>
+  __device__ void mma(SA const& sA, SB const& sB, Acc& acc, bool overwrite = false) const {
+    using namespace cute;
+    TiledSS tiled;
+    auto slice = tiled.get_thread_slice(thread);
+    Tensor dA = slice.make_fragment_A(slice.partition_A(sA));  // wgmma descriptors
+    Tensor dB = slice.make_fragment_B(slice.partition_B(sB));
+    tiled.accumulate_ = overwrite ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+    warpgroup_fence_operand(acc);
+    warpgroup_arrive();
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(dA); ++k) {
+      cute::gemm(tiled, dA(_, _, k), dB(_, _, k), acc);
+      tiled.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    warpgroup_fence_operand(acc);
+  }
+
+  // acc (+)= A B^T with A from registers (a fragment made by a_fragment or as_a).
+  template <class RA, class SB, class Acc>
+  __device__ void mma_rs(RA& rA, SB const& sB, Acc& acc, bool overwrite = false) const {
+    using namespace cute;
+    TiledRS tiled;
+    auto slice = tiled.get_thread_slice(thread);
+    Tensor dB = slice.make_fragment_B(slice.partition_B(sB));
+    tiled.accumulate_ = overwrite ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+    warpgroup_fence_operand(rA);
+    warpgroup_fence_operand(acc);
+    warpgroup_arrive();
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(rA); ++k) {
+      cute::gemm(tiled, rA(_, _, k), dB(_, _, k), acc);
+      tiled.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    warpgroup_fence_operand(acc);
+  }
+
+  // This thread's register fragment of an M x K A operand for mma_rs.
+  __device__ auto a_fragment() const {
+    auto shape = cute::make_layout(cute::Shape<cute::Int<M>, cute::Int<K>>{});
+    return TiledRS{}.get_thread_slice(thread).partition_fragment_A(shape);
+  }
+
+  // The accumulators of an M x K product, converted to T, as the A fragment of the next
+  // product (K = that product's N): wgmma's C and RS-A layouts hold the same elements in each
+  // thread, (pairs of columns, rows r / r + 8, 8-column blocks), two 8-column blocks to a
+  // k-step of 16.
+  template <class Acc>
+  __device__ static auto as_a(Acc const& acc) {
+    using namespace cute;
+    auto converted = make_fragment_like<T>(acc.layout());
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc); ++i) converted(i) = T(acc(i));
+    auto l = acc.layout();  // ((2, 2, N / 8), MMA_M, MMA_N)
+    auto blocks = logical_divide(get<0, 2>(l), Int<2>{});  // (2, N / 16)
+    auto a_layout = make_layout(make_layout(get<0, 0>(l), get<0, 1>(l), get<0>(blocks)),
+                                get<1>(l), make_layout(get<1>(blocks), get<2>(l)));
+    return make_tensor(std::move(converted.data()), a_layout);
+  }
+
+  // Leave at most Pending batches in flight; the fragments given stay fenced below the wait.
+  template <int Pending, class... Frags>
+  __device__ static void wait(Frags&... frags) {
+    cute::warpgroup_wait<Pending>();
+    (cute::warpgroup_fence_operand(frags), ...);
+  }
+};
+
+// Tiles written with ordinary stores (st.shared) are read by wgmma through the async proxy: each
+// writer fences, then a barrier publishes the tile (TMA-written tiles need neither).
+__device__ __forceinline__ void fence_tile_writes() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Warp specialization (sm_90): every thread of a warpgroup lowers (a producer: TMA issue needs
+// few) or raises (consumers: accumulators) its register budget; the CTA's total must fit.
+template <int Registers>
+__device__ __forceinline__ void warpgroup_registers_down() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Registers));
+}
+template <int Registers>
+__device__ __forceinline__ void warpgroup_registers_up() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Registers));
+}
+
+// mma.sync (sm_80+): Warps warps split M; A and B are K-major shared-memory tiles (any layout
+// ldmatrix reads: SmemTile<T, Rows, K, Major::K> for K * sizeof(T) a multiple of 16 bytes).
+template <class T_, int M, int N, int K, int Warps = 4>
+struct TileMMA80 {
+  using T = cute_t<T_>;
+  static constexpr int kThreads = 32 * Warps;
+  static_assert(M % (16 * Warps) == 0 && N % 16 == 0 && K % 16 == 0,
+                "TileMMA80: M a multiple of 16 x Warps, N and K of 16");
+  using Op = cute::conditional_t<cute::is_same_v<T, cute::half_t>,
+                                 cute::SM80_16x8x16_F32F16F16F32_TN,
+                                 cute::SM80_16x8x16_F32BF16BF16F32_TN>;
+  // Warps along M; each warp's atom repeated to 16 columns (two 8-column atoms: one ldmatrix.x4
+  // of B feeds both).
+  using Tiled = decltype(cute::make_tiled_mma(
+      Op{}, cute::Layout<cute::Shape<cute::Int<Warps>, cute::_1, cute::_1>>{},
+      cute::Tile<cute::Int<16 * Warps>, cute::_16, cute::_16>{}));
+  using CopyA = decltype(cute::make_tiled_copy_A(cute::Copy_Atom<cute::SM75_U32x4_LDSM_N, T>{},
+                                                 Tiled{}));
+  using CopyB = decltype(cute::make_tiled_copy_B(cute::Copy_Atom<cute::SM75_U32x4_LDSM_N, T>{},
+                                                 Tiled{}));
+
+  int thread;
+  __device__ explicit TileMMA80(int thread_in_mma) : thread(thread_in_mma) {}
+
+  __device__ auto accumulators() const {
+    return cute::partition_fragment_C(Tiled{}, cute::Shape<cute::Int<M>, cute::Int<N>>{});
+  }
+  __device__ auto coordinates() const {
+    auto id = cute::make_identity_tensor(cute::Shape<cute::Int<M>, cute::Int<N>>{});
+    return Tiled{}.get_thread_slice(thread).partition_C(id);
+  }
+  // acc (+)= A B^T over the tiles' K (sA: M x K, sB: N x K shared-memory tensors).
+  template <class SA, class SB, class Acc>
+  __device__ void mma(SA const& sA, SB const& sB, Acc& acc, bool overwrite = false) const {
+    using namespace cute;
+    Tiled tiled;
+    auto slice = tiled.get_thread_slice(thread);
+    Tensor rA = slice.partition_fragment_A(sA);
+    Tensor rB = slice.partition_fragment_B(sB);
+    auto copy_a = CopyA{}.get_thread_slice(thread);
+    auto copy_b = CopyB{}.get_thread_slice(thread);
+    Tensor sA_ = copy_a.partition_S(sA);
+    Tensor sB_ = copy_b.partition_S(sB);
+    Tensor rA_ = copy_a.retile_D(rA);
+    Tensor rB_ = copy_b.retile_D(rB);
+    if (overwrite) clear(acc);
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(rA); ++k) {
+      copy(CopyA{}, sA_(_, _, k), rA_(_, _, k));
+      copy(CopyB{}, sB_(_, _, k), rB_(_, _, k));
+      cute::gemm(tiled, rA(_, _, k), rB(_, _, k), acc);
+    }
+  }
+};
+
+}  // namespace vitrail
