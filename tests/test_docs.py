@@ -94,8 +94,12 @@ def test_each_python_snippet_of_the_tutorial_compiles(index):
 
 @pytest.mark.parametrize("index", [i for i, (_, _, run) in enumerate(_snippets(TUTORIAL)) if run])
 def test_the_tutorials_snippets_that_need_no_gpu_run(index):
+    from vitrail.jit import ToolchainError
     _, code, _ = _snippets(TUTORIAL)[index]
-    exec(compile(code, f"docs/tutorial.md snippet {index}", "exec"), {"__name__": "snippet"})
+    try:  # VITRAIL_ARCH=90a (tests/conftest.py): what compiles, compiles for Hopper
+        exec(compile(code, f"docs/tutorial.md snippet {index}", "exec"), {"__name__": "snippet"})
+    except ToolchainError as e:  # a snippet that compiles a kernel needs nvcc
+        pytest.skip(f"no toolchain: {e}")
 
 
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(REPO)) for p in PAGES])
