@@ -1,5 +1,8 @@
 """The README and docs/ as a reader follows them: every relative link leads to a file of the
-repository (and an #anchor to a heading of it)."""
+repository (and an #anchor to a heading of it), every page is reached from the README and listed
+in the site's nav (mkdocs.yml), the tutorial's snippets are the examples' code and compile (those
+that need no GPU run), every knob is documented, and the docs links in code comments lead
+somewhere."""
 from __future__ import annotations
 
 import re
@@ -8,8 +11,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+DOCS = REPO / "docs"
+PAGES = [REPO / "README.md", *sorted(DOCS.rglob("*.md"))]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^(<!-- runs without a GPU -->\n)?```(\w+)\n(.*?)^```$", re.M | re.S)
 
 
 def _anchor(heading: str) -> str:
@@ -36,9 +41,98 @@ def test_relative_links_lead_somewhere(page):
     assert not broken, f"{page.relative_to(REPO)}: broken links {broken}"
 
 
-def test_the_readme_links_every_docs_page():
-    readme = REPO / "README.md"
-    linked = {(readme.parent / t.partition("#")[0]).resolve()
-              for t in LINK.findall(readme.read_text())}
+def _linked(page: Path) -> set[Path]:
+    """The markdown pages of the repository a page links to."""
+    text = re.sub(r"`[^`\n]*`", "", page.read_text())
+    out = set()
+    for target in LINK.findall(text):
+        path = target.partition("#")[0]
+        if path and not re.match(r"[a-z]+:", path) and path.endswith(".md"):
+            out.add((page.parent / path).resolve())
+    return out
+
+
+def test_the_readme_reaches_every_docs_page():
+    seen, todo = set(), [(REPO / "README.md").resolve()]
+    while todo:
+        page = todo.pop()
+        if page not in seen and page.exists():
+            seen.add(page)
+            todo.extend(_linked(page))
     pages = {p.resolve() for p in PAGES[1:]}
-    assert pages <= linked, f"docs pages no README link reaches: {sorted(pages - linked)}"
+    assert pages <= seen, f"docs pages no link from the README reaches: {sorted(pages - seen)}"
+
+
+def test_the_site_nav_lists_every_page():
+    nav = set(re.findall(r"^\s+- (?:[^:\n]+: )?(\S+\.md)$", (REPO / "mkdocs.yml").read_text(),
+                         flags=re.M))
+    pages = {str(p.relative_to(DOCS)) for p in PAGES[1:]}
+    assert nav == pages, f"not in the nav: {sorted(pages - nav)}; not pages: {sorted(nav - pages)}"
+
+
+# -------------------------------------------------------------------------------- snippets
+def _snippets(page: Path) -> list[tuple[str, str, bool]]:
+    """(language, code, runs without a GPU) of each fenced block of a page."""
+    return [(lang, code, bool(mark)) for mark, lang, code in FENCE.findall(page.read_text())]
+
+
+TUTORIAL = DOCS / "tutorial.md"
+
+
+def test_the_tutorial_has_code_to_check():
+    kinds = [(lang, run) for lang, _, run in _snippets(TUTORIAL)]
+    assert kinds.count(("python", False)) >= 5
+    assert ("python", True) in kinds and ("cpp", False) in kinds
+
+
+@pytest.mark.parametrize("index", range(len(_snippets(TUTORIAL))))
+def test_each_python_snippet_of_the_tutorial_compiles(index):
+    lang, code, _ = _snippets(TUTORIAL)[index]
+    if lang == "python":
+        compile(code, f"docs/tutorial.md snippet {index}", "exec")
+
+
+@pytest.mark.parametrize("index", [i for i, (_, _, run) in enumerate(_snippets(TUTORIAL)) if run])
+def test_the_tutorials_snippets_that_need_no_gpu_run(index):
+    from vitrail.jit import ToolchainError
+    _, code, _ = _snippets(TUTORIAL)[index]
+    try:  # VITRAIL_ARCH=90a (tests/conftest.py): what compiles, compiles for Hopper
+        exec(compile(code, f"docs/tutorial.md snippet {index}", "exec"), {"__name__": "snippet"})
+    except ToolchainError as e:  # a snippet that compiles a kernel needs nvcc
+        pytest.skip(f"no toolchain: {e}")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(REPO)) for p in PAGES])
+def test_quoted_code_is_the_files_text(page):
+    """A snippet whose first line names a file (``# examples/...`` or ``// examples/...``) is a
+    quote of it: its other lines stand in the file, in order and together."""
+    for lang, code, _ in _snippets(page):
+        first, _, body = code.partition("\n")
+        named = re.fullmatch(r"(?:#|//) ((?:examples|vitrail|tests)/\S+)", first)
+        if named:
+            source = (REPO / named.group(1)).read_text()
+            assert body in source, f"{page.name}: the quote of {named.group(1)} is not its text"
+
+
+# -------------------------------------------------------------------------------- knobs, code
+def test_every_knob_is_documented_and_no_other():
+    from vitrail import knobs
+    text = "\n".join(p.read_text() for p in PAGES)
+    declared = {k.name for k in knobs.ALL}
+    assert declared <= set(re.findall(r"\bVITRAIL_[A-Z_]+\b", text))
+    # pages name no knob that does not exist (identifiers of code spans aside)
+    assert set(re.findall(r"\bVITRAIL_[A-Z_]+\b", text)) - declared <= {"VITRAIL_TRY"}
+
+
+def test_docs_links_in_code_lead_somewhere():
+    """Comments and docstrings point at the docs (docs/ops/softmax.md#the-tile-path): each such
+    page exists and has the heading."""
+    broken = []
+    code = [*sorted((REPO / "vitrail").rglob("*.py")), *sorted((REPO / "examples").rglob("*.py"))]
+    for path in code:
+        for page, anchor in re.findall(r"\b(docs/[\w./-]+\.md)(?:#([\w-]+))?", path.read_text()):
+            dest = REPO / page
+            if not dest.exists() or anchor and anchor not in {
+                    _anchor(h) for h in re.findall(r"^#+ (.+)$", dest.read_text(), flags=re.M)}:
+                broken.append(f"{path.relative_to(REPO)}: {page}#{anchor}")
+    assert not broken

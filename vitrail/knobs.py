@@ -4,7 +4,7 @@ Nothing else in vitrail reads ``os.environ`` for a ``VITRAIL_*`` name: add a kno
 documentation, and read it as ``knobs.NAME.get()``. Values are read at the moment of the call (so a
 test or a user may change the environment between calls), except the tuning settings, which an op
 call needs: read once per process (vitrail.tune.settings); keep reads off per-launch paths.
-``vitrail doctor`` prints the table, and the README's knob list is generated from the same entries.
+``vitrail doctor`` prints those set; docs/knobs.md holds their table (tests/test_cli.py checks it).
 """
 from __future__ import annotations
 

@@ -32,12 +32,18 @@ def config(n: int, dtype: torch.dtype) -> dict:
     return {"TPR": tpr, "THREADS": max(tpr, 256), "ITERS": iters}
 
 
-def module(n: int, dtype: torch.dtype):
-    c = config(n, dtype)
+def compile_kwargs(c: dict, dtype: torch.dtype) -> dict:
+    """The arguments of jit.compile for config c: the entry point, with the config's values as
+    constants, over the kernel template."""
     source = (f'#include "rms_norm.cuh"\nusing T = {ctype(dtype)};\n' +
               "".join(f"constexpr int {k} = {v};\n" for k, v in c.items()) + ENTRY)
     # rms_norm.cuh is found through include_dirs; its text is part of the cache key
-    return jit.compile(source, name="example_rms_norm", include_dirs=[HERE], flags=["-std=c++17"])
+    return dict(source=source, name="example_rms_norm", include_dirs=[HERE],
+                flags=["-std=c++17"])
+
+
+def module(n: int, dtype: torch.dtype):
+    return jit.compile(**compile_kwargs(config(n, dtype), dtype))
 
 
 def rms_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

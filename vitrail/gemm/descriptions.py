@@ -156,8 +156,7 @@ class TileDescription:
         """The slices an FP8 exact-accumulation kernel of this tile promotes one by one on the
         overlapped mainloop: 64 columns each where tile N is a multiple of 64, else two halves
         (a multiple of 8 columns: a wgmma N); 0 where it takes the stock one (tile N below 128).
-        H100, 128x144 tiles (1x2 cluster) on five shapes of 4096^3-8192^3: halves 1.03-1.10x
-        the stock mainloop, thirds (48 columns) 0.97-1.01x."""
+        Halves, not thirds, where N is no multiple of 64: docs/ops/gemm.md#fp8-promotion-slices."""
         tn = self.tile_shape[1]
         if self.fp8_promotion == "stock" or tn < 128:
             return 0

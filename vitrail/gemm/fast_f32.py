@@ -8,9 +8,8 @@ GEMM) at three tensor-core MMAs per product.
 sm_90's CUTLASS 3 collectives have no 3xTF32 mainloop (the installed CUTLASS 4.2 headers offer
 it only as the sm80 warp-level ``OpMultiplyAddFastF32`` and as sm100 emulation), so this is a
 CUTLASS 2 ``device::GemmUniversal`` on the sm80 path (``mma.sync``: HMMA in SASS, cp.async
-multistage, no TMA or wgmma), which runs on sm_90. Expected speed on an H100: about a third of
-the 1xTF32 mma.sync rate, i.e. roughly 100-150 TFLOP/s-equivalent of useful fp32 work at large
-sizes versus ~50 TFLOP/s for an fp32 SIMT GEMM (unmeasured until run on the GPU).
+multistage, no TMA or wgmma), which runs on sm_90; its prediction and measurement:
+docs/ops/gemm.md#fp32-as-3xtf32.
 
 One emitted translation unit, entry points ``vitrail_gemm_f32x3`` (batched: L and batch
 strides; any row/col layout of A and B as given by the description; C and D row-major) and

@@ -5,7 +5,7 @@
   tiny CPython extension once per machine (through its own kernel cache, so it is built once and
   shared by every process) whose ``launch`` takes ten integers and calls the driver.
 - ``caller(proto)``: ctypes converts each argument of a foreign call through Python objects
-  (about 0.25 µs an argument on an H100's host: a GEMM entry point's 33 cost 8 µs). A caller is
+  (docs/perf-notes.md#entry-point-calls-through-ctypes). A caller is
   a METH_FASTCALL function generated for one C prototype, ``call(address, *values)``, which
   converts the values with the C API and calls the function at ``address``; one is built per
   distinct prototype (every GEMM kernel shares one), cached like the launcher.

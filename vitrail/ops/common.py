@@ -121,7 +121,8 @@ _transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambd
 def autograd_apply(function: type[torch.autograd.Function]):
     """``function.apply`` without torch.autograd.Function.apply's Python layer (binding default
     arguments for a setup_context, unwrapping functorch tensors: neither applies to a call that
-    call_mode sends to GRAD), about 2 µs less a call; ``function.apply`` where torch lacks it."""
+    call_mode sends to GRAD), a little less host time a call
+    (docs/perf-notes.md#autograd_apply); ``function.apply`` where torch lacks it."""
     raw = torch._C._FunctionBase.__dict__.get("apply")
     return raw.__get__(None, function) if raw is not None else function.apply
 

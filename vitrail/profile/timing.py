@@ -136,8 +136,8 @@ def compare(fns: Mapping[str, Callable[[], Any]], *, rounds: int = 5, rep: int =
     """Time several implementations of one computation fairly: {name: Timing}.
 
     A GPU's clocks follow its temperature and power draw, so back-to-back timings of A then B
-    drift against whichever runs later (10% between two timings of one cuBLAS call, seen on an
-    H100 under GEMM load). Here every function first runs for at least ``warmup_s`` seconds
+    drift against whichever runs later (docs/perf-notes.md#clocks-drift-between-timings).
+    Here every function first runs for at least ``warmup_s`` seconds
     (synchronized: modules loaded, clocks up), then the functions are timed in ``rounds``
     interleaved rounds, the order rotated each round, ``rep // rounds`` calls each (as
     :func:`bench`); each Timing holds all of its function's samples.

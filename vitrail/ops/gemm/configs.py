@@ -12,10 +12,8 @@ options for plain kinds). TF32 uses 128x128x32 tiles, FP8 128x256x128, with a 2x
 few tiles to fill the GPU and a long K, 128x128 tiles on the stream-K scheduler. FP8 with exact
 accumulation takes 128x256 tiles too: the overlapped-promotion mainloop keeps two 64-column
 temporaries beside the accumulators, 192 registers (CUTLASS's collective needs a second full
-accumulator, which spills at 128x256). H100, torch._scaled_mm exact = 1, same run: 128x256 1.02x at
-4096^3 and 1.00x at 6144^3, where 128x128 runs 0.94x and 0.91x; at 8192^3 0.95-1.04x in six runs.
-Measured slower there: 128x192 (0.96-0.97x), a 1x2 cluster (0.99x), stream-K (0.92x), 64x256
-ping-pong (0.85-0.87x: each warpgroup loads its own B).
+accumulator, which spills at 128x256); the other tiles, clusters and schedulers tried were
+slower (docs/ops/gemm.md#fp8-exact-tiles).
 """
 from __future__ import annotations
 

@@ -29,8 +29,8 @@ ELEMENTS = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _MODULES: dict = {}
 # The packed form's one preparation launch (the GEMM is the other): each group's size, pointers
 # and strides from the offsets on the device (no host sync), the offsets' check (a device-side
-# trap, as torch's async asserts), and the zeroing of the rows after the last offset. A chain of
-# small torch ops did this before: ~15 launches, ~10% of an MoE-sized grouped GEMM.
+# trap, as torch's async asserts), and the zeroing of the rows after the last offset, in place
+# of a chain of small torch ops (docs/ops/gemm.md#grouped-preparation).
 _PREP = r"""
 template <typename E>
 __global__ void vitrail_grouped_prep(

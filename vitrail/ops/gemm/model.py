@@ -11,10 +11,9 @@ held-out quarter when fitted on the rest.
 
 Why neighbours and not an analytic model: a wave-quantization and roofline model (per config
 a launch cost, a per-wave cost and a per-k-block cost; DRAM, per-SM and L2 bandwidth floors)
-fitted on the same sweep predicted times within about 8% but chose configs 6-16% slower than
-the best on held-out shapes, because neighbouring configs differ by less than its error and
-by effects it does not model (cluster multicast, stream-K's fixup). The neighbours' choice is
-within 0.2% of the best on held-out shapes.
+fitted on the same sweep chose slower configs on held-out shapes than the neighbours do,
+because neighbouring configs differ by less than its error and by effects it does not model
+(cluster multicast, stream-K's fixup): docs/ops/gemm.md#the-selection-neighbours-not-a-model.
 
 ``torch`` is an option only where torch computes exactly the kernel's result (Kind.plain:
 16-bit inputs, output in the same dtype, no epilogue beyond alpha): fused epilogues always run
@@ -81,7 +80,7 @@ def _point(m: int, n: int, k: int, batch: int) -> tuple[float, ...]:
     """Where a problem lies in the table: log2 of its sizes (a batch is its own axis: tiles do
     not span batches, so 32 products of 128 x 128 are not one of 4096 x 128), and its size class
     far from the other: N or K not a multiple of 8 puts torch on kernels that do not use TMA
-    (2.5-4.5x slower than vitrail's on the H100) and vitrail.ops on aligned copies."""
+    (much slower: docs/ops/gemm.md#unaligned-n-or-k) and vitrail.ops on aligned copies."""
     odd = n % 8 or k % 8
     return (*(math.log2(max(1, x)) for x in (m, n, k, batch)), 64.0 if odd else 0.0)
 

@@ -60,12 +60,8 @@ CLUSTER_CTAS_PER_SM = 2  # fewer clustered CTAs than this per SM: the chunked pa
 # Rows that start off a 16-byte boundary (odd n in 16-bit types, a view at an offset) take the
 # windowed kernels (16-byte vectors over the aligned window holding each row, sm90_softmax.cuh)
 # where the element-by-element ones (v = 1) are slow: rows of 16-bit elements of WINDOW_MIN_BYTES
-# and more (2-byte loads), fp32 rows of WINDOW_MIN_BYTES_F32 and more. H100, % of a same-bytes
-# copy, windowed against v = 1: bf16 forward 16380 x 4097 97 against 60, 5436 x 12345 94
-# against 43, 1335 x 50257 76 against 21 (backward 91 against 36); fp32 667 x 50257 backward 90
-# against 66; fp32 2718 x 12345 forward 74 against 73 (v = 1 took a cluster of 2 in registers,
-# 44-70 in other runs). Below, v = 1 keeps up or wins: bf16 67108 x 500 forward 99 against 86;
-# fp32 8190 x 4097 forward 101 against 85 (4-byte loads in registers).
+# and more (2-byte loads), fp32 rows of WINDOW_MIN_BYTES_F32 and more; below, v = 1 keeps up
+# (measured: docs/ops/softmax.md#windowed-rows).
 WINDOW_MIN_BYTES = 2 << 10
 WINDOW_MIN_BYTES_F32 = 32 << 10
 
@@ -161,13 +157,8 @@ def use_packed(n: int, size: int, v: int, arrays: int) -> bool:
     """Whether rows of n elements of `size` bytes that lie end to end take the packed path; v:
     the register path's vector width (1: element by element, rows off vector boundaries). Rows
     off vector boundaries always; rows on them (whole 16-byte vectors a thread in registers)
-    from PACKED_MIN_BYTES, and backward to PACKED_MAX_ALIGNED_BWD_BYTES. H100, 64 MB, times
-    faster than torch, packed against registers: rows off boundaries bf16 forward 4793490 x 7
-    2.00 against 0.63, 33554432 x 1 1.59 against 0.74, 335544 x 100 1.42 against 0.90; fp32
-    2396745 x 7 1.19 against 0.38; aligned forward fp32 1048576 x 16 1.12 against 0.65, 167772 x
-    100 1.04 against 0.96, bf16 524288 x 64 1.44 against 1.34; bf16 4194304 x 8 1.83 against
-    1.87 (16-byte rows); aligned backward fp32 1048576 x 16 1.89 against 1.62, bf16 65536 x 512
-    1.95 against 2.01, fp32 65536 x 256 1.93 against 1.97."""
+    from PACKED_MIN_BYTES, and backward to PACKED_MAX_ALIGNED_BWD_BYTES: where packed beat the
+    register path (docs/ops/softmax.md#the-packed-path)."""
     row = n * size
     if n > PACKED_MAX_ROW or row > PACKED_MAX_BYTES:
         return False
@@ -193,11 +184,8 @@ def packed_heuristic(n: int | None) -> dict:
     that leave each at most 4 elements (rows of up to 32) or 8 (longer rows: fewer shuffles);
     CTAs of 256 threads, 128 where a lane holds 16 or more. TPR > 1 for rows of 8 or more keeps
     the lanes of a warp on neighbouring elements of few rows in shared memory (a lane a row of
-    32 fp32 elements would meet 32-way bank conflicts). H100, 64 MB, times faster than torch
-    against other configs: bf16 forward n = 33 at TPR 8 x 8 items 2.16 against 1.93 at 16 x 4,
-    n = 100 at 16 x 8 1.42 against 1.25 at 32 x 4, n = 200 at 32 x 8 1.30 against 1.08 at 16 x
-    16; n = 500 at 32 x 16 1.24 with 128 threads, 1.16 with 256 (more CTAs, more bytes in
-    flight per SM)."""
+    32 fp32 elements would meet 32-way bank conflicts); 128 threads where a lane holds 16
+    (more CTAs, more bytes in flight per SM). Measured: docs/ops/softmax.md#packed-configs."""
     n = n or 8
     target = 4 if n <= 32 else 8
     tpr = 1
@@ -210,8 +198,7 @@ def packed_heuristic(n: int | None) -> dict:
 def packed_run(n: int, rows: int, size: int, config, sms: int) -> int:
     """Rows per CTA: as many as KB KiB hold, fewer where the rows would not give every SM
     PACKED_CTAS_PER_SM CTAs, but no fewer than a CTA's groups of TPR lanes take in one pass
-    (H100, GPU time of bf16 4096 x 7 forward: runs of 8 rows 2.55 us, of 128 rows, one pass of
-    a CTA's 128 groups, 1.84 us; torch 1.81 us)."""
+    (shorter runs were slower: docs/ops/softmax.md#packed-runs)."""
     return _packed_run(n, rows, size, config.KB, config.THREADS // config.TPR, sms)
 
 
@@ -260,13 +247,9 @@ def split_heuristic(v: int, arrays: int, problem=None, lim=None, window: bool = 
     """problem: (n, rows) as the key buckets them, or None. 64 registers per thread (ptxas, sm_90a,
     no spills): forward 8 fp32 vectors per thread, 4 of 16-bit types (8 spill: their fp32 copies),
     16 elements where v is 1; backward 4 vectors (8 elements) per array.
-    Forward: CTAs of 256 threads, four per SM (H100, % of a same-bytes copy, against 512 x 2: fp32
-    32 x 131072 91 against 86, 100 x 100000 98 against 84 where 512 x 2 gives 2 CTAs a row and reads
-    a third of the slice twice; bf16 within 2 points either way, 100 x 200000 89 against 78; 1-8
-    rows of 1M-4M elements within 2.5 points either way). Backward: CTAs of 512 threads, two per SM,
-    where that plan holds the slices on chip with 4 or more CTAs a row (fp32 32 x 131072 88 against
-    85, bf16 32 x 262144 86 against 84); else 256 x 4 where that holds them (bf16 150 x 50000, 1 CTA
-    a row at 512 x 2: 95 against 76; fp32 100 x 30000, 2 CTAs a row: 101 against 95).
+    Forward: CTAs of 256 threads, four per SM. Backward: CTAs of 512 threads, two per SM, where
+    that plan holds the slices on chip with 4 or more CTAs a row; else 256 x 4 where that holds
+    them. Each the faster where measured: docs/ops/softmax.md#split-path-configs.
     window: the windowed kernels (rows off vector boundaries); their 16-bit backward holds 2
     vectors per array in registers (at 4, ptxas spilled 28-44 bytes under the 64-register
     bound), the rest of the slice in shared memory."""
@@ -308,12 +291,8 @@ def use_split(n: int, rows: int, v: int, arrays: int, sms: int) -> bool:
 # Rows that the tile path takes in clusters of 4 or more CTAs go to the split path instead where
 # its plan holds every slice on chip with 2 or more CTAs a row, in problems of at least
 # SPLIT_OVER_TILE_BYTES of input: one wave of CTAs that meet at a barrier in global memory, where
-# the tile path's cluster barriers and its wave tail cost more (H100, % of a same-bytes copy,
-# split against tile: bf16 forward 64 x 262144 87 against 78, 132 x 131072 88 against 80, 32 x
-# 262144 81 against 77; fp32 forward 64 x 131072 89 against 83; bf16 backward 32 x 262144 86
-# against 76, 150 x 50000 95 against 88; fp32 backward 64 x 65536 88 against 82). In smaller
-# problems the barrier's latency weighs more (bf16 backward 32 x 65536, 8 MB: 77 against 83; 64
-# x 65536, 16 MB: 87 against 88).
+# the tile path's cluster barriers and its wave tail cost more; in smaller problems the
+# barrier's latency weighs more (measured: docs/ops/softmax.md#split-over-tile).
 SPLIT_OVER_TILE_BYTES = 16 << 20
 
 
@@ -354,16 +333,13 @@ def split_plan(n: int, rows: int, v: int, config, resident: int, smem_budget: in
 
 # ------------------------------------------------------------------ tile path
 # Rows of TILE_MIN_ROW_BYTES and more (per array) take the tile path where rows x CTAs fill the
-# GPU; from a sweep on an H100 (% of a same-bytes copy, tile against the register path): bf16
-# 4096 x 4096 forward 97 against 89, backward 95 against 86; bf16 32768 x 4096 backward 100
-# against 98; bf16 2048 x 16384 backward 98 against 81; bf16 256 x 65536 backward 89 against 82;
-# fp32 1024 x 32768 backward 99 against 91; fp32 rows of 2048-16384 within 2 points either way.
+# GPU, where a sweep found it faster than the register path (docs/ops/softmax.md#the-tile-path).
 TILE_MIN_ROW_BYTES = 8 << 10  # shorter rows (per array) stay in registers
 TILE_BYTES = 64 << 10  # the most a CTA's slice (all arrays) holds, below MAX_CLUSTER CTAs a row
 MAX_TILE_BYTES = 192 << 10  # the most it holds at MAX_CLUSTER CTAs (then one CTA per SM)
 MIN_TILE_BYTES = 16 << 10  # no smaller slices to spread rows over more CTAs
 TILE_WIDE_BYTES = 48 << 10  # slices of this and more take CTAs of 256 threads, smaller 128
-TILE_CTAS_PER_SM = 7  # CTAs the heuristic aims at (rows x CLUSTER), per SM: about 1000 on an H100
+TILE_CTAS_PER_SM = 7  # CTAs the heuristic aims at (rows x CLUSTER), per SM: ~1000 on 132 SMs
 TILE_MIN_CTAS_PER_SM = 1.5  # fewer rows x CLUSTER per SM: the split path spreads them wider
 
 
@@ -385,9 +361,7 @@ def tile_cluster(n: int, rows: int, size: int, arrays: int, sms: int,
     the fewest that keep a slice within TILE_BYTES, then more, while slices stay at least
     MIN_TILE_BYTES, until rows x CTAs reach TILE_CTAS_PER_SM per SM. A cluster costs its
     barriers and smaller slices, so it only pays where rows alone leave the SMs short of CTAs
-    (H100, % of a same-bytes copy: bf16 256 x 65536 forward 88% at 4 CTAs of 32 KiB, 85% at 8
-    of 16 KiB; backward 89% at 4, 87% at 8; bf16 1024 x 8192 backward 95% at 1, 82% at 2;
-    bf16 128 x 131072 forward 83% at 8, 80% at 4)."""
+    (measured: docs/ops/softmax.md#tile-clusters)."""
     row_bytes = n * size * arrays
     if one_cta_a_row(rows, row_bytes, sms, smem_per_sm):
         return 1
@@ -406,13 +380,9 @@ def one_cta_a_row(rows: int, row_bytes: int, sms: int, smem_per_sm: int) -> bool
     """Whether the tile path takes one CTA a row, with no cluster: a row (all arrays) fits
     MAX_TILE_BYTES, the rows fill 90% of the SMs or more and are all resident at once, and the
     busiest SM holds at most 4/3 of the average. No cluster barrier then, and slices of up to
-    MAX_TILE_BYTES at one or two CTAs per SM still keep enough bytes in flight (H100, % of a
-    same-bytes copy, one CTA a row against the clusters of the TILE_CTAS_PER_SM rule: bf16 forward
-    256 x 32768 93 against 83 at 4, 128 x 65536 89 against 84 at 8; bf16 backward 256 x 16384 96
-    against 79 at 4, 128 x 32768 92 against 77 at 8; fp32 backward 128 x 16384 92 against 80 at 8;
-    bf16 forward 128 x 16384 74 against 76 at 2). Fewer rows, or rows beyond one wave, or uneven
-    ones keep clusters (bf16 forward 150 x 50000: 89 at one CTA a row, 91 at 4; 100 x 30000: 93
-    against 102 at 4; fp32 forward 256 x 32768, two waves: 86 against 90 at 2)."""
+    MAX_TILE_BYTES at one or two CTAs per SM still keep enough bytes in flight. Fewer rows, or
+    rows beyond one wave, or uneven ones keep clusters (measured:
+    docs/ops/softmax.md#one-cta-a-row)."""
     if row_bytes > MAX_TILE_BYTES or rows < 0.9 * sms:
         return False
     busiest = -(-rows // sms)
@@ -421,9 +391,7 @@ def one_cta_a_row(rows: int, row_bytes: int, sms: int, smem_per_sm: int) -> bool
 
 def tile_heuristic(problem, arrays: int, lim=None) -> dict:
     """problem: (n, rows, element size) as the key buckets them. CTAs of 256 threads for slices
-    of TILE_WIDE_BYTES and more, 128 below (H100: bf16 rows of 4096 forward 99% of a same-bytes
-    copy at 128, 84% at 256; bf16 100 x 200000 forward, slices of 50 KB at 8 CTAs a row: 85 at
-    256, 81 at 128)."""
+    of TILE_WIDE_BYTES and more, 128 below (docs/ops/softmax.md#tile-cta-size)."""
     n, rows, size = problem or (65536, 256, 2)
     lim = with_sm_count(lim or target_limits("90a"))  # none given: sm_90a's
     sms = lim.sm_count
@@ -436,9 +404,8 @@ def use_tile(n: int, rows: int, v: int, size: int, arrays: int, sms: int,
              smem_per_sm: int = 228 << 10) -> bool:
     """Whether rows x n goes to the tile path: 16-byte vectors; rows of at least
     TILE_MIN_ROW_BYTES that fit MAX_CLUSTER CTAs' shared memory; and at least
-    TILE_MIN_CTAS_PER_SM CTAs per SM (H100, % of a same-bytes copy, tile against split: bf16
-    32 x 131072 forward 76 against 74 at 2 CTAs per SM; bf16 16 x 262144 forward 69 against 72
-    and backward 69 against 85 at 1); or one CTA a row (``one_cta_a_row``). Of those,
+    TILE_MIN_CTAS_PER_SM CTAs per SM (below, split wins:
+    docs/ops/softmax.md#tile-against-split); or one CTA a row (``one_cta_a_row``). Of those,
     ``split_over_tile`` sends some to the split path."""
     if v == 1 or n * size < TILE_MIN_ROW_BYTES:
         return False

@@ -201,8 +201,7 @@ def _sympow_bwd_into(x: torch.Tensor, dz: torch.Tensor, dx: torch.Tensor, power:
     stage = configs.gather_stage(x.dtype, power, d_tile, vec)
     # no atomics: partial sums per (row, tuple), then one gather per dx element. Small CTAs
     # first (GATHER_SMEM: more of them per SM), then the persistent two-stage kernel, then
-    # larger CTAs (H100, X[65536, 64] bf16 p=2 d_tile=8: one-block CTAs of 32 KB 85% of the
-    # copy bandwidth, persistent 56 KB 81%, 110 KB 69%, one-block 64 KB 70%)
+    # larger CTAs, in the order measured (docs/ops/power-attention.md#sympows-backward-ctas)
     per_block = configs.gather_rows(d, power, d_tile, tuples, stage)
     if not per_block and pipe:
         pipe_block = configs.pipe_rows(d, power, d_tile, tuples, stage)

@@ -1,0 +1,78 @@
+"""Performance pages from a `vitrail bench` JSON (vitrail.bench.pages), checked against a real H100
+run (data/gemm-h100.json): the page's numbers are the JSON's rows, and it says which run made
+them."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from vitrail.bench import pages
+
+DATA = Path(__file__).parent / "data"
+RUN = DATA / "gemm-h100.json"
+
+
+def _tables(text: str) -> list[list[dict[str, str]]]:
+    """The page's markdown tables, each a list of rows keyed by the header's cells."""
+    tables, block = [], []
+    for line in text.splitlines() + [""]:
+        if line.startswith("|"):
+            block.append([c.strip() for c in line.strip().strip("|").split(" | ")])
+        elif block:
+            head, *body = block
+            tables.append([dict(zip(head, cells)) for cells in body[1:]])  # body[0]: ---
+            block = []
+    return tables
+
+
+def test_the_page_holds_the_runs_rows_and_their_speedups(tmp_path):
+    page = pages.write(RUN, tmp_path, commit="abc1234")
+    doc = json.loads(RUN.read_text())
+    rows_table = next(t for t in _tables(page.read_text()) if t and "implementation" in t[0])
+    assert len(rows_table) == len(doc["results"]["gemm"])
+    for line, row in zip(rows_table, doc["results"]["gemm"]):
+        assert (line["case"], line["implementation"], line["unit"]) == (
+            row["case"], row["impl"], row["unit"])
+        assert float(line["value"]) == round(row["value"], 2)
+        for base, x in row["speedup_over"].items():
+            cell = line[f"vs {base}"]
+            if row["baseline"] and base == row["impl"]:
+                assert cell == "baseline"
+            else:
+                assert float(cell.rstrip("x")) == round(x, 2), (row["case"], base)
+
+
+def test_the_summary_is_the_reports(tmp_path):
+    from vitrail.bench.report import summarize
+    from vitrail.bench.rows import Row
+    doc = json.loads(RUN.read_text())
+    rows = [Row(**{k: v for k, v in r.items() if k in pages.ROW_FIELDS})
+            for r in doc["results"]["gemm"]]
+    want = summarize({"gemm": rows})["gemm"]
+    summary = next(t for t in _tables(pages.write(RUN, tmp_path).read_text())
+                   if t and "geomean" in t[0])
+    assert [(s["vitrail"], s["baseline"], int(s["cases"]), s["geomean"]) for s in summary] == [
+        (e["impl"], e["baseline"], e["cases"], f"{e['geomean']:.2f}x") for e in want]
+
+
+def test_the_page_says_which_run_made_it(tmp_path):
+    text = pages.write(RUN, tmp_path, commit="abc1234").read_text()
+    assert "NVIDIA H100 80GB HBM3, 132 SMs" in text and "2026-11-26T17:31:59" in text
+    assert "| commit | abc1234 |" in text and "torch 2.11.0+cu130" in text
+    assert "copy 3003.31 GB/s, bf16 matmul 802.35 TFLOP/s" in text
+    # a JSON that does not name its commit, and no --commit: the page says so, guessing nothing
+    assert "| commit | not recorded |" in pages.write(RUN, tmp_path / "bare").read_text()
+
+
+def test_the_runs_plots_are_copied_next_to_the_page_and_shown(tmp_path):
+    run = tmp_path / "results" / "bench-20261127-101500.json"
+    run.parent.mkdir()
+    shutil.copyfile(RUN, run)
+    for name in ("gemm", "summary"):
+        run.with_name(f"{run.stem}-{name}.png").write_bytes(b"\x89PNG " + name.encode())
+    out = tmp_path / "docs" / "performance"
+    assert pages.main([str(run), "--out", str(out), "--commit", "abc1234"]) == 0
+    text = (out / "index.md").read_text()
+    assert "![summary](summary.png)" in text and "![gemm](gemm.png)" in text
+    assert (out / "gemm.png").read_bytes() == b"\x89PNG gemm"
