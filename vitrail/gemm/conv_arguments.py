@@ -193,6 +193,11 @@ def reasons(op, args: ConvArguments) -> list[str]:
         return [f"the arguments are for {args.kind}, the operation is {op.kind}"]
     a_el, d_el = op.math.element_a, op.D.element
     A, B, D = args.operands
+    align = min(128 // bits(a_el), 128 // bits(d_el))
+    for name, v in (("C (input channels)", p.C), ("K (output channels)", p.K)):
+        if v > 0 and v % align:
+            why.append(f"{name}={v} is not a multiple of {align} (16 bytes of {a_el}; TMA "
+                       f"reads whole 16-byte channel vectors): pad the channels with zeros")
     why += _tensor_reasons("A", A, a_el)
     why += _tensor_reasons("B", B, a_el)
     why += _tensor_reasons("D", D, d_el)
@@ -212,11 +217,6 @@ def reasons(op, args: ConvArguments) -> list[str]:
             why.append(f"{name}={v} must be positive (empty problems are the caller's)")
     if why:
         return why
-    align = min(128 // bits(a_el), 128 // bits(d_el))
-    for name, v in (("C (input channels)", p.C), ("K (output channels)", p.K)):
-        if v % align:
-            why.append(f"{name}={v} is not a multiple of {align} (16 bytes of {a_el}; TMA "
-                       f"reads whole 16-byte channel vectors): pad the channels with zeros")
     for i, dim in enumerate("hw"):
         lo_pad, hi_pad = p.pad[i], p.pad_hi[i]
         if not (0 <= lo_pad <= PADDING_LIMIT and 0 <= hi_pad <= PADDING_LIMIT):
