@@ -126,7 +126,8 @@ def test_can_implement_reasons():
 
 
 def test_fake_shapes_on_meta_tensors():
-    import vitrail.ops.conv  # noqa: F401  (registers the custom ops)
+    import importlib
+    importlib.import_module("vitrail.ops.conv")  # registers the custom ops
     x = torch.empty(2, 16, 33, 7, device="meta", dtype=torch.bfloat16)
     w = torch.empty(32, 16, 3, 3, device="meta", dtype=torch.bfloat16)
     y = torch.ops.vitrail.conv2d(x, w, None, [2, 2], [1, 1], [1, 1], [1, 2], "relu")
