@@ -17,8 +17,8 @@ from vitrail.gemm.operation import GemmOperation, compile_many
 from vitrail.gemm.arguments import GemmArguments
 from vitrail.gemm.array import ArrayArguments
 from vitrail.gemm.fast_f32 import AccurateF32Operation
-from vitrail.gemm.conv import Conv2dProblem, ConvOperation
-from vitrail.gemm.conv_arguments import ConvArguments
+from vitrail.gemm.conv import ConvOperation
+from vitrail.gemm.conv_arguments import Conv2dProblem, ConvArguments
 
 __all__ = ["DTYPES", "KERNEL_SCHEDULES", "TILE_SCHEDULERS", "MathInstruction",
            "TensorDescription", "TileDescription", "ACTIVATIONS", "LinearCombination",

@@ -38,76 +38,15 @@ from typing import Optional
 
 from vitrail.gemm.descriptions import (SMEM_BYTES_SM90, MathInstruction, TensorDescription,
                                        TileDescription, bits, check_tile_k, cpp_type)
-from vitrail.gemm.emitter import CODES, fill
+from vitrail.gemm.conv_arguments import ENTRY, launch, reasons
+from vitrail.gemm.emitter import fill
 from vitrail.gemm.epilogue import LinearCombination
 from vitrail.gemm.operation import Buildable
 
 CONV_KINDS = ("fprop", "dgrad", "wgrad")
 CONV_ELEMENTS = ("bf16", "f16")
-ENTRY = "vitrail_conv"
-# the entry point's check codes: the GEMM's, and these
-CONV_CODES = {**CODES,
-              -3: "a size is not positive, or a padding is negative",
-              -6: "CUTLASS's can_implement refused the problem (the TMA im2col limits)",
-              -7: "dgrad takes a traversal stride of 1 only",
-              -8: "a channel count (C or K) is not a multiple of 16 bytes (TMA needs it)"}
-# TMA im2col limits of a 2-D convolution (CUTLASS's collective checks the same): padding in
-# [0, 256], the im2col box corners in [-128, 127], the filter's extent (R-1)*dilation < 255
-PADDING_LIMIT = 256
-CORNER_LIMIT = 128
-OFFSET_LIMIT = 255
-
-
 def default_tile() -> TileDescription:
     return TileDescription((128, 128, 64), kernel_schedule="warpspecialized")
-
-
-@dataclass(frozen=True)
-class Conv2dProblem:
-    """A 2-D convolution's sizes, as the forward pass sees them (runtime values).
-
-    x is N x H x W x C, w is K x R x S x C, y is N x P x Q x K; padding (top, left) and, for
-    asymmetric padding, (bottom, right) in pad_hi (default: the same as pad)."""
-    N: int
-    H: int
-    W: int
-    C: int
-    K: int
-    R: int
-    S: int
-    pad: tuple[int, int] = (0, 0)
-    stride: tuple[int, int] = (1, 1)
-    dilation: tuple[int, int] = (1, 1)
-    pad_hi: Optional[tuple[int, int]] = None
-    groups: int = 1
-
-    def __post_init__(self):
-        for name in ("pad", "stride", "dilation", "pad_hi"):
-            v = getattr(self, name)
-            if v is not None:
-                object.__setattr__(self, name, tuple(int(x) for x in v))
-        if self.pad_hi is None:
-            object.__setattr__(self, "pad_hi", self.pad)
-
-    @property
-    def P(self) -> int:
-        return _out_extent(self.H, self.R, self.pad[0] + self.pad_hi[0], self.stride[0],
-                           self.dilation[0])
-
-    @property
-    def Q(self) -> int:
-        return _out_extent(self.W, self.S, self.pad[1] + self.pad_hi[1], self.stride[1],
-                           self.dilation[1])
-
-    def gemm_shape(self, kind: str) -> tuple[int, int, int]:
-        """(M, N, K) of the implicit GEMM of ``kind`` (the module docstring's table)."""
-        npq, nhw, rs = self.N * self.P * self.Q, self.N * self.H * self.W, self.R * self.S
-        return {"fprop": (npq, self.K, rs * self.C), "dgrad": (nhw, self.C, rs * self.K),
-                "wgrad": (self.K, rs * self.C, npq)}[kind]
-
-
-def _out_extent(size: int, filt: int, pad_total: int, stride: int, dilation: int) -> int:
-    return (size + pad_total - (filt - 1) * dilation - 1) // stride + 1
 
 
 @dataclass(frozen=True)
@@ -229,12 +168,10 @@ class ConvOperation(Buildable):
     # ----------------------------------------------------------------------------- runtime
     def can_implement(self, args) -> list[str]:
         """Why this operation cannot run ``args`` (a ConvArguments); empty when it can."""
-        from vitrail.gemm.conv_arguments import reasons
         return reasons(self, args)
 
     def run(self, args, *, stream=None, module=None) -> None:
         """Run on ``args`` (a ConvArguments) on ``stream`` (default: torch's current one)."""
-        from vitrail.gemm.conv_arguments import launch
         why = self.can_implement(args)
         if why:
             from vitrail.jit.errors import ArgumentError

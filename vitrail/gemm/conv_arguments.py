@@ -19,12 +19,72 @@ import torch
 
 from vitrail.device import sm_count
 from vitrail.gemm.arguments import as_cuda_tensor, call_entry, dtype_name, epilogue_reasons
-from vitrail.gemm.conv import (CONV_CODES, CORNER_LIMIT, ENTRY, OFFSET_LIMIT, PADDING_LIMIT,
-                               Conv2dProblem)
 from vitrail.gemm.descriptions import DTYPES, bits
+from vitrail.gemm.emitter import CODES
 from vitrail.jit.errors import ArgumentError
 
 WHAT = "conv2d"
+
+ENTRY = "vitrail_conv"
+# the entry point's check codes: the GEMM's, and these
+CONV_CODES = {**CODES,
+              -3: "a size is not positive, or a padding is negative",
+              -6: "CUTLASS's can_implement refused the problem (the TMA im2col limits)",
+              -7: "dgrad takes a traversal stride of 1 only",
+              -8: "a channel count (C or K) is not a multiple of 16 bytes (TMA needs it)"}
+# TMA im2col limits of a 2-D convolution (CUTLASS's collective checks the same): padding in
+# [0, 256], the im2col box corners in [-128, 127], the filter's extent (R-1)*dilation < 255
+PADDING_LIMIT = 256
+CORNER_LIMIT = 128
+OFFSET_LIMIT = 255
+
+
+@dataclass(frozen=True)
+class Conv2dProblem:
+    """A 2-D convolution's sizes, as the forward pass sees them (runtime values).
+
+    x is N x H x W x C, w is K x R x S x C, y is N x P x Q x K; padding (top, left) and, for
+    asymmetric padding, (bottom, right) in pad_hi (default: the same as pad)."""
+    N: int
+    H: int
+    W: int
+    C: int
+    K: int
+    R: int
+    S: int
+    pad: tuple[int, int] = (0, 0)
+    stride: tuple[int, int] = (1, 1)
+    dilation: tuple[int, int] = (1, 1)
+    pad_hi: Optional[tuple[int, int]] = None
+    groups: int = 1
+
+    def __post_init__(self):
+        for name in ("pad", "stride", "dilation", "pad_hi"):
+            v = getattr(self, name)
+            if v is not None:
+                object.__setattr__(self, name, tuple(int(x) for x in v))
+        if self.pad_hi is None:
+            object.__setattr__(self, "pad_hi", self.pad)
+
+    @property
+    def P(self) -> int:
+        return _out_extent(self.H, self.R, self.pad[0] + self.pad_hi[0], self.stride[0],
+                           self.dilation[0])
+
+    @property
+    def Q(self) -> int:
+        return _out_extent(self.W, self.S, self.pad[1] + self.pad_hi[1], self.stride[1],
+                           self.dilation[1])
+
+    def gemm_shape(self, kind: str) -> tuple[int, int, int]:
+        """(M, N, K) of the implicit GEMM of ``kind`` (the module docstring's table)."""
+        npq, nhw, rs = self.N * self.P * self.Q, self.N * self.H * self.W, self.R * self.S
+        return {"fprop": (npq, self.K, rs * self.C), "dgrad": (nhw, self.C, rs * self.K),
+                "wgrad": (self.K, rs * self.C, npq)}[kind]
+
+
+def _out_extent(size: int, filt: int, pad_total: int, stride: int, dilation: int) -> int:
+    return (size + pad_total - (filt - 1) * dilation - 1) // stride + 1
 
 
 def pair(v, name: str) -> tuple[int, int]:
