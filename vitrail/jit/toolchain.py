@@ -164,14 +164,6 @@ class Nvcc:
     def version_text(self) -> str:
         return _fmt(self.version)
 
-    @property
-    def util_include_dir(self) -> str | None:
-        """CUTLASS's utility headers (``cutlass/util/...``: tools/util/include beside include/,
-        in a checkout as in the nvidia-cutlass package), which CUTLASS 3's conv collectives
-        include; None where this CUTLASS has none."""
-        util = Path(self.include_dir).parent / "tools" / "util" / "include"
-        return str(util) if (util / "cutlass" / "util").is_dir() else None
-
     def check_arch(self, arch: Arch) -> None:
         # --list-gpu-code names base targets (sm_90); the 'a'/'f' variants come with them
         if self.gpu_codes and f"sm_{arch.major}{arch.minor}" not in self.gpu_codes:
