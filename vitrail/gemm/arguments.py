@@ -32,11 +32,12 @@ def dtype_name(t: torch.Tensor) -> str:
     return _TORCH_NAMES.get(str(t.dtype).removeprefix("torch."), str(t.dtype))
 
 
-def as_cuda_tensor(x: Any, name: str) -> tuple[torch.Tensor, Any]:
-    """(a CUDA tensor viewing or holding x, the NumPy array to copy results back to or None)."""
+def as_cuda_tensor(x: Any, name: str, what: str = "gemm") -> tuple[torch.Tensor, Any]:
+    """(a CUDA tensor viewing or holding x, the NumPy array to copy results back to or None);
+    errors name ``what`` (the operation family) and argument ``name``."""
     if x is None or isinstance(x, torch.Tensor):
         if x is not None and x.device.type != "cuda":
-            raise ArgumentError(f"gemm: {name} is a tensor on {x.device}; pass a CUDA tensor "
+            raise ArgumentError(f"{what}: {name} is a tensor on {x.device}; pass a CUDA tensor "
                                 f"(or a NumPy array, which is copied)")
         return x, None
     if hasattr(x, "__cuda_array_interface__"):
@@ -48,7 +49,7 @@ def as_cuda_tensor(x: Any, name: str) -> tuple[torch.Tensor, Any]:
     import numpy as np
     if isinstance(x, np.ndarray):
         return torch.from_numpy(np.ascontiguousarray(x)).cuda(), x
-    raise ArgumentError(f"gemm: {name} got {type(x).__name__}; expected a torch tensor, a CuPy, "
+    raise ArgumentError(f"{what}: {name} got {type(x).__name__}; expected a torch tensor, a CuPy, "
                         f"DLPack or NumPy array")
 
 
@@ -243,29 +244,7 @@ def reasons(op, args: GemmArguments) -> list[str]:
     if args.D is not None and args.D.layout is not None and args.L > 1 and args.D.batch_stride \
             == 0:
         pass  # reported above
-    if epi.bias is None and args.bias is not None:
-        why.append("a bias is given but the operation's epilogue has none")
-    if epi.bias is not None:
-        n = args.M if epi.bias == "row" else args.N
-        b = args.bias
-        if b is None:
-            why.append(f"the operation adds a bias ({epi.bias}) but none is given")
-        elif dtype_name(b) != epi.element_bias:
-            why.append(f"bias has dtype {dtype_name(b)}, the operation takes {epi.element_bias}")
-        elif b.shape[-1] != n or b.stride(-1) != 1 or b.dim() > 2:
-            why.append(f"bias must be {n} contiguous values ({epi.bias} bias), optionally one "
-                       f"row per batch; got shape {tuple(b.shape)}, strides {b.stride()}")
-    for name, kind, n in (("scale_a", epi.scale_a, args.M), ("scale_b", epi.scale_b, args.N)):
-        s = getattr(args, name)
-        if kind is None and s is not None:
-            why.append(f"{name} is given but the operation has no {name}")
-        elif kind is not None:
-            want = 1 if kind == "tensor" else n
-            if s is None or s.dtype != torch.float32 or s.numel() != want or (
-                    want > 1 and not s.is_contiguous()):
-                got = "none" if s is None else f"{s.dtype} {tuple(s.shape)}"
-                why.append(f"{name} must be {want} contiguous float32 value(s) ({kind}), got "
-                           f"{got}")
+    why += epilogue_reasons(epi, args.M, args.N, args.bias, args.scale_a, args.scale_b)
     split_k = op.mode == "split_k_parallel"
     if args.splits != 1 and op.tile.tile_scheduler != "stream_k" and not split_k:
         why.append(f"splits={args.splits} needs the stream-K tile scheduler or mode "
@@ -281,6 +260,36 @@ def reasons(op, args: GemmArguments) -> list[str]:
                    f"the problem)")
     if args.raster not in RASTERS:
         why.append(f"raster={args.raster!r} must be one of {list(RASTERS)}")
+    return why
+
+
+def epilogue_reasons(epi, M: int, N: int, bias, scale_a, scale_b) -> list[str]:
+    """Why the tensors of an epilogue (bias, FP8 scales) do not fit ``epi`` (a
+    LinearCombination) on an M x N output; [] when they do. Shared by every kernel on it."""
+    why = []
+    if epi.bias is None and bias is not None:
+        why.append("a bias is given but the operation's epilogue has none")
+    if epi.bias is not None:
+        n = M if epi.bias == "row" else N
+        b = bias
+        if b is None:
+            why.append(f"the operation adds a bias ({epi.bias}) but none is given")
+        elif dtype_name(b) != epi.element_bias:
+            why.append(f"bias has dtype {dtype_name(b)}, the operation takes {epi.element_bias}")
+        elif b.shape[-1] != n or b.stride(-1) != 1 or b.dim() > 2:
+            why.append(f"bias must be {n} contiguous values ({epi.bias} bias), optionally one "
+                       f"row per batch; got shape {tuple(b.shape)}, strides {b.stride()}")
+    for name, kind, n, s in (("scale_a", epi.scale_a, M, scale_a),
+                             ("scale_b", epi.scale_b, N, scale_b)):
+        if kind is None and s is not None:
+            why.append(f"{name} is given but the operation has no {name}")
+        elif kind is not None:
+            want = 1 if kind == "tensor" else n
+            if s is None or s.dtype != torch.float32 or s.numel() != want or (
+                    want > 1 and not s.is_contiguous()):
+                got = "none" if s is None else f"{s.dtype} {tuple(s.shape)}"
+                why.append(f"{name} must be {want} contiguous float32 value(s) ({kind}), got "
+                           f"{got}")
     return why
 
 
@@ -351,12 +360,18 @@ def launch(op, module, args: GemmArguments, stream=None) -> None:
               c.ld if c else 0, c.batch_stride if c else 0, args.D.ld, args.D.batch_stride,
               args.bias_batch_stride, args.alpha, args.beta, args.slope, args.lo, args.hi,
               args.splits, swizzle, raster, workspace, ws_bytes, sm)
-    fn = module.function("vitrail_gemm")
-    if torch.cuda.current_device() != args.device:
-        with torch.cuda.device(args.device):
+    call_entry(module.function("vitrail_gemm"), values, args.device, stream, op.name, CODES)
+
+
+def call_entry(fn, values: tuple, device: int, stream: int, name: str, codes: dict) -> None:
+    """Call entry point fn on ``device`` (made current for the call where it is not) and
+    stream; a non-zero return is a LaunchError naming the operation and what the code means
+    (``codes``: the entry's check codes; positive codes are cudaError_t)."""
+    if torch.cuda.current_device() != device:
+        with torch.cuda.device(device):
             code = fn(*values, stream=stream)
     else:
         code = fn(*values, stream=stream)
     if code:
-        what = CODES.get(code) or f"CUDA error {code}"
-        raise LaunchError(f"{op.name}: {what}")
+        what = codes.get(code) or f"CUDA error {code}"
+        raise LaunchError(f"{name}: {what}")

@@ -25,7 +25,8 @@ DTYPES: dict[str, tuple[str, int, str]] = {
 }
 FP8 = ("e4m3", "e5m2")
 LAYOUTS = ("row", "col")
-KERNEL_SCHEDULES = ("cooperative", "pingpong")
+KERNEL_SCHEDULES = ("cooperative", "pingpong", "warpspecialized")
+GEMM_SCHEDULES = ("cooperative", "pingpong")  # the GEMM kernels' (persistent) schedules
 TILE_SCHEDULERS = ("persistent", "stream_k")
 FP8_PROMOTIONS = ("auto", "overlapped", "stock")
 MODES = ("gemm", "batched", "split_k_serial", "split_k_parallel", "array")
@@ -97,8 +98,11 @@ class MathInstruction:
 @dataclass(frozen=True)
 class TileDescription:
     """The CTA tile (M, N, K), the cluster, the pipeline stages (0: as many as fit), the kernel
-    schedule (warp-specialized 'cooperative' or 'pingpong') and the tile scheduler ('persistent'
-    or 'stream_k', which also serves split-K).
+    schedule (warp-specialized 'cooperative' or 'pingpong', the persistent GEMM kernels; or
+    'warpspecialized': one producer and one consumer warpgroup, one CTA per output tile, the
+    schedule of CUTLASS's sm90 implicit-GEMM convolutions: conv.py) and the tile scheduler
+    ('persistent' or 'stream_k', which also serves split-K; 'warpspecialized' takes
+    'persistent', which there means one CTA per tile).
 
     ``fp8_promotion`` (FP8 with exact accumulation only; other kernels ignore it): the mainloop
     that adds each k-tile's wgmma sums into the fp32 accumulators. 'overlapped' is vitrail's
@@ -124,6 +128,10 @@ class TileDescription:
             raise ValueError(f"TileDescription.tile_shape={self.tile_shape}: the cooperative "
                              f"schedule splits tile M over 2 warpgroups of 64 rows: tile M must "
                              f"be 128 or 256")
+        if self.kernel_schedule == "warpspecialized" and tm not in (64, 128):
+            raise ValueError(f"TileDescription.tile_shape={self.tile_shape}: the "
+                             f"'warpspecialized' schedule computes the tile in one warpgroup: "
+                             f"tile M must be 64 or 128")
         if self.kernel_schedule == "pingpong" and tm not in (64, 128):
             raise ValueError(f"TileDescription.tile_shape={self.tile_shape}: the pingpong "
                              f"schedule gives each warpgroup a whole tile: tile M must be 64 "
@@ -164,7 +172,25 @@ class TileDescription:
 
     @property
     def threads(self) -> int:
-        return 384  # one producer warpgroup + two consumer warpgroups, both schedules
+        """One producer warpgroup and two consumer warpgroups (one for 'warpspecialized')."""
+        return 256 if self.kernel_schedule == "warpspecialized" else 384
+
+
+def check_gemm_schedule(what: str, tile: TileDescription) -> None:
+    """Refuse a schedule the GEMM kernels are not emitted for ('warpspecialized': conv.py)."""
+    if tile.kernel_schedule not in GEMM_SCHEDULES:
+        raise ValueError(f"{what}: kernel_schedule={tile.kernel_schedule!r} is the schedule of "
+                         f"the convolutions (ConvOperation); GEMMs take one of "
+                         f"{', '.join(GEMM_SCHEDULES)}")
+
+
+def check_tile_k(tile: TileDescription, element: str) -> None:
+    """Tile K must fill whole 64-byte rows of the shared memory swizzle atom."""
+    tk = tile.tile_shape[2]
+    if tk * bits(element) % 512:
+        raise ValueError(f"TileDescription.tile_shape={tile.tile_shape}: tile K of {tk} "
+                         f"{element} elements is not a multiple of 64 bytes (the smem swizzle "
+                         f"atom); use a multiple of {512 // bits(element)}")
 
 
 @dataclass(frozen=True)

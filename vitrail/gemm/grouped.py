@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vitrail.gemm.descriptions import (FP8, MathInstruction, TensorDescription, TileDescription,
-                                       cpp_type, k_major)
+                                       check_gemm_schedule, cpp_type, k_major)
 from vitrail.gemm.emitter import fill
 from vitrail.gemm.operation import Buildable
 
@@ -112,6 +112,7 @@ class GroupedGemmOperation(Buildable):
         if self.D.element not in ("bf16", "f16", "f32"):
             raise ValueError(f"GroupedGemmOperation: D.element={self.D.element}: expected bf16, "
                              f"f16 or f32")
+        check_gemm_schedule("GroupedGemmOperation", self.tile)
         if self.tile.tile_scheduler != "persistent":
             raise ValueError("GroupedGemmOperation: the tile scheduler is the grouped "
                              "persistent one; leave TileDescription.tile_scheduler='persistent'")

@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 from vitrail.gemm import emitter
 from vitrail.gemm.descriptions import (FP8, IMPLEMENTED_MODES, MODES, SMEM_BYTES_SM90,
                                        MathInstruction, TensorDescription, TileDescription,
-                                       bits, k_major)
+                                       bits, check_gemm_schedule, check_tile_k, k_major)
 from vitrail.gemm.epilogue import LinearCombination
 
 
@@ -69,6 +69,7 @@ class GemmOperation(Buildable):
         if self.mode not in IMPLEMENTED_MODES:
             raise ValueError(f"GemmOperation.mode={self.mode!r} is not implemented yet "
                              f"(implemented: {', '.join(IMPLEMENTED_MODES)})")
+        check_gemm_schedule("GemmOperation", self.tile)
         if self.mode == "split_k_serial" and self.tile.tile_scheduler != "stream_k":
             raise ValueError("GemmOperation: mode 'split_k_serial' runs on the stream-K tile "
                              "scheduler: set TileDescription(tile_scheduler='stream_k')")
@@ -110,11 +111,7 @@ class GemmOperation(Buildable):
                              f"transpose in memory first")
         if (epi.scale_a or epi.scale_b) and a not in FP8:
             raise ValueError("GemmOperation: scale_a/scale_b are for FP8 operands")
-        tk = self.tile.tile_shape[2]
-        if tk * bits(a) % 512:
-            raise ValueError(f"TileDescription.tile_shape={self.tile.tile_shape}: tile K of "
-                             f"{tk} {a} elements is not a multiple of 64 bytes (the smem "
-                             f"swizzle atom); use a multiple of {512 // bits(a)}")
+        check_tile_k(self.tile, a)
         if self.tile.stages:
             need = self.smem_bytes(self.tile.stages)
             if need > SMEM_BYTES_SM90:

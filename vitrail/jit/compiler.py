@@ -212,7 +212,10 @@ def _define(value: object) -> str:
 def _standard_include_dirs() -> list[str]:
     dirs = [str(toolchain.VITRAIL_INCLUDE)]
     try:
-        dirs.append(toolchain.cutlass().include_dir)
+        found = toolchain.cutlass()
+        dirs.append(found.include_dir)
+        if found.util_include_dir is not None:  # cutlass/util/packed_stride.hpp (conv)
+            dirs.append(found.util_include_dir)
     except ToolchainError as e:  # only a source that includes CUTLASS needs it; say so if it fails
         log.debug("vitrail: no CUTLASS headers on the include path: %s", e)
     return dirs + toolchain.cuda_include_dirs()

@@ -543,6 +543,14 @@ class Cutlass:
     def version_text(self) -> str:
         return _fmt(self.version)
 
+    @property
+    def util_include_dir(self) -> str | None:
+        """CUTLASS's utility headers (``cutlass/util/...``: tools/util/include beside include/,
+        in a checkout as in the nvidia-cutlass package), which CUTLASS 3's conv collectives
+        include; None where this CUTLASS has none."""
+        util = Path(self.include_dir).parent / "tools" / "util" / "include"
+        return str(util) if (util / "cutlass" / "util").is_dir() else None
+
 
 def cutlass() -> Cutlass:
     """CUTLASS/CuTe headers: CUTLASS_PATH, else the nvidia-cutlass package."""

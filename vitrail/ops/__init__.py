@@ -18,6 +18,7 @@ _EXPORTS = {
     "copy": "copy",
     "softmax": "softmax", "log_softmax": "softmax",
     "mm": "gemm", "bmm": "gemm", "gemm": "gemm", "scaled_mm": "gemm", "grouped_mm": "gemm",
+    "conv2d": "conv",
     "sympow": "sympow", "sympow_mma": "sympow", "mma_sympow_bwd": "sympow",
 }
 __all__ = list(_EXPORTS)

@@ -1,0 +1,49 @@
+"""Compile-only builds of the convolutions for sm_90a (CI has no GPU): the three kernels
+vitrail.ops.conv2d runs for bf16, fprop with its bias and relu fused, dgrad and wgrad: each
+on TMA (im2col for the activation) and wgmma, without spills. Three builds in parallel, about
+60 s each on one core (CI's budget: no more conv builds than these)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from tests.conftest import requires_nvcc
+
+
+@pytest.mark.slow
+@requires_nvcc
+def test_compile_representative_convolutions(monkeypatch):
+    monkeypatch.setenv("VITRAIL_ARCH", "90a")
+    from vitrail.gemm import compile_many
+    from vitrail.ops.conv import operation
+
+    ops = [operation("fprop", torch.bfloat16, bias=True, activation="relu"),
+           operation("dgrad", torch.bfloat16), operation("wgrad", torch.bfloat16)]
+    failures = compile_many(ops, arch="90a", max_workers=2)
+    assert not failures, failures
+    for op in ops:
+        mod = op.compile(arch="90a")  # from the cache now
+        assert mod.how == "disk"
+        wgmma = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", mod.ptx))
+        assert wgmma == {"m64n128k16"}, (op.name, wgmma)
+        assert "cp.async.bulk.tensor" in mod.ptx
+        # the activation (A of fprop and dgrad, B of wgrad) comes through TMA's im2col mode
+        assert re.search(r"cp\.async\.bulk\.tensor\.4d\.shared::cluster\.global\.im2col", mod.ptx)
+        res = mod.resources()
+        kernel = [r for name, r in res.items() if "ConvUniversal" in name]
+        assert kernel and not any(r.spills or r.stack for r in kernel), res
+        run = mod.function("vitrail_conv")  # the entry point loads and checks (no GPU needed)
+        # A, B, C, D, bias; N H W C K R S; padding, stride, dilation; x, w, y and C strides;
+        # alpha, beta, slope, lo, hi; workspace, its bytes, SM count
+        args = [16, 32, 0, 64, 0, 1, 8, 8, 64, 64, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1,
+                4096, 512, 64, 576, 192, 64, 4096, 512, 64, 4096, 512, 64,
+                1.0, 0.0, 0.01, float("-inf"), float("inf"), 0, 0, 132]
+        assert run(*args[:5], 0, *args[6:], stream=0) == -3  # N = 0
+        assert run(*args[:12], -1, *args[13:], stream=0) == -3  # negative padding
+        assert run(17, *args[1:], stream=0) == -1  # A not 16-byte aligned
+        assert run(*args[:8], 60, *args[9:], stream=0) == -8  # C not a multiple of 8
+        assert run(*args[:20], 4100, *args[21:], stream=0) == -2  # a stride not of 16 bytes
+        if op.kind == "dgrad":
+            assert run(*args[:16], 2, *args[17:], stream=0) == -7  # dgrad at stride 2

@@ -1,0 +1,147 @@
+"""ConvOperation without a GPU or a compiler: what it refuses and why, what it emits, the runtime
+checks (can_implement) on tensors' shapes and strides, and the torch ops' fake shapes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vitrail.gemm import (Conv2dProblem, ConvArguments, ConvOperation, LinearCombination,
+                          MathInstruction, TensorDescription, TileDescription)
+from vitrail.gemm.conv import default_tile
+
+
+def _op(kind="fprop", el="bf16", tile=None, **epi):
+    t = TensorDescription(el)
+    return ConvOperation(kind, t, t, t, MathInstruction(el, el), tile or default_tile(),
+                         LinearCombination(el, **epi))
+
+
+@pytest.mark.parametrize("change, says", [
+    (dict(kind="conv"), "kind"),
+    (dict(tile=TileDescription((128, 128, 64))), "'warpspecialized'"),
+    (dict(bias="row"), "bias='col'"),
+    (dict(kind="wgrad", bias="col"), "wgrad takes no bias"),
+])
+def test_refusals_say_what_to_change(change, says):
+    with pytest.raises(ValueError, match=says):
+        _op(**change)
+
+
+def test_only_16_bit_operands():
+    t = TensorDescription("tf32")
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        ConvOperation("fprop", t, t, TensorDescription("f32"), MathInstruction("tf32", "tf32"),
+                      default_tile(), LinearCombination("f32"))
+
+
+def test_one_warpgroup_tiles():
+    with pytest.raises(ValueError, match="tile M must be 64 or 128"):
+        TileDescription((256, 128, 64), kernel_schedule="warpspecialized")
+    assert TileDescription((64, 128, 64), kernel_schedule="warpspecialized").threads == 256
+
+
+def test_layout_and_spatial_dims_are_checked():
+    t, col = TensorDescription("f16"), TensorDescription("f16", "col")
+    with pytest.raises(ValueError, match="channels-last"):
+        ConvOperation("fprop", col, t, t, MathInstruction("f16", "f16"), default_tile())
+    with pytest.raises(ValueError, match="2-D"):
+        ConvOperation("fprop", t, t, t, MathInstruction("f16", "f16"), default_tile(),
+                      spatial_dims=3)
+
+
+def test_gemm_operations_refuse_the_conv_schedule():
+    from vitrail.gemm import GemmOperation
+    t = TensorDescription("bf16")
+    with pytest.raises(ValueError, match="convolutions"):
+        GemmOperation(t, t, t, MathInstruction("bf16", "bf16"),
+                      TileDescription((128, 128, 64), kernel_schedule="warpspecialized"))
+
+
+@pytest.mark.parametrize("kind, operator, layout, tile_n", [
+    ("fprop", "kFprop", "TensorNHWC", "_128,"), ("dgrad", "kDgrad", "TensorNHWC", "_128,"),
+    ("wgrad", "kWgrad", "TensorKCSR", "Shape<_128>,")])
+def test_emission(kind, operator, layout, tile_n):
+    src = _op(kind).emit()
+    assert f"cutlass::conv::Operator::{operator}" in src
+    assert f"using LayoutOut = cutlass::layout::{layout};" in src
+    assert f"using TileShape = Shape<_128, {tile_n} Shape<_64>>;" in src
+    assert "cutlass::conv::KernelImplicitTmaWarpSpecializedSm90" in src
+    assert "cudaLaunchKernelEx" in src and 'extern "C" int vitrail_conv(' in src
+    assert ("return -7;" in src) == (kind == "dgrad")
+    fused = _op(kind, activation="gelu").emit()
+    assert "vitrail_epi::ActClamp<3, false>" in fused
+    if kind == "fprop":
+        assert "Sm90RowBroadcast" in _op(kind, bias="col").emit()
+
+
+def test_problem_extents():
+    p = Conv2dProblem(2, 33, 7, 16, 32, 3, 3, pad=(1, 1), stride=(2, 2), dilation=(1, 2))
+    assert (p.P, p.Q) == (17, 3)
+    y = torch.nn.functional.conv2d(torch.zeros(2, 16, 33, 7), torch.zeros(32, 16, 3, 3),
+                                   stride=2, padding=1, dilation=(1, 2))
+    assert tuple(y.shape[2:]) == (p.P, p.Q)
+    assert p.gemm_shape("fprop") == (2 * 17 * 3, 32, 9 * 16)
+    assert p.gemm_shape("wgrad") == (32, 9 * 16, 2 * 17 * 3)
+
+
+def _nhwc(n, h, w, c, dtype=torch.bfloat16):
+    return torch.zeros(n, c, h, w, dtype=dtype).to(memory_format=torch.channels_last) \
+        .permute(0, 2, 3, 1)
+
+
+def _args(kind, problem, x, w, y, **kw):
+    return ConvArguments(problem, x, w, y, kind=kind, **kw)
+
+
+def test_can_implement_reasons():
+    op = _op("fprop")
+    p = Conv2dProblem(2, 8, 8, 16, 32, 3, 3, pad=(1, 1))
+    ok = _args("fprop", p, _nhwc(2, 8, 8, 16), _nhwc(32, 3, 3, 16), _nhwc(2, 8, 8, 32))
+    assert op.can_implement(ok) == []
+    odd = Conv2dProblem(2, 8, 8, 12, 32, 3, 3, pad=(1, 1))
+    why = op.can_implement(_args("fprop", odd, _nhwc(2, 8, 8, 12), _nhwc(32, 3, 3, 12),
+                                 _nhwc(2, 8, 8, 32)))
+    assert any("C (input channels)=12 is not a multiple of 8" in w for w in why), why
+    nchw = torch.zeros(2, 16, 8, 8, dtype=torch.bfloat16).permute(0, 2, 3, 1)
+    why = op.can_implement(_args("fprop", p, nchw, _nhwc(32, 3, 3, 16), _nhwc(2, 8, 8, 32)))
+    assert any("channels-last" in w for w in why), why
+    big = Conv2dProblem(1, 8, 8, 16, 16, 3, 3, pad=(300, 1))
+    why = op.can_implement(_args("fprop", big, _nhwc(1, 8, 8, 16), _nhwc(16, 3, 3, 16),
+                                 _nhwc(1, 606, 8, 16)))
+    assert any("outside [0, 256]" in w for w in why), why
+    wide = Conv2dProblem(1, 8, 300, 16, 16, 1, 3, dilation=(1, 130))
+    why = op.can_implement(_args("fprop", wide, _nhwc(1, 8, 300, 16), _nhwc(16, 1, 3, 16),
+                                 _nhwc(1, 8, 40, 16)))
+    assert any("filter offsets below 255" in w for w in why), why
+    dgrad = _op("dgrad")
+    strided = Conv2dProblem(2, 8, 8, 16, 32, 3, 3, pad=(1, 1), stride=(2, 2))
+    why = dgrad.can_implement(_args("dgrad", strided, _nhwc(2, 8, 8, 16), _nhwc(32, 3, 3, 16),
+                                    _nhwc(2, 4, 4, 32)))
+    assert any("unit stride only" in w for w in why), why
+    why = _op("fprop", bias="col").can_implement(ok)
+    assert any("none is given" in w for w in why), why
+    why = _op("wgrad").can_implement(_args("wgrad", p, _nhwc(2, 8, 8, 16), _nhwc(32, 3, 3, 16),
+                                           _nhwc(2, 8, 16, 32)[:, :, :8]))
+    assert any("must be packed" in w for w in why), why
+
+
+def test_fake_shapes_on_meta_tensors():
+    import importlib
+    importlib.import_module("vitrail.ops.conv")  # registers the custom ops
+    x = torch.empty(2, 16, 33, 7, device="meta", dtype=torch.bfloat16)
+    w = torch.empty(32, 16, 3, 3, device="meta", dtype=torch.bfloat16)
+    y = torch.ops.vitrail.conv2d(x, w, None, [2, 2], [1, 1], [1, 1], [1, 2], "relu")
+    assert tuple(y.shape) == (2, 32, 17, 3)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    dx = torch.ops.vitrail.conv2d_dgrad(y, w, [33, 7], [2, 2], [1, 1], [1, 1], [1, 2])
+    assert tuple(dx.shape) == tuple(x.shape)
+    dw = torch.ops.vitrail.conv2d_wgrad(y, x, [3, 3], [2, 2], [1, 1], [1, 1], [1, 2])
+    assert tuple(dw.shape) == tuple(w.shape)
+
+
+def test_public_function_refusals():
+    from vitrail.jit.errors import ArgumentError
+    from vitrail.ops import conv2d
+    x = torch.zeros(1, 16, 8, 8, dtype=torch.bfloat16)
+    with pytest.raises(ArgumentError, match="x must be on a CUDA device"):
+        conv2d(x, torch.zeros(16, 16, 3, 3, dtype=torch.bfloat16))

@@ -1,0 +1,144 @@
+"""vitrail.ops.conv2d on a Hopper GPU against an fp64 reference (torch's conv2d in float64):
+fprop with bias and activations, dgrad and wgrad through autograd and through the gemm-level
+ConvArguments, odd sizes (H, W of 1, 7, 33), strides 1 and 2, padding, dilation. Skipped
+without CUDA; the kernels are sm_90a."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import has_gpu
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not has_gpu() or torch.cuda.get_device_capability() != (9, 0),
+    reason="needs a Hopper (sm_90) GPU")]
+
+SIZES = [(1, 1), (7, 7), (33, 7), (1, 33), (33, 33)]
+GEOMETRY = [  # (R, S, stride, padding, dilation)
+    (1, 1, 1, 0, 1), (3, 3, 1, 1, 1), (3, 3, 2, 1, 1), (3, 3, 1, 2, 2), (5, 3, 2, (2, 1), 1),
+    (2, 2, 2, 0, 1)]
+
+
+def _tensors(N, C, H, W, K, R, S, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(N, C, H, W, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(K, C, R, S, device="cuda", generator=g) / (C * R * S) ** 0.5).to(dtype)
+    cl = torch.channels_last
+    return x.contiguous(memory_format=cl), w.contiguous(memory_format=cl)
+
+
+def _fits(H, W, R, S, padding, dilation) -> bool:
+    p = padding if isinstance(padding, tuple) else (padding, padding)
+    d = dilation if isinstance(dilation, tuple) else (dilation, dilation)
+    return all(n + 2 * pp - dd * (k - 1) - 1 >= 0
+               for n, pp, dd, k in zip((H, W), p, d, (R, S)))
+
+
+def _close(got, want, dtype, what):
+    tol = 2e-2 if dtype is torch.bfloat16 else 4e-3
+    err = (got.double() - want).abs().max().item()
+    scale = want.abs().max().item() + 1.0
+    assert err <= tol * scale, f"{what}: max error {err} (scale {scale})"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("H, W", SIZES)
+@pytest.mark.parametrize("R, S, stride, padding, dilation", GEOMETRY)
+def test_fprop_dgrad_wgrad_against_fp64(dtype, H, W, R, S, stride, padding, dilation):
+    from vitrail.ops import conv2d
+    if not _fits(H, W, R, S, padding, dilation):
+        pytest.skip("the dilated filter is larger than the padded input")
+    N, C, K = 2, 16, 24
+    x, w = _tensors(N, C, H, W, K, R, S, dtype)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    y = conv2d(x, w, stride=stride, padding=padding, dilation=dilation)
+    x64, w64 = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    y64 = torch.nn.functional.conv2d(x64, w64, None, stride, padding, dilation)
+    assert y.shape == y64.shape and y.is_contiguous(memory_format=torch.channels_last)
+    _close(y, y64, dtype, "y")
+    g = torch.randn_like(y64).to(dtype).contiguous(memory_format=torch.channels_last)
+    y.backward(g)
+    y64.backward(g.double())
+    _close(x.grad, x64.grad, dtype, "dx")
+    _close(w.grad, w64.grad, dtype, "dw")
+
+
+@pytest.mark.parametrize("activation", [None, "relu", "gelu", "silu", "leaky_relu", "tanh"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_bias_and_activation(activation, dtype):
+    from vitrail.ops import conv2d
+    from vitrail.ops.conv import reference
+    N, C, H, W, K = 3, 32, 33, 7, 40
+    x, w = _tensors(N, C, H, W, K, 3, 3, dtype, seed=1)
+    b = torch.randn(K, device="cuda").to(dtype).requires_grad_(True)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    y = conv2d(x, w, b, stride=2, padding=1, activation=activation)
+    x64, w64 = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    b64 = b.detach().double().requires_grad_(True)
+    y64 = reference(x64, w64, b64, stride=2, padding=1, activation=activation)
+    _close(y, y64, dtype, "y")
+    g = torch.randn_like(y64).to(dtype).contiguous(memory_format=torch.channels_last)
+    y.backward(g)
+    y64.backward(g.double())
+    for got, want, what in ((x.grad, x64.grad, "dx"), (w.grad, w64.grad, "dw"),
+                            (b.grad, b64.grad, "dbias")):
+        _close(got, want, dtype, what)
+
+
+def test_padding_same_is_asymmetric_as_torch():
+    from vitrail.ops import conv2d
+    x, w = _tensors(2, 16, 7, 33, 16, 2, 4, torch.float16, seed=2)
+    y = conv2d(x, w, padding="same", dilation=(1, 2))
+    want = torch.nn.functional.conv2d(x.double(), w.double(), padding="same", dilation=(1, 2))
+    _close(y, want, torch.float16, "same")
+
+
+def test_one_kernel_serves_every_size():
+    """Static config, dynamic shapes: every problem of a kind runs the one compiled kernel."""
+    from vitrail.ops import conv2d
+    from vitrail.ops.conv import operation
+    keys = set()
+    for H, W, C, K in ((7, 7, 16, 16), (33, 1, 64, 8), (1, 33, 8, 128)):
+        x, w = _tensors(1, C, H, W, K, 1, 1, torch.bfloat16)
+        conv2d(x, w)
+        keys.add(operation("fprop", torch.bfloat16).compile().key)
+    assert len(keys) == 1
+
+
+def test_gemm_level_arguments_fprop_with_residual():
+    """vitrail.gemm: a ConvOperation on NHWC/KRSC tensors, y = conv(x, w) + beta * c."""
+    from vitrail.gemm import (ConvArguments, ConvOperation, LinearCombination, MathInstruction,
+                              TensorDescription)
+    from vitrail.gemm.conv import default_tile
+    t = TensorDescription("bf16")
+    op = ConvOperation("fprop", t, t, t, MathInstruction("bf16", "bf16"), default_tile(),
+                       LinearCombination("bf16", element_source="bf16"))
+    x, w = _tensors(2, 16, 33, 7, 32, 3, 3, torch.bfloat16, seed=3)
+    c = torch.randn(2, 33, 7, 32, device="cuda").to(torch.bfloat16)  # NPQK
+    args = ConvArguments.from_tensors(op, x.permute(0, 2, 3, 1), w.permute(0, 2, 3, 1), c=c,
+                                      padding=1, beta=0.5)
+    assert op.can_implement(args) == []
+    op.run(args)
+    want = torch.nn.functional.conv2d(x.double(), w.double(), padding=1).permute(0, 2, 3, 1) \
+        + 0.5 * c.double()
+    _close(args.output, want, torch.bfloat16, "y + 0.5 c")
+
+
+def test_refusals_are_not_implemented_errors():
+    from vitrail.ops import conv2d
+    x, w = _tensors(1, 12, 8, 8, 16, 3, 3, torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="not a multiple of 8"):
+        conv2d(x, w, padding=1)
+    x, w = _tensors(1, 16, 8, 8, 16, 3, 3, torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="groups=2"):
+        conv2d(x, w[:, :8].contiguous(memory_format=torch.channels_last), groups=2)
+
+
+def test_compiles_under_torch_compile():
+    from vitrail.ops import conv2d
+    x, w = _tensors(2, 16, 7, 7, 16, 3, 3, torch.bfloat16)
+    f = torch.compile(lambda a, b: conv2d(a, b, padding=1, activation="relu"), fullgraph=True)
+    want = torch.relu(torch.nn.functional.conv2d(x.double(), w.double(), padding=1))
+    _close(f(x, w), want, torch.bfloat16, "compiled")

@@ -1,0 +1,307 @@
+"""vitrail.ops.conv: 2-D convolution on CUTLASS 3's sm90 implicit GEMM (vitrail.gemm.conv).
+
+    conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *, activation=None)
+        = act(torch.nn.functional.conv2d(x, weight, bias, stride, padding, dilation, groups))
+
+x (N, C, H, W) and weight (K, C, R, S) are read channels-last (NHWC, KRSC in memory: tensors
+in torch.channels_last); the result is (N, K, P, Q) in channels_last. bf16 or fp16, fp32
+accumulation, the bias and the activation fused in the kernel's epilogue. Custom ops in the
+``vitrail`` namespace (torch.library: ``conv2d``, ``conv2d_dgrad``, ``conv2d_wgrad``) with fake
+implementations (torch.compile, meta tensors) and autograd: dx by the dgrad kernel, dw by the
+wgrad kernel, the bias's gradient summed in fp32.
+
+What is refused (NotImplementedError, saying why and what is supported), never computed another
+way: GPUs other than Hopper (the kernels are sm_90a), dtypes other than bf16/fp16, groups > 1,
+channel counts C or K that are not multiples of 8, padding, dilation or filters beyond the TMA
+im2col limits (conv_arguments.reasons). Inputs that are not channels-last are copied to
+channels-last first (a one-time warning says so). A strided convolution's dx runs the unit-stride
+dgrad kernel on dy spread out with zeros (stride_h * stride_w times its work): CUTLASS's sm90
+dgrad runs at unit stride only.
+
+Kernel choice: one config per kind (128x128x64 tiles, no cluster); tuning is not wired yet.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from vitrail.gemm import (ConvArguments, ConvOperation, LinearCombination, MathInstruction,
+                          TensorDescription)
+from vitrail.gemm.conv import default_tile
+from vitrail.gemm.epilogue import ACTIVATIONS
+from vitrail.jit.errors import ArgumentError
+from vitrail.ops.common import check_same_device, check_tensor
+from vitrail.ops.gemm.operands import warn_once
+from vitrail.ops.gemm.reference import activation as _act
+from vitrail.ops.gemm.reference import activation_backward, grad_from_output
+
+NAME = "vitrail.ops.conv2d"
+DTYPES = (torch.bfloat16, torch.float16)
+ELEMENTS = {torch.bfloat16: "bf16", torch.float16: "f16"}
+_OPS: dict[tuple, ConvOperation] = {}
+_HOPPER: dict[int, bool] = {}
+
+
+# ------------------------------------------------------------------------------- kernels
+def operation(kind: str, dtype: torch.dtype, bias: bool = False,
+              activation: Optional[str] = None) -> ConvOperation:
+    """The ConvOperation a call of ``kind`` on ``dtype`` tensors runs (built once)."""
+    key = (kind, dtype, bias, activation)
+    op = _OPS.get(key)
+    if op is None:
+        el = ELEMENTS[dtype]
+        op = _OPS[key] = ConvOperation(
+            kind, TensorDescription(el), TensorDescription(el), TensorDescription(el),
+            MathInstruction(el, el), default_tile(),
+            LinearCombination(el, bias="col" if bias else None, activation=activation))
+    return op
+
+
+def _is_hopper(device: torch.device) -> bool:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    hit = _HOPPER.get(index)
+    if hit is None:
+        hit = _HOPPER[index] = torch.cuda.get_device_capability(index) == (9, 0)
+    return hit
+
+
+def _nhwc(t: Tensor) -> Tensor:
+    """A (N, C, H, W) tensor's NHWC view (no copy)."""
+    return t.permute(0, 2, 3, 1)
+
+
+def _channels_last(t: Tensor, name: str) -> Tensor:
+    """t itself where its memory is channels-last (NHWC / KRSC), else a channels-last copy."""
+    if _nhwc(t).stride(3) == 1 or t.shape[1] == 1:
+        return t
+    warn_once(f"conv2d:{name}", f"{NAME}: {name} is not channels-last in memory; it is copied to "
+                                f"torch.channels_last before the kernel reads it (pass "
+                                f"channels_last tensors to avoid the copy)")
+    return t.contiguous(memory_format=torch.channels_last)
+
+
+def _empty_nchw(shape: Sequence[int], like: Tensor) -> Tensor:
+    """A new (N, C, H, W) tensor in channels_last memory."""
+    n, c, h, w = shape
+    return like.new_empty((n, h, w, c)).permute(0, 3, 1, 2)
+
+
+def _run(kind: str, a: Tensor, b: Tensor, d: Tensor, bias: Optional[Tensor],
+         activation: Optional[str], padding, stride, dilation, pad_hi) -> None:
+    """Run the kernel of ``kind`` on NHWC-indexed views a, b, d (conv_arguments' roles), or
+    raise NotImplementedError with the reasons it cannot."""
+    if not _is_hopper(a.device):
+        raise NotImplementedError(
+            f"{NAME}: the convolution kernels are sm_90a (Hopper); "
+            f"{torch.cuda.get_device_name(a.device)} is not one: use "
+            f"torch.nn.functional.conv2d there")
+    op = operation(kind, a.dtype, bias is not None, activation)
+    args = ConvArguments.from_tensors(op, a, b, d, bias=bias, padding=padding, stride=stride,
+                                      dilation=dilation, pad_hi=pad_hi)
+    why = op.can_implement(args)
+    if why:
+        raise NotImplementedError(f"{NAME} ({kind}): not supported: " + "; ".join(why)
+                                  + ". Supported: bf16/fp16, groups=1, C and K multiples of 8, "
+                                  "padding <= 256 and dilated filters under 255 pixels")
+    if any(t.numel() == 0 for t in (a, b, d)):
+        return
+    op.run(args)
+
+
+# -------------------------------------------------------------------------------- checks
+def _pair(v, name: str) -> tuple[int, int]:
+    if isinstance(v, int) and not isinstance(v, bool):
+        return (v, v)
+    if isinstance(v, (tuple, list)) and len(v) == 2 and all(
+            isinstance(x, int) and not isinstance(x, bool) for x in v):
+        return (int(v[0]), int(v[1]))
+    raise ArgumentError(f"{NAME}: {name} must be an int or a pair of ints, got {v!r}")
+
+
+def _padding(padding, weight: Tensor, stride, dilation) -> tuple[tuple[int, int],
+                                                                  tuple[int, int]]:
+    """((top, left), (bottom, right)) of torch's padding argument (ints, or 'valid'/'same')."""
+    if isinstance(padding, str):
+        if padding == "valid":
+            return (0, 0), (0, 0)
+        if padding == "same":
+            if stride != (1, 1):
+                raise ArgumentError(f"{NAME}: padding='same' needs stride 1 (as torch), got "
+                                    f"stride={stride}")
+            totals = [d * (k - 1) for d, k in zip(dilation, weight.shape[2:])]
+            lo = tuple(t // 2 for t in totals)
+            return lo, tuple(t - low for t, low in zip(totals, lo))
+        raise ArgumentError(f"{NAME}: padding must be an int, a pair, 'valid' or 'same', got "
+                            f"{padding!r}")
+    pad = _pair(padding, "padding")
+    if min(pad) < 0:
+        raise ArgumentError(f"{NAME}: padding must be non-negative, got {pad}")
+    return pad, pad
+
+
+def _check(x, weight, bias, stride, dilation, groups, activation) -> None:
+    check_tensor(NAME, "x", x, dtypes=DTYPES, ndim=4)
+    check_tensor(NAME, "weight", weight, dtypes=DTYPES, ndim=4)
+    check_same_device(NAME, x=x, weight=weight, bias=bias)
+    if weight.dtype != x.dtype:
+        raise ArgumentError(f"{NAME}: x and weight must have one dtype, got {x.dtype} and "
+                            f"{weight.dtype}")
+    if not isinstance(groups, int) or groups < 1:
+        raise ArgumentError(f"{NAME}: groups must be a positive int, got {groups!r}")
+    if groups != 1:
+        raise NotImplementedError(f"{NAME}: groups={groups} is not implemented (CUTLASS's sm90 "
+                                  f"implicit-GEMM kernels take groups=1); supported: groups=1")
+    if weight.shape[1] != x.shape[1]:
+        raise ArgumentError(f"{NAME}: weight {tuple(weight.shape)} expects {weight.shape[1]} "
+                            f"input channels, x {tuple(x.shape)} has {x.shape[1]}")
+    if bias is not None:
+        check_tensor(NAME, "bias", bias, dtypes=(x.dtype,), ndim=1)
+        if bias.shape[0] != weight.shape[0]:
+            raise ArgumentError(f"{NAME}: bias must have {weight.shape[0]} values (one per "
+                                f"output channel), got {tuple(bias.shape)}")
+    if activation is not None and activation not in ACTIVATIONS:
+        raise ArgumentError(f"{NAME}: activation must be None or one of "
+                            f"{', '.join(ACTIVATIONS)}, got {activation!r}")
+    for name, v in (("stride", stride), ("dilation", dilation)):
+        if min(v) < 1:
+            raise ArgumentError(f"{NAME}: {name} must be positive, got {v}")
+
+
+def _out_hw(h, w, r, s, pad, pad_hi, stride, dilation) -> tuple[int, int]:
+    p = (h + pad[0] + pad_hi[0] - dilation[0] * (r - 1) - 1) // stride[0] + 1
+    q = (w + pad[1] + pad_hi[1] - dilation[1] * (s - 1) - 1) // stride[1] + 1
+    return p, q
+
+
+# ------------------------------------------------------------------------------ custom ops
+@torch.library.custom_op("vitrail::conv2d", mutates_args=())
+def _conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: list[int],
+            pad: list[int], pad_hi: list[int], dilation: list[int],
+            activation: Optional[str]) -> Tensor:
+    x = _channels_last(x, "x")
+    weight = _channels_last(weight, "weight")
+    n, _, h, w = x.shape
+    k, _, r, s = weight.shape
+    p, q = _out_hw(h, w, r, s, pad, pad_hi, stride, dilation)
+    y = _empty_nchw((n, k, p, q), x)
+    _run("fprop", _nhwc(x), _nhwc(weight), _nhwc(y), bias, activation, tuple(pad),
+         tuple(stride), tuple(dilation), tuple(pad_hi))
+    return y
+
+
+@_conv2d.register_fake
+def _conv2d_fake(x, weight, bias, stride, pad, pad_hi, dilation, activation):
+    n, _, h, w = x.shape
+    k, _, r, s = weight.shape
+    p, q = _out_hw(h, w, r, s, pad, pad_hi, stride, dilation)
+    return _empty_nchw((n, k, p, q), x)
+
+
+@torch.library.custom_op("vitrail::conv2d_dgrad", mutates_args=())
+def _conv2d_dgrad(dy: Tensor, weight: Tensor, input_hw: list[int], stride: list[int],
+                  pad: list[int], pad_hi: list[int], dilation: list[int]) -> Tensor:
+    """dx of conv2d: dy (N, K, P, Q), weight (K, C, R, S) -> (N, C, H, W), channels_last."""
+    dy = _channels_last(dy, "dy")
+    weight = _channels_last(weight, "weight")
+    n, k, p, q = dy.shape
+    _, c, r, s = weight.shape
+    h, w = input_hw
+    dx = _empty_nchw((n, c, h, w), dy)
+    if tuple(stride) != (1, 1):  # the unit-stride kernel on dy spread out with zeros
+        p1, q1 = _out_hw(h, w, r, s, pad, pad_hi, (1, 1), dilation)
+        spread = dy.new_zeros((n, p1, q1, k))
+        spread[:, :p * stride[0]:stride[0], :q * stride[1]:stride[1]] = _nhwc(dy)
+        _run("dgrad", spread, _nhwc(weight), _nhwc(dx), None, None, tuple(pad), (1, 1),
+             tuple(dilation), tuple(pad_hi))
+        return dx
+    _run("dgrad", _nhwc(dy), _nhwc(weight), _nhwc(dx), None, None, tuple(pad), (1, 1),
+         tuple(dilation), tuple(pad_hi))
+    return dx
+
+
+@_conv2d_dgrad.register_fake
+def _conv2d_dgrad_fake(dy, weight, input_hw, stride, pad, pad_hi, dilation):
+    return _empty_nchw((dy.shape[0], weight.shape[1], *input_hw), dy)
+
+
+@torch.library.custom_op("vitrail::conv2d_wgrad", mutates_args=())
+def _conv2d_wgrad(dy: Tensor, x: Tensor, filter_rs: list[int], stride: list[int],
+                  pad: list[int], pad_hi: list[int], dilation: list[int]) -> Tensor:
+    """dw of conv2d: dy (N, K, P, Q), x (N, C, H, W) -> (K, C, R, S), channels_last."""
+    dy = _nhwc(dy).contiguous()  # wgrad reads dy packed (NPQK)
+    x = _channels_last(x, "x")
+    k, c = dy.shape[3], x.shape[1]
+    dw = _empty_nchw((k, c, *filter_rs), x)
+    _run("wgrad", dy, _nhwc(x), _nhwc(dw), None, None, tuple(pad), tuple(stride),
+         tuple(dilation), tuple(pad_hi))
+    return dw
+
+
+@_conv2d_wgrad.register_fake
+def _conv2d_wgrad_fake(dy, x, filter_rs, stride, pad, pad_hi, dilation):
+    return _empty_nchw((dy.shape[1], x.shape[1], *filter_rs), x)
+
+
+def _setup(ctx, inputs, output):
+    x, weight, bias, stride, pad, pad_hi, dilation, activation = inputs
+    from_y = activation is not None and grad_from_output(activation)
+    ctx.save_for_backward(x, weight, bias, output if from_y else None)
+    ctx.geometry = (list(stride), list(pad), list(pad_hi), list(dilation))
+    ctx.activation, ctx.from_y = activation, from_y
+
+
+def _backward(ctx, grad: Tensor):
+    x, weight, bias, y = ctx.saved_tensors
+    stride, pad, pad_hi, dilation = ctx.geometry
+    activation = ctx.activation
+    g = grad
+    if activation is not None:
+        if ctx.from_y:
+            g = activation_backward(grad, y, activation)
+        else:  # z recomputed by the kernel without the activation, its derivative in fp32
+            z = _conv2d(x, weight, bias, stride, pad, pad_hi, dilation, None)
+            g = activation_backward(grad.float(), z.float(), activation).to(grad.dtype)
+    needs = ctx.needs_input_grad
+    dx = dw = db = None
+    if needs[0]:
+        dx = _conv2d_dgrad(g, weight, list(x.shape[2:]), stride, pad, pad_hi, dilation)
+    if needs[1]:
+        dw = _conv2d_wgrad(g, x, list(weight.shape[2:]), stride, pad, pad_hi, dilation)
+    if bias is not None and needs[2]:
+        db = g.sum((0, 2, 3), dtype=torch.float32).to(bias.dtype)
+    return dx, dw, db, None, None, None, None, None
+
+
+_conv2d.register_autograd(_backward, setup_context=_setup)
+
+
+# -------------------------------------------------------------------------- public function
+def conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
+           stride: Union[int, Sequence[int]] = 1, padding: Union[int, Sequence[int], str] = 0,
+           dilation: Union[int, Sequence[int]] = 1, groups: int = 1, *,
+           activation: Optional[str] = None) -> Tensor:
+    """act(torch.nn.functional.conv2d(x, weight, bias, stride, padding, dilation, groups)) in
+    one kernel (channels-last; see the module docstring for what is supported).
+
+    x (N, C, H, W), weight (K, C, R, S), bias (K,) or None, all bf16 or all fp16; stride,
+    padding (also 'valid' or 'same') and dilation an int or a pair; groups 1; activation None
+    or one of relu, leaky_relu (slope 0.01), gelu, gelu_tanh, silu, sigmoid, tanh, hardswish.
+    Returns (N, K, P, Q) in torch.channels_last."""
+    stride = _pair(stride, "stride")
+    dilation = _pair(dilation, "dilation")
+    _check(x, weight, bias, stride, dilation, groups, activation)
+    pad, pad_hi = _padding(padding, weight, stride, dilation)
+    return _conv2d(x, weight, bias, list(stride), list(pad), list(pad_hi), list(dilation),
+                   activation)
+
+
+def reference(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, stride=1, padding=0,
+              dilation=1, groups: int = 1, *, activation: Optional[str] = None) -> Tensor:
+    """conv2d computed by torch (for tests: pass float64 tensors for an exact reference)."""
+    y = torch.nn.functional.conv2d(x, weight, bias, stride, padding, dilation, groups)
+    return _act(y, activation)
+
+
+__all__ = ["conv2d", "operation", "reference"]
