@@ -145,3 +145,18 @@ def test_public_function_refusals():
     x = torch.zeros(1, 16, 8, 8, dtype=torch.bfloat16)
     with pytest.raises(ArgumentError, match="x must be on a CUDA device"):
         conv2d(x, torch.zeros(16, 16, 3, 3, dtype=torch.bfloat16))
+
+
+def test_strides_of_size_one_dimensions_are_made_packed():
+    """torch keeps a (K, C, 1, 1) channels-last filter's NCHW strides (16, 1, 1, 1); TMA checks
+    every stride, so size-1 dimensions get the strides a packed tensor would have."""
+    import torch
+    from vitrail.gemm.conv_arguments import strides
+    w = torch.randn(24, 16, 1, 1).contiguous(memory_format=torch.channels_last)
+    nhwc = w.permute(0, 2, 3, 1)
+    assert nhwc.stride() == (16, 1, 1, 1)
+    assert strides(nhwc) == (16, 16, 16, 1)
+    x = torch.randn(2, 16, 7, 1).contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1)
+    assert strides(x) == x.stride()  # nothing to change where no dimension has size 1
+    view = torch.randn(2, 9, 1, 40)[..., :32]  # a strided view: its real strides stay
+    assert strides(view) == (360, 40, 32, 1)  # the real strides stay; size 1: packed

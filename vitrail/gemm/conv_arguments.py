@@ -222,6 +222,18 @@ _ROLE_NAMES = {"fprop": {"a": "x", "b": "w", "d": "y"},
                "wgrad": {"a": "dy", "b": "x", "d": "dw"}}
 
 
+def strides(t: torch.Tensor) -> tuple[int, ...]:
+    """t's strides with those of size-1 dimensions made what a packed tensor's would be: torch
+    leaves them as they came (a (K, C, 1, 1) filter in channels_last keeps the strides of its
+    contiguous NCHW form), and no element is ever addressed through them, but TMA checks every
+    stride it is given."""
+    out = list(t.stride())
+    for i in range(t.dim() - 2, -1, -1):
+        if t.shape[i] == 1:
+            out[i] = out[i + 1] * max(t.shape[i + 1], 1)
+    return tuple(out)
+
+
 def _packed(t: torch.Tensor) -> bool:
     return t.is_contiguous()  # 4-D, indexed NHWC/KRSC: packed means contiguous
 
@@ -239,8 +251,8 @@ def _tensor_reasons(name: str, t: Optional[torch.Tensor], dtype: str) -> list[st
     if t.data_ptr() % 16:
         why.append(f"{name}'s address is not 16-byte aligned (TMA needs it): copy it to an "
                    f"aligned buffer")
-    if any(s % align for s in t.stride()[:3]):
-        why.append(f"{name}'s strides {t.stride()} are not multiples of {align} elements (16 "
+    if any(s % align for s in strides(t)[:3]):
+        why.append(f"{name}'s strides {strides(t)} are not multiples of {align} elements (16 "
                    f"bytes, TMA needs it)")
     return why
 
@@ -328,11 +340,11 @@ def launch(op, module, args: ConvArguments, stream=None) -> None:
         stream = torch._C._cuda_getCurrentRawStream(args.device)
     C = args.C
     D = args.output
-    cs = (C if C is not None else D).stride()[:3]
+    cs = strides(C if C is not None else D)[:3]
     ptr = (lambda t: 0 if t is None else t.data_ptr())
     A, B, D = args.operands
     values = (A.data_ptr(), B.data_ptr(), ptr(C), D.data_ptr(), ptr(args.bias),
               p.N, p.H, p.W, p.C, p.K, p.R, p.S, *p.pad, *p.pad_hi, *p.stride, *p.dilation,
-              *args.x.stride()[:3], *args.w.stride()[:3], *args.y.stride()[:3], *cs,
+              *strides(args.x)[:3], *strides(args.w)[:3], *strides(args.y)[:3], *cs,
               args.alpha, args.beta, args.slope, args.lo, args.hi, 0, 0, sm_count(args.device))
     call_entry(module.function(ENTRY), values, args.device, stream, op.name, CONV_CODES)
