@@ -200,6 +200,18 @@ struct TileMMA {
     return make_tensor(std::move(converted.data()), a_layout);
   }
 
+  // A (rows, columns) view of an accumulator fragment (of mma's or mma_rs's tile): the elements
+  // this thread holds of each of its rows. A row's elements are spread over the 4 threads of a
+  // quad (lanes 4i .. 4i + 3): combine them with quad_reduce. Works on coordinates() too.
+  template <class Frag>
+  __device__ static auto rows(Frag&& frag) {
+    using namespace cute;
+    auto l = frag.layout();  // ((2 columns, 2 row halves, N / 8), MMA_M, MMA_N)
+    auto rc = make_layout(make_layout(get<0, 1>(l), get<1>(l)),
+                          make_layout(get<0, 0>(l), get<0, 2>(l), get<2>(l)));
+    return make_tensor(frag.data(), rc);
+  }
+
   // Leave at most Pending batches in flight; the fragments given stay fenced below the wait.
   template <int Pending, class... Frags>
   __device__ static void wait(Frags&... frags) {
@@ -207,6 +219,13 @@ struct TileMMA {
     (cute::warpgroup_fence_operand(frags), ...);
   }
 };
+
+// op over the 4 threads of a quad (the threads that share an accumulator row).
+template <class V, class Op>
+__device__ __forceinline__ V quad_reduce(V v, Op op) {
+  v = op(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return op(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
 
 // Tiles written with ordinary stores (st.shared) are read by wgmma through the async proxy: each
 // writer fences, then a barrier publishes the tile (TMA-written tiles need neither).

@@ -1,0 +1,115 @@
+"""vitrail.ops.attention: compiled for sm_90a on the CPU (NVRTC: wgmma not serialized, no
+spills); on a Hopper GPU, values against an fp64 reference for odd lengths, both causal
+alignments, GQA, every head dim, fully masked rows and SDPA's layout."""
+from __future__ import annotations
+
+import importlib
+import math
+
+import pytest
+import torch
+
+from tests.conftest import has_gpu
+
+A = importlib.import_module("vitrail.ops.attention")
+HOPPER = has_gpu() and torch.cuda.get_device_capability() == (9, 0)
+needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper (sm_90) GPU")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("d,causal", [(128, True), (64, False)])
+def test_compiles_for_sm90a(d, causal):
+    from vitrail.jit import compiler
+    entry, _ = compiler.build_entry(A.source(torch.bfloat16, d, causal), name="attention_fwd",
+                                    backend="nvrtc", arch="90a", include_dirs=[A.HERE],
+                                    flags=["-default-device"])
+    res = entry.meta["resources"]
+    assert "attention_fwd" in res, res
+    assert res["attention_fwd"]["spill_stores"] == 0 and res["attention_fwd"]["stack"] == 0
+    assert "C7515" not in (entry.dir / "build.log").read_text()  # wgmma serialized
+
+
+def test_reference_matches_sdpa_on_the_cpu():
+    q, k, v = (torch.randn(2, 7, 4, 16, dtype=torch.float64) for _ in range(3))
+    for causal in (False, True):
+        o, lse = A.reference(q, k, v, causal=causal)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
+        torch.testing.assert_close(o, want.transpose(1, 2))
+        assert lse.shape == (2, 4, 7)
+
+
+def test_refusals_name_the_argument():
+    q = torch.randn(1, 8, 4, 64).to(torch.bfloat16)
+    with pytest.raises(Exception, match="q must be on a CUDA device"):
+        A.attention(q, q, q)
+    if not has_gpu():
+        return
+    q = q.cuda()
+    with pytest.raises(Exception, match="multiple of k's and v's"):
+        A.attention(q, q[:, :, :3], q[:, :, :3])
+    with pytest.raises(NotImplementedError, match="head_dim 96"):
+        x = torch.randn(1, 8, 4, 96, device="cuda", dtype=torch.bfloat16)
+        A.attention(x, x, x)
+    with pytest.raises(Exception, match="alignment"):
+        A.attention(q, q, q, causal=True, alignment="middle")
+
+
+def _qkv(b, sq, sk, h, hk, d, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, sq, h, d, device="cuda", generator=g).to(dtype)
+    k = torch.randn(b, sk, hk, d, device="cuda", generator=g).to(dtype)
+    v = torch.randn(b, sk, hk, d, device="cuda", generator=g).to(dtype)
+    return q, k, v
+
+
+def _check(q, k, v, **kw):
+    o, lse = A.attention(q, k, v, return_lse=True, **kw)
+    ro, rlse = A.reference(q.double(), k.double(), v.double(), **kw)
+    tol = 2e-2 if q.dtype == torch.bfloat16 else 5e-3
+    torch.testing.assert_close(o.double(), ro, rtol=tol, atol=tol)
+    finite = rlse.isfinite()
+    torch.testing.assert_close(lse.double()[finite], rlse[finite], rtol=1e-3, atol=1e-3)
+    assert (lse[~finite] == -math.inf).all() and not o.double()[~finite.transpose(1, 2)].any()
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
+@pytest.mark.parametrize("sq,sk", [(1, 1), (7, 7), (1000, 1000), (4097, 4097), (128, 1000),
+                                   (1000, 128)])
+def test_values(dtype, d, sq, sk):
+    q, k, v = _qkv(2, sq, sk, 4, 4, d, dtype)
+    _check(q, k, v)
+
+
+@needs_hopper
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("sq,sk", [(7, 7), (1000, 1000), (100, 1000), (1000, 100), (4097, 300)])
+def test_causal_both_alignments(alignment, sq, sk):
+    q, k, v = _qkv(2, sq, sk, 4, 4, 128, torch.bfloat16, seed=1)
+    _check(q, k, v, causal=True, alignment=alignment)  # top-left sq > sk: rows see every key;
+    # bottom-right sq > sk: the first sq - sk rows see none (zeros, lse -inf)
+
+
+@needs_hopper
+@pytest.mark.parametrize("ratio", [1, 4, 8])
+def test_gqa(ratio):
+    q, k, v = _qkv(2, 300, 500, 8, 8 // ratio, 128, torch.bfloat16, seed=2)
+    _check(q, k, v, causal=True)
+
+
+@needs_hopper
+def test_sdpa_layout_without_a_copy_and_a_scale():
+    q, k, v = _qkv(2, 256, 256, 4, 4, 64, torch.float16, seed=3)
+    qt, kt, vt = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
+    assert not qt.is_contiguous()  # (B, H, S, D) memory, read in place
+    _check(qt, kt, vt, scale=0.3)
+
+
+@needs_hopper
+def test_backward_says_it_is_not_implemented():
+    q, k, v = _qkv(1, 8, 8, 2, 2, 64, torch.bfloat16)
+    q.requires_grad_(True)
+    with pytest.raises(NotImplementedError, match="backward"):
+        A.attention(q, k, v).sum().backward()

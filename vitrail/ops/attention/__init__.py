@@ -1,0 +1,199 @@
+"""vitrail.ops.attention: flash attention's forward on Hopper, written with vitrail's blocks
+(TileMMA, Tma, Pipeline; the kernel is sm90_attention_fwd.cuh).
+
+    o = attention(q, k, v, causal=True)                    # (batch, seqlen, heads, head_dim)
+    o, lse = attention(q, k, v, return_lse=True)           # lse: (batch, heads, seqlen_q) fp32
+
+q (B, Sq, H, D), k and v (B, Sk, Hkv, D) with H a multiple of Hkv (GQA, MQA), bf16 or fp16,
+D of 64, 128, 192 or 256, the last dim contiguous (SDPA's (B, H, S, D) tensors pass as
+``x.transpose(1, 2)`` without a copy). ``scale`` defaults to D ** -0.5. ``causal``: key j is
+visible to query i where j <= i (``alignment="top_left"``, as torch SDPA) or j <= i + Sk - Sq
+(``"bottom_right"``, as FlashAttention >= 2.1); a row that sees no key gives zeros and an lse of
+-inf. Every refusal names the argument. Forward only in this version: the backward raises.
+
+Kernels compile with NVRTC in seconds, one per (dtype, D, causal); a new sequence length or
+batch compiles nothing.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from vitrail.device import ctype
+from vitrail.jit.errors import ArgumentError
+from vitrail.jit.tma import tensor_map
+from vitrail.ops.common import check_same_device, check_tensor
+
+HERE = Path(__file__).resolve().parent
+NAME = "vitrail.ops.attention"
+DTYPES = (torch.bfloat16, torch.float16)
+HEAD_DIMS = (64, 128, 192, 256)
+ALIGNMENTS = ("top_left", "bottom_right")
+BM, STAGES, THREADS = 128, 2, 384
+_KERNELS: dict[tuple, object] = {}
+
+
+def block_n(d: int) -> int:
+    """Keys per block: 128 where S's and O's fragments fit the consumers' registers with it."""
+    return 128 if d <= 128 else 64
+
+
+def smem_bytes(d: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    e = torch.finfo(dtype).bits // 8
+    bn = block_n(d)
+    return 1024 + BM * d * e + STAGES * 2 * bn * d * e + 16 * STAGES + 16
+
+
+def source(dtype: torch.dtype, d: int, causal: bool) -> str:
+    config = {"D": d, "BM": BM, "BN": block_n(d), "STAGES": STAGES}
+    return ("#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
+            f"using T = {ctype(dtype)};\n" +
+            "".join(f"constexpr int {k} = {v};\n" for k, v in config.items()) +
+            f"constexpr bool CAUSAL = {'true' if causal else 'false'};\n"
+            '#include "sm90_attention_fwd.cuh"\n')
+
+
+SIGNATURE = ("void* o, float* lse, const vitrail::TensorMap mapQ, const vitrail::TensorMap mapK, "
+             "const vitrail::TensorMap mapV, int seqlen_q, int seqlen_k, int heads, "
+             "int heads_kv, float scale_log2, int causal_offset")
+
+
+def kernel(dtype: torch.dtype, d: int, causal: bool):
+    key = (dtype, d, causal)
+    k = _KERNELS.get(key)
+    if k is None:
+        from vitrail import jit
+        # CuTe's constexpr helpers carry no __device__: NVRTC needs -default-device
+        module = jit.compile(source(dtype, d, causal), name="attention_fwd", backend="nvrtc",
+                             include_dirs=[HERE], flags=["-default-device"])
+        k = _KERNELS[key] = module.kernel("attention_fwd", SIGNATURE)
+    return k
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, scale, alignment: str) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(NAME, name, t, dtypes=DTYPES, ndim=4)
+    check_same_device(NAME, q=q, k=k, v=v)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ArgumentError(f"{NAME}: q, k and v must have one dtype, got {q.dtype}, {k.dtype} "
+                            f"and {v.dtype}")
+    (b, _, h, d), (bk, _, hk, dk) = q.shape, k.shape
+    if v.shape != k.shape:
+        raise ArgumentError(f"{NAME}: v must have k's shape {tuple(k.shape)}, got "
+                            f"{tuple(v.shape)} (a v head dim other than q's is not supported "
+                            f"yet)")
+    if bk != b or dk != d:
+        raise ArgumentError(f"{NAME}: k {tuple(k.shape)} does not match q {tuple(q.shape)}: "
+                            f"batch and head_dim (dims 0 and 3) must agree")
+    if hk < 1 or h % hk:
+        raise ArgumentError(f"{NAME}: q's heads ({h}) must be a multiple of k's and v's ({hk})")
+    if d not in HEAD_DIMS:
+        raise NotImplementedError(f"{NAME}: head_dim {d} is not supported; supported: "
+                                  f"{', '.join(map(str, HEAD_DIMS))}")
+    if alignment not in ALIGNMENTS:
+        raise ArgumentError(f"{NAME}: alignment must be one of {', '.join(ALIGNMENTS)}, got "
+                            f"{alignment!r}")
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+        raise ArgumentError(f"{NAME}: scale must be a finite number or None, got {scale!r}")
+
+
+def _tma_ready(t: Tensor) -> Tensor:
+    """t where TMA can read it in place (D contiguous, other strides 16-byte multiples, a
+    16-byte aligned start), else a contiguous copy."""
+    e = t.element_size()
+    ok = (t.stride(3) == 1 and t.data_ptr() % 16 == 0 and
+          all(s * e % 16 == 0 for s, n in zip(t.stride()[:3], t.shape[:3]) if n > 1))
+    return t if ok else t.contiguous()
+
+
+def _map(t: Tensor, rows: int) -> bytes:
+    """A TMA map over t's (D, seqlen, heads, batch) with boxes of 64 x rows."""
+    b, s, h, d = t.shape
+    strides = [t.stride(1), t.stride(2), t.stride(0)]
+    packed = [d, s * d, s * h * d]  # size-1 dims: any stride is legal; TMA checks them all
+    strides = [st if n > 1 else p for st, n, p in zip(strides, (s, h, b), packed)]
+    return tensor_map(t, dims=(d, s, h, b), strides=strides, box=(64, rows, 1, 1))
+
+
+@torch.library.custom_op("vitrail::attention_fwd", mutates_args=())
+def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
+                   causal_offset: int) -> tuple[Tensor, Tensor]:
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    o = q.new_empty((b, sq, h, d))
+    lse = q.new_empty((b, h, sq), dtype=torch.float32)
+    if o.numel() == 0:
+        return o, lse
+    if sk == 0:
+        o.zero_()
+        lse.fill_(-math.inf)
+        return o, lse
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        raise NotImplementedError(f"{NAME}: the kernel is sm_90a (Hopper); "
+                                  f"{torch.cuda.get_device_name(q.device)} is not one: use "
+                                  f"torch.nn.functional.scaled_dot_product_attention there")
+    q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
+    bn = block_n(d)
+    grid = (-(-sq // BM), h, b)
+    with torch.cuda.device(q.device):
+        kernel(q.dtype, d, causal)[grid, THREADS](
+            o, lse, _map(q, BM), _map(k, bn), _map(v, bn), sq, sk, h, hk,
+            scale * math.log2(math.e), causal_offset, shared_mem=smem_bytes(d, q.dtype))
+    return o, lse
+
+
+@_attention_fwd.register_fake
+def _attention_fwd_fake(q, k, v, scale, causal, causal_offset):
+    b, sq, h, d = q.shape
+    return q.new_empty((b, sq, h, d)), q.new_empty((b, h, sq), dtype=torch.float32)
+
+
+def _backward(ctx, grad_o, grad_lse):
+    raise NotImplementedError(f"{NAME}: the backward is not implemented yet (forward only in "
+                              f"this version); use torch.nn.functional."
+                              f"scaled_dot_product_attention where gradients are needed")
+
+
+def _setup(ctx, inputs, output):
+    pass
+
+
+_attention_fwd.register_autograd(_backward, setup_context=_setup)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
+              scale: Optional[float] = None, alignment: str = "top_left",
+              return_lse: bool = False):
+    """softmax(q k^T * scale) v per batch and head (see the module docstring)."""
+    _check(q, k, v, scale, alignment)
+    d = q.shape[3]
+    scale = d ** -0.5 if scale is None else float(scale)
+    offset = 0 if alignment == "top_left" else k.shape[1] - q.shape[1]
+    o, lse = _attention_fwd(q, k, v, scale, bool(causal), offset)
+    return (o, lse) if return_lse else o
+
+
+def reference(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
+              scale: Optional[float] = None, alignment: str = "top_left") -> tuple[Tensor, Tensor]:
+    """(o, lse) computed by plain torch in q's dtype's precision or better (pass float64)."""
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    scale = d ** -0.5 if scale is None else scale
+    kk = k.repeat_interleave(h // hk, dim=2)
+    vv = v.repeat_interleave(h // hk, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
+    if causal:
+        offset = 0 if alignment == "top_left" else sk - sq
+        i = torch.arange(sq, device=q.device)[:, None]
+        j = torch.arange(sk, device=q.device)[None, :]
+        s = s.masked_fill(j > i + offset, -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    return torch.einsum("bhqk,bkhd->bqhd", p, vv), lse
+
+
+__all__ = ["attention", "reference"]

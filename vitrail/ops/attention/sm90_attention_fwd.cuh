@@ -1,0 +1,189 @@
+// Flash attention forward on Hopper, from vitrail's blocks: O = softmax(Q K^T * scale) V per
+// (batch, head), with the log-sum-exp of each row.
+//
+// Slab -> tile: a producer warpgroup, in which one thread loads the CTA's BM query rows once and
+// each block of BN keys and values into a ring of STAGES stages by TMA (Tma on a Pipeline).
+// Tile -> fragment: two consumer warpgroups, 64 query rows each: S = Q K^T by wgmma from shared
+// memory (TileMMA, SS), the online softmax on S's fragments in registers (exp2, running max and
+// sum per row across a quad), then O += P V with P taken from registers (TileMMA, RS, as_a).
+// Fragment -> slab: O / sum, converted to T, and the log-sum-exp, stored where they land.
+//
+// Config (constexpr before the include): T, D (head dim), BM (query rows), BN (keys per block),
+// STAGES, CAUSAL (bool).
+// Layouts: q, k, v, o (batch, seqlen, heads, D), D contiguous; TMA maps over (D, seqlen, heads,
+// batch) made by the Python side (vitrail.ops.attention); lse (batch, heads, seqlen_q) fp32.
+#pragma once
+#include <vitrail/pipeline.cuh>
+#include <vitrail/tile_copy.cuh>
+#include <vitrail/tile_mma.cuh>
+
+#include <cuda/std/limits>
+
+namespace attention {
+
+using QK = vitrail::TileMMA<T, BM, BN, D, 2>;                                    // S = Q K^T
+using PV = vitrail::TileMMA<T, BM, D, BN, 2, vitrail::Major::K, vitrail::Major::MN>;  // O += P V
+constexpr int kThreads = 128 + QK::kThreads;
+constexpr float kInf = cuda::std::numeric_limits<float>::infinity();
+constexpr int kChunk = 64;                 // TMA boxes are 64 elements (128 bytes) of D wide
+constexpr int kChunks = D / kChunk;
+static_assert(D % kChunk == 0, "attention: D must be a multiple of 64");
+constexpr int kBytesQ = QK::kBytesA<>;
+constexpr int kBytesKV = QK::kBytesB<> + PV::kBytesB<>;  // one stage: a block of K and of V
+constexpr int kSmemBytes = 1024 + kBytesQ + STAGES * kBytesKV +
+                           int(sizeof(typename vitrail::Pipeline<STAGES>::Storage)) + 16;
+
+struct Params {
+  T* o;
+  float* lse;
+  int seqlen_q, seqlen_k, heads, heads_kv;
+  float scale_log2;  // softmax scale * log2(e)
+  int causal_offset; // key j is visible to query i where j <= i + causal_offset
+};
+
+// The blocks of keys a query block sees: all, or those up to the causal diagonal.
+__device__ int kv_blocks(const Params& p, int m0) {
+  int keys = p.seqlen_k;
+  if (CAUSAL) keys = min(keys, max(0, m0 + BM + p.causal_offset));
+  return (keys + BN - 1) / BN;
+}
+
+__device__ void forward(const Params& p, const vitrail::TensorMap& mapQ,
+                        const vitrail::TensorMap& mapK, const vitrail::TensorMap& mapV) {
+  extern __shared__ char smem_raw[];
+  unsigned raw = static_cast<unsigned>(__cvta_generic_to_shared(smem_raw));
+  char* smem = smem_raw + ((1024 - raw % 1024) % 1024);
+  auto sQ = QK::tile_a(smem);
+  char* ring = smem + kBytesQ;
+  auto& bars = *reinterpret_cast<typename vitrail::Pipeline<STAGES>::Storage*>(
+      ring + STAGES * kBytesKV);
+  uint64_t* q_full = reinterpret_cast<uint64_t*>(&bars + 1);
+  vitrail::Pipeline<STAGES> pipe(bars);
+  auto sK = [&](int stage) { return QK::tile_b(ring + stage * kBytesKV); };
+  auto sV = [&](int stage) { return PV::tile_b(ring + stage * kBytesKV + QK::kBytesB<>); };
+
+  const int m0 = blockIdx.x * BM, head = blockIdx.y, batch = blockIdx.z;
+  const int head_kv = head / (p.heads / p.heads_kv);
+  const int blocks = kv_blocks(p, m0);
+  if (threadIdx.x == 0) {
+    vitrail::Tma::prefetch(mapQ);
+    vitrail::Tma::prefetch(mapK);
+    vitrail::Tma::prefetch(mapV);
+    pipe.init(/*producer arrivals=*/1, /*consumer arrivals: one per warp=*/QK::kThreads / 32);
+    vitrail::Bulk::init(q_full, 1);
+  }
+  __syncthreads();
+
+  if (threadIdx.x / 128 == 0) {  // producer: slab -> tile
+    vitrail::warpgroup_registers_down<40>();
+    if (threadIdx.x == 0) {
+      vitrail::Bulk::expect(q_full, kBytesQ);
+      for (int c = 0; c < kChunks; ++c)  // Q's 64-wide slices of D, BM rows each
+        vitrail::Tma::load(&sQ(0, c * kChunk, 0), mapQ, q_full, c * kChunk, m0, head, batch);
+      auto w = vitrail::PipeState<STAGES>::producer();
+      for (int j = 0; j < blocks; ++j, w.advance()) {
+        pipe.acquire(w);
+        pipe.expect(w, kBytesKV);
+        auto k = sK(w.index);
+        auto v = sV(w.index);
+        for (int c = 0; c < kChunks; ++c) {
+          vitrail::Tma::load(&k(0, c * kChunk, 0), mapK, pipe.full(w), c * kChunk, j * BN,
+                             head_kv, batch);
+          vitrail::Tma::load(&v(c * kChunk, 0, 0), mapV, pipe.full(w), c * kChunk, j * BN,
+                             head_kv, batch);
+        }
+      }
+    }
+    return;
+  }
+
+  // consumers: tile -> fragment
+  vitrail::warpgroup_registers_up<232>();
+  const int t = threadIdx.x - 128;
+  QK qk(t);
+  PV pv(t);
+  auto s = qk.accumulators();
+  auto o = pv.accumulators();
+  PV::zero(o);
+  auto s_rows = QK::rows(s);
+  auto o_rows = PV::rows(o);
+  auto where = QK::rows(qk.coordinates());  // (row, key) in the tile of each element of S
+  constexpr int kRows = decltype(cute::size<0>(s_rows))::value;
+  float row_max[kRows], row_sum[kRows];
+  for (int r = 0; r < kRows; ++r) row_max[r] = -kInf, row_sum[r] = 0.f;
+
+  vitrail::Bulk::wait(q_full, 0);
+  vitrail::PipeState<STAGES> rd;
+  for (int j = 0; j < blocks; ++j, rd.advance()) {
+    pipe.wait(rd);
+    QK::zero(s);
+    qk.mma(sQ(cute::_, cute::_, 0), sK(rd.index)(cute::_, cute::_, 0), s);
+    QK::wait<0>(s);
+    // Masks: keys past seqlen_k (TMA filled them with zeros), and past the causal diagonal.
+    const bool edge = (j + 1) * BN > p.seqlen_k || (CAUSAL && (j + 1) * BN > m0 + p.causal_offset);
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      float m = row_max[r];
+      CUTE_UNROLL
+      for (int c = 0; c < cute::size<1>(s_rows); ++c) {
+        if (edge) {
+          const int row = m0 + cute::get<0>(where(r, c)), key = j * BN + cute::get<1>(where(r, c));
+          if (key >= p.seqlen_k || (CAUSAL && key > row + p.causal_offset))
+            s_rows(r, c) = -kInf;
+        }
+        m = fmaxf(m, s_rows(r, c));
+      }
+      m = vitrail::quad_reduce(m, [](float a, float b) { return fmaxf(a, b); });
+      // A row with every key masked so far keeps m = -inf: use 0 so exp2 gives 0, not NaN.
+      const float m_scaled = m == -kInf ? 0.f : m * p.scale_log2;
+      const float correction = exp2f(row_max[r] * p.scale_log2 - m_scaled);
+      row_max[r] = m;
+      float sum = 0.f;
+      CUTE_UNROLL
+      for (int c = 0; c < cute::size<1>(s_rows); ++c) {
+        s_rows(r, c) = exp2f(s_rows(r, c) * p.scale_log2 - m_scaled);
+        sum += s_rows(r, c);
+      }
+      row_sum[r] = row_sum[r] * correction + sum;
+      CUTE_UNROLL
+      for (int c = 0; c < cute::size<1>(o_rows); ++c) o_rows(r, c) *= correction;
+    }
+    auto pfrag = QK::as_a(s);
+    pv.mma_rs(pfrag, sV(rd.index)(cute::_, cute::_, 0), o);
+    PV::wait<0>(o, pfrag);
+    if (threadIdx.x % 32 == 0) pipe.release(rd);
+  }
+
+  // fragment -> slab: O / sum and the log-sum-exp (natural log) of each row
+  auto o_where = PV::rows(pv.coordinates());
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    const float sum = vitrail::quad_reduce(row_sum[r], [](float a, float b) { return a + b; });
+    const int row = m0 + cute::get<0>(o_where(r, 0));
+    if (row >= p.seqlen_q) continue;
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;  // a fully masked row: O = 0, lse = -inf
+    T* out = p.o + ((long long)(batch * p.seqlen_q + row) * p.heads + head) * D;
+    CUTE_UNROLL
+    for (int c = 0; c < cute::size<1>(o_rows); c += 2) {
+      using T2 = cute::conditional_t<cute::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+      const int col = cute::get<1>(o_where(r, c));
+      *reinterpret_cast<T2*>(out + col) = T2(T(o_rows(r, c) * inv), T(o_rows(r, c + 1) * inv));
+    }
+    if (t % 4 == 0) {
+      const float lse = sum > 0.f ? row_max[r] * (p.scale_log2 / 1.4426950408889634f) + logf(sum)
+                                  : -kInf;
+      p.lse[((long long)batch * p.heads + head) * p.seqlen_q + row] = lse;
+    }
+  }
+}
+
+}  // namespace attention
+
+extern "C" __global__ void __launch_bounds__(attention::kThreads, 1)
+attention_fwd(T* o, float* lse, const __grid_constant__ vitrail::TensorMap mapQ,
+              const __grid_constant__ vitrail::TensorMap mapK,
+              const __grid_constant__ vitrail::TensorMap mapV, int seqlen_q, int seqlen_k,
+              int heads, int heads_kv, float scale_log2, int causal_offset) {
+  attention::forward({o, lse, seqlen_q, seqlen_k, heads, heads_kv, scale_log2, causal_offset},
+                     mapQ, mapK, mapV);
+}
