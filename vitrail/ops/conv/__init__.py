@@ -22,6 +22,7 @@ Kernel choice: one config per kind (128x128x64 tiles, no cluster); tuning is not
 """
 from __future__ import annotations
 
+import importlib
 from typing import Optional, Sequence, Union
 
 import torch
@@ -352,3 +353,4 @@ def reasons(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
 
 
 __all__ = ["conv2d", "operation", "reasons", "reference"]
+importlib.import_module("vitrail.ops.conv.problems")  # vitrail tune and precompile say why not
