@@ -105,7 +105,8 @@ def test_the_benchmark_registers_as_conv():
     from vitrail import ops
     registry = ops.load_benchmarks()
     b = registry["conv"]
-    assert b.run is bm.run and b.build is bm.build and not b.by_name
+    assert b.run is bm.run and b.build is bm.build
+    assert b.by_name  # run when named, until the op's GPU tests all pass
     kinds = [c.kind for c in bm.cases()]
     assert len(kinds) == 4 * (23 + 31)
     assert Counter(kinds) == {"fprop": 54, "dgrad": 54, "wgrad": 54, "fprop+bias+relu": 23,
