@@ -280,6 +280,20 @@ class KernelCache:
         finally:
             os.close(fd)  # closing the last descriptor releases the flock
 
+    def busy(self, key: str) -> bool:
+        """Whether a live process holds key's build lock now (a glance: it may change at once)."""
+        try:
+            fd = os.open(self.root / "locks" / f"{key}.lock", os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+
     # -- building and publishing --------------------------------------------------------------
     def new_build_dir(self, key: str) -> Path:
         """A private directory for one build; stale ones of this key (dead builders) go first.
