@@ -295,6 +295,14 @@ def test_the_knob_turns_the_pch_off(monkeypatch):
         extension.build_torch_pch()
 
 
+def test_doctor_says_where_the_pch_stands(monkeypatch):
+    assert "not built yet" in extension.torch_pch_status()
+    entry = _publish_fake(_spec()[0])
+    assert str(entry / pch.GCH) in extension.torch_pch_status()
+    monkeypatch.setenv("VITRAIL_TORCH_PCH", "0")
+    assert "(VITRAIL_TORCH_PCH=0)" in extension.torch_pch_status()
+
+
 def test_a_missing_pch_is_started_once_and_never_beside_a_builder(monkeypatch):
     monkeypatch.setenv("VITRAIL_TORCH_PCH", "1")
     spec = _spec()[0]
@@ -312,3 +320,4 @@ def test_a_missing_pch_is_started_once_and_never_beside_a_builder(monkeypatch):
     assert pch.build_in_background(spec, cache) == 1
     assert pch.build_in_background(spec, cache) is None  # once per process
     assert len(started) == 1 and json.loads(started[0][0][-1])["key"] == spec.key
+

@@ -171,6 +171,23 @@ def build_torch_pch(*, extra_cflags: Sequence[str] = (), with_cuda: bool = False
     return pch.build(spec).dir / pch.GCH
 
 
+def torch_pch_status() -> str:
+    """Where the precompiled header that extensions with no extra_cflags use stands: its path
+    and size, not built yet, or why there is none (``vitrail doctor``)."""
+    options = _options((), (), (), (), False, False, False)
+    cache = KernelCache()
+    plan = _plan(options, False, cache)
+    spec, why = _pch_spec(options, plan, _system_dirs(plan, False)[0], [])
+    if spec is None:
+        return f"no precompiled header of torch/extension.h ({why})"
+    entry = cache.lookup(spec.key, read_artifact=False)
+    if entry is None:
+        return ("precompiled header of torch/extension.h: not built yet (the next extension "
+                "build starts it)")
+    return (f"precompiled header of torch/extension.h: {entry.dir / pch.GCH} "
+            f"({entry.meta.get('gch_size', 0) / 2**30:.1f} GiB)")
+
+
 def bindings(functions) -> str:
     """The ``PYBIND11_MODULE`` block binding ``functions`` (a name, a list of names, or a dict
     name -> docstring), each through ``torch::wrap_pybind_function`` as torch binds them
