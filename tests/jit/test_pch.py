@@ -24,6 +24,7 @@ from vitrail.jit import extension, pch
 from vitrail.jit.cache import KernelCache
 from vitrail.jit.compiler import BuildFailed
 from vitrail.jit.errors import CompileError
+from tests.conftest import has_nvcc, requires_gpu
 
 REPO = Path(vitrail.__file__).resolve().parents[1]
 C = r"""
@@ -321,3 +322,81 @@ def test_a_missing_pch_is_started_once_and_never_beside_a_builder(monkeypatch):
     assert pch.build_in_background(spec, cache) is None  # once per process
     assert len(started) == 1 and json.loads(started[0][0][-1])["key"] == spec.key
 
+
+# ------------------------------------------------------------------------------- CUDA units
+CU = r"""
+__global__ void twice_kernel(const float* x, float* y, long n) {
+  long i = blockIdx.x * (long)blockDim.x + threadIdx.x;
+  if (i < n) y[i] = 2 * x[i];
+}
+void twice(const float* x, float* y, long n) {
+  twice_kernel<<<(n + 255) / 256, 256>>>(x, y, n);
+}
+"""
+
+
+@pytest.mark.skipif(not has_nvcc(), reason="needs nvcc")
+def test_host_and_device_units_compile_at_once(tmp_path, monkeypatch):
+    """A .cpp unit and a .cu unit: each compile starts before the other ends (a second longer
+    each, so that they would not overlap by chance if run one after the other)."""
+    spans = {}
+
+    def timed(run, what):
+        def wrapped(cmd, build, command):
+            start = time.monotonic()
+            time.sleep(1)
+            try:
+                return run(cmd, build, command)
+            finally:
+                if "-c" in cmd:
+                    spans[what] = (start, time.monotonic())
+        return wrapped
+    monkeypatch.setattr(extension, "run_compiler", timed(extension.run_compiler, "cpp"))
+    monkeypatch.setattr(extension, "run_nvcc", timed(extension.run_nvcc, "cu"))
+    (tmp_path / "host.cpp").write_text("void twice(const float*, float*, long);\n"
+                                       "int host() { return 1; }\n")
+    (tmp_path / "device.cu").write_text(CU)
+    path = extension.build("vt_pch_mixed", [str(tmp_path / "host.cpp"),
+                                            str(tmp_path / "device.cu")])
+    assert path.is_file()
+    (s0, e0), (s1, e1) = spans["cpp"], spans["cu"]
+    assert s0 < e1 and s1 < e0, f"the .cpp and .cu compiles did not overlap: {spans}"
+
+
+CUDA_CPP = """#include <torch/extension.h>
+at::Tensor twice(const at::Tensor& x);
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("twice", &twice); }
+"""
+CUDA_CU = r"""
+#include <torch/types.h>
+__global__ void twice_kernel(const float* x, float* y, int64_t n) {
+  int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  if (i < n) y[i] = 2 * x[i];
+}
+at::Tensor twice(const at::Tensor& x) {
+  auto y = at::empty_like(x);
+  twice_kernel<<<(x.numel() + 255) / 256, 256>>>(x.data_ptr<float>(), y.data_ptr<float>(),
+                                                 x.numel());
+  return y;
+}
+"""
+
+
+@requires_gpu
+@pytest.mark.skipif(not has_nvcc(), reason="needs nvcc")
+def test_a_cuda_extensions_cpp_unit_uses_the_pch_and_its_cu_unit_none(tmp_path, monkeypatch):
+    """On a GPU machine (a CUDA build of torch): the PCH with CUDA's headers built at once,
+    then an extension of a .cpp and a .cu file: the .cpp against the PCH, the .cu (nvcc) as it
+    is, and the module's result right."""
+    import torch
+    gch = extension.build_torch_pch(with_cuda=True)
+    assert gch.is_file()
+    (tmp_path / "bind.cpp").write_text(CUDA_CPP)
+    (tmp_path / "twice.cu").write_text(CUDA_CU)
+    m = extension.load("vt_pch_cuda", [str(tmp_path / "bind.cpp"), str(tmp_path / "twice.cu")])
+    meta = json.loads((Path(m.__file__).parent / "meta.json").read_text())
+    assert meta["pch"] == gch.parent.name and meta["pch_units"] == ["bind.cpp"]
+    log = (Path(m.__file__).parent / "build.log").read_text()
+    assert f"-include {gch.parent / pch.WRAPPER}" in log and "not used" not in log
+    x = torch.randn(1000, device="cuda")
+    torch.testing.assert_close(m.twice(x), 2 * x)
