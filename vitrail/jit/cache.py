@@ -3,7 +3,8 @@
 Layout under :func:`cache_dir` (all paths relative, so a copied cache still hits)::
 
     v1/kernels/ab/<key>/   one published build: the artifact, meta.json (with its sha256),
-                           the source, the compiler log and, for nvcc, the PTX
+                           the source, the compiler log and, for nvcc, the PTX (or the
+                           precompiled header of torch's that extensions use: pch.py)
     v1/locks/<key>.lock    flock'd while a process builds <key>; holds the holder's pid
     v1/tmp/<key>.<pid>.*   private build directories, renamed into kernels/ when complete
     v1/failed/<name>-<key> the source and log of a failed compile, for reproduction
