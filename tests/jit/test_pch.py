@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import textwrap
 import time
 import types
 from pathlib import Path
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import vitrail
-from vitrail.jit import extension, pch
+from vitrail.jit import extension, pch, toolchain
 from vitrail.jit.cache import KernelCache
 from vitrail.jit.compiler import BuildFailed
 from vitrail.jit.errors import CompileError
@@ -400,3 +401,41 @@ def test_a_cuda_extensions_cpp_unit_uses_the_pch_and_its_cu_unit_none(tmp_path, 
     assert f"-include {gch.parent / pch.WRAPPER}" in log and "not used" not in log
     x = torch.randn(1000, device="cuda")
     torch.testing.assert_close(m.twice(x), 2 * x)
+
+
+# ------------------------------------------------------------------------ many processes
+BUILDER = r"""
+import sys
+from vitrail.jit.extension import build_torch_pch
+print(build_torch_pch())
+"""
+
+
+def test_processes_wanting_the_pch_at_once_build_it_once(tmp_path):
+    """Four processes ask for the PCH at once: one builds it (under the cache's per-key lock),
+    the others wait and get the same one. The compiler is a wrapper that writes a dummy .gch
+    (a second long) for a header, and runs g++ for anything else (--version)."""
+    real = toolchain.host_cxx()
+    log = tmp_path / "headers.log"
+    cxx = tmp_path / "g++"
+    cxx.write_text(textwrap.dedent(f"""\
+        #!/bin/bash
+        case " $* " in *" c++-header "*) ;; *) exec "{real}" "$@";; esac
+        echo "$$" >> "{log}"
+        sleep 1
+        while [ $# -gt 0 ]; do [ "$1" = -o ] && out="$2"; shift; done
+        echo dummy > "$out"
+        """))
+    cxx.chmod(0o755)
+    env = _env(tmp_path / "cache", CXX=str(cxx))
+    procs = [subprocess.Popen([sys.executable, "-c", BUILDER], env=env, cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    paths = set()
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+        paths.add(out.strip())
+    assert len(log.read_text().split()) == 1  # built once
+    (path,) = paths
+    assert Path(path).read_text() == "dummy\n"
