@@ -41,7 +41,8 @@ other flags or by another gcc (-Winvalid-pch) and then compiles the header's tex
 correct (logged at debug level). A unit whose compile fails in a way that names the PCH or
 crashes gcc, or whose PCH fails its sha256, is compiled again without it (logged at debug
 level); a PCH that failed its sha256 or its size is removed, and built again next time.
-VITRAIL_TORCH_PCH=0 turns all of this off.
+VITRAIL_TORCH_PCH=0 turns all of this off. VITRAIL_FORCE_RECOMPILE rebuilds extensions, not
+their PCH: ``vitrail cache clear`` (or prune) removes it.
 
 CUDA: a .cu unit gets no PCH, as nvcc has none to give: its host side compiles the output of
 cudafe++ (torch's headers already expanded and rewritten, where a gcc PCH cannot apply), its
@@ -261,6 +262,7 @@ def build_in_background(pch: Spec, cache: KernelCache) -> int | None:
     env = {**os.environ, knobs.CACHE_DIR.name: str(cache.root.parent),
            "PYTHONPATH": os.pathsep.join(p for p in (package, os.environ.get("PYTHONPATH"))
                                          if p)}
+    env.pop(knobs.FORCE_RECOMPILE.name, None)  # one that another process publishes first is it
     proc = subprocess.Popen(
         [sys.executable, "-c", "import sys; from vitrail.jit import pch; sys.exit(pch._main())",
          json.dumps(dataclasses.asdict(pch))], env=env, stdin=subprocess.DEVNULL,
