@@ -15,7 +15,8 @@ by name:
 - A .cpp unit that starts with ``#include <torch/extension.h>`` (every load_inline main.cpp)
   compiles against a precompiled header of it that gcc builds once per torch, compiler and
   flags, in the background, and every extension then uses (vitrail.jit.pch: which units, its
-  key, why .cu units get none; VITRAIL_TORCH_PCH=0 turns it off): 26 s -> 10 s here.
+  key, why .cu units get none; VITRAIL_TORCH_PCH=0 turns it off): a cold build of one
+  function took 8.6 s instead of 20.5 s (torch's: 23.7 s) on two cores.
 - A warm load runs no compiler: the compilers' identities are remembered per binary (path,
   size, mtime) in the cache's tools.json, torch's headers are keyed by torch's version.
 
