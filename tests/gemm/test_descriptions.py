@@ -289,8 +289,8 @@ def test_grouped_operation_emits_and_refuses():
 def test_every_valid_config_of_the_space_emits():
     """What PickBest may compile: every config the constraints let through is a description
     that emits, and no two share a kernel name (the torch config aside: it compiles nothing)."""
-    from vitrail.ops.gemm import configs, model
-    from vitrail.ops.gemm.launch import op_for
+    from vitrail.gemm.ops import configs, model
+    from vitrail.gemm.ops.launch import op_for
     from vitrail.tune import limits
     lim = limits(arch="90a")
     for kind in configs.default_kinds():

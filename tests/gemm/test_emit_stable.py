@@ -85,8 +85,8 @@ def test_the_emitted_source_and_its_cache_key_are_unchanged(case):
 def test_the_gemm_ops_tuning_key_is_unchanged():
     """An Op's tuning-store key hashes its kernel's template: timings stay valid across a
     refactor only while it is the same text."""
-    from vitrail.ops.gemm.configs import Kind
-    from vitrail.ops.gemm.launch import op_for
+    from vitrail.gemm.ops.configs import Kind
+    from vitrail.gemm.ops.launch import op_for
     op = op_for(Kind("bf16", "bf16", "row", "row", E("bf16")))
     assert op.tunable.source_hash == STORED_TUNING_KEY
 

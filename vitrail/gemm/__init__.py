@@ -6,7 +6,7 @@ CUTLASS 3 kernel (TMA, wgmma, warp specialization, persistent or stream-K schedu
 through vitrail.jit, and runs it on ``GemmArguments`` built from torch tensors, NumPy, CuPy or
 DLPack arrays. Modes: gemm, batched, split_k_serial (stream-K), split_k_parallel (split_k.py),
 array (array.py, lists of tensors: ``ArrayArguments``); ``AccurateF32Operation`` is the 3xTF32
-fp32 GEMM (fast_f32.py). ``ConvOperation`` (conv.py) is a 2-D convolution (fprop, dgrad, wgrad)
+fp32 GEMM (accurate.py). ``ConvOperation`` (conv.py) is a 2-D convolution (fprop, dgrad, wgrad)
 on the same descriptions, emitted on CUTLASS 3's sm90 implicit GEMM and run on ``ConvArguments``
 (conv_arguments.py). The torch ops on top live in ``vitrail.ops.gemm`` and ``vitrail.ops.conv``.
 """
@@ -16,7 +16,7 @@ from vitrail.gemm.epilogue import ACTIVATIONS, LinearCombination
 from vitrail.gemm.operation import GemmOperation, compile_many
 from vitrail.gemm.arguments import GemmArguments
 from vitrail.gemm.array import ArrayArguments
-from vitrail.gemm.fast_f32 import AccurateF32Operation
+from vitrail.gemm.accurate import AccurateF32Operation
 from vitrail.gemm.conv import ConvOperation
 from vitrail.gemm.conv_arguments import Conv2dProblem, ConvArguments
 

@@ -21,7 +21,7 @@ from vitrail.gemm.emitter import CODES
 from vitrail.gemm.grouped import GroupedGemmOperation
 from vitrail.jit.errors import ArgumentError, LaunchError
 from vitrail.ops.common import EAGER, GRAD, call_mode, check_tensor
-from vitrail.ops.gemm.launch import is_hopper
+from vitrail.gemm.ops.launch import is_hopper
 from vitrail.plan import GENERAL, Plans, scratch, signature
 from vitrail.plan.native import front
 
@@ -192,7 +192,7 @@ class _GroupedPacked(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        from vitrail.ops.gemm.dense import gemm
+        from vitrail.gemm.ops.dense import gemm
         a, b, offsets = ctx.saved_tensors
         g = g.to(a.dtype)
         ga = gb = None
@@ -231,7 +231,7 @@ def grouped_mm(a, b, offsets: Optional[Tensor] = None, *,
     grouped launch for the packed form), of b through gemm launches (the packed form syncs on
     the offsets once in backward); offsets get none.
     """
-    from vitrail.ops.gemm.dense import gemm
+    from vitrail.gemm.ops.dense import gemm
     name = "vitrail.ops.grouped_mm"
     if isinstance(a, (list, tuple)):
         if not isinstance(b, (list, tuple)) or len(a) != len(b):
@@ -298,7 +298,7 @@ def _new_packed(a: Tensor, b: Tensor, offsets: Tensor, out_dtype) -> tuple[Tenso
 def _packed_into(a: Tensor, b: Tensor, offsets: Tensor, out: Tensor, out_dtype) -> None:
     """out = the packed form of a, b and offsets (checked): the grouped kernel where it takes
     the operands, else a loop of gemm launches."""
-    from vitrail.ops.gemm.dense import gemm
+    from vitrail.gemm.ops.dense import gemm
     name = "vitrail.ops.grouped_mm"
     if (out.dtype == a.dtype and b.shape[0] and a.shape[1] and b.shape[2]
             and _packed_kernel(a, b, offsets, out)):
