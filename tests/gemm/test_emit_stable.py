@@ -10,7 +10,6 @@ import pytest
 
 from vitrail.gemm import (AccurateF32Operation, ConvOperation, GemmOperation, LinearCombination,
                           MathInstruction, TensorDescription, TileDescription)
-from vitrail.gemm.grouped import GroupedGemmOperation
 
 T, M, E = TensorDescription, MathInstruction, LinearCombination
 
@@ -40,9 +39,9 @@ CASES = {
     "fp8_fast": lambda: _gemm("e4m3", "col", tile=TileDescription((128, 256, 128), (2, 1, 1)),
                               epi=E("bf16", scale_a="tensor", scale_b="tensor"), fast=True),
     "accurate": lambda: AccurateF32Operation("row", "col"),
-    "grouped": lambda: GroupedGemmOperation(T("bf16", "row"), T("bf16", "col"), T("bf16", "row"),
-                                            M("bf16", "bf16"),
-                                            TileDescription((128, 256, 64), (2, 1, 1))),
+    "grouped": lambda: GemmOperation(T("bf16", "row"), T("bf16", "col"), T("bf16", "row"),
+                                     M("bf16", "bf16"), TileDescription((128, 256, 64), (2, 1, 1)),
+                                     mode="grouped"),
     "conv_fprop_bias": lambda: ConvOperation(
         "fprop", T("bf16"), T("bf16"), T("bf16"), M("bf16", "bf16"),
         TileDescription((128, 128, 64), kernel_schedule="warpspecialized"),

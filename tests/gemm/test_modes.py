@@ -9,7 +9,7 @@ import torch
 from tests.conftest import requires_gpu, requires_nvcc
 from vitrail.gemm import (GemmArguments, GemmOperation, LinearCombination, MathInstruction,
                           TensorDescription, TileDescription)
-from vitrail.gemm.array import ArrayArguments, _common_layout
+from vitrail.gemm.arguments import ArrayArguments, _common_layout
 from vitrail.gemm.accurate import AccurateF32Operation
 
 pytestmark = pytest.mark.warm_cache

@@ -15,7 +15,7 @@ from vitrail.gemm.descriptions import (DTYPES, KERNEL_SCHEDULES, TILE_SCHEDULERS
 from vitrail.gemm.epilogue import ACTIVATIONS, LinearCombination
 from vitrail.gemm.operation import GemmOperation, compile_many
 from vitrail.gemm.arguments import GemmArguments
-from vitrail.gemm.array import ArrayArguments
+from vitrail.gemm.arguments import ArrayArguments
 from vitrail.gemm.accurate import AccurateF32Operation
 from vitrail.gemm.conv import ConvOperation
 from vitrail.gemm.conv_arguments import Conv2dProblem, ConvArguments

@@ -1,5 +1,6 @@
 """grouped_mm: a list of GEMMs, or the packed MoE form (rows of a split by group offsets, one
-weight matrix per group), in one launch of the grouped kernel (vitrail.gemm.grouped).
+weight matrix per group), in one launch of the grouped kernel (GemmOperation mode 'grouped':
+vitrail/gemm/emit/grouped.py).
 
 The packed form builds the per-group sizes, pointers and strides on the GPU from the offsets
 (no host sync) in one small NVRTC kernel, which also zeroes the rows after the last offset and
@@ -15,10 +16,9 @@ import torch
 from torch import Tensor
 
 from vitrail.device import ctype, sm_count
-from vitrail.gemm import MathInstruction, TensorDescription, TileDescription
+from vitrail.gemm import GemmOperation, MathInstruction, TensorDescription, TileDescription
 from vitrail.gemm.arguments import describe
-from vitrail.gemm.emitter import CODES
-from vitrail.gemm.grouped import GroupedGemmOperation
+from vitrail.gemm.emit import CODES
 from vitrail.jit.errors import ArgumentError, LaunchError
 from vitrail.ops.common import EAGER, GRAD, call_mode, check_tensor
 from vitrail.gemm.ops.launch import is_hopper
@@ -62,14 +62,14 @@ __global__ void vitrail_grouped_prep(
 """
 
 
-def operation(dtype: torch.dtype, layout_b: str) -> GroupedGemmOperation:
+def operation(dtype: torch.dtype, layout_b: str) -> GemmOperation:
     el = ELEMENTS[dtype]
-    return GroupedGemmOperation(A=TensorDescription(el, "row"), B=TensorDescription(el, layout_b),
-                                D=TensorDescription(el, "row"), math=MathInstruction(el, el),
-                                tile=TileDescription((128, 256, 64), (2, 1, 1)))
+    return GemmOperation(A=TensorDescription(el, "row"), B=TensorDescription(el, layout_b),
+                         D=TensorDescription(el, "row"), math=MathInstruction(el, el),
+                         tile=TileDescription((128, 256, 64), (2, 1, 1)), mode="grouped")
 
 
-def _module(op: GroupedGemmOperation):
+def _module(op: GemmOperation):
     mod = _MODULES.get(op)
     if mod is None:
         mod = _MODULES[op] = op.compile()

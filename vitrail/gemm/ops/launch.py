@@ -20,7 +20,8 @@ from typing import Optional
 import torch
 
 from vitrail.device import vector
-from vitrail.gemm import LinearCombination, emitter
+from vitrail.gemm import LinearCombination
+from vitrail.gemm.emit import plain as plain_kernel
 from vitrail.gemm import arguments as gargs
 from vitrail.gemm.arguments import round_up as _round_up
 from vitrail.gemm.epilogue import ACTIVATION_FUNCTOR
@@ -84,7 +85,8 @@ def op_for(kind: Kind) -> Op:
             gargs.launch(g, module, args)
 
         op = _OPS[kind] = Op(kind.name, space=configs.space(kind),
-                             kernel_source=emitter._TEMPLATE + ACTIVATION_FUNCTOR + kind.name,
+                             kernel_source=plain_kernel.HOOKS.template() + ACTIVATION_FUNCTOR
+                             + kind.name,
                              render=render, launch=launch, examples=configs.DEFAULT_PROBLEMS,
                              make_problem=lambda shape, dtype=None: make_problem(kind, shape),
                              shape=SHAPE)
