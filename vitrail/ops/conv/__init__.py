@@ -34,9 +34,9 @@ from vitrail.gemm.conv import default_tile
 from vitrail.gemm.epilogue import ACTIVATIONS
 from vitrail.jit.errors import ArgumentError
 from vitrail.ops.common import check_same_device, check_tensor
-from vitrail.ops.gemm.operands import warn_once
-from vitrail.ops.gemm.reference import activation as _act
-from vitrail.ops.gemm.reference import activation_backward, grad_from_output
+from vitrail.gemm.ops.operands import warn_once
+from vitrail.gemm.ops.reference import activation as _act
+from vitrail.gemm.ops.reference import activation_backward, grad_from_output
 
 NAME = "vitrail.ops.conv2d"
 DTYPES = (torch.bfloat16, torch.float16)
