@@ -27,12 +27,15 @@ def pytest_configure(config):
 @pytest.fixture(autouse=True)
 def cache_dir(tmp_path, monkeypatch, request):
     """A fresh VITRAIL_CACHE_DIR per test (or --kernel-cache for tests marked warm_cache);
-    VITRAIL_ARCH=90a when no GPU is present."""
+    VITRAIL_ARCH=90a when no GPU is present; VITRAIL_TORCH_PCH=0."""
     shared = request.config.getoption("--kernel-cache")
     warm = shared and request.node.get_closest_marker("warm_cache") is not None
     root = Path(shared) if warm else tmp_path / "vitrail-cache"
     monkeypatch.setenv("VITRAIL_CACHE_DIR", str(root))
     monkeypatch.delenv("VITRAIL_FORCE_RECOMPILE", raising=False)
+    # no precompiled header of torch's built in the background (vitrail.jit.pch) into a cache
+    # removed when the test ends: the tests of it turn it on
+    monkeypatch.setenv("VITRAIL_TORCH_PCH", "0")
     if not has_gpu() and not os.environ.get("VITRAIL_ARCH"):
         monkeypatch.setenv("VITRAIL_ARCH", "90a")
     jit.clear_memory_cache()

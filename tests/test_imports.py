@@ -16,8 +16,10 @@ Layers, low to high; a module may import its own layer and those below:
   device   the GPU's facts and limits (in tune's terms: tune.space.Limits)
   plan     plans: an op call's launches recorded and replayed (native: the C++ hit path)
   gemm     GEMM descriptions and the CUTLASS emitter, with their arguments and plans
+           (vitrail.gemm, all but its torch ops: vitrail.gemm.ops is in the ops layer)
   bench    the benchmark registry, its rows and report, and the JIT's own benchmarks
-  ops      the op library: families, their configs, benchmarks and tuning problems
+  ops      the op library: families, their configs, benchmarks and tuning problems; the GEMM
+           family's torch ops (vitrail.gemm.ops, the last stage of vitrail.gemm)
   cli      vitrail.cli and vitrail.doctor, the commands
 
 blocks, vitrail's C++ building blocks (vitrail/include/vitrail/*.cuh), hold no Python: kernels
@@ -41,7 +43,7 @@ LAYERS = [
     ["vitrail.plan"],
     ["vitrail.gemm"],
     ["vitrail.bench"],
-    ["vitrail.ops"],
+    ["vitrail.ops", "vitrail.gemm.ops"],
     ["vitrail.cli", "vitrail.doctor"],
 ]
 

@@ -156,10 +156,16 @@ def run_checks() -> list[Check]:
             version = None
         include = os.path.join(os.path.dirname(torch.__file__), "include")
         cxx = os.environ.get("CXX") or toolchain.host_cxx()
-        return torch_extensions(torch.version.cuda, version, toolchain.version_line(cxx),
-                                int(torch._C._GLIBCXX_USE_CXX11_ABI),
-                                os.path.isfile(os.path.join(include, "c10", "cuda", "impl",
-                                                            "cuda_cmake_macros.h")))
+        detail, warning = torch_extensions(
+            torch.version.cuda, version, toolchain.version_line(cxx),
+            int(torch._C._GLIBCXX_USE_CXX11_ABI),
+            os.path.isfile(os.path.join(include, "c10", "cuda", "impl", "cuda_cmake_macros.h")))
+        from vitrail.jit.extension import torch_pch_status
+        try:
+            status = torch_pch_status()
+        except Exception as e:  # the check above holds without it
+            status = f"precompiled header of torch/extension.h: unknown ({e})"
+        return f"{detail}; {status}", warning
     checks.append(_try("torch extensions", extensions,
                        "install the compilers torch's headers need (see the message)"))
 

@@ -105,6 +105,12 @@ ARCH = _knob(
     "VITRAIL_ARCH", "", _str,
     "Target GPU architecture, e.g. 90a, sm_90a or 9.0. Default: the current GPU "
     "(sm_90a on Hopper), else TORCH_CUDA_ARCH_LIST. Set it to build on a machine with no GPU.")
+TORCH_PCH = _knob(
+    "VITRAIL_TORCH_PCH", True, _bool,
+    "1: the C++ files of torch extensions (load_inline, load) whose first include is "
+    "torch/extension.h or torch/torch.h compile against a precompiled header of it, kept in the "
+    "cache per torch, gcc and flags (about 0.8 GB each) and built once, in the background, the "
+    "first time one is missing. 0: they parse torch's headers each time.")
 FORCE_RECOMPILE = _knob(
     "VITRAIL_FORCE_RECOMPILE", False, _bool,
     "1: ignore cached kernels on disk and compile each kernel again (once per process), "

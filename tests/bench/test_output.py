@@ -24,7 +24,7 @@ DATA = Path(__file__).parent / "data"
 def stored_run(name: str = "gemm-h100.json") -> tuple[dict, list[Row]]:
     """The JSON of a real `vitrail bench gemm` run and its rows (grouped as the bench groups
     them now: the run predates rows saying their group)."""
-    from vitrail.ops.gemm.benchmarks import group_of
+    from vitrail.gemm.ops.benchmarks import group_of
     doc = json.loads((DATA / name).read_text())
     rows = [Row(**{k: v for k, v in r.items() if k not in ("speedup_over", "roofline")})
             for r in doc["results"]["gemm"]]

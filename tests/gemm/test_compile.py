@@ -19,8 +19,8 @@ def test_compile_representative_operations(monkeypatch):
     monkeypatch.setenv("VITRAIL_ARCH", "90a")
     from vitrail.gemm import (GemmOperation, LinearCombination, MathInstruction,
                               TensorDescription, TileDescription, compile_many)
-    from vitrail.ops.gemm.configs import Kind, Problem, default_kinds, operation
-    from vitrail.ops.gemm.launch import op_for
+    from vitrail.gemm.ops.configs import Kind, Problem, default_kinds, operation
+    from vitrail.gemm.ops.launch import op_for
     from vitrail.tune import limits
 
     lim = limits(arch="90a")

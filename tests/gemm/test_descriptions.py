@@ -163,15 +163,14 @@ def test_sources_take_every_wgmma_n():
     narrower instructions (144 into 9 x n16) unless CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED is
     defined before its headers: a source whose MMAs take such an N defines it first (an FP8
     overlapped mainloop's slice too); the others leave its headers out (a slower front end)."""
-    from vitrail.gemm.grouped import GroupedGemmOperation
     ext = "#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED"
 
     def grouped(n):
-        return GroupedGemmOperation(A=TensorDescription("bf16", "row"),
-                                    B=TensorDescription("bf16", "row"),
-                                    D=TensorDescription("bf16", "row"),
-                                    math=MathInstruction("bf16", "bf16"),
-                                    tile=TileDescription((128, n, 64), (1, 1, 1)))
+        return GemmOperation(A=TensorDescription("bf16", "row"),
+                             B=TensorDescription("bf16", "row"),
+                             D=TensorDescription("bf16", "row"),
+                             math=MathInstruction("bf16", "bf16"),
+                             tile=TileDescription((128, n, 64), (1, 1, 1)), mode="grouped")
     extended = [make_op(tile_shape=(128, 144, 64)), _fp8(tile_shape=(128, 144, 128)),
                 _fp8(tile_shape=(128, 144, 128), mode="array"), grouped(144),
                 _fp8(tile_shape=(128, 160, 128))]
@@ -266,31 +265,38 @@ def test_degenerate_dims_get_aligned_strides():
 
 
 def test_grouped_operation_emits_and_refuses():
-    from vitrail.gemm.grouped import GroupedGemmOperation
-    op = GroupedGemmOperation(A=TensorDescription("bf16", "row"), B=TensorDescription("bf16", "col"),
-                              D=TensorDescription("bf16", "row"),
-                              math=MathInstruction("bf16", "bf16"),
-                              tile=TileDescription((128, 256, 64), (2, 1, 1)))
+    op = GemmOperation(A=TensorDescription("bf16", "row"), B=TensorDescription("bf16", "col"),
+                       D=TensorDescription("bf16", "row"), math=MathInstruction("bf16", "bf16"),
+                       tile=TileDescription((128, 256, 64), (2, 1, 1)), mode="grouped")
     src = op.emit()
     assert "GroupProblemShape" in src and "KernelPtrArrayTmaWarpSpecializedCooperative" in src
     assert "cutlass::layout::ColumnMajor*" in src and "kGrouped" in src
     assert 'extern "C" int vitrail_grouped_gemm(' in src
     assert "gemm_universal_adapter" not in src
-    with pytest.raises(ValueError, match="grouped persistent"):
-        GroupedGemmOperation(A=TensorDescription("bf16"), B=TensorDescription("bf16"),
-                             D=TensorDescription("bf16"), math=MathInstruction("bf16", "bf16"),
-                             tile=TileDescription(tile_scheduler="stream_k"))
+    with pytest.raises(ValueError, match="'grouped' runs on the persistent tile scheduler"):
+        GemmOperation(A=TensorDescription("bf16"), B=TensorDescription("bf16"),
+                      D=TensorDescription("bf16"), math=MathInstruction("bf16", "bf16"),
+                      tile=TileDescription(tile_scheduler="stream_k"), mode="grouped")
     with pytest.raises(ValueError, match="K-major"):
-        GroupedGemmOperation(A=TensorDescription("e4m3"), B=TensorDescription("e4m3"),
-                             D=TensorDescription("bf16"), math=MathInstruction("e4m3", "e4m3"),
-                             tile=TileDescription((128, 128, 128)))
+        GemmOperation(A=TensorDescription("e4m3"), B=TensorDescription("e4m3"),
+                      D=TensorDescription("bf16"), math=MathInstruction("e4m3", "e4m3"),
+                      tile=TileDescription((128, 128, 128)), mode="grouped")
+    with pytest.raises(ValueError, match="D must be 'row'"):
+        GemmOperation(A=TensorDescription("bf16"), B=TensorDescription("bf16"),
+                      D=TensorDescription("bf16", "col"), math=MathInstruction("bf16", "bf16"),
+                      mode="grouped")
+    with pytest.raises(ValueError, match="source"):
+        GemmOperation(A=TensorDescription("bf16"), B=TensorDescription("bf16"),
+                      D=TensorDescription("bf16"), math=MathInstruction("bf16", "bf16"),
+                      epilogue=LinearCombination("bf16", element_source="bf16"), mode="grouped")
+    assert op.can_implement(object()) and "device arrays" in op.can_implement(object())[0]
 
 
 def test_every_valid_config_of_the_space_emits():
     """What PickBest may compile: every config the constraints let through is a description
     that emits, and no two share a kernel name (the torch config aside: it compiles nothing)."""
-    from vitrail.ops.gemm import configs, model
-    from vitrail.ops.gemm.launch import op_for
+    from vitrail.gemm.ops import configs, model
+    from vitrail.gemm.ops.launch import op_for
     from vitrail.tune import limits
     lim = limits(arch="90a")
     for kind in configs.default_kinds():

@@ -9,8 +9,8 @@ import torch
 from tests.conftest import requires_gpu, requires_nvcc
 from vitrail.gemm import (GemmArguments, GemmOperation, LinearCombination, MathInstruction,
                           TensorDescription, TileDescription)
-from vitrail.gemm.array import ArrayArguments, _common_layout
-from vitrail.gemm.fast_f32 import AccurateF32Operation
+from vitrail.gemm.arguments import ArrayArguments, _common_layout
+from vitrail.gemm.accurate import AccurateF32Operation
 
 pytestmark = pytest.mark.warm_cache
 
@@ -143,7 +143,7 @@ def with_pitch(rows, cols, dtype):
 @pytest.mark.parametrize("M,N,K", SHAPES)
 @pytest.mark.parametrize("splits", [1, 3, 8])
 def test_split_k_parallel_values(M, N, K, splits):
-    from vitrail.ops.gemm.reference import gemm_reference
+    from vitrail.gemm.ops.reference import gemm_reference
     a = with_pitch(M, K, torch.bfloat16)
     b = with_pitch(N, K, torch.bfloat16).t()
     c = with_pitch(M, N, torch.bfloat16)

@@ -142,3 +142,31 @@ def test_compiles_under_torch_compile():
     f = torch.compile(lambda a, b: conv2d(a, b, padding=1, activation="relu"), fullgraph=True)
     want = torch.relu(torch.nn.functional.conv2d(x.double(), w.double(), padding=1))
     _close(f(x, w), want, torch.bfloat16, "compiled")
+
+
+@pytest.mark.parametrize("kind", ["fprop", "dgrad", "wgrad"])
+@pytest.mark.parametrize("H, W", [(7, 7), (33, 33), (33, 7)])
+def test_every_output_element_is_written(kind, H, W):
+    """Each kind into an output filled with NaN, three times (3x3, stride 1, padding 1: some of
+    these failed in a sharded H200 run and passed alone, as an output left partly unwritten
+    would, since fresh memory often reads as zeros)."""
+    from vitrail.gemm import ConvArguments
+    from vitrail.ops.conv import operation
+    N, C, K = 2, 16, 24
+    x, w = _tensors(N, C, H, W, K, 3, 3, torch.bfloat16, seed=4)
+    x64, w64 = x.double().requires_grad_(True), w.double().requires_grad_(True)
+    y64 = torch.nn.functional.conv2d(x64, w64, padding=1)
+    dy = torch.randn_like(y64).to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    y64.backward(dy.double())
+    nhwc = (lambda t: t.permute(0, 2, 3, 1))
+    a, b, want = {"fprop": (nhwc(x), nhwc(w), y64.detach()),
+                  "dgrad": (nhwc(dy), nhwc(w), x64.grad),
+                  "wgrad": (nhwc(dy).contiguous(), nhwc(x), w64.grad)}[kind]
+    op = operation(kind, torch.bfloat16)
+    for _ in range(3):
+        d = torch.full(nhwc(want).shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+        args = ConvArguments.from_tensors(op, a, b, d, padding=1)
+        assert op.can_implement(args) == []
+        op.run(args)
+        assert not d.isnan().any(), f"{kind}: {int(d.isnan().sum())} elements not written"
+        _close(d, nhwc(want), torch.bfloat16, kind)

@@ -53,7 +53,7 @@ def test_fake_impls_shapes_and_dtypes():
 
 def test_heuristic_and_space():
     from vitrail.gemm import LinearCombination
-    from vitrail.ops.gemm import configs, model
+    from vitrail.gemm.ops import configs, model
     from vitrail.tune import limits
     lim = limits(arch="90a")
     fused = configs.Kind("bf16", "bf16", "row", "col", LinearCombination("bf16", bias="col",
@@ -85,7 +85,7 @@ def test_heuristic_and_space():
 def test_selection_generalizes():
     """Each shape of the shipped sweep chosen from the others only (leave one out): the choice
     is within a few percent of the shape's best option, and never much slower than torch."""
-    from vitrail.ops.gemm import model
+    from vitrail.gemm.ops import model
     rows = model.table()
     slowdowns, vs_torch = [], []
     for i, (point, slowdown) in enumerate(rows):
@@ -107,7 +107,7 @@ def test_selection_generalizes():
 def record(monkeypatch):
     """launch.run on CPU tensors, recording (kind, problem, prepared operands) instead of
     launching: the host-side preparation (layouts, copies, kinds) is tested without a GPU."""
-    from vitrail.ops.gemm import launch, operands, testing
+    from vitrail.gemm.ops import launch, operands, testing
     monkeypatch.setattr(launch, "is_hopper", lambda device: True)
     monkeypatch.setattr(operands, "_WARNED", set())
     with testing.recording() as found:
@@ -117,9 +117,9 @@ def record(monkeypatch):
 def prepared_reasons(kind, problem, tensors):
     """can_implement of the heuristic's operation on the prepared operands."""
     from vitrail.gemm.arguments import GemmArguments, describe
-    from vitrail.ops.gemm import configs
+    from vitrail.gemm.ops import configs
     from vitrail.tune import limits
-    from vitrail.ops.gemm import model
+    from vitrail.gemm.ops import model
     a, b, c, d, bias, sa, sb = tensors
     config = configs.space(kind).default(problem, limits(arch="90a"))
     if config.backend != "vitrail":  # torch's matmul runs it; the kernel chosen without torch
@@ -133,7 +133,7 @@ def prepared_reasons(kind, problem, tensors):
 
 
 def test_preparation_layouts_and_copies(record):
-    from vitrail.ops.gemm.launch import run
+    from vitrail.gemm.ops.launch import run
     bf = torch.bfloat16
     a, w = torch.randn(100, 64, dtype=bf), torch.randn(40, 64, dtype=bf)
     plain = (None, None, 1.0, 0.0, None, 0.01, None, None)
@@ -164,7 +164,7 @@ def test_preparation_layouts_and_copies(record):
 
 
 def test_preparation_epilogues_batches_and_fp8(record):
-    from vitrail.ops.gemm.launch import run
+    from vitrail.gemm.ops.launch import run
     bf = torch.bfloat16
     a, b = torch.randn(3, 50, 24, dtype=bf), torch.randn(24, 40, dtype=bf)
     c, bias_row = torch.randn(40, dtype=bf), torch.randn(50, 1, dtype=torch.float32)
@@ -215,7 +215,7 @@ def plain_args():
 def poison():
     """Outputs start as NaN, and every GEMM runs a vitrail kernel (not torch's matmul, which
     the selection takes where it is faster: test_selection_routes)."""
-    from vitrail.ops.gemm import testing
+    from vitrail.gemm.ops import testing
     with testing.poisoned(), testing.kernels_only():
         yield
 
@@ -225,7 +225,7 @@ def test_selection_routes():
     """Plain bf16 products on both routes of the selection (torch's matmul, vitrail's kernels),
     through the general path and then the plan, against fp64; alpha on the torch route."""
     ops = family()
-    from vitrail.ops.gemm import launch, model
+    from vitrail.gemm.ops import launch, model
     routes = set()
     for M, N, K in [(1024, 1024, 1024), (8192, 8192, 8192), (16, 4096, 14336), (100, 300, 70),
                     (5000, 3000, 2000)]:
@@ -247,7 +247,7 @@ def test_pick_best_times_torch_among_the_candidates(monkeypatch, tmp_path):
     where it is faster (M = N = 128, K = 131072: torch 30 µs, the best kernel 109 µs on the
     H100); PickAny then takes the stored choice."""
     ops = family()
-    from vitrail.ops.gemm import launch
+    from vitrail.gemm.ops import launch
     from vitrail.tune import PickAny, PickBest, TuningStore, settings, tuner
     store = TuningStore(tmp_path / "tuning.sqlite")  # not the shared cache's store
     monkeypatch.setattr(tuner, "TuningStore", lambda: store)
@@ -340,7 +340,7 @@ def test_mm_layouts(dtype, la, lb, poison):
 @requires_gpu
 def test_transposed_views_are_not_copied(monkeypatch):
     ops = family()
-    from vitrail.ops.gemm import launch, operands
+    from vitrail.gemm.ops import launch, operands
     copies = []
     real = operands.aligned
 
@@ -403,7 +403,7 @@ def test_gemm_epilogue_stream_k(epi, poison):
 
 def check_epilogue(epi, M, N, K):
     ops = family()
-    from vitrail.ops.gemm.reference import gemm_reference
+    from vitrail.gemm.ops.reference import gemm_reference
     epi = dict(epi)
     a, b = rand(M, K), rand(K, N)
     kw = {k: epi[k] for k in ("alpha", "beta", "activation", "slope", "clamp_min", "clamp_max")

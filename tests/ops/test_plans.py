@@ -19,7 +19,7 @@ BF = torch.bfloat16
 def kernels_only():
     """GEMMs on vitrail's kernels: the plans of kernel launches are under test here (the GEMM
     selection's torch route has its own plan: tests/ops/test_gemm.py)."""
-    from vitrail.ops.gemm import testing
+    from vitrail.gemm.ops import testing
     with testing.kernels_only():
         yield
 
@@ -92,7 +92,7 @@ def test_hit_path_matches_the_reference_on_fresh_data(case):
 def test_plans_are_recorded_for_the_common_calls():
     ops = _ops()
     from vitrail.ops.copy import PLANS as copy_plans
-    from vitrail.ops.gemm.launch import PLANS as gemm_plans
+    from vitrail.gemm.ops.launch import PLANS as gemm_plans
     from vitrail.ops.softmax import PLANS as softmax_plans
     from vitrail.ops.sympow import PLANS as sympow_plans
     x = torch.randn(64, 512, device="cuda", dtype=BF)
@@ -162,7 +162,7 @@ def _defaults(fn, given: int, extra: int) -> tuple:
 
 def test_the_cpp_hit_path_keeps_aliasing_strides_and_the_torch_route_right(native):
     ops = _ops()
-    from vitrail.ops.gemm import testing
+    from vitrail.gemm.ops import testing
     a, b = (torch.randn(64, 64, device="cuda", dtype=BF) for _ in range(2))
     for _ in range(3):  # one tensor twice, then two: never the first twice
         _close(ops.mm(a, a), a.float() @ a.float(), 0.1)
@@ -308,7 +308,7 @@ def test_gemm_autograd_path_matches_fp64_and_the_custom_op(activation, clamp):
     (gelu, clamps), with or without bias's gradient; create_graph goes through the custom op,
     so a second derivative exists."""
     ops = _ops()
-    from vitrail.ops.gemm.reference import gemm_reference
+    from vitrail.gemm.ops.reference import gemm_reference
     lo, hi = clamp or (None, None)
     for k in range(4):
         a, b, bias = (torch.randn(*s, device="cuda", dtype=BF) for s in ((70, 48), (48, 40),

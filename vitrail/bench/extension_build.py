@@ -1,16 +1,25 @@
-"""Building torch extensions: vitrail.jit.load_inline beside torch's, in the same run, on the CPU.
+"""Building torch extensions: vitrail.jit's load_inline and load beside torch's, in the same run,
+on the CPU.
 
-    python -m vitrail.bench.extension_build [--warm N] [--no-killed] [--out FILE.json]
+    python -m vitrail.bench.extension_build [--cases small,large] [--warm N] [--no-killed]
+                                            [--out FILE.json]
 
-For one cpp-only extension (one function on ``torch::Tensor``, bound by ``functions=``), each
-measured in fresh processes with empty caches (a fresh VITRAIL_CACHE_DIR and
-TORCH_EXTENSIONS_DIR, and a source no cache has seen):
+Two cpp-only extensions: ``small``, one function on ``torch::Tensor`` bound by ``functions=``
+(``load_inline``); ``large``, five functions in one .cpp file and their bindings in another
+(``load``). Each is built by torch, by vitrail without its precompiled header of
+torch/extension.h (VITRAIL_TORCH_PCH=0) and by vitrail with it (vitrail.jit.pch), each measured
+in fresh processes with empty caches (a fresh VITRAIL_CACHE_DIR and TORCH_EXTENSIONS_DIR, and a
+source no cache has seen):
 
-- cold: seconds of the first ``load_inline`` call (compile, link, load);
-- warm: milliseconds of the ``load_inline`` call in a new process once it is built (the
-  median of N processes; the import of the function is timed apart);
+- pch build: seconds of the PCH's one-time build (``build_torch_pch`` in a new process), before
+  the PCH rows, which use it; "cold + pch" adds it to their cold build;
+- cold: seconds of the first call (compile, link, load);
+- warm: milliseconds of the call in a new process once it is built (the median of N processes;
+  the import of the function is timed apart);
 - killed: a build killed with SIGKILL half-way, then a load in a new process: its seconds, or
-  that it was still waiting when the limit came (torch's lock file outlives its builder).
+  that it was still waiting when the limit came (torch's lock file outlives its builder). The
+  compilers the killed build left running are killed before the load is timed (gcc's cc1plus
+  outlives its driver, which vitrail's builds take down with them).
 
 These are not GPU kernels, so this is a script rather than an entry of ``vitrail bench``.
 """
@@ -28,100 +37,186 @@ import time
 import uuid
 from pathlib import Path
 
-SOURCE = """
+SMALL = """
 // {salt}
 at::Tensor scale_add(const at::Tensor& x, const at::Tensor& y, double alpha) {{
   return x * alpha + y;
 }}
 """
+LARGE_OPS = """#include <torch/extension.h>
+// {salt}
+at::Tensor scale_add(const at::Tensor& x, const at::Tensor& y, double alpha) {{
+  return x * alpha + y;
+}}
+at::Tensor row_softmax(const at::Tensor& x) {{ return at::softmax(x, -1); }}
+at::Tensor clamp_square(const at::Tensor& x, double hi) {{ return x.square().clamp_max(hi); }}
+at::Tensor gelu_tanh(const at::Tensor& x) {{ return at::gelu(x, "tanh"); }}
+std::vector<at::Tensor> split_norm(const at::Tensor& x) {{
+  auto n = x.norm(2, -1, true);
+  return {{x / n, n}};
+}}
+"""
+LARGE_BIND = """#include <torch/extension.h>
+// {salt}
+at::Tensor scale_add(const at::Tensor& x, const at::Tensor& y, double alpha);
+at::Tensor row_softmax(const at::Tensor& x);
+at::Tensor clamp_square(const at::Tensor& x, double hi);
+at::Tensor gelu_tanh(const at::Tensor& x);
+std::vector<at::Tensor> split_norm(const at::Tensor& x);
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{
+  m.def("scale_add", &scale_add);
+  m.def("row_softmax", &row_softmax);
+  m.def("clamp_square", &clamp_square);
+  m.def("gelu_tanh", &gelu_tanh);
+  m.def("split_norm", &split_norm);
+}}
+"""
 CHILD = r"""
 import json, sys, time
-impl, name, source = sys.argv[1:4]
+impl, case, name, source = sys.argv[1:5]
 import torch
 t = time.perf_counter()
 if impl == "torch":
-    from torch.utils.cpp_extension import load_inline
+    from torch.utils.cpp_extension import load_inline, load
 else:
-    from vitrail.jit import load_inline
+    from vitrail.jit import load_inline, load
 imported = time.perf_counter() - t
 t = time.perf_counter()
-m = load_inline(name, cpp_sources=source, functions=["scale_add"])
+if case == "small":
+    m = load_inline(name, cpp_sources=source, functions=["scale_add"])
+else:
+    m = load(name, json.loads(source))
 call = time.perf_counter() - t
 x = torch.randn(5)
 assert torch.allclose(m.scale_add(x, x, 2.0), 3 * x)
 print(json.dumps({"import_s": imported, "call_s": call}))
 """
-IMPLS = ("torch", "vitrail")
+PCH_CHILD = r"""
+import time
+t = time.perf_counter()
+from vitrail.jit.extension import build_torch_pch
+build_torch_pch()
+print(time.perf_counter() - t)
+"""
+IMPLS = {"torch": {}, "vitrail": {"VITRAIL_TORCH_PCH": "0"},
+         "vitrail+pch": {"VITRAIL_TORCH_PCH": "1"}}
+CASES = ("small", "large")
 
 
-def _run(impl: str, name: str, source: str, env: dict, timeout: float | None = None) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, impl, name, source], env=env,
-                         capture_output=True, text=True, timeout=timeout)
+def _source(case: str, folder: Path) -> str:
+    """A source (small) or the JSON list of source files (large) that no cache has seen."""
+    salt = uuid.uuid4().hex
+    if case == "small":
+        return SMALL.format(salt=salt)
+    folder = folder / salt
+    folder.mkdir(parents=True)
+    (folder / "ops.cpp").write_text(LARGE_OPS.format(salt=salt))
+    (folder / "bind.cpp").write_text(LARGE_BIND.format(salt=salt))
+    return json.dumps([str(folder / "ops.cpp"), str(folder / "bind.cpp")])
+
+
+def _run(impl: str, case: str, name: str, source: str, env: dict,
+         timeout: float | None = None) -> dict:
+    out = subprocess.run([sys.executable, "-c", CHILD, impl, case, name, source],
+                         env={**env, **IMPLS[impl]}, capture_output=True, text=True,
+                         timeout=timeout)
     if out.returncode != 0:
         raise RuntimeError(f"{impl}: the child failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.splitlines()[-1])
 
 
-def _killed(impl: str, name: str, source: str, env: dict, after: float, limit: float) -> str:
+def _kill_left_in(folder: Path) -> None:
+    """SIGKILL the processes whose working directory is under folder (a killed build's
+    compilers)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and os.readlink(proc / "cwd").startswith(str(folder)):
+                os.kill(int(proc.name), signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def _killed(impl: str, case: str, name: str, source: str, env: dict, after: float,
+            limit: float, tmp: Path) -> str:
     """Kill a build after ``after`` seconds, then load in a new process for at most limit s."""
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, impl, name, source], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, impl, case, name, source],
+                            env={**env, **IMPLS[impl]}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
     time.sleep(after)
     os.killpg(proc.pid, signal.SIGKILL)  # the build's compilers too: a machine that reboots
     proc.wait()
+    time.sleep(0.5)
+    _kill_left_in(tmp)
     start = time.perf_counter()
     try:
-        _run(impl, name, source, env, timeout=limit)
+        _run(impl, case, name, source, env, timeout=limit)
     except subprocess.TimeoutExpired:
         return f"still waiting after {limit:.0f} s"
     return f"{time.perf_counter() - start:.1f} s"
 
 
-def measure(warm: int = 5, killed: bool = True, kill_after: float = 5.0,
-            limit: float = 60.0) -> dict:
+def measure(warm: int = 5, killed: bool = True, kill_after: float = 5.0, limit: float = 60.0,
+            cases=CASES) -> dict:
     results: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory(prefix="vitrail-ext-bench-") as tmp:
+    pch_s = None
+    with tempfile.TemporaryDirectory(prefix="vitrail-ext-bench-") as name:
+        tmp = Path(name)
         env = {k: v for k, v in os.environ.items() if not k.startswith("VITRAIL_")}
         env.update(VITRAIL_CACHE_DIR=f"{tmp}/vitrail", TORCH_EXTENSIONS_DIR=f"{tmp}/torch",
                    PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]),
                                                env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
         for impl in IMPLS:
-            name = f"bench_{impl}_{uuid.uuid4().hex[:8]}"
-            source = SOURCE.format(salt=uuid.uuid4().hex)
-            cold = _run(impl, name, source, env)
-            runs = [_run(impl, name, source, env) for _ in range(warm)]
-            results[impl] = {
-                "cold_s": round(cold["call_s"], 2),
-                "warm_ms": round(statistics.median(r["call_s"] for r in runs) * 1e3, 2),
-                "import_ms": round(statistics.median(r["import_s"] for r in runs) * 1e3, 1)}
-            if killed:
-                name = f"bench_killed_{impl}_{uuid.uuid4().hex[:8]}"
-                results[impl]["after_sigkill"] = _killed(
-                    impl, name, SOURCE.format(salt=uuid.uuid4().hex), env, kill_after, limit)
+            if impl == "vitrail+pch":
+                out = subprocess.run([sys.executable, "-c", PCH_CHILD], env=env, text=True,
+                                     capture_output=True, check=True)
+                pch_s = round(float(out.stdout.split()[-1]), 2)
+            for case in cases:
+                label = f"bench_{case}_{uuid.uuid4().hex[:8]}"
+                source = _source(case, tmp / "src")
+                cold = _run(impl, case, label, source, env)
+                runs = [_run(impl, case, label, source, env) for _ in range(warm)]
+                row = results.setdefault(case, {})[impl] = {
+                    "cold_s": round(cold["call_s"], 2),
+                    "warm_ms": round(statistics.median(r["call_s"] for r in runs) * 1e3, 2),
+                    "import_ms": round(statistics.median(r["import_s"] for r in runs) * 1e3, 1)}
+                if impl == "vitrail+pch":
+                    row["cold_with_pch_build_s"] = round(row["cold_s"] + pch_s, 2)
+                if killed:
+                    label = f"bench_killed_{case}_{uuid.uuid4().hex[:8]}"
+                    row["after_sigkill"] = _killed(impl, case, label, _source(case, tmp / "src"),
+                                                   env, kill_after, limit, tmp)
     import torch
-    return {"results": results, "torch": torch.__version__, "cpus": os.cpu_count(),
-            "python": sys.version.split()[0], "time": time.strftime("%Y-%m-%d %H:%M")}
+    return {"results": results, "pch_build_s": pch_s, "torch": torch.__version__,
+            "cpus": os.cpu_count(), "python": sys.version.split()[0],
+            "time": time.strftime("%Y-%m-%d %H:%M")}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default=",".join(CASES), help="small, large or both")
     parser.add_argument("--warm", type=int, default=5, help="new processes timed warm")
     parser.add_argument("--no-killed", action="store_true", help="skip the SIGKILL case")
     parser.add_argument("--limit", type=float, default=60.0,
                         help="seconds a load after a killed build may take")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
-    report = measure(args.warm, not args.no_killed, limit=args.limit)
-    base = report["results"]["torch"]
-    print(f"torch {report['torch']}, Python {report['python']}, {report['cpus']} CPUs")
-    print(f"{'':<10}{'cold s':>9}{'warm ms':>10}{'import ms':>11}  after SIGKILL")
-    for impl, r in report["results"].items():
-        print(f"{impl:<10}{r['cold_s']:>9.2f}{r['warm_ms']:>10.2f}{r['import_ms']:>11.1f}  "
-              f"{r.get('after_sigkill', '-')}")
-    v = report["results"]["vitrail"]
-    print(f"vitrail/torch: cold {v['cold_s'] / base['cold_s']:.2f}x, warm "
-          f"{v['warm_ms'] / base['warm_ms']:.2f}x")
+    cases = [c for c in args.cases.split(",") if c]
+    if not cases or set(cases) - set(CASES):
+        parser.error(f"--cases: expected some of {', '.join(CASES)}")
+    report = measure(args.warm, not args.no_killed, limit=args.limit, cases=cases)
+    print(f"torch {report['torch']}, Python {report['python']}, {report['cpus']} CPUs; "
+          f"the PCH's one-time build: {report['pch_build_s']} s")
+    for case, rows in report["results"].items():
+        base = rows["torch"]
+        print(f"\n{case}\n{'':<13}{'cold s':>8}{'cold+pch s':>12}{'x torch':>9}{'warm ms':>9}"
+              f"{'x torch':>9}{'import ms':>11}  after SIGKILL")
+        for impl, r in rows.items():
+            with_pch = r.get("cold_with_pch_build_s")
+            print(f"{impl:<13}{r['cold_s']:>8.2f}"
+                  f"{with_pch if with_pch is not None else '-':>12}"
+                  f"{r['cold_s'] / base['cold_s']:>9.2f}{r['warm_ms']:>9.2f}"
+                  f"{r['warm_ms'] / base['warm_ms']:>9.2f}{r['import_ms']:>11.1f}  "
+                  f"{r.get('after_sigkill', '-')}")
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     return 0

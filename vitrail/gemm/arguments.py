@@ -6,7 +6,9 @@ given as a NumPy array is copied back by ``args.sync()``). Matrices are 2-D (M x
 batched (L x M x K); layouts and strides are read from the arrays, never assumed.
 
 ``reasons(op, args)`` is ``GemmOperation.can_implement``: each reason names the operand and
-what to change (a layout, an alignment, a dtype).
+what to change (a layout, an alignment, a dtype). Mode 'array' takes ``ArrayArguments`` (lists
+of tensors: ``array_reasons``, ``array_launch``); ``RUNTIME`` maps each mode's runtime side
+(descriptions.ModeRules.arguments) to its checks and launch.
 
 The order in which the persistent and stream-K schedulers hand out output tiles is a runtime
 choice (CUTLASS's ``max_swizzle_size`` and ``raster_order``): ``swizzle`` tiles along the raster's
@@ -17,12 +19,14 @@ swizzle halved the bytes read from DRAM: docs/ops/gemm.md#tile-order-swizzle).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
 from vitrail.device import sm_count
 from vitrail.gemm.descriptions import DTYPES, bits
+from vitrail.gemm.emit import array as array_entries
+from vitrail.gemm.emit.template import CODES
 from vitrail.jit.errors import ArgumentError, LaunchError
 
 _TORCH_NAMES = {v[2]: k for k, v in DTYPES.items() if k != "tf32"}
@@ -339,7 +343,6 @@ def scratch(n: int, dtype, device: int, stream: int):
 
 def launch(op, module, args: GemmArguments, stream=None) -> None:
     """Call the compiled entry point (checks already done by can_implement)."""
-    from vitrail.gemm.emitter import CODES
     sm = sm_count(args.device)
     if stream is None:
         stream = torch._C._cuda_getCurrentRawStream(args.device)
@@ -375,3 +378,182 @@ def call_entry(fn, values: tuple, device: int, stream: int, name: str, codes: di
     if code:
         what = codes.get(code) or f"CUDA error {code}"
         raise LaunchError(f"{name}: {what}")
+
+
+# ------------------------------------------------------------------------------ mode 'array'
+@dataclass
+class ArrayArguments:
+    """The runtime side of mode 'array': L equal-shaped problems as lists of tensors."""
+    A: list
+    B: list
+    D: list
+    M: int
+    N: int
+    K: int
+    C: Optional[list] = None
+    alpha: float = 1.0
+    beta: float = 0.0
+    lds: tuple = (0, 0, 0, 0)  # lda, ldb, ldc, ldd (0: mixed, reported by reasons)
+    layouts: tuple = (None, None, None, None)
+    device: int = 0
+    keep: list = field(default_factory=list, repr=False)
+
+    @property
+    def L(self) -> int:
+        return len(self.A)
+
+    @classmethod
+    def from_tensors(cls, op, a: Sequence[Any], b: Sequence[Any], d: Optional[Sequence] = None,
+                     *, c: Optional[Sequence] = None, alpha: float = 1.0,
+                     beta: float = 0.0) -> "ArrayArguments":
+        """Arguments for ``op`` (mode 'array') on lists: a[i] (M x K), b[i] (K x N), d[i]
+        (M x N; a new list when None), c[i] (M x N) for an epilogue with a source."""
+        import torch
+        if op.mode != "array":
+            raise ArgumentError(f"ArrayArguments: the operation's mode is {op.mode!r}, expected "
+                                f"'array'")
+        for name, xs in (("a", a), ("b", b), ("d", d), ("c", c)):
+            if xs is not None and not isinstance(xs, (list, tuple)):
+                raise ArgumentError(f"ArrayArguments: {name} must be a list or tuple of "
+                                    f"matrices, got {type(xs).__name__}")
+        if not a or len(a) != len(b):
+            raise ArgumentError(f"ArrayArguments: a and b must be non-empty lists of one length, "
+                                f"got {len(a)} and {len(b)}")
+        a = [as_cuda_tensor(x, f"a[{i}]")[0] for i, x in enumerate(a)]
+        b = [as_cuda_tensor(x, f"b[{i}]")[0] for i, x in enumerate(b)]
+        M, K = a[0].shape[-2:] if a[0].dim() == 2 else (-1, -1)
+        N = b[0].shape[-1] if b[0].dim() == 2 else -1
+        for name, xs, shape in (("a", a, (M, K)), ("b", b, (K, N))):
+            for i, x in enumerate(xs):
+                if x.dim() != 2 or tuple(x.shape) != shape:
+                    raise ArgumentError(f"ArrayArguments: {name}[{i}] has shape "
+                                        f"{tuple(x.shape)}, expected {shape} (every matrix of "
+                                        f"the array has {name}[0]'s shape; a[0] is M x K, b[0] "
+                                        f"K x N with a[0]'s K)")
+        if d is None:
+            dtype = getattr(torch, DTYPES[op.D.element][2])
+            d = [torch.empty(M, N, dtype=dtype, device=a[0].device) for _ in a]
+            if op.D.layout == "col":
+                d = [x.t().contiguous().t() for x in d]
+        else:
+            d = [as_cuda_tensor(x, f"d[{i}]")[0] for i, x in enumerate(d)]
+        if c is not None:
+            c = [as_cuda_tensor(x, f"c[{i}]")[0] for i, x in enumerate(c)]
+        for name, xs in (("d", d), ("c", c)):
+            if xs is None:
+                continue
+            if len(xs) != len(a):
+                raise ArgumentError(f"ArrayArguments: {name} has {len(xs)} matrices, a has "
+                                    f"{len(a)}")
+            for i, x in enumerate(xs):
+                if x.dim() != 2 or tuple(x.shape) != (M, N):
+                    raise ArgumentError(f"ArrayArguments: {name}[{i}] has shape "
+                                        f"{tuple(x.shape)}, expected ({M}, {N})")
+        args = cls(A=a, B=b, D=d, C=c, M=M, N=N, K=K, alpha=float(alpha), beta=float(beta),
+                   device=a[0].device.index or 0, keep=[*a, *b, *d, *(c or [])])
+        lds, layouts = [], []
+        for xs, want in ((a, op.A.layout), (b, op.B.layout), (c, op.D.layout), (d, op.D.layout)):
+            ld, lay = _common_layout(xs, want)
+            lds.append(ld)
+            layouts.append(lay)
+        args.lds, args.layouts = tuple(lds), tuple(layouts)
+        return args
+
+    def sync(self) -> list:
+        """Wait for the GPU; returns the list of outputs."""
+        import torch
+        torch.cuda.synchronize(self.device)
+        return self.D
+
+
+def _common_layout(xs, want):
+    """(leading stride, layout) shared by every matrix of xs, or (0, reason) when they differ."""
+    if xs is None:
+        return 0, None
+    infos = [describe(x, "operand", want) for x in xs]
+    first = infos[0]
+    if any(i.layout != first.layout or i.ld != first.ld for i in infos):
+        return 0, "mixed"
+    return first.ld, first.layout
+
+
+def array_reasons(op, args: ArrayArguments) -> list[str]:
+    """Why op (mode 'array') cannot run args; [] when it can."""
+    if not isinstance(args, ArrayArguments):
+        return [f"mode 'array' takes ArrayArguments (lists of tensors), got "
+                f"{type(args).__name__}"]
+    why = []
+    for name, v in (("M", args.M), ("N", args.N), ("K", args.K), ("L", args.L)):
+        if not 1 <= v < 2**31:
+            why.append(f"{name}={v} is outside [1, 2^31) (empty problems are the caller's "
+                       f"to handle)")
+    epi = op.epilogue
+    ops = [("A", args.A, op.math.element_a, op.A.layout, 0), ("B", args.B, op.math.element_b,
+                                                              op.B.layout, 1),
+           ("D", args.D, op.D.element, op.D.layout, 3)]
+    if epi.has_source:
+        if args.C is None:
+            why.append("the operation's epilogue reads C but no c list is given")
+        else:
+            ops.append(("C", args.C, epi.element_source, op.D.layout, 2))
+    elif args.C is not None:
+        why.append("c is given but the operation's epilogue reads no source")
+    for name, xs, el, layout, i in ops:
+        mem = "f32" if el == "tf32" else el
+        dts = {dtype_name(x) for x in xs}
+        if dts != {mem}:
+            why.append(f"{name} has dtype(s) {', '.join(sorted(dts))}, the operation takes {mem}")
+            continue
+        lay, ld = args.layouts[i], args.lds[i]
+        if lay == "mixed":
+            why.append(f"the matrices of {name} differ in layout or leading stride; array mode "
+                       f"takes one of each: make them alike")
+        elif lay != layout:
+            why.append(f"{name} is {lay or 'neither row nor col'}-major in memory, the "
+                       f"operation takes '{layout}'")
+        elif ld % (128 // bits(mem)):
+            why.append(f"{name}'s leading stride {ld} is not a multiple of 16 bytes (TMA needs "
+                       f"it): pad the leading dimension")
+        bad = [j for j, x in enumerate(xs) if x.data_ptr() % 16]
+        if bad:
+            why.append(f"{name}[{bad[0]}]'s address is not 16-byte aligned (TMA needs it)")
+    devices = {x.device for x in args.keep}
+    if len(devices) > 1:
+        why.append(f"the matrices are on several devices ({', '.join(map(str, devices))})")
+    return why
+
+
+def array_launch(op, module, args: ArrayArguments, stream=None) -> None:
+    """Copy the pointer arrays to the device and call the entry point (checks done)."""
+    import torch
+    dev = torch.device("cuda", args.device)
+    rows = [args.A, args.B, args.C or args.D, args.D]
+    if stream is None:
+        stream = torch._C._cuda_getCurrentRawStream(args.device)
+    host = torch.tensor([[x.data_ptr() for x in xs] for xs in rows], dtype=torch.int64)
+    ptrs = scratch(host.numel(), torch.int64, args.device, stream).view(host.shape)
+    ptrs.copy_(host)  # on the current stream: ordered before the launch when it is that one
+    if stream != torch._C._cuda_getCurrentRawStream(args.device):
+        torch.cuda.current_stream(dev).synchronize()  # else the copy must be done first
+    sm = sm_count(args.device)
+    ws = module.function(array_entries.WORKSPACE_ENTRY)(args.M, args.N, args.K, args.L, sm)
+    buf = scratch(max(ws, 1), torch.uint8, args.device, stream)
+    lda, ldb, ldc, ldd = args.lds
+    entry = module.function(array_entries.ENTRY)
+    code = entry(ptrs[0], ptrs[1], ptrs[2] if args.C else 0, ptrs[3], args.M, args.N, args.K,
+                 args.L, lda, ldb, ldc or ldd, ldd, args.alpha, args.beta, buf, ws, sm,
+                 stream=stream)
+    if code:
+        raise LaunchError(f"{op.name}: {CODES.get(code) or f'CUDA error {code}'}")
+
+
+def grouped_reasons(op, args) -> list[str]:
+    """Mode 'grouped' runs on device arrays of sizes, pointers and strides, not on arguments
+    of this module: vitrail.gemm.ops.grouped builds and launches them."""
+    return ["mode 'grouped' takes device arrays of sizes, pointers and leading strides "
+            "(vitrail.gemm.ops.grouped launches it), not GemmArguments"]
+
+
+# each runtime side (descriptions.ModeRules.arguments): (reasons, launch)
+RUNTIME = {"gemm": (reasons, launch), "array": (array_reasons, array_launch),
+           "grouped": (grouped_reasons, None)}

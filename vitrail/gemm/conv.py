@@ -25,9 +25,9 @@ CUTLASS and are not emitted here yet), no groups, 2-D only. The runtime checks
 and filter extents within the TMA im2col limits, dgrad at unit stride (CUTLASS's tests run its
 sm90 dgrad at stride 1 only), wgrad on packed dy and dw.
 
-The translation unit reuses the GEMM emitter's pieces: the epilogue visitor tree of
-``LinearCombination.emit``, the launch code (``emitter.LAUNCH``: workspace, parameters,
-``cudaLaunchKernelEx`` with the cluster) and ``emitter.fill``; it is compiled and cached by
+The translation unit reuses the GEMM template's pieces: the epilogue visitor tree of
+``LinearCombination.emit``, the launch code (``emit.template.LAUNCH``: workspace, parameters,
+``cudaLaunchKernelEx`` with the cluster) and ``fill``; it is compiled and cached by
 vitrail.jit like a GemmOperation (``Buildable``), and run by conv_arguments.py.
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import Optional
 from vitrail.gemm.descriptions import (SMEM_BYTES_SM90, MathInstruction, TensorDescription,
                                        TileDescription, bits, check_tile_k, cpp_type)
 from vitrail.gemm.conv_arguments import ENTRY, launch, reasons
-from vitrail.gemm.emitter import fill
+from vitrail.gemm.emit.template import fill
 from vitrail.gemm.epilogue import LinearCombination
 from vitrail.gemm.operation import Buildable
 
@@ -180,7 +180,7 @@ class ConvOperation(Buildable):
         launch(self, module or self.compile(), args, stream)
 
 
-# ------------------------------------------------------------------------------------ emitter
+# ------------------------------------------------------------------------------------ emit
 _TEMPLATE = r"""// vitrail conv: @NAME@
 // @SUMMARY@
 @EXTENDED_SHAPES@

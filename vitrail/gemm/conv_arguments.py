@@ -20,7 +20,7 @@ import torch
 from vitrail.device import sm_count
 from vitrail.gemm.arguments import as_cuda_tensor, call_entry, dtype_name, epilogue_reasons
 from vitrail.gemm.descriptions import DTYPES, bits
-from vitrail.gemm.emitter import CODES
+from vitrail.gemm.emit import CODES
 from vitrail.jit.errors import ArgumentError
 
 WHAT = "conv2d"

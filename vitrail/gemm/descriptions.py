@@ -11,7 +11,7 @@ Operand layouts use BLAS terms on the logical matrices A (M x K), B (K x N), C a
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 # name -> (C++ type, bits, torch dtype name)
@@ -29,8 +29,7 @@ KERNEL_SCHEDULES = ("cooperative", "pingpong", "warpspecialized")
 GEMM_SCHEDULES = ("cooperative", "pingpong")  # the GEMM kernels' (persistent) schedules
 TILE_SCHEDULERS = ("persistent", "stream_k")
 FP8_PROMOTIONS = ("auto", "overlapped", "stock")
-MODES = ("gemm", "batched", "split_k_serial", "split_k_parallel", "array")
-IMPLEMENTED_MODES = MODES
+MODES = ("gemm", "batched", "split_k_serial", "split_k_parallel", "array", "grouped")
 SMEM_BYTES_SM90 = 227 * 1024  # opt-in shared memory per CTA on sm_90
 
 
@@ -226,18 +225,35 @@ def k_major(operand: str, desc: TensorDescription) -> bool:
 
 
 @dataclass(frozen=True)
-class Mode:
-    """How the problem maps to the kernel: 'gemm' and 'batched' (one kernel: the batch count L
-    is a runtime argument), 'split_k_serial' (stream-K scheduler with a split count at run time,
-    partial tiles reduced in a workspace), 'split_k_parallel' (K slices as a batched GEMM into
-    an fp32 workspace, then a reduction applying the epilogue: split_k.py) and 'array' (a batch
-    given as arrays of pointers to equal-shaped matrices: array.py)."""
-    kind: str = "gemm"
-    extra: dict = field(default_factory=dict, compare=False, hash=False)
+class ModeRules:
+    """What a mode asks of a GemmOperation (GemmOperation reads this table, never the mode's
+    name): ``scheduler``, the tile scheduler it runs on (None: either); ``pointer_array``,
+    whether it runs CUTLASS's pointer-array collectives (the stock FP8 mainloop, an epilogue of
+    alpha * acc and at most beta * C); ``source``, whether its epilogue may read C; ``tag``, the
+    kernel name's suffix; ``arguments``, its runtime side (arguments.RUNTIME: 'gemm' for
+    GemmArguments, 'array' for ArrayArguments, 'grouped' for the device arrays of
+    vitrail.gemm.ops.grouped)."""
+    scheduler: Optional[str] = None
+    pointer_array: bool = False
+    source: bool = True
+    tag: str = ""
+    arguments: str = "gemm"
 
-    def __post_init__(self):
-        if self.kind not in MODES:
-            raise ValueError(f"mode={self.kind!r}: expected one of {', '.join(MODES)}")
-        if self.kind not in IMPLEMENTED_MODES:
-            raise ValueError(f"mode={self.kind!r} is not implemented yet (implemented: "
-                             f"{', '.join(IMPLEMENTED_MODES)})")
+
+# How the problem maps to the kernel: 'gemm' and 'batched' (one kernel: the batch count L is a
+# runtime argument), 'split_k_serial' (stream-K scheduler with a split count at run time,
+# partial tiles reduced in a workspace), 'split_k_parallel' (K slices as a batched GEMM into an
+# fp32 workspace, then a reduction applying the epilogue: emit/split_k.py), 'array' (a batch
+# given as arrays of pointers to equal-shaped matrices: emit/array.py) and 'grouped' (G
+# problems of their own sizes, strides and pointers, all given as device arrays:
+# emit/grouped.py).
+MODE_RULES: dict[str, ModeRules] = {
+    "gemm": ModeRules(),
+    "batched": ModeRules(),
+    "split_k_serial": ModeRules(scheduler="stream_k"),
+    "split_k_parallel": ModeRules(scheduler="persistent", tag="_skp"),
+    "array": ModeRules(scheduler="persistent", pointer_array=True, tag="_array",
+                       arguments="array"),
+    "grouped": ModeRules(scheduler="persistent", pointer_array=True, source=False,
+                         arguments="grouped"),
+}

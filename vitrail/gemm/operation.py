@@ -20,10 +20,10 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from vitrail.gemm import emitter
-from vitrail.gemm.descriptions import (FP8, IMPLEMENTED_MODES, MODES, SMEM_BYTES_SM90,
-                                       MathInstruction, TensorDescription, TileDescription,
-                                       bits, check_gemm_schedule, check_tile_k, k_major)
+from vitrail.gemm import emit
+from vitrail.gemm.descriptions import (FP8, MODE_RULES, MODES, SMEM_BYTES_SM90, MathInstruction,
+                                       TensorDescription, TileDescription, bits,
+                                       check_gemm_schedule, check_tile_k, k_major)
 from vitrail.gemm.epilogue import LinearCombination
 
 
@@ -66,23 +66,23 @@ class GemmOperation(Buildable):
         if self.mode not in MODES:
             raise ValueError(f"GemmOperation.mode={self.mode!r}: expected one of "
                              f"{', '.join(MODES)}")
-        if self.mode not in IMPLEMENTED_MODES:
-            raise ValueError(f"GemmOperation.mode={self.mode!r} is not implemented yet "
-                             f"(implemented: {', '.join(IMPLEMENTED_MODES)})")
+        rules = MODE_RULES[self.mode]
         check_gemm_schedule("GemmOperation", self.tile)
-        if self.mode == "split_k_serial" and self.tile.tile_scheduler != "stream_k":
-            raise ValueError("GemmOperation: mode 'split_k_serial' runs on the stream-K tile "
-                             "scheduler: set TileDescription(tile_scheduler='stream_k')")
-        if self.mode in ("split_k_parallel", "array") and self.tile.tile_scheduler != \
-                "persistent":
+        if rules.scheduler == "stream_k" and self.tile.tile_scheduler != "stream_k":
+            raise ValueError(f"GemmOperation: mode '{self.mode}' runs on the stream-K tile "
+                             f"scheduler: set TileDescription(tile_scheduler='stream_k')")
+        if rules.scheduler == "persistent" and self.tile.tile_scheduler != "persistent":
             raise ValueError(f"GemmOperation: mode '{self.mode}' runs on the persistent tile "
                              f"scheduler: leave TileDescription(tile_scheduler='persistent')")
-        if self.mode == "array":
-            from vitrail.gemm.array import check_epilogue
-            check_epilogue(self.epilogue)
+        if rules.pointer_array:
+            check_pointer_array_epilogue(self.mode, self.epilogue, rules.source)
             if self.tile.fp8_promotion == "overlapped":
-                raise ValueError("GemmOperation: mode 'array' runs CUTLASS's pointer-array "
-                                 "mainloop; fp8_promotion='overlapped' is for the other modes")
+                raise ValueError(f"GemmOperation: mode '{self.mode}' runs CUTLASS's "
+                                 f"pointer-array mainloop; fp8_promotion='overlapped' is for "
+                                 f"the other modes")
+        if self.mode == "grouped" and self.D.layout != "row":
+            raise ValueError("GemmOperation: mode 'grouped' writes row-major outputs: D must "
+                             "be 'row'")
         for name, desc, elem in (("A", self.A, self.math.element_a),
                                  ("B", self.B, self.math.element_b)):
             if _memory_type(desc.element) != _memory_type(elem):
@@ -147,7 +147,8 @@ class GemmOperation(Buildable):
     def overlapped_promotion(self) -> bool:
         """Whether this is FP8 exact accumulation on vitrail's overlapped mainloop
         (TileDescription.fp8_promotion)."""
-        return self.fp8_exact and self.mode != "array" and self.tile.promotion_slices > 0
+        return (self.fp8_exact and not MODE_RULES[self.mode].pointer_array
+                and self.tile.promotion_slices > 0)
 
     @property
     def wgmma_n(self) -> tuple[int, ...]:
@@ -162,50 +163,55 @@ class GemmOperation(Buildable):
         tm, tn, tk = t.tile_shape
         cm, cn, _ = t.cluster_shape
         lay = "".join(x.layout[0] for x in (self.A, self.B, self.D))
+        fast = "_fast" if m.math_operation == "multiply_add_fast_accum" else ""
+        if self.mode == "grouped":  # the grouped kernels' names predate the mode
+            return (f"grouped_{m.element_a}_{lay}_{self.D.element}_{tm}x{tn}x{tk}_c{cm}x{cn}_"
+                    f"{t.kernel_schedule[:4]}{fast}")
         return (f"gemm_{m.element_a}_{lay}_{self.D.element}_{tm}x{tn}x{tk}_c{cm}x{cn}_"
                 f"{t.kernel_schedule[:4]}_{t.tile_scheduler}"
-                + (f"_s{t.stages}" if t.stages else "")
-                + ("_fast" if m.math_operation == "multiply_add_fast_accum" else "")
+                + (f"_s{t.stages}" if t.stages else "") + fast
                 + ("_stockpromo" if self.fp8_exact and not self.overlapped_promotion else "")
-                + f"_{self.epilogue.tag}" + _MODE_TAGS.get(self.mode, ""))
+                + f"_{self.epilogue.tag}" + MODE_RULES[self.mode].tag)
 
     def emit(self) -> str:
-        """The C++ translation unit of this operation."""
-        if self.mode == "split_k_parallel":
-            from vitrail.gemm import split_k
-            return split_k.emit(self)
-        if self.mode == "array":
-            from vitrail.gemm import array
-            return array.emit(self)
-        return emitter.emit(self)
+        """The C++ translation unit of this operation (its mode's hook: emit.EMITTERS)."""
+        return emit.emit(self)
 
     def key(self) -> str:
         return hashlib.sha256(self.emit().encode()).hexdigest()[:16]
 
     # ----------------------------------------------------------------------------- runtime
     def can_implement(self, args) -> list[str]:
-        """Why this operation cannot run ``args`` (a GemmArguments); empty when it can."""
-        if self.mode == "array":
-            from vitrail.gemm.array import reasons
-        else:
-            from vitrail.gemm.arguments import reasons
-        return reasons(self, args)
+        """Why this operation cannot run ``args`` (its mode's arguments: GemmArguments,
+        ArrayArguments); empty when it can."""
+        from vitrail.gemm.arguments import RUNTIME
+        return RUNTIME[MODE_RULES[self.mode].arguments][0](self, args)
 
     def run(self, args, *, stream=None, module=None) -> None:
-        """Run on ``args`` (a GemmArguments) on ``stream`` (default: torch's current one)."""
-        if self.mode == "array":
-            from vitrail.gemm.array import launch
-        else:
-            from vitrail.gemm.arguments import launch
+        """Run on ``args`` (as can_implement) on ``stream`` (default: torch's current one)."""
+        from vitrail.gemm.arguments import RUNTIME
         why = self.can_implement(args)
         if why:
             from vitrail.jit.errors import ArgumentError
             raise ArgumentError(f"{self.name} cannot implement this problem: "
                                 + "; ".join(why))
-        launch(self, module or self.compile(), args, stream)
+        RUNTIME[MODE_RULES[self.mode].arguments][1](self, module or self.compile(), args,
+                                                    stream)
 
 
-_MODE_TAGS = {"split_k_parallel": "_skp", "array": "_array"}
+def check_pointer_array_epilogue(mode: str, epi, source: bool = True) -> None:
+    """ValueError unless the epilogue is alpha * acc (+ beta * C where ``source``), what the
+    pointer-array modes emit."""
+    extra = [n for n, v in (("bias", epi.bias), ("activation", epi.activation),
+                            ("clamp", epi.clamp), ("scale_a", epi.scale_a),
+                            ("scale_b", epi.scale_b)) if v]
+    if not source and epi.has_source:
+        extra.append("source (C)")
+    if extra:
+        emits = "alpha * A @ B (+ beta * C)" if source else "alpha * A @ B"
+        raise ValueError(f"GemmOperation: mode '{mode}' emits D = {emits}; the epilogue's "
+                         f"{', '.join(extra)} is not available in this mode (use mode "
+                         f"'batched' on stacked tensors, or apply it afterwards)")
 
 
 def _memory_type(e: str) -> str:

@@ -3,7 +3,8 @@
 Layout under :func:`cache_dir` (all paths relative, so a copied cache still hits)::
 
     v1/kernels/ab/<key>/   one published build: the artifact, meta.json (with its sha256),
-                           the source, the compiler log and, for nvcc, the PTX
+                           the source, the compiler log and, for nvcc, the PTX (or the
+                           precompiled header of torch's that extensions use: pch.py)
     v1/locks/<key>.lock    flock'd while a process builds <key>; holds the holder's pid
     v1/tmp/<key>.<pid>.*   private build directories, renamed into kernels/ when complete
     v1/failed/<name>-<key> the source and log of a failed compile, for reproduction
@@ -279,6 +280,20 @@ class KernelCache:
             yield
         finally:
             os.close(fd)  # closing the last descriptor releases the flock
+
+    def busy(self, key: str) -> bool:
+        """Whether a live process holds key's build lock now (a glance: it may change at once)."""
+        try:
+            fd = os.open(self.root / "locks" / f"{key}.lock", os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
 
     # -- building and publishing --------------------------------------------------------------
     def new_build_dir(self, key: str) -> Path:

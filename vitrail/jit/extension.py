@@ -11,7 +11,12 @@ by name:
   sources under one name are two entries, a copied cache still hits, and a build killed
   half-way (SIGKILL) leaves a lock the kernel has released: the next load builds at once.
 - Each translation unit is compiled by its own process (the host compiler for .cpp, nvcc for
-  .cu) at the same time, then one link.
+  .cu) at the same time, then one link: host and device code compile side by side.
+- A .cpp unit that starts with ``#include <torch/extension.h>`` (every load_inline main.cpp)
+  compiles against a precompiled header of it that gcc builds once per torch, compiler and
+  flags, in the background, and every extension then uses (vitrail.jit.pch: which units, its
+  key, why .cu units get none; VITRAIL_TORCH_PCH=0 turns it off): a cold build of one
+  function took 8.6 s instead of 20.5 s (torch's: 23.7 s) on two cores.
 - A warm load runs no compiler: the compilers' identities are remembered per binary (path,
   size, mtime) in the cache's tools.json, torch's headers are keyed by torch's version.
 
@@ -24,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import json
+import logging
 import os
 import re
 import shlex
@@ -38,11 +44,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from vitrail import __version__
-from vitrail.jit import toolchain
+from vitrail import __version__, knobs
+from vitrail.jit import pch, toolchain
 from vitrail.jit.cache import LAYOUT, KernelCache, header_closure, make_key, safe_name
 from vitrail.jit.compiler import BuildFailed, cached_build, run_compiler, run_nvcc
 from vitrail.jit.launcher import load_extension
+
+log = logging.getLogger("vitrail.jit")
 
 CPP_SUFFIXES = (".cpp", ".cc", ".cxx", ".c++", ".C")
 CUDA_SUFFIXES = (".cu",)
@@ -146,6 +154,39 @@ def build(name: str, sources, *, extra_cflags: Sequence[str] = (),
     units, options = _files(name, sources, extra_cflags, extra_cuda_cflags, extra_ldflags,
                             extra_include_paths, with_cuda, verbose)
     return _build(name, units, options)[0].artifact
+
+
+def build_torch_pch(*, extra_cflags: Sequence[str] = (), with_cuda: bool = False) -> Path:
+    """Build now (or find) the precompiled header of torch/extension.h that extensions built
+    with these extra_cflags (and, with_cuda, CUDA's headers: those with .cu sources) use, and
+    return the path of its .gch: what the first such extension build otherwise starts in the
+    background (vitrail.jit.pch), for a CI image or a benchmark. Raises ToolchainError where
+    none can be used (VITRAIL_TORCH_PCH=0, a compiler that is not gcc, extra_cflags with
+    -include) and CompileError where gcc fails."""
+    options = _options(extra_cflags, (), (), (), bool(with_cuda), bool(with_cuda), False)
+    cache = KernelCache()
+    plan = _plan(options, False, cache)
+    spec, why = _pch_spec(options, plan, _system_dirs(plan, options.with_cuda)[0], [])
+    if spec is None:
+        raise toolchain.ToolchainError(f"no precompiled header for torch extensions: {why}")
+    return pch.build(spec).dir / pch.GCH
+
+
+def torch_pch_status() -> str:
+    """Where the precompiled header that extensions with no extra_cflags use stands: its path
+    and size, not built yet, or why there is none (``vitrail doctor``)."""
+    options = _options((), (), (), (), False, False, False)
+    cache = KernelCache()
+    plan = _plan(options, False, cache)
+    spec, why = _pch_spec(options, plan, _system_dirs(plan, False)[0], [])
+    if spec is None:
+        return f"no precompiled header of torch/extension.h ({why})"
+    entry = cache.lookup(spec.key, read_artifact=False)
+    if entry is None:
+        return ("precompiled header of torch/extension.h: not built yet (the next extension "
+                "build starts it)")
+    return (f"precompiled header of torch/extension.h: {entry.dir / pch.GCH} "
+            f"({entry.meta.get('gch_size', 0) / 2**30:.1f} GiB)")
 
 
 def bindings(functions) -> str:
@@ -309,16 +350,11 @@ def _build(name: str, units: list[_Unit], options: _Options):
 def _key(name: str, units: list[_Unit], options: _Options, cache: KernelCache):
     """(key, what the build needs to know): everything the library depends on, found without
     running a compiler where its identity is remembered."""
-    import torch
-    cxx = os.environ.get("CXX") or toolchain.host_cxx()
-    cxx = _which(cxx, "CXX")
-    arch = None
+    plan = _plan(options, any(u.is_cuda for u in units), cache)
+    arch = plan["arch"]
     nvcc = ""
     if options.with_cuda or any(u.is_cuda for u in units):  # CUDA's headers, libraries
         nvcc = toolchain.nvcc_path()
-    if any(u.is_cuda for u in units):
-        if not any(f.split("=")[0] in _ARCH_FLAGS for f in options.cuda_cflags):
-            arch = toolchain.target_arch()
     dirs = list(options.include_dirs)
     headers = [header_closure(u.text, ([u.dir] if u.dir else []) + dirs) for u in units]
     key = make_key(
@@ -326,12 +362,31 @@ def _key(name: str, units: list[_Unit], options: _Options, cache: KernelCache):
         units=[(u.file, u.text) for u in units], headers=headers, cflags=options.cflags,
         cuda_cflags=options.cuda_cflags, ldflags=options.ldflags, with_cuda=options.with_cuda,
         arch=arch.name if arch else None, defaults=(_CXX_FLAGS, _NVCC_FLAGS, _STD),
-        torch=(torch.__version__, torch.version.git_version, torch.version.cuda,
-               int(torch._C._GLIBCXX_USE_CXX11_ABI)),
-        python=(sys.implementation.cache_tag, sysconfig.get_config_var("SOABI")),
-        cxx=_tool_id(cxx, cache), nvcc=_tool_id(nvcc, cache) if nvcc else "",
+        torch=_torch_id(), python=_python_id(), cxx=plan["cxx_id"],
+        nvcc=_tool_id(nvcc, cache) if nvcc else "",
         nvcc_host=_tool_id(toolchain.host_cxx(), cache) if nvcc else "")
-    return key, {"cxx": cxx, "arch": arch, "torch": os.path.dirname(torch.__file__)}
+    return key, plan
+
+
+def _plan(options: _Options, has_cuda: bool, cache: KernelCache) -> dict:
+    """The host compiler (path, --version), the arch of .cu units, torch's folder, the cache."""
+    import torch
+    cxx = _which(os.environ.get("CXX") or toolchain.host_cxx(), "CXX")
+    arch = None
+    if has_cuda and not any(f.split("=")[0] in _ARCH_FLAGS for f in options.cuda_cflags):
+        arch = toolchain.target_arch()
+    return {"cxx": cxx, "cxx_id": _tool_id(cxx, cache), "arch": arch,
+            "torch": os.path.dirname(torch.__file__), "cache": cache}
+
+
+def _torch_id() -> tuple:
+    import torch
+    return (torch.__version__, torch.version.git_version, torch.version.cuda,
+            int(torch._C._GLIBCXX_USE_CXX11_ABI))
+
+
+def _python_id() -> tuple:
+    return sys.implementation.cache_tag, sysconfig.get_config_var("SOABI")
 
 
 def _which(tool: str, what: str) -> str:
@@ -348,21 +403,56 @@ def _tool_id(tool: str, cache: KernelCache) -> str:
                                 lambda: toolchain.version_output(tool).strip(), cache)
 
 
+def _system_dirs(plan: dict, cuda: bool):
+    """(torch's, Python's and, with cuda, CUDA's include directories; the nvcc or None)."""
+    torch_dir = plan["torch"]
+    system = [f"{torch_dir}/include", f"{torch_dir}/include/torch/csrc/api/include",
+              sysconfig.get_paths()["include"]]
+    nvcc = None
+    if cuda:
+        nvcc = toolchain.nvcc()
+        system += [d for d in nvcc.include_dirs if d != "/usr/include"]
+    return system, nvcc
+
+
+def _defines() -> list[str]:
+    """The defines of every unit but TORCH_EXTENSION_NAME."""
+    import torch
+    return ["-DTORCH_API_INCLUDE_EXTENSION_H",
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+
+
+def _host_flags(options: _Options) -> list[str]:
+    std = [] if any(f.startswith("-std") for f in options.cflags) else [_STD]
+    return [*_CXX_FLAGS, *std, *options.cflags]
+
+
+def _pch_spec(options: _Options, plan: dict, system: list[str], user_dirs: list[str]):
+    """(the PCH the host units may use, None) or (None, why they may not): vitrail.jit.pch."""
+    if not knobs.TORCH_PCH.get():
+        return None, "VITRAIL_TORCH_PCH=0"
+    why = pch.refusal(plan["cxx_id"], options.cflags, [*user_dirs, *options.include_dirs],
+                      system)
+    if why:
+        return None, why
+    torch_dir, python = plan["torch"], sysconfig.get_paths()["include"]
+    flags = [*_defines(), *(a for d in system for a in ("-isystem", d)), *_host_flags(options)]
+    stamps = [f"{torch_dir}/include/{h}" for h in (
+        "torch/extension.h", "torch/csrc/api/include/torch/all.h", "ATen/ATen.h",
+        "ATen/Functions.h", "c10/macros/cmake_macros.h", "pybind11/pybind11.h")]
+    stamps += [f"{python}/Python.h", f"{python}/patchlevel.h"]
+    return pch.spec(plan["cxx"], flags, stamps, cxx_id=plan["cxx_id"], torch=_torch_id(),
+                    python=_python_id()), None
+
+
 def _compile(build: Path, name: str, units: list[_Unit], options: _Options, plan: dict) -> dict:
-    """Every unit compiled by its own process at once, then one link; the build's meta."""
+    """Every unit compiled by its own process at once (the .cpp ones that start with torch's
+    header against its PCH where there is one), then one link; the build's meta."""
     start = time.time()
     torch_dir = plan["torch"]
-    python = sysconfig.get_paths()["include"]
-    system = [f"{torch_dir}/include", f"{torch_dir}/include/torch/csrc/api/include", python]
-    cuda_home = ""
-    nvcc = None
-    if options.with_cuda or any(u.is_cuda for u in units):
-        nvcc = toolchain.nvcc()
-        cuda_home = nvcc.cuda_home
-        system += [d for d in nvcc.include_dirs if d != "/usr/include"]
-    import torch
-    common = [f"-DTORCH_EXTENSION_NAME={name}", "-DTORCH_API_INCLUDE_EXTENSION_H",
-              f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    system, nvcc = _system_dirs(plan, options.with_cuda or any(u.is_cuda for u in units))
+    cuda_home = nvcc.cuda_home if nvcc else ""
+    common = [f"-DTORCH_EXTENSION_NAME={name}", *_defines()]
     commands = []
     for u in units:
         (build / u.file).write_text(u.text)
@@ -380,26 +470,50 @@ def _compile(build: Path, name: str, units: list[_Unit], options: _Options, plan
             cmd = [nvcc.path, "-c", str(build / u.file), "-o", obj, *common, *includes,
                    *_NVCC_FLAGS, *arch, *std, *options.cuda_cflags]
         else:
-            std = [] if any(f.startswith("-std") for f in options.cflags) else [_STD]
             cmd = [plan["cxx"], "-c", str(build / u.file), "-o", obj, *common, *includes,
-                   *_CXX_FLAGS, *std, *options.cflags]
+                   *_host_flags(options)]
         commands.append((u, cmd))
+    jobs = sum(2 if u.is_cuda else 1 for u in units)  # nvcc: two chains at once
+    header, later, checked = _header(units, options, plan, system, jobs)
     if options.verbose:
-        for _, cmd in commands:
-            print("$", shlex.join(cmd))
+        for u, cmd in commands:
+            print("$", shlex.join(pch.command(cmd, header) if _uses(u, header) else cmd))
 
     def run(item):
         u, cmd = item
-        command = shlex.join(cmd)
+        run_one = run_nvcc if u.is_cuda else run_compiler
         try:
-            return (run_nvcc if u.is_cuda else run_compiler)(cmd, build, command), None
+            if _uses(u, header):
+                with_pch = pch.command(cmd, header)
+                try:
+                    out = run_one(with_pch, build, shlex.join(with_pch))
+                except BuildFailed as failed:
+                    if not pch.failed_on_it(failed.log):
+                        raise
+                    log.debug("vitrail: %s: the compile with the precompiled header %s failed "
+                              "on it; compiling without it", u.file, header.dir)
+                else:
+                    if checked.result():
+                        if pch.refused(out):
+                            log.debug("vitrail: %s: gcc did not use the precompiled header %s: "
+                                      "%s", u.file, header.dir, pch.refused(out))
+                        return (out, with_pch, True), None
+                    log.debug("vitrail: %s: the precompiled header %s failed its checksum; "
+                              "compiling without it", u.file, header.dir)
+            return (run_one(cmd, build, shlex.join(cmd)), cmd, False), None
         except BuildFailed as failed:
             failed.tool = "nvcc" if u.is_cuda else os.path.basename(cmd[0])
             return None, failed
 
     workers = max(1, min(len(commands), os.cpu_count() or 1))
-    with ThreadPoolExecutor(workers, thread_name_prefix="vitrail-ext") as pool:
-        results = list(pool.map(run, commands))
+    try:
+        with ThreadPoolExecutor(workers, thread_name_prefix="vitrail-ext") as pool:
+            results = list(pool.map(run, commands))
+    finally:
+        if later is not None:  # no core was free for it during the build: now
+            pch.build_in_background(later, plan["cache"])
+    if header is not None and not checked.result():
+        pch.discard(header, plan["cache"])  # the next build starts a new one
     failures = [f for _, f in results if f is not None]
     if failures:
         raise failures[0]
@@ -421,7 +535,7 @@ def _compile(build: Path, name: str, units: list[_Unit], options: _Options, plan
     except BuildFailed as failed:
         failed.tool = "the linker"
         raise
-    logs = [f"$ {shlex.join(cmd)}\n{text}" for (_, cmd), (text, _) in zip(commands, results)]
+    logs = [f"$ {shlex.join(cmd)}\n{text}" for (text, cmd, _), _ in results]
     logs.append(f"$ {shlex.join(link)}\n{out}")
     (build / "build.log").write_text("".join(logs))
     if options.verbose:
@@ -433,4 +547,35 @@ def _compile(build: Path, name: str, units: list[_Unit], options: _Options, plan
             "created": time.time(), "command": shlex.join(link),
             "compiler": nvcc.version_text if nvcc else "",
             "vitrail": __version__, "source": [u.file for u in units],
-            "torch": torch.__version__, "resources": {}}
+            "torch": _torch_id()[0], "resources": {},
+            "pch": header.key if header is not None else None,
+            "pch_units": [u.file for u, ((_, _, used), _) in zip(units, results) if used]}
+
+
+def _uses(u: _Unit, header) -> bool:
+    return header is not None and not u.is_cuda and pch.applies(u.text)
+
+
+def _header(units: list[_Unit], options: _Options, plan: dict, system: list[str], jobs: int):
+    """(the PCH entry that units starting with torch's header use, or None; a PCH to build in
+    the background after this build, or None; the future of the entry's checksum). A missing
+    PCH is built in the background at once where cores are plenty beside this build's jobs
+    (three to spare), else once they are done: on two cores, two gcc at once take 1.5 times as
+    long each (a cold build beside the PCH's took 40 s instead of 26 s)."""
+    hosts = [u for u in units if not u.is_cuda and pch.applies(u.text)]
+    if not hosts:
+        return None, None, None
+    spec, why = _pch_spec(options, plan, system, [u.dir for u in hosts if u.dir])
+    if spec is None:
+        log.debug("vitrail: no precompiled header of torch/extension.h: %s", why)
+        return None, None, None
+    entry = pch.find(spec, plan["cache"])
+    if entry is None:
+        if (os.cpu_count() or 1) >= jobs + 3:
+            pch.build_in_background(spec, plan["cache"])
+            return None, None, None
+        return None, spec, None
+    checker = ThreadPoolExecutor(1, thread_name_prefix="vitrail-pch")
+    checked = checker.submit(pch.verify, entry)
+    checker.shutdown(wait=False)
+    return entry, None, checked

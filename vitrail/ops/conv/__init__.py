@@ -22,20 +22,21 @@ Kernel choice: one config per kind (128x128x64 tiles, no cluster); tuning is not
 """
 from __future__ import annotations
 
+import importlib
 from typing import Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
-from vitrail.gemm import (ConvArguments, ConvOperation, LinearCombination, MathInstruction,
-                          TensorDescription)
+from vitrail.gemm import (Conv2dProblem, ConvArguments, ConvOperation, LinearCombination,
+                          MathInstruction, TensorDescription)
 from vitrail.gemm.conv import default_tile
 from vitrail.gemm.epilogue import ACTIVATIONS
 from vitrail.jit.errors import ArgumentError
 from vitrail.ops.common import check_same_device, check_tensor
-from vitrail.ops.gemm.operands import warn_once
-from vitrail.ops.gemm.reference import activation as _act
-from vitrail.ops.gemm.reference import activation_backward, grad_from_output
+from vitrail.gemm.ops.operands import warn_once
+from vitrail.gemm.ops.reference import activation as _act
+from vitrail.gemm.ops.reference import activation_backward, grad_from_output
 
 NAME = "vitrail.ops.conv2d"
 DTYPES = (torch.bfloat16, torch.float16)
@@ -102,12 +103,17 @@ def _run(kind: str, a: Tensor, b: Tensor, d: Tensor, bias: Optional[Tensor],
                                       dilation=dilation, pad_hi=pad_hi)
     why = op.can_implement(args)
     if why:
-        raise NotImplementedError(f"{NAME} ({kind}): not supported: " + "; ".join(why)
-                                  + ". Supported: bf16/fp16, groups=1, C and K multiples of 8, "
-                                  "padding <= 256 and dilated filters under 255 pixels")
+        raise NotImplementedError(_refused(kind, why))
     if any(t.numel() == 0 for t in (a, b, d)):
         return
     op.run(args)
+
+
+def _refused(kind: str, why: list[str]) -> str:
+    """The NotImplementedError's message of a problem the kernel of ``kind`` cannot run."""
+    return (f"{NAME} ({kind}): not supported: " + "; ".join(why) + ". Supported: bf16/fp16, "
+            "groups=1, C and K multiples of 8, padding <= 256 and dilated filters under 255 "
+            "pixels")
 
 
 # -------------------------------------------------------------------------------- checks
@@ -141,9 +147,9 @@ def _padding(padding, weight: Tensor, stride, dilation) -> tuple[tuple[int, int]
     return pad, pad
 
 
-def _check(x, weight, bias, stride, dilation, groups, activation) -> None:
-    check_tensor(NAME, "x", x, dtypes=DTYPES, ndim=4)
-    check_tensor(NAME, "weight", weight, dtypes=DTYPES, ndim=4)
+def _check(x, weight, bias, stride, dilation, groups, activation, cuda: bool = True) -> None:
+    check_tensor(NAME, "x", x, dtypes=DTYPES, ndim=4, cuda=cuda)
+    check_tensor(NAME, "weight", weight, dtypes=DTYPES, ndim=4, cuda=cuda)
     check_same_device(NAME, x=x, weight=weight, bias=bias)
     if weight.dtype != x.dtype:
         raise ArgumentError(f"{NAME}: x and weight must have one dtype, got {x.dtype} and "
@@ -157,7 +163,7 @@ def _check(x, weight, bias, stride, dilation, groups, activation) -> None:
         raise ArgumentError(f"{NAME}: weight {tuple(weight.shape)} expects {weight.shape[1]} "
                             f"input channels, x {tuple(x.shape)} has {x.shape[1]}")
     if bias is not None:
-        check_tensor(NAME, "bias", bias, dtypes=(x.dtype,), ndim=1)
+        check_tensor(NAME, "bias", bias, dtypes=(x.dtype,), ndim=1, cuda=cuda)
         if bias.shape[0] != weight.shape[0]:
             raise ArgumentError(f"{NAME}: bias must have {weight.shape[0]} values (one per "
                                 f"output channel), got {tuple(bias.shape)}")
@@ -304,4 +310,47 @@ def reference(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, stride=1
     return _act(y, activation)
 
 
-__all__ = ["conv2d", "operation", "reference"]
+def reasons(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
+            stride: Union[int, Sequence[int]] = 1, padding: Union[int, Sequence[int], str] = 0,
+            dilation: Union[int, Sequence[int]] = 1, groups: int = 1, *,
+            activation: Optional[str] = None, kind: str = "fprop") -> list[str]:
+    """Why conv2d's kernel of ``kind`` (fprop: the call itself; dgrad: its dx; wgrad: its dw)
+    would refuse the convolution of x by weight; [] when it would run it. Nothing is compiled
+    or run, and x, weight and bias may be meta tensors: only their shapes and dtypes count. The
+    kernel's operands are judged as the op hands them over (channels-last and packed, dy spread
+    to unit stride for a strided dgrad), so a strided view's own strides are not; nor is the
+    GPU (the kernels are Hopper's). Arguments torch would reject raise ArgumentError, as
+    conv2d's do."""
+    if kind not in ("fprop", "dgrad", "wgrad"):
+        raise ArgumentError(f"{NAME}: kind must be fprop, dgrad or wgrad, got {kind!r}")
+    stride = _pair(stride, "stride")
+    dilation = _pair(dilation, "dilation")
+    try:
+        _check(x, weight, bias, stride, dilation, groups, activation, cuda=False)
+    except NotImplementedError as e:  # groups
+        return [str(e)]
+    pad, pad_hi = _padding(padding, weight, stride, dilation)
+    n, c, h, w = x.shape
+    k, _, r, s = weight.shape
+    p, q = _out_hw(h, w, r, s, pad, pad_hi, stride, dilation)
+    if p < 1 or q < 1:
+        raise ArgumentError(f"{NAME}: the output would be {p} x {q}: the dilated filter is "
+                            f"larger than the padded input")
+
+    def packed(*shape: int) -> Tensor:  # an NHWC-indexed operand as the kernel gets it
+        return torch.empty(shape, dtype=x.dtype, device="meta")
+    xs, ws = packed(n, h, w, c), packed(k, r, s, c)
+    if kind == "dgrad" and stride != (1, 1):  # the unit-stride kernel on dy spread out
+        p, q = _out_hw(h, w, r, s, pad, pad_hi, (1, 1), dilation)
+        stride = (1, 1)
+    ys = packed(n, p, q, k)
+    with_bias = bias is not None and kind == "fprop"
+    op = operation(kind, x.dtype, with_bias, activation if kind == "fprop" else None)
+    bias_m = torch.empty((k,), dtype=x.dtype, device="meta") if with_bias else None
+    args = ConvArguments(Conv2dProblem(n, h, w, c, k, r, s, pad, stride, dilation, pad_hi),
+                         xs, ws, ys, bias=bias_m, kind=kind)
+    return op.can_implement(args)
+
+
+__all__ = ["conv2d", "operation", "reasons", "reference"]
+importlib.import_module("vitrail.ops.conv.problems")  # vitrail tune and precompile say why not

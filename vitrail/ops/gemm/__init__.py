@@ -1,27 +1,10 @@
-"""The GEMM family's torch ops: mm, bmm, gemm (fused epilogues), scaled_mm (FP8), grouped_mm.
-
-Each is a ``torch.library`` custom op in the ``vitrail`` namespace with a fake implementation
-(torch.compile, meta tensors) and, for gemm/mm/bmm, autograd; an eager call skips the dispatcher
-and goes to the kernels, under an autograd.Function where gradients are recorded
-(vitrail.ops.common.call_mode). Kernels are CUTLASS 3 sm_90a GEMMs described and emitted by
-vitrail.gemm (dense.py: mm, bmm, gemm; launch.py for layouts and fallbacks; operands.py for
-aligned copies).
-
-    gemm(a, b, c=None, *, alpha=1.0, beta=0.0, bias=None, activation=None, out_dtype=None,
-         slope=0.01, clamp_min=None, clamp_max=None)
-        = clamp(act(alpha * a @ b + beta * c + bias)); bias (N,) per column or (M, 1) per row.
-
-``grouped_mm`` (grouped.py) runs CUTLASS's sm90 grouped (pointer-array) kernel in one launch
-for bf16/fp16, else a loop of gemm launches; autograd for both forms.
-"""
+"""The GEMM family's entry in the op library: the names vitrail.ops exports (mm, bmm, gemm,
+scaled_mm, grouped_mm). The ops themselves live with their kernels in vitrail.gemm.ops (the
+last stage of the vitrail.gemm package: descriptions -> emit -> compile -> arguments -> torch
+ops); this folder holds no code of its own, so that vitrail.ops finds the family as it finds
+every other one (a subpackage, its ``benchmarks`` module)."""
 from __future__ import annotations
 
-import importlib
-
-from vitrail.ops.gemm.dense import bmm, gemm, mm
-from vitrail.ops.gemm.fp8 import scaled_mm
-from vitrail.ops.gemm.grouped import grouped_mm
+from vitrail.gemm.ops import bmm, gemm, grouped_mm, mm, scaled_mm
 
 __all__ = ["gemm", "mm", "bmm", "scaled_mm", "grouped_mm"]
-
-importlib.import_module("vitrail.ops.gemm.problems")  # vitrail tune's shapes

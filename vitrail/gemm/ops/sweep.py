@@ -3,14 +3,14 @@
 ``shapes()`` is a broad, fixed sweep (nothing in it is tuned for): the linear layers of public LLM
 families at 1 to 16384 tokens (``x @ W.t()``: B column-major), squares and odd sizes, skinny
 problems with a long K, and batches. About a quarter of it, chosen by a hash of the shape, is
-*held out*: ``vitrail.ops.gemm.model`` is fitted on the rest and reported on both.
+*held out*: ``vitrail.gemm.ops.model`` is fitted on the rest and reported on both.
 
 Two measurements, both against torch in the same run:
 
 - ``time_configs``: every candidate config of the selection model (``model.CANDIDATES``) on every
   shape, each launch replayed from a CUDA graph (no host time), operands rotated through enough
   copies that they come from DRAM as in a network's layer, not from L2. This is what the model
-  is fitted on: ``python -m vitrail.ops.gemm.sweep configs OUT.json``.
+  is fitted on: ``python -m vitrail.gemm.ops.sweep configs OUT.json``.
 - ``time_calls``: what a user gets, ``vitrail.ops.mm``/``bmm`` with the library's own choice
   against ``torch.mm``/``torch.bmm``, in a CUDA graph and eagerly (back-to-back calls, host time
   included); ``vitrail bench gemm-sweep`` reports its geometric mean, minimum and worst shapes.
@@ -25,8 +25,8 @@ import zlib
 from dataclasses import asdict, dataclass
 from typing import Iterator
 
-from vitrail.ops.gemm import model
-from vitrail.ops.gemm.configs import Problem
+from vitrail.gemm.ops import model
+from vitrail.gemm.ops.configs import Problem
 
 # (out_features, in_features) of the linear layers of public model families: attention's fused
 # QKV and output projections, the MLP's fused gate+up and down projections
@@ -184,8 +184,8 @@ def time_configs(dtype_name: str = "bf16", *, only=None, log=sys.stderr) -> Iter
     import torch
 
     from vitrail.gemm import LinearCombination
-    from vitrail.ops.gemm.configs import Kind
-    from vitrail.ops.gemm.launch import op_for
+    from vitrail.gemm.ops.configs import Kind
+    from vitrail.gemm.ops.launch import op_for
     from vitrail.tune import limits
     lim = limits()
     dtype = {"bf16": torch.bfloat16, "f16": torch.float16}[dtype_name]
@@ -226,7 +226,7 @@ def time_calls(dtype, *, only=None, log=sys.stderr) -> Iterator[dict]:
     """vitrail.ops.mm/bmm (the library's choice) against torch.mm/bmm: graph and eager ms."""
     import torch
 
-    from vitrail.ops.gemm.dense import bmm, mm
+    from vitrail.gemm.ops.dense import bmm, mm
     for s in shapes() if only is None else only:
         sets = _operands(s, dtype, _copies(s, torch.finfo(dtype).bits // 8))
         ours = bmm if s.L > 1 else mm
@@ -256,11 +256,11 @@ def summary(ratios: dict[str, float], worst: int = 10) -> str:
             + ", ".join(f"{k} {v:.2f}x" for k, v in low))
 
 
-USAGE = """usage: python -m vitrail.ops.gemm.sweep COMMAND ...
+USAGE = """usage: python -m vitrail.gemm.ops.sweep COMMAND ...
   configs OUT.json [i/n]  time every candidate config and torch on the sweep (i/n: only the
                           i-th of n interleaved parts)
   calls OUT.json [i/n]    time vitrail.ops.mm/bmm (the library's choice) against torch
-  table SWEEP.json...     print the selection table (vitrail/ops/gemm/selection_h100.json)
+  table SWEEP.json...     print the selection table (vitrail/gemm/ops/selection_h100.json)
   check SWEEP.json...     the selection on the held-out shapes, from a table of the others"""
 
 

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from vitrail.jit.errors import ArgumentError
 from vitrail.ops.common import check_same_device, check_tensor, plain_eager
-from vitrail.ops.gemm.launch import PLANS, eager, native_ok
+from vitrail.gemm.ops.launch import PLANS, eager, native_ok
 from vitrail.plan.native import front
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)

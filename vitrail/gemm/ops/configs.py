@@ -7,7 +7,7 @@ tiles, never dtypes, and times torch's matmul beside the kernels where torch com
 thing (Kind.plain). Constraints are the descriptions' own validation: a config that cannot
 become a kernel is refused with the description's reason.
 
-Heuristic: 16-bit kinds take vitrail.ops.gemm.model's choice (measured neighbours, torch among the
+Heuristic: 16-bit kinds take vitrail.gemm.ops.model's choice (measured neighbours, torch among the
 options for plain kinds). TF32 uses 128x128x32 tiles, FP8 128x256x128, with a 2x1 cluster; with too
 few tiles to fill the GPU and a long K, 128x128 tiles on the stream-K scheduler. FP8 with exact
 accumulation takes 128x256 tiles too: the overlapped-promotion mainloop keeps two 64-column
@@ -23,7 +23,7 @@ from typing import Optional
 from vitrail.device import DEFAULT_SM_COUNT
 from vitrail.gemm import (GemmOperation, LinearCombination, MathInstruction, TensorDescription,
                           TileDescription)
-from vitrail.ops.gemm import model
+from vitrail.gemm.ops import model
 from vitrail.tune import Space
 from vitrail.tune.space import Config, Limits
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from vitrail.ops.gemm import launch, model
+from vitrail.gemm.ops import launch, model
 
 
 @contextlib.contextmanager

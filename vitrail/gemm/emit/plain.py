@@ -1,32 +1,27 @@
-"""The C++ instantiation of one GemmOperation: the smallest translation unit that builds it.
-
-Like DeepGEMM's generated kernels, the source includes only what the kernel uses: the sm90
-mainloop collective and its builder, the epilogue builder, the one kernel schedule, the tile
-scheduler and ``cutlass/device_kernel.h``; it does not include ``gemm_universal_adapter.h``
-(which pulls in every kernel of every arch and CUTLASS 2's device layer) and launches the kernel
-itself with ``cudaLaunchKernelEx`` (cluster dimension attribute).
+"""Modes gemm, batched and split_k_serial: one kernel on ``Shape<M, N, K, L>`` whose batch
+count L and strides are runtime arguments, the epilogue a visitor tree (epilogue.py), the tile
+scheduler persistent or stream-K (which also runs split-K: 'split_k_serial'), FP8 with exact
+accumulation on vitrail's overlapped-promotion mainloop where the tile allows it.
 
 Two ``extern "C"`` entry points: ``vitrail_gemm`` (pointers, sizes, strides, scalars, workspace,
-SM count, stream; returns 0, a negative vitrail check code, or a positive cudaError_t) and
-``vitrail_gemm_workspace`` (bytes of workspace a problem needs; stream-K uses some).
+SM count, stream; returns 0, a negative check code of template.CODES, or a positive
+cudaError_t) and ``vitrail_gemm_workspace`` (bytes of workspace a problem needs; stream-K uses
+some).
 """
 from __future__ import annotations
 
 from vitrail.gemm.descriptions import FP8, cpp_type
+from vitrail.gemm.emit.template import Hooks, fill
 
 ENTRY = "vitrail_gemm"
 WORKSPACE_ENTRY = "vitrail_gemm_workspace"
 # k-tiles per sequence of the overlapped FP8 promotion (one wgmma drain per sequence).
 FP8_PROMOTION_UNROLL = 4
 
-# entry point check codes (negative; positive values are cudaError_t)
-CODES = {-1: "an operand's address is not 16-byte aligned (TMA needs it)",
-         -2: "a leading or batch stride is not a multiple of 16 bytes (TMA needs it)",
-         -3: "a size is not positive",
-         -4: "the workspace is smaller than vitrail_gemm_workspace() says",
-         -5: "CUTLASS could not set up the kernel's parameters"}
-
-_TEMPLATE = r"""// vitrail GEMM: @NAME@
+# plain's sections of TEMPLATE
+HOOKS = Hooks(
+    title='GEMM', impl='gemm',
+    head="""\
 // @SUMMARY@
 @EXTENDED_SHAPES@
 #include <cuda_runtime.h>
@@ -45,9 +40,8 @@ _TEMPLATE = r"""// vitrail GEMM: @NAME@
 #include <cutlass/gemm/kernel/tile_scheduler.hpp>
 #include <cutlass/gemm/kernel/@KERNEL_HEADER@>
 #include <cutlass/device_kernel.h>
-@PREAMBLE@@MAINLOOP_HEADER@
-namespace vitrail_gemm_impl {
-using namespace cute;
+@PREAMBLE@@MAINLOOP_HEADER@""",
+    types="""\
 
 using ElementA = @ELEMENT_A@;
 using ElementB = @ELEMENT_B@;
@@ -60,10 +54,8 @@ using LayoutD = @LAYOUT_D@;
 constexpr int AlignmentA = @ALIGN_A@;
 constexpr int AlignmentB = @ALIGN_B@;
 constexpr int AlignmentC = @ALIGN_C@;
-constexpr int AlignmentD = @ALIGN_D@;
-using TileShape = Shape<@TILE@>;
-using ClusterShape = Shape<@CLUSTER@>;
-
+constexpr int AlignmentD = @ALIGN_D@;""",
+    collectives="""\
 using Callbacks = @CALLBACKS@;
 
 using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
@@ -75,10 +67,11 @@ using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBui
 using @MAINLOOP@ = typename cutlass::gemm::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
     ElementA, LayoutA, AlignmentA, ElementB, LayoutB, AlignmentB, float,
-    TileShape, ClusterShape, @STAGES@, @KERNEL_SCHEDULE@>::CollectiveOp;@MAINLOOP_WRAPPER@
-
-using GemmKernel = cutlass::gemm::kernel::GemmUniversal<
-    Shape<int, int, int, int>, CollectiveMainloop, CollectiveEpilogue, @TILE_SCHEDULER@>;
+    TileShape, ClusterShape, @STAGES@, @KERNEL_SCHEDULE@>::CollectiveOp;@MAINLOOP_WRAPPER@""",
+    kernel="""\
+cutlass::gemm::kernel::GemmUniversal<
+    Shape<int, int, int, int>, CollectiveMainloop, CollectiveEpilogue, @TILE_SCHEDULER@>""",
+    arguments="""\
 
 template <class Stride>
 Stride make_stride_of(int64_t ld, int64_t batch) {
@@ -122,10 +115,8 @@ typename GemmKernel::Arguments make_arguments(
   return args;
 }
 
-bool aligned(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
-}  // namespace vitrail_gemm_impl
-using namespace vitrail_gemm_impl;
-
+bool aligned(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }""",
+    entries="""\
 @LINKAGE@ int64_t @WORKSPACE_ENTRY@(int M, int N, int K, int L, int splits, int swizzle,
                                    int raster, int sm_count) {
   auto args = make_arguments(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
@@ -145,16 +136,15 @@ using namespace vitrail_gemm_impl;
     return -2;
   auto args = make_arguments(A, B, C, D, bias, scale_a, scale_b, M, N, K, L, lda, batch_a, ldb,
                              batch_b, ldc, batch_c, ldd, batch_d, bias_batch_stride, alpha, beta,
-                             slope, lo, hi, splits, swizzle, raster, sm_count);
-@LAUNCH@
-}
-"""
+                             slope, lo, hi, splits, swizzle, raster, sm_count);""",
+)
 
 
 def emit(op, *, entry: str = ENTRY, workspace_entry: str = WORKSPACE_ENTRY,
          linkage: str = 'extern "C"') -> str:
-    """The translation unit of GemmOperation ``op`` (``entry``, ``workspace_entry`` and
-    ``linkage`` rename the entry points when another emitter wraps this kernel: split_k.py)."""
+    """The translation unit of GemmOperation ``op`` of mode gemm, batched or split_k_serial
+    (``entry``, ``workspace_entry`` and ``linkage`` rename the entry points when another mode
+    wraps this kernel: split_k.py)."""
     math, tile, epi = op.math, op.tile, op.epilogue
     fp8 = math.element_a in FP8
     schedule = {"cooperative": "KernelTmaWarpSpecializedCooperative",
@@ -221,93 +211,4 @@ def emit(op, *, entry: str = ENTRY, workspace_entry: str = WORKSPACE_ENTRY,
         "C_STRIDES": (" || ldc % (128 / cutlass::sizeof_bits<ElementC>::value) || batch_c % "
                       "(128 / cutlass::sizeof_bits<ElementC>::value)") if has_c else "",
     }
-    return fill(_TEMPLATE, subs, op.wgmma_n)
-
-
-# The end of every entry point (plain and grouped): workspace, parameters, and the launch with
-# the cluster shape as a launch attribute (no GemmUniversalAdapter: it pulls in far more code).
-LAUNCH = r"""  // A thread that has made no CUDA call yet has no current context (torch's autograd engine
-  // thread on device 0 runs a backward's GEMMs so), and encoding the TMA descriptors fails
-  // without one (CUDA_ERROR_INVALID_CONTEXT): make the current device's primary context
-  // current, once per thread.
-  static thread_local bool bound = false;
-  if (!bound) {
-    int device = 0;
-    cudaError_t bind = cudaGetDevice(&device);
-    if (bind == cudaSuccess) bind = cudaSetDevice(device);
-    if (bind != cudaSuccess) return static_cast<int>(bind);
-    bound = true;
-  }
-  if (static_cast<int64_t>(GemmKernel::get_workspace_size(args)) > workspace_bytes) return -4;
-  if (GemmKernel::initialize_workspace(args, workspace, stream) != cutlass::Status::kSuccess)
-    return -5;
-  typename GemmKernel::Params params = GemmKernel::to_underlying_arguments(args, workspace);
-  constexpr int smem = GemmKernel::SharedStorageSize;
-  static cudaError_t attr = cudaFuncSetAttribute(
-      cutlass::device_kernel<GemmKernel>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (attr != cudaSuccess) return static_cast<int>(attr);
-  cudaLaunchConfig_t config{};
-  config.gridDim = GemmKernel::get_grid_shape(params);
-  config.blockDim = GemmKernel::get_block_shape();
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeClusterDimension;
-  attribute[0].val.clusterDim.x = cute::size<0>(ClusterShape{});
-  attribute[0].val.clusterDim.y = cute::size<1>(ClusterShape{});
-  attribute[0].val.clusterDim.z = 1;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  return static_cast<int>(cudaLaunchKernelEx(&config, cutlass::device_kernel<GemmKernel>, params));"""
-
-
-# The plain GEMM entry point's parameters, which split_k.py's entry point shares (one ABI for
-# arguments.launch), and the includes of the pointer-array kernels (array.py, grouped.py).
-ENTRY_PARAMS = """    const void* A, const void* B, const void* C, void* D, const void* bias,
-    const void* scale_a, const void* scale_b, int M, int N, int K, int L,
-    int64_t lda, int64_t batch_a, int64_t ldb, int64_t batch_b, int64_t ldc, int64_t batch_c,
-    int64_t ldd, int64_t batch_d, int64_t bias_batch_stride, float alpha, float beta,
-    float slope, float lo, float hi, int splits, int swizzle, int raster, void* workspace,
-    int64_t workspace_bytes, int sm_count, cudaStream_t stream"""
-# CuTe's wgmma selectors pick, for a tile N outside STANDARD_WGMMA_N, the largest of those that
-# divides it unless CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED is defined: a 144-wide tile would run 9
-# m64n16 instructions (a fraction of the rate of one m64n144) where wgmma itself takes any
-# multiple of 8. The extended shapes' headers are a third of a kernel's preprocessed source and
-# most of the host front end's time (cudafe++), so a source defines it only where it needs one.
-STANDARD_WGMMA_N = frozenset({8, 16, 32, 64, 96, 128, 192, 256})
-
-
-def extended_shapes(wgmma_n) -> str:
-    """The line enabling CuTe's extended wgmma shapes where one of the N widths the kernel's
-    MMAs take (wgmma_n) is not a standard one; else nothing."""
-    return ("#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED"
-            if any(n not in STANDARD_WGMMA_N for n in wgmma_n) else "")
-
-
-PTR_ARRAY_INCLUDES = """@EXTENDED_SHAPES@
-#include <cuda_runtime.h>
-#include <cstdint>
-#include <cutlass/cutlass.h>
-#include <cutlass/numeric_types.h>
-#include <cute/tensor.hpp>
-#include <cutlass/gemm/gemm.h>
-#include <cutlass/gemm/group_array_problem_shape.hpp>
-#include <cutlass/gemm/dispatch_policy.hpp>
-#include <cutlass/gemm/collective/collective_mma_decl.hpp>
-@MAINLOOP_INCLUDES@
-#include <cutlass/gemm/collective/builders/sm90_gmma_builder.inl>
-#include <cutlass/epilogue/collective/collective_builder.hpp>
-#include <cutlass/gemm/kernel/tile_scheduler.hpp>
-#include <cutlass/gemm/kernel/@KERNEL_HEADER@>
-#include <cutlass/device_kernel.h>"""
-SHARED = {"LAUNCH": LAUNCH, "ENTRY_PARAMS": ENTRY_PARAMS,
-          "PTR_ARRAY_INCLUDES": PTR_ARRAY_INCLUDES}
-
-
-def fill(template: str, subs: dict[str, str], wgmma_n=()) -> str:
-    """template with the shared fragments (SHARED: @PTR_ARRAY_INCLUDES@, @ENTRY_PARAMS@,
-    @LAUNCH@) spliced in, @EXTENDED_SHAPES@ as the N widths of the kernel's wgmma (wgmma_n) need,
-    then every @KEY@ replaced by subs[KEY]."""
-    for k, v in {**SHARED, "EXTENDED_SHAPES": extended_shapes(wgmma_n), **subs}.items():
-        template = template.replace(f"@{k}@", v)
-    return template
+    return fill(HOOKS.template(), subs, op.wgmma_n)

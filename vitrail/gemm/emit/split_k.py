@@ -6,7 +6,7 @@ independent GEMMs (no tile-to-tile fixup, no semaphores), and the whole epilogue
 the reduction, on fp32 sums; for a small output (few tiles) and a long K this keeps every SM
 busy with a cost of S * M * N * 4 bytes written and read once more.
 
-The translation unit is the batched GEMM of GemmOperation's emitter (D: fp32 in D's layout,
+The translation unit is the batched GEMM of mode gemm (plain.py) (D: fp32 in D's layout,
 epilogue alpha * acc, its entry points renamed and made static) plus the reduction kernel
 (plain CUDA C++; its activations are the epilogue's own ``vitrail_epi::ActClamp``) and the
 usual two ``extern "C"`` entry points with the plain GEMM's signature, so the runtime side
@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from vitrail.gemm import emitter
+from vitrail.gemm.emit import plain
+from vitrail.gemm.emit.template import fill
 from vitrail.gemm.descriptions import TensorDescription, cpp_type
 from vitrail.gemm.epilogue import ACTIVATION_FUNCTOR, LinearCombination, ACT_IDS
 
@@ -147,7 +148,7 @@ def emit(op) -> str:
     """The translation unit of a GemmOperation of mode 'split_k_parallel'."""
     from vitrail.gemm.descriptions import k_major
     epi = op.epilogue
-    inner = emitter.emit(partial_operation(op), entry=PARTIAL_ENTRY,
+    inner = plain.emit(partial_operation(op), entry=PARTIAL_ENTRY,
                          workspace_entry=PARTIAL_WORKSPACE_ENTRY, linkage="static")
     act = epi.activation is not None or epi.clamp
     activate = ""
@@ -174,7 +175,7 @@ def emit(op) -> str:
         "B_K_MAJOR": "true" if k_major("b", op.B) else "false",
         "PARTIAL_ENTRY": PARTIAL_ENTRY, "PARTIAL_WORKSPACE": PARTIAL_WORKSPACE_ENTRY,
     }
-    reduce = emitter.fill(_REDUCE, subs)
+    reduce = fill(_REDUCE, subs)
     header = (f"// vitrail split-K (parallel) GEMM: {op.name}\n// epilogue {epi.tag}, applied "
               f"by the reduction; the slices' batched GEMM follows\n#include <algorithm>\n")
     return header + inner + (ACTIVATION_FUNCTOR if act else "") + reduce

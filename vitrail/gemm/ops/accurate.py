@@ -1,4 +1,4 @@
-"""fp32 GEMMs at torch's 'highest' precision: the 3xTF32 kernel (vitrail.gemm.fast_f32).
+"""fp32 GEMMs at torch's 'highest' precision: the 3xTF32 kernel (vitrail.gemm.accurate).
 
 ``launch.run`` sends fp32 inputs here on Hopper when ``torch.get_float32_matmul_precision()``
 is 'highest'. The kernel computes alpha * a @ b + beta * c in fp32 (error at fp32 level); the
@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from vitrail.gemm.fast_f32 import ENTRY, AccurateF32Operation
+from vitrail.gemm.accurate import ENTRY, AccurateF32Operation
 from vitrail.jit.errors import LaunchError
 
 _MODULES: dict = {}
@@ -36,9 +36,9 @@ def product(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], alpha: 
     """alpha * a @ b + beta * c in fp32 by the 3xTF32 kernel; a (M, K) or (L, M, K), b (K, N)
     or (L, K, N), c broadcastable to the output or None. A new contiguous fp32 tensor."""
     from vitrail.gemm.arguments import describe
-    from vitrail.gemm.fast_f32 import CODES
+    from vitrail.gemm.accurate import CODES
     from vitrail.gemm.arguments import round_up
-    from vitrail.ops.gemm.operands import aligned
+    from vitrail.gemm.ops.operands import aligned
     M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
     batched = a.dim() == 3 or b.dim() == 3
     L = max(a.shape[0] if a.dim() == 3 else 1, b.shape[0] if b.dim() == 3 else 1)
@@ -91,7 +91,7 @@ def _padded(t: torch.Tensor, rows: int, cols: int, layout: str) -> torch.Tensor:
 def run(a, b, c, bias, alpha, beta, activation, slope, clamp_min, clamp_max,
         out_dtype) -> torch.Tensor:
     """launch.run's contract for fp32 a and b at 'highest' precision."""
-    from vitrail.ops.gemm.reference import activation as act
+    from vitrail.gemm.ops.reference import activation as act
     z = product(a, b, c, alpha, beta)
     if bias is not None:
         z = z + bias.to(torch.float32)

@@ -1,5 +1,6 @@
 """grouped_mm: a list of GEMMs, or the packed MoE form (rows of a split by group offsets, one
-weight matrix per group), in one launch of the grouped kernel (vitrail.gemm.grouped).
+weight matrix per group), in one launch of the grouped kernel (GemmOperation mode 'grouped':
+vitrail/gemm/emit/grouped.py).
 
 The packed form builds the per-group sizes, pointers and strides on the GPU from the offsets
 (no host sync) in one small NVRTC kernel, which also zeroes the rows after the last offset and
@@ -15,13 +16,12 @@ import torch
 from torch import Tensor
 
 from vitrail.device import ctype, sm_count
-from vitrail.gemm import MathInstruction, TensorDescription, TileDescription
+from vitrail.gemm import GemmOperation, MathInstruction, TensorDescription, TileDescription
 from vitrail.gemm.arguments import describe
-from vitrail.gemm.emitter import CODES
-from vitrail.gemm.grouped import GroupedGemmOperation
+from vitrail.gemm.emit import CODES
 from vitrail.jit.errors import ArgumentError, LaunchError
 from vitrail.ops.common import EAGER, GRAD, call_mode, check_tensor
-from vitrail.ops.gemm.launch import is_hopper
+from vitrail.gemm.ops.launch import is_hopper
 from vitrail.plan import GENERAL, Plans, scratch, signature
 from vitrail.plan.native import front
 
@@ -62,14 +62,14 @@ __global__ void vitrail_grouped_prep(
 """
 
 
-def operation(dtype: torch.dtype, layout_b: str) -> GroupedGemmOperation:
+def operation(dtype: torch.dtype, layout_b: str) -> GemmOperation:
     el = ELEMENTS[dtype]
-    return GroupedGemmOperation(A=TensorDescription(el, "row"), B=TensorDescription(el, layout_b),
-                                D=TensorDescription(el, "row"), math=MathInstruction(el, el),
-                                tile=TileDescription((128, 256, 64), (2, 1, 1)))
+    return GemmOperation(A=TensorDescription(el, "row"), B=TensorDescription(el, layout_b),
+                         D=TensorDescription(el, "row"), math=MathInstruction(el, el),
+                         tile=TileDescription((128, 256, 64), (2, 1, 1)), mode="grouped")
 
 
-def _module(op: GroupedGemmOperation):
+def _module(op: GemmOperation):
     mod = _MODULES.get(op)
     if mod is None:
         mod = _MODULES[op] = op.compile()
@@ -192,7 +192,7 @@ class _GroupedPacked(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        from vitrail.ops.gemm.dense import gemm
+        from vitrail.gemm.ops.dense import gemm
         a, b, offsets = ctx.saved_tensors
         g = g.to(a.dtype)
         ga = gb = None
@@ -231,7 +231,7 @@ def grouped_mm(a, b, offsets: Optional[Tensor] = None, *,
     grouped launch for the packed form), of b through gemm launches (the packed form syncs on
     the offsets once in backward); offsets get none.
     """
-    from vitrail.ops.gemm.dense import gemm
+    from vitrail.gemm.ops.dense import gemm
     name = "vitrail.ops.grouped_mm"
     if isinstance(a, (list, tuple)):
         if not isinstance(b, (list, tuple)) or len(a) != len(b):
@@ -298,7 +298,7 @@ def _new_packed(a: Tensor, b: Tensor, offsets: Tensor, out_dtype) -> tuple[Tenso
 def _packed_into(a: Tensor, b: Tensor, offsets: Tensor, out: Tensor, out_dtype) -> None:
     """out = the packed form of a, b and offsets (checked): the grouped kernel where it takes
     the operands, else a loop of gemm launches."""
-    from vitrail.ops.gemm.dense import gemm
+    from vitrail.gemm.ops.dense import gemm
     name = "vitrail.ops.grouped_mm"
     if (out.dtype == a.dtype and b.shape[0] and a.shape[1] and b.shape[2]
             and _packed_kernel(a, b, offsets, out)):

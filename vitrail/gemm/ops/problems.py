@@ -6,8 +6,8 @@ import torch
 
 from vitrail.gemm import LinearCombination
 from vitrail.op import Shaped, family
-from vitrail.ops.gemm.configs import Kind
-from vitrail.ops.gemm.launch import ELEMENTS, OUT_ELEMENTS, SHAPE, make_problem
+from vitrail.gemm.ops.configs import Kind
+from vitrail.gemm.ops.launch import ELEMENTS, OUT_ELEMENTS, SHAPE, make_problem
 
 
 def plain_kind(a: torch.dtype, b: torch.dtype | None = None, out: torch.dtype | None = None,

@@ -20,12 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vitrail.gemm.descriptions import LAYOUTS
-from vitrail.gemm import emitter
-from vitrail.gemm.emitter import fill
+from vitrail.gemm.emit.template import CODES as GEMM_CODES, fill
 from vitrail.gemm.operation import Buildable
 
 ENTRY = "vitrail_gemm_f32x3"
-CODES = {**emitter.CODES,
+CODES = {**GEMM_CODES,
          -6: "CUTLASS's can_implement refused the problem (an address not 16-byte aligned, or a "
              "leading stride or contiguous extent not a multiple of 4 floats)"}
 

@@ -1,11 +1,11 @@
 """The GEMM selection: which of the candidate configs, or torch's own matmul, runs a problem.
 
-The choice is empirical, from a sweep measured on the H100 (vitrail.ops.gemm.sweep: 315 shapes,
+The choice is empirical, from a sweep measured on the H100 (vitrail.gemm.ops.sweep: 315 shapes,
 every candidate and torch replayed from CUDA graphs side by side, operands from DRAM): each problem
 takes the option with the least total slowdown over its ``NEIGHBOURS`` nearest measured shapes in
 log2 (M, N, K, batch) of its size class (N and K multiples of 8, or not); one farther than ``FAR``
 octaves from all of them runs torch's matmul where it may. The table ships as
-``selection_h100.json``; ``python -m vitrail.ops.gemm.sweep table SWEEP.json... >
+``selection_h100.json``; ``python -m vitrail.gemm.ops.sweep table SWEEP.json... >
 selection_h100.json`` rebuilds it and ``... check SWEEP.json...`` reports the choice on the sweep's
 held-out quarter when fitted on the rest.
 
@@ -124,7 +124,7 @@ def make_table(records: list[dict]) -> dict:
         best = min(times.values())
         shapes.append([r["M"], r["N"], r["K"], r["L"]]
                       + [round(times[o] / best, 3) if o in times else None for o in options])
-    return {"about": "vitrail.ops.gemm.model: per measured shape (M, N, K, batch), each option's "
+    return {"about": "vitrail.gemm.ops.model: per measured shape (M, N, K, batch), each option's "
                      "time over the best option's (bf16, CUDA-graph replay, H100 SXM); null: "
                      "the option cannot run the shape", "options": options, "shapes": shapes}
 

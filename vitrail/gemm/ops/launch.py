@@ -20,16 +20,17 @@ from typing import Optional
 import torch
 
 from vitrail.device import vector
-from vitrail.gemm import LinearCombination, emitter
+from vitrail.gemm import LinearCombination
+from vitrail.gemm.emit import plain as plain_kernel
 from vitrail.gemm import arguments as gargs
 from vitrail.gemm.arguments import round_up as _round_up
 from vitrail.gemm.epilogue import ACTIVATION_FUNCTOR
 from vitrail.op import Op, Shaped
 from vitrail.plan import GENERAL, Plans, native, signature
-from vitrail.ops.gemm import configs, model
-from vitrail.ops.gemm.configs import Kind, Problem
-from vitrail.ops.gemm.operands import aligned, warn_once
-from vitrail.ops.gemm.reference import gemm_reference
+from vitrail.gemm.ops import configs, model
+from vitrail.gemm.ops.configs import Kind, Problem
+from vitrail.gemm.ops.operands import aligned, warn_once
+from vitrail.gemm.ops.reference import gemm_reference
 from vitrail.tune import bucket
 
 ELEMENTS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "tf32",
@@ -37,7 +38,7 @@ ELEMENTS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "tf32",
 OUT_ELEMENTS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 _OPS: dict[Kind, Op] = {}
 _HOPPER: dict[int, bool] = {}
-# test hooks, set only by vitrail.ops.gemm.testing's context managers: outputs start as NaN;
+# test hooks, set only by vitrail.gemm.ops.testing's context managers: outputs start as NaN;
 # a list: run records (kind, problem, operands) into it and launches nothing
 _poison = False
 _record: Optional[list] = None
@@ -84,7 +85,8 @@ def op_for(kind: Kind) -> Op:
             gargs.launch(g, module, args)
 
         op = _OPS[kind] = Op(kind.name, space=configs.space(kind),
-                             kernel_source=emitter._TEMPLATE + ACTIVATION_FUNCTOR + kind.name,
+                             kernel_source=plain_kernel.HOOKS.template() + ACTIVATION_FUNCTOR
+                             + kind.name,
                              render=render, launch=launch, examples=configs.DEFAULT_PROBLEMS,
                              make_problem=lambda shape, dtype=None: make_problem(kind, shape),
                              shape=SHAPE)
@@ -250,7 +252,7 @@ def run_into(d: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: Optional[torc
     use_c = c is not None and beta != 0
     if (K != 0 and a.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
             and is_hopper(a.device) and _record is None):
-        from vitrail.ops.gemm import accurate  # 3xTF32: fp32-level error
+        from vitrail.gemm.ops import accurate  # 3xTF32: fp32-level error
         d.copy_(accurate.run(a, b, c if use_c else None, bias, alpha, beta, activation, slope,
                              clamp_min, clamp_max, out_dtype))
         return

@@ -11,9 +11,9 @@ from torch import Tensor
 
 from vitrail.ops.common import (DISPATCH, EAGER, autograd_apply, call_mode,
                                 check_same_device, check_tensor)
-from vitrail.ops.gemm.launch import PLANS, eager, native_ok
+from vitrail.gemm.ops.launch import PLANS, eager, native_ok
 from vitrail.plan.native import GRAD, INPUT, OUTPUT, VALUE, front
-from vitrail.ops.gemm.reference import activation as _act, activation_backward, grad_from_output
+from vitrail.gemm.ops.reference import activation as _act, activation_backward, grad_from_output
 from vitrail.gemm.epilogue import ACTIVATIONS
 from vitrail.jit.errors import ArgumentError
 

@@ -1,0 +1,252 @@
+"""`vitrail bench conv` without a GPU: its layer lists (the networks' convolutions, each output
+shape as the op's fake and torch compute it), its registration, the refused rows (decided by
+the op's checks on meta tensors), a case's rows with the timing faked, and the summary's math;
+and `vitrail tune/precompile conv2d` saying why not in one line."""
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vitrail.ops.conv import benchmarks as bm
+from vitrail.ops.conv import reasons
+from vitrail.profile.timing import timing_from_samples
+
+BF = torch.bfloat16
+
+
+def _meta(*shape):
+    return torch.empty(shape, dtype=BF, device="meta")
+
+
+def _geometry(layer):
+    return (layer.C, layer.H, layer.W, layer.K, layer.R, layer.S, layer.stride, layer.padding)
+
+
+def _resnet50():
+    """torchvision's resnet50 (v1.5) at 224x224, derived from its stages: every convolution."""
+    convs = [(3, 224, 224, 64, 7, 7, 2, 3)]
+    c, h = 64, 56  # after the stem's stride-2 conv and max pool
+    for width, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
+        for b in range(blocks):
+            s = stride if b == 0 else 1
+            ho = (h + 2 - 3) // s + 1
+            convs += [(c, h, h, width, 1, 1, 1, 0), (width, h, h, width, 3, 3, s, 1),
+                      (width, ho, ho, 4 * width, 1, 1, 1, 0)]
+            if b == 0:
+                convs.append((c, h, h, 4 * width, 1, 1, s, 0))  # downsample
+            c, h = 4 * width, ho
+    return convs
+
+
+def _unet():
+    """SD 1.5's UNet2DConditionModel at a 64x64 latent, derived from its config (widths
+    320/640/1280/1280, 2 resnets per down block, 3 per up block on the skips, 2 in the middle):
+    every convolution but the transformers' proj_in/proj_out."""
+    def resnet(cin, cout, h):
+        out = [(cin, h, h, cout, 3, 3, 1, 1), (cout, h, h, cout, 3, 3, 1, 1)]
+        return out + ([(cin, h, h, cout, 1, 1, 1, 0)] if cin != cout else [])
+    widths = (320, 640, 1280, 1280)
+    convs, c, h = [(4, 64, 64, 320, 3, 3, 1, 1)], 320, 64
+    skips = [(c, h)]
+    for i, width in enumerate(widths):
+        for _ in range(2):
+            convs += resnet(c, width, h)
+            c = width
+            skips.append((c, h))
+        if i < len(widths) - 1:
+            convs.append((c, h, h, c, 3, 3, 2, 1))
+            h //= 2
+            skips.append((c, h))
+    convs += resnet(c, c, h) + resnet(c, c, h)
+    for i, width in enumerate(reversed(widths)):
+        for _ in range(3):
+            skip, at = skips.pop()
+            assert at == h
+            convs += resnet(c + skip, width, h)
+            c = width
+        if i < len(widths) - 1:
+            h *= 2
+            convs.append((c, h, h, c, 3, 3, 1, 1))  # after the nearest 2x upsampling
+    assert not skips
+    return convs + [(320, 64, 64, 4, 3, 3, 1, 1)]
+
+
+def test_the_layer_lists_are_the_networks_convolutions():
+    assert (len(bm.RESNET50), sum(lay.count for lay in bm.RESNET50)) == (23, 53)
+    assert (len(bm.UNET), sum(lay.count for lay in bm.UNET)) == (31, 66)
+    for layers, derived in ((bm.RESNET50, _resnet50()), (bm.UNET, _unet())):
+        assert len({_geometry(lay) for lay in layers}) == len(layers)  # distinct
+        assert len({lay.name for lay in layers}) == len(layers)
+        assert {_geometry(lay): lay.count for lay in layers} == Counter(derived)
+    assert {n: (b, a) for n, (b, _, a) in bm.NETWORKS.items()} == {
+        "resnet50": (128, "relu"), "unet": (8, "silu")}
+
+
+@pytest.mark.parametrize("network", list(bm.NETWORKS))
+def test_each_layers_output_shape_is_torchs(network):
+    """The op's shape function (its fake, run on meta tensors) and the benchmark's FLOPs
+    count the output torch's conv2d gives."""
+    batch, layers, _ = bm.NETWORKS[network]
+    for lay in layers:
+        x, w = _meta(batch, lay.C, lay.H, lay.W), _meta(lay.K, lay.C, lay.R, lay.S)
+        s, p = [lay.stride] * 2, [lay.padding] * 2
+        want = F.conv2d(x, w, None, s, p).shape
+        assert torch.ops.vitrail.conv2d(x, w, None, s, p, p, [1, 1], None).shape == want
+        assert (batch, lay.K, *lay.out_hw()) == tuple(want), lay.name
+        case = bm.Case(network, lay, batch, "fprop")
+        assert case.flops == 2.0 * want.numel() * lay.C * lay.R * lay.S
+
+
+def test_the_benchmark_registers_as_conv():
+    from vitrail import ops
+    registry = ops.load_benchmarks()
+    b = registry["conv"]
+    assert b.run is bm.run and b.build is bm.build
+    assert b.by_name  # run when named, until the op's GPU tests all pass
+    kinds = [c.kind for c in bm.cases()]
+    assert len(kinds) == 4 * (23 + 31)
+    assert Counter(kinds) == {"fprop": 54, "dgrad": 54, "wgrad": 54, "fprop+bias+relu": 23,
+                              "fprop+bias+silu": 31}
+
+
+def test_the_no_gpu_build_list_is_five_kernels():
+    names = [op.name for op in bm.operations()]
+    assert len(set(names)) == 5
+    assert [n.split("_")[1] for n in names] == ["fprop", "dgrad", "wgrad", "fprop", "fprop"]
+    epilogues = {(op.kind, op.epilogue.bias, op.epilogue.activation) for op in bm.operations()}
+    assert {("fprop", "col", "relu"), ("fprop", "col", "silu"),
+            ("wgrad", None, None)} <= epilogues
+    assert all(op.math.element_a == "bf16" for op in bm.operations())
+
+
+def test_the_refused_layers_are_the_3_and_4_channel_convs():
+    refused = {(c.network, c.layer.name, c.kind): bm.refusal(c) for c in bm.cases()}
+    refused = {k: why for k, why in refused.items() if why}
+    assert {(n, layer) for n, layer, _ in refused} == {
+        ("resnet50", "conv1"), ("unet", "conv_in"), ("unet", "conv_out")}
+    assert len(refused) == 12  # every kind of each
+    assert all("not a multiple of 8" in why for why in refused.values())
+    assert "C (input channels)=3" in refused["resnet50", "conv1", "wgrad"]
+    assert "K (output channels)=4" in refused["unet", "conv_out", "fprop+bias+silu"]
+
+
+def test_reasons_judge_what_the_kernels_get_on_meta_tensors():
+    x, w = _meta(8, 64, 56, 56), _meta(128, 64, 3, 3)
+    for kind in ("fprop", "dgrad", "wgrad"):  # dgrad at stride 2: the unit-stride kernel
+        assert reasons(x, w, None, 2, 1, kind=kind) == []
+    assert reasons(x, w, _meta(128), 1, 1, activation="silu") == []
+    assert "groups=2 is not implemented" in reasons(_meta(8, 64, 8, 8), _meta(64, 32, 3, 3),
+                                                    groups=2)[0]
+    assert any("multiple of 8" in r for r in reasons(_meta(8, 12, 8, 8), _meta(64, 12, 1, 1)))
+    with pytest.raises(TypeError, match="kind must be"):
+        reasons(x, w, kind="bprop")
+
+
+def _fake_timing(monkeypatch, ms: dict):
+    """vitrail.profile.compare answering ``ms[impl]`` for each implementation it is given."""
+    import vitrail.profile
+    monkeypatch.setattr(vitrail.profile, "compare", lambda fns, **kw: {
+        name: timing_from_samples([ms[name]]) for name in fns})
+
+
+def _case(network, name, kind):
+    batch, layers, _ = bm.NETWORKS[network]
+    return bm.Case(network, next(lay for lay in layers if lay.name == name), batch, kind)
+
+
+def test_a_refused_layer_is_a_row_with_its_reason_beside_cudnns(monkeypatch, capsys):
+    _fake_timing(monkeypatch, {"cuDNN": 0.25})
+
+    def never():
+        raise AssertionError("a refused case is not called")
+    monkeypatch.setattr(bm, "_calls", lambda case: (never, lambda: None))
+    case = _case("resnet50", "conv1", "fprop")
+    ours, theirs = bm.time_case(case)
+    assert (ours.impl, ours.value, ours.ms, ours.baseline) == ("vitrail fprop", 0.0, None, False)
+    assert "C (input channels)=3 is not a multiple of 8" in ours.extra["refused"]
+    assert (theirs.impl, theirs.baseline, theirs.ms) == ("cuDNN fprop", True, 0.25)
+    assert theirs.value == pytest.approx(case.flops / 0.25e-3 / 1e12)
+    assert "refused" in capsys.readouterr().out
+
+    def refuses():  # the op's own refusal at its call (the GPU is not a Hopper, say)
+        raise NotImplementedError("vitrail.ops.conv2d: the convolution kernels are sm_90a")
+    monkeypatch.setattr(bm, "_calls", lambda case: (refuses, lambda: None))
+    ours, _ = bm.time_case(_case("unet", "down0.res0.conv1", "wgrad"))
+    assert ours.value == 0.0 and "sm_90a" in ours.extra["refused"]
+
+
+def test_a_timed_case_rows_tflops_and_its_error_against_cudnn(monkeypatch):
+    _fake_timing(monkeypatch, {"vitrail": 0.1, "cuDNN": 0.2})
+    want = torch.ones(4, 4)
+    monkeypatch.setattr(bm, "_calls", lambda case: (lambda: want * 1.01, lambda: want))
+    case = _case("resnet50", "layer2.0.conv2", "dgrad")  # stride 2: the spread-out dgrad
+    ours, theirs = bm.time_case(case)
+    assert ours.value == pytest.approx(case.flops / 0.1e-3 / 1e12)
+    assert ours.extra["max_rel_err"] == pytest.approx(0.01)
+    assert "spread out with zeros: 4x" in ours.extra["note"] and "note" not in theirs.extra
+    assert ours.group == theirs.group == "resnet50 dgrad"
+    assert ours.extra["geometry"]["stride"] == 2 and ours.extra["count"] == 1
+
+
+def _rows(network, kind, timings):
+    """Fake rows: {layer name: (vitrail ms or None for refused, cuDNN ms)}."""
+    out = []
+    for name, (ours, theirs) in timings.items():
+        case = _case(network, name, kind)
+        out.append(bm.row(case, bm.OURS, ours, **({} if ours else {"refused": "no"})))
+        out.append(bm.row(case, bm.THEIRS, theirs))
+    return out
+
+
+def test_the_summary_per_network_and_kind():
+    rows = _rows("resnet50", "fprop", {
+        "conv1": (None, 1.0), "layer1.0.conv1": (1.0, 2.0),  # count 1, 2x
+        "layer1.0.conv2": (2.0, 1.0),  # count 3, 0.5x: the worst
+        "layer1.0.conv3": (1.0, 1.0)})  # count 4, 1x
+    rows += _rows("resnet50", "wgrad", {"layer2.0.conv2": (1.0, 3.0)})
+    rows += _rows("unet", "fprop", {"conv_in": (None, 1.0)})
+    summary = bm.summarize(rows)
+    assert [(e["network"], e["kind"]) for e in summary] == [
+        ("resnet50", "fprop"), ("resnet50", "wgrad"), ("unet", "fprop")]
+    fprop = summary[0]
+    assert fprop["layers"] == 3 and fprop["refused"] == ["conv1"] and fprop["failed"] == []
+    assert fprop["geomean"] == pytest.approx(1.0)  # 2 x 0.5 x 1
+    assert (fprop["worst"], fprop["worst_layer"]) == (pytest.approx(0.5), "layer1.0.conv2")
+    assert (fprop["best"], fprop["best_layer"]) == (pytest.approx(2.0), "layer1.0.conv1")
+    assert fprop["at_or_above_1x"] == 2
+    # the network's convs together: cuDNN 1*2 + 3*1 + 4*1 = 9 ms, vitrail 1*1 + 3*2 + 4*1 = 11
+    assert fprop["weighted"] == pytest.approx(9 / 11)
+    assert summary[1]["geomean"] == pytest.approx(3.0) and summary[1]["weighted"] == 3.0
+    assert summary[2]["layers"] == 0 and summary[2]["refused"] == ["conv_in"]
+    lines = bm.summary_lines(summary)
+    assert "layer1.0.conv2; refused: conv1" in lines[1] and "1.00x" in lines[1]
+    assert "0.82x" in lines[1] and "2/3" in lines[1]
+    assert "none ran; refused: conv_in" in lines[3]
+
+
+def test_the_runs_summary_has_one_entry_per_kind():
+    """vitrail bench's own summary (vitrail.bench.report) pairs "vitrail KIND" with "cuDNN
+    KIND" over both networks; refused rows enter no speedup."""
+    from vitrail.bench import report
+    rows = _rows("resnet50", "fprop", {"conv1": (None, 1.0), "layer1.0.conv1": (1.0, 2.0)})
+    rows += _rows("unet", "fprop", {"down0.res0.conv1": (2.0, 1.0)})
+    rows += _rows("unet", "dgrad", {"up1.upsample": (1.0, 1.5)})
+    entries = report.summarize({"conv": rows})["conv"]
+    got = {(e["impl"], e["baseline"]): e for e in entries}
+    assert set(got) == {("vitrail fprop", "cuDNN fprop"), ("vitrail dgrad", "cuDNN dgrad")}
+    fprop = got["vitrail fprop", "cuDNN fprop"]
+    assert fprop["cases"] == 2 and math.isclose(fprop["geomean"], 1.0)
+    assert fprop["min_case"].startswith("unet down0.res0.conv1")
+
+
+def test_tune_and_precompile_say_conv2d_has_nothing_to_tune():
+    from vitrail.cli import _Usage, _load_ops, _select_ops, resolve_tune
+    registry = _load_ops([])
+    with pytest.raises(SystemExit, match="conv2d has no registered ops to build"):
+        _select_ops(["conv2d"], registry, "precompile")
+    with pytest.raises(_Usage, match="nothing to tune.*vitrail bench conv --compile-only"):
+        resolve_tune("conv2d", "8x8", None, False, registry)

@@ -1,0 +1,390 @@
+"""`vitrail bench conv`: every convolution of ResNet-50 (batch 128, 224x224) and of an SD-1.x
+U-Net (batch 8, 64x64 latent), fprop, dgrad and wgrad in bf16, and fprop with its bias and
+activation fused, in TFLOP/s beside torch (cuDNN, channels_last, ``cudnn.benchmark`` on) timed
+in the same run.
+
+The baselines: ``F.conv2d`` (fprop), ``torch.ops.aten.convolution_backward`` asked for dx only
+(dgrad) or dw only (wgrad), and ``F.conv2d`` with its bias (torch adds it after cuDNN's
+convolution) then the activation (the fused rows: ReLU for ResNet-50, where most convs are
+followed by a batch norm, a bias once folded for inference, and a ReLU; SiLU, the U-Net's
+activation, for the U-Net). vitrail's rows call what conv2d and its autograd call:
+``vitrail.ops.conv2d`` and the ``vitrail::conv2d_dgrad`` and ``vitrail::conv2d_wgrad`` custom
+ops; each result is compared with cuDNN's before it is timed (a mismatch is printed). FLOPs
+are the convolution's own, 2 N P Q K C R S, for every kind (a strided dgrad, which runs the
+unit-stride kernel on dy spread out with zeros, does stride_h * stride_w times that work and
+is credited with the convolution's).
+
+A layer the op refuses (the 3-channel stem of ResNet-50, the U-Net's 4-channel conv_in and
+conv_out: TMA reads 16-byte channel vectors, C and K must be multiples of 8 in bf16) is a row
+of value 0 whose ``extra["refused"]`` says why, decided by vitrail.ops.conv.reasons on meta
+tensors, beside cuDNN's row; it enters no speedup. The run ends with a table per network and
+kind: the geometric mean of vitrail's speedups over cuDNN, the worst and best layer, and the
+speedup of the network's convolutions taken together (each layer's time times its count).
+
+``build()`` compiles the five kernels the rows run (fprop, dgrad, wgrad, fprop+bias+relu,
+fprop+bias+silu; bf16, the op's one config), in parallel: what ``vitrail bench conv`` builds
+on a machine with no GPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vitrail.bench import Row, register
+from vitrail.bench.rows import ratios
+from vitrail.profile.timing import geomean
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A convolution's geometry (x: N x C x H x W, weight: K x C x R x S, square stride and
+    padding, no dilation) and how many convolutions of its network have it."""
+    name: str
+    C: int
+    H: int
+    W: int
+    K: int
+    R: int
+    S: int
+    stride: int
+    padding: int
+    count: int = 1
+
+    def out_hw(self) -> tuple[int, int]:
+        return ((self.H + 2 * self.padding - self.R) // self.stride + 1,
+                (self.W + 2 * self.padding - self.S) // self.stride + 1)
+
+    @property
+    def label(self) -> str:
+        return (f"{self.name} C{self.C} {self.H}x{self.W} K{self.K} {self.R}x{self.S}"
+                + (f"/{self.stride}" if self.stride > 1 else ""))
+
+
+L = Layer
+# torchvision's ResNet-50 (v1.5: a bottleneck's stride on its 3x3 conv) at 224x224: its 53
+# convolutions, 23 geometries; the name is the first convolution of each geometry (a stage's
+# first conv3 has the geometry of its downsample in layer1, of its blocks' conv3 after that).
+RESNET50 = [
+    L("conv1", 3, 224, 224, 64, 7, 7, 2, 3),  # C=3: refused (16-byte channel rule)
+    L("layer1.0.conv1", 64, 56, 56, 64, 1, 1, 1, 0),
+    L("layer1.0.conv2", 64, 56, 56, 64, 3, 3, 1, 1, count=3),
+    L("layer1.0.conv3", 64, 56, 56, 256, 1, 1, 1, 0, count=4),  # and layer1.0.downsample
+    L("layer1.1.conv1", 256, 56, 56, 64, 1, 1, 1, 0, count=2),
+    L("layer2.0.conv1", 256, 56, 56, 128, 1, 1, 1, 0),
+    L("layer2.0.conv2", 128, 56, 56, 128, 3, 3, 2, 1),
+    L("layer2.0.conv3", 128, 28, 28, 512, 1, 1, 1, 0, count=4),
+    L("layer2.0.downsample", 256, 56, 56, 512, 1, 1, 2, 0),
+    L("layer2.1.conv1", 512, 28, 28, 128, 1, 1, 1, 0, count=3),
+    L("layer2.1.conv2", 128, 28, 28, 128, 3, 3, 1, 1, count=3),
+    L("layer3.0.conv1", 512, 28, 28, 256, 1, 1, 1, 0),
+    L("layer3.0.conv2", 256, 28, 28, 256, 3, 3, 2, 1),
+    L("layer3.0.conv3", 256, 14, 14, 1024, 1, 1, 1, 0, count=6),
+    L("layer3.0.downsample", 512, 28, 28, 1024, 1, 1, 2, 0),
+    L("layer3.1.conv1", 1024, 14, 14, 256, 1, 1, 1, 0, count=5),
+    L("layer3.1.conv2", 256, 14, 14, 256, 3, 3, 1, 1, count=5),
+    L("layer4.0.conv1", 1024, 14, 14, 512, 1, 1, 1, 0),
+    L("layer4.0.conv2", 512, 14, 14, 512, 3, 3, 2, 1),
+    L("layer4.0.conv3", 512, 7, 7, 2048, 1, 1, 1, 0, count=3),
+    L("layer4.0.downsample", 1024, 14, 14, 2048, 1, 1, 2, 0),
+    L("layer4.1.conv1", 2048, 7, 7, 512, 1, 1, 1, 0, count=2),
+    L("layer4.1.conv2", 512, 7, 7, 512, 3, 3, 1, 1, count=2),
+]
+
+# An SD-1.x U-Net (diffusers' UNet2DConditionModel of SD 1.5: widths 320/640/1280/1280, two
+# ResNet blocks per down block, three per up block fed the skip connections, two in the middle)
+# at a 64x64 latent: its 66 convolutions, 31 geometries. Included: conv_in (4 channels in),
+# each ResNet block's two 3x3 convs and its 1x1 shortcut where its channels change, the three
+# stride-2 downsamplers, the three upsamplers' 3x3 convs (after the nearest 2x upsampling),
+# conv_out (4 channels out). conv_in (C=4) and conv_out (K=4) are refused by the 16-byte channel
+# rule and listed as refused rows. Not included: the transformer blocks' proj_in / proj_out
+# (1x1 convs in SD 1.x, linear layers in SD 2.x: GEMMs, `vitrail bench gemm`'s subject).
+UNET = [
+    L("conv_in", 4, 64, 64, 320, 3, 3, 1, 1),  # C=4: refused (16-byte channel rule)
+    L("down0.res0.conv1", 320, 64, 64, 320, 3, 3, 1, 1, count=7),  # and up3's conv2s
+    L("down0.downsample", 320, 64, 64, 320, 3, 3, 2, 1),
+    L("down1.res0.conv1", 320, 32, 32, 640, 3, 3, 1, 1),
+    L("down1.res0.conv2", 640, 32, 32, 640, 3, 3, 1, 1, count=6),  # and up2's conv2s
+    L("down1.res0.shortcut", 320, 32, 32, 640, 1, 1, 1, 0),
+    L("down1.downsample", 640, 32, 32, 640, 3, 3, 2, 1),
+    L("down2.res0.conv1", 640, 16, 16, 1280, 3, 3, 1, 1),
+    L("down2.res0.conv2", 1280, 16, 16, 1280, 3, 3, 1, 1, count=7),  # up1's, up0.upsample
+    L("down2.res0.shortcut", 640, 16, 16, 1280, 1, 1, 1, 0),
+    L("down2.downsample", 1280, 16, 16, 1280, 3, 3, 2, 1),
+    L("down3.res0.conv1", 1280, 8, 8, 1280, 3, 3, 1, 1, count=11),  # down3, mid, up0's conv2s
+    L("up0.res0.conv1", 2560, 8, 8, 1280, 3, 3, 1, 1, count=3),
+    L("up0.res0.shortcut", 2560, 8, 8, 1280, 1, 1, 1, 0, count=3),
+    L("up1.res0.conv1", 2560, 16, 16, 1280, 3, 3, 1, 1, count=2),
+    L("up1.res2.conv1", 1920, 16, 16, 1280, 3, 3, 1, 1),
+    L("up1.res0.shortcut", 2560, 16, 16, 1280, 1, 1, 1, 0, count=2),
+    L("up1.res2.shortcut", 1920, 16, 16, 1280, 1, 1, 1, 0),
+    L("up1.upsample", 1280, 32, 32, 1280, 3, 3, 1, 1),
+    L("up2.res0.conv1", 1920, 32, 32, 640, 3, 3, 1, 1),
+    L("up2.res1.conv1", 1280, 32, 32, 640, 3, 3, 1, 1),
+    L("up2.res2.conv1", 960, 32, 32, 640, 3, 3, 1, 1),
+    L("up2.res0.shortcut", 1920, 32, 32, 640, 1, 1, 1, 0),
+    L("up2.res1.shortcut", 1280, 32, 32, 640, 1, 1, 1, 0),
+    L("up2.res2.shortcut", 960, 32, 32, 640, 1, 1, 1, 0),
+    L("up2.upsample", 640, 64, 64, 640, 3, 3, 1, 1),
+    L("up3.res0.conv1", 960, 64, 64, 320, 3, 3, 1, 1),
+    L("up3.res1.conv1", 640, 64, 64, 320, 3, 3, 1, 1, count=2),
+    L("up3.res0.shortcut", 960, 64, 64, 320, 1, 1, 1, 0),
+    L("up3.res1.shortcut", 640, 64, 64, 320, 1, 1, 1, 0, count=2),
+    L("conv_out", 320, 64, 64, 4, 3, 3, 1, 1),  # K=4: refused (16-byte channel rule)
+]
+del L
+
+# network: (batch, layers, the activation of its fused rows)
+NETWORKS = {"resnet50": (128, RESNET50, "relu"), "unet": (8, UNET, "silu")}
+KINDS = ("fprop", "dgrad", "wgrad")
+OURS, THEIRS = "vitrail", "cuDNN"  # implementations' first words: "vitrail fprop", "cuDNN fprop"
+TOLERANCE = 0.03  # vitrail's result against cuDNN's, max error / max |cuDNN|: a mismatch above
+
+
+@dataclass(frozen=True)
+class Case:
+    """One layer of one network, one kind: fprop, dgrad, wgrad or fprop+bias+ACTIVATION."""
+    network: str
+    layer: Layer
+    batch: int
+    kind: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.network} {self.layer.label} {self.kind}"
+
+    @property
+    def kernel(self) -> str:
+        """The kernel's kind (fprop, dgrad or wgrad)."""
+        return self.kind.split("+")[0]
+
+    @property
+    def activation(self) -> str | None:
+        return self.kind.split("+")[2] if "+" in self.kind else None
+
+    @property
+    def flops(self) -> float:
+        p, q = self.layer.out_hw()
+        lay = self.layer
+        return 2.0 * self.batch * p * q * lay.K * lay.C * lay.R * lay.S
+
+
+def cases() -> list[Case]:
+    """Every case the benchmark times, network by network, layer by layer."""
+    out = []
+    for network, (batch, layers, act) in NETWORKS.items():
+        for layer in layers:
+            for kind in KINDS + (f"fprop+bias+{act}",):
+                out.append(Case(network, layer, batch, kind))
+    return out
+
+
+def refusal(case: Case) -> str:
+    """Why vitrail.ops.conv2d's kernel refuses the case ('' when it runs it): the op's own
+    checks (vitrail.ops.conv.reasons) on meta tensors, nothing compiled."""
+    import torch
+
+    from vitrail.ops.conv import reasons
+    lay, bf = case.layer, torch.bfloat16
+    x = torch.empty(case.batch, lay.C, lay.H, lay.W, dtype=bf, device="meta")
+    w = torch.empty(lay.K, lay.C, lay.R, lay.S, dtype=bf, device="meta")
+    bias = torch.empty(lay.K, dtype=bf, device="meta") if case.activation else None
+    return "; ".join(reasons(x, w, bias, lay.stride, lay.padding, activation=case.activation,
+                             kind=case.kernel))
+
+
+def row(case: Case, impl: str, ms: float | None, **extra) -> Row:
+    """A row of ``case``: TFLOP/s of ``ms`` (value 0 and no ms where vitrail did not run it:
+    ``extra`` says why, ``refused`` or ``error``)."""
+    lay = case.layer
+    info = {"network": case.network, "layer": lay.name, "kind": case.kind, "batch": case.batch,
+            "count": lay.count, "geometry": {k: getattr(lay, k) for k in (
+                "C", "H", "W", "K", "R", "S", "stride", "padding")}, **extra}
+    if case.kernel == "dgrad" and lay.stride > 1 and impl.startswith(OURS):
+        info["note"] = (f"unit-stride dgrad on dy spread out with zeros: {lay.stride ** 2}x the "
+                        f"work counted")
+    return Row(case=case.name, impl=f"{impl} {case.kind}",
+               value=0.0 if ms is None else case.flops / ms / 1e9, unit="TFLOP/s",
+               lower_is_better=False, baseline=impl == THEIRS, extra=info,
+               ms=ms, flops=case.flops if ms is not None else 0.0, math="bf16",
+               group=f"{case.network} {case.kind}")
+
+
+# ---------------------------------------------------------------------------------- summary
+def summarize(rows: list[Row]) -> list[dict]:
+    """Per (network, kind), in the rows' order: the layers vitrail ran beside cuDNN, the
+    geometric mean, worst and best of its speedups (with their layers), how many at or above
+    1.0x, the speedup of those layers taken together as in the network (``weighted``: the sum
+    over layers of count x time, cuDNN's over vitrail's), and the layers refused or failed
+    (value 0: in no speedup)."""
+    out: dict[tuple[str, str], dict] = {}
+    bases = {r.case: r for r in rows if r.baseline}
+    for r, vs in ratios(rows):
+        if r.baseline:
+            continue
+        e = out.setdefault((r.extra["network"], r.extra["kind"]), {
+            "network": r.extra["network"], "kind": r.extra["kind"], "got": [], "refused": [],
+            "failed": [], "ours_ms": 0.0, "theirs_ms": 0.0})
+        x = next((v for v in vs.values() if v), None)
+        if r.extra.get("refused"):
+            e["refused"].append(r.extra["layer"])
+            continue
+        if x is None:  # an error, or no cuDNN time to compare with
+            e["failed"].append(r.extra["layer"])
+            continue
+        e["got"].append((r.extra["layer"], x))
+        e["ours_ms"] += r.extra["count"] * r.ms
+        e["theirs_ms"] += r.extra["count"] * bases[r.case].ms
+    summary = []
+    for e in out.values():
+        got = e.pop("got")
+        ours, theirs = e.pop("ours_ms"), e.pop("theirs_ms")
+        if got:
+            worst = min(got, key=lambda lx: lx[1])
+            best = max(got, key=lambda lx: lx[1])
+            e.update(layers=len(got), geomean=geomean([x for _, x in got]), worst=worst[1],
+                     worst_layer=worst[0], best=best[1], best_layer=best[0],
+                     at_or_above_1x=sum(x >= 1.0 for _, x in got), weighted=theirs / ours)
+        else:
+            e.update(layers=0)
+        summary.append(e)
+    return summary
+
+
+def summary_lines(summary: list[dict]) -> list[str]:
+    """The summary as ``vitrail bench conv`` prints it after its table."""
+    lines = [f"  {'network':<10}{'kind':<17}{'layers':>6}{'geomean':>9}{'worst':>8}"
+             f"{'best':>8}{'>=1.0x':>8}{'network':>9}  worst layer; refused"]
+    for e in summary:
+        refused = "".join(f"; {what}: {', '.join(e[what])}" for what in ("refused", "failed")
+                          if e[what])
+        if not e["layers"]:
+            lines.append(f"  {e['network']:<10}{e['kind']:<17}{0:>6}  none ran{refused}")
+            continue
+        lines.append(f"  {e['network']:<10}{e['kind']:<17}{e['layers']:>6}{e['geomean']:>8.2f}x"
+                     f"{e['worst']:>7.2f}x{e['best']:>7.2f}x"
+                     f"{str(e['at_or_above_1x']) + '/' + str(e['layers']):>8}"
+                     f"{e['weighted']:>8.2f}x  {e['worst_layer']}{refused}")
+    lines.append("  speedups over cuDNN (> 1x: vitrail faster); network: the layers taken "
+                 "together, each layer's time times its count in the network")
+    return lines
+
+
+# ------------------------------------------------------------------------------------ build
+def operations() -> list:
+    """The ConvOperations the rows run: each kind in bf16, and fprop with each network's fused
+    bias and activation."""
+    import torch
+
+    from vitrail.ops.conv import operation
+    bf = torch.bfloat16
+    ops = [operation(kind, bf) for kind in KINDS]
+    for _, _, act in NETWORKS.values():
+        ops.append(operation("fprop", bf, True, act))
+    return ops
+
+
+def build() -> None:
+    """Compile the five kernels in parallel for the build target (the kernels are sm_90a: for
+    another target, say so and build nothing)."""
+    from vitrail.tune import compile_all, limits
+    arch = limits().arch.name
+    if arch != "90a":
+        print(f"  conv bench: the convolution kernels are sm_90a (Hopper); the target is "
+              f"sm_{arch}: nothing to build")
+        return
+    jobs = [(op.name, op.compile_kwargs(arch)) for op in operations()]
+    for name, error in compile_all(jobs, verbose=True, label="conv bench").items():
+        print(f"  build failed: {name}: {error[:2000]}")
+
+
+# -------------------------------------------------------------------------------------- run
+def _tensors(case: Case):
+    """x, w, dy (channels_last bf16) and the fused rows' bias, on the GPU."""
+    import torch
+    lay, bf = case.layer, torch.bfloat16
+    cl = torch.channels_last
+    p, q = case.layer.out_hw()
+    x = torch.randn(case.batch, lay.C, lay.H, lay.W, device="cuda", dtype=bf).to(memory_format=cl)
+    w = (torch.randn(lay.K, lay.C, lay.R, lay.S, device="cuda", dtype=bf)
+         / (lay.C * lay.R * lay.S) ** 0.5).to(memory_format=cl)
+    dy = torch.randn(case.batch, lay.K, p, q, device="cuda", dtype=bf).to(memory_format=cl)
+    bias = torch.randn(lay.K, device="cuda", dtype=bf) if case.activation else None
+    return x, w, dy, bias
+
+
+def _calls(case: Case):
+    """(vitrail's call, cuDNN's call) of the case."""
+    import torch
+    import torch.nn.functional as F
+
+    from vitrail.ops.conv import conv2d
+    x, w, dy, bias = _tensors(case)
+    lay = case.layer
+    s, pad, one = [lay.stride] * 2, [lay.padding] * 2, [1, 1]
+    back = torch.ops.aten.convolution_backward
+    if case.kind == "fprop":
+        return (lambda: conv2d(x, w, None, s, pad),
+                lambda: F.conv2d(x, w, None, s, pad))
+    if case.kind == "dgrad":
+        return (lambda: torch.ops.vitrail.conv2d_dgrad(dy, w, [lay.H, lay.W], s, pad, pad, one),
+                lambda: back(dy, x, w, None, s, pad, one, False, [0, 0], 1,
+                             [True, False, False])[0])
+    if case.kind == "wgrad":
+        return (lambda: torch.ops.vitrail.conv2d_wgrad(dy, x, [lay.R, lay.S], s, pad, pad, one),
+                lambda: back(dy, x, w, None, s, pad, one, False, [0, 0], 1,
+                             [False, True, False])[1])
+    act = {"relu": torch.relu, "silu": F.silu}[case.activation]
+    return (lambda: conv2d(x, w, bias, s, pad, activation=case.activation),
+            lambda: act(F.conv2d(x, w, bias, s, pad)))
+
+
+def time_case(case: Case) -> list[Row]:
+    """vitrail's row and cuDNN's of one case, timed together (vitrail.profile.compare); a
+    case vitrail refuses (by the op's checks, or NotImplementedError at its call) gets a
+    refused row beside cuDNN's timed one."""
+    from vitrail.profile import compare
+    why = refusal(case)
+    ours, theirs = _calls(case)
+    err, failed = None, ""
+    if not why:
+        try:
+            got = ours()
+        except NotImplementedError as e:
+            why = str(e)
+        except Exception as e:  # reported as a row of its own, the run goes on
+            failed = f"{type(e).__name__}: {str(e)[:500]}"
+        else:
+            ref = theirs().float()
+            err = ((got.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+            got = ref = None
+    if why or failed:
+        t = compare({THEIRS: theirs})[THEIRS]
+        print(f"    {case.name:<62} {'refused' if why else 'FAILED'}: {(why or failed)[:140]}")
+        extra = {"refused": why} if why else {"error": failed}
+        return [row(case, OURS, None, **extra), row(case, THEIRS, t.median)]
+    times = compare({OURS: ours, THEIRS: theirs})
+    rows = [row(case, OURS, times[OURS].median, max_rel_err=err),
+            row(case, THEIRS, times[THEIRS].median)]
+    flag = f"  MISMATCH (max error / max |cuDNN| > {TOLERANCE})" if err > TOLERANCE else ""
+    print(f"    {case.name:<62} vitrail {rows[0].value:6.1f}  cuDNN {rows[1].value:6.1f} "
+          f"TFLOP/s  {rows[1].ms / rows[0].ms:5.2f}x{flag}")
+    return rows
+
+
+@register("conv", "vitrail.ops.conv2d fprop/dgrad/wgrad and fused bias+act vs cuDNN: every "
+          "conv of ResNet-50 (batch 128) and an SD U-Net (batch 8), bf16", build,
+          by_name=True)  # (not in a bare `vitrail bench` until the op's GPU tests all pass)
+def run() -> list[Row]:
+    import torch
+    build()
+    rows: list[Row] = []
+    bench_was = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = True  # cuDNN picks its fastest algorithm per shape
+    try:
+        for case in cases():
+            rows += time_case(case)
+            torch.cuda.empty_cache()
+    finally:
+        torch.backends.cudnn.benchmark = bench_was
+    print("\n  conv: vitrail over cuDNN per network and kind")
+    print("\n".join(summary_lines(summarize(rows))))
+    return rows
