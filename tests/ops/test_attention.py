@@ -113,3 +113,13 @@ def test_backward_says_it_is_not_implemented():
     q.requires_grad_(True)
     with pytest.raises(NotImplementedError, match="backward"):
         A.attention(q, k, v).sum().backward()
+
+
+def test_the_benchmark_registers_its_grid():
+    from vitrail.ops import load_benchmarks
+    from vitrail.ops.attention import benchmarks as b
+    entry = load_benchmarks()["attention"]
+    assert entry.run is b.run and entry.build is b.build and entry.by_name
+    assert len(b.CASES) == 18 and {c[3] for c in b.CASES} == {64, 128, 256}
+    assert all(bb * s == 16384 for bb, s, *_ in b.CASES)
+    assert b.flops(1, 1024, 1, 64, True) * 2 == b.flops(1, 1024, 1, 64, False) == 4 * 1024**2 * 64

@@ -1,0 +1,73 @@
+"""`vitrail bench attention`: the forward against torch SDPA's cuDNN and flash backends in the
+same run, bf16, (batch, seqlen, heads, head_dim) tensors, TFLOP/s counting only the visible
+scores (a causal problem does half the work). Runs when named until the op's GPU tests pass."""
+from __future__ import annotations
+
+from vitrail.bench import Row, register
+
+# (batch, seqlen, heads, head_dim, causal): the issue's grid, seqlen 1k to 16k at 16k tokens a
+# batch, head dims 64, 128 and 256
+CASES = [(b, s, h, d, causal)
+         for s, b in ((1024, 16), (4096, 4), (16384, 1))
+         for d, h in ((64, 32), (128, 16), (256, 8))
+         for causal in (False, True)]
+
+
+def flops(b: int, s: int, h: int, d: int, causal: bool) -> float:
+    """Q K^T and P V: 4 b h s^2 d, half of it where causal."""
+    return 4.0 * b * h * s * s * d / (2 if causal else 1)
+
+
+def build() -> None:
+    """Compile the kernels the cases take (one per head dim and causality), in parallel."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from vitrail.ops.attention import kernel
+    variants = sorted({(d, causal) for _, _, _, d, causal in CASES})
+    with ThreadPoolExecutor(max(1, min(8, len(variants)))) as pool:
+        list(pool.map(lambda v: kernel(torch.bfloat16, *v), variants))
+
+
+def _sdpa(backend):
+    import torch
+    from torch.nn.attention import sdpa_kernel
+
+    def run(q, k, v, causal):
+        with sdpa_kernel(backend):  # SDPA's (batch, heads, seqlen, head_dim) views, no copy
+            return torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
+    return run
+
+
+@register("attention", "vitrail.ops.attention forward vs torch SDPA (cuDNN, flash), bf16", build,
+          by_name=True)
+def run() -> list[Row]:
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    from vitrail.ops.attention import attention
+    from vitrail.profile import compare
+    cudnn, flash = _sdpa(SDPBackend.CUDNN_ATTENTION), _sdpa(SDPBackend.FLASH_ATTENTION)
+    rows = []
+    for b, s, h, d, causal in CASES:
+        q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(3))
+        case = f"{'causal ' if causal else ''}B{b} S{s} H{h} D{d}"
+        fns = {"vitrail": lambda: attention(q, k, v, causal=causal),
+               "SDPA cuDNN": lambda: cudnn(q, k, v, causal),
+               "SDPA flash": lambda: flash(q, k, v, causal)}
+        ok = {}
+        for impl, fn in fns.items():
+            try:
+                fn()
+                ok[impl] = fn
+            except Exception as e:  # a backend that refuses the case is reported, not fatal
+                print(f"  {case} {impl}: {type(e).__name__}: {str(e)[:200]}")
+        work = flops(b, s, h, d, causal)
+        rows += [Row(case=case, impl=impl, value=work / t.median / 1e9, unit="TFLOP/s",
+                     lower_is_better=False, baseline=impl != "vitrail", ms=t.median, flops=work,
+                     math="bf16", group=f"D{d}")
+                 for impl, t in (compare(ok) if ok else {}).items()]
+    return rows
