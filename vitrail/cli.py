@@ -96,8 +96,8 @@ def _select_ops(names: list[str], registry: dict, command: str):
                 raise SystemExit(f"vitrail {command}: {n} has no registered ops to build ({why})")
             chosen.extend(found)
         else:
-            near = difflib.get_close_matches(n, list(families) + list(FAMILIES) + list(registry),
-                                             n=3)
+            names = dict.fromkeys([*families, *FAMILIES, *registry])  # one of each, in order
+            near = difflib.get_close_matches(n, list(names), n=3)
             hint = f"; did you mean {', '.join(near)}?" if near else ""
             raise SystemExit(f"vitrail {command}: unknown op or family {n!r}{hint} "
                              f"(`vitrail {command} --list` shows them)")
@@ -180,7 +180,7 @@ def resolve_tune(what: str, shape: str | None, dtype: str | None, backward: bool
     fam = FAMILIES.get(what)
     if fam is None and what not in registry:
         import difflib
-        near = difflib.get_close_matches(what, list(FAMILIES) + list(registry), n=3)
+        near = difflib.get_close_matches(what, list(dict.fromkeys([*FAMILIES, *registry])), n=3)
         if what in _families(registry):
             raise _Usage("this family gives no shapes to tune; name one of its variants "
                          "(`vitrail precompile --list`)")

@@ -50,6 +50,18 @@ def sm_count(index: int | None = None) -> int:
     return n
 
 
+_HOPPER: dict[int, bool] = {}
+
+
+def is_hopper(device: torch.device) -> bool:
+    """Whether a CUDA device is sm_90 (the Hopper kernels' target), cached per device."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    hit = _HOPPER.get(index)
+    if hit is None:
+        hit = _HOPPER[index] = torch.cuda.get_device_capability(index) == (9, 0)
+    return hit
+
+
 def gpu_limits(index: int | None = None) -> Limits:
     """The limits of GPU ``index`` (None: the current device), read once per index."""
     lim = _LIMITS.get(index)

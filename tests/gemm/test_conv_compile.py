@@ -1,7 +1,8 @@
-"""Compile-only builds of the convolutions for sm_90a (CI has no GPU): the three kernels
-vitrail.ops.conv2d runs for bf16, fprop with its bias and relu fused, dgrad and wgrad: each
-on TMA (im2col for the activation) and wgmma, without spills. Three builds in parallel, about
-60 s each on one core (CI's budget: no more conv builds than these)."""
+"""Compile-only builds of the convolutions for sm_90a (CI has no GPU): two of the kernels
+vitrail.ops.conv2d runs for bf16, fprop with its bias and relu fused, and dgrad: each on TMA
+(im2col for the activation) and wgmma, without spills. Two builds in parallel, about 60 s each
+on one core (CI's budget: no more conv builds than these; wgrad builds on the GPU machine, in
+tests/ops/test_conv.py, and in `vitrail bench conv --compile-only`)."""
 from __future__ import annotations
 
 import re
@@ -20,7 +21,7 @@ def test_compile_representative_convolutions(monkeypatch):
     from vitrail.ops.conv import operation
 
     ops = [operation("fprop", torch.bfloat16, bias=True, activation="relu"),
-           operation("dgrad", torch.bfloat16), operation("wgrad", torch.bfloat16)]
+           operation("dgrad", torch.bfloat16)]
     failures = compile_many(ops, arch="90a", max_workers=2)
     assert not failures, failures
     for op in ops:
@@ -29,7 +30,7 @@ def test_compile_representative_convolutions(monkeypatch):
         wgmma = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", mod.ptx))
         assert wgmma == {"m64n128k16"}, (op.name, wgmma)
         assert "cp.async.bulk.tensor" in mod.ptx
-        # the activation (A of fprop and dgrad, B of wgrad) comes through TMA's im2col mode
+        # the activation (A of fprop and dgrad) comes through TMA's im2col mode
         assert re.search(r"cp\.async\.bulk\.tensor\.4d\.shared::cluster\.global\.im2col", mod.ptx)
         res = mod.resources()
         kernel = [r for name, r in res.items() if "ConvUniversal" in name]

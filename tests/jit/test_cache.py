@@ -822,6 +822,32 @@ def test_another_users_cache_or_planted_artifact_is_never_loaded(tmp_path, monke
     assert os.stat(again.path).st_uid == os.geteuid()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="making files of another user needs root")
+def test_a_directory_of_another_user_inside_our_cache_is_refused(tmp_path, monkeypatch):
+    """A directory planted inside our cache while its root was open to others stays theirs
+    after the root is closed: v1 (or its kernels, locks, tmp) of theirs is refused when the
+    cache opens; a kernels/<ab> folder of theirs when an entry below it is looked up."""
+    from vitrail.jit.cache import KernelCache
+    from vitrail.jit.errors import CacheError
+    _trust_afresh(monkeypatch)
+    ours = tmp_path / "ours"
+    ours.mkdir(mode=0o700)
+    monkeypatch.setenv("VITRAIL_CACHE_DIR", str(ours))
+    (ours / "v1").mkdir(mode=0o755)
+    os.chown(ours / "v1", 4321, 4321)
+    with pytest.raises(CacheError, match="v1 inside the cache is not yours alone .owner uid 4321"):
+        KernelCache()
+    os.chown(ours / "v1", os.geteuid(), os.getegid())
+    cache = KernelCache()
+    key = "ab" + "0" * 62
+    (cache.root / "kernels" / "ab").mkdir(mode=0o700)
+    os.chown(cache.root / "kernels" / "ab", 4321, 4321)
+    with pytest.raises(CacheError, match="kernels/ab inside the cache is not yours alone"):
+        cache.lookup(key, read_artifact=False)
+    os.chown(cache.root / "kernels" / "ab", os.geteuid(), os.getegid())
+    assert cache.lookup(key, read_artifact=False) is None  # ours again, and empty
+
+
 @pytest.mark.parametrize("kind", ["file", "dangling link", "relative"])
 def test_a_cache_path_that_cannot_be_a_cache_is_one_line(tmp_path, monkeypatch, kind):
     from vitrail.jit.cache import cache_dir

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -283,3 +284,15 @@ def test_a_build_that_keeps_the_call_waiting_says_so_once(cache_dir, caplog):
     assert [r.getMessage() for r in caplog.records] == [
         "vitrail: compiling 'gemm_e' (nvcc) for its first use, about 61 s as before here; "
         "later calls and processes load it from the cache"]
+
+
+def test_a_compiler_printing_bytes_that_are_not_utf8_fails_cleanly(tmp_path):
+    """gcc reading a damaged precompiled header printed raw bytes: the failure is reported with
+    them replaced, not lost in a UnicodeDecodeError (which then killed a finished process)."""
+    from vitrail.jit.compiler import BuildFailed, run_compiler
+    script = "import sys; sys.stdout.buffer.write(b'bad \\x83\\xff bytes\\n'); sys.exit(1)"
+    with pytest.raises(BuildFailed) as failed:
+        run_compiler([sys.executable, "-c", script], tmp_path, "fake-cc")
+    assert "bad \ufffd\ufffd bytes" in failed.value.log
+    ok = "import sys; sys.stdout.buffer.write(b'fine \\x83\\n')"
+    assert run_compiler([sys.executable, "-c", ok], tmp_path, "fake-cc") == "fine \ufffd\n"

@@ -36,8 +36,9 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Optional
 
-from vitrail.gemm.descriptions import (SMEM_BYTES_SM90, MathInstruction, TensorDescription,
-                                       TileDescription, bits, check_tile_k, cpp_type)
+from vitrail.gemm.descriptions import (MathInstruction, TensorDescription,
+                                       TileDescription, bits, check_stages, check_tile_k,
+                                       cpp_type)
 from vitrail.gemm.conv_arguments import ENTRY, launch, reasons
 from vitrail.gemm.emit.template import fill
 from vitrail.gemm.epilogue import LinearCombination
@@ -122,15 +123,7 @@ class ConvOperation(Buildable):
                              "scheduler; leave TileDescription.tile_scheduler='persistent' (one "
                              "CTA per tile); split-K wgrad is not implemented yet")
         check_tile_k(t, a)
-        if t.stages:
-            need = self.smem_bytes(t.stages)
-            if need > SMEM_BYTES_SM90:
-                raise ValueError(f"TileDescription: {t.stages} stages of {t.tile_shape} take "
-                                 f"about {need} B of shared memory > {SMEM_BYTES_SM90} B; use "
-                                 f"fewer stages or a smaller tile")
-        elif self.smem_bytes(2) > SMEM_BYTES_SM90:
-            raise ValueError(f"TileDescription: even 2 stages of {t.tile_shape} do not fit in "
-                             f"{SMEM_BYTES_SM90} B of shared memory; use a smaller tile")
+        check_stages(t, self.smem_bytes)
 
     # ------------------------------------------------------------------------------ static
     def smem_bytes(self, stages: int) -> int:

@@ -192,6 +192,20 @@ def check_tile_k(tile: TileDescription, element: str) -> None:
                          f"atom); use a multiple of {512 // bits(element)}")
 
 
+def check_stages(tile: TileDescription, smem_bytes) -> None:
+    """The tile's stages (or, left to CUTLASS, at least two) must fit in shared memory;
+    smem_bytes(stages) is the operation's estimate."""
+    if tile.stages:
+        need = smem_bytes(tile.stages)
+        if need > SMEM_BYTES_SM90:
+            raise ValueError(f"TileDescription: {tile.stages} stages of {tile.tile_shape} take "
+                             f"about {need} B of shared memory > {SMEM_BYTES_SM90} B; use "
+                             f"fewer stages or a smaller tile")
+    elif smem_bytes(2) > SMEM_BYTES_SM90:
+        raise ValueError(f"TileDescription: even 2 stages of {tile.tile_shape} do not fit in "
+                         f"{SMEM_BYTES_SM90} B of shared memory; use a smaller tile")
+
+
 @dataclass(frozen=True)
 class TensorDescription:
     """One operand in global memory: element type, layout ('row' or 'col') and alignment in

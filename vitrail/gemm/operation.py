@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from vitrail.gemm import emit
-from vitrail.gemm.descriptions import (FP8, MODE_RULES, MODES, SMEM_BYTES_SM90, MathInstruction,
+from vitrail.gemm.descriptions import (FP8, MODE_RULES, MODES, MathInstruction,
                                        TensorDescription, TileDescription, bits,
-                                       check_gemm_schedule, check_tile_k, k_major)
+                                       check_gemm_schedule, check_stages, check_tile_k,
+                                       k_major)
 from vitrail.gemm.epilogue import LinearCombination
 
 
@@ -112,16 +113,7 @@ class GemmOperation(Buildable):
         if (epi.scale_a or epi.scale_b) and a not in FP8:
             raise ValueError("GemmOperation: scale_a/scale_b are for FP8 operands")
         check_tile_k(self.tile, a)
-        if self.tile.stages:
-            need = self.smem_bytes(self.tile.stages)
-            if need > SMEM_BYTES_SM90:
-                raise ValueError(f"TileDescription: {self.tile.stages} stages of "
-                                 f"{self.tile.tile_shape} take about {need} B of shared "
-                                 f"memory > {SMEM_BYTES_SM90} B; use fewer stages or a "
-                                 f"smaller tile")
-        elif self.smem_bytes(2) > SMEM_BYTES_SM90:
-            raise ValueError(f"TileDescription: even 2 stages of {self.tile.tile_shape} do not "
-                             f"fit in {SMEM_BYTES_SM90} B of shared memory; use a smaller tile")
+        check_stages(self.tile, self.smem_bytes)
 
     # ------------------------------------------------------------------------------ static
     def smem_bytes(self, stages: int) -> int:

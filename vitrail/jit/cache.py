@@ -124,6 +124,21 @@ def trusted(root: Path, where: str = "") -> None:
     _TRUSTED.add(real)
 
 
+def own_directory(path: Path, where: str = "") -> None:
+    """Refuse a directory inside a cache that is not this user's alone (owned by another user,
+    writable by a group or others, or a symlink): whoever can change it could swap what is
+    loaded from below it, whatever the root's mode (a directory planted while the root was
+    open to others stays theirs after the root is closed)."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or st.st_uid != os.geteuid() or \
+            writable_by_others(st, above_root=False):
+        raise CacheError(f"{where + ': ' if where else ''}{path} inside the cache is not yours "
+                         f"alone (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}"
+                         f"{', a symlink' if stat.S_ISLNK(st.st_mode) else ''}): someone else "
+                         f"could swap the kernels below it; remove it (vitrail recreates it) "
+                         f"or set VITRAIL_CACHE_DIR to a directory of yours")
+
+
 def writable_by_others(st: os.stat_result, above_root: bool) -> bool:
     """Whether users other than this one could change what a directory or file holds: at a
     cache's root and below it, a group or others may not write at all; above it (where
@@ -224,6 +239,8 @@ class KernelCache:
         self.root = (root or cache_dir()) / LAYOUT
         for sub in ("kernels", "locks", "tmp", "failed", "trash"):
             make_private_dirs(self.root / sub)
+        for d in (self.root, *(self.root / sub for sub in ("kernels", "locks", "tmp"))):
+            own_directory(d)
 
     def entry_dir(self, key: str) -> Path:
         return self.root / "kernels" / key[:2] / key
@@ -233,6 +250,8 @@ class KernelCache:
         """The published entry for key if it is complete and its checksum holds, else None."""
         d = self.entry_dir(key)
         try:
+            own_directory(d.parent)  # kernels/<ab>: the entry could be swapped through it
+            own_directory(d)
             meta = json.loads((d / META).read_text())
             data = _read_own(d / meta["artifact"])
         except FileNotFoundError:

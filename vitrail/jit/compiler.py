@@ -12,6 +12,7 @@ the artifact on disk (or in a shared cache) or compiles it under the key's lock.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -341,20 +342,32 @@ def _run_script(env: list[str], commands: list[str], build: Path, command: str) 
     return run_compiler(["bash", "-ec", "\n".join(env + commands)], build, command)
 
 
+def _text(raw: bytes) -> str:
+    return raw.decode(errors="replace").replace("\r\n", "\n")
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # already gone, with its group
+        os.killpg(pid, signal.SIGKILL)
+
+
 def run_compiler(cmd: list[str], build: Path, command: str) -> str:
     timeout = knobs.COMPILE_TIMEOUT.get()
+    # bytes, decoded here: a compiler's output need not be UTF-8 (gcc reading a damaged
+    # precompiled header printed raw bytes)
     proc = subprocess.Popen(cmd, cwd=build, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True, preexec_fn=_die_with_parent)
+                            start_new_session=True, preexec_fn=_die_with_parent)
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        raw, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise BuildFailed(f"{out}\nerror: killed after VITRAIL_COMPILE_TIMEOUT={timeout:.0f} s",
-                      command) from None
+        _kill_group(proc.pid)
+        raw, _ = proc.communicate()
+        raise BuildFailed(f"{_text(raw)}\nerror: killed after VITRAIL_COMPILE_TIMEOUT="
+                          f"{timeout:.0f} s", command) from None
     except BaseException:  # KeyboardInterrupt: take the compiler down with us
-        os.killpg(proc.pid, signal.SIGKILL)
+        _kill_group(proc.pid)
         raise
+    out = _text(raw)
     if proc.returncode != 0:
         raise BuildFailed(out, command)
     return out

@@ -21,7 +21,7 @@ from vitrail.gemm.arguments import describe
 from vitrail.gemm.emit import CODES
 from vitrail.jit.errors import ArgumentError, LaunchError
 from vitrail.ops.common import EAGER, GRAD, call_mode, check_tensor
-from vitrail.gemm.ops.launch import is_hopper
+from vitrail.device import is_hopper
 from vitrail.plan import GENERAL, Plans, scratch, signature
 from vitrail.plan.native import front
 

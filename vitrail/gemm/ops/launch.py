@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from vitrail.device import vector
+from vitrail.device import is_hopper, vector
 from vitrail.gemm import LinearCombination
 from vitrail.gemm.emit import plain as plain_kernel
 from vitrail.gemm import arguments as gargs
@@ -37,7 +37,6 @@ ELEMENTS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "tf32",
             torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 OUT_ELEMENTS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 _OPS: dict[Kind, Op] = {}
-_HOPPER: dict[int, bool] = {}
 # test hooks, set only by vitrail.gemm.ops.testing's context managers: outputs start as NaN;
 # a list: run records (kind, problem, operands) into it and launches nothing
 _poison = False
@@ -141,14 +140,6 @@ def make_problem(kind: Kind, shape: tuple) -> Shaped:
                                                          device=dev)
         return (a, b, c, d, bias, sa, sb, 1.0, 0.5, 0.01, float("-inf"), float("inf"), 1)
     return Shaped(op_for(kind), problem_key(M, N, K, L), Problem(M, N, K, L), args)
-
-
-def is_hopper(device: torch.device) -> bool:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    hit = _HOPPER.get(index)
-    if hit is None:
-        hit = _HOPPER[index] = torch.cuda.get_device_capability(index) == (9, 0)
-    return hit
 
 
 def out_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[int, ...]:

@@ -4,8 +4,9 @@
 //   using Mma = vitrail::TileMMA<T, 128, 256, 64, 2>;  // a 128 x 256 x 64 step, 2 warpgroups
 //   Mma mma(thread);                                 // thread: 0 .. Mma::kThreads - 1
 //   auto acc = mma.accumulators();                   // fp32, this thread's part of 128 x 256
+//   Mma::zero(acc);
 //   auto sA = Mma::tile_a(smem_a), sB = Mma::tile_b(smem_b);   // (rows, K, stages) views
-//   mma.mma(sA(_, _, stage), sB(_, _, stage), acc, first);      // acc (+)= A B^T, asynchronous
+//   mma.mma(sA(_, _, stage), sB(_, _, stage), acc);             // acc += A B^T, asynchronous
 //   Mma::wait<1>(acc);                               // all but the last batch retired
 //
 // - TileMMA<T, M, N, K, WarpGroups, MajorA, MajorB> (sm_90a): Hopper's wgmma. A and B are tiles

@@ -28,6 +28,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from vitrail.device import is_hopper
 from vitrail.gemm import (Conv2dProblem, ConvArguments, ConvOperation, LinearCombination,
                           MathInstruction, TensorDescription)
 from vitrail.gemm.conv import default_tile
@@ -42,7 +43,6 @@ NAME = "vitrail.ops.conv2d"
 DTYPES = (torch.bfloat16, torch.float16)
 ELEMENTS = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _OPS: dict[tuple, ConvOperation] = {}
-_HOPPER: dict[int, bool] = {}
 
 
 # ------------------------------------------------------------------------------- kernels
@@ -58,14 +58,6 @@ def operation(kind: str, dtype: torch.dtype, bias: bool = False,
             MathInstruction(el, el), default_tile(),
             LinearCombination(el, bias="col" if bias else None, activation=activation))
     return op
-
-
-def _is_hopper(device: torch.device) -> bool:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    hit = _HOPPER.get(index)
-    if hit is None:
-        hit = _HOPPER[index] = torch.cuda.get_device_capability(index) == (9, 0)
-    return hit
 
 
 def _nhwc(t: Tensor) -> Tensor:
@@ -93,7 +85,7 @@ def _run(kind: str, a: Tensor, b: Tensor, d: Tensor, bias: Optional[Tensor],
          activation: Optional[str], padding, stride, dilation, pad_hi) -> None:
     """Run the kernel of ``kind`` on NHWC-indexed views a, b, d (conv_arguments' roles), or
     raise NotImplementedError with the reasons it cannot."""
-    if not _is_hopper(a.device):
+    if not is_hopper(a.device):
         raise NotImplementedError(
             f"{NAME}: the convolution kernels are sm_90a (Hopper); "
             f"{torch.cuda.get_device_name(a.device)} is not one: use "
