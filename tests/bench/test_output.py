@@ -1,9 +1,10 @@
 """`vitrail bench`'s output read as a user reads it (issue 34): plots whose labels never cover
 one another, one summary whose numbers are the rows', and no carriage returns in a log file.
 
-The GEMM figures are a real H100 run's (data/gemm-h100.json); the other families' rows are
-SYNTHETIC (made-up values over the families' own case and implementation names, spanning the
-ranges their runs report) and test only the layout. Look at the PNGs by eye after changing the
+Real H100 runs: data/gemm-h100.json (`vitrail bench gemm`), data/bench-h100.json (the whole
+default `vitrail bench`) and data/attention-h100.json (`vitrail bench attention`). The
+synthetic rows (made-up values over the families' own case and implementation names, spanning
+the ranges their runs report) test only the layout, at sizes no run has had yet. Look at the PNGs by eye after changing the
 drawing: `VITRAIL_PLOT_DIR=/tmp/png python -m pytest tests/bench/test_output.py`.
 """
 from __future__ import annotations
@@ -167,9 +168,16 @@ def assert_legible(fig, name: str) -> None:
             overlap_x = min(b1.x1, b2.x1) - max(b1.x0, b2.x0)
             overlap_y = min(b1.y1, b2.y1) - max(b1.y0, b2.y0)
             assert overlap_x <= 0.5 or overlap_y <= 0.5, f"{name}: {t1!r} overlaps {t2!r}"
-    for ax in fig.axes:  # a bar's label ends inside its panel
+    for ax in fig.axes:  # a bar's label ends inside its panel and covers no bar
+        bars = [p.get_window_extent(renderer) for p in ax.patches if p.get_visible()]
         for t in ax.texts:
-            assert t.get_window_extent(renderer).x1 <= ax.bbox.x1 + 0.5, (name, t.get_text())
+            b = t.get_window_extent(renderer)
+            assert b.x1 <= ax.bbox.x1 + 0.5, (name, t.get_text())
+            for bar in bars:
+                overlap_x = min(b.x1, bar.x1) - max(b.x0, bar.x0)
+                overlap_y = min(b.y1, bar.y1) - max(b.y0, bar.y0)
+                assert overlap_x <= 0.5 or overlap_y <= 0.5, \
+                    f"{name}: {t.get_text()!r} covers a bar at {bar.bounds}"
 
 
 def _save_for_eyes(fig, name: str) -> None:
@@ -323,6 +331,41 @@ def test_the_summary_picture_has_no_colliding_labels():
     entries = [e for es in summary.values() for e in es]
     assert len(ax.get_yticklabels()) == len(entries) > 10
     assert ax.get_xscale() == "log"  # sympow's 59x beside gemm's 0.94x
+
+
+REAL_RUNS = ("bench-h100.json", "attention-h100.json")  # `vitrail bench`, `bench attention`
+
+
+def real_rows(name: str) -> tuple[dict, dict[str, list[Row]]]:
+    """A whole real run (an H100, 2026-11-27): its JSON and each benchmark's rows."""
+    doc = json.loads((DATA / name).read_text())
+    fields = set(Row.__dataclass_fields__)
+    return doc, {bench: [Row(**{k: v for k, v in r.items() if k in fields}) for r in rows]
+                 for bench, rows in doc["results"].items()}
+
+
+@pytest.mark.parametrize("run", REAL_RUNS)
+def test_every_plot_of_a_real_run_is_legible(run):
+    """Each family's picture and the summary as an H100 run drew them: no text covers another
+    or a bar (the summary's label of a 0.60x entry sat on its own bar, drawn leftwards from 1x),
+    and the summary drawn from the rows says what the run printed."""
+    pytest.importorskip("matplotlib")
+    from vitrail.profile.plot import bench_figure, summary_figure
+    doc, results = real_rows(run)
+    for bench, rows in results.items():
+        fig = bench_figure(rows, title=f"{bench} on {doc['device']}")
+        _save_for_eyes(fig, f"real-{bench}")
+        assert_legible(fig, bench)
+    summary = report.summarize(results)
+    for bench, entries in summary.items():  # the rows give the run's own summary
+        printed = doc["summary"]["benchmarks"][bench]
+        assert [(e["impl"], e["baseline"], e["cases"]) for e in entries] == [
+            (e["impl"], e["baseline"], e["cases"]) for e in printed]
+        assert [e["geomean"] for e in entries] == pytest.approx(
+            [e["geomean"] for e in printed], rel=1e-4)
+    fig = summary_figure(summary, title=f"vitrail against its baselines on {doc['device']}")
+    _save_for_eyes(fig, f"real-summary-{run}")
+    assert_legible(fig, "summary")
 
 
 # ---------------------------------------------------------------------------------- progress

@@ -176,8 +176,8 @@ def summary_figure(summary: Mapping[str, Sequence[Mapping]], *, title: str) -> A
     ax.errorbar(means, ys, xerr=[[max(0.0, m - lo) for m, lo in zip(means, lows)],
                                  [max(0.0, hi - m) for m, hi in zip(means, highs)]],
                 fmt="none", ecolor="#343a40", capsize=3, linewidth=1)
-    for y, (_, e) in zip(ys, entries):
-        ax.text(e["max"], y, f"  {e['geomean']:.2f}x  ({e['min']:.2f}-{e['max']:.2f}x, "
+    for y, (_, e) in zip(ys, entries):  # right of the whisker and of a bar drawn leftwards
+        ax.text(max(e["max"], 1.0), y, f"  {e['geomean']:.2f}x  ({e['min']:.2f}-{e['max']:.2f}x, "
                 f"{e['at_or_above_1x']}/{e['cases']} at or above 1x)", va="center",
                 fontsize=8, gid="bar-label")
     ax.axvline(1.0, color="black", linewidth=0.8)
