@@ -13,7 +13,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
 PAGES = [REPO / "README.md", *sorted(DOCS.rglob("*.md"))]
-LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+LINK = re.compile(r"(?<!\\)\[[^\]]*(?<!\\)\]\(([^)\s]+)\)")  # \[ is no link
 FENCE = re.compile(r"^(<!-- runs without a GPU -->\n)?```(\w+)\n(.*?)^```$", re.M | re.S)
 
 

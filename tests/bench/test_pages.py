@@ -4,8 +4,11 @@ them."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
+
+import pytest
 
 from vitrail.bench import pages
 
@@ -18,7 +21,8 @@ def _tables(text: str) -> list[list[dict[str, str]]]:
     tables, block = [], []
     for line in text.splitlines() + [""]:
         if line.startswith("|"):
-            block.append([c.strip() for c in line.strip().strip("|").split(" | ")])
+            block.append([re.sub(r"\\(.)", r"\1", c.strip())  # a cell's escapes undone
+                          for c in line.strip().strip("|").split(" | ")])
         elif block:
             head, *body = block
             tables.append([dict(zip(head, cells)) for cells in body[1:]])  # body[0]: ---
@@ -76,3 +80,33 @@ def test_the_runs_plots_are_copied_next_to_the_page_and_shown(tmp_path):
     text = (out / "index.md").read_text()
     assert "![summary](summary.png)" in text and "![gemm](gemm.png)" in text
     assert (out / "gemm.png").read_bytes() == b"\x89PNG gemm"
+
+
+def test_two_runs_make_one_page_each_benchmark_from_its_own_run(tmp_path):
+    """`vitrail bench` and `vitrail bench attention` (real H100 runs): one page, each run's
+    provenance, each benchmark's rows from the run that measured it, the two summaries' PNGs
+    side by side; a benchmark in both runs is refused."""
+    runs = []
+    for name in ("bench-h100.json", "attention-h100.json"):
+        run = tmp_path / "results" / name
+        run.parent.mkdir(exist_ok=True)
+        shutil.copyfile(DATA / name, run)
+        run.with_name(f"{run.stem}-summary.png").write_bytes(b"\x89PNG " + name.encode())
+        runs.append(run)
+    out = tmp_path / "performance"
+    assert pages.main([*map(str, runs), "--out", str(out), "--commit", "e9ffe52"]) == 0
+    text = (out / "index.md").read_text()
+    assert text.count("| commit | e9ffe52 |") == 2
+    docs = [json.loads(r.read_text()) for r in runs]
+    assert all(f"| date | {d['time']} |" in text for d in docs)
+    assert (out / "summary-1.png").read_bytes() == b"\x89PNG bench-h100.json"
+    assert (out / "summary-2.png").read_bytes() == b"\x89PNG attention-h100.json"
+    headings = [line[3:] for line in text.splitlines() if line.startswith("## ")]
+    assert headings == [*docs[0]["results"], *docs[1]["results"]]
+    tables = [t for t in _tables(text) if t and "implementation" in t[0]]
+    assert [len(t) for t in tables] == [len(rows) for d in docs for rows in d["results"].values()]
+    attention = tables[-1]
+    for line, row in zip(attention, docs[1]["results"]["attention"]):
+        assert (line["case"], float(line["value"])) == (row["case"], round(row["value"], 2))
+    with pytest.raises(ValueError, match="'attention' is in both"):
+        pages.write([runs[1], runs[1]], tmp_path / "twice")
