@@ -53,6 +53,9 @@ def test_refusals_name_the_argument():
         A.attention(x, x, x)
     with pytest.raises(Exception, match="alignment"):
         A.attention(q, q, q, causal=True, alignment="middle")
+    x = torch.empty(A.MAX_GRID_YZ + 1, 1, 1, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(Exception, match="batch 65536; split the call"):
+        A.attention(x, x, x)
 
 
 def _qkv(b, sq, sk, h, hk, d, dtype, seed=0):

@@ -34,6 +34,7 @@ DTYPES = (torch.bfloat16, torch.float16)
 HEAD_DIMS = (64, 128, 192, 256)
 ALIGNMENTS = ("top_left", "bottom_right")
 BM, STAGES, THREADS = 128, 2, 384
+MAX_GRID_YZ = 65535  # heads on the grid's y, batch on its z
 _KERNELS: dict[tuple, object] = {}
 
 
@@ -91,6 +92,10 @@ def _check(q: Tensor, k: Tensor, v: Tensor, scale, alignment: str) -> None:
                             f"batch and head_dim (dims 0 and 3) must agree")
     if hk < 1 or h % hk:
         raise ArgumentError(f"{NAME}: q's heads ({h}) must be a multiple of k's and v's ({hk})")
+    if h > MAX_GRID_YZ or b > MAX_GRID_YZ:
+        raise ArgumentError(f"{NAME}: at most {MAX_GRID_YZ} heads and {MAX_GRID_YZ} batch "
+                            f"entries in one call (the launch grid's y and z), got {h} heads and "
+                            f"batch {b}; split the call along the batch")
     if d not in HEAD_DIMS:
         raise NotImplementedError(f"{NAME}: head_dim {d} is not supported; supported: "
                                   f"{', '.join(map(str, HEAD_DIMS))}")
