@@ -16,6 +16,7 @@ batch compiles nothing.
 """
 from __future__ import annotations
 
+import importlib
 import math
 from pathlib import Path
 from typing import Optional
@@ -202,3 +203,5 @@ def reference(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
 
 
 __all__ = ["attention", "reference"]
+
+importlib.import_module("vitrail.ops.attention.problems")  # vitrail tune and precompile say why not
