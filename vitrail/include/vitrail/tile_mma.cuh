@@ -141,37 +141,32 @@ struct TileMMA {
   // acc = A B^T (overwrite) or acc += A B^T over the tiles' K: one asynchronous batch.
   template <class SA, class SB, class Acc>
   __device__ void mma(SA const& sA, SB const& sB, Acc& acc, bool overwrite = false) const {
-    using namespace cute;
     TiledSS tiled;
     auto slice = tiled.get_thread_slice(thread);
-    Tensor dA = slice.make_fragment_A(slice.partition_A(sA));  // wgmma descriptors
-    Tensor dB = slice.make_fragment_B(slice.partition_B(sB));
-    tiled.accumulate_ = overwrite ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
-    warpgroup_fence_operand(acc);
-    warpgroup_arrive();
-    CUTE_UNROLL
-    for (int k = 0; k < size<2>(dA); ++k) {
-      cute::gemm(tiled, dA(_, _, k), dB(_, _, k), acc);
-      tiled.accumulate_ = GMMA::ScaleOut::One;
-    }
-    warpgroup_commit_batch();
-    warpgroup_fence_operand(acc);
+    issue(tiled, slice.make_fragment_A(slice.partition_A(sA)),  // wgmma descriptors
+          slice.make_fragment_B(slice.partition_B(sB)), acc, overwrite);
   }
 
   // acc (+)= A B^T with A from registers (a fragment made by a_fragment or as_a).
   template <class RA, class SB, class Acc>
   __device__ void mma_rs(RA& rA, SB const& sB, Acc& acc, bool overwrite = false) const {
-    using namespace cute;
     TiledRS tiled;
     auto slice = tiled.get_thread_slice(thread);
-    Tensor dB = slice.make_fragment_B(slice.partition_B(sB));
+    cute::warpgroup_fence_operand(rA);
+    issue(tiled, rA, slice.make_fragment_B(slice.partition_B(sB)), acc, overwrite);
+  }
+
+  // One asynchronous batch of wgmma over K for mma and mma_rs: the k-th slices of a and b.
+  template <class Tiled, class FA, class FB, class Acc>
+  __device__ static void issue(Tiled& tiled, FA const& a, FB const& b, Acc& acc,
+                               bool overwrite) {
+    using namespace cute;
     tiled.accumulate_ = overwrite ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
-    warpgroup_fence_operand(rA);
     warpgroup_fence_operand(acc);
     warpgroup_arrive();
     CUTE_UNROLL
-    for (int k = 0; k < size<2>(rA); ++k) {
-      cute::gemm(tiled, rA(_, _, k), dB(_, _, k), acc);
+    for (int k = 0; k < size<2>(a); ++k) {
+      cute::gemm(tiled, a(_, _, k), b(_, _, k), acc);
       tiled.accumulate_ = GMMA::ScaleOut::One;
     }
     warpgroup_commit_batch();
