@@ -6,10 +6,14 @@
 // Tile -> fragment: two consumer warpgroups, 64 query rows each: S = Q K^T by wgmma from shared
 // memory (TileMMA, SS), the online softmax on S's fragments in registers (exp2, running max and
 // sum per row across a quad), then O += P V with P taken from registers (TileMMA, RS, as_a).
+// PINGPONG: the two take turns to issue Q K^T (two named barriers), so one's softmax runs while
+// the other's product is on the tensor cores (FlashAttention-3's ping-pong).
+// Causal CTAs take blocks of query rows from the last (the most keys) to the first, so the
+// grid's tail is the lightest work.
 // Fragment -> slab: O / sum, converted to T, and the log-sum-exp, stored where they land.
 //
 // Config (constexpr before the include): T, D (head dim), BM (query rows), BN (keys per block),
-// STAGES, CAUSAL (bool).
+// STAGES, CAUSAL, PINGPONG (bool).
 // Layouts: q, k, v, o (batch, seqlen, heads, D), D contiguous; TMA maps over (D, seqlen, heads,
 // batch) made by the Python side (vitrail.ops.attention); lse (batch, heads, seqlen_q) fp32.
 #pragma once
@@ -62,7 +66,8 @@ __device__ void forward(const Params& p, const vitrail::TensorMap& mapQ,
   auto sK = [&](int stage) { return QK::tile_b(ring + stage * kBytesKV); };
   auto sV = [&](int stage) { return PV::tile_b(ring + stage * kBytesKV + QK::kBytesB<>); };
 
-  const int m0 = blockIdx.x * BM, head = blockIdx.y, batch = blockIdx.z;
+  const int m_block = CAUSAL ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+  const int m0 = m_block * BM, head = blockIdx.y, batch = blockIdx.z;
   const int head_kv = head / (p.heads / p.heads_kv);
   const int blocks = kv_blocks(p, m0);
   if (threadIdx.x == 0) {
@@ -112,12 +117,20 @@ __device__ void forward(const Params& p, const vitrail::TensorMap& mapQ,
   float row_max[kRows], row_sum[kRows];
   for (int r = 0; r < kRows; ++r) row_max[r] = -kInf, row_sum[r] = 0.f;
 
+  // Ping-pong: warpgroup w issues its Q K^T after the other has issued its own (barrier kTurn
+  // + w), then lets the other go; warpgroup 0 goes first. The last arrival is never waited on.
+  constexpr int kTurn = 1;
+  const int wg = t / 128;
+  if (PINGPONG && wg == 1) vitrail::named_barrier_arrive(kTurn, QK::kThreads);
+
   vitrail::Bulk::wait(q_full, 0);
   vitrail::PipeState<STAGES> rd;
   for (int j = 0; j < blocks; ++j, rd.advance()) {
     pipe.wait(rd);
+    if (PINGPONG) vitrail::named_barrier_sync(kTurn + wg, QK::kThreads);
     QK::zero(s);
     qk.mma(sQ(cute::_, cute::_, 0), sK(rd.index)(cute::_, cute::_, 0), s);
+    if (PINGPONG) vitrail::named_barrier_arrive(kTurn + 1 - wg, QK::kThreads);
     QK::wait<0>(s);
     // Masks: keys past seqlen_k (TMA filled them with zeros), and past the causal diagonal.
     const bool edge = (j + 1) * BN > p.seqlen_k || (CAUSAL && (j + 1) * BN > m0 + p.causal_offset);
