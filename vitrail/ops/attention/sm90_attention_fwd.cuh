@@ -52,6 +52,14 @@ __device__ int kv_blocks(const Params& p, int m0) {
   return (keys + BN - 1) / BN;
 }
 
+// The first block with a key to mask: past seqlen_k, or (causal) past the diagonal of the CTA's
+// first row m0. Block j holds keys [j * BN, (j + 1) * BN).
+__device__ int first_masked_block(const Params& p, int m0) {
+  int first = p.seqlen_k / BN;
+  if (CAUSAL) first = min(first, max(0, m0 + p.causal_offset) / BN);
+  return first;
+}
+
 __device__ void forward(const Params& p, const vitrail::TensorMap& mapQ,
                         const vitrail::TensorMap& mapK, const vitrail::TensorMap& mapV) {
   extern __shared__ char smem_raw[];
@@ -123,23 +131,24 @@ __device__ void forward(const Params& p, const vitrail::TensorMap& mapQ,
   const int wg = t / 128;
   if (PINGPONG && wg == 1) vitrail::named_barrier_arrive(kTurn, QK::kThreads);
 
-  vitrail::Bulk::wait(q_full, 0);
+  // One block of keys: S = Q K^T, the online softmax, O += P V. Masked (a constant): keys past
+  // seqlen_k (TMA filled them with zeros) and past the causal diagonal become -inf. Only the
+  // last blocks need it, and they get a loop of their own: with one loop, ptxas computed every
+  // element's mask predicates in every block, ahead of the block's first wgmma.
   vitrail::PipeState<STAGES> rd;
-  for (int j = 0; j < blocks; ++j, rd.advance()) {
+  auto block = [&](int j, auto masked) {
     pipe.wait(rd);
     if (PINGPONG) vitrail::named_barrier_sync(kTurn + wg, QK::kThreads);
     QK::zero(s);
     qk.mma(sQ(cute::_, cute::_, 0), sK(rd.index)(cute::_, cute::_, 0), s);
     if (PINGPONG) vitrail::named_barrier_arrive(kTurn + 1 - wg, QK::kThreads);
     QK::wait<0>(s);
-    // Masks: keys past seqlen_k (TMA filled them with zeros), and past the causal diagonal.
-    const bool edge = (j + 1) * BN > p.seqlen_k || (CAUSAL && (j + 1) * BN > m0 + p.causal_offset);
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       float m = row_max[r];
       CUTE_UNROLL
       for (int c = 0; c < cute::size<1>(s_rows); ++c) {
-        if (edge) {
+        if constexpr (decltype(masked)::value) {
           const int row = m0 + cute::get<0>(where(r, c)), key = j * BN + cute::get<1>(where(r, c));
           if (key >= p.seqlen_k || (CAUSAL && key > row + p.causal_offset))
             s_rows(r, c) = -kInf;
@@ -165,7 +174,12 @@ __device__ void forward(const Params& p, const vitrail::TensorMap& mapQ,
     pv.mma_rs(pfrag, sV(rd.index)(cute::_, cute::_, 0), o);
     PV::wait<0>(o, pfrag);
     if (threadIdx.x % 32 == 0) pipe.release(rd);
-  }
+    rd.advance();
+  };
+  vitrail::Bulk::wait(q_full, 0);
+  const int unmasked = min(blocks, first_masked_block(p, m0));
+  for (int j = 0; j < unmasked; ++j) block(j, cute::false_type{});
+  for (int j = unmasked; j < blocks; ++j) block(j, cute::true_type{});
 
   // fragment -> slab: O / sum and the log-sum-exp (natural log) of each row
   auto o_where = PV::rows(pv.coordinates());
