@@ -368,6 +368,27 @@ def test_every_plot_of_a_real_run_is_legible(run):
     assert_legible(fig, "summary")
 
 
+@pytest.mark.parametrize("run", REAL_RUNS)
+def test_every_table_of_a_real_run_names_its_baselines_whole(run, capsys):
+    """The H100 run printed "vs torch gelu(addmm" and "vs unfused (sympow+" (headers cut at 16
+    characters) and, for copy and softmax, a roof legend of ": ; memory ...". Now each baseline's
+    column is as wide as its name, and a table of memory-bound rows names the memory roof."""
+    from vitrail.bench import Benchmark, print_table
+    doc, results = real_rows(run)
+    for bench, rows in results.items():
+        print_table(Benchmark(bench, "a real run", lambda: rows, lambda: None), rows,
+                    doc["peaks"])
+        out = capsys.readouterr().out
+        head = next(line for line in out.splitlines() if line.lstrip().startswith("case"))
+        for base in dict.fromkeys(r.impl for r in rows if r.baseline):
+            assert f"vs {base}" in head, (bench, base)
+        legend = [line for line in out.splitlines() if line.startswith("  * ")]
+        assert all(": ;" not in line for line in legend), legend
+        if bench in ("copy", "softmax"):
+            assert legend == [f"  * % of the memory roof: memory "
+                              f"{doc['peaks']['copy_gbps']:.0f} GB/s (copy, measured)"]
+
+
 # ---------------------------------------------------------------------------------- progress
 class Stream(io.StringIO):
     """A captured stream that says whether it is a terminal."""

@@ -123,6 +123,24 @@ def test_can_implement_reasons():
     why = _op("wgrad").can_implement(_args("wgrad", p, _nhwc(2, 8, 8, 16), _nhwc(32, 3, 3, 16),
                                            _nhwc(2, 8, 16, 32)[:, :, :8]))
     assert any("must be packed" in w for w in why), why
+    expanded = _nhwc(1, 8, 8, 16).expand(2, 8, 8, 16)  # stride 0 along N
+    why = op.can_implement(_args("fprop", p, expanded, _nhwc(32, 3, 3, 16), _nhwc(2, 8, 8, 32)))
+    assert any("A has a stride of 0" in w and "pass a copy" in w for w in why), why
+
+
+def test_an_expanded_input_is_copied_for_the_kernel(monkeypatch):
+    """conv2d on x broadcast over the batch (stride 0): a channels-last copy with one warning,
+    not TMA's refusal of a zero stride; a channels-last tensor is taken as it is."""
+    import importlib
+    conv = importlib.import_module("vitrail.ops.conv")
+    monkeypatch.setattr("vitrail.gemm.ops.operands._WARNED", set())  # warnings said once
+    x = torch.randn(1, 16, 5, 5).contiguous(memory_format=torch.channels_last)
+    assert conv._channels_last(x, "x") is x
+    wide = x.expand(3, -1, -1, -1)
+    with pytest.warns(UserWarning, match="x is expanded"):
+        copied = conv._channels_last(wide, "x")
+    assert copied.stride(0) > 0 and copied.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(copied, wide)
 
 
 def test_fake_shapes_on_meta_tensors():

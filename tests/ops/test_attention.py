@@ -111,6 +111,15 @@ def test_sdpa_layout_without_a_copy_and_a_scale():
 
 
 @needs_hopper
+def test_expanded_keys_and_values_are_read_right():
+    """k and v broadcast over the batch (stride 0, as expand gives): copied, not refused."""
+    q, k, v = _qkv(3, 200, 300, 4, 2, 64, torch.bfloat16, seed=5)
+    k, v = k[:1].expand(3, -1, -1, -1), v[:1].expand(3, -1, -1, -1)
+    assert k.stride(0) == 0
+    _check(q, k, v, causal=True)
+
+
+@needs_hopper
 def test_backward_says_it_is_not_implemented():
     q, k, v = _qkv(1, 8, 8, 2, 2, 64, torch.bfloat16)
     q.requires_grad_(True)

@@ -4,6 +4,8 @@ ConvArguments, odd sizes (H, W of 1, 7, 33), strides 1 and 2, padding, dilation.
 without CUDA; the kernels are sm_90a."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -93,6 +95,18 @@ def test_padding_same_is_asymmetric_as_torch():
     y = conv2d(x, w, padding="same", dilation=(1, 2))
     want = torch.nn.functional.conv2d(x.double(), w.double(), padding="same", dilation=(1, 2))
     _close(y, want, torch.float16, "same")
+
+
+def test_an_input_expanded_over_the_batch():
+    """x broadcast over N (stride 0): copied once for TMA, the values as torch's."""
+    from vitrail.ops import conv2d
+    x, w = _tensors(1, 16, 9, 9, 16, 3, 3, torch.bfloat16, seed=3)
+    x = x.expand(3, -1, -1, -1)
+    with warnings.catch_warnings():  # said once a process: another test may have heard it
+        warnings.simplefilter("ignore")
+        y = conv2d(x, w, padding=1)
+    _close(y, torch.nn.functional.conv2d(x.double(), w.double(), padding=1), torch.bfloat16,
+           "expanded")
 
 
 def test_one_kernel_serves_every_size():

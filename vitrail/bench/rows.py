@@ -99,7 +99,8 @@ def print_table(benchmark: Benchmark, rows: list[Row], peaks=None) -> None:
     head = f"  {'case':<{cw}}{'implementation':<{iw}}{'value':>12}  {'unit':<10}"
     if on_roof:
         head += f"{'TFLOP/s':>9}{'GB/s':>8}{'% roof*':>8}"
-    print(head + "".join(f"{'vs ' + b[:16]:>20}" for b in baselines))
+    widths = [max(len("vs " + b), len("baseline")) + 2 for b in baselines]  # whole names
+    print(head + "".join(f"{'vs ' + b:>{w}}" for b, w in zip(baselines, widths)))
     for (r, vs), roof in zip(ratios(rows), roofs):
         marks = ["baseline" if r.baseline and b == r.impl else
                  f"{vs[b]:.2f}x" if vs.get(b) else "-" for b in baselines]
@@ -112,7 +113,7 @@ def print_table(benchmark: Benchmark, rows: list[Row], peaks=None) -> None:
                 line += f"{tflops:>9}{gbps:>8}{pct:>8}"
             else:
                 line += f"{'-':>9}{'-':>8}{'-':>8}"
-        print(line + "".join(f"{m:>20}" for m in marks))
+        print(line + "".join(f"{m:>{w}}" for m, w in zip(marks, widths)))
     if on_roof and peaks is not None:
         print("  * " + roof_legend([r for r, roof in zip(rows, roofs) if roof], peaks))
 
@@ -123,5 +124,7 @@ def roof_legend(rows: list[Row], peaks) -> str:
     parts = [f"{m} {_bf16(peaks) * MATH_ROOFS.get(m, 1.0):.0f} TFLOP/s"
              + (" (measured)" if m == "bf16" else " (bf16's)" if MATH_ROOFS.get(m, 1.0) == 1.0
                 else f" ({MATH_ROOFS[m]:g}x bf16's, derived)") for m in maths]
-    return ("% of the roof of the row's own math: " + ", ".join(parts) + f"; memory "
-            f"{_gbps(peaks):.0f} GB/s (copy, measured)")
+    memory = f"memory {_gbps(peaks):.0f} GB/s (copy, measured)"
+    if not parts:  # memory-bound rows only (copy, softmax)
+        return f"% of the memory roof: {memory}"
+    return "% of the roof of the row's own math: " + ", ".join(parts) + f"; {memory}"

@@ -251,6 +251,9 @@ def _tensor_reasons(name: str, t: Optional[torch.Tensor], dtype: str) -> list[st
     if t.data_ptr() % 16:
         why.append(f"{name}'s address is not 16-byte aligned (TMA needs it): copy it to an "
                    f"aligned buffer")
+    if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+        why.append(f"{name} has a stride of 0 (strides {t.stride()}, an expanded tensor): TMA "
+                   f"takes no zero stride; pass a copy")
     if any(s % align for s in strides(t)[:3]):
         why.append(f"{name}'s strides {strides(t)} are not multiples of {align} elements (16 "
                    f"bytes, TMA needs it)")

@@ -111,11 +111,12 @@ def _check(q: Tensor, k: Tensor, v: Tensor, scale, alignment: str) -> None:
 
 
 def _tma_ready(t: Tensor) -> Tensor:
-    """t where TMA can read it in place (D contiguous, other strides 16-byte multiples, a
-    16-byte aligned start), else a contiguous copy."""
+    """t where TMA can read it in place (D contiguous, other strides positive 16-byte
+    multiples, a 16-byte aligned start), else a contiguous copy (an expanded tensor, stride 0
+    along the batch or the keys, is copied too: TMA takes no zero stride)."""
     e = t.element_size()
     ok = (t.stride(3) == 1 and t.data_ptr() % 16 == 0 and
-          all(s * e % 16 == 0 for s, n in zip(t.stride()[:3], t.shape[:3]) if n > 1))
+          all(s > 0 and s * e % 16 == 0 for s, n in zip(t.stride()[:3], t.shape[:3]) if n > 1))
     return t if ok else t.contiguous()
 
 

@@ -66,12 +66,16 @@ def _nhwc(t: Tensor) -> Tensor:
 
 
 def _channels_last(t: Tensor, name: str) -> Tensor:
-    """t itself where its memory is channels-last (NHWC / KRSC), else a channels-last copy."""
-    if _nhwc(t).stride(3) == 1 or t.shape[1] == 1:
+    """t itself where its memory is channels-last (NHWC / KRSC), else a channels-last copy; an
+    expanded tensor (stride 0 along a dimension of more than one element) is copied too, as TMA
+    takes no zero stride."""
+    expanded = any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape))
+    if (_nhwc(t).stride(3) == 1 or t.shape[1] == 1) and not expanded:
         return t
-    warn_once(f"conv2d:{name}", f"{NAME}: {name} is not channels-last in memory; it is copied to "
-                                f"torch.channels_last before the kernel reads it (pass "
-                                f"channels_last tensors to avoid the copy)")
+    why = "is expanded (a stride of 0)" if expanded else "is not channels-last in memory"
+    warn_once(f"conv2d:{name}:{expanded}", f"{NAME}: {name} {why}; it is copied to "
+                                           f"torch.channels_last before the kernel reads it "
+                                           f"(pass channels_last tensors to avoid the copy)")
     return t.contiguous(memory_format=torch.channels_last)
 
 
