@@ -135,3 +135,18 @@ def test_the_benchmark_registers_its_grid():
     assert len(b.CASES) == 18 and {c[3] for c in b.CASES} == {64, 128, 256}
     assert all(bb * s == 16384 for bb, s, *_ in b.CASES)
     assert b.flops(1, 1024, 1, 64, True) * 2 == b.flops(1, 1024, 1, 64, False) == 4 * 1024**2 * 64
+
+
+@needs_hopper
+@pytest.mark.parametrize("d,causal", [(64, True), (128, False), (256, True)])
+def test_the_ping_pong_changes_no_bit(d, causal):
+    """The warpgroups taking turns reorders when each issues its products, not what they
+    compute: the op (ping-pong) and the lockstep kernel give the same bits."""
+    q, k, v = _qkv(2, 1000, 1000, 4, 2, d, torch.bfloat16, seed=4)
+    o, lse = A.attention(q, k, v, causal=causal, return_lse=True)
+    o2, lse2 = torch.empty_like(o), torch.empty_like(lse)
+    bn = A.block_n(d)
+    A.kernel(q.dtype, d, causal, pingpong=False)[(-(-1000 // A.BM), 4, 2), A.THREADS](
+        o2, lse2, A._map(q, A.BM), A._map(k, bn), A._map(v, bn), 1000, 1000, 4, 2,
+        d ** -0.5 * math.log2(math.e), 0, shared_mem=A.smem_bytes(d, q.dtype))
+    assert torch.equal(o, o2) and torch.equal(lse, lse2)

@@ -69,4 +69,15 @@ struct Pipeline {
   __device__ void release(PipeState<Stages> st) { cute::arrive_barrier(bars.empty[st.index]); }
 };
 
+// Named hardware barriers of a CTA (bar.sync, bar.arrive; ids 1 to 15: 0 is __syncthreads).
+// `threads` counts every thread that takes part, those that wait and those that only arrive
+// (a multiple of 32). Two warpgroups taking turns (A waits on its id, B arrives on it) is
+// attention's ping-pong.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 }  // namespace vitrail

@@ -50,12 +50,13 @@ def smem_bytes(d: int, dtype: torch.dtype = torch.bfloat16) -> int:
     return 1024 + BM * d * e + STAGES * 2 * bn * d * e + 16 * STAGES + 16
 
 
-def source(dtype: torch.dtype, d: int, causal: bool) -> str:
+def source(dtype: torch.dtype, d: int, causal: bool, pingpong: bool = True) -> str:
     config = {"D": d, "BM": BM, "BN": block_n(d), "STAGES": STAGES}
     return ("#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
             f"using T = {ctype(dtype)};\n" +
             "".join(f"constexpr int {k} = {v};\n" for k, v in config.items()) +
             f"constexpr bool CAUSAL = {'true' if causal else 'false'};\n"
+            f"constexpr bool PINGPONG = {'true' if pingpong else 'false'};\n"
             '#include "sm90_attention_fwd.cuh"\n')
 
 
@@ -64,14 +65,16 @@ SIGNATURE = ("void* o, float* lse, const vitrail::TensorMap mapQ, const vitrail:
              "int heads_kv, float scale_log2, int causal_offset")
 
 
-def kernel(dtype: torch.dtype, d: int, causal: bool):
-    key = (dtype, d, causal)
+def kernel(dtype: torch.dtype, d: int, causal: bool, pingpong: bool = True):
+    """The compiled forward (pingpong=False: the warpgroups in lockstep, kept to measure the
+    ping-pong against; the op always runs the default)."""
+    key = (dtype, d, causal, pingpong)
     k = _KERNELS.get(key)
     if k is None:
         from vitrail import jit
         # CuTe's constexpr helpers carry no __device__: NVRTC needs -default-device
-        module = jit.compile(source(dtype, d, causal), name="attention_fwd", backend="nvrtc",
-                             include_dirs=[HERE], flags=["-default-device"])
+        module = jit.compile(source(dtype, d, causal, pingpong), name="attention_fwd",
+                             backend="nvrtc", include_dirs=[HERE], flags=["-default-device"])
         k = _KERNELS[key] = module.kernel("attention_fwd", SIGNATURE)
     return k
 

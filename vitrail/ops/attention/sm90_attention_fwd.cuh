@@ -6,10 +6,14 @@
 // Tile -> fragment: two consumer warpgroups, 64 query rows each: S = Q K^T by wgmma from shared
 // memory (TileMMA, SS), the online softmax on S's fragments in registers (exp2, running max and
 // sum per row across a quad), then O += P V with P taken from registers (TileMMA, RS, as_a).
+// PINGPONG: the two take turns to issue Q K^T (two named barriers), so one's softmax runs while
+// the other's product is on the tensor cores (FlashAttention-3's ping-pong).
+// Causal CTAs take blocks of query rows from the last (the most keys) to the first, so the
+// grid's tail is the lightest work.
 // Fragment -> slab: O / sum, converted to T, and the log-sum-exp, stored where they land.
 //
 // Config (constexpr before the include): T, D (head dim), BM (query rows), BN (keys per block),
-// STAGES, CAUSAL (bool).
+// STAGES, CAUSAL, PINGPONG (bool).
 // Layouts: q, k, v, o (batch, seqlen, heads, D), D contiguous; TMA maps over (D, seqlen, heads,
 // batch) made by the Python side (vitrail.ops.attention); lse (batch, heads, seqlen_q) fp32.
 #pragma once
@@ -48,6 +52,14 @@ __device__ int kv_blocks(const Params& p, int m0) {
   return (keys + BN - 1) / BN;
 }
 
+// The first block with a key to mask: past seqlen_k, or (causal) past the diagonal of the CTA's
+// first row m0. Block j holds keys [j * BN, (j + 1) * BN).
+__device__ int first_masked_block(const Params& p, int m0) {
+  int first = p.seqlen_k / BN;
+  if (CAUSAL) first = min(first, max(0, m0 + p.causal_offset) / BN);
+  return first;
+}
+
 __device__ void forward(const Params& p, const vitrail::TensorMap& mapQ,
                         const vitrail::TensorMap& mapK, const vitrail::TensorMap& mapV) {
   extern __shared__ char smem_raw[];
@@ -62,7 +74,8 @@ __device__ void forward(const Params& p, const vitrail::TensorMap& mapQ,
   auto sK = [&](int stage) { return QK::tile_b(ring + stage * kBytesKV); };
   auto sV = [&](int stage) { return PV::tile_b(ring + stage * kBytesKV + QK::kBytesB<>); };
 
-  const int m0 = blockIdx.x * BM, head = blockIdx.y, batch = blockIdx.z;
+  const int m_block = CAUSAL ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+  const int m0 = m_block * BM, head = blockIdx.y, batch = blockIdx.z;
   const int head_kv = head / (p.heads / p.heads_kv);
   const int blocks = kv_blocks(p, m0);
   if (threadIdx.x == 0) {
@@ -112,21 +125,30 @@ __device__ void forward(const Params& p, const vitrail::TensorMap& mapQ,
   float row_max[kRows], row_sum[kRows];
   for (int r = 0; r < kRows; ++r) row_max[r] = -kInf, row_sum[r] = 0.f;
 
-  vitrail::Bulk::wait(q_full, 0);
+  // Ping-pong: warpgroup w issues its Q K^T after the other has issued its own (barrier kTurn
+  // + w), then lets the other go; warpgroup 0 goes first. The last arrival is never waited on.
+  constexpr int kTurn = 1;
+  const int wg = t / 128;
+  if (PINGPONG && wg == 1) vitrail::named_barrier_arrive(kTurn, QK::kThreads);
+
+  // One block of keys: S = Q K^T, the online softmax, O += P V. Masked (a constant): keys past
+  // seqlen_k (TMA filled them with zeros) and past the causal diagonal become -inf. Only the
+  // last blocks need it, and they get a loop of their own: with one loop, ptxas computed every
+  // element's mask predicates in every block, ahead of the block's first wgmma.
   vitrail::PipeState<STAGES> rd;
-  for (int j = 0; j < blocks; ++j, rd.advance()) {
+  auto block = [&](int j, auto masked) {
     pipe.wait(rd);
+    if (PINGPONG) vitrail::named_barrier_sync(kTurn + wg, QK::kThreads);
     QK::zero(s);
     qk.mma(sQ(cute::_, cute::_, 0), sK(rd.index)(cute::_, cute::_, 0), s);
+    if (PINGPONG) vitrail::named_barrier_arrive(kTurn + 1 - wg, QK::kThreads);
     QK::wait<0>(s);
-    // Masks: keys past seqlen_k (TMA filled them with zeros), and past the causal diagonal.
-    const bool edge = (j + 1) * BN > p.seqlen_k || (CAUSAL && (j + 1) * BN > m0 + p.causal_offset);
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       float m = row_max[r];
       CUTE_UNROLL
       for (int c = 0; c < cute::size<1>(s_rows); ++c) {
-        if (edge) {
+        if constexpr (decltype(masked)::value) {
           const int row = m0 + cute::get<0>(where(r, c)), key = j * BN + cute::get<1>(where(r, c));
           if (key >= p.seqlen_k || (CAUSAL && key > row + p.causal_offset))
             s_rows(r, c) = -kInf;
@@ -152,7 +174,12 @@ __device__ void forward(const Params& p, const vitrail::TensorMap& mapQ,
     pv.mma_rs(pfrag, sV(rd.index)(cute::_, cute::_, 0), o);
     PV::wait<0>(o, pfrag);
     if (threadIdx.x % 32 == 0) pipe.release(rd);
-  }
+    rd.advance();
+  };
+  vitrail::Bulk::wait(q_full, 0);
+  const int unmasked = min(blocks, first_masked_block(p, m0));
+  for (int j = 0; j < unmasked; ++j) block(j, cute::false_type{});
+  for (int j = unmasked; j < blocks; ++j) block(j, cute::true_type{});
 
   // fragment -> slab: O / sum and the log-sum-exp (natural log) of each row
   auto o_where = PV::rows(pv.coordinates());
