@@ -110,3 +110,12 @@ def test_two_runs_make_one_page_each_benchmark_from_its_own_run(tmp_path):
         assert (line["case"], float(line["value"])) == (row["case"], round(row["value"], 2))
     with pytest.raises(ValueError, match="'attention' is in both"):
         pages.write([runs[1], runs[1]], tmp_path / "twice")
+    # a commit per run, in the JSON's order; a count that matches neither is refused
+    assert pages.main([*map(str, runs), "--out", str(out), "--commit", "e9ffe52",
+                       "--commit", "201a38e"]) == 0
+    lines = (out / "index.md").read_text().splitlines()
+    runs_at = [i for i, line in enumerate(lines) if line.startswith("Run ")]
+    assert "| commit | e9ffe52 |" in lines[runs_at[0]:runs_at[1]]
+    assert "| commit | 201a38e |" in lines[runs_at[1]:]
+    with pytest.raises(ValueError, match="3 commits for 2 runs"):
+        pages.write(runs, tmp_path / "three", commit=["a", "b", "c"])

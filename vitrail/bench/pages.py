@@ -9,7 +9,7 @@ table of every row: its value, its place on the roofline where it says what work
 its speedup over each baseline of its case, all measured in that same run. The PNGs the run
 wrote beside its JSON are copied next to the page and shown. The numbers are the JSON's rows,
 rounded to two decimals; nothing is measured here. A JSON that does not name its commit takes
-``--commit``; a page never guesses one.
+``--commit`` (one for every run, or one per run in the JSON's order); a page never guesses one.
 """
 from __future__ import annotations
 
@@ -111,13 +111,22 @@ def _plots(json_path: Path, names: list[str], doc: dict) -> dict[str, Path]:
     return found
 
 
-def write(runs: Path | Sequence[Path], out: Path, commit: str | None = None) -> Path:
+def write(runs: Path | Sequence[Path], out: Path,
+          commit: str | Sequence[str] | None = None) -> Path:
     """Write ``out``/index.md from one run's JSON or several (``vitrail bench`` and a run of
     the benchmarks it runs only by name, say), copy their PNGs next to it; returns the page's
-    path. A benchmark in two of the runs is refused: which one to show would be a guess."""
+    path. ``commit``: the commit of every run, or a list of one per run. A benchmark in two of
+    the runs is refused: which one to show would be a guess."""
     paths = [Path(runs)] if isinstance(runs, (str, Path)) else [Path(r) for r in runs]
     if not paths:
         raise ValueError("pages: expected at least one run's JSON, got none")
+    commits = ([commit] * len(paths) if commit is None or isinstance(commit, str)
+               else list(commit))
+    if len(commits) == 1:
+        commits *= len(paths)
+    if len(commits) != len(paths):
+        raise ValueError(f"pages: {len(commits)} commits for {len(paths)} runs; give one for "
+                         f"every run or one per run")
     docs = [json.loads(path.read_text()) for path in paths]
     where: dict[str, Path] = {}
     for path, doc in zip(paths, docs):
@@ -136,7 +145,7 @@ def write(runs: Path | Sequence[Path], out: Path, commit: str | None = None) -> 
              "; every ratio is against a baseline measured in that same run, on that GPU. "
              "Regenerate it from new runs rather than editing it.", ""]
     sections = []
-    for i, (path, doc) in enumerate(zip(paths, docs)):
+    for i, (path, doc, commit) in enumerate(zip(paths, docs, commits)):
         rows = rows_of(doc)
         summary = (doc.get("summary") or {}).get("benchmarks") or summarize(
             {name: [r for r, _, _ in rs] for name, rs in rows.items()})
@@ -193,8 +202,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="the runs' JSON (results/bench-<time>.json), each benchmark in one")
     parser.add_argument("--out", type=Path, default=Path("docs/performance"),
                         help="folder for index.md and the PNGs (default: docs/performance)")
-    parser.add_argument("--commit", help="the commit the run measured, where its JSON does not "
-                        "say (git rev-parse --short HEAD on the GPU machine)")
+    parser.add_argument("--commit", action="append",
+                        help="the commit the run measured, where its JSON does not say (git "
+                        "rev-parse --short HEAD on the GPU machine); once for every run, or "
+                        "once per run in the JSON's order")
     args = parser.parse_args(argv)
     page = write(args.json, args.out, args.commit)
     print(f"wrote {page}")
