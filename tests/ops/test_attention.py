@@ -1,6 +1,7 @@
 """vitrail.ops.attention: compiled for sm_90a on the CPU (NVRTC: wgmma not serialized, no
-spills); on a Hopper GPU, values against an fp64 reference for odd lengths, both causal
-alignments, GQA, every head dim, fully masked rows and SDPA's layout."""
+spills) and the backward's algebra against autograd of the fp64 reference on the CPU; on a Hopper
+GPU, values and gradients against an fp64 reference for odd lengths, both causal alignments, GQA,
+every head dim, fully masked rows and SDPA's layout."""
 from __future__ import annotations
 
 import importlib
@@ -119,12 +120,100 @@ def test_expanded_keys_and_values_are_read_right():
     _check(q, k, v, causal=True)
 
 
+def _reference_grads(q, k, v, go, glse, **kw):
+    """dq, dk, dv of sum(o * go) + sum(lse * glse) by autograd through the fp64 reference (rows
+    that see no key, lse -inf, take no lse gradient)."""
+    q, k, v = (x.detach().double().requires_grad_(True) for x in (q, k, v))
+    o, lse = A.reference(q, k, v, **kw)
+    loss = (o * go.double()).sum()
+    if glse is not None:
+        loss = loss + (torch.where(lse.isfinite(), lse, 0) * glse.double()).sum()
+    loss.backward()
+    return q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("b,sq,sk,h,hk,d,causal,alignment", [
+    (2, 7, 7, 4, 2, 64, False, "top_left"), (1, 33, 17, 6, 2, 32, True, "top_left"),
+    (1, 17, 33, 6, 3, 32, True, "bottom_right"), (1, 40, 20, 4, 1, 16, True, "bottom_right"),
+    (2, 50, 50, 2, 2, 16, True, "top_left")])
+def test_the_backward_algebra_on_the_cpu(monkeypatch, dtype, b, sq, sk, h, hk, d, causal,
+                                         alignment):
+    """The backward's blocks (5 query rows each here), GQA, both alignments, rows that see no
+    key and an lse gradient, against autograd through the fp64 reference."""
+    from vitrail.ops.attention import backward
+    g = torch.Generator().manual_seed(sq * sk + d)
+    q, k, v = (torch.randn(b, s, n, d, generator=g, dtype=torch.float64)
+               for s, n in ((sq, h), (sk, hk), (sk, hk)))
+    o, lse = A.reference(q, k, v, causal=causal, alignment=alignment)
+    go, glse = torch.randn(o.shape, generator=g), torch.randn(lse.shape, generator=g)
+    glse = torch.where(lse.isfinite(), glse, 0).float()
+    want = _reference_grads(q, k, v, go, glse, causal=causal, alignment=alignment)
+    monkeypatch.setattr(backward, "TILE_ELEMENTS", 5 * b * h * sk)
+    offset = 0 if alignment == "top_left" else sk - sq
+    got = backward.attention_backward(go.to(dtype), glse, q.to(dtype), k.to(dtype), v.to(dtype),
+                                      o.to(dtype), lse.float(), d ** -0.5, causal, offset)
+    tol = 1e-6 if dtype == torch.float64 else 2e-2  # fp64: the lse passes in fp32
+    for x, w, what in zip(got, want, ("dq", "dk", "dv")):
+        assert x.shape == w.shape and x.dtype == dtype, what
+        torch.testing.assert_close(x.double(), w, rtol=tol, atol=tol * w.abs().max().item(),
+                                   msg=lambda m: f"{what}: {m}")
+
+
+def _check_grads(q, k, v, with_lse=False, **kw):
+    q, k, v = (x.detach().requires_grad_(True) for x in (q, k, v))
+    o, lse = A.attention(q, k, v, return_lse=True, **kw)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    go = torch.randn(o.shape, device="cuda", generator=g).to(o.dtype)
+    glse = torch.randn(lse.shape, device="cuda", generator=g) if with_lse else None
+    loss = (o.float() * go.float()).sum()
+    if with_lse:
+        glse = torch.where(lse.isfinite(), glse, 0)
+        loss = loss + (torch.where(lse.isfinite(), lse, 0) * glse).sum()
+    loss.backward()
+    want = _reference_grads(q, k, v, go, glse, **kw)
+    tol = 2e-2 if q.dtype == torch.bfloat16 else 5e-3
+    for x, w, what in zip((q.grad, k.grad, v.grad), want, ("dq", "dk", "dv")):
+        assert x.shape == w.shape and x.dtype == q.dtype, what
+        torch.testing.assert_close(x.double(), w, rtol=tol, atol=tol * w.abs().max().item(),
+                                   msg=lambda m: f"{what}: {m}")
+
+
 @needs_hopper
-def test_backward_says_it_is_not_implemented():
-    q, k, v = _qkv(1, 8, 8, 2, 2, 64, torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
+@pytest.mark.parametrize("sq,sk,causal", [(7, 7, False), (1000, 1000, True), (300, 1000, True),
+                                          (1000, 300, False)])
+def test_gradients(dtype, d, sq, sk, causal):
+    q, k, v = _qkv(2, sq, sk, 4, 4, d, dtype, seed=8)
+    _check_grads(q, k, v, causal=causal)
+
+
+@needs_hopper
+@pytest.mark.parametrize("ratio", [1, 4])
+def test_gradients_gqa_bottom_right_and_the_lse(ratio):
+    """GQA (dk, dv summed over the group), rows that see no key, and a loss on the lse."""
+    q, k, v = _qkv(2, 500, 300, 8, 8 // ratio, 128, torch.bfloat16, seed=9)
+    _check_grads(q, k, v, with_lse=True, causal=True, alignment="bottom_right")
+
+
+@needs_hopper
+def test_gradients_in_sdpa_layout_under_torch_compile():
+    q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2)
+               for x in _qkv(2, 256, 256, 4, 4, 64, torch.float16, seed=10))
+    f = torch.compile(lambda a, b, c: A.attention(a, b, c, causal=True), fullgraph=True)
+    qs, ks, vs = (x.detach().requires_grad_(True) for x in (q, k, v))
+    f(qs, ks, vs).float().sum().backward()
+    want = _reference_grads(q, k, v, torch.ones(q.shape, device="cuda"), None, causal=True)
+    for x, w in zip((qs.grad, ks.grad, vs.grad), want):
+        torch.testing.assert_close(x.double(), w, rtol=5e-3, atol=5e-3 * w.abs().max().item())
+
+
+@needs_hopper
+def test_opcheck():
+    q, k, v = _qkv(1, 130, 130, 2, 2, 64, torch.bfloat16, seed=11)
     q.requires_grad_(True)
-    with pytest.raises(NotImplementedError, match="backward"):
-        A.attention(q, k, v).sum().backward()
+    torch.library.opcheck(torch.ops.vitrail.attention_fwd.default, (q, k, v, 0.125, True, 0))
 
 
 def test_the_benchmark_registers_its_grid():

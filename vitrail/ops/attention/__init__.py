@@ -9,7 +9,9 @@ D of 64, 128, 192 or 256, the last dim contiguous (SDPA's (B, H, S, D) tensors p
 ``x.transpose(1, 2)`` without a copy). ``scale`` defaults to D ** -0.5. ``causal``: key j is
 visible to query i where j <= i (``alignment="top_left"``, as torch SDPA) or j <= i + Sk - Sq
 (``"bottom_right"``, as FlashAttention >= 2.1); a row that sees no key gives zeros and an lse of
--inf. Every refusal names the argument. Forward only in this version: the backward raises.
+-inf. Every refusal names the argument. The backward (q, k and v, and through the lse too) runs
+on torch's batched matmuls a block of query rows at a time (``backward.py``); a fused kernel
+is the next step.
 
 Kernels compile with NVRTC in seconds, one per (dtype, D, causal); a new sequence length or
 batch compiles nothing.
@@ -27,6 +29,7 @@ from torch import Tensor
 from vitrail.device import ctype
 from vitrail.jit.errors import ArgumentError
 from vitrail.jit.tma import tensor_map
+from vitrail.ops.attention.backward import attention_backward
 from vitrail.ops.common import check_same_device, check_tensor
 
 HERE = Path(__file__).resolve().parent
@@ -162,14 +165,31 @@ def _attention_fwd_fake(q, k, v, scale, causal, causal_offset):
     return q.new_empty((b, sq, h, d)), q.new_empty((b, h, sq), dtype=torch.float32)
 
 
+@torch.library.custom_op("vitrail::attention_bwd", mutates_args=())
+def _attention_bwd(grad_o: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor,
+                   o: Tensor, lse: Tensor, scale: float, causal: bool,
+                   causal_offset: int) -> tuple[Tensor, Tensor, Tensor]:
+    return attention_backward(grad_o, grad_lse, q, k, v, o, lse, scale, causal, causal_offset)
+
+
+@_attention_bwd.register_fake
+def _attention_bwd_fake(grad_o, grad_lse, q, k, v, o, lse, scale, causal, causal_offset):
+    return torch.empty_like(q), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
 def _backward(ctx, grad_o, grad_lse):
-    raise NotImplementedError(f"{NAME}: the backward is not implemented yet (forward only in "
-                              f"this version); use torch.nn.functional."
-                              f"scaled_dot_product_attention where gradients are needed")
+    q, k, v, o, lse = ctx.saved_tensors
+    scale, causal, offset = ctx.args
+    if grad_o is None:  # only the lse took part in the loss
+        grad_o = torch.zeros_like(o)
+    dq, dk, dv = _attention_bwd(grad_o, grad_lse, q, k, v, o, lse, scale, causal, offset)
+    return dq, dk, dv, None, None, None
 
 
 def _setup(ctx, inputs, output):
-    pass
+    q, k, v, scale, causal, offset = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.args = (scale, causal, offset)
 
 
 _attention_fwd.register_autograd(_backward, setup_context=_setup)

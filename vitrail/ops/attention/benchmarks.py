@@ -1,6 +1,7 @@
-"""`vitrail bench attention`: the forward against torch SDPA's cuDNN and flash backends in the
-same run, bf16, (batch, seqlen, heads, head_dim) tensors, TFLOP/s counting only the visible
-scores (a causal problem does half the work). Runs when named until the op's GPU tests pass."""
+"""`vitrail bench attention` (the forward) and `vitrail bench attention.backward` (forward and
+backward): against torch SDPA's cuDNN and flash backends in the same run, bf16, (batch, seqlen,
+heads, head_dim) tensors, TFLOP/s counting only the visible scores (a causal problem does half
+the work). Both run when named."""
 from __future__ import annotations
 
 from vitrail.bench import Row, register
@@ -66,6 +67,48 @@ def run() -> list[Row]:
             except Exception as e:  # a backend that refuses the case is reported, not fatal
                 print(f"  {case} {impl}: {type(e).__name__}: {str(e)[:200]}")
         work = flops(b, s, h, d, causal)
+        rows += [Row(case=case, impl=impl, value=work / t.median / 1e9, unit="TFLOP/s",
+                     lower_is_better=False, baseline=impl != "vitrail", ms=t.median, flops=work,
+                     math="bf16", group=f"D{d}")
+                 for impl, t in (compare(ok) if ok else {}).items()]
+    return rows
+
+
+# forward + backward: head dim 128 at the three lengths, causal and not
+TRAIN_CASES = [case for case in CASES if case[3] == 128]
+
+
+@register("attention.backward", "vitrail.ops.attention forward + backward vs torch SDPA "
+          "(cuDNN, flash), bf16", build, by_name=True)
+def run_backward() -> list[Row]:
+    """One forward and its backward (q, k and v's gradients), 3.5 times the forward's FLOPs
+    (FlashAttention's count), against SDPA's backends doing the same in the same run."""
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    from vitrail.ops.attention import attention
+    from vitrail.profile import compare
+    cudnn, flash = _sdpa(SDPBackend.CUDNN_ATTENTION), _sdpa(SDPBackend.FLASH_ATTENTION)
+    rows = []
+    for b, s, h, d, causal in TRAIN_CASES:
+        q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16,
+                               requires_grad=True) for _ in range(3))
+        go = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+        case = f"{'causal ' if causal else ''}B{b} S{s} H{h} D{d}"
+
+        def step(forward):
+            return lambda: torch.autograd.grad(forward(), (q, k, v), go)
+        fns = {"vitrail": step(lambda: attention(q, k, v, causal=causal)),
+               "SDPA cuDNN": step(lambda: cudnn(q, k, v, causal).transpose(1, 2)),
+               "SDPA flash": step(lambda: flash(q, k, v, causal).transpose(1, 2))}
+        ok = {}
+        for impl, fn in fns.items():
+            try:
+                fn()
+                ok[impl] = fn
+            except Exception as e:  # a backend that refuses the case is reported, not fatal
+                print(f"  {case} {impl}: {type(e).__name__}: {str(e)[:200]}")
+        work = 3.5 * flops(b, s, h, d, causal)
         rows += [Row(case=case, impl=impl, value=work / t.median / 1e9, unit="TFLOP/s",
                      lower_is_better=False, baseline=impl != "vitrail", ms=t.median, flops=work,
                      math="bf16", group=f"D{d}")
