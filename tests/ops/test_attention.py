@@ -15,6 +15,7 @@ from tests.conftest import has_gpu
 A = importlib.import_module("vitrail.ops.attention")
 HOPPER = has_gpu() and torch.cuda.get_device_capability() == (9, 0)
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper (sm_90) GPU")
+pytestmark = pytest.mark.warm_cache  # --kernel-cache: one build per kernel across the module
 
 
 @pytest.mark.slow

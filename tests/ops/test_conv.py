@@ -13,7 +13,8 @@ from tests.conftest import has_gpu
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not has_gpu() or torch.cuda.get_device_capability() != (9, 0),
-    reason="needs a Hopper (sm_90) GPU")]
+    reason="needs a Hopper (sm_90) GPU"),
+    pytest.mark.warm_cache]  # --kernel-cache: the conv kernels (about 60 s each) built once
 
 SIZES = [(1, 1), (7, 7), (33, 7), (1, 33), (33, 33)]
 GEOMETRY = [  # (R, S, stride, padding, dilation)
