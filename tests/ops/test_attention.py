@@ -20,10 +20,12 @@ pytestmark = pytest.mark.warm_cache  # --kernel-cache: one build per kernel acro
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("d,causal", [(128, True), (64, False)])
-def test_compiles_for_sm90a(d, causal):
+@pytest.mark.parametrize("d,causal,options", [(128, True, {}), (64, False, {}),
+                                              (128, True, {"local": True, "softcap": True})])
+def test_compiles_for_sm90a(d, causal, options):
     from vitrail.jit import compiler
-    entry, _ = compiler.build_entry(A.source(torch.bfloat16, d, causal), name="attention_fwd",
+    entry, _ = compiler.build_entry(A.source(torch.bfloat16, d, causal, **options),
+                                    name="attention_fwd",
                                     backend="nvrtc", arch="90a", include_dirs=[A.HERE],
                                     flags=["-default-device"])
     res = entry.meta["resources"]
