@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import has_gpu
+from vitrail.jit.errors import ArgumentError
 
 A = importlib.import_module("vitrail.ops.attention")
 HOPPER = has_gpu() and torch.cuda.get_device_capability() == (9, 0)
@@ -19,10 +20,12 @@ pytestmark = pytest.mark.warm_cache  # --kernel-cache: one build per kernel acro
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("d,causal", [(128, True), (64, False)])
-def test_compiles_for_sm90a(d, causal):
+@pytest.mark.parametrize("d,causal,options", [(128, True, {}), (64, False, {}),
+                                              (128, True, {"local": True, "softcap": True})])
+def test_compiles_for_sm90a(d, causal, options):
     from vitrail.jit import compiler
-    entry, _ = compiler.build_entry(A.source(torch.bfloat16, d, causal), name="attention_fwd",
+    entry, _ = compiler.build_entry(A.source(torch.bfloat16, d, causal, **options),
+                                    name="attention_fwd",
                                     backend="nvrtc", arch="90a", include_dirs=[A.HERE],
                                     flags=["-default-device"])
     res = entry.meta["resources"]
@@ -41,10 +44,43 @@ def test_reference_matches_sdpa_on_the_cpu():
         assert lse.shape == (2, 4, 7)
 
 
+def test_the_reference_window_is_flash_attentions():
+    """window=(left, right): query i sees keys i + offset - left .. i + offset + right (offset:
+    0 top-left, Sk - Sq bottom-right); causal=True is right = 0. Checked against SDPA with the
+    boolean mask written out."""
+    q = torch.randn(1, 9, 2, 8, dtype=torch.float64)
+    k, v = (torch.randn(1, 13, 2, 8, dtype=torch.float64) for _ in range(2))
+    for window, alignment in (((2, 1), "top_left"), ((3, None), "bottom_right"),
+                              ((None, 0), "top_left"), ((0, 0), "bottom_right")):
+        offset = 0 if alignment == "top_left" else 13 - 9
+        i, j = torch.arange(9)[:, None], torch.arange(13)[None, :]
+        left, right = window
+        seen = torch.ones(9, 13, dtype=torch.bool)
+        if left is not None:
+            seen &= j >= i + offset - left
+        if right is not None:
+            seen &= j <= i + offset + right
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=seen)
+        o, _ = A.reference(q, k, v, window=window, alignment=alignment)
+        torch.testing.assert_close(o, want.transpose(1, 2))
+    o, _ = A.reference(q, k, v, causal=True, window=(2, None))
+    want, _ = A.reference(q, k, v, window=(2, 0))
+    torch.testing.assert_close(o, want)
+
+
 def test_refusals_name_the_argument():
     q = torch.randn(1, 8, 4, 64).to(torch.bfloat16)
     with pytest.raises(Exception, match="q must be on a CUDA device"):
         A.attention(q, q, q)
+    for bad in ((1,), (-1, 2), (1.5, 2), "left"):
+        with pytest.raises(ArgumentError, match="window must be"):
+            A._check_options(False, bad, None)
+    with pytest.raises(ArgumentError, match="causal=True is a window's right size of 0"):
+        A._check_options(True, (4, 2), None)
+    for bad in (0, -1.0, math.inf, "1"):
+        with pytest.raises(ArgumentError, match="softcap must be"):
+            A._check_options(False, None, bad)
     if not has_gpu():
         return
     q = q.cuda()
@@ -98,6 +134,28 @@ def test_causal_both_alignments(alignment, sq, sk):
 
 
 @needs_hopper
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("sq,sk,window,causal,alignment", [
+    (1000, 1000, (100, None), True, "top_left"), (1000, 1000, (0, 0), False, "top_left"),
+    (300, 1000, (257, 129), False, "bottom_right"), (1000, 300, (None, 64), False, "top_left"),
+    (4097, 4097, (1000, 1000), False, "top_left"), (500, 700, (64, None), True, "bottom_right")])
+def test_sliding_windows(d, sq, sk, window, causal, alignment):
+    """Windows narrower and wider than a block, off the block grid, one-sided and two-sided,
+    with causal, both alignments (rows that see no key: zeros, lse -inf)."""
+    q, k, v = _qkv(2, sq, sk, 4, 2, d, torch.bfloat16, seed=13)
+    _check(q, k, v, window=window, causal=causal, alignment=alignment)
+
+
+@needs_hopper
+@pytest.mark.parametrize("d,causal,window", [(64, False, None), (128, True, None),
+                                              (256, False, (200, 10))])
+@pytest.mark.parametrize("softcap", [0.5, 30.0])
+def test_softcap(d, causal, window, softcap):
+    q, k, v = _qkv(2, 777, 777, 4, 4, d, torch.float16, seed=14)
+    _check(q, k, v, causal=causal, window=window, softcap=softcap)
+
+
+@needs_hopper
 @pytest.mark.parametrize("ratio", [1, 4, 8])
 def test_gqa(ratio):
     q, k, v = _qkv(2, 300, 500, 8, 8 // ratio, 128, torch.bfloat16, seed=2)
@@ -134,26 +192,34 @@ def _reference_grads(q, k, v, go, glse, **kw):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-@pytest.mark.parametrize("b,sq,sk,h,hk,d,causal,alignment", [
-    (2, 7, 7, 4, 2, 64, False, "top_left"), (1, 33, 17, 6, 2, 32, True, "top_left"),
-    (1, 17, 33, 6, 3, 32, True, "bottom_right"), (1, 40, 20, 4, 1, 16, True, "bottom_right"),
-    (2, 50, 50, 2, 2, 16, True, "top_left")])
+@pytest.mark.parametrize("b,sq,sk,h,hk,d,causal,alignment,extra", [
+    (2, 7, 7, 4, 2, 64, False, "top_left", {}), (1, 33, 17, 6, 2, 32, True, "top_left", {}),
+    (1, 17, 33, 6, 3, 32, True, "bottom_right", {}),
+    (1, 40, 20, 4, 1, 16, True, "bottom_right", {}),
+    (2, 50, 50, 2, 2, 16, True, "top_left", {}),
+    (1, 45, 45, 4, 2, 16, True, "top_left", {"window": (6, None)}),
+    (1, 30, 50, 2, 1, 16, False, "bottom_right", {"window": (9, 4)}),
+    (1, 50, 30, 2, 2, 16, False, "top_left", {"window": (None, 3), "softcap": 2.5}),
+    (2, 21, 21, 2, 2, 16, False, "top_left", {"softcap": 0.7})])
 def test_the_backward_algebra_on_the_cpu(monkeypatch, dtype, b, sq, sk, h, hk, d, causal,
-                                         alignment):
-    """The backward's blocks (5 query rows each here), GQA, both alignments, rows that see no
-    key and an lse gradient, against autograd through the fp64 reference."""
+                                         alignment, extra):
+    """The backward's blocks (5 query rows each here), GQA, both alignments, sliding windows,
+    the softcap, rows that see no key and an lse gradient, against autograd through the fp64
+    reference."""
     from vitrail.ops.attention import backward
     g = torch.Generator().manual_seed(sq * sk + d)
     q, k, v = (torch.randn(b, s, n, d, generator=g, dtype=torch.float64)
                for s, n in ((sq, h), (sk, hk), (sk, hk)))
-    o, lse = A.reference(q, k, v, causal=causal, alignment=alignment)
+    kw = dict(causal=causal, alignment=alignment, **extra)
+    o, lse = A.reference(q, k, v, **kw)
     go, glse = torch.randn(o.shape, generator=g), torch.randn(lse.shape, generator=g)
     glse = torch.where(lse.isfinite(), glse, 0).float()
-    want = _reference_grads(q, k, v, go, glse, causal=causal, alignment=alignment)
+    want = _reference_grads(q, k, v, go, glse, **kw)
     monkeypatch.setattr(backward, "TILE_ELEMENTS", 5 * b * h * sk)
-    offset = 0 if alignment == "top_left" else sk - sq
+    mask = A._mask(sq, sk, causal, alignment, extra.get("window"))
     got = backward.attention_backward(go.to(dtype), glse, q.to(dtype), k.to(dtype), v.to(dtype),
-                                      o.to(dtype), lse.float(), d ** -0.5, causal, offset)
+                                      o.to(dtype), lse.float(), d ** -0.5, *mask,
+                                      extra.get("softcap", 0.0))
     tol = 1e-6 if dtype == torch.float64 else 2e-2  # fp64: the lse passes in fp32
     for x, w, what in zip(got, want, ("dq", "dk", "dv")):
         assert x.shape == w.shape and x.dtype == dtype, what
@@ -196,6 +262,14 @@ def test_gradients_gqa_bottom_right_and_the_lse(ratio):
     """GQA (dk, dv summed over the group), rows that see no key, and a loss on the lse."""
     q, k, v = _qkv(2, 500, 300, 8, 8 // ratio, 128, torch.bfloat16, seed=9)
     _check_grads(q, k, v, with_lse=True, causal=True, alignment="bottom_right")
+
+
+@needs_hopper
+@pytest.mark.parametrize("window,softcap", [((100, None), None), ((50, 20), 5.0), (None, 1.0)])
+def test_gradients_with_a_window_and_a_softcap(window, softcap):
+    q, k, v = _qkv(2, 600, 700, 4, 2, 128, torch.bfloat16, seed=15)
+    _check_grads(q, k, v, with_lse=True, window=window, softcap=softcap,
+                 causal=window is not None and window[1] is None, alignment="bottom_right")
 
 
 @needs_hopper

@@ -8,8 +8,11 @@ q (B, Sq, H, D), k and v (B, Sk, Hkv, D) with H a multiple of Hkv (GQA, MQA), bf
 D of 64, 128, 192 or 256, the last dim contiguous (SDPA's (B, H, S, D) tensors pass as
 ``x.transpose(1, 2)`` without a copy). ``scale`` defaults to D ** -0.5. ``causal``: key j is
 visible to query i where j <= i (``alignment="top_left"``, as torch SDPA) or j <= i + Sk - Sq
-(``"bottom_right"``, as FlashAttention >= 2.1); a row that sees no key gives zeros and an lse of
--inf. Every refusal names the argument. The backward (q, k and v, and through the lse too) runs
+(``"bottom_right"``, as FlashAttention >= 2.1); ``window=(left, right)`` (a sliding window, each
+side a number of keys or None for unbounded) makes key j visible to query i only where
+i + offset - left <= j <= i + offset + right, with the same offset (causal=True is right = 0);
+``softcap`` caps the scaled scores to softcap * tanh(s / softcap) (Gemma 2). A row that sees no
+key gives zeros and an lse of -inf. Every refusal names the argument. The backward (q, k and v, and through the lse too) runs
 on torch's batched matmuls a block of query rows at a time (``backward.py``); a fused kernel
 is the next step.
 
@@ -53,36 +56,62 @@ def smem_bytes(d: int, dtype: torch.dtype = torch.bfloat16) -> int:
     return 1024 + BM * d * e + STAGES * 2 * bn * d * e + 16 * STAGES + 16
 
 
-def source(dtype: torch.dtype, d: int, causal: bool, pingpong: bool = True) -> str:
+def source(dtype: torch.dtype, d: int, causal: bool, pingpong: bool = True, local: bool = False,
+           softcap: bool = False) -> str:
     config = {"D": d, "BM": BM, "BN": block_n(d), "STAGES": STAGES}
+    flags = {"CAUSAL": causal, "LOCAL": local, "SOFTCAP": softcap, "PINGPONG": pingpong}
     return ("#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
             f"using T = {ctype(dtype)};\n" +
             "".join(f"constexpr int {k} = {v};\n" for k, v in config.items()) +
-            f"constexpr bool CAUSAL = {'true' if causal else 'false'};\n"
-            f"constexpr bool PINGPONG = {'true' if pingpong else 'false'};\n"
+            "".join(f"constexpr bool {k} = {'true' if v else 'false'};\n"
+                    for k, v in flags.items()) +
             '#include "sm90_attention_fwd.cuh"\n')
 
 
 SIGNATURE = ("void* o, float* lse, const vitrail::TensorMap mapQ, const vitrail::TensorMap mapK, "
              "const vitrail::TensorMap mapV, int seqlen_q, int seqlen_k, int heads, "
-             "int heads_kv, float scale_log2, int causal_offset")
+             "int heads_kv, float scale_log2, int causal_offset, int local_offset, float softcap, "
+             "float softcap_pre")
 
 
-def kernel(dtype: torch.dtype, d: int, causal: bool, pingpong: bool = True):
+def kernel(dtype: torch.dtype, d: int, causal: bool, pingpong: bool = True, local: bool = False,
+           softcap: bool = False):
     """The compiled forward (pingpong=False: the warpgroups in lockstep, kept to measure the
-    ping-pong against; the op always runs the default)."""
-    key = (dtype, d, causal, pingpong)
+    ping-pong against; the op always runs the default). causal: keys right of the diagonal
+    (shifted by a window's right size) masked; local: keys left of a window masked; softcap:
+    the scores capped with tanh."""
+    key = (dtype, d, causal, pingpong, local, softcap)
     k = _KERNELS.get(key)
     if k is None:
         from vitrail import jit
         # CuTe's constexpr helpers carry no __device__: NVRTC needs -default-device
-        module = jit.compile(source(dtype, d, causal, pingpong), name="attention_fwd",
+        module = jit.compile(source(dtype, d, causal, pingpong, local, softcap),
+                             name="attention_fwd",
                              backend="nvrtc", include_dirs=[HERE], flags=["-default-device"])
         k = _KERNELS[key] = module.kernel("attention_fwd", SIGNATURE)
     return k
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor, scale, alignment: str) -> None:
+def _check_options(causal: bool, window, softcap) -> None:
+    """The window and the softcap: ArgumentError naming the one that is wrong."""
+    if window is not None:
+        if not (isinstance(window, (tuple, list)) and len(window) == 2 and
+                all(w is None or (isinstance(w, int) and not isinstance(w, bool) and w >= 0)
+                    for w in window)):
+            raise ArgumentError(f"{NAME}: window must be (left, right), each a number of keys "
+                                f">= 0 or None (unbounded), got {window!r}")
+        if causal and window[1] not in (None, 0):
+            raise ArgumentError(f"{NAME}: causal=True is a window's right size of 0; got "
+                                f"causal=True and window={tuple(window)}")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and
+                                    not isinstance(softcap, bool) and
+                                    math.isfinite(softcap) and softcap > 0):
+        raise ArgumentError(f"{NAME}: softcap must be a positive finite number or None, got "
+                            f"{softcap!r}")
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, scale, alignment: str, causal: bool = False,
+           window=None, softcap=None) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(NAME, name, t, dtypes=DTYPES, ndim=4)
     check_same_device(NAME, q=q, k=k, v=v)
@@ -111,6 +140,7 @@ def _check(q: Tensor, k: Tensor, v: Tensor, scale, alignment: str) -> None:
                             f"{alignment!r}")
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
         raise ArgumentError(f"{NAME}: scale must be a finite number or None, got {scale!r}")
+    _check_options(causal, window, softcap)
 
 
 def _tma_ready(t: Tensor) -> Tensor:
@@ -134,7 +164,10 @@ def _map(t: Tensor, rows: int) -> bytes:
 
 @torch.library.custom_op("vitrail::attention_fwd", mutates_args=())
 def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
-                   causal_offset: int) -> tuple[Tensor, Tensor]:
+                   causal_offset: int, local: bool = False, local_offset: int = 0,
+                   softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+    """causal: key j visible to row i where j <= i + causal_offset; local: where
+    j >= i + local_offset; softcap > 0: scores capped to softcap * tanh(s * scale / softcap)."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     o = q.new_empty((b, sq, h, d))
@@ -153,62 +186,78 @@ def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
     bn = block_n(d)
     grid = (-(-sq // BM), h, b)
     with torch.cuda.device(q.device):
-        kernel(q.dtype, d, causal)[grid, THREADS](
+        kernel(q.dtype, d, causal, local=local, softcap=softcap > 0)[grid, THREADS](
             o, lse, _map(q, BM), _map(k, bn), _map(v, bn), sq, sk, h, hk,
-            scale * math.log2(math.e), causal_offset, shared_mem=smem_bytes(d, q.dtype))
+            (1.0 if softcap > 0 else scale) * math.log2(math.e), causal_offset, local_offset,
+            softcap, scale / softcap if softcap > 0 else 0.0, shared_mem=smem_bytes(d, q.dtype))
     return o, lse
 
 
 @_attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, scale, causal, causal_offset):
+def _attention_fwd_fake(q, k, v, scale, causal, causal_offset, local=False, local_offset=0,
+                        softcap=0.0):
     b, sq, h, d = q.shape
     return q.new_empty((b, sq, h, d)), q.new_empty((b, h, sq), dtype=torch.float32)
 
 
 @torch.library.custom_op("vitrail::attention_bwd", mutates_args=())
 def _attention_bwd(grad_o: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor,
-                   o: Tensor, lse: Tensor, scale: float, causal: bool,
-                   causal_offset: int) -> tuple[Tensor, Tensor, Tensor]:
-    return attention_backward(grad_o, grad_lse, q, k, v, o, lse, scale, causal, causal_offset)
+                   o: Tensor, lse: Tensor, scale: float, causal: bool, causal_offset: int,
+                   local: bool = False, local_offset: int = 0,
+                   softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+    return attention_backward(grad_o, grad_lse, q, k, v, o, lse, scale, causal, causal_offset,
+                              local, local_offset, softcap)
 
 
 @_attention_bwd.register_fake
-def _attention_bwd_fake(grad_o, grad_lse, q, k, v, o, lse, scale, causal, causal_offset):
+def _attention_bwd_fake(grad_o, grad_lse, q, k, v, o, lse, scale, causal, causal_offset,
+                        local=False, local_offset=0, softcap=0.0):
     return torch.empty_like(q), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _backward(ctx, grad_o, grad_lse):
     q, k, v, o, lse = ctx.saved_tensors
-    scale, causal, offset = ctx.args
     if grad_o is None:  # only the lse took part in the loss
         grad_o = torch.zeros_like(o)
-    dq, dk, dv = _attention_bwd(grad_o, grad_lse, q, k, v, o, lse, scale, causal, offset)
-    return dq, dk, dv, None, None, None
+    dq, dk, dv = _attention_bwd(grad_o, grad_lse, q, k, v, o, lse, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, scale, causal, offset = inputs
+    q, k, v, *args = inputs  # scale, causal, causal_offset, local, local_offset, softcap
     ctx.save_for_backward(q, k, v, *output)
-    ctx.args = (scale, causal, offset)
+    ctx.args = tuple(args)
 
 
 _attention_fwd.register_autograd(_backward, setup_context=_setup)
 
 
+def _mask(sq: int, sk: int, causal: bool, alignment: str, window) -> tuple[bool, int, bool, int]:
+    """(causal, causal_offset, local, local_offset) of the kernels: key j visible to query i
+    where j <= i + causal_offset (if causal) and j >= i + local_offset (if local)."""
+    offset = 0 if alignment == "top_left" else sk - sq
+    left, right = window if window is not None else (None, None)
+    upper = causal or right is not None
+    return (upper, offset + (right or 0) if upper else 0, left is not None,
+            offset - left if left is not None else 0)
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
               scale: Optional[float] = None, alignment: str = "top_left",
-              return_lse: bool = False):
+              window: Optional[tuple[Optional[int], Optional[int]]] = None,
+              softcap: Optional[float] = None, return_lse: bool = False):
     """softmax(q k^T * scale) v per batch and head (see the module docstring)."""
-    _check(q, k, v, scale, alignment)
+    _check(q, k, v, scale, alignment, causal, window, softcap)
     d = q.shape[3]
     scale = d ** -0.5 if scale is None else float(scale)
-    offset = 0 if alignment == "top_left" else k.shape[1] - q.shape[1]
-    o, lse = _attention_fwd(q, k, v, scale, bool(causal), offset)
+    mask = _mask(q.shape[1], k.shape[1], bool(causal), alignment, window)
+    o, lse = _attention_fwd(q, k, v, scale, *mask, float(softcap or 0.0))
     return (o, lse) if return_lse else o
 
 
 def reference(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
-              scale: Optional[float] = None, alignment: str = "top_left") -> tuple[Tensor, Tensor]:
+              scale: Optional[float] = None, alignment: str = "top_left", window=None,
+              softcap: Optional[float] = None) -> tuple[Tensor, Tensor]:
     """(o, lse) computed by plain torch in q's dtype's precision or better (pass float64)."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -216,11 +265,15 @@ def reference(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     kk = k.repeat_interleave(h // hk, dim=2)
     vv = v.repeat_interleave(h // hk, dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
-    if causal:
-        offset = 0 if alignment == "top_left" else sk - sq
-        i = torch.arange(sq, device=q.device)[:, None]
-        j = torch.arange(sk, device=q.device)[None, :]
-        s = s.masked_fill(j > i + offset, -math.inf)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    upper, hi, local, lo = _mask(sq, sk, causal, alignment, window)
+    i = torch.arange(sq, device=q.device)[:, None]
+    j = torch.arange(sk, device=q.device)[None, :]
+    if upper:
+        s = s.masked_fill(j > i + hi, -math.inf)
+    if local:
+        s = s.masked_fill(j < i + lo, -math.inf)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
     return torch.einsum("bhqk,bkhd->bqhd", p, vv), lse

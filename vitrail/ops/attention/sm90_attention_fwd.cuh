@@ -9,11 +9,14 @@
 // PINGPONG: the two take turns to issue Q K^T (two named barriers), so one's softmax runs while
 // the other's product is on the tensor cores (FlashAttention-3's ping-pong).
 // Causal CTAs take blocks of query rows from the last (the most keys) to the first, so the
-// grid's tail is the lightest work.
+// grid's tail is the lightest work. LOCAL (a sliding window): key j is visible to row i only
+// where j >= i + local_offset, and the blocks wholly left of every row's window are not loaded.
+// SOFTCAP: scores become softcap * tanh(s * scale / softcap) before the softmax (Gemma 2's
+// logit capping).
 // Fragment -> slab: O / sum, converted to T, and the log-sum-exp, stored where they land.
 //
 // Config (constexpr before the include): T, D (head dim), BM (query rows), BN (keys per block),
-// STAGES, CAUSAL, PINGPONG (bool).
+// STAGES, CAUSAL, LOCAL, SOFTCAP, PINGPONG (bool).
 // Layouts: q, k, v, o (batch, seqlen, heads, D), D contiguous; TMA maps over (D, seqlen, heads,
 // batch) made by the Python side (vitrail.ops.attention); lse (batch, heads, seqlen_q) fp32.
 #pragma once
@@ -41,8 +44,11 @@ struct Params {
   T* o;
   float* lse;
   int seqlen_q, seqlen_k, heads, heads_kv;
-  float scale_log2;  // softmax scale * log2(e)
-  int causal_offset; // key j is visible to query i where j <= i + causal_offset
+  float scale_log2;  // softmax scale * log2(e) (SOFTCAP: log2(e), the scale is in softcap_pre)
+  int causal_offset; // CAUSAL: key j is visible to query i where j <= i + causal_offset
+  int local_offset;  // LOCAL: key j is visible to query i where j >= i + local_offset
+  float softcap;     // SOFTCAP: s -> softcap * tanh(s * softcap_pre)
+  float softcap_pre; // scale / softcap
 };
 
 // The blocks of keys a query block sees: all, or those up to the causal diagonal.
@@ -58,6 +64,17 @@ __device__ int first_masked_block(const Params& p, int m0) {
   int first = p.seqlen_k / BN;
   if (CAUSAL) first = min(first, max(0, m0 + p.causal_offset) / BN);
   return first;
+}
+
+// LOCAL: the first block with a key in some row's window (the first row's), and the first whose
+// keys are all in every row's window (the last row's bound).
+__device__ int first_block(const Params& p, int m0) {
+  return LOCAL ? max(0, m0 + p.local_offset) / BN : 0;
+}
+__device__ int first_full_block(const Params& p, int m0) {
+  if (!LOCAL) return 0;
+  const int lowest = m0 + BM - 1 + p.local_offset;  // the last row's first visible key
+  return lowest <= 0 ? 0 : (lowest + BN - 1) / BN;
 }
 
 __device__ void forward(const Params& p, const vitrail::TensorMap& mapQ,
@@ -78,6 +95,7 @@ __device__ void forward(const Params& p, const vitrail::TensorMap& mapQ,
   const int m0 = m_block * BM, head = blockIdx.y, batch = blockIdx.z;
   const int head_kv = head / (p.heads / p.heads_kv);
   const int blocks = kv_blocks(p, m0);
+  const int start = LOCAL ? min(blocks, first_block(p, m0)) : 0;
   if (threadIdx.x == 0) {
     vitrail::Tma::prefetch(mapQ);
     vitrail::Tma::prefetch(mapK);
@@ -94,7 +112,7 @@ __device__ void forward(const Params& p, const vitrail::TensorMap& mapQ,
       for (int c = 0; c < kChunks; ++c)  // Q's 64-wide slices of D, BM rows each
         vitrail::Tma::load(&sQ(0, c * kChunk, 0), mapQ, q_full, c * kChunk, m0, head, batch);
       auto w = vitrail::PipeState<STAGES>::producer();
-      for (int j = 0; j < blocks; ++j, w.advance()) {
+      for (int j = start; j < blocks; ++j, w.advance()) {
         pipe.acquire(w);
         pipe.expect(w, kBytesKV);
         auto k = sK(w.index);
@@ -132,9 +150,10 @@ __device__ void forward(const Params& p, const vitrail::TensorMap& mapQ,
   if (PINGPONG && wg == 1) vitrail::named_barrier_arrive(kTurn, QK::kThreads);
 
   // One block of keys: S = Q K^T, the online softmax, O += P V. Masked (a constant): keys past
-  // seqlen_k (TMA filled them with zeros) and past the causal diagonal become -inf. Only the
-  // last blocks need it, and they get a loop of their own: with one loop, ptxas computed every
-  // element's mask predicates in every block, ahead of the block's first wgmma.
+  // seqlen_k (TMA filled them with zeros), past the causal diagonal or left of the window
+  // become -inf. Only the blocks at the ends need it, and they get loops of their own: with one
+  // loop, ptxas computed every element's mask predicates in every block, ahead of the block's
+  // first wgmma.
   vitrail::PipeState<STAGES> rd;
   auto block = [&](int j, auto masked) {
     pipe.wait(rd);
@@ -148,9 +167,11 @@ __device__ void forward(const Params& p, const vitrail::TensorMap& mapQ,
       float m = row_max[r];
       CUTE_UNROLL
       for (int c = 0; c < cute::size<1>(s_rows); ++c) {
+        if constexpr (SOFTCAP) s_rows(r, c) = p.softcap * tanhf(s_rows(r, c) * p.softcap_pre);
         if constexpr (decltype(masked)::value) {
           const int row = m0 + cute::get<0>(where(r, c)), key = j * BN + cute::get<1>(where(r, c));
-          if (key >= p.seqlen_k || (CAUSAL && key > row + p.causal_offset))
+          if (key >= p.seqlen_k || (CAUSAL && key > row + p.causal_offset) ||
+              (LOCAL && key < row + p.local_offset))
             s_rows(r, c) = -kInf;
         }
         m = fmaxf(m, s_rows(r, c));
@@ -177,9 +198,20 @@ __device__ void forward(const Params& p, const vitrail::TensorMap& mapQ,
     rd.advance();
   };
   vitrail::Bulk::wait(q_full, 0);
-  const int unmasked = min(blocks, first_masked_block(p, m0));
-  for (int j = 0; j < unmasked; ++j) block(j, cute::false_type{});
-  for (int j = unmasked; j < blocks; ++j) block(j, cute::true_type{});
+  // [0, tail): no mask; [tail, blocks): the diagonal and seqlen_k's edge. LOCAL: [start, full)
+  // masked too, the window's left edge (one loop: three call sites of block made ptxas keep it
+  // out of line, its state on the stack)
+  const int tail = min(blocks, first_masked_block(p, m0));
+  if constexpr (LOCAL) {
+    const int full = max(start, first_full_block(p, m0));
+    for (int j = start; j < blocks; ++j) {
+      if (j >= full && j < tail) block(j, cute::false_type{});
+      else block(j, cute::true_type{});
+    }
+  } else {
+    for (int j = 0; j < tail; ++j) block(j, cute::false_type{});
+    for (int j = tail; j < blocks; ++j) block(j, cute::true_type{});
+  }
 
   // fragment -> slab: O / sum and the log-sum-exp (natural log) of each row
   auto o_where = PV::rows(pv.coordinates());
@@ -210,7 +242,9 @@ extern "C" __global__ void __launch_bounds__(attention::kThreads, 1)
 attention_fwd(T* o, float* lse, const __grid_constant__ vitrail::TensorMap mapQ,
               const __grid_constant__ vitrail::TensorMap mapK,
               const __grid_constant__ vitrail::TensorMap mapV, int seqlen_q, int seqlen_k,
-              int heads, int heads_kv, float scale_log2, int causal_offset) {
-  attention::forward({o, lse, seqlen_q, seqlen_k, heads, heads_kv, scale_log2, causal_offset},
+              int heads, int heads_kv, float scale_log2, int causal_offset, int local_offset,
+              float softcap, float softcap_pre) {
+  attention::forward({o, lse, seqlen_q, seqlen_k, heads, heads_kv, scale_log2, causal_offset,
+                      local_offset, softcap, softcap_pre},
                      mapQ, mapK, mapV);
 }
