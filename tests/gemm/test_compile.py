@@ -1,6 +1,6 @@
 """Compile-only builds of three representative GEMM operations for sm_90a (CI has no GPU): the
 torch op's default kernel (bf16, persistent, 2x1 cluster), a fused-epilogue kernel (fp16,
-C + column bias + gelu_tanh + clamp, B column-major, stream-K, a 144-wide tile: one m64n144
+C + column bias + silu + clamp, B column-major, stream-K, a 144-wide tile: one m64n144
 wgmma, not nine m64n16) and scaled_mm's default FP8 kernel with exact accumulation on the
 overlapped-promotion mainloop (128x256 tiles). Built in parallel: three builds, about 80 s each
 on one core."""
@@ -33,7 +33,7 @@ def test_compile_representative_operations(monkeypatch):
         D=TensorDescription("f16", "row"), math=MathInstruction("f16", "f16"),
         tile=TileDescription((128, 144, 64), (1, 2, 1), tile_scheduler="stream_k"),
         epilogue=LinearCombination("f16", element_source="f16", bias="col",
-                                   activation="gelu_tanh", clamp=True))
+                                   activation="silu", clamp=True))
     # scaled_mm's default (exact accumulation, row-wise scale_a): 128x256 tiles, whose 64 x 256
     # warpgroup accumulators and two rotating 64-column temporaries must fit without spilling
     fp8_kind = Kind("e4m3", "e4m3", "row", "col",
@@ -52,6 +52,9 @@ def test_compile_representative_operations(monkeypatch):
     wgmma = {g: set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)",
                                g.compile(arch="90a").ptx)) for g in (plain, fused)}
     assert wgmma == {plain: {"m64n256k16"}, fused: {"m64n144k16"}}, wgmma
+    # silu's division is the fast one: an IEEE division per element branches to a slow path
+    # (a CALL in the SASS) and kept ptxas from interleaving the epilogue's elements
+    assert "div.rn.f32" not in fused.compile(arch="90a").ptx
     for g in (plain, fused, fp8):
         mod = g.compile(arch="90a")  # from the cache now
         assert mod.how == "disk"

@@ -40,8 +40,10 @@ struct ActClamp {
         float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
         return 0.5f * x * (1.f + tanhf(u));
       }
-      else if constexpr (Act == 5) return x / (1.f + __expf(-x));
-      else if constexpr (Act == 6) return 1.f / (1.f + __expf(-x));
+      // silu, sigmoid: the fast division (no branch to the IEEE slow path per element, which
+      // kept ptxas from interleaving the elements); 1 + e^-x = inf gives 0 as it should
+      else if constexpr (Act == 5) return __fdividef(x, 1.f + __expf(-x));
+      else if constexpr (Act == 6) return __fdividef(1.f, 1.f + __expf(-x));
       else if constexpr (Act == 7) return tanhf(x);
       else if constexpr (Act == 8) return x * fminf(fmaxf(x + 3.f, 0.f), 6.f) * (1.f / 6.f);
       else return x;
