@@ -20,17 +20,20 @@ pytestmark = pytest.mark.warm_cache  # --kernel-cache: one build per kernel acro
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("d,causal,options", [(128, True, {}), (64, False, {}),
-                                              (128, True, {"local": True, "softcap": True})])
-def test_compiles_for_sm90a(d, causal, options):
+@pytest.mark.parametrize("which,d,causal,options", [
+    ("fwd", 128, True, {}), ("fwd", 64, False, {}),
+    ("fwd", 128, True, {"local": True, "softcap": True}), ("bwd", 128, True, {}),
+    ("bwd", 64, False, {})])
+def test_compiles_for_sm90a(which, d, causal, options):
     from vitrail.jit import compiler
-    entry, _ = compiler.build_entry(A.source(torch.bfloat16, d, causal, **options),
-                                    name="attention_fwd",
-                                    backend="nvrtc", arch="90a", include_dirs=[A.HERE],
-                                    flags=["-default-device"])
+    source = (A.source if which == "fwd" else A.bwd_source)(torch.bfloat16, d, causal, **options)
+    entry, _ = compiler.build_entry(source, name=f"attention_{which}", backend="nvrtc",
+                                    arch="90a", include_dirs=[A.HERE], flags=["-default-device"])
     res = entry.meta["resources"]
-    assert "attention_fwd" in res, res
-    assert res["attention_fwd"]["spill_stores"] == 0 and res["attention_fwd"]["stack"] == 0
+    names = ["attention_fwd"] if which == "fwd" else list(A.BWD_SIGNATURES)
+    for name in names:
+        assert name in res, res
+        assert res[name]["spill_stores"] == 0 and res[name]["stack"] == 0, res[name]
     assert "C7515" not in (entry.dir / "build.log").read_text()  # wgmma serialized
 
 
@@ -282,6 +285,25 @@ def test_gradients_in_sdpa_layout_under_torch_compile():
     want = _reference_grads(q, k, v, torch.ones(q.shape, device="cuda"), None, causal=True)
     for x, w in zip((qs.grad, ks.grad, vs.grad), want):
         torch.testing.assert_close(x.double(), w, rtol=5e-3, atol=5e-3 * w.abs().max().item())
+
+
+@needs_hopper
+@pytest.mark.parametrize("d", A.BWD_HEAD_DIMS)
+def test_the_fused_backward_is_deterministic_and_agrees_with_the_matmul_path(d):
+    """Same bits on every run (no atomics), and within rounding of backward.py's matmuls."""
+    from vitrail.ops.attention.backward import attention_backward
+    q, k, v = _qkv(2, 777, 901, 8, 2, d, torch.bfloat16, seed=12)
+    o, lse = A.attention(q, k, v, causal=True, alignment="bottom_right", return_lse=True)
+    go = torch.randn_like(o)
+    args = (go, None, q, k, v, o, lse, d ** -0.5, True, 901 - 777)
+    assert A.fused_backward_runs(q, k)
+    first = torch.ops.vitrail.attention_bwd(*args)
+    again = torch.ops.vitrail.attention_bwd(*args)
+    plain = attention_backward(*args)
+    for x, y, z, what in zip(first, again, plain, ("dq", "dk", "dv")):
+        assert torch.equal(x, y), what
+        torch.testing.assert_close(x.float(), z.float(), rtol=2e-2,
+                                   atol=2e-2 * z.float().abs().max().item(), msg=what)
 
 
 @needs_hopper

@@ -12,9 +12,11 @@ visible to query i where j <= i (``alignment="top_left"``, as torch SDPA) or j <
 side a number of keys or None for unbounded) makes key j visible to query i only where
 i + offset - left <= j <= i + offset + right, with the same offset (causal=True is right = 0);
 ``softcap`` caps the scaled scores to softcap * tanh(s / softcap) (Gemma 2). A row that sees no
-key gives zeros and an lse of -inf. Every refusal names the argument. The backward (q, k and v, and through the lse too) runs
-on torch's batched matmuls a block of query rows at a time (``backward.py``); a fused kernel
-is the next step.
+key gives zeros and an lse of -inf. Every refusal names the argument. The backward (q, k and v,
+and through the lse too) runs two kernels at D of 64 and 128 without a window's left edge or a
+softcap (sm90_attention_bwd.cuh: dQ over the keys, dK and dV over the query rows, no atomics:
+the same bits every run), else torch's batched matmuls a block of query rows at a time
+(``backward.py``).
 
 Kernels compile with NVRTC in seconds, one per (dtype, D, causal); a new sequence length or
 batch compiles nothing.
@@ -90,6 +92,83 @@ def kernel(dtype: torch.dtype, d: int, causal: bool, pingpong: bool = True, loca
                              backend="nvrtc", include_dirs=[HERE], flags=["-default-device"])
         k = _KERNELS[key] = module.kernel("attention_fwd", SIGNATURE)
     return k
+
+
+# The backward's kernels (sm90_attention_bwd.cuh): dQ over the keys, dK and dV over the rows.
+BWD_HEAD_DIMS = (64, 128)  # larger: dK and dV's fp32 sums do not fit a thread's registers
+BWD = {"BM": 128, "BN": 64, "BK": 128, "BQ": 64, "STAGES": 2}
+BWD_THREADS = 384
+ROWS_PADDED = 128  # lse2 and delta are padded to a multiple of BM and BQ
+
+
+def bwd_source(dtype: torch.dtype, d: int, causal: bool) -> str:
+    return ("#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
+            f"using T = {ctype(dtype)};\nconstexpr int D = {d};\n" +
+            "".join(f"constexpr int {k} = {v};\n" for k, v in BWD.items()) +
+            f"constexpr bool CAUSAL = {'true' if causal else 'false'};\n"
+            '#include "sm90_attention_bwd.cuh"\n')
+
+
+_BWD_INTS = ("int seqlen_q, int seqlen_k, int seqlen_q_padded, int heads, int heads_kv, "
+             "float scale_log2, float scale, int causal_offset")
+BWD_SIGNATURES = {
+    "attention_bwd_dq": "void* dq, float* lse2, float* delta, const vitrail::TensorMap mapQ, "
+                        "const vitrail::TensorMap mapdO, const vitrail::TensorMap mapK, "
+                        "const vitrail::TensorMap mapV, " + _BWD_INTS,
+    "attention_bwd_dkv": "void* dk, void* dv, float* lse2, float* delta, "
+                         "const vitrail::TensorMap mapK, const vitrail::TensorMap mapV, "
+                         "const vitrail::TensorMap mapQ, const vitrail::TensorMap mapdO, " +
+                         _BWD_INTS}
+
+
+def bwd_kernels(dtype: torch.dtype, d: int, causal: bool) -> dict:
+    """The compiled backward: {"attention_bwd_dq": kernel, "attention_bwd_dkv": kernel}."""
+    key = ("bwd", dtype, d, causal)
+    k = _KERNELS.get(key)
+    if k is None:
+        from vitrail import jit
+        module = jit.compile(bwd_source(dtype, d, causal), name="attention_bwd",
+                             backend="nvrtc", include_dirs=[HERE], flags=["-default-device"])
+        k = _KERNELS[key] = {name: module.kernel(name, sig)
+                             for name, sig in BWD_SIGNATURES.items()}
+    return k
+
+
+def bwd_smem_bytes(d: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Dynamic shared memory of each backward kernel (the .cuh's kSmemBytes)."""
+    e = torch.finfo(dtype).bits // 8
+    c = BWD
+    barriers = 16 * c["STAGES"] + 16
+    stage = -(-(2 * c["BQ"] * d * e + 2 * c["BQ"] * 4) // 1024) * 1024
+    return {"attention_bwd_dq": 1024 + 2 * c["BM"] * d * e + c["STAGES"] * 2 * c["BN"] * d * e +
+            barriers,
+            "attention_bwd_dkv": 1024 + 2 * c["BK"] * d * e + c["STAGES"] * stage + barriers}
+
+
+def _fused_backward(grad_o, grad_lse, q, k, v, o, lse, scale, causal, causal_offset):
+    """The backward's two kernels (dQ; dK and dV) on a Hopper GPU."""
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    padded = -(-sq // ROWS_PADDED) * ROWS_PADDED
+    log2e = math.log2(math.e)
+    lse2 = lse.new_full((b, h, padded), math.inf)
+    lse2[..., :sq] = torch.where(torch.isinf(lse), math.inf, lse * log2e)
+    delta = lse.new_zeros((b, h, padded))
+    rows = (grad_o.float() * o.float()).sum(-1).transpose(1, 2)
+    delta[..., :sq] = rows if grad_lse is None else rows - grad_lse
+    q, k, v, grad_o = (_tma_ready(t) for t in (q, k, v, grad_o))
+    dq = q.new_empty((b, sq, h, d))
+    dk, dv = k.new_empty((b, sk, hk, d)), v.new_empty((b, sk, hk, d))
+    kernels, smem, c = bwd_kernels(q.dtype, d, causal), bwd_smem_bytes(d, q.dtype), BWD
+    ints = (sq, sk, padded, h, hk, scale * log2e, scale, causal_offset)
+    with torch.cuda.device(q.device):
+        kernels["attention_bwd_dq"][(-(-sq // c["BM"]), h, b), BWD_THREADS](
+            dq, lse2, delta, _map(q, c["BM"]), _map(grad_o, c["BM"]), _map(k, c["BN"]),
+            _map(v, c["BN"]), *ints, shared_mem=smem["attention_bwd_dq"])
+        kernels["attention_bwd_dkv"][(-(-sk // c["BK"]), hk, b), BWD_THREADS](
+            dk, dv, lse2, delta, _map(k, c["BK"]), _map(v, c["BK"]), _map(q, c["BQ"]),
+            _map(grad_o, c["BQ"]), *ints, shared_mem=smem["attention_bwd_dkv"])
+    return dq, dk, dv
 
 
 def _check_options(causal: bool, window, softcap) -> None:
@@ -205,14 +284,24 @@ def _attention_bwd(grad_o: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Ten
                    o: Tensor, lse: Tensor, scale: float, causal: bool, causal_offset: int,
                    local: bool = False, local_offset: int = 0,
                    softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+    if not local and softcap == 0 and fused_backward_runs(q, k):
+        return _fused_backward(grad_o, grad_lse, q, k, v, o, lse, scale, causal, causal_offset)
     return attention_backward(grad_o, grad_lse, q, k, v, o, lse, scale, causal, causal_offset,
                               local, local_offset, softcap)
+
+
+def fused_backward_runs(q: Tensor, k: Tensor) -> bool:
+    """Whether the backward of these q and k runs the fused kernels (a Hopper GPU, D of 64 or
+    128, something to compute; no window's left edge, no softcap); else torch's matmuls
+    (backward.py)."""
+    return (q.is_cuda and q.shape[3] in BWD_HEAD_DIMS and min(q.numel(), k.numel()) > 0 and
+            torch.cuda.get_device_capability(q.device) == (9, 0))
 
 
 @_attention_bwd.register_fake
 def _attention_bwd_fake(grad_o, grad_lse, q, k, v, o, lse, scale, causal, causal_offset,
                         local=False, local_offset=0, softcap=0.0):
-    return torch.empty_like(q), k.new_empty(k.shape), v.new_empty(v.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _backward(ctx, grad_o, grad_lse):

@@ -54,7 +54,7 @@ def attention_backward(grad_o: Tensor, grad_lse: Tensor | None, q: Tensor, k: Te
     sk, hk = k.shape[1], k.shape[2]
     g = h // hk
     wide = torch.promote_types(q.dtype, torch.float32)  # S, P, dS and the sums over blocks
-    dq = torch.zeros_like(q)
+    dq = q.new_zeros(q.shape)
     dk32 = k.new_zeros((b * hk, sk, d), dtype=wide)
     dv32 = k.new_zeros((b * hk, sk, d), dtype=wide)
     if min(q.numel(), k.numel()) > 0:
