@@ -22,8 +22,8 @@ pytestmark = pytest.mark.warm_cache  # --kernel-cache: one build per kernel acro
 @pytest.mark.slow
 @pytest.mark.parametrize("which,d,causal,options", [
     ("fwd", 128, True, {}), ("fwd", 64, False, {}),
-    ("fwd", 128, True, {"local": True, "softcap": True}), ("bwd", 128, True, {}),
-    ("bwd", 64, False, {})])
+    ("fwd", 128, True, {"local": True, "softcap": True}), ("fwd", 64, True, {"varlen": True}),
+    ("bwd", 128, True, {}), ("bwd", 64, False, {})])
 def test_compiles_for_sm90a(which, d, causal, options):
     from vitrail.jit import compiler
     source = (A.source if which == "fwd" else A.bwd_source)(torch.bfloat16, d, causal, **options)
@@ -336,3 +336,94 @@ def test_the_ping_pong_changes_no_bit(d, causal):
         o2, lse2, A._map(q, A.BM), A._map(k, bn), A._map(v, bn), 1000, 1000, 4, 2,
         d ** -0.5 * math.log2(math.e), 0, shared_mem=A.smem_bytes(d, q.dtype))
     assert torch.equal(o, o2) and torch.equal(lse, lse2)
+
+
+# --------------------------------------------------------------------------- variable lengths
+def _cu(lengths, device="cpu"):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+                        device=device)
+
+
+def test_varlen_lengths_are_checked():
+    cu = _cu([3, 0, 5])
+    assert A._lengths(cu, 8, 5, "q") == [0, 3, 3, 8]
+    for bad, total, m, match in ((_cu([3, 5]), 9, 5, "rise from 0 to the 9 rows"),
+                                 (torch.tensor([1, 4], dtype=torch.int32), 4, 5, "rise from 0"),
+                                 (torch.tensor([0, 4, 2], dtype=torch.int32), 2, 5, "rise"),
+                                 (cu, 8, 4, "max_seqlen_q=4 is below the longest")):
+        with pytest.raises(ArgumentError, match=match):
+            A._lengths(bad, total, m, "q")
+
+
+@pytest.mark.parametrize("causal,alignment,extra", [
+    (False, "top_left", {}), (True, "bottom_right", {}), (True, "top_left", {"window": (3, None)}),
+    (False, "bottom_right", {"window": (2, 1), "softcap": 1.5})])
+def test_varlen_backward_on_the_cpu(causal, alignment, extra):
+    """Each sequence's gradient (the op's CPU path: backward.py per sequence) against autograd
+    through the fp64 reference, lengths 0 included (no rows; rows but no keys)."""
+    g = torch.Generator().manual_seed(3)
+    lq, lk = [5, 0, 9, 4], [7, 3, 6, 0]
+    cq, ck = _cu(lq), _cu(lk)
+    q = torch.randn(sum(lq), 4, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(sum(lk), 2, 16, generator=g, dtype=torch.float64, requires_grad=True)
+            for _ in range(2))
+    kw = dict(causal=causal, alignment=alignment, **extra)
+    o, lse = A.reference_varlen(q, k, v, cq, ck, **kw)
+    go, glse = torch.randn(o.shape, generator=g), torch.randn(lse.shape, generator=g)
+    glse = torch.where(lse.isfinite(), glse, 0)
+    ((o * go).sum() + (torch.where(lse.isfinite(), lse, 0) * glse).sum()).backward()
+    upper, hi, local, lo = A._mask(0, 0, causal, "top_left", extra.get("window"))
+    got = torch.ops.vitrail.attention_varlen_bwd(
+        go, glse.float(), q.detach(), k.detach(), v.detach(), o.detach(), lse.detach().float(),
+        cq, ck, 16 ** -0.5, upper, hi, local, lo, extra.get("softcap", 0.0),
+        alignment == "bottom_right")
+    for x, t, what in zip(got, (q, k, v), ("dq", "dk", "dv")):
+        torch.testing.assert_close(x, t.grad, rtol=1e-6, atol=1e-6, msg=what)
+
+
+def _varlen_inputs(lq, lk, h, hk, d, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(sum(lq), h, d, device="cuda", generator=g).to(dtype)
+    k = torch.randn(sum(lk), hk, d, device="cuda", generator=g).to(dtype)
+    v = torch.randn(sum(lk), hk, d, device="cuda", generator=g).to(dtype)
+    return q, k, v, _cu(lq, "cuda"), _cu(lk, "cuda")
+
+
+@needs_hopper
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal,alignment,extra", [
+    (False, "top_left", {}), (True, "top_left", {}), (True, "bottom_right", {}),
+    (False, "bottom_right", {"window": (100, 30)}), (True, "top_left", {"softcap": 20.0})])
+def test_varlen_values(d, causal, alignment, extra):
+    """16 sequences of random lengths up to 1000 (one of none, one of one), GQA 4: o and lse
+    against the fp64 reference sequence by sequence, and a row of a 0-key sequence is 0."""
+    g = torch.Generator().manual_seed(d)
+    lq = [0, 1, *torch.randint(1, 1000, (14,), generator=g).tolist()]
+    lk = [5, 0, *torch.randint(1, 1000, (14,), generator=g).tolist()]
+    q, k, v, cq, ck = _varlen_inputs(lq, lk, 8, 2, d, torch.bfloat16, seed=d)
+    kw = dict(causal=causal, alignment=alignment, **extra)
+    o, lse = A.attention_varlen(q, k, v, cq, ck, max(lq), max(lk), return_lse=True, **kw)
+    ro, rlse = A.reference_varlen(q.double(), k.double(), v.double(), cq, ck, **kw)
+    torch.testing.assert_close(o.double(), ro, rtol=2e-2, atol=2e-2)
+    finite = rlse.isfinite()
+    torch.testing.assert_close(lse.double()[finite], rlse[finite], rtol=1e-3, atol=1e-3)
+    assert (lse[~finite] == -math.inf).all()
+
+
+@needs_hopper
+def test_varlen_gradients_and_opcheck():
+    lq, lk = [300, 1, 0, 700], [500, 2, 9, 650]
+    q, k, v, cq, ck = _varlen_inputs(lq, lk, 4, 4, 128, torch.bfloat16, seed=21)
+    qs, ks, vs = (x.detach().requires_grad_(True) for x in (q, k, v))
+    o = A.attention_varlen(qs, ks, vs, cq, ck, 700, 650, causal=True, alignment="bottom_right")
+    go = torch.randn_like(o)
+    o.backward(go)
+    q64, k64, v64 = (x.detach().double().requires_grad_(True) for x in (q, k, v))
+    ro, _ = A.reference_varlen(q64, k64, v64, cq, ck, causal=True, alignment="bottom_right")
+    ro.backward(go.double())
+    for x, w, what in ((qs.grad, q64.grad, "dq"), (ks.grad, k64.grad, "dk"),
+                       (vs.grad, v64.grad, "dv")):
+        torch.testing.assert_close(x.double(), w, rtol=2e-2, atol=2e-2 * w.abs().max().item(),
+                                   msg=what)
+    torch.library.opcheck(torch.ops.vitrail.attention_varlen_fwd.default,
+                          (qs, ks, vs, cq, ck, 700, 0.1, True, 0, False, 0, 0.0, True))

@@ -16,7 +16,8 @@ key gives zeros and an lse of -inf. Every refusal names the argument. The backwa
 and through the lse too) runs two kernels at D of 64 and 128 without a window's left edge or a
 softcap (sm90_attention_bwd.cuh: dQ over the keys, dK and dV over the query rows, no atomics:
 the same bits every run), else torch's batched matmuls a block of query rows at a time
-(``backward.py``).
+(``backward.py``). ``attention_varlen`` takes sequences of their own lengths packed along the
+rows (FlashAttention's cu_seqlens).
 
 Kernels compile with NVRTC in seconds, one per (dtype, D, causal); a new sequence length or
 batch compiles nothing.
@@ -59,9 +60,10 @@ def smem_bytes(d: int, dtype: torch.dtype = torch.bfloat16) -> int:
 
 
 def source(dtype: torch.dtype, d: int, causal: bool, pingpong: bool = True, local: bool = False,
-           softcap: bool = False) -> str:
+           softcap: bool = False, varlen: bool = False) -> str:
     config = {"D": d, "BM": BM, "BN": block_n(d), "STAGES": STAGES}
-    flags = {"CAUSAL": causal, "LOCAL": local, "SOFTCAP": softcap, "PINGPONG": pingpong}
+    flags = {"CAUSAL": causal, "LOCAL": local, "SOFTCAP": softcap, "VARLEN": varlen,
+             "PINGPONG": pingpong}
     return ("#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
             f"using T = {ctype(dtype)};\n" +
             "".join(f"constexpr int {k} = {v};\n" for k, v in config.items()) +
@@ -73,21 +75,21 @@ def source(dtype: torch.dtype, d: int, causal: bool, pingpong: bool = True, loca
 SIGNATURE = ("void* o, float* lse, const vitrail::TensorMap mapQ, const vitrail::TensorMap mapK, "
              "const vitrail::TensorMap mapV, int seqlen_q, int seqlen_k, int heads, "
              "int heads_kv, float scale_log2, int causal_offset, int local_offset, float softcap, "
-             "float softcap_pre")
+             "float softcap_pre, const int* cu_q, const int* cu_k, int total_q, int bottom_right")
 
 
 def kernel(dtype: torch.dtype, d: int, causal: bool, pingpong: bool = True, local: bool = False,
-           softcap: bool = False):
+           softcap: bool = False, varlen: bool = False):
     """The compiled forward (pingpong=False: the warpgroups in lockstep, kept to measure the
     ping-pong against; the op always runs the default). causal: keys right of the diagonal
     (shifted by a window's right size) masked; local: keys left of a window masked; softcap:
-    the scores capped with tanh."""
-    key = (dtype, d, causal, pingpong, local, softcap)
+    the scores capped with tanh; varlen: sequences packed along the rows."""
+    key = (dtype, d, causal, pingpong, local, softcap, varlen)
     k = _KERNELS.get(key)
     if k is None:
         from vitrail import jit
         # CuTe's constexpr helpers carry no __device__: NVRTC needs -default-device
-        module = jit.compile(source(dtype, d, causal, pingpong, local, softcap),
+        module = jit.compile(source(dtype, d, causal, pingpong, local, softcap, varlen),
                              name="attention_fwd",
                              backend="nvrtc", include_dirs=[HERE], flags=["-default-device"])
         k = _KERNELS[key] = module.kernel("attention_fwd", SIGNATURE)
@@ -268,7 +270,8 @@ def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
         kernel(q.dtype, d, causal, local=local, softcap=softcap > 0)[grid, THREADS](
             o, lse, _map(q, BM), _map(k, bn), _map(v, bn), sq, sk, h, hk,
             (1.0 if softcap > 0 else scale) * math.log2(math.e), causal_offset, local_offset,
-            softcap, scale / softcap if softcap > 0 else 0.0, shared_mem=smem_bytes(d, q.dtype))
+            softcap, scale / softcap if softcap > 0 else 0.0, None, None, 0, 0,
+            shared_mem=smem_bytes(d, q.dtype))
     return o, lse
 
 
@@ -368,6 +371,163 @@ def reference(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     return torch.einsum("bhqk,bkhd->bqhd", p, vv), lse
 
 
-__all__ = ["attention", "reference"]
+# --------------------------------------------------------------------------- variable lengths
+def _lengths(cu: Tensor, total: int, max_seqlen: int, name: str) -> list[int]:
+    """cu's values (one synchronization), checked against the packed tensor's rows and the
+    maximum given: what the kernel's grid and the backward rely on."""
+    c = cu.tolist()
+    lengths = [b - a for a, b in zip(c, c[1:])]
+    if c[0] != 0 or c[-1] != total or any(n < 0 for n in lengths):
+        raise ArgumentError(f"{NAME}: cu_seqlens_{name} must rise from 0 to the {total} rows of "
+                            f"{name} (a sequence's rows are cu[i]:cu[i + 1]), got {c[:8]}"
+                            f"{' ...' if len(c) > 8 else ''}")
+    if lengths and max(lengths) > max_seqlen:
+        raise ArgumentError(f"{NAME}: max_seqlen_{name}={max_seqlen} is below the longest "
+                            f"sequence's {max(lengths)} rows")
+    return c
+
+
+@torch.library.custom_op("vitrail::attention_varlen_fwd", mutates_args=())
+def _attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                          cu_seqlens_k: Tensor, max_seqlen_q: int, scale: float, causal: bool,
+                          causal_offset: int, local: bool, local_offset: int, softcap: float,
+                          bottom_right: bool) -> tuple[Tensor, Tensor]:
+    """The forward over packed sequences: q (total_q, H, D), k and v (total_k, Hkv, D); o as q,
+    lse (H, total_q). Offsets as _attention_fwd's, plus seqlen_k - seqlen_q per sequence where
+    bottom_right."""
+    tq, h, d = q.shape
+    tk, hk = k.shape[0], k.shape[1]
+    batch = cu_seqlens_q.shape[0] - 1
+    o = q.new_empty((tq, h, d))
+    lse = q.new_empty((h, tq), dtype=torch.float32)
+    if tq == 0 or batch == 0:
+        return o, lse
+    if tk == 0:
+        o.zero_()
+        lse.fill_(-math.inf)
+        return o, lse
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        raise NotImplementedError(f"{NAME}: the kernel is sm_90a (Hopper); "
+                                  f"{torch.cuda.get_device_name(q.device)} is not one")
+    q4, k4, v4 = (_tma_ready(t.unsqueeze(0)) for t in (q, k, v))  # one "batch" of all rows
+    bn = block_n(d)
+    grid = (-(-max_seqlen_q // BM), h, batch)
+    with torch.cuda.device(q.device):
+        kernel(q.dtype, d, causal, local=local, softcap=softcap > 0, varlen=True)[grid, THREADS](
+            o, lse, _map(q4, BM), _map(k4, bn), _map(v4, bn), max_seqlen_q, 0, h, hk,
+            (1.0 if softcap > 0 else scale) * math.log2(math.e), causal_offset, local_offset,
+            softcap, scale / softcap if softcap > 0 else 0.0, cu_seqlens_q, cu_seqlens_k, tq,
+            int(bottom_right), shared_mem=smem_bytes(d, q.dtype))
+    return o, lse
+
+
+@_attention_varlen_fwd.register_fake
+def _attention_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, causal,
+                               causal_offset, local, local_offset, softcap, bottom_right):
+    tq, h, d = q.shape
+    return q.new_empty((tq, h, d)), q.new_empty((h, tq), dtype=torch.float32)
+
+
+@torch.library.custom_op("vitrail::attention_varlen_bwd", mutates_args=())
+def _attention_varlen_bwd(grad_o: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor,
+                          v: Tensor, o: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
+                          cu_seqlens_k: Tensor, scale: float, causal: bool, causal_offset: int,
+                          local: bool, local_offset: int, softcap: float,
+                          bottom_right: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Each sequence's backward (backward.py's matmuls, a batch of one)."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    dq, dk, dv = q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+    for q0, q1, k0, k1 in zip(cq, cq[1:], ck, ck[1:]):
+        if q1 == q0 or k1 == k0:
+            continue  # no rows, or no keys (o = 0, lse = -inf): no gradient
+        shift = (k1 - k0) - (q1 - q0) if bottom_right else 0
+        one = [t[None] for t in (grad_o[q0:q1], q[q0:q1], k[k0:k1], v[k0:k1], o[q0:q1])]
+        glse = None if grad_lse is None else grad_lse[:, q0:q1][None]
+        g = attention_backward(one[0], glse, *one[1:], lse[:, q0:q1][None], scale, causal,
+                               causal_offset + shift, local, local_offset + shift, softcap)
+        dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
+    return dq, dk, dv
+
+
+@_attention_varlen_bwd.register_fake
+def _attention_varlen_bwd_fake(grad_o, grad_lse, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k,
+                               scale, causal, causal_offset, local, local_offset, softcap,
+                               bottom_right):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _varlen_backward(ctx, grad_o, grad_lse):
+    q, k, v, cu_q, cu_k, o, lse = ctx.saved_tensors
+    if grad_o is None:
+        grad_o = torch.zeros_like(o)
+    dq, dk, dv = _attention_varlen_bwd(grad_o, grad_lse, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
+    return (dq, dk, dv) + (None,) * 10
+
+
+def _varlen_setup(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, _max_q, *args = inputs
+    ctx.save_for_backward(q, k, v, cu_q, cu_k, *output)
+    ctx.args = tuple(args)  # scale, causal, causal_offset, local, local_offset, softcap, bottom
+
+
+_attention_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup)
+
+
+def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                     cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
+                     causal: bool = False, scale: Optional[float] = None,
+                     alignment: str = "top_left",
+                     window: Optional[tuple[Optional[int], Optional[int]]] = None,
+                     softcap: Optional[float] = None, return_lse: bool = False):
+    """attention over sequences of their own lengths packed along the rows (FlashAttention's
+    varlen): q (total_q, H, D), k and v (total_k, Hkv, D); sequence i is rows
+    cu_seqlens_q[i]:cu_seqlens_q[i + 1] of q and cu_seqlens_k[i]:cu_seqlens_k[i + 1] of k and v
+    (int32 on q's device). Options as :func:`attention`'s, per sequence. Returns o (total_q, H,
+    D) and, with return_lse, lse (H, total_q). In eager mode the lengths are read once (one
+    synchronization) and checked against the tensors and the maxima."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(NAME, name, t, dtypes=DTYPES, ndim=3)
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        check_tensor(NAME, name, t, dtypes=(torch.int32,), ndim=1)
+        if t.shape[0] < 1:
+            raise ArgumentError(f"{NAME}: {name} must hold batch + 1 >= 1 offsets, got none")
+    check_same_device(NAME, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    if cu_seqlens_q.shape[0] - 1 > MAX_GRID_YZ:
+        raise ArgumentError(f"{NAME}: at most {MAX_GRID_YZ} sequences in one call (the launch "
+                            f"grid's z), got {cu_seqlens_q.shape[0] - 1}; split the call")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ArgumentError(f"{NAME}: cu_seqlens_q and cu_seqlens_k must hold one offset per "
+                            f"sequence each, got {cu_seqlens_q.shape[0]} and "
+                            f"{cu_seqlens_k.shape[0]}")
+    _check(q[None], k[None], v[None], scale, alignment, causal, window, softcap)
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if not isinstance(m, int) or isinstance(m, bool) or m < 0:
+            raise ArgumentError(f"{NAME}: {name} must be an int >= 0, got {m!r}")
+    if not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing():
+        _lengths(cu_seqlens_q, q.shape[0], max_seqlen_q, "q")
+        _lengths(cu_seqlens_k, k.shape[0], max_seqlen_k, "k")
+    d = q.shape[2]
+    scale = d ** -0.5 if scale is None else float(scale)
+    upper, hi, local, lo = _mask(0, 0, bool(causal), "top_left", window)  # offsets sans Sk - Sq
+    o, lse = _attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale,
+                                   upper, hi, local, lo, float(softcap or 0.0),
+                                   alignment == "bottom_right")
+    return (o, lse) if return_lse else o
+
+
+def reference_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                     cu_seqlens_k: Tensor, **kwargs) -> tuple[Tensor, Tensor]:
+    """(o, lse) of attention_varlen by :func:`reference`, one sequence at a time."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    o = q.new_zeros(q.shape)
+    lse = q.new_full((q.shape[1], q.shape[0]), -math.inf)
+    for q0, q1, k0, k1 in zip(cq, cq[1:], ck, ck[1:]):
+        if q1 > q0 and k1 > k0:
+            oi, li = reference(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], **kwargs)
+            o[q0:q1], lse[:, q0:q1] = oi[0], li[0]
+    return o, lse
+
+
+__all__ = ["attention", "attention_varlen", "reference", "reference_varlen"]
 
 importlib.import_module("vitrail.ops.attention.problems")  # vitrail tune and precompile say why not

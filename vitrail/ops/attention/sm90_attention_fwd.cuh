@@ -12,11 +12,14 @@
 // grid's tail is the lightest work. LOCAL (a sliding window): key j is visible to row i only
 // where j >= i + local_offset, and the blocks wholly left of every row's window are not loaded.
 // SOFTCAP: scores become softcap * tanh(s * scale / softcap) before the softmax (Gemma 2's
-// logit capping).
+// logit capping). VARLEN: sequences of their own lengths packed along the rows (q, k, v, o
+// (total, heads, D), lse (heads, total_q)); blockIdx.z is the sequence, cu_q / cu_k its rows'
+// and keys' start (cumulative lengths, batch + 1 of them); keys past its end are masked like
+// keys past seqlen_k.
 // Fragment -> slab: O / sum, converted to T, and the log-sum-exp, stored where they land.
 //
 // Config (constexpr before the include): T, D (head dim), BM (query rows), BN (keys per block),
-// STAGES, CAUSAL, LOCAL, SOFTCAP, PINGPONG (bool).
+// STAGES, CAUSAL, LOCAL, SOFTCAP, VARLEN, PINGPONG (bool).
 // Layouts: q, k, v, o (batch, seqlen, heads, D), D contiguous; TMA maps over (D, seqlen, heads,
 // batch) made by the Python side (vitrail.ops.attention); lse (batch, heads, seqlen_q) fp32.
 #pragma once
@@ -49,6 +52,10 @@ struct Params {
   int local_offset;  // LOCAL: key j is visible to query i where j >= i + local_offset
   float softcap;     // SOFTCAP: s -> softcap * tanh(s * softcap_pre)
   float softcap_pre; // scale / softcap
+  const int* cu_q;   // VARLEN: the sequences' first rows (batch + 1 cumulative lengths)
+  const int* cu_k;   // VARLEN: the sequences' first keys
+  int total_q;       // VARLEN: q's rows in all (lse's row stride)
+  int bottom_right;  // VARLEN: the offsets above are relative to seqlen_k - seqlen_q
 };
 
 // The blocks of keys a query block sees: all, or those up to the causal diagonal.
@@ -77,7 +84,14 @@ __device__ int first_full_block(const Params& p, int m0) {
   return lowest <= 0 ? 0 : (lowest + BN - 1) / BN;
 }
 
-__device__ void forward(const Params& p, const vitrail::TensorMap& mapQ,
+// The CTA's block of query rows: causal CTAs from the last (the most keys) to the first.
+__device__ int row_block() {
+  return CAUSAL ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+}
+
+// p: one sequence's lengths and offsets; q_start, k_start (VARLEN): its first row and key in
+// the packed tensors.
+__device__ void forward(const Params& p, int q_start, int k_start, const vitrail::TensorMap& mapQ,
                         const vitrail::TensorMap& mapK, const vitrail::TensorMap& mapV) {
   extern __shared__ char smem_raw[];
   unsigned raw = static_cast<unsigned>(__cvta_generic_to_shared(smem_raw));
@@ -91,8 +105,8 @@ __device__ void forward(const Params& p, const vitrail::TensorMap& mapQ,
   auto sK = [&](int stage) { return QK::tile_b(ring + stage * kBytesKV); };
   auto sV = [&](int stage) { return PV::tile_b(ring + stage * kBytesKV + QK::kBytesB<>); };
 
-  const int m_block = CAUSAL ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
-  const int m0 = m_block * BM, head = blockIdx.y, batch = blockIdx.z;
+  const int m0 = row_block() * BM, head = blockIdx.y, batch = blockIdx.z;
+  const int tma_batch = VARLEN ? 0 : batch;
   const int head_kv = head / (p.heads / p.heads_kv);
   const int blocks = kv_blocks(p, m0);
   const int start = LOCAL ? min(blocks, first_block(p, m0)) : 0;
@@ -110,7 +124,8 @@ __device__ void forward(const Params& p, const vitrail::TensorMap& mapQ,
     if (threadIdx.x == 0) {
       vitrail::Bulk::expect(q_full, kBytesQ);
       for (int c = 0; c < kChunks; ++c)  // Q's 64-wide slices of D, BM rows each
-        vitrail::Tma::load(&sQ(0, c * kChunk, 0), mapQ, q_full, c * kChunk, m0, head, batch);
+        vitrail::Tma::load(&sQ(0, c * kChunk, 0), mapQ, q_full, c * kChunk, q_start + m0, head,
+                           tma_batch);
       auto w = vitrail::PipeState<STAGES>::producer();
       for (int j = start; j < blocks; ++j, w.advance()) {
         pipe.acquire(w);
@@ -118,10 +133,10 @@ __device__ void forward(const Params& p, const vitrail::TensorMap& mapQ,
         auto k = sK(w.index);
         auto v = sV(w.index);
         for (int c = 0; c < kChunks; ++c) {
-          vitrail::Tma::load(&k(0, c * kChunk, 0), mapK, pipe.full(w), c * kChunk, j * BN,
-                             head_kv, batch);
-          vitrail::Tma::load(&v(c * kChunk, 0, 0), mapV, pipe.full(w), c * kChunk, j * BN,
-                             head_kv, batch);
+          vitrail::Tma::load(&k(0, c * kChunk, 0), mapK, pipe.full(w), c * kChunk,
+                             k_start + j * BN, head_kv, tma_batch);
+          vitrail::Tma::load(&v(c * kChunk, 0, 0), mapV, pipe.full(w), c * kChunk,
+                             k_start + j * BN, head_kv, tma_batch);
         }
       }
     }
@@ -221,7 +236,9 @@ __device__ void forward(const Params& p, const vitrail::TensorMap& mapQ,
     const int row = m0 + cute::get<0>(o_where(r, 0));
     if (row >= p.seqlen_q) continue;
     const float inv = sum > 0.f ? 1.f / sum : 0.f;  // a fully masked row: O = 0, lse = -inf
-    T* out = p.o + ((long long)(batch * p.seqlen_q + row) * p.heads + head) * D;
+    const long long o_row =
+        VARLEN ? (long long)q_start + row : (long long)(batch * p.seqlen_q + row);
+    T* out = p.o + (o_row * p.heads + head) * D;
     CUTE_UNROLL
     for (int c = 0; c < cute::size<1>(o_rows); c += 2) {
       using T2 = cute::conditional_t<cute::is_same_v<T, __half>, __half2, __nv_bfloat162>;
@@ -231,7 +248,8 @@ __device__ void forward(const Params& p, const vitrail::TensorMap& mapQ,
     if (t % 4 == 0) {
       const float lse = sum > 0.f ? row_max[r] * (p.scale_log2 / 1.4426950408889634f) + logf(sum)
                                   : -kInf;
-      p.lse[((long long)batch * p.heads + head) * p.seqlen_q + row] = lse;
+      p.lse[VARLEN ? (long long)head * p.total_q + q_start + row
+                   : ((long long)batch * p.heads + head) * p.seqlen_q + row] = lse;
     }
   }
 }
@@ -243,8 +261,23 @@ attention_fwd(T* o, float* lse, const __grid_constant__ vitrail::TensorMap mapQ,
               const __grid_constant__ vitrail::TensorMap mapK,
               const __grid_constant__ vitrail::TensorMap mapV, int seqlen_q, int seqlen_k,
               int heads, int heads_kv, float scale_log2, int causal_offset, int local_offset,
-              float softcap, float softcap_pre) {
-  attention::forward({o, lse, seqlen_q, seqlen_k, heads, heads_kv, scale_log2, causal_offset,
-                      local_offset, softcap, softcap_pre},
-                     mapQ, mapK, mapV);
+              float softcap, float softcap_pre, const int* cu_q, const int* cu_k, int total_q,
+              int bottom_right) {
+  if constexpr (VARLEN) {  // blockIdx.z's sequence: its lengths, and the offsets from them
+    attention::Params p{o, lse, seqlen_q, seqlen_k, heads, heads_kv, scale_log2, causal_offset,
+                        local_offset, softcap, softcap_pre, cu_q, cu_k, total_q, bottom_right};
+    const int q_start = cu_q[blockIdx.z], k_start = cu_k[blockIdx.z];
+    p.seqlen_q = cu_q[blockIdx.z + 1] - q_start;
+    p.seqlen_k = cu_k[blockIdx.z + 1] - k_start;
+    if (bottom_right) {
+      p.causal_offset += p.seqlen_k - p.seqlen_q;
+      p.local_offset += p.seqlen_k - p.seqlen_q;
+    }
+    if (attention::row_block() * BM >= p.seqlen_q) return;  // the grid fits the longest one
+    attention::forward(p, q_start, k_start, mapQ, mapK, mapV);
+  } else {
+    attention::forward({o, lse, seqlen_q, seqlen_k, heads, heads_kv, scale_log2, causal_offset,
+                        local_offset, softcap, softcap_pre, cu_q, cu_k, total_q, bottom_right},
+                       0, 0, mapQ, mapK, mapV);
+  }
 }
