@@ -14,8 +14,8 @@ as rows), with P recomputed from the forward's log-sum-exp and Di = rowsum(dO * 
 
 The products take operands in the input dtype and give fp32 (``torch.bmm(..., out_dtype=)``),
 so S and dP are exact to fp32 accumulation, and dK, dV accumulate in fp32 across the blocks.
-Causal blocks stop at the last key any of their rows sees, windowed ones start at the first. On a CPU tensor (the tests' fp64
-reference runs) the same algebra runs in fp32 or better.
+Causal blocks stop at the last key any of their rows sees, windowed ones start at the first.
+On a CPU tensor (the tests' fp64 reference runs) the same algebra runs in fp32 or better.
 """
 from __future__ import annotations
 
