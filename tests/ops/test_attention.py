@@ -23,7 +23,8 @@ pytestmark = pytest.mark.warm_cache  # --kernel-cache: one build per kernel acro
 @pytest.mark.parametrize("which,d,causal,options", [
     ("fwd", 128, True, {}), ("fwd", 64, False, {}),
     ("fwd", 128, True, {"local": True, "softcap": True}), ("fwd", 64, True, {"varlen": True}),
-    ("bwd", 128, True, {}), ("bwd", 64, False, {})])
+    ("bwd", 128, True, {}), ("bwd", 64, False, {}),
+    ("bwd", 128, False, {"local": True, "softcap": True})])
 def test_compiles_for_sm90a(which, d, causal, options):
     from vitrail.jit import compiler
     source = (A.source if which == "fwd" else A.bwd_source)(torch.bfloat16, d, causal, **options)
@@ -289,13 +290,19 @@ def test_gradients_in_sdpa_layout_under_torch_compile():
 
 @needs_hopper
 @pytest.mark.parametrize("d", A.BWD_HEAD_DIMS)
-def test_the_fused_backward_is_deterministic_and_agrees_with_the_matmul_path(d):
-    """Same bits on every run (no atomics), and within rounding of backward.py's matmuls."""
+@pytest.mark.parametrize("causal,extra", [(True, {}), (False, {"window": (300, 40)}),
+                                          (True, {"window": (129, None), "softcap": 3.0}),
+                                          (False, {"softcap": 0.5})])
+def test_the_fused_backward_is_deterministic_and_agrees_with_the_matmul_path(d, causal, extra):
+    """Same bits on every run (no atomics), and within rounding of backward.py's matmuls, with
+    the diagonal, a window's edges and the softcap."""
     from vitrail.ops.attention.backward import attention_backward
     q, k, v = _qkv(2, 777, 901, 8, 2, d, torch.bfloat16, seed=12)
-    o, lse = A.attention(q, k, v, causal=True, alignment="bottom_right", return_lse=True)
+    o, lse = A.attention(q, k, v, causal=causal, alignment="bottom_right", return_lse=True,
+                         **extra)
     go = torch.randn_like(o)
-    args = (go, None, q, k, v, o, lse, d ** -0.5, True, 901 - 777)
+    mask = A._mask(777, 901, causal, "bottom_right", extra.get("window"))
+    args = (go, None, q, k, v, o, lse, d ** -0.5, *mask, extra.get("softcap", 0.0))
     assert A.fused_backward_runs(q, k)
     first = torch.ops.vitrail.attention_bwd(*args)
     again = torch.ops.vitrail.attention_bwd(*args)

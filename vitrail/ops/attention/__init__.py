@@ -13,9 +13,9 @@ side a number of keys or None for unbounded) makes key j visible to query i only
 i + offset - left <= j <= i + offset + right, with the same offset (causal=True is right = 0);
 ``softcap`` caps the scaled scores to softcap * tanh(s / softcap) (Gemma 2). A row that sees no
 key gives zeros and an lse of -inf. Every refusal names the argument. The backward (q, k and v,
-and through the lse too) runs two kernels at D of 64 and 128 without a window's left edge or a
-softcap (sm90_attention_bwd.cuh: dQ over the keys, dK and dV over the query rows, no atomics:
-the same bits every run), else torch's batched matmuls a block of query rows at a time
+and through the lse too) runs two kernels at D of 64 and 128 (sm90_attention_bwd.cuh: dQ over
+the keys, dK and dV over the query rows, no atomics: the same bits every run), else torch's
+batched matmuls a block of query rows at a time
 (``backward.py``). ``attention_varlen`` takes sequences of their own lengths packed along the
 rows (FlashAttention's cu_seqlens).
 
@@ -103,16 +103,20 @@ BWD_THREADS = 384
 ROWS_PADDED = 128  # lse2 and delta are padded to a multiple of BM and BQ
 
 
-def bwd_source(dtype: torch.dtype, d: int, causal: bool) -> str:
+def bwd_source(dtype: torch.dtype, d: int, causal: bool, local: bool = False,
+               softcap: bool = False) -> str:
+    flags = {"CAUSAL": causal, "LOCAL": local, "SOFTCAP": softcap}
     return ("#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
             f"using T = {ctype(dtype)};\nconstexpr int D = {d};\n" +
             "".join(f"constexpr int {k} = {v};\n" for k, v in BWD.items()) +
-            f"constexpr bool CAUSAL = {'true' if causal else 'false'};\n"
+            "".join(f"constexpr bool {k} = {'true' if v else 'false'};\n"
+                    for k, v in flags.items()) +
             '#include "sm90_attention_bwd.cuh"\n')
 
 
 _BWD_INTS = ("int seqlen_q, int seqlen_k, int seqlen_q_padded, int heads, int heads_kv, "
-             "float scale_log2, float scale, int causal_offset")
+             "float scale_log2, float scale, int causal_offset, int local_offset, float softcap, "
+             "float softcap_pre")
 BWD_SIGNATURES = {
     "attention_bwd_dq": "void* dq, float* lse2, float* delta, const vitrail::TensorMap mapQ, "
                         "const vitrail::TensorMap mapdO, const vitrail::TensorMap mapK, "
@@ -123,13 +127,14 @@ BWD_SIGNATURES = {
                          _BWD_INTS}
 
 
-def bwd_kernels(dtype: torch.dtype, d: int, causal: bool) -> dict:
+def bwd_kernels(dtype: torch.dtype, d: int, causal: bool, local: bool = False,
+                softcap: bool = False) -> dict:
     """The compiled backward: {"attention_bwd_dq": kernel, "attention_bwd_dkv": kernel}."""
-    key = ("bwd", dtype, d, causal)
+    key = ("bwd", dtype, d, causal, local, softcap)
     k = _KERNELS.get(key)
     if k is None:
         from vitrail import jit
-        module = jit.compile(bwd_source(dtype, d, causal), name="attention_bwd",
+        module = jit.compile(bwd_source(dtype, d, causal, local, softcap), name="attention_bwd",
                              backend="nvrtc", include_dirs=[HERE], flags=["-default-device"])
         k = _KERNELS[key] = {name: module.kernel(name, sig)
                              for name, sig in BWD_SIGNATURES.items()}
@@ -147,7 +152,8 @@ def bwd_smem_bytes(d: int, dtype: torch.dtype = torch.bfloat16) -> dict:
             "attention_bwd_dkv": 1024 + 2 * c["BK"] * d * e + c["STAGES"] * stage + barriers}
 
 
-def _fused_backward(grad_o, grad_lse, q, k, v, o, lse, scale, causal, causal_offset):
+def _fused_backward(grad_o, grad_lse, q, k, v, o, lse, scale, causal, causal_offset,
+                    local=False, local_offset=0, softcap=0.0):
     """The backward's two kernels (dQ; dK and dV) on a Hopper GPU."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -161,8 +167,10 @@ def _fused_backward(grad_o, grad_lse, q, k, v, o, lse, scale, causal, causal_off
     q, k, v, grad_o = (_tma_ready(t) for t in (q, k, v, grad_o))
     dq = q.new_empty((b, sq, h, d))
     dk, dv = k.new_empty((b, sk, hk, d)), v.new_empty((b, sk, hk, d))
-    kernels, smem, c = bwd_kernels(q.dtype, d, causal), bwd_smem_bytes(d, q.dtype), BWD
-    ints = (sq, sk, padded, h, hk, scale * log2e, scale, causal_offset)
+    kernels = bwd_kernels(q.dtype, d, causal, local, softcap > 0)
+    smem, c = bwd_smem_bytes(d, q.dtype), BWD
+    ints = (sq, sk, padded, h, hk, (1.0 if softcap > 0 else scale) * log2e, scale, causal_offset,
+            local_offset, softcap, scale / softcap if softcap > 0 else 0.0)
     with torch.cuda.device(q.device):
         kernels["attention_bwd_dq"][(-(-sq // c["BM"]), h, b), BWD_THREADS](
             dq, lse2, delta, _map(q, c["BM"]), _map(grad_o, c["BM"]), _map(k, c["BN"]),
@@ -287,16 +295,16 @@ def _attention_bwd(grad_o: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Ten
                    o: Tensor, lse: Tensor, scale: float, causal: bool, causal_offset: int,
                    local: bool = False, local_offset: int = 0,
                    softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
-    if not local and softcap == 0 and fused_backward_runs(q, k):
-        return _fused_backward(grad_o, grad_lse, q, k, v, o, lse, scale, causal, causal_offset)
+    if fused_backward_runs(q, k):
+        return _fused_backward(grad_o, grad_lse, q, k, v, o, lse, scale, causal, causal_offset,
+                               local, local_offset, softcap)
     return attention_backward(grad_o, grad_lse, q, k, v, o, lse, scale, causal, causal_offset,
                               local, local_offset, softcap)
 
 
 def fused_backward_runs(q: Tensor, k: Tensor) -> bool:
     """Whether the backward of these q and k runs the fused kernels (a Hopper GPU, D of 64 or
-    128, something to compute; no window's left edge, no softcap); else torch's matmuls
-    (backward.py)."""
+    128, something to compute); else torch's matmuls (backward.py)."""
     return (q.is_cuda and q.shape[3] in BWD_HEAD_DIMS and min(q.numel(), k.numel()) > 0 and
             torch.cuda.get_device_capability(q.device) == (9, 0))
 

@@ -19,7 +19,9 @@
 //
 // Config (constexpr before the include): T, D (head dim), BM and BN (attention_bwd_dq's query
 // rows and keys per block), BK and BQ (attention_bwd_dkv's keys and query rows per block),
-// STAGES, CAUSAL.
+// STAGES, CAUSAL, LOCAL (a window's left edge: key j visible to row i only where
+// j >= i + local_offset), SOFTCAP (scores capped: c tanh(s * softcap_pre), whose derivative
+// 1 - tanh^2 scales dS).
 // Layouts: q, k, v, do (batch, seqlen, heads, D), D contiguous, read by TMA maps over (D, seqlen,
 // heads, batch); dq, dk, dv written (batch, seqlen, heads, D) contiguous; lse2 and delta
 // (batch, heads, seqlen_q_padded) fp32, seqlen_q_padded a multiple of BM and BQ, made by the
@@ -44,10 +46,26 @@ struct Params {
   const float* lse2;
   const float* delta;
   int seqlen_q, seqlen_k, seqlen_q_padded, heads, heads_kv;
-  float scale_log2;   // softmax scale * log2(e)
+  float scale_log2;   // softmax scale * log2(e) (SOFTCAP: log2(e), the scale in softcap_pre)
   float scale;
   int causal_offset;  // key j is visible to query i where j <= i + causal_offset
+  int local_offset;   // LOCAL: and where j >= i + local_offset
+  float softcap, softcap_pre;
 };
+
+// One score's P (and, SOFTCAP, the cap's tanh for dS) from S and the row's lse2.
+__device__ __forceinline__ float probability(const Params& p, float s, float lse2, float& t) {
+  if constexpr (SOFTCAP) {
+    t = tanhf(s * p.softcap_pre);
+    s = p.softcap * t;
+  }
+  return exp2f(s * p.scale_log2 - lse2);
+}
+
+// Whether key j is hidden from row i (the diagonal, the window's left edge).
+__device__ __forceinline__ bool hidden(const Params& p, int i, int j) {
+  return (CAUSAL && j > i + p.causal_offset) || (LOCAL && j < i + p.local_offset);
+}
 
 // The 1024-byte aligned start of dynamic shared memory (swizzled tiles need it).
 __device__ char* aligned_smem() {
@@ -96,6 +114,14 @@ __device__ int first_masked(const Params& p, int m0) {
   if (CAUSAL) first = min(first, max(0, m0 + p.causal_offset) / BN);
   return first;
 }
+// LOCAL: the first block some row sees, the first whose keys every row sees (as the forward's).
+__device__ int first_block(const Params& p, int m0) {
+  return LOCAL ? max(0, m0 + p.local_offset) / BN : 0;
+}
+__device__ int first_full_block(const Params& p, int m0) {
+  const int lowest = m0 + BM - 1 + p.local_offset;
+  return lowest <= 0 ? 0 : (lowest + BN - 1) / BN;
+}
 
 __device__ void run(const Params& p, const vitrail::TensorMap& mapQ,
                     const vitrail::TensorMap& mapdO, const vitrail::TensorMap& mapK,
@@ -115,6 +141,7 @@ __device__ void run(const Params& p, const vitrail::TensorMap& mapQ,
   const int m0 = m_block * BM, head = blockIdx.y, batch = blockIdx.z;
   const int head_kv = head / (p.heads / p.heads_kv);
   const int n = blocks(p, m0);
+  const int start = LOCAL ? min(n, first_block(p, m0)) : 0;
   if (threadIdx.x == 0) {
     vitrail::Tma::prefetch(mapQ);
     vitrail::Tma::prefetch(mapdO);
@@ -135,7 +162,7 @@ __device__ void run(const Params& p, const vitrail::TensorMap& mapQ,
                            batch);
       }
       auto w = vitrail::PipeState<STAGES>::producer();
-      for (int j = 0; j < n; ++j, w.advance()) {
+      for (int j = start; j < n; ++j, w.advance()) {
         pipe.acquire(w);
         pipe.expect(w, kBytesKV);
         auto k = sK(w.index);
@@ -162,6 +189,8 @@ __device__ void run(const Params& p, const vitrail::TensorMap& mapQ,
   SK::zero(dq);
   auto s_rows = QK::rows(s);
   auto dp_rows = QK::rows(dp);
+  auto caps = qk.accumulators();  // SOFTCAP: tanh of each score (unused, and gone, otherwise)
+  auto cap_rows = QK::rows(caps);
   auto where = QK::rows(qk.coordinates());  // (row, key) in the tile of each element of S
   constexpr int kRows = decltype(cute::size<0>(s_rows))::value;
   float lse2[kRows], delta[kRows];
@@ -185,10 +214,10 @@ __device__ void run(const Params& p, const vitrail::TensorMap& mapQ,
     for (int r = 0; r < kRows; ++r) {
       CUTE_UNROLL
       for (int c = 0; c < cute::size<1>(s_rows); ++c) {
-        float pr = exp2f(s_rows(r, c) * p.scale_log2 - lse2[r]);
+        float pr = probability(p, s_rows(r, c), lse2[r], cap_rows(r, c));
         if constexpr (decltype(masked)::value) {
           const int row = m0 + cute::get<0>(where(r, c)), key = j * BN + cute::get<1>(where(r, c));
-          if (key >= p.seqlen_k || (CAUSAL && key > row + p.causal_offset)) pr = 0.f;
+          if (key >= p.seqlen_k || hidden(p, row, key)) pr = 0.f;
         }
         s_rows(r, c) = pr;
       }
@@ -197,8 +226,11 @@ __device__ void run(const Params& p, const vitrail::TensorMap& mapQ,
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       CUTE_UNROLL
-      for (int c = 0; c < cute::size<1>(dp_rows); ++c)
-        dp_rows(r, c) = s_rows(r, c) * (dp_rows(r, c) - delta[r]);  // dS
+      for (int c = 0; c < cute::size<1>(dp_rows); ++c) {
+        float ds = s_rows(r, c) * (dp_rows(r, c) - delta[r]);
+        if constexpr (SOFTCAP) ds *= 1.f - cap_rows(r, c) * cap_rows(r, c);
+        dp_rows(r, c) = ds;
+      }
     }
     auto ds = QK::as_a(dp);
     sk.mma_rs(ds, sKt(rd.index)(cute::_, cute::_, 0), dq);
@@ -207,9 +239,17 @@ __device__ void run(const Params& p, const vitrail::TensorMap& mapQ,
     rd.advance();
   };
   vitrail::Bulk::wait(rows_full, 0);
-  const int unmasked = min(n, first_masked(p, m0));
-  for (int j = 0; j < unmasked; ++j) block(j, cute::false_type{});
-  for (int j = unmasked; j < n; ++j) block(j, cute::true_type{});
+  const int tail = min(n, first_masked(p, m0));
+  if constexpr (LOCAL) {  // masked at both ends: one loop (three call sites of block: out of line)
+    const int full = max(start, first_full_block(p, m0));
+    for (int j = start; j < n; ++j) {
+      if (j >= full && j < tail) block(j, cute::false_type{});
+      else block(j, cute::true_type{});
+    }
+  } else {
+    for (int j = 0; j < tail; ++j) block(j, cute::false_type{});
+    for (int j = tail; j < n; ++j) block(j, cute::true_type{});
+  }
 
   // fragment -> slab: dQ * scale
   store_rows(SK::rows(dq), SK::rows(sk.coordinates()), m0, p.seqlen_q, (long long)p.heads * D,
@@ -228,18 +268,30 @@ constexpr int kStageBytes = (2 * kBytesQ + 2 * BQ * 4 + 1023) / 1024 * 1024;  //
 constexpr int kSmemBytes = 1024 + 2 * kBytesKeys + STAGES * kStageBytes + int(sizeof(Storage)) +
                            16;
 
-// The blocks of query rows that see a key of [n0, n0 + BK): [first, last); those from `unmasked`
-// on see every one of them (causal: key <= row + offset for all).
+// The blocks of query rows that see a key of [n0, n0 + BK): [first, last); those of
+// [unmasked, unmasked_end) see every one of them (causal: key <= row + causal_offset for all;
+// LOCAL: key >= row + local_offset for all).
 struct Range {
-  int first, unmasked, last;
+  int first, unmasked, unmasked_end, last;
 };
 __device__ Range rows_of(const Params& p, int n0) {
-  const int last = (p.seqlen_q + BQ - 1) / BQ;
-  if (!CAUSAL) return {0, 0, last};
-  const int first = min(last, max(0, n0 - p.causal_offset) / BQ);
-  const int lowest = n0 + BK - 1 - p.causal_offset;  // the lowest row that sees every key
-  const int unmasked = min(last, max(first, lowest <= 0 ? 0 : (lowest + BQ - 1) / BQ));
-  return {first, unmasked, last};
+  int last = (p.seqlen_q + BQ - 1) / BQ;
+  if (LOCAL) {  // the last row that sees key n0 + BK - 1: n0 + BK - 1 - local_offset
+    const int top = n0 + BK - 1 - p.local_offset;
+    last = top < 0 ? 0 : min(last, top / BQ + 1);
+  }
+  int first = 0, unmasked = 0;
+  if (CAUSAL) {
+    first = min(last, max(0, n0 - p.causal_offset) / BQ);
+    const int lowest = n0 + BK - 1 - p.causal_offset;  // the lowest row that sees every key
+    unmasked = min(last, max(first, lowest <= 0 ? 0 : (lowest + BQ - 1) / BQ));
+  }
+  int unmasked_end = last;
+  if (LOCAL) {  // rows up to n0 - local_offset see every key; a block is whole below it
+    const int top = n0 - p.local_offset + 1;
+    unmasked_end = max(unmasked, min(last, top <= 0 ? 0 : top / BQ));
+  }
+  return {first, unmasked, unmasked_end, last};
 }
 
 __device__ void run(const Params& p, const vitrail::TensorMap& mapK,
@@ -320,6 +372,8 @@ __device__ void run(const Params& p, const vitrail::TensorMap& mapK,
   PQ::zero(dv);
   auto s_rows = KQ::rows(s);
   auto dp_rows = KQ::rows(dp);
+  auto caps = kq.accumulators();  // SOFTCAP: tanh of each score (unused, and gone, otherwise)
+  auto cap_rows = KQ::rows(caps);
   auto where = KQ::rows(kq.coordinates());  // (key, row) in the tile of each element of S^T
   constexpr int kRows = decltype(cute::size<0>(s_rows))::value;
 
@@ -338,10 +392,10 @@ __device__ void run(const Params& p, const vitrail::TensorMap& mapK,
       CUTE_UNROLL
       for (int c = 0; c < cute::size<1>(s_rows); ++c) {
         const int col = cute::get<1>(where(r, c));
-        float pr = exp2f(s_rows(r, c) * p.scale_log2 - lse2[col]);
+        float pr = probability(p, s_rows(r, c), lse2[col], cap_rows(r, c));
         if constexpr (decltype(masked)::value) {
           const int key = n0 + cute::get<0>(where(r, c)), row = i * BQ + col;
-          if (key > row + p.causal_offset) pr = 0.f;
+          if (hidden(p, row, key)) pr = 0.f;
         }
         s_rows(r, c) = pr;
       }
@@ -352,8 +406,11 @@ __device__ void run(const Params& p, const vitrail::TensorMap& mapK,
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       CUTE_UNROLL
-      for (int c = 0; c < cute::size<1>(dp_rows); ++c)
-        dp_rows(r, c) = s_rows(r, c) * (dp_rows(r, c) - delta[cute::get<1>(where(r, c))]);
+      for (int c = 0; c < cute::size<1>(dp_rows); ++c) {
+        float ds = s_rows(r, c) * (dp_rows(r, c) - delta[cute::get<1>(where(r, c))]);
+        if constexpr (SOFTCAP) ds *= 1.f - cap_rows(r, c) * cap_rows(r, c);
+        dp_rows(r, c) = ds;
+      }
     }
     auto dst = KQ::as_a(dp);
     pq.mma_rs(dst, sQt(rd.index)(cute::_, cute::_, 0), dk);
@@ -363,8 +420,15 @@ __device__ void run(const Params& p, const vitrail::TensorMap& mapK,
   };
   vitrail::Bulk::wait(keys_full, 0);
   for (int g = 0; g < group; ++g) {
-    for (int i = range.first; i < range.unmasked; ++i) block(i, cute::true_type{});
-    for (int i = range.unmasked; i < range.last; ++i) block(i, cute::false_type{});
+    if constexpr (LOCAL) {  // masked at both ends: one loop (three call sites: out of line)
+      for (int i = range.first; i < range.last; ++i) {
+        if (i >= range.unmasked && i < range.unmasked_end) block(i, cute::false_type{});
+        else block(i, cute::true_type{});
+      }
+    } else {
+      for (int i = range.first; i < range.unmasked; ++i) block(i, cute::true_type{});
+      for (int i = range.unmasked; i < range.last; ++i) block(i, cute::false_type{});
+    }
   }
 
   // fragment -> slab: dK * scale and dV, keys below seqlen_k
@@ -384,9 +448,10 @@ attention_bwd_dq(T* dq, float* lse2, float* delta, const __grid_constant__ vitra
                  const __grid_constant__ vitrail::TensorMap mapK,
                  const __grid_constant__ vitrail::TensorMap mapV, int seqlen_q, int seqlen_k,
                  int seqlen_q_padded, int heads, int heads_kv, float scale_log2, float scale,
-                 int causal_offset) {
+                 int causal_offset, int local_offset, float softcap, float softcap_pre) {
   attention_bwd::dq::run({dq, nullptr, lse2, delta, seqlen_q, seqlen_k, seqlen_q_padded, heads,
-                          heads_kv, scale_log2, scale, causal_offset},
+                          heads_kv, scale_log2, scale, causal_offset, local_offset, softcap,
+                          softcap_pre},
                          mapQ, mapdO, mapK, mapV);
 }
 
@@ -397,8 +462,9 @@ attention_bwd_dkv(T* dk, T* dv, float* lse2, float* delta,
                   const __grid_constant__ vitrail::TensorMap mapQ,
                   const __grid_constant__ vitrail::TensorMap mapdO, int seqlen_q, int seqlen_k,
                   int seqlen_q_padded, int heads, int heads_kv, float scale_log2, float scale,
-                  int causal_offset) {
+                  int causal_offset, int local_offset, float softcap, float softcap_pre) {
   attention_bwd::dkv::run({dk, dv, lse2, delta, seqlen_q, seqlen_k, seqlen_q_padded, heads,
-                           heads_kv, scale_log2, scale, causal_offset},
+                           heads_kv, scale_log2, scale, causal_offset, local_offset, softcap,
+                           softcap_pre},
                           mapK, mapV, mapQ, mapdO);
 }
