@@ -281,6 +281,28 @@ def _commands(monkeypatch) -> list[list[str]]:
     return seen
 
 
+def test_a_failure_beside_a_pch_that_fails_its_checksum_compiles_again_without_it(monkeypatch):
+    """A corrupt PCH's bytes can read as nonsense errors in the unit that name no PCH (CI saw a
+    macro that "requires 17856 arguments"): the checksum decides, the unit compiles again
+    without the PCH, and the PCH is removed."""
+    monkeypatch.setenv("VITRAIL_TORCH_PCH", "1")
+    entry = _publish_fake(_spec()[0])
+    (entry / pch.GCH).write_bytes(b"fak!")  # the size checked before use still matches
+    seen = []
+
+    def compile_(cmd, build, command):
+        seen.append(cmd)
+        if "-include" in cmd:
+            raise BuildFailed('main.cpp:5:1: error: macro "PYBIND11_CONCAT" requires 17856 '
+                              'arguments, but only 2 given', command)
+        raise BuildFailed("stopped by the test", command)
+    monkeypatch.setattr(extension, "run_compiler", compile_)
+    with pytest.raises(CompileError, match="vt_pch_checksum"):
+        extension.load_inline("vt_pch_checksum", C, functions=["scale_add"])
+    assert ["-include" in cmd for cmd in seen] == [True, False]
+    assert not entry.exists()  # removed: the next build starts a new one
+
+
 def test_the_knob_turns_the_pch_off(monkeypatch):
     monkeypatch.setenv("VITRAIL_TORCH_PCH", "1")
     entry = _publish_fake(_spec()[0])

@@ -488,10 +488,14 @@ def _compile(build: Path, name: str, units: list[_Unit], options: _Options, plan
                 try:
                     out = run_one(with_pch, build, shlex.join(with_pch))
                 except BuildFailed as failed:
-                    if not pch.failed_on_it(failed.log):
+                    # a PCH that fails its checksum is to blame whatever gcc says: bytes of a
+                    # corrupt one can read as nonsense errors in the unit (a macro "requires
+                    # 17856 arguments") that name no PCH
+                    if pch.failed_on_it(failed.log) or not checked.result():
+                        log.debug("vitrail: %s: the compile with the precompiled header %s "
+                                  "failed on it; compiling without it", u.file, header.dir)
+                    else:
                         raise
-                    log.debug("vitrail: %s: the compile with the precompiled header %s failed "
-                              "on it; compiling without it", u.file, header.dir)
                 else:
                     if checked.result():
                         if pch.refused(out):
