@@ -120,8 +120,7 @@ def write(runs: Path | Sequence[Path], out: Path,
     paths = [Path(runs)] if isinstance(runs, (str, Path)) else [Path(r) for r in runs]
     if not paths:
         raise ValueError("pages: expected at least one run's JSON, got none")
-    commits = ([commit] * len(paths) if commit is None or isinstance(commit, str)
-               else list(commit))
+    commits = [commit] if commit is None or isinstance(commit, str) else list(commit)
     if len(commits) == 1:
         commits *= len(paths)
     if len(commits) != len(paths):

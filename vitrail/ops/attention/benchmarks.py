@@ -42,6 +42,23 @@ def _sdpa(backend):
     return run
 
 
+def _timed(case: str, fns: dict, work: float, group: str) -> list[Row]:
+    """TFLOP/s rows of the implementations of one case, timed together; an implementation that
+    refuses the case is reported, not fatal (SDPA's backends refuse some)."""
+    from vitrail.profile import compare
+    ok = {}
+    for impl, fn in fns.items():
+        try:
+            fn()
+            ok[impl] = fn
+        except Exception as e:
+            print(f"  {case} {impl}: {type(e).__name__}: {str(e)[:200]}")
+    return [Row(case=case, impl=impl, value=work / t.median / 1e9, unit="TFLOP/s",
+                lower_is_better=False, baseline=impl != "vitrail", ms=t.median, flops=work,
+                math="bf16", group=group)
+            for impl, t in (compare(ok) if ok else {}).items()]
+
+
 @register("attention", "vitrail.ops.attention forward vs torch SDPA (cuDNN, flash), bf16", build,
           by_name=True)
 def run() -> list[Row]:
@@ -49,7 +66,6 @@ def run() -> list[Row]:
     from torch.nn.attention import SDPBackend
 
     from vitrail.ops.attention import attention
-    from vitrail.profile import compare
     cudnn, flash = _sdpa(SDPBackend.CUDNN_ATTENTION), _sdpa(SDPBackend.FLASH_ATTENTION)
     rows = []
     for b, s, h, d, causal in CASES:
@@ -59,18 +75,7 @@ def run() -> list[Row]:
         fns = {"vitrail": lambda: attention(q, k, v, causal=causal),
                "SDPA cuDNN": lambda: cudnn(q, k, v, causal),
                "SDPA flash": lambda: flash(q, k, v, causal)}
-        ok = {}
-        for impl, fn in fns.items():
-            try:
-                fn()
-                ok[impl] = fn
-            except Exception as e:  # a backend that refuses the case is reported, not fatal
-                print(f"  {case} {impl}: {type(e).__name__}: {str(e)[:200]}")
-        work = flops(b, s, h, d, causal)
-        rows += [Row(case=case, impl=impl, value=work / t.median / 1e9, unit="TFLOP/s",
-                     lower_is_better=False, baseline=impl != "vitrail", ms=t.median, flops=work,
-                     math="bf16", group=f"D{d}")
-                 for impl, t in (compare(ok) if ok else {}).items()]
+        rows += _timed(case, fns, flops(b, s, h, d, causal), f"D{d}")
     return rows
 
 
@@ -87,7 +92,6 @@ def run_backward() -> list[Row]:
     from torch.nn.attention import SDPBackend
 
     from vitrail.ops.attention import attention
-    from vitrail.profile import compare
     cudnn, flash = _sdpa(SDPBackend.CUDNN_ATTENTION), _sdpa(SDPBackend.FLASH_ATTENTION)
     rows = []
     for b, s, h, d, causal in TRAIN_CASES:
@@ -101,16 +105,5 @@ def run_backward() -> list[Row]:
         fns = {"vitrail": step(lambda: attention(q, k, v, causal=causal)),
                "SDPA cuDNN": step(lambda: cudnn(q, k, v, causal).transpose(1, 2)),
                "SDPA flash": step(lambda: flash(q, k, v, causal).transpose(1, 2))}
-        ok = {}
-        for impl, fn in fns.items():
-            try:
-                fn()
-                ok[impl] = fn
-            except Exception as e:  # a backend that refuses the case is reported, not fatal
-                print(f"  {case} {impl}: {type(e).__name__}: {str(e)[:200]}")
-        work = 3.5 * flops(b, s, h, d, causal)
-        rows += [Row(case=case, impl=impl, value=work / t.median / 1e9, unit="TFLOP/s",
-                     lower_is_better=False, baseline=impl != "vitrail", ms=t.median, flops=work,
-                     math="bf16", group=f"D{d}")
-                 for impl, t in (compare(ok) if ok else {}).items()]
+        rows += _timed(case, fns, 3.5 * flops(b, s, h, d, causal), f"D{d}")
     return rows
