@@ -341,7 +341,8 @@ def test_the_ping_pong_changes_no_bit(d, causal):
     bn = A.block_n(d)
     A.kernel(q.dtype, d, causal, pingpong=False)[(-(-1000 // A.BM), 4, 2), A.THREADS](
         o2, lse2, A._map(q, A.BM), A._map(k, bn), A._map(v, bn), 1000, 1000, 4, 2,
-        d ** -0.5 * math.log2(math.e), 0, shared_mem=A.smem_bytes(d, q.dtype))
+        d ** -0.5 * math.log2(math.e), 0, 0, 0.0, 0.0, None, None, 0, 0,
+        shared_mem=A.smem_bytes(d, q.dtype))
     assert torch.equal(o, o2) and torch.equal(lse, lse2)
 
 
