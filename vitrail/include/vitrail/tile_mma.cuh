@@ -182,18 +182,19 @@ struct TileMMA {
   // The accumulators of an M x K product, converted to T, as the A fragment of the next
   // product (K = that product's N): wgmma's C and RS-A layouts hold the same elements in each
   // thread, (pairs of columns, rows r / r + 8, 8-column blocks), two 8-column blocks to a
-  // k-step of 16.
+  // k-step of 16. The fragment owns its registers (a view of a local array would dangle once
+  // this returns, and the compiler may then drop the conversion and the product reading it).
   template <class Acc>
   __device__ static auto as_a(Acc const& acc) {
     using namespace cute;
-    auto converted = make_fragment_like<T>(acc.layout());
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc); ++i) converted(i) = T(acc(i));
     auto l = acc.layout();  // ((2, 2, N / 8), MMA_M, MMA_N)
     auto blocks = logical_divide(get<0, 2>(l), Int<2>{});  // (2, N / 16)
     auto a_layout = make_layout(make_layout(get<0, 0>(l), get<0, 1>(l), get<0>(blocks)),
                                 get<1>(l), make_layout(get<1>(blocks), get<2>(l)));
-    return make_tensor(std::move(converted.data()), a_layout);
+    auto a = make_tensor<T>(a_layout);  // acc's modes regrouped: each element at acc's offset
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc); ++i) a.data()[l(i)] = T(acc(i));
+    return a;
   }
 
   // A (rows, columns) view of an accumulator fragment (of mma's or mma_rs's tile): the elements
