@@ -53,13 +53,20 @@ struct Params {
   float softcap, softcap_pre;
 };
 
-// One score's P (and, SOFTCAP, the cap's tanh for dS) from S and the row's lse2.
-__device__ __forceinline__ float probability(const Params& p, float s, float lse2, float& t) {
-  if constexpr (SOFTCAP) {
-    t = tanhf(s * p.softcap_pre);
-    s = p.softcap * t;
-  }
+// One score's P from S and the row's lse2.
+__device__ __forceinline__ float probability(const Params& p, float s, float lse2) {
+  if constexpr (SOFTCAP) s = p.softcap * tanhf(s * p.softcap_pre);
   return exp2f(s * p.scale_log2 - lse2);
+}
+
+// SOFTCAP: the cap's derivative 1 - tanh^2 at a score, recovered from its P (log2 P + lse2 =
+// softcap * tanh * scale_log2): keeping each score's tanh across the products would take 32
+// more registers a thread, which dK and dV at D 128 do not leave. 0 where P is 0 (a hidden key,
+// a row that sees none), where dS is 0 anyway.
+__device__ __forceinline__ float cap_slope(const Params& p, float pr, float lse2) {
+  if (!(pr > 0.f)) return 0.f;
+  const float t = (__log2f(pr) + lse2) / (p.softcap * p.scale_log2);
+  return 1.f - t * t;
 }
 
 // Whether key j is hidden from row i (the diagonal, the window's left edge).
@@ -189,8 +196,6 @@ __device__ void run(const Params& p, const vitrail::TensorMap& mapQ,
   SK::zero(dq);
   auto s_rows = QK::rows(s);
   auto dp_rows = QK::rows(dp);
-  auto caps = qk.accumulators();  // SOFTCAP: tanh of each score (unused, and gone, otherwise)
-  auto cap_rows = QK::rows(caps);
   auto where = QK::rows(qk.coordinates());  // (row, key) in the tile of each element of S
   constexpr int kRows = decltype(cute::size<0>(s_rows))::value;
   float lse2[kRows], delta[kRows];
@@ -214,7 +219,7 @@ __device__ void run(const Params& p, const vitrail::TensorMap& mapQ,
     for (int r = 0; r < kRows; ++r) {
       CUTE_UNROLL
       for (int c = 0; c < cute::size<1>(s_rows); ++c) {
-        float pr = probability(p, s_rows(r, c), lse2[r], cap_rows(r, c));
+        float pr = probability(p, s_rows(r, c), lse2[r]);
         if constexpr (decltype(masked)::value) {
           const int row = m0 + cute::get<0>(where(r, c)), key = j * BN + cute::get<1>(where(r, c));
           if (key >= p.seqlen_k || hidden(p, row, key)) pr = 0.f;
@@ -228,7 +233,7 @@ __device__ void run(const Params& p, const vitrail::TensorMap& mapQ,
       CUTE_UNROLL
       for (int c = 0; c < cute::size<1>(dp_rows); ++c) {
         float ds = s_rows(r, c) * (dp_rows(r, c) - delta[r]);
-        if constexpr (SOFTCAP) ds *= 1.f - cap_rows(r, c) * cap_rows(r, c);
+        if constexpr (SOFTCAP) ds *= cap_slope(p, s_rows(r, c), lse2[r]);
         dp_rows(r, c) = ds;
       }
     }
@@ -372,8 +377,6 @@ __device__ void run(const Params& p, const vitrail::TensorMap& mapK,
   PQ::zero(dv);
   auto s_rows = KQ::rows(s);
   auto dp_rows = KQ::rows(dp);
-  auto caps = kq.accumulators();  // SOFTCAP: tanh of each score (unused, and gone, otherwise)
-  auto cap_rows = KQ::rows(caps);
   auto where = KQ::rows(kq.coordinates());  // (key, row) in the tile of each element of S^T
   constexpr int kRows = decltype(cute::size<0>(s_rows))::value;
 
@@ -392,7 +395,7 @@ __device__ void run(const Params& p, const vitrail::TensorMap& mapK,
       CUTE_UNROLL
       for (int c = 0; c < cute::size<1>(s_rows); ++c) {
         const int col = cute::get<1>(where(r, c));
-        float pr = probability(p, s_rows(r, c), lse2[col], cap_rows(r, c));
+        float pr = probability(p, s_rows(r, c), lse2[col]);
         if constexpr (decltype(masked)::value) {
           const int key = n0 + cute::get<0>(where(r, c)), row = i * BQ + col;
           if (hidden(p, row, key)) pr = 0.f;
@@ -407,8 +410,9 @@ __device__ void run(const Params& p, const vitrail::TensorMap& mapK,
     for (int r = 0; r < kRows; ++r) {
       CUTE_UNROLL
       for (int c = 0; c < cute::size<1>(dp_rows); ++c) {
-        float ds = s_rows(r, c) * (dp_rows(r, c) - delta[cute::get<1>(where(r, c))]);
-        if constexpr (SOFTCAP) ds *= 1.f - cap_rows(r, c) * cap_rows(r, c);
+        const int col = cute::get<1>(where(r, c));
+        float ds = s_rows(r, c) * (dp_rows(r, c) - delta[col]);
+        if constexpr (SOFTCAP) ds *= cap_slope(p, s_rows(r, c), lse2[col]);
         dp_rows(r, c) = ds;
       }
     }
