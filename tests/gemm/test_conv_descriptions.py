@@ -155,6 +155,13 @@ def test_fake_shapes_on_meta_tensors():
     assert tuple(dx.shape) == tuple(x.shape)
     dw = torch.ops.vitrail.conv2d_wgrad(y, x, [3, 3], [2, 2], [1, 1], [1, 1], [1, 2])
     assert tuple(dw.shape) == tuple(w.shape)
+    wg = torch.empty(32, 4, 3, 3, device="meta", dtype=torch.bfloat16)  # groups=4
+    yg = torch.ops.vitrail.conv2d(x, wg, None, [1, 1], [1, 1], [1, 1], [1, 1], None, 4)
+    assert tuple(yg.shape) == (2, 32, 33, 7)
+    assert tuple(torch.ops.vitrail.conv2d_dgrad(yg, wg, [33, 7], [1, 1], [1, 1], [1, 1],
+                                                [1, 1], 4).shape) == tuple(x.shape)
+    assert tuple(torch.ops.vitrail.conv2d_wgrad(yg, x, [3, 3], [1, 1], [1, 1], [1, 1], [1, 1],
+                                                4).shape) == tuple(wg.shape)
 
 
 def test_public_function_refusals():

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import has_gpu
+from vitrail.jit.errors import ArgumentError
 
 A = importlib.import_module("vitrail.ops.attention")
 HOPPER = has_gpu() and torch.cuda.get_device_capability() == (9, 0)
@@ -19,15 +20,21 @@ pytestmark = pytest.mark.warm_cache  # --kernel-cache: one build per kernel acro
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("d,causal", [(128, True), (64, False)])
-def test_compiles_for_sm90a(d, causal):
+@pytest.mark.parametrize("which,d,causal,options", [
+    ("fwd", 128, True, {}), ("fwd", 64, False, {}),
+    ("fwd", 128, True, {"local": True, "softcap": True}), ("fwd", 64, True, {"varlen": True}),
+    ("bwd", 128, True, {}), ("bwd", 64, False, {}),
+    ("bwd", 128, False, {"local": True, "softcap": True})])
+def test_compiles_for_sm90a(which, d, causal, options):
     from vitrail.jit import compiler
-    entry, _ = compiler.build_entry(A.source(torch.bfloat16, d, causal), name="attention_fwd",
-                                    backend="nvrtc", arch="90a", include_dirs=[A.HERE],
-                                    flags=["-default-device"])
+    source = (A.source if which == "fwd" else A.bwd_source)(torch.bfloat16, d, causal, **options)
+    entry, _ = compiler.build_entry(source, name=f"attention_{which}", backend="nvrtc",
+                                    arch="90a", include_dirs=[A.HERE], flags=["-default-device"])
     res = entry.meta["resources"]
-    assert "attention_fwd" in res, res
-    assert res["attention_fwd"]["spill_stores"] == 0 and res["attention_fwd"]["stack"] == 0
+    names = ["attention_fwd"] if which == "fwd" else list(A.BWD_SIGNATURES)
+    for name in names:
+        assert name in res, res
+        assert res[name]["spill_stores"] == 0 and res[name]["stack"] == 0, res[name]
     assert "C7515" not in (entry.dir / "build.log").read_text()  # wgmma serialized
 
 
@@ -41,10 +48,43 @@ def test_reference_matches_sdpa_on_the_cpu():
         assert lse.shape == (2, 4, 7)
 
 
+def test_the_reference_window_is_flash_attentions():
+    """window=(left, right): query i sees keys i + offset - left .. i + offset + right (offset:
+    0 top-left, Sk - Sq bottom-right); causal=True is right = 0. Checked against SDPA with the
+    boolean mask written out."""
+    q = torch.randn(1, 9, 2, 8, dtype=torch.float64)
+    k, v = (torch.randn(1, 13, 2, 8, dtype=torch.float64) for _ in range(2))
+    for window, alignment in (((2, 1), "top_left"), ((3, None), "bottom_right"),
+                              ((None, 0), "top_left"), ((0, 0), "bottom_right")):
+        offset = 0 if alignment == "top_left" else 13 - 9
+        i, j = torch.arange(9)[:, None], torch.arange(13)[None, :]
+        left, right = window
+        seen = torch.ones(9, 13, dtype=torch.bool)
+        if left is not None:
+            seen &= j >= i + offset - left
+        if right is not None:
+            seen &= j <= i + offset + right
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=seen)
+        o, _ = A.reference(q, k, v, window=window, alignment=alignment)
+        torch.testing.assert_close(o, want.transpose(1, 2))
+    o, _ = A.reference(q, k, v, causal=True, window=(2, None))
+    want, _ = A.reference(q, k, v, window=(2, 0))
+    torch.testing.assert_close(o, want)
+
+
 def test_refusals_name_the_argument():
     q = torch.randn(1, 8, 4, 64).to(torch.bfloat16)
     with pytest.raises(Exception, match="q must be on a CUDA device"):
         A.attention(q, q, q)
+    for bad in ((1,), (-1, 2), (1.5, 2), "left"):
+        with pytest.raises(ArgumentError, match="window must be"):
+            A._check_options(False, bad, None)
+    with pytest.raises(ArgumentError, match="causal=True is a window's right size of 0"):
+        A._check_options(True, (4, 2), None)
+    for bad in (0, -1.0, math.inf, "1"):
+        with pytest.raises(ArgumentError, match="softcap must be"):
+            A._check_options(False, None, bad)
     if not has_gpu():
         return
     q = q.cuda()
@@ -98,6 +138,28 @@ def test_causal_both_alignments(alignment, sq, sk):
 
 
 @needs_hopper
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("sq,sk,window,causal,alignment", [
+    (1000, 1000, (100, None), True, "top_left"), (1000, 1000, (0, 0), False, "top_left"),
+    (300, 1000, (257, 129), False, "bottom_right"), (1000, 300, (None, 64), False, "top_left"),
+    (4097, 4097, (1000, 1000), False, "top_left"), (500, 700, (64, None), True, "bottom_right")])
+def test_sliding_windows(d, sq, sk, window, causal, alignment):
+    """Windows narrower and wider than a block, off the block grid, one-sided and two-sided,
+    with causal, both alignments (rows that see no key: zeros, lse -inf)."""
+    q, k, v = _qkv(2, sq, sk, 4, 2, d, torch.bfloat16, seed=13)
+    _check(q, k, v, window=window, causal=causal, alignment=alignment)
+
+
+@needs_hopper
+@pytest.mark.parametrize("d,causal,window", [(64, False, None), (128, True, None),
+                                              (256, False, (200, 10))])
+@pytest.mark.parametrize("softcap", [0.5, 30.0])
+def test_softcap(d, causal, window, softcap):
+    q, k, v = _qkv(2, 777, 777, 4, 4, d, torch.float16, seed=14)
+    _check(q, k, v, causal=causal, window=window, softcap=softcap)
+
+
+@needs_hopper
 @pytest.mark.parametrize("ratio", [1, 4, 8])
 def test_gqa(ratio):
     q, k, v = _qkv(2, 300, 500, 8, 8 // ratio, 128, torch.bfloat16, seed=2)
@@ -134,26 +196,34 @@ def _reference_grads(q, k, v, go, glse, **kw):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-@pytest.mark.parametrize("b,sq,sk,h,hk,d,causal,alignment", [
-    (2, 7, 7, 4, 2, 64, False, "top_left"), (1, 33, 17, 6, 2, 32, True, "top_left"),
-    (1, 17, 33, 6, 3, 32, True, "bottom_right"), (1, 40, 20, 4, 1, 16, True, "bottom_right"),
-    (2, 50, 50, 2, 2, 16, True, "top_left")])
+@pytest.mark.parametrize("b,sq,sk,h,hk,d,causal,alignment,extra", [
+    (2, 7, 7, 4, 2, 64, False, "top_left", {}), (1, 33, 17, 6, 2, 32, True, "top_left", {}),
+    (1, 17, 33, 6, 3, 32, True, "bottom_right", {}),
+    (1, 40, 20, 4, 1, 16, True, "bottom_right", {}),
+    (2, 50, 50, 2, 2, 16, True, "top_left", {}),
+    (1, 45, 45, 4, 2, 16, True, "top_left", {"window": (6, None)}),
+    (1, 30, 50, 2, 1, 16, False, "bottom_right", {"window": (9, 4)}),
+    (1, 50, 30, 2, 2, 16, False, "top_left", {"window": (None, 3), "softcap": 2.5}),
+    (2, 21, 21, 2, 2, 16, False, "top_left", {"softcap": 0.7})])
 def test_the_backward_algebra_on_the_cpu(monkeypatch, dtype, b, sq, sk, h, hk, d, causal,
-                                         alignment):
-    """The backward's blocks (5 query rows each here), GQA, both alignments, rows that see no
-    key and an lse gradient, against autograd through the fp64 reference."""
+                                         alignment, extra):
+    """The backward's blocks (5 query rows each here), GQA, both alignments, sliding windows,
+    the softcap, rows that see no key and an lse gradient, against autograd through the fp64
+    reference."""
     from vitrail.ops.attention import backward
     g = torch.Generator().manual_seed(sq * sk + d)
     q, k, v = (torch.randn(b, s, n, d, generator=g, dtype=torch.float64)
                for s, n in ((sq, h), (sk, hk), (sk, hk)))
-    o, lse = A.reference(q, k, v, causal=causal, alignment=alignment)
+    kw = dict(causal=causal, alignment=alignment, **extra)
+    o, lse = A.reference(q, k, v, **kw)
     go, glse = torch.randn(o.shape, generator=g), torch.randn(lse.shape, generator=g)
     glse = torch.where(lse.isfinite(), glse, 0).float()
-    want = _reference_grads(q, k, v, go, glse, causal=causal, alignment=alignment)
+    want = _reference_grads(q, k, v, go, glse, **kw)
     monkeypatch.setattr(backward, "TILE_ELEMENTS", 5 * b * h * sk)
-    offset = 0 if alignment == "top_left" else sk - sq
+    mask = A._mask(sq, sk, causal, alignment, extra.get("window"))
     got = backward.attention_backward(go.to(dtype), glse, q.to(dtype), k.to(dtype), v.to(dtype),
-                                      o.to(dtype), lse.float(), d ** -0.5, causal, offset)
+                                      o.to(dtype), lse.float(), d ** -0.5, *mask,
+                                      extra.get("softcap", 0.0))
     tol = 1e-6 if dtype == torch.float64 else 2e-2  # fp64: the lse passes in fp32
     for x, w, what in zip(got, want, ("dq", "dk", "dv")):
         assert x.shape == w.shape and x.dtype == dtype, what
@@ -199,6 +269,14 @@ def test_gradients_gqa_bottom_right_and_the_lse(ratio):
 
 
 @needs_hopper
+@pytest.mark.parametrize("window,softcap", [((100, None), None), ((50, 20), 5.0), (None, 1.0)])
+def test_gradients_with_a_window_and_a_softcap(window, softcap):
+    q, k, v = _qkv(2, 600, 700, 4, 2, 128, torch.bfloat16, seed=15)
+    _check_grads(q, k, v, with_lse=True, window=window, softcap=softcap,
+                 causal=window is not None and window[1] is None, alignment="bottom_right")
+
+
+@needs_hopper
 def test_gradients_in_sdpa_layout_under_torch_compile():
     q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2)
                for x in _qkv(2, 256, 256, 4, 4, 64, torch.float16, seed=10))
@@ -208,6 +286,31 @@ def test_gradients_in_sdpa_layout_under_torch_compile():
     want = _reference_grads(q, k, v, torch.ones(q.shape, device="cuda"), None, causal=True)
     for x, w in zip((qs.grad, ks.grad, vs.grad), want):
         torch.testing.assert_close(x.double(), w, rtol=5e-3, atol=5e-3 * w.abs().max().item())
+
+
+@needs_hopper
+@pytest.mark.parametrize("d", A.BWD_HEAD_DIMS)
+@pytest.mark.parametrize("causal,extra", [(True, {}), (False, {"window": (300, 40)}),
+                                          (True, {"window": (129, None), "softcap": 3.0}),
+                                          (False, {"softcap": 0.5})])
+def test_the_fused_backward_is_deterministic_and_agrees_with_the_matmul_path(d, causal, extra):
+    """Same bits on every run (no atomics), and within rounding of backward.py's matmuls, with
+    the diagonal, a window's edges and the softcap."""
+    from vitrail.ops.attention.backward import attention_backward
+    q, k, v = _qkv(2, 777, 901, 8, 2, d, torch.bfloat16, seed=12)
+    o, lse = A.attention(q, k, v, causal=causal, alignment="bottom_right", return_lse=True,
+                         **extra)
+    go = torch.randn_like(o)
+    mask = A._mask(777, 901, causal, "bottom_right", extra.get("window"))
+    args = (go, None, q, k, v, o, lse, d ** -0.5, *mask, extra.get("softcap", 0.0))
+    assert A.fused_backward_runs(q, k)
+    first = torch.ops.vitrail.attention_bwd(*args)
+    again = torch.ops.vitrail.attention_bwd(*args)
+    plain = attention_backward(*args)
+    for x, y, z, what in zip(first, again, plain, ("dq", "dk", "dv")):
+        assert torch.equal(x, y), what
+        torch.testing.assert_close(x.float(), z.float(), rtol=2e-2,
+                                   atol=2e-2 * z.float().abs().max().item(), msg=what)
 
 
 @needs_hopper
@@ -238,5 +341,97 @@ def test_the_ping_pong_changes_no_bit(d, causal):
     bn = A.block_n(d)
     A.kernel(q.dtype, d, causal, pingpong=False)[(-(-1000 // A.BM), 4, 2), A.THREADS](
         o2, lse2, A._map(q, A.BM), A._map(k, bn), A._map(v, bn), 1000, 1000, 4, 2,
-        d ** -0.5 * math.log2(math.e), 0, shared_mem=A.smem_bytes(d, q.dtype))
+        d ** -0.5 * math.log2(math.e), 0, 0, 0.0, 0.0, None, None, 0, 0,
+        shared_mem=A.smem_bytes(d, q.dtype))
     assert torch.equal(o, o2) and torch.equal(lse, lse2)
+
+
+# --------------------------------------------------------------------------- variable lengths
+def _cu(lengths, device="cpu"):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+                        device=device)
+
+
+def test_varlen_lengths_are_checked():
+    cu = _cu([3, 0, 5])
+    assert A._lengths(cu, 8, 5, "q") == [0, 3, 3, 8]
+    for bad, total, m, match in ((_cu([3, 5]), 9, 5, "rise from 0 to the 9 rows"),
+                                 (torch.tensor([1, 4], dtype=torch.int32), 4, 5, "rise from 0"),
+                                 (torch.tensor([0, 4, 2], dtype=torch.int32), 2, 5, "rise"),
+                                 (cu, 8, 4, "max_seqlen_q=4 is below the longest")):
+        with pytest.raises(ArgumentError, match=match):
+            A._lengths(bad, total, m, "q")
+
+
+@pytest.mark.parametrize("causal,alignment,extra", [
+    (False, "top_left", {}), (True, "bottom_right", {}), (True, "top_left", {"window": (3, None)}),
+    (False, "bottom_right", {"window": (2, 1), "softcap": 1.5})])
+def test_varlen_backward_on_the_cpu(causal, alignment, extra):
+    """Each sequence's gradient (the op's CPU path: backward.py per sequence) against autograd
+    through the fp64 reference, lengths 0 included (no rows; rows but no keys)."""
+    g = torch.Generator().manual_seed(3)
+    lq, lk = [5, 0, 9, 4], [7, 3, 6, 0]
+    cq, ck = _cu(lq), _cu(lk)
+    q = torch.randn(sum(lq), 4, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(sum(lk), 2, 16, generator=g, dtype=torch.float64, requires_grad=True)
+            for _ in range(2))
+    kw = dict(causal=causal, alignment=alignment, **extra)
+    o, lse = A.reference_varlen(q, k, v, cq, ck, **kw)
+    go, glse = torch.randn(o.shape, generator=g), torch.randn(lse.shape, generator=g)
+    glse = torch.where(lse.isfinite(), glse, 0)
+    ((o * go).sum() + (torch.where(lse.isfinite(), lse, 0) * glse).sum()).backward()
+    upper, hi, local, lo = A._mask(0, 0, causal, "top_left", extra.get("window"))
+    got = torch.ops.vitrail.attention_varlen_bwd(
+        go, glse.float(), q.detach(), k.detach(), v.detach(), o.detach(), lse.detach().float(),
+        cq, ck, 16 ** -0.5, upper, hi, local, lo, extra.get("softcap", 0.0),
+        alignment == "bottom_right")
+    for x, t, what in zip(got, (q, k, v), ("dq", "dk", "dv")):
+        torch.testing.assert_close(x, t.grad, rtol=1e-6, atol=1e-6, msg=what)
+
+
+def _varlen_inputs(lq, lk, h, hk, d, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(sum(lq), h, d, device="cuda", generator=g).to(dtype)
+    k = torch.randn(sum(lk), hk, d, device="cuda", generator=g).to(dtype)
+    v = torch.randn(sum(lk), hk, d, device="cuda", generator=g).to(dtype)
+    return q, k, v, _cu(lq, "cuda"), _cu(lk, "cuda")
+
+
+@needs_hopper
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal,alignment,extra", [
+    (False, "top_left", {}), (True, "top_left", {}), (True, "bottom_right", {}),
+    (False, "bottom_right", {"window": (100, 30)}), (True, "top_left", {"softcap": 20.0})])
+def test_varlen_values(d, causal, alignment, extra):
+    """16 sequences of random lengths up to 1000 (one of none, one of one), GQA 4: o and lse
+    against the fp64 reference sequence by sequence, and a row of a 0-key sequence is 0."""
+    g = torch.Generator().manual_seed(d)
+    lq = [0, 1, *torch.randint(1, 1000, (14,), generator=g).tolist()]
+    lk = [5, 0, *torch.randint(1, 1000, (14,), generator=g).tolist()]
+    q, k, v, cq, ck = _varlen_inputs(lq, lk, 8, 2, d, torch.bfloat16, seed=d)
+    kw = dict(causal=causal, alignment=alignment, **extra)
+    o, lse = A.attention_varlen(q, k, v, cq, ck, max(lq), max(lk), return_lse=True, **kw)
+    ro, rlse = A.reference_varlen(q.double(), k.double(), v.double(), cq, ck, **kw)
+    torch.testing.assert_close(o.double(), ro, rtol=2e-2, atol=2e-2)
+    finite = rlse.isfinite()
+    torch.testing.assert_close(lse.double()[finite], rlse[finite], rtol=1e-3, atol=1e-3)
+    assert (lse[~finite] == -math.inf).all()
+
+
+@needs_hopper
+def test_varlen_gradients_and_opcheck():
+    lq, lk = [300, 1, 0, 700], [500, 2, 9, 650]
+    q, k, v, cq, ck = _varlen_inputs(lq, lk, 4, 4, 128, torch.bfloat16, seed=21)
+    qs, ks, vs = (x.detach().requires_grad_(True) for x in (q, k, v))
+    o = A.attention_varlen(qs, ks, vs, cq, ck, 700, 650, causal=True, alignment="bottom_right")
+    go = torch.randn_like(o)
+    o.backward(go)
+    q64, k64, v64 = (x.detach().double().requires_grad_(True) for x in (q, k, v))
+    ro, _ = A.reference_varlen(q64, k64, v64, cq, ck, causal=True, alignment="bottom_right")
+    ro.backward(go.double())
+    for x, w, what in ((qs.grad, q64.grad, "dq"), (ks.grad, k64.grad, "dk"),
+                       (vs.grad, v64.grad, "dv")):
+        torch.testing.assert_close(x.double(), w, rtol=2e-2, atol=2e-2 * w.abs().max().item(),
+                                   msg=what)
+    torch.library.opcheck(torch.ops.vitrail.attention_varlen_fwd.default,
+                          (qs, ks, vs, cq, ck, 700, 0.1, True, 0, False, 0, 0.0, True))

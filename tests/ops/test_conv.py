@@ -147,8 +147,30 @@ def test_refusals_are_not_implemented_errors():
     with pytest.raises(NotImplementedError, match="not a multiple of 8"):
         conv2d(x, w, padding=1)
     x, w = _tensors(1, 16, 8, 8, 16, 3, 3, torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="groups=2"):
-        conv2d(x, w[:, :8].contiguous(memory_format=torch.channels_last), groups=2)
+    with pytest.raises(NotImplementedError, match="depthwise is not one"):
+        conv2d(x, w[:, :1].contiguous(memory_format=torch.channels_last), groups=16)
+
+
+@pytest.mark.parametrize("groups, C, K, stride", [(2, 32, 48, 1), (4, 64, 32, 2), (3, 24, 24, 1)])
+def test_groups_run_a_kernel_a_group(groups, C, K, stride):
+    """Grouped convolution, each group's channel slices in place (wgrad's dy copied a group),
+    forward, dx and dw against torch's in fp64, with a bias."""
+    from vitrail.ops import conv2d
+    x, w = _tensors(2, C, 13, 9, K, 3, 3, torch.bfloat16, seed=6)
+    w = w[:, :C // groups].contiguous(memory_format=torch.channels_last).requires_grad_(True)
+    x.requires_grad_(True)
+    b = torch.randn(K, device="cuda").to(torch.bfloat16).requires_grad_(True)
+    y = conv2d(x, w, b, stride=stride, padding=1, groups=groups, activation="relu")
+    x64, w64 = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    b64 = b.detach().double().requires_grad_(True)
+    y64 = torch.relu(torch.nn.functional.conv2d(x64, w64, b64, stride, 1, 1, groups))
+    _close(y, y64, torch.bfloat16, "y")
+    g = torch.randn_like(y64).to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    y.backward(g)
+    y64.backward(g.double())
+    for got, want, what in ((x.grad, x64.grad, "dx"), (w.grad, w64.grad, "dw"),
+                            (b.grad, b64.grad, "dbias")):
+        _close(got, want, torch.bfloat16, what)
 
 
 def test_compiles_under_torch_compile():

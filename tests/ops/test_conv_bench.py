@@ -139,8 +139,16 @@ def test_reasons_judge_what_the_kernels_get_on_meta_tensors():
     for kind in ("fprop", "dgrad", "wgrad"):  # dgrad at stride 2: the unit-stride kernel
         assert reasons(x, w, None, 2, 1, kind=kind) == []
     assert reasons(x, w, _meta(128), 1, 1, activation="silu") == []
-    assert "groups=2 is not implemented" in reasons(_meta(8, 64, 8, 8), _meta(64, 32, 3, 3),
-                                                    groups=2)[0]
+    for kind in ("fprop", "dgrad", "wgrad"):  # two groups of 32 -> 32 channels: one kernel each
+        assert reasons(_meta(8, 64, 8, 8), _meta(64, 32, 3, 3), groups=2, kind=kind) == []
+    depthwise = reasons(_meta(8, 64, 8, 8), _meta(64, 1, 3, 3), groups=64)
+    assert len(depthwise) == 1 and "(depthwise is not one)" in depthwise[0]
+    assert "use torch.nn.functional.conv2d" in depthwise[0]
+    four = [reasons(_meta(8, 64, 8, 8), _meta(64, 16, 3, 3), groups=4, kind=k)
+            for k in ("fprop", "wgrad")]  # 16 -> 16 channels a group
+    assert four == [[], []]
+    assert "16 input and 4 output" in reasons(_meta(8, 64, 8, 8), _meta(16, 16, 3, 3),
+                                              groups=4)[0]
     assert any("multiple of 8" in r for r in reasons(_meta(8, 12, 8, 8), _meta(64, 12, 1, 1)))
     with pytest.raises(TypeError, match="kind must be"):
         reasons(x, w, kind="bprop")

@@ -19,7 +19,7 @@ _EXPORTS = {
     "softmax": "softmax", "log_softmax": "softmax",
     "mm": "gemm", "bmm": "gemm", "gemm": "gemm", "scaled_mm": "gemm", "grouped_mm": "gemm",
     "conv2d": "conv",
-    "attention": "attention",
+    "attention": "attention", "attention_varlen": "attention",
     "sympow": "sympow", "sympow_mma": "sympow", "mma_sympow_bwd": "sympow",
 }
 __all__ = list(_EXPORTS)

@@ -8,10 +8,16 @@ q (B, Sq, H, D), k and v (B, Sk, Hkv, D) with H a multiple of Hkv (GQA, MQA), bf
 D of 64, 128, 192 or 256, the last dim contiguous (SDPA's (B, H, S, D) tensors pass as
 ``x.transpose(1, 2)`` without a copy). ``scale`` defaults to D ** -0.5. ``causal``: key j is
 visible to query i where j <= i (``alignment="top_left"``, as torch SDPA) or j <= i + Sk - Sq
-(``"bottom_right"``, as FlashAttention >= 2.1); a row that sees no key gives zeros and an lse of
--inf. Every refusal names the argument. The backward (q, k and v, and through the lse too) runs
-on torch's batched matmuls a block of query rows at a time (``backward.py``); a fused kernel
-is the next step.
+(``"bottom_right"``, as FlashAttention >= 2.1); ``window=(left, right)`` (a sliding window, each
+side a number of keys or None for unbounded) makes key j visible to query i only where
+i + offset - left <= j <= i + offset + right, with the same offset (causal=True is right = 0);
+``softcap`` caps the scaled scores to softcap * tanh(s / softcap) (Gemma 2). A row that sees no
+key gives zeros and an lse of -inf. Every refusal names the argument. The backward (q, k and v,
+and through the lse too) runs two kernels at D of 64 and 128 (sm90_attention_bwd.cuh: dQ over
+the keys, dK and dV over the query rows, no atomics: the same bits every run), else torch's
+batched matmuls a block of query rows at a time
+(``backward.py``). ``attention_varlen`` takes sequences of their own lengths packed along the
+rows (FlashAttention's cu_seqlens).
 
 Kernels compile with NVRTC in seconds, one per (dtype, D, causal); a new sequence length or
 batch compiles nothing.
@@ -53,36 +59,148 @@ def smem_bytes(d: int, dtype: torch.dtype = torch.bfloat16) -> int:
     return 1024 + BM * d * e + STAGES * 2 * bn * d * e + 16 * STAGES + 16
 
 
-def source(dtype: torch.dtype, d: int, causal: bool, pingpong: bool = True) -> str:
+def source(dtype: torch.dtype, d: int, causal: bool, pingpong: bool = True, local: bool = False,
+           softcap: bool = False, varlen: bool = False) -> str:
     config = {"D": d, "BM": BM, "BN": block_n(d), "STAGES": STAGES}
+    flags = {"CAUSAL": causal, "LOCAL": local, "SOFTCAP": softcap, "VARLEN": varlen,
+             "PINGPONG": pingpong}
     return ("#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
             f"using T = {ctype(dtype)};\n" +
             "".join(f"constexpr int {k} = {v};\n" for k, v in config.items()) +
-            f"constexpr bool CAUSAL = {'true' if causal else 'false'};\n"
-            f"constexpr bool PINGPONG = {'true' if pingpong else 'false'};\n"
+            "".join(f"constexpr bool {k} = {'true' if v else 'false'};\n"
+                    for k, v in flags.items()) +
             '#include "sm90_attention_fwd.cuh"\n')
 
 
 SIGNATURE = ("void* o, float* lse, const vitrail::TensorMap mapQ, const vitrail::TensorMap mapK, "
              "const vitrail::TensorMap mapV, int seqlen_q, int seqlen_k, int heads, "
-             "int heads_kv, float scale_log2, int causal_offset")
+             "int heads_kv, float scale_log2, int causal_offset, int local_offset, float softcap, "
+             "float softcap_pre, const int* cu_q, const int* cu_k, int total_q, int bottom_right")
 
 
-def kernel(dtype: torch.dtype, d: int, causal: bool, pingpong: bool = True):
+def kernel(dtype: torch.dtype, d: int, causal: bool, pingpong: bool = True, local: bool = False,
+           softcap: bool = False, varlen: bool = False):
     """The compiled forward (pingpong=False: the warpgroups in lockstep, kept to measure the
-    ping-pong against; the op always runs the default)."""
-    key = (dtype, d, causal, pingpong)
+    ping-pong against; the op always runs the default). causal: keys right of the diagonal
+    (shifted by a window's right size) masked; local: keys left of a window masked; softcap:
+    the scores capped with tanh; varlen: sequences packed along the rows."""
+    key = (dtype, d, causal, pingpong, local, softcap, varlen)
     k = _KERNELS.get(key)
     if k is None:
         from vitrail import jit
         # CuTe's constexpr helpers carry no __device__: NVRTC needs -default-device
-        module = jit.compile(source(dtype, d, causal, pingpong), name="attention_fwd",
+        module = jit.compile(source(dtype, d, causal, pingpong, local, softcap, varlen),
+                             name="attention_fwd",
                              backend="nvrtc", include_dirs=[HERE], flags=["-default-device"])
         k = _KERNELS[key] = module.kernel("attention_fwd", SIGNATURE)
     return k
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor, scale, alignment: str) -> None:
+# The backward's kernels (sm90_attention_bwd.cuh): dQ over the keys, dK and dV over the rows.
+BWD_HEAD_DIMS = (64, 128)  # larger: dK and dV's fp32 sums do not fit a thread's registers
+BWD = {"BM": 128, "BN": 64, "BK": 128, "BQ": 64, "STAGES": 2}
+BWD_THREADS = 384
+ROWS_PADDED = 128  # lse2 and delta are padded to a multiple of BM and BQ
+
+
+def bwd_source(dtype: torch.dtype, d: int, causal: bool, local: bool = False,
+               softcap: bool = False) -> str:
+    flags = {"CAUSAL": causal, "LOCAL": local, "SOFTCAP": softcap}
+    return ("#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
+            f"using T = {ctype(dtype)};\nconstexpr int D = {d};\n" +
+            "".join(f"constexpr int {k} = {v};\n" for k, v in BWD.items()) +
+            "".join(f"constexpr bool {k} = {'true' if v else 'false'};\n"
+                    for k, v in flags.items()) +
+            '#include "sm90_attention_bwd.cuh"\n')
+
+
+_BWD_INTS = ("int seqlen_q, int seqlen_k, int seqlen_q_padded, int heads, int heads_kv, "
+             "float scale_log2, float scale, int causal_offset, int local_offset, float softcap, "
+             "float softcap_pre")
+BWD_SIGNATURES = {
+    "attention_bwd_dq": "void* dq, float* lse2, float* delta, const vitrail::TensorMap mapQ, "
+                        "const vitrail::TensorMap mapdO, const vitrail::TensorMap mapK, "
+                        "const vitrail::TensorMap mapV, " + _BWD_INTS,
+    "attention_bwd_dkv": "void* dk, void* dv, float* lse2, float* delta, "
+                         "const vitrail::TensorMap mapK, const vitrail::TensorMap mapV, "
+                         "const vitrail::TensorMap mapQ, const vitrail::TensorMap mapdO, " +
+                         _BWD_INTS}
+
+
+def bwd_kernels(dtype: torch.dtype, d: int, causal: bool, local: bool = False,
+                softcap: bool = False) -> dict:
+    """The compiled backward: {"attention_bwd_dq": kernel, "attention_bwd_dkv": kernel}."""
+    key = ("bwd", dtype, d, causal, local, softcap)
+    k = _KERNELS.get(key)
+    if k is None:
+        from vitrail import jit
+        module = jit.compile(bwd_source(dtype, d, causal, local, softcap), name="attention_bwd",
+                             backend="nvrtc", include_dirs=[HERE], flags=["-default-device"])
+        k = _KERNELS[key] = {name: module.kernel(name, sig)
+                             for name, sig in BWD_SIGNATURES.items()}
+    return k
+
+
+def bwd_smem_bytes(d: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Dynamic shared memory of each backward kernel (the .cuh's kSmemBytes)."""
+    e = torch.finfo(dtype).bits // 8
+    c = BWD
+    barriers = 16 * c["STAGES"] + 16
+    stage = -(-(2 * c["BQ"] * d * e + 2 * c["BQ"] * 4) // 1024) * 1024
+    return {"attention_bwd_dq": 1024 + 2 * c["BM"] * d * e + c["STAGES"] * 2 * c["BN"] * d * e +
+            barriers,
+            "attention_bwd_dkv": 1024 + 2 * c["BK"] * d * e + c["STAGES"] * stage + barriers}
+
+
+def _fused_backward(grad_o, grad_lse, q, k, v, o, lse, scale, causal, causal_offset,
+                    local=False, local_offset=0, softcap=0.0):
+    """The backward's two kernels (dQ; dK and dV) on a Hopper GPU."""
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    padded = -(-sq // ROWS_PADDED) * ROWS_PADDED
+    log2e = math.log2(math.e)
+    lse2 = lse.new_full((b, h, padded), math.inf)
+    lse2[..., :sq] = torch.where(torch.isinf(lse), math.inf, lse * log2e)
+    delta = lse.new_zeros((b, h, padded))
+    rows = (grad_o.float() * o.float()).sum(-1).transpose(1, 2)
+    delta[..., :sq] = rows if grad_lse is None else rows - grad_lse
+    q, k, v, grad_o = (_tma_ready(t) for t in (q, k, v, grad_o))
+    dq = q.new_empty((b, sq, h, d))
+    dk, dv = k.new_empty((b, sk, hk, d)), v.new_empty((b, sk, hk, d))
+    kernels = bwd_kernels(q.dtype, d, causal, local, softcap > 0)
+    smem, c = bwd_smem_bytes(d, q.dtype), BWD
+    ints = (sq, sk, padded, h, hk, (1.0 if softcap > 0 else scale) * log2e, scale, causal_offset,
+            local_offset, softcap, scale / softcap if softcap > 0 else 0.0)
+    with torch.cuda.device(q.device):
+        kernels["attention_bwd_dq"][(-(-sq // c["BM"]), h, b), BWD_THREADS](
+            dq, lse2, delta, _map(q, c["BM"]), _map(grad_o, c["BM"]), _map(k, c["BN"]),
+            _map(v, c["BN"]), *ints, shared_mem=smem["attention_bwd_dq"])
+        kernels["attention_bwd_dkv"][(-(-sk // c["BK"]), hk, b), BWD_THREADS](
+            dk, dv, lse2, delta, _map(k, c["BK"]), _map(v, c["BK"]), _map(q, c["BQ"]),
+            _map(grad_o, c["BQ"]), *ints, shared_mem=smem["attention_bwd_dkv"])
+    return dq, dk, dv
+
+
+def _check_options(causal: bool, window, softcap) -> None:
+    """The window and the softcap: ArgumentError naming the one that is wrong."""
+    if window is not None:
+        if not (isinstance(window, (tuple, list)) and len(window) == 2 and
+                all(w is None or (isinstance(w, int) and not isinstance(w, bool) and w >= 0)
+                    for w in window)):
+            raise ArgumentError(f"{NAME}: window must be (left, right), each a number of keys "
+                                f">= 0 or None (unbounded), got {window!r}")
+        if causal and window[1] not in (None, 0):
+            raise ArgumentError(f"{NAME}: causal=True is a window's right size of 0; got "
+                                f"causal=True and window={tuple(window)}")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and
+                                    not isinstance(softcap, bool) and
+                                    math.isfinite(softcap) and softcap > 0):
+        raise ArgumentError(f"{NAME}: softcap must be a positive finite number or None, got "
+                            f"{softcap!r}")
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, scale, alignment: str, causal: bool = False,
+           window=None, softcap=None) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(NAME, name, t, dtypes=DTYPES, ndim=4)
     check_same_device(NAME, q=q, k=k, v=v)
@@ -111,6 +229,7 @@ def _check(q: Tensor, k: Tensor, v: Tensor, scale, alignment: str) -> None:
                             f"{alignment!r}")
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
         raise ArgumentError(f"{NAME}: scale must be a finite number or None, got {scale!r}")
+    _check_options(causal, window, softcap)
 
 
 def _tma_ready(t: Tensor) -> Tensor:
@@ -134,7 +253,10 @@ def _map(t: Tensor, rows: int) -> bytes:
 
 @torch.library.custom_op("vitrail::attention_fwd", mutates_args=())
 def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
-                   causal_offset: int) -> tuple[Tensor, Tensor]:
+                   causal_offset: int, local: bool = False, local_offset: int = 0,
+                   softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+    """causal: key j visible to row i where j <= i + causal_offset; local: where
+    j >= i + local_offset; softcap > 0: scores capped to softcap * tanh(s * scale / softcap)."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     o = q.new_empty((b, sq, h, d))
@@ -153,62 +275,89 @@ def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
     bn = block_n(d)
     grid = (-(-sq // BM), h, b)
     with torch.cuda.device(q.device):
-        kernel(q.dtype, d, causal)[grid, THREADS](
+        kernel(q.dtype, d, causal, local=local, softcap=softcap > 0)[grid, THREADS](
             o, lse, _map(q, BM), _map(k, bn), _map(v, bn), sq, sk, h, hk,
-            scale * math.log2(math.e), causal_offset, shared_mem=smem_bytes(d, q.dtype))
+            (1.0 if softcap > 0 else scale) * math.log2(math.e), causal_offset, local_offset,
+            softcap, scale / softcap if softcap > 0 else 0.0, None, None, 0, 0,
+            shared_mem=smem_bytes(d, q.dtype))
     return o, lse
 
 
 @_attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, scale, causal, causal_offset):
+def _attention_fwd_fake(q, k, v, scale, causal, causal_offset, local=False, local_offset=0,
+                        softcap=0.0):
     b, sq, h, d = q.shape
     return q.new_empty((b, sq, h, d)), q.new_empty((b, h, sq), dtype=torch.float32)
 
 
 @torch.library.custom_op("vitrail::attention_bwd", mutates_args=())
 def _attention_bwd(grad_o: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor,
-                   o: Tensor, lse: Tensor, scale: float, causal: bool,
-                   causal_offset: int) -> tuple[Tensor, Tensor, Tensor]:
-    return attention_backward(grad_o, grad_lse, q, k, v, o, lse, scale, causal, causal_offset)
+                   o: Tensor, lse: Tensor, scale: float, causal: bool, causal_offset: int,
+                   local: bool = False, local_offset: int = 0,
+                   softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+    if fused_backward_runs(q, k):
+        return _fused_backward(grad_o, grad_lse, q, k, v, o, lse, scale, causal, causal_offset,
+                               local, local_offset, softcap)
+    return attention_backward(grad_o, grad_lse, q, k, v, o, lse, scale, causal, causal_offset,
+                              local, local_offset, softcap)
+
+
+def fused_backward_runs(q: Tensor, k: Tensor) -> bool:
+    """Whether the backward of these q and k runs the fused kernels (a Hopper GPU, D of 64 or
+    128, something to compute); else torch's matmuls (backward.py)."""
+    return (q.is_cuda and q.shape[3] in BWD_HEAD_DIMS and min(q.numel(), k.numel()) > 0 and
+            torch.cuda.get_device_capability(q.device) == (9, 0))
 
 
 @_attention_bwd.register_fake
-def _attention_bwd_fake(grad_o, grad_lse, q, k, v, o, lse, scale, causal, causal_offset):
-    return torch.empty_like(q), k.new_empty(k.shape), v.new_empty(v.shape)
+def _attention_bwd_fake(grad_o, grad_lse, q, k, v, o, lse, scale, causal, causal_offset,
+                        local=False, local_offset=0, softcap=0.0):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _backward(ctx, grad_o, grad_lse):
     q, k, v, o, lse = ctx.saved_tensors
-    scale, causal, offset = ctx.args
     if grad_o is None:  # only the lse took part in the loss
         grad_o = torch.zeros_like(o)
-    dq, dk, dv = _attention_bwd(grad_o, grad_lse, q, k, v, o, lse, scale, causal, offset)
-    return dq, dk, dv, None, None, None
+    dq, dk, dv = _attention_bwd(grad_o, grad_lse, q, k, v, o, lse, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, scale, causal, offset = inputs
+    q, k, v, *args = inputs  # scale, causal, causal_offset, local, local_offset, softcap
     ctx.save_for_backward(q, k, v, *output)
-    ctx.args = (scale, causal, offset)
+    ctx.args = tuple(args)
 
 
 _attention_fwd.register_autograd(_backward, setup_context=_setup)
 
 
+def _mask(sq: int, sk: int, causal: bool, alignment: str, window) -> tuple[bool, int, bool, int]:
+    """(causal, causal_offset, local, local_offset) of the kernels: key j visible to query i
+    where j <= i + causal_offset (if causal) and j >= i + local_offset (if local)."""
+    offset = 0 if alignment == "top_left" else sk - sq
+    left, right = window if window is not None else (None, None)
+    upper = causal or right is not None
+    return (upper, offset + (right or 0) if upper else 0, left is not None,
+            offset - left if left is not None else 0)
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
               scale: Optional[float] = None, alignment: str = "top_left",
-              return_lse: bool = False):
+              window: Optional[tuple[Optional[int], Optional[int]]] = None,
+              softcap: Optional[float] = None, return_lse: bool = False):
     """softmax(q k^T * scale) v per batch and head (see the module docstring)."""
-    _check(q, k, v, scale, alignment)
+    _check(q, k, v, scale, alignment, causal, window, softcap)
     d = q.shape[3]
     scale = d ** -0.5 if scale is None else float(scale)
-    offset = 0 if alignment == "top_left" else k.shape[1] - q.shape[1]
-    o, lse = _attention_fwd(q, k, v, scale, bool(causal), offset)
+    mask = _mask(q.shape[1], k.shape[1], bool(causal), alignment, window)
+    o, lse = _attention_fwd(q, k, v, scale, *mask, float(softcap or 0.0))
     return (o, lse) if return_lse else o
 
 
 def reference(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
-              scale: Optional[float] = None, alignment: str = "top_left") -> tuple[Tensor, Tensor]:
+              scale: Optional[float] = None, alignment: str = "top_left", window=None,
+              softcap: Optional[float] = None) -> tuple[Tensor, Tensor]:
     """(o, lse) computed by plain torch in q's dtype's precision or better (pass float64)."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -216,16 +365,177 @@ def reference(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     kk = k.repeat_interleave(h // hk, dim=2)
     vv = v.repeat_interleave(h // hk, dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
-    if causal:
-        offset = 0 if alignment == "top_left" else sk - sq
-        i = torch.arange(sq, device=q.device)[:, None]
-        j = torch.arange(sk, device=q.device)[None, :]
-        s = s.masked_fill(j > i + offset, -math.inf)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    upper, hi, local, lo = _mask(sq, sk, causal, alignment, window)
+    i = torch.arange(sq, device=q.device)[:, None]
+    j = torch.arange(sk, device=q.device)[None, :]
+    if upper:
+        s = s.masked_fill(j > i + hi, -math.inf)
+    if local:
+        s = s.masked_fill(j < i + lo, -math.inf)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
     return torch.einsum("bhqk,bkhd->bqhd", p, vv), lse
 
 
-__all__ = ["attention", "reference"]
+# --------------------------------------------------------------------------- variable lengths
+def _lengths(cu: Tensor, total: int, max_seqlen: int, name: str) -> list[int]:
+    """cu's values (one synchronization), checked against the packed tensor's rows and the
+    maximum given: what the kernel's grid and the backward rely on."""
+    c = cu.tolist()
+    lengths = [b - a for a, b in zip(c, c[1:])]
+    if c[0] != 0 or c[-1] != total or any(n < 0 for n in lengths):
+        raise ArgumentError(f"{NAME}: cu_seqlens_{name} must rise from 0 to the {total} rows of "
+                            f"{name} (a sequence's rows are cu[i]:cu[i + 1]), got {c[:8]}"
+                            f"{' ...' if len(c) > 8 else ''}")
+    if lengths and max(lengths) > max_seqlen:
+        raise ArgumentError(f"{NAME}: max_seqlen_{name}={max_seqlen} is below the longest "
+                            f"sequence's {max(lengths)} rows")
+    return c
+
+
+@torch.library.custom_op("vitrail::attention_varlen_fwd", mutates_args=())
+def _attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                          cu_seqlens_k: Tensor, max_seqlen_q: int, scale: float, causal: bool,
+                          causal_offset: int, local: bool, local_offset: int, softcap: float,
+                          bottom_right: bool) -> tuple[Tensor, Tensor]:
+    """The forward over packed sequences: q (total_q, H, D), k and v (total_k, Hkv, D); o as q,
+    lse (H, total_q). Offsets as _attention_fwd's, plus seqlen_k - seqlen_q per sequence where
+    bottom_right."""
+    tq, h, d = q.shape
+    tk, hk = k.shape[0], k.shape[1]
+    batch = cu_seqlens_q.shape[0] - 1
+    o = q.new_empty((tq, h, d))
+    lse = q.new_empty((h, tq), dtype=torch.float32)
+    if tq == 0 or batch == 0:
+        return o, lse
+    if tk == 0:
+        o.zero_()
+        lse.fill_(-math.inf)
+        return o, lse
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        raise NotImplementedError(f"{NAME}: the kernel is sm_90a (Hopper); "
+                                  f"{torch.cuda.get_device_name(q.device)} is not one")
+    q4, k4, v4 = (_tma_ready(t.unsqueeze(0)) for t in (q, k, v))  # one "batch" of all rows
+    bn = block_n(d)
+    grid = (-(-max_seqlen_q // BM), h, batch)
+    with torch.cuda.device(q.device):
+        kernel(q.dtype, d, causal, local=local, softcap=softcap > 0, varlen=True)[grid, THREADS](
+            o, lse, _map(q4, BM), _map(k4, bn), _map(v4, bn), max_seqlen_q, 0, h, hk,
+            (1.0 if softcap > 0 else scale) * math.log2(math.e), causal_offset, local_offset,
+            softcap, scale / softcap if softcap > 0 else 0.0, cu_seqlens_q, cu_seqlens_k, tq,
+            int(bottom_right), shared_mem=smem_bytes(d, q.dtype))
+    return o, lse
+
+
+@_attention_varlen_fwd.register_fake
+def _attention_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, causal,
+                               causal_offset, local, local_offset, softcap, bottom_right):
+    tq, h, d = q.shape
+    return q.new_empty((tq, h, d)), q.new_empty((h, tq), dtype=torch.float32)
+
+
+@torch.library.custom_op("vitrail::attention_varlen_bwd", mutates_args=())
+def _attention_varlen_bwd(grad_o: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor,
+                          v: Tensor, o: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
+                          cu_seqlens_k: Tensor, scale: float, causal: bool, causal_offset: int,
+                          local: bool, local_offset: int, softcap: float,
+                          bottom_right: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Each sequence's backward (backward.py's matmuls, a batch of one)."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    dq, dk, dv = q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+    for q0, q1, k0, k1 in zip(cq, cq[1:], ck, ck[1:]):
+        if q1 == q0 or k1 == k0:
+            continue  # no rows, or no keys (o = 0, lse = -inf): no gradient
+        shift = (k1 - k0) - (q1 - q0) if bottom_right else 0
+        one = [t[None] for t in (grad_o[q0:q1], q[q0:q1], k[k0:k1], v[k0:k1], o[q0:q1])]
+        glse = None if grad_lse is None else grad_lse[:, q0:q1][None]
+        g = attention_backward(one[0], glse, *one[1:], lse[:, q0:q1][None], scale, causal,
+                               causal_offset + shift, local, local_offset + shift, softcap)
+        dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
+    return dq, dk, dv
+
+
+@_attention_varlen_bwd.register_fake
+def _attention_varlen_bwd_fake(grad_o, grad_lse, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k,
+                               scale, causal, causal_offset, local, local_offset, softcap,
+                               bottom_right):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _varlen_backward(ctx, grad_o, grad_lse):
+    q, k, v, cu_q, cu_k, o, lse = ctx.saved_tensors
+    if grad_o is None:
+        grad_o = torch.zeros_like(o)
+    dq, dk, dv = _attention_varlen_bwd(grad_o, grad_lse, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
+    return (dq, dk, dv) + (None,) * 10
+
+
+def _varlen_setup(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, _max_q, *args = inputs
+    ctx.save_for_backward(q, k, v, cu_q, cu_k, *output)
+    ctx.args = tuple(args)  # scale, causal, causal_offset, local, local_offset, softcap, bottom
+
+
+_attention_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup)
+
+
+def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                     cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
+                     causal: bool = False, scale: Optional[float] = None,
+                     alignment: str = "top_left",
+                     window: Optional[tuple[Optional[int], Optional[int]]] = None,
+                     softcap: Optional[float] = None, return_lse: bool = False):
+    """attention over sequences of their own lengths packed along the rows (FlashAttention's
+    varlen): q (total_q, H, D), k and v (total_k, Hkv, D); sequence i is rows
+    cu_seqlens_q[i]:cu_seqlens_q[i + 1] of q and cu_seqlens_k[i]:cu_seqlens_k[i + 1] of k and v
+    (int32 on q's device). Options as :func:`attention`'s, per sequence. Returns o (total_q, H,
+    D) and, with return_lse, lse (H, total_q). In eager mode the lengths are read once (one
+    synchronization) and checked against the tensors and the maxima."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(NAME, name, t, dtypes=DTYPES, ndim=3)
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        check_tensor(NAME, name, t, dtypes=(torch.int32,), ndim=1)
+        if t.shape[0] < 1:
+            raise ArgumentError(f"{NAME}: {name} must hold batch + 1 >= 1 offsets, got none")
+    check_same_device(NAME, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    if cu_seqlens_q.shape[0] - 1 > MAX_GRID_YZ:
+        raise ArgumentError(f"{NAME}: at most {MAX_GRID_YZ} sequences in one call (the launch "
+                            f"grid's z), got {cu_seqlens_q.shape[0] - 1}; split the call")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ArgumentError(f"{NAME}: cu_seqlens_q and cu_seqlens_k must hold one offset per "
+                            f"sequence each, got {cu_seqlens_q.shape[0]} and "
+                            f"{cu_seqlens_k.shape[0]}")
+    _check(q[None], k[None], v[None], scale, alignment, causal, window, softcap)
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if not isinstance(m, int) or isinstance(m, bool) or m < 0:
+            raise ArgumentError(f"{NAME}: {name} must be an int >= 0, got {m!r}")
+    if not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing():
+        _lengths(cu_seqlens_q, q.shape[0], max_seqlen_q, "q")
+        _lengths(cu_seqlens_k, k.shape[0], max_seqlen_k, "k")
+    d = q.shape[2]
+    scale = d ** -0.5 if scale is None else float(scale)
+    upper, hi, local, lo = _mask(0, 0, bool(causal), "top_left", window)  # offsets sans Sk - Sq
+    o, lse = _attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale,
+                                   upper, hi, local, lo, float(softcap or 0.0),
+                                   alignment == "bottom_right")
+    return (o, lse) if return_lse else o
+
+
+def reference_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                     cu_seqlens_k: Tensor, **kwargs) -> tuple[Tensor, Tensor]:
+    """(o, lse) of attention_varlen by :func:`reference`, one sequence at a time."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    o = q.new_zeros(q.shape)
+    lse = q.new_full((q.shape[1], q.shape[0]), -math.inf)
+    for q0, q1, k0, k1 in zip(cq, cq[1:], ck, ck[1:]):
+        if q1 > q0 and k1 > k0:
+            oi, li = reference(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], **kwargs)
+            o[q0:q1], lse[:, q0:q1] = oi[0], li[0]
+    return o, lse
+
+
+__all__ = ["attention", "attention_varlen", "reference", "reference_varlen"]
 
 importlib.import_module("vitrail.ops.attention.problems")  # vitrail tune and precompile say why not

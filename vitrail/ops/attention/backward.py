@@ -5,16 +5,17 @@ For a block of query rows (all the query heads that share a key/value head, GQA'
 as rows), with P recomputed from the forward's log-sum-exp and Di = rowsum(dO * O) - dlse:
 
     S  = Q K^T                 (fp32 out of bf16/fp16 operands)
-    P  = exp(S * scale - lse)  (0 where the causal mask hides the key)
+    P  = exp(S * scale - lse)  (0 where the causal mask or the window hides the key; with a
+                                softcap, exp(c tanh(S * scale / c) - lse))
     dV += P^T dO               (P rounded to the input dtype, as the fused kernels do; fp32 sums)
     dP = dO V^T                (fp32)
-    dS = P * (dP - Di)
+    dS = P * (dP - Di)         (softcap: times 1 - tanh^2, the cap's derivative)
     dQ = dS K * scale,  dK += dS^T Q * scale
 
 The products take operands in the input dtype and give fp32 (``torch.bmm(..., out_dtype=)``),
 so S and dP are exact to fp32 accumulation, and dK, dV accumulate in fp32 across the blocks.
-Causal blocks stop at the last key any of their rows sees. On a CPU tensor (the tests' fp64
-reference runs) the same algebra runs in fp32 or better.
+Causal blocks stop at the last key any of their rows sees, windowed ones start at the first.
+On a CPU tensor (the tests' fp64 reference runs) the same algebra runs in fp32 or better.
 """
 from __future__ import annotations
 
@@ -42,15 +43,18 @@ def rows_per_block(batch_heads: int, seqlen_k: int, seqlen_q: int) -> int:
 
 def attention_backward(grad_o: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
                        o: Tensor, lse: Tensor, scale: float, causal: bool,
-                       causal_offset: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) of ``attention``'s forward, in the layouts and dtypes of q, k and v.
+                       causal_offset: int, local: bool = False, local_offset: int = 0,
+                       softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of ``attention``'s forward, in the layouts and dtypes of q, k and v. The
+    mask as the forward's: key j visible to query i where j <= i + causal_offset (causal) and
+    j >= i + local_offset (local); softcap > 0: the scores were capped with tanh.
 
     q, o, grad_o: (B, Sq, H, D); k, v: (B, Sk, Hkv, D); lse, grad_lse: (B, H, Sq), fp32."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     g = h // hk
     wide = torch.promote_types(q.dtype, torch.float32)  # S, P, dS and the sums over blocks
-    dq = torch.zeros_like(q)
+    dq = q.new_zeros(q.shape)
     dk32 = k.new_zeros((b * hk, sk, d), dtype=wide)
     dv32 = k.new_zeros((b * hk, sk, d), dtype=wide)
     if min(q.numel(), k.numel()) > 0:
@@ -71,29 +75,38 @@ def attention_backward(grad_o: Tensor, grad_lse: Tensor | None, q: Tensor, k: Te
         for i0 in range(0, sq, step):
             i1 = min(sq, i0 + step)
             n = i1 - i0
-            # keys any row of the block sees: j <= i + offset for the block's last row
+            # the keys any row of the block sees: [kbeg, kend)
             kend = max(0, min(sk, i1 + causal_offset)) if causal else sk
-            if kend == 0:
+            kbeg = min(kend, max(0, i0 + local_offset)) if local else 0
+            if kend == kbeg:
                 dq_grouped[:, :, i0:i1].zero_()
                 continue
+            m = kend - kbeg
             qc = qq[:, :, i0:i1].reshape(b * hk, g * n, d)
             dc = dd[:, :, i0:i1].reshape(b * hk, g * n, d)
-            kc, vc = kk[:, :kend], vv[:, :kend]
-            p = _mm(qc, kc.transpose(1, 2)).view(b * hk, g, n, kend)
+            kc, vc = kk[:, kbeg:kend], vv[:, kbeg:kend]
+            p = _mm(qc, kc.transpose(1, 2)).view(b * hk, g, n, m).mul_(scale)
             lse_c = ll[:, :, i0:i1, None]
-            p.mul_(scale).sub_(lse_c).exp_()
+            if softcap > 0:
+                t = p.div_(softcap).tanh_()
+                p = t * softcap
+            p.sub_(lse_c).exp_()
+            i = torch.arange(i0, i1, device=q.device)[:, None]
+            j = torch.arange(kbeg, kend, device=q.device)[None, :]
             if causal:
-                i = torch.arange(i0, i1, device=q.device)[:, None]
-                j = torch.arange(kend, device=q.device)[None, :]
                 p.masked_fill_(j > i + causal_offset, 0.0)
+            if local:
+                p.masked_fill_(j < i + local_offset, 0.0)
             p.masked_fill_(torch.isinf(lse_c), 0.0)  # a row that sees no key: lse -inf
-            p = p.view(b * hk, g * n, kend)
+            p = p.view(b * hk, g * n, m)
             p_low = p.to(q.dtype)
-            _mm(p_low.transpose(1, 2), dc, dv32[:, :kend])
-            ds = _mm(dc, vc.transpose(1, 2)).view(b * hk, g, n, kend)
-            ds.sub_(di[:, :, i0:i1, None]).mul_(p.view(b * hk, g, n, kend))
-            ds_low = ds.view(b * hk, g * n, kend).to(q.dtype)
-            _mm(ds_low.transpose(1, 2), qc, dk32[:, :kend])
+            _mm(p_low.transpose(1, 2), dc, dv32[:, kbeg:kend])
+            ds = _mm(dc, vc.transpose(1, 2)).view(b * hk, g, n, m)
+            ds.sub_(di[:, :, i0:i1, None]).mul_(p.view(b * hk, g, n, m))
+            if softcap > 0:
+                ds.mul_(1 - t * t)
+            ds_low = ds.view(b * hk, g * n, m).to(q.dtype)
+            _mm(ds_low.transpose(1, 2), qc, dk32[:, kbeg:kend])
             dq_c = _mm(ds_low, kc).mul_(scale)
             dq_grouped[:, :, i0:i1] = dq_c.view(b * hk, g, n, d).to(q.dtype)
         dq.copy_(dq_grouped.reshape(b, hk, g, sq, d).permute(0, 3, 1, 2, 4).reshape(b, sq, h, d))

@@ -9,11 +9,17 @@
 // PINGPONG: the two take turns to issue Q K^T (two named barriers), so one's softmax runs while
 // the other's product is on the tensor cores (FlashAttention-3's ping-pong).
 // Causal CTAs take blocks of query rows from the last (the most keys) to the first, so the
-// grid's tail is the lightest work.
+// grid's tail is the lightest work. LOCAL (a sliding window): key j is visible to row i only
+// where j >= i + local_offset, and the blocks wholly left of every row's window are not loaded.
+// SOFTCAP: scores become softcap * tanh(s * scale / softcap) before the softmax (Gemma 2's
+// logit capping). VARLEN: sequences of their own lengths packed along the rows (q, k, v, o
+// (total, heads, D), lse (heads, total_q)); blockIdx.z is the sequence, cu_q / cu_k its rows'
+// and keys' start (cumulative lengths, batch + 1 of them); keys past its end are masked like
+// keys past seqlen_k.
 // Fragment -> slab: O / sum, converted to T, and the log-sum-exp, stored where they land.
 //
 // Config (constexpr before the include): T, D (head dim), BM (query rows), BN (keys per block),
-// STAGES, CAUSAL, PINGPONG (bool).
+// STAGES, CAUSAL, LOCAL, SOFTCAP, VARLEN, PINGPONG (bool).
 // Layouts: q, k, v, o (batch, seqlen, heads, D), D contiguous; TMA maps over (D, seqlen, heads,
 // batch) made by the Python side (vitrail.ops.attention); lse (batch, heads, seqlen_q) fp32.
 #pragma once
@@ -41,8 +47,15 @@ struct Params {
   T* o;
   float* lse;
   int seqlen_q, seqlen_k, heads, heads_kv;
-  float scale_log2;  // softmax scale * log2(e)
-  int causal_offset; // key j is visible to query i where j <= i + causal_offset
+  float scale_log2;  // softmax scale * log2(e) (SOFTCAP: log2(e), the scale is in softcap_pre)
+  int causal_offset; // CAUSAL: key j is visible to query i where j <= i + causal_offset
+  int local_offset;  // LOCAL: key j is visible to query i where j >= i + local_offset
+  float softcap;     // SOFTCAP: s -> softcap * tanh(s * softcap_pre)
+  float softcap_pre; // scale / softcap
+  const int* cu_q;   // VARLEN: the sequences' first rows (batch + 1 cumulative lengths)
+  const int* cu_k;   // VARLEN: the sequences' first keys
+  int total_q;       // VARLEN: q's rows in all (lse's row stride)
+  int bottom_right;  // VARLEN: the offsets above are relative to seqlen_k - seqlen_q
 };
 
 // The blocks of keys a query block sees: all, or those up to the causal diagonal.
@@ -60,7 +73,25 @@ __device__ int first_masked_block(const Params& p, int m0) {
   return first;
 }
 
-__device__ void forward(const Params& p, const vitrail::TensorMap& mapQ,
+// LOCAL: the first block with a key in some row's window (the first row's), and the first whose
+// keys are all in every row's window (the last row's bound).
+__device__ int first_block(const Params& p, int m0) {
+  return LOCAL ? max(0, m0 + p.local_offset) / BN : 0;
+}
+__device__ int first_full_block(const Params& p, int m0) {
+  if (!LOCAL) return 0;
+  const int lowest = m0 + BM - 1 + p.local_offset;  // the last row's first visible key
+  return lowest <= 0 ? 0 : (lowest + BN - 1) / BN;
+}
+
+// The CTA's block of query rows: causal CTAs from the last (the most keys) to the first.
+__device__ int row_block() {
+  return CAUSAL ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+}
+
+// p: one sequence's lengths and offsets; q_start, k_start (VARLEN): its first row and key in
+// the packed tensors.
+__device__ void forward(const Params& p, int q_start, int k_start, const vitrail::TensorMap& mapQ,
                         const vitrail::TensorMap& mapK, const vitrail::TensorMap& mapV) {
   extern __shared__ char smem_raw[];
   unsigned raw = static_cast<unsigned>(__cvta_generic_to_shared(smem_raw));
@@ -74,10 +105,11 @@ __device__ void forward(const Params& p, const vitrail::TensorMap& mapQ,
   auto sK = [&](int stage) { return QK::tile_b(ring + stage * kBytesKV); };
   auto sV = [&](int stage) { return PV::tile_b(ring + stage * kBytesKV + QK::kBytesB<>); };
 
-  const int m_block = CAUSAL ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
-  const int m0 = m_block * BM, head = blockIdx.y, batch = blockIdx.z;
+  const int m0 = row_block() * BM, head = blockIdx.y, batch = blockIdx.z;
+  const int tma_batch = VARLEN ? 0 : batch;
   const int head_kv = head / (p.heads / p.heads_kv);
   const int blocks = kv_blocks(p, m0);
+  const int start = LOCAL ? min(blocks, first_block(p, m0)) : 0;
   if (threadIdx.x == 0) {
     vitrail::Tma::prefetch(mapQ);
     vitrail::Tma::prefetch(mapK);
@@ -92,18 +124,19 @@ __device__ void forward(const Params& p, const vitrail::TensorMap& mapQ,
     if (threadIdx.x == 0) {
       vitrail::Bulk::expect(q_full, kBytesQ);
       for (int c = 0; c < kChunks; ++c)  // Q's 64-wide slices of D, BM rows each
-        vitrail::Tma::load(&sQ(0, c * kChunk, 0), mapQ, q_full, c * kChunk, m0, head, batch);
+        vitrail::Tma::load(&sQ(0, c * kChunk, 0), mapQ, q_full, c * kChunk, q_start + m0, head,
+                           tma_batch);
       auto w = vitrail::PipeState<STAGES>::producer();
-      for (int j = 0; j < blocks; ++j, w.advance()) {
+      for (int j = start; j < blocks; ++j, w.advance()) {
         pipe.acquire(w);
         pipe.expect(w, kBytesKV);
         auto k = sK(w.index);
         auto v = sV(w.index);
         for (int c = 0; c < kChunks; ++c) {
-          vitrail::Tma::load(&k(0, c * kChunk, 0), mapK, pipe.full(w), c * kChunk, j * BN,
-                             head_kv, batch);
-          vitrail::Tma::load(&v(c * kChunk, 0, 0), mapV, pipe.full(w), c * kChunk, j * BN,
-                             head_kv, batch);
+          vitrail::Tma::load(&k(0, c * kChunk, 0), mapK, pipe.full(w), c * kChunk,
+                             k_start + j * BN, head_kv, tma_batch);
+          vitrail::Tma::load(&v(c * kChunk, 0, 0), mapV, pipe.full(w), c * kChunk,
+                             k_start + j * BN, head_kv, tma_batch);
         }
       }
     }
@@ -132,9 +165,10 @@ __device__ void forward(const Params& p, const vitrail::TensorMap& mapQ,
   if (PINGPONG && wg == 1) vitrail::named_barrier_arrive(kTurn, QK::kThreads);
 
   // One block of keys: S = Q K^T, the online softmax, O += P V. Masked (a constant): keys past
-  // seqlen_k (TMA filled them with zeros) and past the causal diagonal become -inf. Only the
-  // last blocks need it, and they get a loop of their own: with one loop, ptxas computed every
-  // element's mask predicates in every block, ahead of the block's first wgmma.
+  // seqlen_k (TMA filled them with zeros), past the causal diagonal or left of the window
+  // become -inf. Only the blocks at the ends need it, and they get loops of their own: with one
+  // loop, ptxas computed every element's mask predicates in every block, ahead of the block's
+  // first wgmma.
   vitrail::PipeState<STAGES> rd;
   auto block = [&](int j, auto masked) {
     pipe.wait(rd);
@@ -148,9 +182,11 @@ __device__ void forward(const Params& p, const vitrail::TensorMap& mapQ,
       float m = row_max[r];
       CUTE_UNROLL
       for (int c = 0; c < cute::size<1>(s_rows); ++c) {
+        if constexpr (SOFTCAP) s_rows(r, c) = p.softcap * tanhf(s_rows(r, c) * p.softcap_pre);
         if constexpr (decltype(masked)::value) {
           const int row = m0 + cute::get<0>(where(r, c)), key = j * BN + cute::get<1>(where(r, c));
-          if (key >= p.seqlen_k || (CAUSAL && key > row + p.causal_offset))
+          if (key >= p.seqlen_k || (CAUSAL && key > row + p.causal_offset) ||
+              (LOCAL && key < row + p.local_offset))
             s_rows(r, c) = -kInf;
         }
         m = fmaxf(m, s_rows(r, c));
@@ -177,9 +213,20 @@ __device__ void forward(const Params& p, const vitrail::TensorMap& mapQ,
     rd.advance();
   };
   vitrail::Bulk::wait(q_full, 0);
-  const int unmasked = min(blocks, first_masked_block(p, m0));
-  for (int j = 0; j < unmasked; ++j) block(j, cute::false_type{});
-  for (int j = unmasked; j < blocks; ++j) block(j, cute::true_type{});
+  // [0, tail): no mask; [tail, blocks): the diagonal and seqlen_k's edge. LOCAL: [start, full)
+  // masked too, the window's left edge (one loop: three call sites of block made ptxas keep it
+  // out of line, its state on the stack)
+  const int tail = min(blocks, first_masked_block(p, m0));
+  if constexpr (LOCAL) {
+    const int full = max(start, first_full_block(p, m0));
+    for (int j = start; j < blocks; ++j) {
+      if (j >= full && j < tail) block(j, cute::false_type{});
+      else block(j, cute::true_type{});
+    }
+  } else {
+    for (int j = 0; j < tail; ++j) block(j, cute::false_type{});
+    for (int j = tail; j < blocks; ++j) block(j, cute::true_type{});
+  }
 
   // fragment -> slab: O / sum and the log-sum-exp (natural log) of each row
   auto o_where = PV::rows(pv.coordinates());
@@ -189,7 +236,9 @@ __device__ void forward(const Params& p, const vitrail::TensorMap& mapQ,
     const int row = m0 + cute::get<0>(o_where(r, 0));
     if (row >= p.seqlen_q) continue;
     const float inv = sum > 0.f ? 1.f / sum : 0.f;  // a fully masked row: O = 0, lse = -inf
-    T* out = p.o + ((long long)(batch * p.seqlen_q + row) * p.heads + head) * D;
+    const long long o_row =
+        VARLEN ? (long long)q_start + row : (long long)(batch * p.seqlen_q + row);
+    T* out = p.o + (o_row * p.heads + head) * D;
     CUTE_UNROLL
     for (int c = 0; c < cute::size<1>(o_rows); c += 2) {
       using T2 = cute::conditional_t<cute::is_same_v<T, __half>, __half2, __nv_bfloat162>;
@@ -199,7 +248,8 @@ __device__ void forward(const Params& p, const vitrail::TensorMap& mapQ,
     if (t % 4 == 0) {
       const float lse = sum > 0.f ? row_max[r] * (p.scale_log2 / 1.4426950408889634f) + logf(sum)
                                   : -kInf;
-      p.lse[((long long)batch * p.heads + head) * p.seqlen_q + row] = lse;
+      p.lse[VARLEN ? (long long)head * p.total_q + q_start + row
+                   : ((long long)batch * p.heads + head) * p.seqlen_q + row] = lse;
     }
   }
 }
@@ -210,7 +260,24 @@ extern "C" __global__ void __launch_bounds__(attention::kThreads, 1)
 attention_fwd(T* o, float* lse, const __grid_constant__ vitrail::TensorMap mapQ,
               const __grid_constant__ vitrail::TensorMap mapK,
               const __grid_constant__ vitrail::TensorMap mapV, int seqlen_q, int seqlen_k,
-              int heads, int heads_kv, float scale_log2, int causal_offset) {
-  attention::forward({o, lse, seqlen_q, seqlen_k, heads, heads_kv, scale_log2, causal_offset},
-                     mapQ, mapK, mapV);
+              int heads, int heads_kv, float scale_log2, int causal_offset, int local_offset,
+              float softcap, float softcap_pre, const int* cu_q, const int* cu_k, int total_q,
+              int bottom_right) {
+  if constexpr (VARLEN) {  // blockIdx.z's sequence: its lengths, and the offsets from them
+    attention::Params p{o, lse, seqlen_q, seqlen_k, heads, heads_kv, scale_log2, causal_offset,
+                        local_offset, softcap, softcap_pre, cu_q, cu_k, total_q, bottom_right};
+    const int q_start = cu_q[blockIdx.z], k_start = cu_k[blockIdx.z];
+    p.seqlen_q = cu_q[blockIdx.z + 1] - q_start;
+    p.seqlen_k = cu_k[blockIdx.z + 1] - k_start;
+    if (bottom_right) {
+      p.causal_offset += p.seqlen_k - p.seqlen_q;
+      p.local_offset += p.seqlen_k - p.seqlen_q;
+    }
+    if (attention::row_block() * BM >= p.seqlen_q) return;  // the grid fits the longest one
+    attention::forward(p, q_start, k_start, mapQ, mapK, mapV);
+  } else {
+    attention::forward({o, lse, seqlen_q, seqlen_k, heads, heads_kv, scale_log2, causal_offset,
+                        local_offset, softcap, softcap_pre, cu_q, cu_k, total_q, bottom_right},
+                       0, 0, mapQ, mapK, mapV);
+  }
 }

@@ -10,13 +10,18 @@ accumulation, the bias and the activation fused in the kernel's epilogue. Custom
 implementations (torch.compile, meta tensors) and autograd: dx by the dgrad kernel, dw by the
 wgrad kernel, the bias's gradient summed in fp32.
 
+Grouped convolutions run the implicit-GEMM kernels once per group, on the group's channel
+slices read and written in place (strided views; wgrad copies each group's dy, which it reads
+packed). That takes groups whose C / groups and K / groups are multiples of 8; depthwise and
+other narrow groups are refused (torch.nn.functional.conv2d runs them).
+
 What is refused (NotImplementedError, saying why and what is supported), never computed another
-way: GPUs other than Hopper (the kernels are sm_90a), dtypes other than bf16/fp16, groups > 1,
-channel counts C or K that are not multiples of 8, padding, dilation or filters beyond the TMA
-im2col limits (conv_arguments.reasons). Inputs that are not channels-last are copied to
-channels-last first (a one-time warning says so). A strided convolution's dx runs the unit-stride
-dgrad kernel on dy spread out with zeros (stride_h * stride_w times its work): CUTLASS's sm90
-dgrad runs at unit stride only.
+way: GPUs other than Hopper (the kernels are sm_90a), dtypes other than bf16/fp16, channel
+counts per group (C / groups, K / groups) that are not multiples of 8, padding, dilation or
+filters beyond the TMA im2col limits (conv_arguments.reasons). Inputs that are not channels-last
+are copied to channels-last first (a one-time warning says so). A strided convolution's dx runs
+the unit-stride dgrad kernel on dy spread out with zeros (stride_h * stride_w times its work):
+CUTLASS's sm90 dgrad runs at unit stride only.
 
 Kernel choice: one config per kind (128x128x64 tiles, no cluster); tuning is not wired yet.
 """
@@ -108,8 +113,8 @@ def _run(kind: str, a: Tensor, b: Tensor, d: Tensor, bias: Optional[Tensor],
 def _refused(kind: str, why: list[str]) -> str:
     """The NotImplementedError's message of a problem the kernel of ``kind`` cannot run."""
     return (f"{NAME} ({kind}): not supported: " + "; ".join(why) + ". Supported: bf16/fp16, "
-            "groups=1, C and K multiples of 8, padding <= 256 and dilated filters under 255 "
-            "pixels")
+            "C / groups and K / groups multiples of 8, padding <= 256 and dilated filters under "
+            "255 pixels")
 
 
 # -------------------------------------------------------------------------------- checks
@@ -150,14 +155,22 @@ def _check(x, weight, bias, stride, dilation, groups, activation, cuda: bool = T
     if weight.dtype != x.dtype:
         raise ArgumentError(f"{NAME}: x and weight must have one dtype, got {x.dtype} and "
                             f"{weight.dtype}")
-    if not isinstance(groups, int) or groups < 1:
+    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
         raise ArgumentError(f"{NAME}: groups must be a positive int, got {groups!r}")
-    if groups != 1:
-        raise NotImplementedError(f"{NAME}: groups={groups} is not implemented (CUTLASS's sm90 "
-                                  f"implicit-GEMM kernels take groups=1); supported: groups=1")
-    if weight.shape[1] != x.shape[1]:
-        raise ArgumentError(f"{NAME}: weight {tuple(weight.shape)} expects {weight.shape[1]} "
-                            f"input channels, x {tuple(x.shape)} has {x.shape[1]}")
+    c, k = x.shape[1], weight.shape[0]
+    if c % groups or k % groups:
+        raise ArgumentError(f"{NAME}: groups={groups} must divide x's {c} input channels and "
+                            f"weight's {k} output channels")
+    if weight.shape[1] * groups != c:
+        raise ArgumentError(f"{NAME}: weight {tuple(weight.shape)} expects "
+                            f"{weight.shape[1] * groups} input channels ({weight.shape[1]} per "
+                            f"group, groups={groups}), x {tuple(x.shape)} has {c}")
+    if groups > 1 and (c // groups) % 8 or groups > 1 and (k // groups) % 8:
+        raise NotImplementedError(
+            f"{NAME}: groups={groups} gives {c // groups} input and {k // groups} output "
+            f"channels a group; the implicit-GEMM kernels run groups of multiples of 8 "
+            f"(16 bytes of channels for TMA){' (depthwise is not one)' if c == groups else ''}: "
+            f"use torch.nn.functional.conv2d for this one")
     if bias is not None:
         check_tensor(NAME, "bias", bias, dtypes=(x.dtype,), ndim=1, cuda=cuda)
         if bias.shape[0] != weight.shape[0]:
@@ -181,20 +194,23 @@ def _out_hw(h, w, r, s, pad, pad_hi, stride, dilation) -> tuple[int, int]:
 @torch.library.custom_op("vitrail::conv2d", mutates_args=())
 def _conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: list[int],
             pad: list[int], pad_hi: list[int], dilation: list[int],
-            activation: Optional[str]) -> Tensor:
+            activation: Optional[str], groups: int = 1) -> Tensor:
     x = _channels_last(x, "x")
     weight = _channels_last(weight, "weight")
     n, _, h, w = x.shape
     k, _, r, s = weight.shape
     p, q = _out_hw(h, w, r, s, pad, pad_hi, stride, dilation)
     y = _empty_nchw((n, k, p, q), x)
-    _run("fprop", _nhwc(x), _nhwc(weight), _nhwc(y), bias, activation, tuple(pad),
-         tuple(stride), tuple(dilation), tuple(pad_hi))
+    biases = bias.chunk(groups) if bias is not None else [None] * groups
+    for xg, wg, yg, bg in zip(_nhwc(x).chunk(groups, 3), _nhwc(weight).chunk(groups, 0),
+                              _nhwc(y).chunk(groups, 3), biases):  # a group's channels
+        _run("fprop", xg, wg, yg, bg, activation, tuple(pad), tuple(stride), tuple(dilation),
+             tuple(pad_hi))
     return y
 
 
 @_conv2d.register_fake
-def _conv2d_fake(x, weight, bias, stride, pad, pad_hi, dilation, activation):
+def _conv2d_fake(x, weight, bias, stride, pad, pad_hi, dilation, activation, groups=1):
     n, _, h, w = x.shape
     k, _, r, s = weight.shape
     p, q = _out_hw(h, w, r, s, pad, pad_hi, stride, dilation)
@@ -203,77 +219,84 @@ def _conv2d_fake(x, weight, bias, stride, pad, pad_hi, dilation, activation):
 
 @torch.library.custom_op("vitrail::conv2d_dgrad", mutates_args=())
 def _conv2d_dgrad(dy: Tensor, weight: Tensor, input_hw: list[int], stride: list[int],
-                  pad: list[int], pad_hi: list[int], dilation: list[int]) -> Tensor:
-    """dx of conv2d: dy (N, K, P, Q), weight (K, C, R, S) -> (N, C, H, W), channels_last."""
+                  pad: list[int], pad_hi: list[int], dilation: list[int],
+                  groups: int = 1) -> Tensor:
+    """dx of conv2d: dy (N, K, P, Q), weight (K, C / groups, R, S) -> (N, C, H, W),
+    channels_last."""
     dy = _channels_last(dy, "dy")
     weight = _channels_last(weight, "weight")
     n, k, p, q = dy.shape
-    _, c, r, s = weight.shape
+    _, cg, r, s = weight.shape
     h, w = input_hw
-    dx = _empty_nchw((n, c, h, w), dy)
+    dx = _empty_nchw((n, cg * groups, h, w), dy)
+    a = _nhwc(dy)
     if tuple(stride) != (1, 1):  # the unit-stride kernel on dy spread out with zeros
         p1, q1 = _out_hw(h, w, r, s, pad, pad_hi, (1, 1), dilation)
-        spread = dy.new_zeros((n, p1, q1, k))
-        spread[:, :p * stride[0]:stride[0], :q * stride[1]:stride[1]] = _nhwc(dy)
-        _run("dgrad", spread, _nhwc(weight), _nhwc(dx), None, None, tuple(pad), (1, 1),
-             tuple(dilation), tuple(pad_hi))
-        return dx
-    _run("dgrad", _nhwc(dy), _nhwc(weight), _nhwc(dx), None, None, tuple(pad), (1, 1),
-         tuple(dilation), tuple(pad_hi))
+        a = dy.new_zeros((n, p1, q1, k))
+        a[:, :p * stride[0]:stride[0], :q * stride[1]:stride[1]] = _nhwc(dy)
+    for ag, wg, dg in zip(a.chunk(groups, 3), _nhwc(weight).chunk(groups, 0),
+                          _nhwc(dx).chunk(groups, 3)):
+        _run("dgrad", ag, wg, dg, None, None, tuple(pad), (1, 1), tuple(dilation),
+             tuple(pad_hi))
     return dx
 
 
 @_conv2d_dgrad.register_fake
-def _conv2d_dgrad_fake(dy, weight, input_hw, stride, pad, pad_hi, dilation):
-    return _empty_nchw((dy.shape[0], weight.shape[1], *input_hw), dy)
+def _conv2d_dgrad_fake(dy, weight, input_hw, stride, pad, pad_hi, dilation, groups=1):
+    return _empty_nchw((dy.shape[0], weight.shape[1] * groups, *input_hw), dy)
 
 
 @torch.library.custom_op("vitrail::conv2d_wgrad", mutates_args=())
 def _conv2d_wgrad(dy: Tensor, x: Tensor, filter_rs: list[int], stride: list[int],
-                  pad: list[int], pad_hi: list[int], dilation: list[int]) -> Tensor:
-    """dw of conv2d: dy (N, K, P, Q), x (N, C, H, W) -> (K, C, R, S), channels_last."""
-    dy = _nhwc(dy).contiguous()  # wgrad reads dy packed (NPQK)
+                  pad: list[int], pad_hi: list[int], dilation: list[int],
+                  groups: int = 1) -> Tensor:
+    """dw of conv2d: dy (N, K, P, Q), x (N, C, H, W) -> (K, C / groups, R, S),
+    channels_last."""
     x = _channels_last(x, "x")
-    k, c = dy.shape[3], x.shape[1]
-    dw = _empty_nchw((k, c, *filter_rs), x)
-    _run("wgrad", dy, _nhwc(x), _nhwc(dw), None, None, tuple(pad), tuple(stride),
-         tuple(dilation), tuple(pad_hi))
+    k, c = dy.shape[1], x.shape[1]
+    dw = _empty_nchw((k, c // groups, *filter_rs), x)
+    for dyg, xg, dwg in zip(_nhwc(dy).chunk(groups, 3), _nhwc(x).chunk(groups, 3),
+                            _nhwc(dw).chunk(groups, 0)):
+        _run("wgrad", dyg.contiguous(), xg, dwg, None, None, tuple(pad), tuple(stride),
+             tuple(dilation), tuple(pad_hi))  # wgrad reads dy packed (NPQK): a copy a group
     return dw
 
 
 @_conv2d_wgrad.register_fake
-def _conv2d_wgrad_fake(dy, x, filter_rs, stride, pad, pad_hi, dilation):
-    return _empty_nchw((dy.shape[1], x.shape[1], *filter_rs), x)
+def _conv2d_wgrad_fake(dy, x, filter_rs, stride, pad, pad_hi, dilation, groups=1):
+    return _empty_nchw((dy.shape[1], x.shape[1] // groups, *filter_rs), x)
 
 
 def _setup(ctx, inputs, output):
-    x, weight, bias, stride, pad, pad_hi, dilation, activation = inputs
+    x, weight, bias, stride, pad, pad_hi, dilation, activation, groups = inputs
     from_y = activation is not None and grad_from_output(activation)
     ctx.save_for_backward(x, weight, bias, output if from_y else None)
-    ctx.geometry = (list(stride), list(pad), list(pad_hi), list(dilation))
+    ctx.geometry = (list(stride), list(pad), list(pad_hi), list(dilation), groups)
     ctx.activation, ctx.from_y = activation, from_y
 
 
 def _backward(ctx, grad: Tensor):
     x, weight, bias, y = ctx.saved_tensors
-    stride, pad, pad_hi, dilation = ctx.geometry
+    stride, pad, pad_hi, dilation, groups = ctx.geometry
     activation = ctx.activation
     g = grad
     if activation is not None:
         if ctx.from_y:
             g = activation_backward(grad, y, activation)
         else:  # z recomputed by the kernel without the activation, its derivative in fp32
-            z = _conv2d(x, weight, bias, stride, pad, pad_hi, dilation, None)
+            z = _conv2d(x, weight, bias, stride, pad, pad_hi, dilation, None, groups)
             g = activation_backward(grad.float(), z.float(), activation).to(grad.dtype)
     needs = ctx.needs_input_grad
     dx = dw = db = None
     if needs[0]:
-        dx = _conv2d_dgrad(g, weight, list(x.shape[2:]), stride, pad, pad_hi, dilation)
+        dx = _conv2d_dgrad(g, weight, list(x.shape[2:]), stride, pad, pad_hi, dilation,
+                           groups)
     if needs[1]:
-        dw = _conv2d_wgrad(g, x, list(weight.shape[2:]), stride, pad, pad_hi, dilation)
+        dw = _conv2d_wgrad(g, x, list(weight.shape[2:]), stride, pad, pad_hi, dilation,
+                           groups)
     if bias is not None and needs[2]:
         db = g.sum((0, 2, 3), dtype=torch.float32).to(bias.dtype)
-    return dx, dw, db, None, None, None, None, None
+    return dx, dw, db, None, None, None, None, None, None
 
 
 _conv2d.register_autograd(_backward, setup_context=_setup)
@@ -287,8 +310,9 @@ def conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
     """act(torch.nn.functional.conv2d(x, weight, bias, stride, padding, dilation, groups)) in
     one kernel (channels-last; see the module docstring for what is supported).
 
-    x (N, C, H, W), weight (K, C, R, S), bias (K,) or None, all bf16 or all fp16; stride,
-    padding (also 'valid' or 'same') and dilation an int or a pair; groups 1; activation None
+    x (N, C, H, W), weight (K, C / groups, R, S), bias (K,) or None, all bf16 or all fp16;
+    stride, padding (also 'valid' or 'same') and dilation an int or a pair; groups dividing C
+    and K into multiples of 8 channels (one kernel launch a group); activation None
     or one of relu, leaky_relu (slope 0.01), gelu, gelu_tanh, silu, sigmoid, tanh, hardswish.
     Returns (N, K, P, Q) in torch.channels_last."""
     stride = _pair(stride, "stride")
@@ -296,7 +320,7 @@ def conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
     _check(x, weight, bias, stride, dilation, groups, activation)
     pad, pad_hi = _padding(padding, weight, stride, dilation)
     return _conv2d(x, weight, bias, list(stride), list(pad), list(pad_hi), list(dilation),
-                   activation)
+                   activation, groups)
 
 
 def reference(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, stride=1, padding=0,
@@ -323,7 +347,7 @@ def reasons(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
     dilation = _pair(dilation, "dilation")
     try:
         _check(x, weight, bias, stride, dilation, groups, activation, cuda=False)
-    except NotImplementedError as e:  # groups
+    except NotImplementedError as e:  # groups too narrow
         return [str(e)]
     pad, pad_hi = _padding(padding, weight, stride, dilation)
     n, c, h, w = x.shape
@@ -335,15 +359,16 @@ def reasons(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
 
     def packed(*shape: int) -> Tensor:  # an NHWC-indexed operand as the kernel gets it
         return torch.empty(shape, dtype=x.dtype, device="meta")
-    xs, ws = packed(n, h, w, c), packed(k, r, s, c)
+    cg, kg = c // groups, k // groups  # one group's channels: the first group's views
+    xs, ws = packed(n, h, w, c)[..., :cg], packed(kg, r, s, cg)
     if kind == "dgrad" and stride != (1, 1):  # the unit-stride kernel on dy spread out
         p, q = _out_hw(h, w, r, s, pad, pad_hi, (1, 1), dilation)
         stride = (1, 1)
-    ys = packed(n, p, q, k)
+    ys = packed(n, p, q, kg) if kind == "wgrad" else packed(n, p, q, k)[..., :kg]  # wgrad: a copy
     with_bias = bias is not None and kind == "fprop"
     op = operation(kind, x.dtype, with_bias, activation if kind == "fprop" else None)
-    bias_m = torch.empty((k,), dtype=x.dtype, device="meta") if with_bias else None
-    args = ConvArguments(Conv2dProblem(n, h, w, c, k, r, s, pad, stride, dilation, pad_hi),
+    bias_m = torch.empty((kg,), dtype=x.dtype, device="meta") if with_bias else None
+    args = ConvArguments(Conv2dProblem(n, h, w, cg, kg, r, s, pad, stride, dilation, pad_hi),
                          xs, ws, ys, bias=bias_m, kind=kind)
     return op.can_implement(args)
 

@@ -1,0 +1,474 @@
+// Flash attention backward on Hopper, from vitrail's blocks, in two kernels that need no atomics
+// (so the gradients are the same bits on every run):
+//
+//   attention_bwd_dq   a CTA per BM query rows of one head, over the blocks of keys it sees:
+//                      S = Q K^T, P = exp2(S * scale_log2 - lse2), dP = dO V^T,
+//                      dS = P (dP - delta), dQ += dS K;  dQ * scale stored.
+//   attention_bwd_dkv  a CTA per BK keys of one key/value head, over the blocks of query rows of
+//                      every query head of its group that see them:
+//                      S^T = K Q^T, P^T, dP^T = V dO^T, dV += P^T dO, dS^T = P^T (dP^T - delta),
+//                      dK += dS^T Q;  dK * scale and dV stored.
+//
+// S and dP are recomputed in both (FlashAttention-2's split of the backward: seven products of
+// the forward's size instead of five, against an fp32 dQ summed with atomics across CTAs).
+// Both kernels: a producer warpgroup loads by TMA (the CTA's own rows once, the streamed blocks
+// into a ring of STAGES stages), two consumer warpgroups compute with TileMMA: the two products
+// of a block from shared memory (SS), the gradient's product with the fp32 result converted to
+// T as its A operand in registers (RS, as_a). A K-major (rows, D) tile and an MN-major (D, rows)
+// tile of the same box are the same bytes: K and Q are loaded once and read both ways.
+//
+// Config (constexpr before the include): T, D (head dim), BM and BN (attention_bwd_dq's query
+// rows and keys per block), BK and BQ (attention_bwd_dkv's keys and query rows per block),
+// STAGES, CAUSAL, LOCAL (a window's left edge: key j visible to row i only where
+// j >= i + local_offset), SOFTCAP (scores capped: c tanh(s * softcap_pre), whose derivative
+// 1 - tanh^2 scales dS).
+// Layouts: q, k, v, do (batch, seqlen, heads, D), D contiguous, read by TMA maps over (D, seqlen,
+// heads, batch); dq, dk, dv written (batch, seqlen, heads, D) contiguous; lse2 and delta
+// (batch, heads, seqlen_q_padded) fp32, seqlen_q_padded a multiple of BM and BQ, made by the
+// Python side (vitrail.ops.attention): lse2 = lse * log2(e), +inf for a row that sees no key and
+// past seqlen_q (P = 0 there); delta = rowsum(dO * O) - the lse's gradient, 0 past seqlen_q.
+#pragma once
+#include <vitrail/pipeline.cuh>
+#include <vitrail/tile_copy.cuh>
+#include <vitrail/tile_mma.cuh>
+
+namespace attention_bwd {
+
+constexpr int kChunk = 64;  // TMA boxes are 64 elements (128 bytes) of D wide
+constexpr int kChunks = D / kChunk;
+static_assert(D % kChunk == 0, "attention backward: D must be a multiple of 64");
+using Storage = typename vitrail::Pipeline<STAGES>::Storage;
+using T2 = cute::conditional_t<cute::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+
+struct Params {
+  T* grad;    // dq (attention_bwd_dq) or dk (attention_bwd_dkv)
+  T* grad_v;  // dv (attention_bwd_dkv)
+  const float* lse2;
+  const float* delta;
+  int seqlen_q, seqlen_k, seqlen_q_padded, heads, heads_kv;
+  float scale_log2;   // softmax scale * log2(e) (SOFTCAP: log2(e), the scale in softcap_pre)
+  float scale;
+  int causal_offset;  // key j is visible to query i where j <= i + causal_offset
+  int local_offset;   // LOCAL: and where j >= i + local_offset
+  float softcap, softcap_pre;
+};
+
+// One score's P from S and the row's lse2.
+__device__ __forceinline__ float probability(const Params& p, float s, float lse2) {
+  if constexpr (SOFTCAP) s = p.softcap * tanhf(s * p.softcap_pre);
+  return exp2f(s * p.scale_log2 - lse2);
+}
+
+// SOFTCAP: the cap's derivative 1 - tanh^2 at a score, recovered from its P (log2 P + lse2 =
+// softcap * tanh * scale_log2): keeping each score's tanh across the products would take 32
+// more registers a thread, which dK and dV at D 128 do not leave. 0 where P is 0 (a hidden key,
+// a row that sees none), where dS is 0 anyway.
+__device__ __forceinline__ float cap_slope(const Params& p, float pr, float lse2) {
+  if (!(pr > 0.f)) return 0.f;
+  const float t = (__log2f(pr) + lse2) / (p.softcap * p.scale_log2);
+  return 1.f - t * t;
+}
+
+// Whether key j is hidden from row i (the diagonal, the window's left edge).
+__device__ __forceinline__ bool hidden(const Params& p, int i, int j) {
+  return (CAUSAL && j > i + p.causal_offset) || (LOCAL && j < i + p.local_offset);
+}
+
+// The 1024-byte aligned start of dynamic shared memory (swizzled tiles need it).
+__device__ char* aligned_smem() {
+  extern __shared__ char smem_raw[];
+  unsigned raw = static_cast<unsigned>(__cvta_generic_to_shared(smem_raw));
+  return smem_raw + ((1024 - raw % 1024) % 1024);
+}
+
+// Rows (r, c) of an accumulator fragment as (row, column) pairs: store rows * factor as T, pairs
+// of columns at once, to out + row * row_stride + column, rows below `rows` only.
+template <class Frag, class Where>
+__device__ void store_rows(Frag const& acc_rows, Where const& where, int row0, int rows,
+                           long long row_stride, T* out, float factor) {
+  CUTE_UNROLL
+  for (int r = 0; r < cute::size<0>(acc_rows); ++r) {
+    const int row = row0 + cute::get<0>(where(r, 0));
+    if (row >= rows) continue;
+    T* dst = out + row * row_stride;
+    CUTE_UNROLL
+    for (int c = 0; c < cute::size<1>(acc_rows); c += 2) {
+      const int col = cute::get<1>(where(r, c));
+      *reinterpret_cast<T2*>(dst + col) =
+          T2(T(acc_rows(r, c) * factor), T(acc_rows(r, c + 1) * factor));
+    }
+  }
+}
+
+// ------------------------------------------------------------------------ dQ: over the keys
+namespace dq {
+using QK = vitrail::TileMMA<T, BM, BN, D, 2>;  // S = Q K^T and dP = dO V^T
+using SK = vitrail::TileMMA<T, BM, D, BN, 2, vitrail::Major::K, vitrail::Major::MN>;  // dS K
+constexpr int kThreads = 128 + QK::kThreads;
+constexpr int kBytesRows = QK::kBytesA<>;       // Q, and dO: BM x D each, loaded once
+constexpr int kBytesKV = 2 * QK::kBytesB<>;     // one stage: a block of K and of V
+constexpr int kSmemBytes = 1024 + 2 * kBytesRows + STAGES * kBytesKV + int(sizeof(Storage)) + 16;
+
+// The blocks of keys the rows [m0, m0 + BM) see, and the first that needs a mask (past
+// seqlen_k or, causal, past the diagonal of row m0).
+__device__ int blocks(const Params& p, int m0) {
+  int keys = p.seqlen_k;
+  if (CAUSAL) keys = min(keys, max(0, m0 + BM + p.causal_offset));
+  return (keys + BN - 1) / BN;
+}
+__device__ int first_masked(const Params& p, int m0) {
+  int first = p.seqlen_k / BN;
+  if (CAUSAL) first = min(first, max(0, m0 + p.causal_offset) / BN);
+  return first;
+}
+// LOCAL: the first block some row sees, the first whose keys every row sees (as the forward's).
+__device__ int first_block(const Params& p, int m0) {
+  return LOCAL ? max(0, m0 + p.local_offset) / BN : 0;
+}
+__device__ int first_full_block(const Params& p, int m0) {
+  const int lowest = m0 + BM - 1 + p.local_offset;
+  return lowest <= 0 ? 0 : (lowest + BN - 1) / BN;
+}
+
+__device__ void run(const Params& p, const vitrail::TensorMap& mapQ,
+                    const vitrail::TensorMap& mapdO, const vitrail::TensorMap& mapK,
+                    const vitrail::TensorMap& mapV) {
+  char* smem = aligned_smem();
+  auto sQ = QK::tile_a(smem);
+  auto sdO = QK::tile_a(smem + kBytesRows);
+  char* ring = smem + 2 * kBytesRows;
+  auto& bars = *reinterpret_cast<Storage*>(ring + STAGES * kBytesKV);
+  uint64_t* rows_full = reinterpret_cast<uint64_t*>(&bars + 1);
+  vitrail::Pipeline<STAGES> pipe(bars);
+  auto sK = [&](int stage) { return QK::tile_b(ring + stage * kBytesKV); };
+  auto sV = [&](int stage) { return QK::tile_b(ring + stage * kBytesKV + QK::kBytesB<>); };
+  auto sKt = [&](int stage) { return SK::tile_b(ring + stage * kBytesKV); };  // K as (D, BN)
+
+  const int m_block = CAUSAL ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+  const int m0 = m_block * BM, head = blockIdx.y, batch = blockIdx.z;
+  const int head_kv = head / (p.heads / p.heads_kv);
+  const int n = blocks(p, m0);
+  const int start = LOCAL ? min(n, first_block(p, m0)) : 0;
+  if (threadIdx.x == 0) {
+    vitrail::Tma::prefetch(mapQ);
+    vitrail::Tma::prefetch(mapdO);
+    vitrail::Tma::prefetch(mapK);
+    vitrail::Tma::prefetch(mapV);
+    pipe.init(/*producer arrivals=*/1, /*consumer arrivals: one per warp=*/QK::kThreads / 32);
+    vitrail::Bulk::init(rows_full, 1);
+  }
+  __syncthreads();
+
+  if (threadIdx.x / 128 == 0) {  // producer: slab -> tile
+    vitrail::warpgroup_registers_down<40>();
+    if (threadIdx.x == 0) {
+      vitrail::Bulk::expect(rows_full, 2 * kBytesRows);
+      for (int c = 0; c < kChunks; ++c) {
+        vitrail::Tma::load(&sQ(0, c * kChunk, 0), mapQ, rows_full, c * kChunk, m0, head, batch);
+        vitrail::Tma::load(&sdO(0, c * kChunk, 0), mapdO, rows_full, c * kChunk, m0, head,
+                           batch);
+      }
+      auto w = vitrail::PipeState<STAGES>::producer();
+      for (int j = start; j < n; ++j, w.advance()) {
+        pipe.acquire(w);
+        pipe.expect(w, kBytesKV);
+        auto k = sK(w.index);
+        auto v = sV(w.index);
+        for (int c = 0; c < kChunks; ++c) {
+          vitrail::Tma::load(&k(0, c * kChunk, 0), mapK, pipe.full(w), c * kChunk, j * BN,
+                             head_kv, batch);
+          vitrail::Tma::load(&v(0, c * kChunk, 0), mapV, pipe.full(w), c * kChunk, j * BN,
+                             head_kv, batch);
+        }
+      }
+    }
+    return;
+  }
+
+  // consumers: tile -> fragment
+  vitrail::warpgroup_registers_up<232>();
+  const int t = threadIdx.x - 128;
+  QK qk(t);
+  SK sk(t);
+  auto s = qk.accumulators();
+  auto dp = qk.accumulators();
+  auto dq = sk.accumulators();
+  SK::zero(dq);
+  auto s_rows = QK::rows(s);
+  auto dp_rows = QK::rows(dp);
+  auto where = QK::rows(qk.coordinates());  // (row, key) in the tile of each element of S
+  constexpr int kRows = decltype(cute::size<0>(s_rows))::value;
+  float lse2[kRows], delta[kRows];
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {  // rows < seqlen_q_padded: padded to a multiple of BM
+    const long long at = ((long long)batch * p.heads + head) * p.seqlen_q_padded + m0 +
+                         cute::get<0>(where(r, 0));
+    lse2[r] = p.lse2[at];
+    delta[r] = p.delta[at];
+  }
+
+  vitrail::PipeState<STAGES> rd;
+  auto block = [&](int j, auto masked) {
+    pipe.wait(rd);
+    QK::zero(s);
+    QK::zero(dp);
+    qk.mma(sQ(cute::_, cute::_, 0), sK(rd.index)(cute::_, cute::_, 0), s);
+    qk.mma(sdO(cute::_, cute::_, 0), sV(rd.index)(cute::_, cute::_, 0), dp);
+    QK::wait<1>(s);
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      CUTE_UNROLL
+      for (int c = 0; c < cute::size<1>(s_rows); ++c) {
+        float pr = probability(p, s_rows(r, c), lse2[r]);
+        if constexpr (decltype(masked)::value) {
+          const int row = m0 + cute::get<0>(where(r, c)), key = j * BN + cute::get<1>(where(r, c));
+          if (key >= p.seqlen_k || hidden(p, row, key)) pr = 0.f;
+        }
+        s_rows(r, c) = pr;
+      }
+    }
+    QK::wait<0>(dp);
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      CUTE_UNROLL
+      for (int c = 0; c < cute::size<1>(dp_rows); ++c) {
+        float ds = s_rows(r, c) * (dp_rows(r, c) - delta[r]);
+        if constexpr (SOFTCAP) ds *= cap_slope(p, s_rows(r, c), lse2[r]);
+        dp_rows(r, c) = ds;
+      }
+    }
+    auto ds = QK::as_a(dp);
+    sk.mma_rs(ds, sKt(rd.index)(cute::_, cute::_, 0), dq);
+    SK::wait<0>(dq, ds);
+    if (threadIdx.x % 32 == 0) pipe.release(rd);
+    rd.advance();
+  };
+  vitrail::Bulk::wait(rows_full, 0);
+  const int tail = min(n, first_masked(p, m0));
+  if constexpr (LOCAL) {  // masked at both ends: one loop (three call sites of block: out of line)
+    const int full = max(start, first_full_block(p, m0));
+    for (int j = start; j < n; ++j) {
+      if (j >= full && j < tail) block(j, cute::false_type{});
+      else block(j, cute::true_type{});
+    }
+  } else {
+    for (int j = 0; j < tail; ++j) block(j, cute::false_type{});
+    for (int j = tail; j < n; ++j) block(j, cute::true_type{});
+  }
+
+  // fragment -> slab: dQ * scale
+  store_rows(SK::rows(dq), SK::rows(sk.coordinates()), m0, p.seqlen_q, (long long)p.heads * D,
+             p.grad + ((long long)batch * p.seqlen_q * p.heads + head) * D, p.scale);
+}
+}  // namespace dq
+
+// -------------------------------------------------------------- dK, dV: over the query rows
+namespace dkv {
+using KQ = vitrail::TileMMA<T, BK, BQ, D, 2>;  // S^T = K Q^T and dP^T = V dO^T
+using PQ = vitrail::TileMMA<T, BK, D, BQ, 2, vitrail::Major::K, vitrail::Major::MN>;  // P^T dO
+constexpr int kThreads = 128 + KQ::kThreads;
+constexpr int kBytesKeys = KQ::kBytesA<>;  // K, and V: BK x D each, loaded once
+constexpr int kBytesQ = KQ::kBytesB<>;     // a block of Q, and of dO: BQ x D each
+constexpr int kStageBytes = (2 * kBytesQ + 2 * BQ * 4 + 1023) / 1024 * 1024;  // + lse2, delta
+constexpr int kSmemBytes = 1024 + 2 * kBytesKeys + STAGES * kStageBytes + int(sizeof(Storage)) +
+                           16;
+
+// The blocks of query rows that see a key of [n0, n0 + BK): [first, last); those of
+// [unmasked, unmasked_end) see every one of them (causal: key <= row + causal_offset for all;
+// LOCAL: key >= row + local_offset for all).
+struct Range {
+  int first, unmasked, unmasked_end, last;
+};
+__device__ Range rows_of(const Params& p, int n0) {
+  int last = (p.seqlen_q + BQ - 1) / BQ;
+  if (LOCAL) {  // the last row that sees key n0 + BK - 1: n0 + BK - 1 - local_offset
+    const int top = n0 + BK - 1 - p.local_offset;
+    last = top < 0 ? 0 : min(last, top / BQ + 1);
+  }
+  int first = 0, unmasked = 0;
+  if (CAUSAL) {
+    first = min(last, max(0, n0 - p.causal_offset) / BQ);
+    const int lowest = n0 + BK - 1 - p.causal_offset;  // the lowest row that sees every key
+    unmasked = min(last, max(first, lowest <= 0 ? 0 : (lowest + BQ - 1) / BQ));
+  }
+  int unmasked_end = last;
+  if (LOCAL) {  // rows up to n0 - local_offset see every key; a block is whole below it
+    const int top = n0 - p.local_offset + 1;
+    unmasked_end = max(unmasked, min(last, top <= 0 ? 0 : top / BQ));
+  }
+  return {first, unmasked, unmasked_end, last};
+}
+
+__device__ void run(const Params& p, const vitrail::TensorMap& mapK,
+                    const vitrail::TensorMap& mapV, const vitrail::TensorMap& mapQ,
+                    const vitrail::TensorMap& mapdO) {
+  char* smem = aligned_smem();
+  auto sK = KQ::tile_a(smem);
+  auto sV = KQ::tile_a(smem + kBytesKeys);
+  char* ring = smem + 2 * kBytesKeys;
+  auto& bars = *reinterpret_cast<Storage*>(ring + STAGES * kStageBytes);
+  uint64_t* keys_full = reinterpret_cast<uint64_t*>(&bars + 1);
+  vitrail::Pipeline<STAGES> pipe(bars);
+  auto sQ = [&](int stage) { return KQ::tile_b(ring + stage * kStageBytes); };
+  auto sdO = [&](int stage) { return KQ::tile_b(ring + stage * kStageBytes + kBytesQ); };
+  auto sQt = [&](int stage) { return PQ::tile_b(ring + stage * kStageBytes); };  // (D, BQ)
+  auto sdOt = [&](int stage) { return PQ::tile_b(ring + stage * kStageBytes + kBytesQ); };
+  auto sRows = [&](int stage) {  // lse2[BQ], then delta[BQ]
+    return reinterpret_cast<float*>(ring + stage * kStageBytes + 2 * kBytesQ);
+  };
+
+  const int n0 = int(blockIdx.x) * BK, head_kv = blockIdx.y, batch = blockIdx.z;
+  const int group = p.heads / p.heads_kv;
+  const Range range = rows_of(p, n0);
+  if (threadIdx.x == 0) {
+    vitrail::Tma::prefetch(mapK);
+    vitrail::Tma::prefetch(mapV);
+    vitrail::Tma::prefetch(mapQ);
+    vitrail::Tma::prefetch(mapdO);
+    pipe.init(/*producer arrivals=*/1, /*consumer arrivals: one per warp=*/KQ::kThreads / 32);
+    vitrail::Bulk::init(keys_full, 1);
+  }
+  __syncthreads();
+
+  if (threadIdx.x / 128 == 0) {  // producer: slab -> tile
+    vitrail::warpgroup_registers_down<40>();
+    if (threadIdx.x == 0) {
+      vitrail::Bulk::expect(keys_full, 2 * kBytesKeys);
+      for (int c = 0; c < kChunks; ++c) {
+        vitrail::Tma::load(&sK(0, c * kChunk, 0), mapK, keys_full, c * kChunk, n0, head_kv,
+                           batch);
+        vitrail::Tma::load(&sV(0, c * kChunk, 0), mapV, keys_full, c * kChunk, n0, head_kv,
+                           batch);
+      }
+      auto w = vitrail::PipeState<STAGES>::producer();
+      for (int g = 0; g < group; ++g) {
+        const int head = head_kv * group + g;
+        const float* lse2 = p.lse2 + ((long long)batch * p.heads + head) * p.seqlen_q_padded;
+        const float* delta = p.delta + ((long long)batch * p.heads + head) * p.seqlen_q_padded;
+        for (int i = range.first; i < range.last; ++i, w.advance()) {
+          pipe.acquire(w);
+          pipe.expect(w, 2 * kBytesQ + 2 * BQ * 4);
+          auto q = sQ(w.index);
+          auto d = sdO(w.index);
+          for (int c = 0; c < kChunks; ++c) {
+            vitrail::Tma::load(&q(0, c * kChunk, 0), mapQ, pipe.full(w), c * kChunk, i * BQ,
+                               head, batch);
+            vitrail::Tma::load(&d(0, c * kChunk, 0), mapdO, pipe.full(w), c * kChunk, i * BQ,
+                               head, batch);
+          }
+          vitrail::Bulk::load(sRows(w.index), lse2 + i * BQ, BQ * 4, pipe.full(w));
+          vitrail::Bulk::load(sRows(w.index) + BQ, delta + i * BQ, BQ * 4, pipe.full(w));
+        }
+      }
+    }
+    return;
+  }
+
+  // consumers: tile -> fragment
+  vitrail::warpgroup_registers_up<232>();
+  const int t = threadIdx.x - 128;
+  KQ kq(t);
+  PQ pq(t);
+  auto s = kq.accumulators();
+  auto dp = kq.accumulators();
+  auto dk = pq.accumulators();
+  auto dv = pq.accumulators();
+  PQ::zero(dk);
+  PQ::zero(dv);
+  auto s_rows = KQ::rows(s);
+  auto dp_rows = KQ::rows(dp);
+  auto where = KQ::rows(kq.coordinates());  // (key, row) in the tile of each element of S^T
+  constexpr int kRows = decltype(cute::size<0>(s_rows))::value;
+
+  vitrail::PipeState<STAGES> rd;
+  auto block = [&](int i, auto masked) {
+    pipe.wait(rd);
+    const float* lse2 = sRows(rd.index);
+    const float* delta = lse2 + BQ;
+    KQ::zero(s);
+    KQ::zero(dp);
+    kq.mma(sK(cute::_, cute::_, 0), sQ(rd.index)(cute::_, cute::_, 0), s);
+    kq.mma(sV(cute::_, cute::_, 0), sdO(rd.index)(cute::_, cute::_, 0), dp);
+    KQ::wait<1>(s);
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      CUTE_UNROLL
+      for (int c = 0; c < cute::size<1>(s_rows); ++c) {
+        const int col = cute::get<1>(where(r, c));
+        float pr = probability(p, s_rows(r, c), lse2[col]);
+        if constexpr (decltype(masked)::value) {
+          const int key = n0 + cute::get<0>(where(r, c)), row = i * BQ + col;
+          if (hidden(p, row, key)) pr = 0.f;
+        }
+        s_rows(r, c) = pr;
+      }
+    }
+    auto pt = KQ::as_a(s);
+    pq.mma_rs(pt, sdOt(rd.index)(cute::_, cute::_, 0), dv);
+    KQ::wait<1>(dp);  // dP^T retired; dV's batch may still be in flight
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      CUTE_UNROLL
+      for (int c = 0; c < cute::size<1>(dp_rows); ++c) {
+        const int col = cute::get<1>(where(r, c));
+        float ds = s_rows(r, c) * (dp_rows(r, c) - delta[col]);
+        if constexpr (SOFTCAP) ds *= cap_slope(p, s_rows(r, c), lse2[col]);
+        dp_rows(r, c) = ds;
+      }
+    }
+    auto dst = KQ::as_a(dp);
+    pq.mma_rs(dst, sQt(rd.index)(cute::_, cute::_, 0), dk);
+    PQ::wait<0>(dv, dk, pt, dst);
+    if (threadIdx.x % 32 == 0) pipe.release(rd);
+    rd.advance();
+  };
+  vitrail::Bulk::wait(keys_full, 0);
+  for (int g = 0; g < group; ++g) {
+    if constexpr (LOCAL) {  // masked at both ends: one loop (three call sites: out of line)
+      for (int i = range.first; i < range.last; ++i) {
+        if (i >= range.unmasked && i < range.unmasked_end) block(i, cute::false_type{});
+        else block(i, cute::true_type{});
+      }
+    } else {
+      for (int i = range.first; i < range.unmasked; ++i) block(i, cute::true_type{});
+      for (int i = range.unmasked; i < range.last; ++i) block(i, cute::false_type{});
+    }
+  }
+
+  // fragment -> slab: dK * scale and dV, keys below seqlen_k
+  const long long stride = (long long)p.heads_kv * D;
+  const long long base = ((long long)batch * p.seqlen_k * p.heads_kv + head_kv) * D;
+  auto out_where = PQ::rows(pq.coordinates());
+  store_rows(PQ::rows(dk), out_where, n0, p.seqlen_k, stride, p.grad + base, p.scale);
+  store_rows(PQ::rows(dv), out_where, n0, p.seqlen_k, stride, p.grad_v + base, 1.f);
+}
+}  // namespace dkv
+
+}  // namespace attention_bwd
+
+extern "C" __global__ void __launch_bounds__(attention_bwd::dq::kThreads, 1)
+attention_bwd_dq(T* dq, float* lse2, float* delta, const __grid_constant__ vitrail::TensorMap mapQ,
+                 const __grid_constant__ vitrail::TensorMap mapdO,
+                 const __grid_constant__ vitrail::TensorMap mapK,
+                 const __grid_constant__ vitrail::TensorMap mapV, int seqlen_q, int seqlen_k,
+                 int seqlen_q_padded, int heads, int heads_kv, float scale_log2, float scale,
+                 int causal_offset, int local_offset, float softcap, float softcap_pre) {
+  attention_bwd::dq::run({dq, nullptr, lse2, delta, seqlen_q, seqlen_k, seqlen_q_padded, heads,
+                          heads_kv, scale_log2, scale, causal_offset, local_offset, softcap,
+                          softcap_pre},
+                         mapQ, mapdO, mapK, mapV);
+}
+
+extern "C" __global__ void __launch_bounds__(attention_bwd::dkv::kThreads, 1)
+attention_bwd_dkv(T* dk, T* dv, float* lse2, float* delta,
+                  const __grid_constant__ vitrail::TensorMap mapK,
+                  const __grid_constant__ vitrail::TensorMap mapV,
+                  const __grid_constant__ vitrail::TensorMap mapQ,
+                  const __grid_constant__ vitrail::TensorMap mapdO, int seqlen_q, int seqlen_k,
+                  int seqlen_q_padded, int heads, int heads_kv, float scale_log2, float scale,
+                  int causal_offset, int local_offset, float softcap, float softcap_pre) {
+  attention_bwd::dkv::run({dk, dv, lse2, delta, seqlen_q, seqlen_k, seqlen_q_padded, heads,
+                           heads_kv, scale_log2, scale, causal_offset, local_offset, softcap,
+                           softcap_pre},
+                          mapK, mapV, mapQ, mapdO);
+}
