@@ -1,15 +1,18 @@
-"""Building torch extensions: vitrail.jit's load_inline and load beside torch's, in the same run,
-on the CPU.
+"""Building torch extensions: vitrail.jit's load_inline and load beside torch's, in the same run.
 
-    python -m vitrail.bench.extension_build [--cases small,large] [--warm N] [--no-killed]
+    python -m vitrail.bench.extension_build [--cases small,large,small_cuda,large_cuda]
+                                            [--warm N] [--no-killed]
                                             [--out FILE.json]
 
 Two cpp-only extensions: ``small``, one function on ``torch::Tensor`` bound by ``functions=``
 (``load_inline``); ``large``, five functions in one .cpp file and their bindings in another
-(``load``). Each is built by torch, by vitrail without its precompiled header of
-torch/extension.h (VITRAIL_TORCH_PCH=0) and by vitrail with it (vitrail.jit.pch), each measured
-in fresh processes with empty caches (a fresh VITRAIL_CACHE_DIR and TORCH_EXTENSIONS_DIR, and a
-source no cache has seen):
+(``load``). Two CUDA ones: ``small_cuda``, one kernel and its launcher (``load_inline``,
+``cuda_sources=``, the declaration in ``cpp_sources=``); ``large_cuda``, five kernels in two .cu
+files, the second with the bindings (``load``). The CUDA cases call their kernel, so they need a
+GPU that torch sees; elsewhere they are refused. Each is built by torch, by vitrail without its
+precompiled header of torch/extension.h (VITRAIL_TORCH_PCH=0) and by vitrail with it
+(vitrail.jit.pch; .cu files get none), each measured in fresh processes with empty caches (a
+fresh VITRAIL_CACHE_DIR and TORCH_EXTENSIONS_DIR, and a source no cache has seen):
 
 - pch build: seconds of the PCH's one-time build (``build_torch_pch`` in a new process), before
   the PCH rows, which use it; "cold + pch" adds it to their cold build;
@@ -21,7 +24,7 @@ source no cache has seen):
   compilers the killed build left running are killed before the load is timed (gcc's cc1plus
   outlives its driver, which vitrail's builds take down with them).
 
-These are not GPU kernels, so this is a script rather than an entry of ``vitrail bench``.
+These time builds, not kernels, so this is a script rather than an entry of ``vitrail bench``.
 """
 from __future__ import annotations
 
@@ -71,6 +74,96 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{
   m.def("split_norm", &split_norm);
 }}
 """
+SMALL_CUDA_DECL = """
+// {salt}
+at::Tensor scale_add(const at::Tensor& x, const at::Tensor& y, double alpha);
+"""
+SCALE_ADD_CU = """
+__global__ void scale_add_kernel(const float* x, const float* y, float* out, float alpha,
+                                 int64_t n) {{
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i < n) out[i] = x[i] * alpha + y[i];
+}}
+at::Tensor scale_add(const at::Tensor& x, const at::Tensor& y, double alpha) {{
+  TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kFloat && x.is_contiguous() &&
+              y.sizes() == x.sizes() && y.scalar_type() == at::kFloat && y.is_contiguous(),
+              "scale_add: contiguous fp32 CUDA tensors of one shape");
+  auto out = at::empty_like(x);
+  const int64_t n = x.numel();
+  scale_add_kernel<<<(n + 255) / 256, 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      x.data_ptr<float>(), y.data_ptr<float>(), out.data_ptr<float>(), float(alpha), n);
+  return out;
+}}
+"""
+SMALL_CUDA = """#include <c10/cuda/CUDAStream.h>
+// {salt}
+""" + SCALE_ADD_CU
+LARGE_CUDA_A = """#include <torch/extension.h>
+#include <c10/cuda/CUDAStream.h>
+// {salt}
+""" + SCALE_ADD_CU + """
+__global__ void clamp_square_kernel(const float* x, float* out, float hi, int64_t n) {{
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i < n) out[i] = fminf(x[i] * x[i], hi);
+}}
+at::Tensor clamp_square(const at::Tensor& x, double hi) {{
+  auto out = at::empty_like(x);
+  const int64_t n = x.numel();
+  clamp_square_kernel<<<(n + 255) / 256, 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      x.data_ptr<float>(), out.data_ptr<float>(), float(hi), n);
+  return out;
+}}
+__global__ void row_sum_kernel(const float* x, float* out, int64_t cols) {{
+  float s = 0.f;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) s += x[blockIdx.x * cols + c];
+  for (int o = 16; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffffu, s, o);
+  if (threadIdx.x == 0) out[blockIdx.x] = s;
+}}
+at::Tensor row_sum(const at::Tensor& x) {{
+  auto out = at::empty({{x.size(0)}}, x.options());
+  row_sum_kernel<<<x.size(0), 32, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      x.data_ptr<float>(), out.data_ptr<float>(), x.size(1));
+  return out;
+}}
+"""
+LARGE_CUDA_B = """#include <torch/extension.h>
+#include <c10/cuda/CUDAStream.h>
+// {salt}
+__global__ void gelu_tanh_kernel(const float* x, float* out, int64_t n) {{
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i < n) {{
+    const float v = x[i];
+    out[i] = 0.5f * v * (1.f + tanhf(0.7978845608f * (v + 0.044715f * v * v * v)));
+  }}
+}}
+at::Tensor gelu_tanh(const at::Tensor& x) {{
+  auto out = at::empty_like(x);
+  const int64_t n = x.numel();
+  gelu_tanh_kernel<<<(n + 255) / 256, 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      x.data_ptr<float>(), out.data_ptr<float>(), n);
+  return out;
+}}
+__global__ void axpy_kernel(float* y, const float* x, float a, int64_t n) {{
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i < n) y[i] += a * x[i];
+}}
+at::Tensor axpy_(at::Tensor y, const at::Tensor& x, double a) {{
+  const int64_t n = y.numel();
+  axpy_kernel<<<(n + 255) / 256, 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      y.data_ptr<float>(), x.data_ptr<float>(), float(a), n);
+  return y;
+}}
+at::Tensor scale_add(const at::Tensor& x, const at::Tensor& y, double alpha);
+at::Tensor clamp_square(const at::Tensor& x, double hi);
+at::Tensor row_sum(const at::Tensor& x);
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{
+  m.def("scale_add", &scale_add);
+  m.def("clamp_square", &clamp_square);
+  m.def("row_sum", &row_sum);
+  m.def("gelu_tanh", &gelu_tanh);
+  m.def("axpy_", &axpy_);
+}}
+"""
 CHILD = r"""
 import json, sys, time
 impl, case, name, source = sys.argv[1:5]
@@ -84,10 +177,13 @@ imported = time.perf_counter() - t
 t = time.perf_counter()
 if case == "small":
     m = load_inline(name, cpp_sources=source, functions=["scale_add"])
+elif case == "small_cuda":
+    decl, cu = json.loads(source)
+    m = load_inline(name, cpp_sources=decl, cuda_sources=cu, functions=["scale_add"])
 else:
     m = load(name, json.loads(source))
 call = time.perf_counter() - t
-x = torch.randn(5)
+x = torch.randn(5, device="cuda" if case.endswith("_cuda") else "cpu")
 assert torch.allclose(m.scale_add(x, x, 2.0), 3 * x)
 print(json.dumps({"import_s": imported, "call_s": call}))
 """
@@ -100,19 +196,24 @@ print(time.perf_counter() - t)
 """
 IMPLS = {"torch": {}, "vitrail": {"VITRAIL_TORCH_PCH": "0"},
          "vitrail+pch": {"VITRAIL_TORCH_PCH": "1"}}
-CASES = ("small", "large")
+CASES = ("small", "large", "small_cuda", "large_cuda")
 
 
 def _source(case: str, folder: Path) -> str:
-    """A source (small) or the JSON list of source files (large) that no cache has seen."""
+    """A source (small), the JSON pair of sources (small_cuda: the declaration, the CUDA text)
+    or the JSON list of source files (large, large_cuda) that no cache has seen."""
     salt = uuid.uuid4().hex
     if case == "small":
         return SMALL.format(salt=salt)
+    if case == "small_cuda":
+        return json.dumps([SMALL_CUDA_DECL.format(salt=salt), SMALL_CUDA.format(salt=salt)])
     folder = folder / salt
     folder.mkdir(parents=True)
-    (folder / "ops.cpp").write_text(LARGE_OPS.format(salt=salt))
-    (folder / "bind.cpp").write_text(LARGE_BIND.format(salt=salt))
-    return json.dumps([str(folder / "ops.cpp"), str(folder / "bind.cpp")])
+    files = ({"ops.cpp": LARGE_OPS, "bind.cpp": LARGE_BIND} if case == "large" else
+             {"kernels.cu": LARGE_CUDA_A, "more_kernels.cu": LARGE_CUDA_B})
+    for file, text in files.items():
+        (folder / file).write_text(text.format(salt=salt))
+    return json.dumps([str(folder / file) for file in files])
 
 
 def _run(impl: str, case: str, name: str, source: str, env: dict,
@@ -156,7 +257,12 @@ def _killed(impl: str, case: str, name: str, source: str, env: dict, after: floa
 
 
 def measure(warm: int = 5, killed: bool = True, kill_after: float = 5.0, limit: float = 60.0,
-            cases=CASES) -> dict:
+            cases=CASES[:2]) -> dict:
+    import torch
+    cuda = [c for c in cases if c.endswith("_cuda")]
+    if cuda and not torch.cuda.is_available():
+        raise RuntimeError(f"extension_build: the cases {', '.join(cuda)} call a kernel: they "
+                           f"need a GPU, and torch {torch.__version__} sees none")
     results: dict[str, dict] = {}
     pch_s = None
     with tempfile.TemporaryDirectory(prefix="vitrail-ext-bench-") as name:
@@ -185,7 +291,6 @@ def measure(warm: int = 5, killed: bool = True, kill_after: float = 5.0, limit: 
                     label = f"bench_killed_{case}_{uuid.uuid4().hex[:8]}"
                     row["after_sigkill"] = _killed(impl, case, label, _source(case, tmp / "src"),
                                                    env, kill_after, limit, tmp)
-    import torch
     return {"results": results, "pch_build_s": pch_s, "torch": torch.__version__,
             "cpus": os.cpu_count(), "python": sys.version.split()[0],
             "time": time.strftime("%Y-%m-%d %H:%M")}
@@ -193,7 +298,8 @@ def measure(warm: int = 5, killed: bool = True, kill_after: float = 5.0, limit: 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", default=",".join(CASES), help="small, large or both")
+    parser.add_argument("--cases", default=",".join(CASES[:2]),
+                        help=f"some of {', '.join(CASES)} (default: the cpp-only two)")
     parser.add_argument("--warm", type=int, default=5, help="new processes timed warm")
     parser.add_argument("--no-killed", action="store_true", help="skip the SIGKILL case")
     parser.add_argument("--limit", type=float, default=60.0,
