@@ -20,15 +20,19 @@ def flops(b: int, s: int, h: int, d: int, causal: bool) -> float:
 
 
 def build() -> None:
-    """Compile the kernels the cases take (one per head dim and causality), in parallel."""
+    """Compile the kernels the cases take (one per head dim and causality, and the backward's
+    where it has kernels), in parallel."""
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
 
-    from vitrail.ops.attention import kernel
+    from vitrail.ops.attention import BWD_HEAD_DIMS, bwd_kernels, kernel
     variants = sorted({(d, causal) for _, _, _, d, causal in CASES})
-    with ThreadPoolExecutor(max(1, min(8, len(variants)))) as pool:
-        list(pool.map(lambda v: kernel(torch.bfloat16, *v), variants))
+    jobs = [lambda v=v: kernel(torch.bfloat16, *v) for v in variants]
+    jobs += [lambda v=v: bwd_kernels(torch.bfloat16, *v) for v in variants
+             if v[0] in BWD_HEAD_DIMS]
+    with ThreadPoolExecutor(max(1, min(8, len(jobs)))) as pool:
+        list(pool.map(lambda job: job(), jobs))
 
 
 def _sdpa(backend):
@@ -79,8 +83,8 @@ def run() -> list[Row]:
     return rows
 
 
-# forward + backward: head dim 128 at the three lengths, causal and not
-TRAIN_CASES = [case for case in CASES if case[3] == 128]
+# forward + backward: the forward's grid (D 256's backward runs backward.py's matmuls)
+TRAIN_CASES = CASES
 
 
 @register("attention.backward", "vitrail.ops.attention forward + backward vs torch SDPA "
