@@ -15,9 +15,8 @@ i + offset - left <= j <= i + offset + right, with the same offset (causal=True 
 key gives zeros and an lse of -inf. Every refusal names the argument. The backward (q, k and v,
 and through the lse too) runs two kernels at D of 64 and 128 (sm90_attention_bwd.cuh: dQ over
 the keys, dK and dV over the query rows, no atomics: the same bits every run), else torch's
-batched matmuls a block of query rows at a time
-(``backward.py``). ``attention_varlen`` takes sequences of their own lengths packed along the
-rows (FlashAttention's cu_seqlens).
+batched matmuls a block of query rows at a time (``backward.py``). ``attention_varlen`` takes
+sequences of their own lengths packed along the rows (FlashAttention's cu_seqlens).
 
 Kernels compile with NVRTC in seconds, one per (dtype, D, causal); a new sequence length or
 batch compiles nothing.
