@@ -106,3 +106,28 @@ def test_sass_has_hgmma_and_no_register_hazard():
         assert "HGMMA" in code, name
         assert not wgmma_register_hazards(code), name
     assert "HMMA" in kernel_sass(listing, "tile_mma80_f16")
+
+
+@pytest.mark.skipif(not _nvrtc_available(), reason="needs NVRTC")
+def test_rows_of_a_temporary_fragment_is_refused_at_compile_time():
+    """TileMMA::rows is a view: a fragment that owns its registers must outlive it (a view of a
+    local array that died is what broke as_a once); coordinates() and named fragments pass."""
+    from vitrail import jit
+    from vitrail.jit.errors import CompileError
+    body = """#include <vitrail/tile_mma.cuh>
+using M = vitrail::TileMMA<__nv_bfloat16, 64, 64, 64, 1>;
+extern "C" __global__ void rows_views(float* out) {
+  M m(threadIdx.x);
+  auto acc = m.accumulators();
+  M::zero(acc);
+  auto named = M::rows(acc);
+  auto where = M::rows(m.coordinates());
+  out[threadIdx.x] = named(0, 0) + cute::get<0>(where(0, 0));
+  %s
+}
+"""
+    jit.compile(body % "", name="rows_views", backend="nvrtc", arch="90a",
+                flags=["-default-device"])
+    with pytest.raises(CompileError, match="a view of a temporary fragment would dangle"):
+        jit.compile(body % "out[0] += M::rows(m.accumulators())(0, 0);", name="rows_temporary",
+                    backend="nvrtc", arch="90a", flags=["-default-device"])

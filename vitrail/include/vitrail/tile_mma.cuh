@@ -70,6 +70,9 @@ constexpr auto smem_atom() {
 constexpr cute::GMMA::Major gmma_major(Major m) {
   return m == Major::K ? cute::GMMA::Major::K : cute::GMMA::Major::MN;
 }
+// Whether a tensor engine holds its elements (a register fragment) rather than pointing at them.
+template <class Engine> constexpr bool owns_registers = false;
+template <class T, auto N> constexpr bool owns_registers<cute::ArrayEngine<T, N>> = true;
 }  // namespace detail
 
 // The shared-memory layout of a Rows x Cols (x Stages) operand tile that wgmma reads: Rows is M
@@ -199,10 +202,14 @@ struct TileMMA {
 
   // A (rows, columns) view of an accumulator fragment (of mma's or mma_rs's tile): the elements
   // this thread holds of each of its rows. A row's elements are spread over the 4 threads of a
-  // quad (lanes 4i .. 4i + 3): combine them with quad_reduce. Works on coordinates() too.
+  // quad (lanes 4i .. 4i + 3): combine them with quad_reduce. Works on coordinates() too. A view:
+  // a fragment that owns its registers must outlive it (a temporary one is refused).
   template <class Frag>
   __device__ static auto rows(Frag&& frag) {
     using namespace cute;
+    static_assert(cute::is_lvalue_reference_v<Frag> ||
+                      !detail::owns_registers<typename cute::remove_cvref_t<Frag>::engine_type>,
+                  "TileMMA::rows: a view of a temporary fragment would dangle; name it first");
     auto l = frag.layout();  // ((2 columns, 2 row halves, N / 8), MMA_M, MMA_N)
     auto rc = make_layout(make_layout(get<0, 1>(l), get<1>(l)),
                           make_layout(get<0, 0>(l), get<0, 2>(l), get<2>(l)));
