@@ -48,6 +48,11 @@
 
 #include <type_traits>
 
+#ifdef VITRAIL_C10_CUDA  // a CUDA build of torch: its current device and stream read in C++
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
 namespace {
 
 using LaunchFn = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
@@ -166,6 +171,39 @@ inline void put(std::string& key, const T& v) {
   key.append(reinterpret_cast<const char*>(&v), sizeof(T));
 }
 
+// torch's current device and its current stream there, as torch.cuda would say them; false
+// where they cannot be read (CUDA unusable in this process: the Python path says why).
+bool current_place(long& device, unsigned long long& stream) {
+#ifdef VITRAIL_C10_CUDA
+  try {  // what torch._C._cuda_getDevice and _cuda_getCurrentRawStream return, without Python
+    const c10::DeviceIndex index = c10::cuda::current_device();
+    device = index;
+    cudaStream_t current = c10::cuda::getCurrentCUDAStream(index).stream();
+    stream = reinterpret_cast<unsigned long long>(current);
+    return true;
+  } catch (const std::exception&) {
+    return false;
+  }
+#else
+  PyObject* index = PyObject_CallNoArgs(get_device);
+  PyObject* current = index ? PyObject_CallOneArg(get_stream, index) : nullptr;
+  if (current == nullptr) {
+    Py_XDECREF(index);
+    PyErr_Clear();
+    return false;
+  }
+  device = PyLong_AsLong(index);
+  stream = PyLong_AsUnsignedLongLong(current);
+  Py_DECREF(index);
+  Py_DECREF(current);
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  return true;
+#endif
+}
+
 // The key of a call into key; false where the call is not for this path (see the file's top).
 // records: whether the call records gradients (only where grad_ok: the table has a rule).
 bool make_key(PyObject* const* args, Py_ssize_t n, std::string& key, bool grad_ok,
@@ -238,22 +276,8 @@ bool make_key(PyObject* const* args, Py_ssize_t n, std::string& key, bool grad_o
   }
   // the current device and its current stream: a plan may pass state kept per stream (a
   // workspace whose counters two grids must not share), so it holds on its own stream only
-  PyObject* device = PyObject_CallNoArgs(get_device);
-  PyObject* stream = device ? PyObject_CallOneArg(get_stream, device) : nullptr;
-  if (stream == nullptr) {
-    Py_XDECREF(device);
-    PyErr_Clear();
-    return false;
-  }
-  key_device = PyLong_AsLong(device);
+  if (!current_place(key_device, key_stream)) return false;
   put(key, key_device);
-  key_stream = PyLong_AsUnsignedLongLong(stream);
-  Py_DECREF(device);
-  Py_DECREF(stream);
-  if (PyErr_Occurred()) {
-    PyErr_Clear();
-    return false;
-  }
   put(key, key_stream);
   return true;
 }

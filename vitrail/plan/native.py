@@ -107,6 +107,9 @@ def _build():
     flags = ["-x", "c++", "-std=c++20", "-O2", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
              "-Xcompiler=-Wno-deprecated-declarations", f"-L{lib}", "-lc10", "-ltorch_cpu",
              "-ltorch_python", f"-Xlinker=-rpath,{lib}"]
+    if torch.version.cuda and any(Path(lib).glob("libc10_cuda.*")):
+        # the keys read torch's current device and stream in C++, not through two Python calls
+        flags += ["-DVITRAIL_C10_CUDA", "-lc10_cuda"]
     # specific to this torch as well as this Python: both are in the source's key
     return c_extension(SOURCE.read_text(), "vitrail_hit", flags=flags,
                        include_dirs=cpp_extension.include_paths(),
