@@ -5,7 +5,9 @@ called back to back (no synchronization inside a round of ``CALLS`` calls, fewer
 queue holds), beside torch's equivalent call. **Small problems**: eager wall time per call
 (back-to-back calls, then one synchronization) of problems whose GPU work takes 5-100 µs,
 forward and forward+backward, for vitrail and torch, and the same calls replayed from a CUDA
-graph (the host's share removed), so that the table shows where host time decides.
+graph (the host's share removed), so that the table shows where host time decides. Each
+implementation first runs for ``WARMUP_S`` (the GPU's clocks up), then all are timed in rounds
+that alternate between them.
 
 sympow has no torch op; its rows compare with the one torch call that does the nearest work:
 the outer product ``x[..., :, None] * x[..., None, :]`` (sympow p2), ``torch.bmm`` of the same
@@ -24,44 +26,67 @@ CALLS = 200  # calls a round: the launch queue (1024 entries) never fills, so th
 ROUNDS = 15
 
 
-def wall_us(fn: Callable[[], object], calls: int = 100, rounds: int = 7) -> float:
-    """Median wall µs per call of ``calls`` back-to-back calls ending in a synchronization."""
+WARMUP_S = 0.2  # of calls per implementation before timing: modules loaded, clocks up
+
+
+def _warm(fn: Callable[[], object]) -> None:
+    """Call fn for WARMUP_S seconds at least (synchronized): a GPU left idle by host-only
+    cases runs at low clocks, and the first timed function would pay for raising them."""
     import torch
-    for _ in range(10):
+    began, calls = time.perf_counter(), 0
+    while calls < 10 or time.perf_counter() - began < WARMUP_S:
         fn()
-    out = []
+        torch.cuda.synchronize()
+        calls += 1
+
+
+def _rounds(runs: dict[str, Callable[[], None]], calls: int, rounds: int) -> dict[str, float]:
+    """Median wall µs per call of each runs[name]() (which makes ``calls`` calls), in rounds
+    that go round-robin over the names, so that a drift of the machine falls on all alike."""
+    import torch
+    samples: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(rounds):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        out.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(out)
+        for name, run in runs.items():
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            run()
+            torch.cuda.synchronize()
+            samples[name].append((time.perf_counter() - start) / calls * 1e6)
+    return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def graph_us(fn: Callable[[], object], calls: int = 100, rounds: int = 7) -> float:
+def wall_us(fns: dict[str, Callable[[], object]], calls: int = 100,
+            rounds: int = 7) -> dict[str, float]:
+    """Median wall µs per call of ``calls`` back-to-back calls ending in a synchronization."""
+    for fn in fns.values():
+        _warm(fn)
+
+    def batch(fn):
+        def run():
+            for _ in range(calls):
+                fn()
+        return run
+    return _rounds({name: batch(fn) for name, fn in fns.items()}, calls, rounds)
+
+
+def graph_us(fns: dict[str, Callable[[], object]], calls: int = 100,
+             rounds: int = 7) -> dict[str, float]:
     """Median wall µs per call of ``calls`` calls captured in one CUDA graph and replayed."""
     import torch
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    out = []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        graph.replay()
-        torch.cuda.synchronize()
-        out.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(out)
+    graphs = {}
+    for name, fn in fns.items():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = graphs[name] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        _warm(graph.replay)
+    return _rounds({name: graph.replay for name, graph in graphs.items()}, calls, rounds)
 
 
 def _host_cases():
@@ -193,8 +218,10 @@ def run() -> list[Row]:
     print("  small problems: µs per call, eager (back to back) and replayed from a CUDA graph")
     for case, fns in _small_cases():
         try:
-            got = {f"{impl} {how}": f(fn) for impl, fn in fns.items()
-                   for how, f in (("eager", wall_us), ("graph", graph_us))}
+            got = {f"{impl} {how}": us for how, f in (("eager", wall_us), ("graph", graph_us))
+                   for impl, us in f(fns).items()}
+            got = {k: got[k] for k in ("vitrail eager", "vitrail graph", "torch eager",
+                                       "torch graph")}
         except Exception as e:
             print(f"    {case}: {type(e).__name__}: {str(e)[:200]}")
             continue

@@ -315,7 +315,9 @@ def front(plans, *, when: Callable[..., bool] | None = None,
             f"            _v_adopt(_v_front, _v_seen, _v_out, ({args},), _v_when)",
             "            return _v_out",
             f"    return _v_fn({body})"])
-        scope: dict[str, Any] = {"_v_compiling": torch.compiler.is_compiling,
+        # dynamo folds is_dynamo_compiling() to True while it traces (the Python path is what it
+        # sees); eagerly it costs a third of is_compiling(), which asks TorchScript first
+        scope: dict[str, Any] = {"_v_compiling": torch.compiler.is_dynamo_compiling,
                                  "_v_front": front, "_v_MISS": MISS, "_v_fn": fn,
                                  "_v_start": _start, "_v_stop": _stop, "_v_adopt": _adopt,
                                  "_v_when": when, "_v_learning": LEARNING}

@@ -158,9 +158,9 @@ def _grads(ctx, grad: Tensor, mm) -> tuple:
                         b.dtype), tuple(b.shape))
     if c is not None and needs[2]:
         gc = _sum_to(g * beta, ctx.c_shape).to(c.dtype)
-    if bias is not None and needs[3]:  # summed in fp32, one kernel
-        if bias.dim() == 1:  # per column: over rows (and batch)
-            gbias = g.reshape(-1, g.shape[-1]).sum(0, dtype=torch.float32)
+    if bias is not None and needs[3]:  # summed in fp32
+        if bias.dim() == 1:  # per column: over rows (and batch); a 16-bit g is summed in fp32
+            gbias = g.reshape(-1, g.shape[-1]).sum(0)  # and rounded once: one kernel
         else:  # per row (M, 1): over columns and batch
             gbias = g.sum(-1, keepdim=True, dtype=torch.float32)
             while gbias.dim() > 2:
