@@ -1,7 +1,8 @@
 """vitrail.ops.attention: compiled for sm_90a on the CPU (NVRTC: wgmma not serialized, no
-spills) and the backward's algebra against autograd of the fp64 reference on the CPU; on a Hopper
-GPU, values and gradients against an fp64 reference for odd lengths, both causal alignments, GQA,
-every head dim, fully masked rows and SDPA's layout."""
+spills; head dims of each TMA box width and wgmma shape) and the backward's algebra against
+autograd of the fp64 reference on the CPU; on a Hopper GPU, values and gradients against an fp64
+reference for odd lengths, both causal alignments, GQA, head dims of 16 to 256, fully masked rows
+and SDPA's layout."""
 from __future__ import annotations
 
 import importlib
@@ -23,6 +24,10 @@ pytestmark = pytest.mark.warm_cache  # --kernel-cache: one build per kernel acro
 @pytest.mark.parametrize("which,d,causal,options", [
     ("fwd", 128, True, {}), ("fwd", 64, False, {}),
     ("fwd", 128, True, {"local": True, "softcap": True}), ("fwd", 64, True, {"varlen": True}),
+    # TMA boxes 16 (D 16, 80, 240) and 32 wide (96, 160); P V's wgmma 80, 160, 240 wide: CuTe's
+    # extended shapes
+    ("fwd", 16, False, {}), ("fwd", 80, True, {}), ("fwd", 96, False, {}), ("fwd", 160, True, {}),
+    ("fwd", 240, False, {}),
     ("bwd", 128, True, {}), ("bwd", 64, False, {}),
     ("bwd", 128, False, {"local": True, "softcap": True})])
 def test_compiles_for_sm90a(which, d, causal, options):
@@ -35,7 +40,31 @@ def test_compiles_for_sm90a(which, d, causal, options):
     for name in names:
         assert name in res, res
         assert res[name]["spill_stores"] == 0 and res[name]["stack"] == 0, res[name]
-    assert "C7515" not in (entry.dir / "build.log").read_text()  # wgmma serialized
+    log = (entry.dir / "build.log").read_text()
+    assert "C7515" not in log and "serialized" not in log, log  # wgmma serialized
+
+
+def test_every_head_dim_fits_shared_memory():
+    """Each D's TMA box width divides it, and its kernel's shared memory fits a CTA (227 KB)."""
+    assert A.HEAD_DIMS == tuple(range(16, 257, 16))
+    for d in A.HEAD_DIMS:
+        c = A.chunk(d)
+        assert c in (16, 32, 64) and d % c == 0 and (c == 64 or d % (2 * c)), d
+        assert A.block_n(d) in (64, 128)
+        for dtype in A.DTYPES:
+            assert A.smem_bytes(d, dtype) <= 227 * 1024, d
+    assert [A.chunk(d) for d in (64, 128, 192, 256)] == [64] * 4  # the maps as before
+
+
+@pytest.mark.parametrize("d,box,swizzle", [(64, 64, 128), (96, 32, 64), (80, 16, 32),
+                                           (256, 64, 128), (160, 32, 64), (240, 16, 32)])
+def test_the_tma_boxes_are_the_kernels_swizzle_atoms(monkeypatch, d, box, swizzle):
+    """The maps' boxes: chunk(D) elements of D by the rows given, swizzled as wide as a row."""
+    seen = {}
+    monkeypatch.setattr(A, "tensor_map", lambda t, **kw: seen.update(kw))
+    A._map(torch.empty(2, 5, 3, d, dtype=torch.bfloat16), 128)
+    assert seen["dims"] == (d, 5, 3, 2) and seen["box"] == (box, 128, 1, 1)
+    assert seen["swizzle"] == swizzle
 
 
 def test_reference_matches_sdpa_on_the_cpu():
@@ -90,9 +119,11 @@ def test_refusals_name_the_argument():
     q = q.cuda()
     with pytest.raises(Exception, match="multiple of k's and v's"):
         A.attention(q, q[:, :, :3], q[:, :, :3])
-    with pytest.raises(NotImplementedError, match="head_dim 96"):
-        x = torch.randn(1, 8, 4, 96, device="cuda", dtype=torch.bfloat16)
-        A.attention(x, x, x)
+    for d in (8, 72, 272):
+        with pytest.raises(NotImplementedError, match=f"head_dim {d} is not supported; "
+                                                      f"supported: a multiple of 16 from 16"):
+            x = torch.randn(1, 8, 4, d, device="cuda", dtype=torch.bfloat16)
+            A.attention(x, x, x)
     with pytest.raises(Exception, match="alignment"):
         A.attention(q, q, q, causal=True, alignment="middle")
     x = torch.empty(A.MAX_GRID_YZ + 1, 1, 1, 64, device="cuda", dtype=torch.bfloat16)
@@ -126,6 +157,18 @@ def _check(q, k, v, **kw):
 def test_values(dtype, d, sq, sk):
     q, k, v = _qkv(2, sq, sk, 4, 4, d, dtype)
     _check(q, k, v)
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [32, 80, 96, 160])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", [(1, 1), (77, 77), (300, 300), (77, 300), (300, 77)])
+def test_values_at_head_dims_not_a_multiple_of_64(dtype, d, causal, sq, sk):
+    """TMA boxes of 32 (D 32, 96, 160) and 16 elements (80) with their swizzles, P V's wgmma
+    of CuTe's extended shapes (80, 160), causal and not, Sq != Sk both ways."""
+    q, k, v = _qkv(2, sq, sk, 4, 2, d, dtype, seed=d + sq)
+    _check(q, k, v, causal=causal)
 
 
 @needs_hopper
@@ -258,6 +301,17 @@ def _check_grads(q, k, v, with_lse=False, **kw):
 def test_gradients(dtype, d, sq, sk, causal):
     q, k, v = _qkv(2, sq, sk, 4, 4, d, dtype, seed=8)
     _check_grads(q, k, v, causal=causal)
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("sq,sk,causal", [(1, 1, False), (77, 300, True), (300, 77, False),
+                                          (300, 300, True)])
+def test_gradients_at_a_head_dim_without_fused_kernels(dtype, sq, sk, causal):
+    """D 96: the forward's kernel, the backward's matmuls (backward.py)."""
+    q, k, v = _qkv(2, sq, sk, 4, 2, 96, dtype, seed=16)
+    assert not A.fused_backward_runs(q, k)
+    _check_grads(q, k, v, with_lse=True, causal=causal)
 
 
 @needs_hopper

@@ -5,7 +5,7 @@
     o, lse = attention(q, k, v, return_lse=True)           # lse: (batch, heads, seqlen_q) fp32
 
 q (B, Sq, H, D), k and v (B, Sk, Hkv, D) with H a multiple of Hkv (GQA, MQA), bf16 or fp16,
-D of 64, 128, 192 or 256, the last dim contiguous (SDPA's (B, H, S, D) tensors pass as
+D a multiple of 16 from 16 to 256, the last dim contiguous (SDPA's (B, H, S, D) tensors pass as
 ``x.transpose(1, 2)`` without a copy). ``scale`` defaults to D ** -0.5. ``causal``: key j is
 visible to query i where j <= i (``alignment="top_left"``, as torch SDPA) or j <= i + Sk - Sq
 (``"bottom_right"``, as FlashAttention >= 2.1); ``window=(left, right)`` (a sliding window, each
@@ -40,7 +40,7 @@ from vitrail.ops.common import check_same_device, check_tensor
 HERE = Path(__file__).resolve().parent
 NAME = "vitrail.ops.attention"
 DTYPES = (torch.bfloat16, torch.float16)
-HEAD_DIMS = (64, 128, 192, 256)
+HEAD_DIMS = tuple(range(16, 257, 16))
 ALIGNMENTS = ("top_left", "bottom_right")
 BM, STAGES, THREADS = 128, 2, 384
 MAX_GRID_YZ = 65535  # heads on the grid's y, batch on its z
@@ -50,6 +50,17 @@ _KERNELS: dict[tuple, object] = {}
 def block_n(d: int) -> int:
     """Keys per block: 128 where S's and O's fragments fit the consumers' registers with it."""
     return 128 if d <= 128 else 64
+
+
+def chunk(d: int) -> int:
+    """D's slice in one TMA box: the widest of 64, 32 and 16 elements that divides d, rows of
+    128, 64 or 32 bytes, the swizzle of the kernel's shared-memory tiles (tile_mma's SmemTile
+    picks its atom by the same rule)."""
+    return next(c for c in (64, 32, 16) if d % c == 0)
+
+
+# wgmma widths (N) CuTe's selectors take without CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+STOCK_MMA_N = (8, 16, 32, 64, 96, 128, 192, 256)
 
 
 def smem_bytes(d: int, dtype: torch.dtype = torch.bfloat16) -> int:
@@ -63,7 +74,11 @@ def source(dtype: torch.dtype, d: int, causal: bool, pingpong: bool = True, loca
     config = {"D": d, "BM": BM, "BN": block_n(d), "STAGES": STAGES}
     flags = {"CAUSAL": causal, "LOCAL": local, "SOFTCAP": softcap, "VARLEN": varlen,
              "PINGPONG": pingpong}
-    return ("#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
+    # P V is one wgmma D wide per 16 keys; D of 80, 112, 160... is among CuTe's extended shapes
+    # (their headers cost compile time, so only where needed)
+    extended = d not in STOCK_MMA_N
+    return (("#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED\n" if extended else "") +
+            "#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
             f"using T = {ctype(dtype)};\n" +
             "".join(f"constexpr int {k} = {v};\n" for k, v in config.items()) +
             "".join(f"constexpr bool {k} = {'true' if v else 'false'};\n"
@@ -221,8 +236,8 @@ def _check(q: Tensor, k: Tensor, v: Tensor, scale, alignment: str, causal: bool 
                             f"entries in one call (the launch grid's y and z), got {h} heads and "
                             f"batch {b}; split the call along the batch")
     if d not in HEAD_DIMS:
-        raise NotImplementedError(f"{NAME}: head_dim {d} is not supported; supported: "
-                                  f"{', '.join(map(str, HEAD_DIMS))}")
+        raise NotImplementedError(f"{NAME}: head_dim {d} is not supported; supported: a "
+                                  f"multiple of 16 from {HEAD_DIMS[0]} to {HEAD_DIMS[-1]}")
     if alignment not in ALIGNMENTS:
         raise ArgumentError(f"{NAME}: alignment must be one of {', '.join(ALIGNMENTS)}, got "
                             f"{alignment!r}")
@@ -242,12 +257,15 @@ def _tma_ready(t: Tensor) -> Tensor:
 
 
 def _map(t: Tensor, rows: int) -> bytes:
-    """A TMA map over t's (D, seqlen, heads, batch) with boxes of 64 x rows."""
+    """A TMA map over t's (D, seqlen, heads, batch) with boxes of chunk(D) x rows, swizzled as
+    the kernels' tiles (chunk(D) elements a row)."""
     b, s, h, d = t.shape
     strides = [t.stride(1), t.stride(2), t.stride(0)]
     packed = [d, s * d, s * h * d]  # size-1 dims: any stride is legal; TMA checks them all
     strides = [st if n > 1 else p for st, n, p in zip(strides, (s, h, b), packed)]
-    return tensor_map(t, dims=(d, s, h, b), strides=strides, box=(64, rows, 1, 1))
+    c = chunk(d)
+    return tensor_map(t, dims=(d, s, h, b), strides=strides, box=(c, rows, 1, 1),
+                      swizzle=c * t.element_size())
 
 
 @torch.library.custom_op("vitrail::attention_fwd", mutates_args=())

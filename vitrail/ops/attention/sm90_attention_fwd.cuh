@@ -35,9 +35,14 @@ using QK = vitrail::TileMMA<T, BM, BN, D, 2>;                                   
 using PV = vitrail::TileMMA<T, BM, D, BN, 2, vitrail::Major::K, vitrail::Major::MN>;  // O += P V
 constexpr int kThreads = 128 + QK::kThreads;
 constexpr float kInf = cuda::std::numeric_limits<float>::infinity();
-constexpr int kChunk = 64;                 // TMA boxes are 64 elements (128 bytes) of D wide
+static_assert(D % 16 == 0 && D >= 16 && D <= 256, "attention: D must be a multiple of 16 to 256");
+// A TMA box is a slice of D as wide as the tiles' swizzle atom: the widest of 64, 32 and 16
+// elements (128-, 64- or 32-byte rows) that divides D (the maps: vitrail.ops.attention.chunk).
+constexpr int kChunk = D % 64 == 0 ? 64 : D % 32 == 0 ? 32 : 16;
 constexpr int kChunks = D / kChunk;
-static_assert(D % kChunk == 0, "attention: D must be a multiple of 64");
+template <int Extent>
+using Atom = decltype(vitrail::detail::smem_atom<QK::T, vitrail::Major::K, Extent>());
+static_assert(cute::is_same_v<Atom<D>, Atom<kChunk>>, "attention: kChunk is not the atom's width");
 constexpr int kBytesQ = QK::kBytesA<>;
 constexpr int kBytesKV = QK::kBytesB<> + PV::kBytesB<>;  // one stage: a block of K and of V
 constexpr int kSmemBytes = 1024 + kBytesQ + STAGES * kBytesKV +
@@ -123,7 +128,7 @@ __device__ void forward(const Params& p, int q_start, int k_start, const vitrail
     vitrail::warpgroup_registers_down<40>();
     if (threadIdx.x == 0) {
       vitrail::Bulk::expect(q_full, kBytesQ);
-      for (int c = 0; c < kChunks; ++c)  // Q's 64-wide slices of D, BM rows each
+      for (int c = 0; c < kChunks; ++c)  // Q's kChunk-wide slices of D, BM rows each
         vitrail::Tma::load(&sQ(0, c * kChunk, 0), mapQ, q_full, c * kChunk, q_start + m0, head,
                            tma_batch);
       auto w = vitrail::PipeState<STAGES>::producer();
