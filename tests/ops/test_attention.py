@@ -1,7 +1,8 @@
 """vitrail.ops.attention: compiled for sm_90a on the CPU (NVRTC: wgmma not serialized, no
-spills) and the backward's algebra against autograd of the fp64 reference on the CPU; on a Hopper
-GPU, values and gradients against an fp64 reference for odd lengths, both causal alignments, GQA,
-every head dim, fully masked rows and SDPA's layout."""
+spills; head dims of each TMA box width and wgmma shape) and the backward's algebra against
+autograd of the fp64 reference on the CPU; on a Hopper GPU, values and gradients against an fp64
+reference for odd lengths, both causal alignments, GQA, head dims of 16 to 256, fully masked rows
+and SDPA's layout."""
 from __future__ import annotations
 
 import importlib
@@ -23,6 +24,11 @@ pytestmark = pytest.mark.warm_cache  # --kernel-cache: one build per kernel acro
 @pytest.mark.parametrize("which,d,causal,options", [
     ("fwd", 128, True, {}), ("fwd", 64, False, {}),
     ("fwd", 128, True, {"local": True, "softcap": True}), ("fwd", 64, True, {"varlen": True}),
+    # TMA boxes 16 (D 16, 80, 240) and 32 wide (96, 160); P V's wgmma 80, 160, 240 wide: CuTe's
+    # extended shapes
+    ("fwd", 16, False, {}), ("fwd", 80, True, {}), ("fwd", 96, False, {}), ("fwd", 160, True, {}),
+    ("fwd", 240, False, {}),
+    ("fwd", 192, True, {"dv": 128}), ("fwd", 96, False, {"dv": 32}),  # v's head dim of its own
     ("bwd", 128, True, {}), ("bwd", 64, False, {}),
     ("bwd", 128, False, {"local": True, "softcap": True})])
 def test_compiles_for_sm90a(which, d, causal, options):
@@ -35,7 +41,64 @@ def test_compiles_for_sm90a(which, d, causal, options):
     for name in names:
         assert name in res, res
         assert res[name]["spill_stores"] == 0 and res[name]["stack"] == 0, res[name]
-    assert "C7515" not in (entry.dir / "build.log").read_text()  # wgmma serialized
+    log = (entry.dir / "build.log").read_text()
+    assert "C7515" not in log and "serialized" not in log, log  # wgmma serialized
+
+
+def test_every_head_dim_fits_shared_memory():
+    """Each D's TMA box width divides it, and the kernel's shared memory fits a CTA (227 KB) at
+    every (D, Dv); with Dv = D the blocks of keys are as before (128 up to D 128, else 64)."""
+    assert A.HEAD_DIMS == tuple(range(16, 257, 16))
+    for d in A.HEAD_DIMS:
+        c = A.chunk(d)
+        assert c in (16, 32, 64) and d % c == 0 and (c == 64 or d % (2 * c)), d
+        assert A.block_n(d) == A.block_n(d, d) == (128 if d <= 128 else 64)
+        for dv in A.HEAD_DIMS:
+            assert A.block_n(d, dv) == 64 or dv <= 128, (d, dv)  # O's registers
+            for dtype in A.DTYPES:
+                assert A.smem_bytes(d, dtype, dv) <= 227 * 1024, (d, dv)
+    assert A.smem_bytes(128) == A.smem_bytes(128, torch.bfloat16, 128)
+    assert (A.block_n(192, 128), A.block_n(256, 128), A.block_n(64, 256)) == (128, 64, 64)
+    assert [A.chunk(d) for d in (64, 128, 192, 256)] == [64] * 4  # the maps as before
+
+
+def test_head_dim_refusals_name_the_tensor(monkeypatch):
+    """v's head dim may differ from q's and k's (o takes it), k's may not; each refusal names
+    the tensor (checked on the CPU: the device check set aside)."""
+    import functools
+
+    from vitrail.ops import common
+    monkeypatch.setattr(A, "check_tensor", functools.partial(common.check_tensor, cuda=False))
+
+    def x(*shape):
+        return torch.empty(shape, dtype=torch.bfloat16)
+    A._check(x(2, 9, 4, 192), x(2, 7, 2, 192), x(2, 7, 2, 128), None, "top_left")
+    A._check(x(1, 9, 4, 96), x(1, 7, 4, 96), x(1, 7, 4, 32), None, "top_left")
+    for q, k, v, error, match in (
+            ((2, 9, 4, 192), (2, 7, 2, 128), (2, 7, 2, 128), ArgumentError,
+             r"k's head_dim \(dim 3\) must be q's 192, got 128"),
+            ((2, 9, 4, 64), (2, 7, 2, 64), (2, 8, 2, 128), ArgumentError,
+             r"v \(2, 8, 2, 128\) does not match k \(2, 7, 2, 64\): batch, seqlen and heads"),
+            ((2, 9, 4, 64), (2, 7, 2, 64), (2, 7, 2, 72), NotImplementedError,
+             "v's head_dim 72 is not supported; supported: a multiple of 16 from 16 to 256"),
+            ((2, 9, 4, 264), (2, 7, 2, 264), (2, 7, 2, 64), NotImplementedError,
+             "q's and k's head_dim 264 is not supported")):
+        with pytest.raises(error, match=match):
+            A._check(x(*q), x(*k), x(*v), None, "top_left")
+    cu = torch.tensor([0, 9], dtype=torch.int32)
+    with pytest.raises(ArgumentError, match="k's head_dim"):
+        A.attention_varlen(x(9, 4, 64), x(9, 2, 32), x(9, 2, 64), cu, cu, 9, 9)
+
+
+@pytest.mark.parametrize("d,box,swizzle", [(64, 64, 128), (96, 32, 64), (80, 16, 32),
+                                           (256, 64, 128), (160, 32, 64), (240, 16, 32)])
+def test_the_tma_boxes_are_the_kernels_swizzle_atoms(monkeypatch, d, box, swizzle):
+    """The maps' boxes: chunk(D) elements of D by the rows given, swizzled as wide as a row."""
+    seen = {}
+    monkeypatch.setattr(A, "tensor_map", lambda t, **kw: seen.update(kw))
+    A._map(torch.empty(2, 5, 3, d, dtype=torch.bfloat16), 128)
+    assert seen["dims"] == (d, 5, 3, 2) and seen["box"] == (box, 128, 1, 1)
+    assert seen["swizzle"] == swizzle
 
 
 def test_reference_matches_sdpa_on_the_cpu():
@@ -90,9 +153,11 @@ def test_refusals_name_the_argument():
     q = q.cuda()
     with pytest.raises(Exception, match="multiple of k's and v's"):
         A.attention(q, q[:, :, :3], q[:, :, :3])
-    with pytest.raises(NotImplementedError, match="head_dim 96"):
-        x = torch.randn(1, 8, 4, 96, device="cuda", dtype=torch.bfloat16)
-        A.attention(x, x, x)
+    for d in (8, 72, 272):
+        with pytest.raises(NotImplementedError, match=f"head_dim {d} is not supported; "
+                                                      f"supported: a multiple of 16 from 16"):
+            x = torch.randn(1, 8, 4, d, device="cuda", dtype=torch.bfloat16)
+            A.attention(x, x, x)
     with pytest.raises(Exception, match="alignment"):
         A.attention(q, q, q, causal=True, alignment="middle")
     x = torch.empty(A.MAX_GRID_YZ + 1, 1, 1, 64, device="cuda", dtype=torch.bfloat16)
@@ -100,11 +165,11 @@ def test_refusals_name_the_argument():
         A.attention(x, x, x)
 
 
-def _qkv(b, sq, sk, h, hk, d, dtype, seed=0):
+def _qkv(b, sq, sk, h, hk, d, dtype, seed=0, dv=None):
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(b, sq, h, d, device="cuda", generator=g).to(dtype)
     k = torch.randn(b, sk, hk, d, device="cuda", generator=g).to(dtype)
-    v = torch.randn(b, sk, hk, d, device="cuda", generator=g).to(dtype)
+    v = torch.randn(b, sk, hk, dv or d, device="cuda", generator=g).to(dtype)
     return q, k, v
 
 
@@ -126,6 +191,31 @@ def _check(q, k, v, **kw):
 def test_values(dtype, d, sq, sk):
     q, k, v = _qkv(2, sq, sk, 4, 4, d, dtype)
     _check(q, k, v)
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [32, 80, 96, 160])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", [(1, 1), (77, 77), (300, 300), (77, 300), (300, 77)])
+def test_values_at_head_dims_not_a_multiple_of_64(dtype, d, causal, sq, sk):
+    """TMA boxes of 32 (D 32, 96, 160) and 16 elements (80) with their swizzles, P V's wgmma
+    of CuTe's extended shapes (80, 160), causal and not, Sq != Sk both ways."""
+    q, k, v = _qkv(2, sq, sk, 4, 2, d, dtype, seed=d + sq)
+    _check(q, k, v, causal=causal)
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d,dv", [(192, 128), (128, 64), (64, 128), (96, 32)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", [(1, 1), (77, 300), (300, 77), (1000, 1000)])
+def test_values_with_a_v_head_dim_of_its_own(dtype, d, dv, causal, sq, sk):
+    """o (B, Sq, H, Dv): P V and the stores Dv wide, V's TMA boxes chunk(Dv) wide, K's chunk(D);
+    (192, 128) takes blocks of 128 keys."""
+    q, k, v = _qkv(2, sq, sk, 4, 2, d, dtype, seed=d + dv, dv=dv)
+    assert A.attention(q, k, v).shape == (2, sq, 4, dv)
+    _check(q, k, v, causal=causal)
 
 
 @needs_hopper
@@ -204,16 +294,23 @@ def _reference_grads(q, k, v, go, glse, **kw):
     (1, 45, 45, 4, 2, 16, True, "top_left", {"window": (6, None)}),
     (1, 30, 50, 2, 1, 16, False, "bottom_right", {"window": (9, 4)}),
     (1, 50, 30, 2, 2, 16, False, "top_left", {"window": (None, 3), "softcap": 2.5}),
-    (2, 21, 21, 2, 2, 16, False, "top_left", {"softcap": 0.7})])
+    (2, 21, 21, 2, 2, 16, False, "top_left", {"softcap": 0.7}),
+    # v's head dim other than q's and k's
+    (2, 7, 7, 4, 2, 64, False, "top_left", {"dv": 32}),
+    (1, 33, 17, 6, 2, 32, True, "bottom_right", {"dv": 48}),
+    (1, 45, 45, 4, 2, 16, True, "top_left", {"window": (6, None), "dv": 32}),
+    (1, 50, 30, 2, 2, 48, False, "top_left", {"window": (None, 3), "softcap": 2.5, "dv": 16})])
 def test_the_backward_algebra_on_the_cpu(monkeypatch, dtype, b, sq, sk, h, hk, d, causal,
                                          alignment, extra):
     """The backward's blocks (5 query rows each here), GQA, both alignments, sliding windows,
-    the softcap, rows that see no key and an lse gradient, against autograd through the fp64
-    reference."""
+    the softcap, rows that see no key, an lse gradient and v's head dim other than q's, against
+    autograd through the fp64 reference."""
     from vitrail.ops.attention import backward
+    extra = dict(extra)
+    dv = extra.pop("dv", d)
     g = torch.Generator().manual_seed(sq * sk + d)
-    q, k, v = (torch.randn(b, s, n, d, generator=g, dtype=torch.float64)
-               for s, n in ((sq, h), (sk, hk), (sk, hk)))
+    q, k, v = (torch.randn(b, s, n, e, generator=g, dtype=torch.float64)
+               for s, n, e in ((sq, h, d), (sk, hk, d), (sk, hk, dv)))
     kw = dict(causal=causal, alignment=alignment, **extra)
     o, lse = A.reference(q, k, v, **kw)
     go, glse = torch.randn(o.shape, generator=g), torch.randn(lse.shape, generator=g)
@@ -261,6 +358,28 @@ def test_gradients(dtype, d, sq, sk, causal):
 
 
 @needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("sq,sk,causal", [(1, 1, False), (77, 300, True), (300, 77, False),
+                                          (300, 300, True)])
+def test_gradients_at_a_head_dim_without_fused_kernels(dtype, sq, sk, causal):
+    """D 96: the forward's kernel, the backward's matmuls (backward.py)."""
+    q, k, v = _qkv(2, sq, sk, 4, 2, 96, dtype, seed=16)
+    assert not A.fused_backward_runs(q, k, v)
+    _check_grads(q, k, v, with_lse=True, causal=causal)
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d,dv", [(192, 128), (128, 64), (64, 128), (96, 32)])
+@pytest.mark.parametrize("sq,sk,causal", [(77, 300, True), (300, 300, False)])
+def test_gradients_with_a_v_head_dim_of_its_own(dtype, d, dv, sq, sk, causal):
+    """The backward's matmuls (the fused kernels take Dv = D only), GQA, a loss on the lse."""
+    q, k, v = _qkv(2, sq, sk, 4, 2, d, dtype, seed=17, dv=dv)
+    assert not A.fused_backward_runs(q, k, v)
+    _check_grads(q, k, v, with_lse=True, causal=causal, alignment="bottom_right")
+
+
+@needs_hopper
 @pytest.mark.parametrize("ratio", [1, 4])
 def test_gradients_gqa_bottom_right_and_the_lse(ratio):
     """GQA (dk, dv summed over the group), rows that see no key, and a loss on the lse."""
@@ -303,7 +422,7 @@ def test_the_fused_backward_is_deterministic_and_agrees_with_the_matmul_path(d, 
     go = torch.randn_like(o)
     mask = A._mask(777, 901, causal, "bottom_right", extra.get("window"))
     args = (go, None, q, k, v, o, lse, d ** -0.5, *mask, extra.get("softcap", 0.0))
-    assert A.fused_backward_runs(q, k)
+    assert A.fused_backward_runs(q, k, v)
     first = torch.ops.vitrail.attention_bwd(*args)
     again = torch.ops.vitrail.attention_bwd(*args)
     plain = attention_backward(*args)
@@ -318,6 +437,8 @@ def test_opcheck():
     q, k, v = _qkv(1, 130, 130, 2, 2, 64, torch.bfloat16, seed=11)
     q.requires_grad_(True)
     torch.library.opcheck(torch.ops.vitrail.attention_fwd.default, (q, k, v, 0.125, True, 0))
+    v = torch.randn(1, 130, 2, 32, device="cuda", dtype=torch.bfloat16)  # o 32 wide
+    torch.library.opcheck(torch.ops.vitrail.attention_fwd.default, (q, k, v, 0.125, False, 0))
 
 
 def test_the_benchmark_registers_its_grid():
@@ -365,18 +486,20 @@ def test_varlen_lengths_are_checked():
             A._lengths(bad, total, m, "q")
 
 
+@pytest.mark.parametrize("dv", [16, 32])
 @pytest.mark.parametrize("causal,alignment,extra", [
     (False, "top_left", {}), (True, "bottom_right", {}), (True, "top_left", {"window": (3, None)}),
     (False, "bottom_right", {"window": (2, 1), "softcap": 1.5})])
-def test_varlen_backward_on_the_cpu(causal, alignment, extra):
+def test_varlen_backward_on_the_cpu(causal, alignment, extra, dv):
     """Each sequence's gradient (the op's CPU path: backward.py per sequence) against autograd
-    through the fp64 reference, lengths 0 included (no rows; rows but no keys)."""
+    through the fp64 reference, lengths 0 included (no rows; rows but no keys), v's head dim
+    q's or another."""
     g = torch.Generator().manual_seed(3)
     lq, lk = [5, 0, 9, 4], [7, 3, 6, 0]
     cq, ck = _cu(lq), _cu(lk)
     q = torch.randn(sum(lq), 4, 16, generator=g, dtype=torch.float64, requires_grad=True)
-    k, v = (torch.randn(sum(lk), 2, 16, generator=g, dtype=torch.float64, requires_grad=True)
-            for _ in range(2))
+    k, v = (torch.randn(sum(lk), 2, e, generator=g, dtype=torch.float64, requires_grad=True)
+            for e in (16, dv))
     kw = dict(causal=causal, alignment=alignment, **extra)
     o, lse = A.reference_varlen(q, k, v, cq, ck, **kw)
     go, glse = torch.randn(o.shape, generator=g), torch.randn(lse.shape, generator=g)
@@ -391,11 +514,11 @@ def test_varlen_backward_on_the_cpu(causal, alignment, extra):
         torch.testing.assert_close(x, t.grad, rtol=1e-6, atol=1e-6, msg=what)
 
 
-def _varlen_inputs(lq, lk, h, hk, d, dtype, seed):
+def _varlen_inputs(lq, lk, h, hk, d, dtype, seed, dv=None):
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(sum(lq), h, d, device="cuda", generator=g).to(dtype)
     k = torch.randn(sum(lk), hk, d, device="cuda", generator=g).to(dtype)
-    v = torch.randn(sum(lk), hk, d, device="cuda", generator=g).to(dtype)
+    v = torch.randn(sum(lk), hk, dv or d, device="cuda", generator=g).to(dtype)
     return q, k, v, _cu(lq, "cuda"), _cu(lk, "cuda")
 
 
@@ -437,3 +560,31 @@ def test_varlen_gradients_and_opcheck():
                                    msg=what)
     torch.library.opcheck(torch.ops.vitrail.attention_varlen_fwd.default,
                           (qs, ks, vs, cq, ck, 700, 0.1, True, 0, False, 0, 0.0, True))
+
+
+@needs_hopper
+@pytest.mark.parametrize("d,dv", [(192, 128), (64, 128), (96, 32)])
+def test_varlen_with_a_v_head_dim_of_its_own(d, dv):
+    """o (total_q, H, Dv) and lse against the fp64 reference, the gradients against its
+    autograd, and opcheck, with sequences of no rows and of one row."""
+    lq, lk = [300, 1, 0, 77], [500, 2, 9, 77]
+    q, k, v, cq, ck = _varlen_inputs(lq, lk, 4, 2, d, torch.bfloat16, seed=22, dv=dv)
+    kw = dict(causal=True, alignment="bottom_right")
+    qs, ks, vs = (x.detach().requires_grad_(True) for x in (q, k, v))
+    o, lse = A.attention_varlen(qs, ks, vs, cq, ck, max(lq), max(lk), return_lse=True, **kw)
+    assert o.shape == (sum(lq), 4, dv)
+    q64, k64, v64 = (x.detach().double().requires_grad_(True) for x in (q, k, v))
+    ro, rlse = A.reference_varlen(q64, k64, v64, cq, ck, **kw)
+    torch.testing.assert_close(o.double(), ro.detach(), rtol=2e-2, atol=2e-2)
+    finite = rlse.isfinite()
+    torch.testing.assert_close(lse.double()[finite], rlse.detach()[finite], rtol=1e-3, atol=1e-3)
+    go = torch.randn_like(o)
+    o.backward(go)
+    ro.backward(go.double())
+    for x, w, what in ((qs.grad, q64.grad, "dq"), (ks.grad, k64.grad, "dk"),
+                       (vs.grad, v64.grad, "dv")):
+        assert x.shape == w.shape, what
+        torch.testing.assert_close(x.double(), w, rtol=2e-2, atol=2e-2 * w.abs().max().item(),
+                                   msg=what)
+    torch.library.opcheck(torch.ops.vitrail.attention_varlen_fwd.default,
+                          (qs, ks, vs, cq, ck, max(lq), d ** -0.5, True, 0, False, 0, 0.0, True))

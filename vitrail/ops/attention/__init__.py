@@ -1,24 +1,25 @@
 """vitrail.ops.attention: flash attention's forward on Hopper, written with vitrail's blocks
 (TileMMA, Tma, Pipeline; the kernel is sm90_attention_fwd.cuh).
 
-    o = attention(q, k, v, causal=True)                    # (batch, seqlen, heads, head_dim)
+    o = attention(q, k, v, causal=True)                    # (batch, seqlen, heads, v's head_dim)
     o, lse = attention(q, k, v, return_lse=True)           # lse: (batch, heads, seqlen_q) fp32
 
-q (B, Sq, H, D), k and v (B, Sk, Hkv, D) with H a multiple of Hkv (GQA, MQA), bf16 or fp16,
-D of 64, 128, 192 or 256, the last dim contiguous (SDPA's (B, H, S, D) tensors pass as
-``x.transpose(1, 2)`` without a copy). ``scale`` defaults to D ** -0.5. ``causal``: key j is
-visible to query i where j <= i (``alignment="top_left"``, as torch SDPA) or j <= i + Sk - Sq
-(``"bottom_right"``, as FlashAttention >= 2.1); ``window=(left, right)`` (a sliding window, each
-side a number of keys or None for unbounded) makes key j visible to query i only where
-i + offset - left <= j <= i + offset + right, with the same offset (causal=True is right = 0);
-``softcap`` caps the scaled scores to softcap * tanh(s / softcap) (Gemma 2). A row that sees no
-key gives zeros and an lse of -inf. Every refusal names the argument. The backward (q, k and v,
-and through the lse too) runs two kernels at D of 64 and 128 (sm90_attention_bwd.cuh: dQ over
-the keys, dK and dV over the query rows, no atomics: the same bits every run), else torch's
-batched matmuls a block of query rows at a time (``backward.py``). ``attention_varlen`` takes
-sequences of their own lengths packed along the rows (FlashAttention's cu_seqlens).
+q (B, Sq, H, D), k (B, Sk, Hkv, D) and v (B, Sk, Hkv, Dv) with H a multiple of Hkv (GQA, MQA),
+bf16 or fp16, D and Dv multiples of 16 from 16 to 256 (Dv = D, or another: o is (B, Sq, H, Dv)),
+the last dim contiguous (SDPA's (B, H, S, D) tensors pass as ``x.transpose(1, 2)`` without a
+copy). ``scale`` defaults to D ** -0.5. ``causal``: key j is visible to query i where j <= i
+(``alignment="top_left"``, as torch SDPA) or j <= i + Sk - Sq (``"bottom_right"``, as
+FlashAttention >= 2.1); ``window=(left, right)`` (a sliding window, each side a number of keys
+or None for unbounded) makes key j visible to query i only where i + offset - left <= j <= i +
+offset + right, with the same offset (causal=True is right = 0); ``softcap`` caps the scaled
+scores to softcap * tanh(s / softcap) (Gemma 2). A row that sees no key gives zeros and an lse
+of -inf. Every refusal names the argument. The backward (q, k and v, and through the lse too)
+runs two kernels at D = Dv of 64 and 128 (sm90_attention_bwd.cuh: dQ over the keys, dK and dV
+over the query rows, no atomics: the same bits every run), else torch's batched matmuls a block
+of query rows at a time (``backward.py``). ``attention_varlen`` takes sequences of their own
+lengths packed along the rows (FlashAttention's cu_seqlens).
 
-Kernels compile with NVRTC in seconds, one per (dtype, D, causal); a new sequence length or
+Kernels compile with NVRTC in seconds, one per (dtype, D, Dv, causal); a new sequence length or
 batch compiles nothing.
 """
 from __future__ import annotations
@@ -40,30 +41,54 @@ from vitrail.ops.common import check_same_device, check_tensor
 HERE = Path(__file__).resolve().parent
 NAME = "vitrail.ops.attention"
 DTYPES = (torch.bfloat16, torch.float16)
-HEAD_DIMS = (64, 128, 192, 256)
+HEAD_DIMS = tuple(range(16, 257, 16))
 ALIGNMENTS = ("top_left", "bottom_right")
 BM, STAGES, THREADS = 128, 2, 384
 MAX_GRID_YZ = 65535  # heads on the grid's y, batch on its z
+SMEM_LIMIT = 227 * 1024  # dynamic shared memory a CTA may take on Hopper
 _KERNELS: dict[tuple, object] = {}
 
 
-def block_n(d: int) -> int:
-    """Keys per block: 128 where S's and O's fragments fit the consumers' registers with it."""
-    return 128 if d <= 128 else 64
+def block_n(d: int, dv: Optional[int] = None) -> int:
+    """Keys per block: 128 where S's and O's (Dv wide) fragments fit the consumers' registers
+    with it and two stages of K and V fit shared memory, else 64."""
+    dv = d if dv is None else dv
+    return 128 if dv <= 128 and _smem(d, dv, 128, 2) <= SMEM_LIMIT else 64
 
 
-def smem_bytes(d: int, dtype: torch.dtype = torch.bfloat16) -> int:
-    e = torch.finfo(dtype).bits // 8
-    bn = block_n(d)
-    return 1024 + BM * d * e + STAGES * 2 * bn * d * e + 16 * STAGES + 16
+def chunk(d: int) -> int:
+    """A head dim's slice in one TMA box: the widest of 64, 32 and 16 elements that divides d,
+    rows of 128, 64 or 32 bytes, the swizzle of the kernel's shared-memory tiles (tile_mma's
+    SmemTile picks its atom by the same rule)."""
+    return next(c for c in (64, 32, 16) if d % c == 0)
+
+
+# wgmma widths (N) CuTe's selectors take without CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+STOCK_MMA_N = (8, 16, 32, 64, 96, 128, 192, 256)
+
+
+def _smem(d: int, dv: int, bn: int, e: int) -> int:
+    """The forward's shared memory (the .cuh's kSmemBytes): Q, STAGES blocks of K and V, the
+    barriers, 1024 bytes to align."""
+    return 1024 + BM * d * e + STAGES * bn * (d + dv) * e + 16 * STAGES + 16
+
+
+def smem_bytes(d: int, dtype: torch.dtype = torch.bfloat16, dv: Optional[int] = None) -> int:
+    dv = d if dv is None else dv
+    return _smem(d, dv, block_n(d, dv), torch.finfo(dtype).bits // 8)
 
 
 def source(dtype: torch.dtype, d: int, causal: bool, pingpong: bool = True, local: bool = False,
-           softcap: bool = False, varlen: bool = False) -> str:
-    config = {"D": d, "BM": BM, "BN": block_n(d), "STAGES": STAGES}
+           softcap: bool = False, varlen: bool = False, dv: Optional[int] = None) -> str:
+    dv = d if dv is None else dv
+    config = {"D": d, "DV": dv, "BM": BM, "BN": block_n(d, dv), "STAGES": STAGES}
     flags = {"CAUSAL": causal, "LOCAL": local, "SOFTCAP": softcap, "VARLEN": varlen,
              "PINGPONG": pingpong}
-    return ("#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
+    # P V is one wgmma Dv wide per 16 keys; Dv of 80, 112, 160... is among CuTe's extended
+    # shapes (their headers cost compile time, so only where needed)
+    extended = dv not in STOCK_MMA_N
+    return (("#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED\n" if extended else "") +
+            "#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
             f"using T = {ctype(dtype)};\n" +
             "".join(f"constexpr int {k} = {v};\n" for k, v in config.items()) +
             "".join(f"constexpr bool {k} = {'true' if v else 'false'};\n"
@@ -78,17 +103,19 @@ SIGNATURE = ("void* o, float* lse, const vitrail::TensorMap mapQ, const vitrail:
 
 
 def kernel(dtype: torch.dtype, d: int, causal: bool, pingpong: bool = True, local: bool = False,
-           softcap: bool = False, varlen: bool = False):
+           softcap: bool = False, varlen: bool = False, dv: Optional[int] = None):
     """The compiled forward (pingpong=False: the warpgroups in lockstep, kept to measure the
     ping-pong against; the op always runs the default). causal: keys right of the diagonal
     (shifted by a window's right size) masked; local: keys left of a window masked; softcap:
-    the scores capped with tanh; varlen: sequences packed along the rows."""
-    key = (dtype, d, causal, pingpong, local, softcap, varlen)
+    the scores capped with tanh; varlen: sequences packed along the rows; dv: v's head dim
+    (default d)."""
+    dv = d if dv is None else dv
+    key = (dtype, d, dv, causal, pingpong, local, softcap, varlen)
     k = _KERNELS.get(key)
     if k is None:
         from vitrail import jit
         # CuTe's constexpr helpers carry no __device__: NVRTC needs -default-device
-        module = jit.compile(source(dtype, d, causal, pingpong, local, softcap, varlen),
+        module = jit.compile(source(dtype, d, causal, pingpong, local, softcap, varlen, dv),
                              name="attention_fwd",
                              backend="nvrtc", include_dirs=[HERE], flags=["-default-device"])
         k = _KERNELS[key] = module.kernel("attention_fwd", SIGNATURE)
@@ -206,23 +233,28 @@ def _check(q: Tensor, k: Tensor, v: Tensor, scale, alignment: str, causal: bool 
     if not (q.dtype == k.dtype == v.dtype):
         raise ArgumentError(f"{NAME}: q, k and v must have one dtype, got {q.dtype}, {k.dtype} "
                             f"and {v.dtype}")
-    (b, _, h, d), (bk, _, hk, dk) = q.shape, k.shape
-    if v.shape != k.shape:
-        raise ArgumentError(f"{NAME}: v must have k's shape {tuple(k.shape)}, got "
-                            f"{tuple(v.shape)} (a v head dim other than q's is not supported "
-                            f"yet)")
-    if bk != b or dk != d:
+    (b, _, h, d), (bk, _, hk, dk), dv = q.shape, k.shape, v.shape[3]
+    if v.shape[:3] != k.shape[:3]:
+        raise ArgumentError(f"{NAME}: v {tuple(v.shape)} does not match k {tuple(k.shape)}: "
+                            f"batch, seqlen and heads (dims 0 to 2) must agree (the head dim "
+                            f"may differ)")
+    if bk != b:
         raise ArgumentError(f"{NAME}: k {tuple(k.shape)} does not match q {tuple(q.shape)}: "
-                            f"batch and head_dim (dims 0 and 3) must agree")
+                            f"batch (dim 0) must agree")
+    if dk != d:
+        raise ArgumentError(f"{NAME}: k's head_dim (dim 3) must be q's {d}, got {dk} (k "
+                            f"{tuple(k.shape)}, q {tuple(q.shape)}); v's may differ")
     if hk < 1 or h % hk:
         raise ArgumentError(f"{NAME}: q's heads ({h}) must be a multiple of k's and v's ({hk})")
     if h > MAX_GRID_YZ or b > MAX_GRID_YZ:
         raise ArgumentError(f"{NAME}: at most {MAX_GRID_YZ} heads and {MAX_GRID_YZ} batch "
                             f"entries in one call (the launch grid's y and z), got {h} heads and "
                             f"batch {b}; split the call along the batch")
-    if d not in HEAD_DIMS:
-        raise NotImplementedError(f"{NAME}: head_dim {d} is not supported; supported: "
-                                  f"{', '.join(map(str, HEAD_DIMS))}")
+    for name, n in (("q's and k's", d), ("v's", dv)):
+        if n not in HEAD_DIMS:
+            raise NotImplementedError(f"{NAME}: {name} head_dim {n} is not supported; "
+                                      f"supported: a multiple of 16 from {HEAD_DIMS[0]} to "
+                                      f"{HEAD_DIMS[-1]}")
     if alignment not in ALIGNMENTS:
         raise ArgumentError(f"{NAME}: alignment must be one of {', '.join(ALIGNMENTS)}, got "
                             f"{alignment!r}")
@@ -242,12 +274,15 @@ def _tma_ready(t: Tensor) -> Tensor:
 
 
 def _map(t: Tensor, rows: int) -> bytes:
-    """A TMA map over t's (D, seqlen, heads, batch) with boxes of 64 x rows."""
+    """A TMA map over t's (D, seqlen, heads, batch) with boxes of chunk(D) x rows, swizzled as
+    the kernels' tiles (chunk(D) elements a row)."""
     b, s, h, d = t.shape
     strides = [t.stride(1), t.stride(2), t.stride(0)]
     packed = [d, s * d, s * h * d]  # size-1 dims: any stride is legal; TMA checks them all
     strides = [st if n > 1 else p for st, n, p in zip(strides, (s, h, b), packed)]
-    return tensor_map(t, dims=(d, s, h, b), strides=strides, box=(64, rows, 1, 1))
+    c = chunk(d)
+    return tensor_map(t, dims=(d, s, h, b), strides=strides, box=(c, rows, 1, 1),
+                      swizzle=c * t.element_size())
 
 
 @torch.library.custom_op("vitrail::attention_fwd", mutates_args=())
@@ -257,8 +292,8 @@ def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
     """causal: key j visible to row i where j <= i + causal_offset; local: where
     j >= i + local_offset; softcap > 0: scores capped to softcap * tanh(s * scale / softcap)."""
     b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    o = q.new_empty((b, sq, h, d))
+    sk, hk, dv = k.shape[1], k.shape[2], v.shape[3]
+    o = q.new_empty((b, sq, h, dv))
     lse = q.new_empty((b, h, sq), dtype=torch.float32)
     if o.numel() == 0:
         return o, lse
@@ -271,22 +306,22 @@ def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
                                   f"{torch.cuda.get_device_name(q.device)} is not one: use "
                                   f"torch.nn.functional.scaled_dot_product_attention there")
     q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
-    bn = block_n(d)
+    bn = block_n(d, dv)
     grid = (-(-sq // BM), h, b)
     with torch.cuda.device(q.device):
-        kernel(q.dtype, d, causal, local=local, softcap=softcap > 0)[grid, THREADS](
+        kernel(q.dtype, d, causal, local=local, softcap=softcap > 0, dv=dv)[grid, THREADS](
             o, lse, _map(q, BM), _map(k, bn), _map(v, bn), sq, sk, h, hk,
             (1.0 if softcap > 0 else scale) * math.log2(math.e), causal_offset, local_offset,
             softcap, scale / softcap if softcap > 0 else 0.0, None, None, 0, 0,
-            shared_mem=smem_bytes(d, q.dtype))
+            shared_mem=smem_bytes(d, q.dtype, dv))
     return o, lse
 
 
 @_attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, scale, causal, causal_offset, local=False, local_offset=0,
                         softcap=0.0):
-    b, sq, h, d = q.shape
-    return q.new_empty((b, sq, h, d)), q.new_empty((b, h, sq), dtype=torch.float32)
+    b, sq, h, _ = q.shape
+    return q.new_empty((b, sq, h, v.shape[3])), q.new_empty((b, h, sq), dtype=torch.float32)
 
 
 @torch.library.custom_op("vitrail::attention_bwd", mutates_args=())
@@ -294,17 +329,18 @@ def _attention_bwd(grad_o: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Ten
                    o: Tensor, lse: Tensor, scale: float, causal: bool, causal_offset: int,
                    local: bool = False, local_offset: int = 0,
                    softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
-    if fused_backward_runs(q, k):
+    if fused_backward_runs(q, k, v):
         return _fused_backward(grad_o, grad_lse, q, k, v, o, lse, scale, causal, causal_offset,
                                local, local_offset, softcap)
     return attention_backward(grad_o, grad_lse, q, k, v, o, lse, scale, causal, causal_offset,
                               local, local_offset, softcap)
 
 
-def fused_backward_runs(q: Tensor, k: Tensor) -> bool:
-    """Whether the backward of these q and k runs the fused kernels (a Hopper GPU, D of 64 or
-    128, something to compute); else torch's matmuls (backward.py)."""
-    return (q.is_cuda and q.shape[3] in BWD_HEAD_DIMS and min(q.numel(), k.numel()) > 0 and
+def fused_backward_runs(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether the backward of these q, k and v runs the fused kernels (a Hopper GPU, D of 64 or
+    128 and v's head dim the same, something to compute); else torch's matmuls (backward.py)."""
+    return (q.is_cuda and q.shape[3] in BWD_HEAD_DIMS and v.shape[3] == q.shape[3] and
+            min(q.numel(), k.numel()) > 0 and
             torch.cuda.get_device_capability(q.device) == (9, 0))
 
 
@@ -357,7 +393,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
 def reference(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
               scale: Optional[float] = None, alignment: str = "top_left", window=None,
               softcap: Optional[float] = None) -> tuple[Tensor, Tensor]:
-    """(o, lse) computed by plain torch in q's dtype's precision or better (pass float64)."""
+    """(o, lse) computed by plain torch in q's dtype's precision or better (pass float64); v's
+    head dim may differ from q's and k's (o takes v's)."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     scale = d ** -0.5 if scale is None else scale
@@ -399,13 +436,13 @@ def _attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                           cu_seqlens_k: Tensor, max_seqlen_q: int, scale: float, causal: bool,
                           causal_offset: int, local: bool, local_offset: int, softcap: float,
                           bottom_right: bool) -> tuple[Tensor, Tensor]:
-    """The forward over packed sequences: q (total_q, H, D), k and v (total_k, Hkv, D); o as q,
-    lse (H, total_q). Offsets as _attention_fwd's, plus seqlen_k - seqlen_q per sequence where
-    bottom_right."""
+    """The forward over packed sequences: q (total_q, H, D), k (total_k, Hkv, D), v (total_k,
+    Hkv, Dv); o (total_q, H, Dv), lse (H, total_q). Offsets as _attention_fwd's, plus seqlen_k -
+    seqlen_q per sequence where bottom_right."""
     tq, h, d = q.shape
-    tk, hk = k.shape[0], k.shape[1]
+    tk, hk, dv = k.shape[0], k.shape[1], v.shape[2]
     batch = cu_seqlens_q.shape[0] - 1
-    o = q.new_empty((tq, h, d))
+    o = q.new_empty((tq, h, dv))
     lse = q.new_empty((h, tq), dtype=torch.float32)
     if tq == 0 or batch == 0:
         return o, lse
@@ -417,22 +454,23 @@ def _attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
         raise NotImplementedError(f"{NAME}: the kernel is sm_90a (Hopper); "
                                   f"{torch.cuda.get_device_name(q.device)} is not one")
     q4, k4, v4 = (_tma_ready(t.unsqueeze(0)) for t in (q, k, v))  # one "batch" of all rows
-    bn = block_n(d)
+    bn = block_n(d, dv)
     grid = (-(-max_seqlen_q // BM), h, batch)
     with torch.cuda.device(q.device):
-        kernel(q.dtype, d, causal, local=local, softcap=softcap > 0, varlen=True)[grid, THREADS](
+        kernel(q.dtype, d, causal, local=local, softcap=softcap > 0, varlen=True,
+               dv=dv)[grid, THREADS](
             o, lse, _map(q4, BM), _map(k4, bn), _map(v4, bn), max_seqlen_q, 0, h, hk,
             (1.0 if softcap > 0 else scale) * math.log2(math.e), causal_offset, local_offset,
             softcap, scale / softcap if softcap > 0 else 0.0, cu_seqlens_q, cu_seqlens_k, tq,
-            int(bottom_right), shared_mem=smem_bytes(d, q.dtype))
+            int(bottom_right), shared_mem=smem_bytes(d, q.dtype, dv))
     return o, lse
 
 
 @_attention_varlen_fwd.register_fake
 def _attention_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, causal,
                                causal_offset, local, local_offset, softcap, bottom_right):
-    tq, h, d = q.shape
-    return q.new_empty((tq, h, d)), q.new_empty((h, tq), dtype=torch.float32)
+    tq, h, _ = q.shape
+    return q.new_empty((tq, h, v.shape[2])), q.new_empty((h, tq), dtype=torch.float32)
 
 
 @torch.library.custom_op("vitrail::attention_varlen_bwd", mutates_args=())
@@ -487,10 +525,10 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                      window: Optional[tuple[Optional[int], Optional[int]]] = None,
                      softcap: Optional[float] = None, return_lse: bool = False):
     """attention over sequences of their own lengths packed along the rows (FlashAttention's
-    varlen): q (total_q, H, D), k and v (total_k, Hkv, D); sequence i is rows
+    varlen): q (total_q, H, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv); sequence i is rows
     cu_seqlens_q[i]:cu_seqlens_q[i + 1] of q and cu_seqlens_k[i]:cu_seqlens_k[i + 1] of k and v
     (int32 on q's device). Options as :func:`attention`'s, per sequence. Returns o (total_q, H,
-    D) and, with return_lse, lse (H, total_q). In eager mode the lengths are read once (one
+    Dv) and, with return_lse, lse (H, total_q). In eager mode the lengths are read once (one
     synchronization) and checked against the tensors and the maxima."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(NAME, name, t, dtypes=DTYPES, ndim=3)
@@ -526,7 +564,7 @@ def reference_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                      cu_seqlens_k: Tensor, **kwargs) -> tuple[Tensor, Tensor]:
     """(o, lse) of attention_varlen by :func:`reference`, one sequence at a time."""
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    o = q.new_zeros(q.shape)
+    o = q.new_zeros((q.shape[0], q.shape[1], v.shape[2]))
     lse = q.new_full((q.shape[1], q.shape[0]), -math.inf)
     for q0, q1, k0, k1 in zip(cq, cq[1:], ck, ck[1:]):
         if q1 > q0 and k1 > k0:

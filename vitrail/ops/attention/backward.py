@@ -49,21 +49,23 @@ def attention_backward(grad_o: Tensor, grad_lse: Tensor | None, q: Tensor, k: Te
     mask as the forward's: key j visible to query i where j <= i + causal_offset (causal) and
     j >= i + local_offset (local); softcap > 0: the scores were capped with tanh.
 
-    q, o, grad_o: (B, Sq, H, D); k, v: (B, Sk, Hkv, D); lse, grad_lse: (B, H, Sq), fp32."""
+    q: (B, Sq, H, D); k: (B, Sk, Hkv, D); v: (B, Sk, Hkv, Dv); o, grad_o: (B, Sq, H, Dv); lse,
+    grad_lse: (B, H, Sq), fp32. Dv may differ from D."""
     b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
+    sk, hk, d_v = k.shape[1], k.shape[2], v.shape[3]
     g = h // hk
     wide = torch.promote_types(q.dtype, torch.float32)  # S, P, dS and the sums over blocks
     dq = q.new_zeros(q.shape)
     dk32 = k.new_zeros((b * hk, sk, d), dtype=wide)
-    dv32 = k.new_zeros((b * hk, sk, d), dtype=wide)
+    dv32 = k.new_zeros((b * hk, sk, d_v), dtype=wide)
     if min(q.numel(), k.numel()) > 0:
-        # a query head's rows next to the others of its group: (B * Hkv, G, Sq, D)
+        # a query head's rows next to the others of its group: (B * Hkv, G, Sq, D or Dv)
         def grouped(t: Tensor) -> Tensor:
-            return t.reshape(b, sq, hk, g, d).permute(0, 2, 3, 1, 4).reshape(b * hk, g, sq, d)
+            w = t.shape[3]
+            return t.reshape(b, sq, hk, g, w).permute(0, 2, 3, 1, 4).reshape(b * hk, g, sq, w)
 
         kk = k.permute(0, 2, 1, 3).reshape(b * hk, sk, d)
-        vv = v.permute(0, 2, 1, 3).reshape(b * hk, sk, d)
+        vv = v.permute(0, 2, 1, 3).reshape(b * hk, sk, d_v)
         qq, dd = grouped(q), grouped(grad_o)
         di = (grad_o.to(wide) * o.to(wide)).sum(-1).permute(0, 2, 1)  # (B, H, Sq)
         if grad_lse is not None:
@@ -83,7 +85,7 @@ def attention_backward(grad_o: Tensor, grad_lse: Tensor | None, q: Tensor, k: Te
                 continue
             m = kend - kbeg
             qc = qq[:, :, i0:i1].reshape(b * hk, g * n, d)
-            dc = dd[:, :, i0:i1].reshape(b * hk, g * n, d)
+            dc = dd[:, :, i0:i1].reshape(b * hk, g * n, d_v)
             kc, vc = kk[:, kbeg:kend], vv[:, kbeg:kend]
             p = _mm(qc, kc.transpose(1, 2)).view(b * hk, g, n, m).mul_(scale)
             lse_c = ll[:, :, i0:i1, None]
@@ -111,5 +113,5 @@ def attention_backward(grad_o: Tensor, grad_lse: Tensor | None, q: Tensor, k: Te
             dq_grouped[:, :, i0:i1] = dq_c.view(b * hk, g, n, d).to(q.dtype)
         dq.copy_(dq_grouped.reshape(b, hk, g, sq, d).permute(0, 3, 1, 2, 4).reshape(b, sq, h, d))
     dk = (dk32 * scale).to(k.dtype).reshape(b, hk, sk, d).permute(0, 2, 1, 3)
-    dv = dv32.to(v.dtype).reshape(b, hk, sk, d).permute(0, 2, 1, 3)
+    dv = dv32.to(v.dtype).reshape(b, hk, sk, d_v).permute(0, 2, 1, 3)
     return dq, dk.contiguous(), dv.contiguous()

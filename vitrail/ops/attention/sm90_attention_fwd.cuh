@@ -1,5 +1,5 @@
 // Flash attention forward on Hopper, from vitrail's blocks: O = softmax(Q K^T * scale) V per
-// (batch, head), with the log-sum-exp of each row.
+// (batch, head), with the log-sum-exp of each row. Q and K have D columns, V and O DV.
 //
 // Slab -> tile: a producer warpgroup, in which one thread loads the CTA's BM query rows once and
 // each block of BN keys and values into a ring of STAGES stages by TMA (Tma on a Pipeline).
@@ -13,15 +13,16 @@
 // where j >= i + local_offset, and the blocks wholly left of every row's window are not loaded.
 // SOFTCAP: scores become softcap * tanh(s * scale / softcap) before the softmax (Gemma 2's
 // logit capping). VARLEN: sequences of their own lengths packed along the rows (q, k, v, o
-// (total, heads, D), lse (heads, total_q)); blockIdx.z is the sequence, cu_q / cu_k its rows'
+// (total, heads, D or DV), lse (heads, total_q)); blockIdx.z is the sequence, cu_q / cu_k its rows'
 // and keys' start (cumulative lengths, batch + 1 of them); keys past its end are masked like
 // keys past seqlen_k.
 // Fragment -> slab: O / sum, converted to T, and the log-sum-exp, stored where they land.
 //
-// Config (constexpr before the include): T, D (head dim), BM (query rows), BN (keys per block),
-// STAGES, CAUSAL, LOCAL, SOFTCAP, VARLEN, PINGPONG (bool).
-// Layouts: q, k, v, o (batch, seqlen, heads, D), D contiguous; TMA maps over (D, seqlen, heads,
-// batch) made by the Python side (vitrail.ops.attention); lse (batch, heads, seqlen_q) fp32.
+// Config (constexpr before the include): T, D (q's and k's head dim), DV (v's and o's), BM
+// (query rows), BN (keys per block), STAGES, CAUSAL, LOCAL, SOFTCAP, VARLEN, PINGPONG (bool).
+// Layouts: q, k (batch, seqlen, heads, D), v, o (batch, seqlen, heads, DV), the head dim
+// contiguous; TMA maps over (head dim, seqlen, heads, batch) made by the Python side
+// (vitrail.ops.attention); lse (batch, heads, seqlen_q) fp32.
 #pragma once
 #include <vitrail/pipeline.cuh>
 #include <vitrail/tile_copy.cuh>
@@ -32,12 +33,21 @@
 namespace attention {
 
 using QK = vitrail::TileMMA<T, BM, BN, D, 2>;                                    // S = Q K^T
-using PV = vitrail::TileMMA<T, BM, D, BN, 2, vitrail::Major::K, vitrail::Major::MN>;  // O += P V
+using PV = vitrail::TileMMA<T, BM, DV, BN, 2, vitrail::Major::K, vitrail::Major::MN>;  // O += P V
 constexpr int kThreads = 128 + QK::kThreads;
 constexpr float kInf = cuda::std::numeric_limits<float>::infinity();
-constexpr int kChunk = 64;                 // TMA boxes are 64 elements (128 bytes) of D wide
-constexpr int kChunks = D / kChunk;
-static_assert(D % kChunk == 0, "attention: D must be a multiple of 64");
+static_assert(D % 16 == 0 && D >= 16 && D <= 256, "attention: D must be a multiple of 16 to 256");
+static_assert(DV % 16 == 0 && DV >= 16 && DV <= 256,
+              "attention: DV must be a multiple of 16 to 256");
+// A TMA box is a slice of the head dim as wide as the tiles' swizzle atom: the widest of 64, 32
+// and 16 elements (128-, 64- or 32-byte rows) that divides it (vitrail.ops.attention.chunk).
+constexpr int chunk(int d) { return d % 64 == 0 ? 64 : d % 32 == 0 ? 32 : 16; }
+constexpr int kChunk = chunk(D), kChunks = D / kChunk;       // Q and K
+constexpr int kChunkV = chunk(DV), kChunksV = DV / kChunkV;  // V
+template <int Extent>
+using Atom = decltype(vitrail::detail::smem_atom<QK::T, vitrail::Major::K, Extent>());
+static_assert(cute::is_same_v<Atom<D>, Atom<kChunk>> && cute::is_same_v<Atom<DV>, Atom<kChunkV>>,
+              "attention: a chunk is not the atom's width");
 constexpr int kBytesQ = QK::kBytesA<>;
 constexpr int kBytesKV = QK::kBytesB<> + PV::kBytesB<>;  // one stage: a block of K and of V
 constexpr int kSmemBytes = 1024 + kBytesQ + STAGES * kBytesKV +
@@ -123,7 +133,7 @@ __device__ void forward(const Params& p, int q_start, int k_start, const vitrail
     vitrail::warpgroup_registers_down<40>();
     if (threadIdx.x == 0) {
       vitrail::Bulk::expect(q_full, kBytesQ);
-      for (int c = 0; c < kChunks; ++c)  // Q's 64-wide slices of D, BM rows each
+      for (int c = 0; c < kChunks; ++c)  // Q's kChunk-wide slices of D, BM rows each
         vitrail::Tma::load(&sQ(0, c * kChunk, 0), mapQ, q_full, c * kChunk, q_start + m0, head,
                            tma_batch);
       auto w = vitrail::PipeState<STAGES>::producer();
@@ -132,11 +142,13 @@ __device__ void forward(const Params& p, int q_start, int k_start, const vitrail
         pipe.expect(w, kBytesKV);
         auto k = sK(w.index);
         auto v = sV(w.index);
-        for (int c = 0; c < kChunks; ++c) {
-          vitrail::Tma::load(&k(0, c * kChunk, 0), mapK, pipe.full(w), c * kChunk,
-                             k_start + j * BN, head_kv, tma_batch);
-          vitrail::Tma::load(&v(c * kChunk, 0, 0), mapV, pipe.full(w), c * kChunk,
-                             k_start + j * BN, head_kv, tma_batch);
+        for (int c = 0; c < cute::max(kChunks, kChunksV); ++c) {
+          if (c < kChunks)
+            vitrail::Tma::load(&k(0, c * kChunk, 0), mapK, pipe.full(w), c * kChunk,
+                               k_start + j * BN, head_kv, tma_batch);
+          if (c < kChunksV)
+            vitrail::Tma::load(&v(c * kChunkV, 0, 0), mapV, pipe.full(w), c * kChunkV,
+                               k_start + j * BN, head_kv, tma_batch);
         }
       }
     }
@@ -238,7 +250,7 @@ __device__ void forward(const Params& p, int q_start, int k_start, const vitrail
     const float inv = sum > 0.f ? 1.f / sum : 0.f;  // a fully masked row: O = 0, lse = -inf
     const long long o_row =
         VARLEN ? (long long)q_start + row : (long long)(batch * p.seqlen_q + row);
-    T* out = p.o + (o_row * p.heads + head) * D;
+    T* out = p.o + (o_row * p.heads + head) * DV;
     CUTE_UNROLL
     for (int c = 0; c < cute::size<1>(o_rows); c += 2) {
       using T2 = cute::conditional_t<cute::is_same_v<T, __half>, __half2, __nv_bfloat162>;
