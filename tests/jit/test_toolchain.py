@@ -496,3 +496,58 @@ def test_a_warm_process_learns_what_its_nvcc_is_without_running_it(tmp_path, mon
     monkeypatch.setattr(toolchain, "_run", no_run)
     monkeypatch.setattr(toolchain, "version_line", no_run)
     assert toolchain.nvcc() == first
+
+
+class _FakeNvml:
+    """NVML's calls that _machine_capability makes, on made-up GPUs."""
+
+    def __init__(self, caps, init=0):
+        self.caps, self.init, self.shut = caps, init, False
+
+    def nvmlInit_v2(self):
+        return self.init
+
+    def nvmlShutdown(self):
+        self.shut = True
+        return 0
+
+    def nvmlDeviceGetCount_v2(self, count):
+        count._obj.value = len(self.caps)
+        return 0
+
+    def nvmlDeviceGetHandleByIndex_v2(self, index, handle):
+        handle._obj.value = index + 1
+        return 0
+
+    def nvmlDeviceGetCudaComputeCapability(self, handle, major, minor):
+        major._obj.value, minor._obj.value = self.caps[handle.value - 1]
+        return 0
+
+    def nvmlDeviceGetName(self, handle, name, size):
+        name.value = f"GPU{handle.value - 1}".encode()
+        return 0
+
+
+def test_the_machines_one_capability_is_read_without_starting_cuda(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    read = toolchain._machine_capability.__wrapped__
+    nvml = _FakeNvml([(9, 0), (9, 0)])
+    assert read(lambda: nvml) == (9, 0, "GPU0") and nvml.shut
+    assert read(lambda: _FakeNvml([(9, 0), (8, 0)])) is None  # GPUs that differ: CUDA decides
+    assert read(lambda: _FakeNvml([])) is None
+    assert read(lambda: _FakeNvml([(9, 0)], init=9)) is None
+
+    def missing():
+        raise OSError("libnvidia-ml.so.1: cannot open shared object file")
+    assert read(missing) is None
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # its picks are CUDA's to read
+    assert read(lambda: _FakeNvml([(9, 0)])) is None
+
+
+def test_the_capability_comes_from_nvml_only_before_cuda_starts(monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(toolchain, "_machine_capability", lambda: (9, 0, "GPU0"))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert toolchain._device_capability(None) == (9, 0, "GPU0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert toolchain._device_capability(0) is None  # a device named: CUDA's own answer

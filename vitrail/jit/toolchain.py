@@ -133,6 +133,10 @@ def target_arch(device: int | None = None) -> Arch:
 def _device_capability(device: int | None) -> tuple[int, int, str] | None:
     try:
         import torch
+        if device is None and not torch.cuda.is_initialized():
+            shared = _machine_capability()
+            if shared is not None:  # every GPU is alike: no need to start CUDA to ask
+                return shared
         if not torch.cuda.is_initialized() and not torch.cuda.is_available():
             return None
         if device is None:
@@ -141,6 +145,44 @@ def _device_capability(device: int | None) -> tuple[int, int, str] | None:
         return _capability_of(device)
     except Exception:  # a broken driver counts as no GPU; doctor reports the details
         return None
+
+
+@functools.lru_cache(maxsize=1)
+def _machine_capability(open_nvml: Callable[[], object] | None = None
+                        ) -> tuple[int, int, str] | None:
+    """The compute capability (and name) that every GPU of this machine shares, read through
+    NVML in a few ms, or None (NVML missing or failing, GPUs that differ, CUDA_VISIBLE_DEVICES
+    set). CUDA's own query starts the driver first, which takes a fresh process about 0.2 s
+    that a warm load of an extension need not pay before the program's first CUDA call."""
+    if "CUDA_VISIBLE_DEVICES" in os.environ:  # its picks and order are CUDA's to read
+        return None
+    import ctypes
+    try:
+        nvml = open_nvml() if open_nvml else ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return None
+    if nvml.nvmlInit_v2() != 0:
+        return None
+    try:
+        count = ctypes.c_uint()
+        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0 or count.value == 0:
+            return None
+        found, name = set(), ctypes.create_string_buffer(96)
+        for index in range(count.value):
+            handle, major, minor = ctypes.c_void_p(), ctypes.c_int(), ctypes.c_int()
+            if nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) != 0 or \
+                    nvml.nvmlDeviceGetCudaComputeCapability(handle, ctypes.byref(major),
+                                                            ctypes.byref(minor)) != 0:
+                return None
+            if not found and nvml.nvmlDeviceGetName(handle, name, len(name)) != 0:
+                return None
+            found.add((major.value, minor.value))
+        if len(found) != 1:
+            return None
+        (major, minor), = found
+        return major, minor, name.value.decode(errors="replace")
+    finally:
+        nvml.nvmlShutdown()
 
 
 @functools.lru_cache(maxsize=None)
