@@ -30,7 +30,8 @@ pytestmark = pytest.mark.warm_cache  # --kernel-cache: one build per kernel acro
     ("fwd", 240, False, {}),
     ("fwd", 192, True, {"dv": 128}), ("fwd", 96, False, {"dv": 32}),  # v's head dim of its own
     ("bwd", 128, True, {}), ("bwd", 64, False, {}),
-    ("bwd", 128, False, {"local": True, "softcap": True})])
+    ("bwd", 128, False, {"local": True, "softcap": True}),
+    ("bwd", 128, True, {"varlen": True}), ("bwd", 64, False, {"varlen": True})])
 def test_compiles_for_sm90a(which, d, causal, options):
     from vitrail.jit import compiler
     source = (A.source if which == "fwd" else A.bwd_source)(torch.bfloat16, d, causal, **options)
@@ -561,6 +562,73 @@ def test_varlen_gradients_and_opcheck():
     torch.library.opcheck(torch.ops.vitrail.attention_varlen_fwd.default,
                           (qs, ks, vs, cq, ck, 700, 0.1, True, 0, False, 0, 0.0, True))
 
+
+
+def test_the_packed_backwards_rows_start_each_sequence_at_a_padded_offset():
+    """_varlen_rows: lse2 (lse * log2 e, +inf for a row that sees no key) and delta
+    (rowsum(dO * O) - the lse's gradient) of sequence i start at cu_pad[i], a multiple of
+    ROWS_PADDED; the rows between sequences hold +inf and 0."""
+    g = torch.Generator().manual_seed(5)
+    lq = [130, 0, 1, 256, 7]
+    cq, h, total = _cu(lq), 3, sum(lq)
+    lse = torch.randn(h, total, generator=g)
+    lse[1, 3] = -math.inf
+    go, o = torch.randn(total, h, 16, generator=g), torch.randn(total, h, 16, generator=g)
+    glse = torch.randn(h, total, generator=g)
+    lse2, delta, cu_pad = A._varlen_rows(go, glse, o, lse, cq)
+    pad = A.ROWS_PADDED
+    assert cu_pad.tolist() == [0, 2 * pad, 2 * pad, 3 * pad, 5 * pad, 6 * pad]
+    assert lse2.shape[1] % pad == 0 and lse2.shape[1] >= cu_pad[-1]
+    rows = (go * o).sum(-1).t() - glse
+    want_lse2 = torch.full_like(lse2, math.inf)
+    want_delta = torch.zeros_like(delta)
+    c = cq.tolist()
+    for i, n in enumerate(lq):
+        at = cu_pad[i].item()
+        want_lse2[:, at:at + n] = lse[:, c[i]:c[i] + n] * math.log2(math.e)
+        want_delta[:, at:at + n] = rows[:, c[i]:c[i] + n]
+    want_lse2[1, 3] = math.inf  # a row that sees no key: P = 0
+    torch.testing.assert_close(lse2, want_lse2)
+    torch.testing.assert_close(delta, want_delta)
+
+
+@needs_hopper
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal,alignment,extra", [
+    (False, "top_left", {}), (True, "top_left", {}), (True, "bottom_right", {}),
+    (False, "bottom_right", {"window": (100, 30)}), (True, "top_left", {"softcap": 20.0})])
+def test_the_fused_varlen_backward_matches_the_sequence_by_sequence_one(d, causal, alignment,
+                                                                        extra):
+    """fused_varlen_backward (one launch per kernel, not yet the op's route) against the op's
+    backward sequence by sequence: 12 sequences of random lengths (none, one key, one row),
+    GQA 4, the lse's gradient too; the same bits on a second run and replayed from a CUDA graph
+    (no host synchronization)."""
+    g = torch.Generator().manual_seed(d + 7)
+    lq = [0, 1, 200, *torch.randint(1, 700, (9,), generator=g).tolist()]
+    lk = [5, 0, 1, *torch.randint(1, 700, (9,), generator=g).tolist()]
+    q, k, v, cq, ck = _varlen_inputs(lq, lk, 8, 2, d, torch.bfloat16, seed=d + 7)
+    kw = dict(causal=causal, alignment=alignment, **extra)
+    o, lse = A.attention_varlen(q, k, v, cq, ck, max(lq), max(lk), return_lse=True, **kw)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    go = torch.randn(o.shape, device="cuda", generator=gen).to(o.dtype)
+    glse = torch.where(lse.isfinite(), torch.randn(lse.shape, device="cuda", generator=gen), 0)
+    upper, hi, local, lo = A._mask(0, 0, causal, "top_left", extra.get("window"))
+    args = (go, glse, q, k, v, o, lse, cq, ck)
+    opts = (d ** -0.5, upper, hi, local, lo, float(extra.get("softcap", 0.0)),
+            alignment == "bottom_right")
+    want = torch.ops.vitrail.attention_varlen_bwd(*args, *opts)
+    got = A.fused_varlen_backward(*args, max(lq), max(lk), *opts)
+    for x, w, what in zip(got, want, ("dq", "dk", "dv")):
+        torch.testing.assert_close(x.float(), w.float(), rtol=2e-2,
+                                   atol=2e-2 * w.abs().max().item(), msg=what)
+    again = A.fused_varlen_backward(*args, max(lq), max(lk), *opts)
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = A.fused_varlen_backward(*args, max(lq), max(lk), *opts)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(got, captured))
 
 @needs_hopper
 @pytest.mark.parametrize("d,dv", [(192, 128), (64, 128), (96, 32)])

@@ -130,8 +130,8 @@ ROWS_PADDED = 128  # lse2 and delta are padded to a multiple of BM and BQ
 
 
 def bwd_source(dtype: torch.dtype, d: int, causal: bool, local: bool = False,
-               softcap: bool = False) -> str:
-    flags = {"CAUSAL": causal, "LOCAL": local, "SOFTCAP": softcap}
+               softcap: bool = False, varlen: bool = False) -> str:
+    flags = {"CAUSAL": causal, "LOCAL": local, "SOFTCAP": softcap, "VARLEN": varlen}
     return ("#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
             f"using T = {ctype(dtype)};\nconstexpr int D = {d};\n" +
             "".join(f"constexpr int {k} = {v};\n" for k, v in BWD.items()) +
@@ -142,7 +142,8 @@ def bwd_source(dtype: torch.dtype, d: int, causal: bool, local: bool = False,
 
 _BWD_INTS = ("int seqlen_q, int seqlen_k, int seqlen_q_padded, int heads, int heads_kv, "
              "float scale_log2, float scale, int causal_offset, int local_offset, float softcap, "
-             "float softcap_pre")
+             "float softcap_pre, const int* cu_q, const int* cu_k, const int* cu_pad, "
+             "int bottom_right")
 BWD_SIGNATURES = {
     "attention_bwd_dq": "void* dq, float* lse2, float* delta, const vitrail::TensorMap mapQ, "
                         "const vitrail::TensorMap mapdO, const vitrail::TensorMap mapK, "
@@ -154,13 +155,14 @@ BWD_SIGNATURES = {
 
 
 def bwd_kernels(dtype: torch.dtype, d: int, causal: bool, local: bool = False,
-                softcap: bool = False) -> dict:
+                softcap: bool = False, varlen: bool = False) -> dict:
     """The compiled backward: {"attention_bwd_dq": kernel, "attention_bwd_dkv": kernel}."""
-    key = ("bwd", dtype, d, causal, local, softcap)
+    key = ("bwd", dtype, d, causal, local, softcap, varlen)
     k = _KERNELS.get(key)
     if k is None:
         from vitrail import jit
-        module = jit.compile(bwd_source(dtype, d, causal, local, softcap), name="attention_bwd",
+        module = jit.compile(bwd_source(dtype, d, causal, local, softcap, varlen),
+                             name="attention_bwd",
                              backend="nvrtc", include_dirs=[HERE], flags=["-default-device"])
         k = _KERNELS[key] = {name: module.kernel(name, sig)
                              for name, sig in BWD_SIGNATURES.items()}
@@ -200,10 +202,73 @@ def _fused_backward(grad_o, grad_lse, q, k, v, o, lse, scale, causal, causal_off
     with torch.cuda.device(q.device):
         kernels["attention_bwd_dq"][(-(-sq // c["BM"]), h, b), BWD_THREADS](
             dq, lse2, delta, _map(q, c["BM"]), _map(grad_o, c["BM"]), _map(k, c["BN"]),
-            _map(v, c["BN"]), *ints, shared_mem=smem["attention_bwd_dq"])
+            _map(v, c["BN"]), *ints, None, None, None, 0, shared_mem=smem["attention_bwd_dq"])
         kernels["attention_bwd_dkv"][(-(-sk // c["BK"]), hk, b), BWD_THREADS](
             dk, dv, lse2, delta, _map(k, c["BK"]), _map(v, c["BK"]), _map(q, c["BQ"]),
-            _map(grad_o, c["BQ"]), *ints, shared_mem=smem["attention_bwd_dkv"])
+            _map(grad_o, c["BQ"]), *ints, None, None, None, 0,
+            shared_mem=smem["attention_bwd_dkv"])
+    return dq, dk, dv
+
+
+def _varlen_rows(grad_o: Tensor, grad_lse: Optional[Tensor], o: Tensor, lse: Tensor,
+                 cu_seqlens_q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(lse2, delta, cu_pad) of a packed backward, on the device with no synchronization:
+    lse2 and delta (H, padded) hold each sequence's rows from cu_pad[i], a multiple of
+    ROWS_PADDED, with +inf and 0 between sequences (a block of rows past its sequence's end
+    gets P = 0 and adds nothing)."""
+    h, total = lse.shape
+    batch = cu_seqlens_q.shape[0] - 1
+    cu = cu_seqlens_q.long()
+    lengths = cu[1:] - cu[:-1]
+    cu_pad = torch.zeros_like(cu)
+    cu_pad[1:] = torch.cumsum(-(-lengths // ROWS_PADDED) * ROWS_PADDED, 0)
+    padded = -(-total // ROWS_PADDED) * ROWS_PADDED + ROWS_PADDED * batch  # >= cu_pad[-1]
+    row = torch.arange(total, device=lse.device)
+    seq = torch.searchsorted(cu[1:], row, right=True)  # each packed row's sequence
+    dest = cu_pad[seq] + row - cu[seq]
+    log2e = math.log2(math.e)
+    lse2 = lse.new_full((h, padded), math.inf)
+    lse2[:, dest] = torch.where(torch.isinf(lse), math.inf, lse * log2e)
+    delta = lse.new_zeros((h, padded))
+    rows = (grad_o.float() * o.float()).sum(-1).transpose(0, 1)
+    delta[:, dest] = rows if grad_lse is None else rows - grad_lse
+    return lse2, delta, cu_pad.int()
+
+
+def fused_varlen_backward(grad_o: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor,
+                          v: Tensor, o: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
+                          cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                          scale: float, causal: bool, causal_offset: int, local: bool,
+                          local_offset: int, softcap: float,
+                          bottom_right: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """The fused kernels' backward of attention_varlen (D = Dv of 64 or 128, Hopper): one
+    launch each for every sequence, no host synchronization. Not yet the op's route:
+    attention_varlen's backward runs sequence by sequence until this has run on a GPU
+    (tests/ops/test_attention.py compares the two)."""
+    total_q, h, d = q.shape
+    total_k, hk = k.shape[0], k.shape[1]
+    batch = cu_seqlens_q.shape[0] - 1
+    lse2, delta, cu_pad = _varlen_rows(grad_o, grad_lse, o, lse, cu_seqlens_q)
+    q4, k4, v4, do4 = (_tma_ready(t.unsqueeze(0)) for t in (q, k, v, grad_o))  # one "batch"
+    if min(total_q, total_k, batch, max_seqlen_q, max_seqlen_k) == 0:  # no row sees a key
+        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+    # every row and key is written: a sequence's CTAs cover its rows (dQ) and keys (dK, dV)
+    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    kernels = bwd_kernels(q.dtype, d, causal, local, softcap > 0, varlen=True)
+    smem, c = bwd_smem_bytes(d, q.dtype), BWD
+    log2e = math.log2(math.e)
+    ints = (0, 0, lse2.shape[1], h, hk, (1.0 if softcap > 0 else scale) * log2e, scale,
+            causal_offset, local_offset, softcap, scale / softcap if softcap > 0 else 0.0)
+    cu_q, cu_k = cu_seqlens_q.int(), cu_seqlens_k.int()
+    with torch.cuda.device(q.device):
+        kernels["attention_bwd_dq"][(-(-max_seqlen_q // c["BM"]), h, batch), BWD_THREADS](
+            dq, lse2, delta, _map(q4, c["BM"]), _map(do4, c["BM"]), _map(k4, c["BN"]),
+            _map(v4, c["BN"]), *ints, cu_q, cu_k, cu_pad, int(bottom_right),
+            shared_mem=smem["attention_bwd_dq"])
+        kernels["attention_bwd_dkv"][(-(-max_seqlen_k // c["BK"]), hk, batch), BWD_THREADS](
+            dk, dv, lse2, delta, _map(k4, c["BK"]), _map(v4, c["BK"]), _map(q4, c["BQ"]),
+            _map(do4, c["BQ"]), *ints, cu_q, cu_k, cu_pad, int(bottom_right),
+            shared_mem=smem["attention_bwd_dkv"])
     return dq, dk, dv
 
 

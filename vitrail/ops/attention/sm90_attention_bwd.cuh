@@ -21,12 +21,16 @@
 // rows and keys per block), BK and BQ (attention_bwd_dkv's keys and query rows per block),
 // STAGES, CAUSAL, LOCAL (a window's left edge: key j visible to row i only where
 // j >= i + local_offset), SOFTCAP (scores capped: c tanh(s * softcap_pre), whose derivative
-// 1 - tanh^2 scales dS).
+// 1 - tanh^2 scales dS), VARLEN (sequences of their own lengths packed along the rows).
 // Layouts: q, k, v, do (batch, seqlen, heads, D), D contiguous, read by TMA maps over (D, seqlen,
 // heads, batch); dq, dk, dv written (batch, seqlen, heads, D) contiguous; lse2 and delta
 // (batch, heads, seqlen_q_padded) fp32, seqlen_q_padded a multiple of BM and BQ, made by the
 // Python side (vitrail.ops.attention): lse2 = lse * log2(e), +inf for a row that sees no key and
 // past seqlen_q (P = 0 there); delta = rowsum(dO * O) - the lse's gradient, 0 past seqlen_q.
+// VARLEN: the tensors are (1, total, heads, D); blockIdx.z is the sequence, cu_q / cu_k its
+// first row and key (batch + 1 entries); lse2 and delta are (heads, seqlen_q_padded), where a
+// sequence's rows start at cu_pad[z], a multiple of BM and BQ, and the rows between sequences
+// hold +inf and 0 (so a block of rows that runs past its sequence reads no other's).
 #pragma once
 #include <vitrail/pipeline.cuh>
 #include <vitrail/tile_copy.cuh>
@@ -51,7 +55,42 @@ struct Params {
   int causal_offset;  // key j is visible to query i where j <= i + causal_offset
   int local_offset;   // LOCAL: and where j >= i + local_offset
   float softcap, softcap_pre;
+  const int* cu_q;    // VARLEN: each sequence's first row, first key, first row in lse2/delta
+  const int* cu_k;
+  const int* cu_pad;
+  int bottom_right;   // VARLEN: the offsets above are relative to seqlen_k - seqlen_q
 };
+
+// Where a CTA's sequence lies: its first row and key in the TMA maps' seqlen coordinate and in
+// the packed outputs, the maps' batch coordinate, VARLEN: its rows' start in lse2 and delta.
+struct Seq {
+  int tma_q, tma_k, tma_batch;
+  long long out_q, out_k, rows;
+};
+
+// The first of a head's rows of the CTA's sequence in lse2 and delta.
+__device__ __forceinline__ long long head_rows(const Params& p, const Seq& at, int head) {
+  if constexpr (VARLEN) return at.rows + (long long)head * p.seqlen_q_padded;
+  else return ((long long)at.tma_batch * p.heads + head) * p.seqlen_q_padded;
+}
+
+// blockIdx.z's sequence (VARLEN: p takes its lengths, and bottom_right's shift of the offsets),
+// or batch entry.
+__device__ __forceinline__ Seq sequence(Params& p) {
+  const int z = blockIdx.z;
+  if constexpr (VARLEN) {
+    const int q_start = p.cu_q[z], k_start = p.cu_k[z];
+    p.seqlen_q = p.cu_q[z + 1] - q_start;
+    p.seqlen_k = p.cu_k[z + 1] - k_start;
+    if (p.bottom_right) {
+      p.causal_offset += p.seqlen_k - p.seqlen_q;
+      p.local_offset += p.seqlen_k - p.seqlen_q;
+    }
+    return {q_start, k_start, 0, q_start, k_start, p.cu_pad[z]};
+  } else {
+    return {0, 0, z, (long long)z * p.seqlen_q, (long long)z * p.seqlen_k, 0};
+  }
+}
 
 // One score's P from S and the row's lse2.
 __device__ __forceinline__ float probability(const Params& p, float s, float lse2) {
@@ -129,8 +168,12 @@ __device__ int first_full_block(const Params& p, int m0) {
   const int lowest = m0 + BM - 1 + p.local_offset;
   return lowest <= 0 ? 0 : (lowest + BN - 1) / BN;
 }
+// The CTA's block of query rows: causal CTAs from the last (the most keys) to the first.
+__device__ int m_block() {
+  return CAUSAL ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+}
 
-__device__ void run(const Params& p, const vitrail::TensorMap& mapQ,
+__device__ void run(const Params& p, const Seq& at, const vitrail::TensorMap& mapQ,
                     const vitrail::TensorMap& mapdO, const vitrail::TensorMap& mapK,
                     const vitrail::TensorMap& mapV) {
   char* smem = aligned_smem();
@@ -144,8 +187,7 @@ __device__ void run(const Params& p, const vitrail::TensorMap& mapQ,
   auto sV = [&](int stage) { return QK::tile_b(ring + stage * kBytesKV + QK::kBytesB<>); };
   auto sKt = [&](int stage) { return SK::tile_b(ring + stage * kBytesKV); };  // K as (D, BN)
 
-  const int m_block = CAUSAL ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
-  const int m0 = m_block * BM, head = blockIdx.y, batch = blockIdx.z;
+  const int m0 = m_block() * BM, head = blockIdx.y, batch = at.tma_batch;
   const int head_kv = head / (p.heads / p.heads_kv);
   const int n = blocks(p, m0);
   const int start = LOCAL ? min(n, first_block(p, m0)) : 0;
@@ -164,9 +206,10 @@ __device__ void run(const Params& p, const vitrail::TensorMap& mapQ,
     if (threadIdx.x == 0) {
       vitrail::Bulk::expect(rows_full, 2 * kBytesRows);
       for (int c = 0; c < kChunks; ++c) {
-        vitrail::Tma::load(&sQ(0, c * kChunk, 0), mapQ, rows_full, c * kChunk, m0, head, batch);
-        vitrail::Tma::load(&sdO(0, c * kChunk, 0), mapdO, rows_full, c * kChunk, m0, head,
-                           batch);
+        vitrail::Tma::load(&sQ(0, c * kChunk, 0), mapQ, rows_full, c * kChunk, at.tma_q + m0,
+                           head, batch);
+        vitrail::Tma::load(&sdO(0, c * kChunk, 0), mapdO, rows_full, c * kChunk, at.tma_q + m0,
+                           head, batch);
       }
       auto w = vitrail::PipeState<STAGES>::producer();
       for (int j = start; j < n; ++j, w.advance()) {
@@ -175,10 +218,10 @@ __device__ void run(const Params& p, const vitrail::TensorMap& mapQ,
         auto k = sK(w.index);
         auto v = sV(w.index);
         for (int c = 0; c < kChunks; ++c) {
-          vitrail::Tma::load(&k(0, c * kChunk, 0), mapK, pipe.full(w), c * kChunk, j * BN,
-                             head_kv, batch);
-          vitrail::Tma::load(&v(0, c * kChunk, 0), mapV, pipe.full(w), c * kChunk, j * BN,
-                             head_kv, batch);
+          vitrail::Tma::load(&k(0, c * kChunk, 0), mapK, pipe.full(w), c * kChunk,
+                             at.tma_k + j * BN, head_kv, batch);
+          vitrail::Tma::load(&v(0, c * kChunk, 0), mapV, pipe.full(w), c * kChunk,
+                             at.tma_k + j * BN, head_kv, batch);
         }
       }
     }
@@ -201,10 +244,9 @@ __device__ void run(const Params& p, const vitrail::TensorMap& mapQ,
   float lse2[kRows], delta[kRows];
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {  // rows < seqlen_q_padded: padded to a multiple of BM
-    const long long at = ((long long)batch * p.heads + head) * p.seqlen_q_padded + m0 +
-                         cute::get<0>(where(r, 0));
-    lse2[r] = p.lse2[at];
-    delta[r] = p.delta[at];
+    const long long row = head_rows(p, at, head) + m0 + cute::get<0>(where(r, 0));
+    lse2[r] = p.lse2[row];
+    delta[r] = p.delta[row];
   }
 
   vitrail::PipeState<STAGES> rd;
@@ -258,7 +300,7 @@ __device__ void run(const Params& p, const vitrail::TensorMap& mapQ,
 
   // fragment -> slab: dQ * scale
   store_rows(SK::rows(dq), SK::rows(sk.coordinates()), m0, p.seqlen_q, (long long)p.heads * D,
-             p.grad + ((long long)batch * p.seqlen_q * p.heads + head) * D, p.scale);
+             p.grad + (at.out_q * p.heads + head) * D, p.scale);
 }
 }  // namespace dq
 
@@ -299,7 +341,7 @@ __device__ Range rows_of(const Params& p, int n0) {
   return {first, unmasked, unmasked_end, last};
 }
 
-__device__ void run(const Params& p, const vitrail::TensorMap& mapK,
+__device__ void run(const Params& p, const Seq& at, const vitrail::TensorMap& mapK,
                     const vitrail::TensorMap& mapV, const vitrail::TensorMap& mapQ,
                     const vitrail::TensorMap& mapdO) {
   char* smem = aligned_smem();
@@ -317,7 +359,7 @@ __device__ void run(const Params& p, const vitrail::TensorMap& mapK,
     return reinterpret_cast<float*>(ring + stage * kStageBytes + 2 * kBytesQ);
   };
 
-  const int n0 = int(blockIdx.x) * BK, head_kv = blockIdx.y, batch = blockIdx.z;
+  const int n0 = int(blockIdx.x) * BK, head_kv = blockIdx.y, batch = at.tma_batch;
   const int group = p.heads / p.heads_kv;
   const Range range = rows_of(p, n0);
   if (threadIdx.x == 0) {
@@ -335,26 +377,26 @@ __device__ void run(const Params& p, const vitrail::TensorMap& mapK,
     if (threadIdx.x == 0) {
       vitrail::Bulk::expect(keys_full, 2 * kBytesKeys);
       for (int c = 0; c < kChunks; ++c) {
-        vitrail::Tma::load(&sK(0, c * kChunk, 0), mapK, keys_full, c * kChunk, n0, head_kv,
-                           batch);
-        vitrail::Tma::load(&sV(0, c * kChunk, 0), mapV, keys_full, c * kChunk, n0, head_kv,
-                           batch);
+        vitrail::Tma::load(&sK(0, c * kChunk, 0), mapK, keys_full, c * kChunk, at.tma_k + n0,
+                           head_kv, batch);
+        vitrail::Tma::load(&sV(0, c * kChunk, 0), mapV, keys_full, c * kChunk, at.tma_k + n0,
+                           head_kv, batch);
       }
       auto w = vitrail::PipeState<STAGES>::producer();
       for (int g = 0; g < group; ++g) {
         const int head = head_kv * group + g;
-        const float* lse2 = p.lse2 + ((long long)batch * p.heads + head) * p.seqlen_q_padded;
-        const float* delta = p.delta + ((long long)batch * p.heads + head) * p.seqlen_q_padded;
+        const float* lse2 = p.lse2 + head_rows(p, at, head);
+        const float* delta = p.delta + head_rows(p, at, head);
         for (int i = range.first; i < range.last; ++i, w.advance()) {
           pipe.acquire(w);
           pipe.expect(w, 2 * kBytesQ + 2 * BQ * 4);
           auto q = sQ(w.index);
           auto d = sdO(w.index);
           for (int c = 0; c < kChunks; ++c) {
-            vitrail::Tma::load(&q(0, c * kChunk, 0), mapQ, pipe.full(w), c * kChunk, i * BQ,
-                               head, batch);
-            vitrail::Tma::load(&d(0, c * kChunk, 0), mapdO, pipe.full(w), c * kChunk, i * BQ,
-                               head, batch);
+            vitrail::Tma::load(&q(0, c * kChunk, 0), mapQ, pipe.full(w), c * kChunk,
+                               at.tma_q + i * BQ, head, batch);
+            vitrail::Tma::load(&d(0, c * kChunk, 0), mapdO, pipe.full(w), c * kChunk,
+                               at.tma_q + i * BQ, head, batch);
           }
           vitrail::Bulk::load(sRows(w.index), lse2 + i * BQ, BQ * 4, pipe.full(w));
           vitrail::Bulk::load(sRows(w.index) + BQ, delta + i * BQ, BQ * 4, pipe.full(w));
@@ -437,7 +479,7 @@ __device__ void run(const Params& p, const vitrail::TensorMap& mapK,
 
   // fragment -> slab: dK * scale and dV, keys below seqlen_k
   const long long stride = (long long)p.heads_kv * D;
-  const long long base = ((long long)batch * p.seqlen_k * p.heads_kv + head_kv) * D;
+  const long long base = (at.out_k * p.heads_kv + head_kv) * D;
   auto out_where = PQ::rows(pq.coordinates());
   store_rows(PQ::rows(dk), out_where, n0, p.seqlen_k, stride, p.grad + base, p.scale);
   store_rows(PQ::rows(dv), out_where, n0, p.seqlen_k, stride, p.grad_v + base, 1.f);
@@ -452,11 +494,16 @@ attention_bwd_dq(T* dq, float* lse2, float* delta, const __grid_constant__ vitra
                  const __grid_constant__ vitrail::TensorMap mapK,
                  const __grid_constant__ vitrail::TensorMap mapV, int seqlen_q, int seqlen_k,
                  int seqlen_q_padded, int heads, int heads_kv, float scale_log2, float scale,
-                 int causal_offset, int local_offset, float softcap, float softcap_pre) {
-  attention_bwd::dq::run({dq, nullptr, lse2, delta, seqlen_q, seqlen_k, seqlen_q_padded, heads,
+                 int causal_offset, int local_offset, float softcap, float softcap_pre,
+                 const int* cu_q, const int* cu_k, const int* cu_pad, int bottom_right) {
+  attention_bwd::Params p{dq, nullptr, lse2, delta, seqlen_q, seqlen_k, seqlen_q_padded, heads,
                           heads_kv, scale_log2, scale, causal_offset, local_offset, softcap,
-                          softcap_pre},
-                         mapQ, mapdO, mapK, mapV);
+                          softcap_pre, cu_q, cu_k, cu_pad, bottom_right};
+  const attention_bwd::Seq at = attention_bwd::sequence(p);
+  if constexpr (VARLEN) {  // the grid fits the longest sequence
+    if (attention_bwd::dq::m_block() * BM >= p.seqlen_q) return;
+  }
+  attention_bwd::dq::run(p, at, mapQ, mapdO, mapK, mapV);
 }
 
 extern "C" __global__ void __launch_bounds__(attention_bwd::dkv::kThreads, 1)
@@ -466,9 +513,14 @@ attention_bwd_dkv(T* dk, T* dv, float* lse2, float* delta,
                   const __grid_constant__ vitrail::TensorMap mapQ,
                   const __grid_constant__ vitrail::TensorMap mapdO, int seqlen_q, int seqlen_k,
                   int seqlen_q_padded, int heads, int heads_kv, float scale_log2, float scale,
-                  int causal_offset, int local_offset, float softcap, float softcap_pre) {
-  attention_bwd::dkv::run({dk, dv, lse2, delta, seqlen_q, seqlen_k, seqlen_q_padded, heads,
-                           heads_kv, scale_log2, scale, causal_offset, local_offset, softcap,
-                           softcap_pre},
-                          mapK, mapV, mapQ, mapdO);
+                  int causal_offset, int local_offset, float softcap, float softcap_pre,
+                  const int* cu_q, const int* cu_k, const int* cu_pad, int bottom_right) {
+  attention_bwd::Params p{dk, dv, lse2, delta, seqlen_q, seqlen_k, seqlen_q_padded, heads,
+                          heads_kv, scale_log2, scale, causal_offset, local_offset, softcap,
+                          softcap_pre, cu_q, cu_k, cu_pad, bottom_right};
+  const attention_bwd::Seq at = attention_bwd::sequence(p);
+  if constexpr (VARLEN) {  // the grid fits the longest sequence
+    if (int(blockIdx.x) * BK >= p.seqlen_k) return;
+  }
+  attention_bwd::dkv::run(p, at, mapK, mapV, mapQ, mapdO);
 }
