@@ -7,8 +7,9 @@
   its full version (13.0.88) read for the cache key.
 - The driver: its CUDA version (``cuDriverGetVersion``); cubins from an NVRTC of a newer major
   version than the driver's do not load, and vitrail says so before it launches anything.
-- The target arch: ``VITRAIL_ARCH``, else the current GPU (``sm_90a`` on Hopper, so wgmma and TMA are
-  usable), else the highest entry of ``TORCH_CUDA_ARCH_LIST``.
+- The target arch: ``VITRAIL_ARCH``, else the current GPU (``sm_90a`` on Hopper, so wgmma and
+  TMA are usable; read through NVML before CUDA starts, where every GPU is alike), else the
+  highest entry of ``TORCH_CUDA_ARCH_LIST``.
 - CUTLASS/CuTe headers: ``CUTLASS_PATH``, else the installed ``nvidia-cutlass`` package.
 
 Every lookup is memoized per environment (changing a variable re-runs it) and raises
