@@ -24,14 +24,11 @@ pytestmark = pytest.mark.warm_cache  # --kernel-cache: one build per kernel acro
 @pytest.mark.parametrize("which,d,causal,options", [
     ("fwd", 128, True, {}), ("fwd", 64, False, {}),
     ("fwd", 128, True, {"local": True, "softcap": True}), ("fwd", 64, True, {"varlen": True}),
-    # TMA boxes 16 (D 16, 80, 240) and 32 wide (96, 160); P V's wgmma 80, 160, 240 wide: CuTe's
-    # extended shapes
-    ("fwd", 16, False, {}), ("fwd", 80, True, {}), ("fwd", 96, False, {}), ("fwd", 160, True, {}),
-    ("fwd", 240, False, {}),
-    ("fwd", 192, True, {"dv": 128}), ("fwd", 96, False, {"dv": 32}),  # v's head dim of its own
+    # representatives (CI's two cores build each in about 40 s): TMA boxes 16 wide with P V's
+    # wgmma 80 wide (one of CuTe's extended shapes), boxes 32 wide, v's head dim of its own
+    ("fwd", 80, True, {}), ("fwd", 96, False, {}), ("fwd", 192, True, {"dv": 128}),
     ("bwd", 128, True, {}), ("bwd", 64, False, {}),
-    ("bwd", 128, False, {"local": True, "softcap": True}),
-    ("bwd", 128, True, {"varlen": True}), ("bwd", 64, False, {"varlen": True})])
+    ("bwd", 128, False, {"local": True, "softcap": True}), ("bwd", 128, True, {"varlen": True})])
 def test_compiles_for_sm90a(which, d, causal, options):
     from vitrail.jit import compiler
     source = (A.source if which == "fwd" else A.bwd_source)(torch.bfloat16, d, causal, **options)
