@@ -173,9 +173,13 @@ __device__ int m_block() {
   return CAUSAL ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
 }
 
-__device__ void run(const Params& p, const Seq& at, const vitrail::TensorMap& mapQ,
-                    const vitrail::TensorMap& mapdO, const vitrail::TensorMap& mapK,
-                    const vitrail::TensorMap& mapV) {
+__device__ void run(Params p, const vitrail::TensorMap& mapQ, const vitrail::TensorMap& mapdO,
+                    const vitrail::TensorMap& mapK, const vitrail::TensorMap& mapV) {
+  const Seq at = sequence(p);
+  const int m0 = m_block() * BM;
+  if constexpr (VARLEN) {  // the grid fits the longest sequence
+    if (m0 >= p.seqlen_q) return;
+  }
   char* smem = aligned_smem();
   auto sQ = QK::tile_a(smem);
   auto sdO = QK::tile_a(smem + kBytesRows);
@@ -187,7 +191,7 @@ __device__ void run(const Params& p, const Seq& at, const vitrail::TensorMap& ma
   auto sV = [&](int stage) { return QK::tile_b(ring + stage * kBytesKV + QK::kBytesB<>); };
   auto sKt = [&](int stage) { return SK::tile_b(ring + stage * kBytesKV); };  // K as (D, BN)
 
-  const int m0 = m_block() * BM, head = blockIdx.y, batch = at.tma_batch;
+  const int head = blockIdx.y, batch = at.tma_batch;
   const int head_kv = head / (p.heads / p.heads_kv);
   const int n = blocks(p, m0);
   const int start = LOCAL ? min(n, first_block(p, m0)) : 0;
@@ -341,9 +345,13 @@ __device__ Range rows_of(const Params& p, int n0) {
   return {first, unmasked, unmasked_end, last};
 }
 
-__device__ void run(const Params& p, const Seq& at, const vitrail::TensorMap& mapK,
-                    const vitrail::TensorMap& mapV, const vitrail::TensorMap& mapQ,
-                    const vitrail::TensorMap& mapdO) {
+__device__ void run(Params p, const vitrail::TensorMap& mapK, const vitrail::TensorMap& mapV,
+                    const vitrail::TensorMap& mapQ, const vitrail::TensorMap& mapdO) {
+  const Seq at = sequence(p);
+  const int n0 = int(blockIdx.x) * BK;
+  if constexpr (VARLEN) {  // the grid fits the longest sequence
+    if (n0 >= p.seqlen_k) return;
+  }
   char* smem = aligned_smem();
   auto sK = KQ::tile_a(smem);
   auto sV = KQ::tile_a(smem + kBytesKeys);
@@ -359,7 +367,7 @@ __device__ void run(const Params& p, const Seq& at, const vitrail::TensorMap& ma
     return reinterpret_cast<float*>(ring + stage * kStageBytes + 2 * kBytesQ);
   };
 
-  const int n0 = int(blockIdx.x) * BK, head_kv = blockIdx.y, batch = at.tma_batch;
+  const int head_kv = blockIdx.y, batch = at.tma_batch;
   const int group = p.heads / p.heads_kv;
   const Range range = rows_of(p, n0);
   if (threadIdx.x == 0) {
@@ -496,14 +504,10 @@ attention_bwd_dq(T* dq, float* lse2, float* delta, const __grid_constant__ vitra
                  int seqlen_q_padded, int heads, int heads_kv, float scale_log2, float scale,
                  int causal_offset, int local_offset, float softcap, float softcap_pre,
                  const int* cu_q, const int* cu_k, const int* cu_pad, int bottom_right) {
-  attention_bwd::Params p{dq, nullptr, lse2, delta, seqlen_q, seqlen_k, seqlen_q_padded, heads,
+  attention_bwd::dq::run({dq, nullptr, lse2, delta, seqlen_q, seqlen_k, seqlen_q_padded, heads,
                           heads_kv, scale_log2, scale, causal_offset, local_offset, softcap,
-                          softcap_pre, cu_q, cu_k, cu_pad, bottom_right};
-  const attention_bwd::Seq at = attention_bwd::sequence(p);
-  if constexpr (VARLEN) {  // the grid fits the longest sequence
-    if (attention_bwd::dq::m_block() * BM >= p.seqlen_q) return;
-  }
-  attention_bwd::dq::run(p, at, mapQ, mapdO, mapK, mapV);
+                          softcap_pre, cu_q, cu_k, cu_pad, bottom_right},
+                         mapQ, mapdO, mapK, mapV);
 }
 
 extern "C" __global__ void __launch_bounds__(attention_bwd::dkv::kThreads, 1)
@@ -515,12 +519,8 @@ attention_bwd_dkv(T* dk, T* dv, float* lse2, float* delta,
                   int seqlen_q_padded, int heads, int heads_kv, float scale_log2, float scale,
                   int causal_offset, int local_offset, float softcap, float softcap_pre,
                   const int* cu_q, const int* cu_k, const int* cu_pad, int bottom_right) {
-  attention_bwd::Params p{dk, dv, lse2, delta, seqlen_q, seqlen_k, seqlen_q_padded, heads,
-                          heads_kv, scale_log2, scale, causal_offset, local_offset, softcap,
-                          softcap_pre, cu_q, cu_k, cu_pad, bottom_right};
-  const attention_bwd::Seq at = attention_bwd::sequence(p);
-  if constexpr (VARLEN) {  // the grid fits the longest sequence
-    if (int(blockIdx.x) * BK >= p.seqlen_k) return;
-  }
-  attention_bwd::dkv::run(p, at, mapK, mapV, mapQ, mapdO);
+  attention_bwd::dkv::run({dk, dv, lse2, delta, seqlen_q, seqlen_k, seqlen_q_padded, heads,
+                           heads_kv, scale_log2, scale, causal_offset, local_offset, softcap,
+                           softcap_pre, cu_q, cu_k, cu_pad, bottom_right},
+                          mapK, mapV, mapQ, mapdO);
 }
