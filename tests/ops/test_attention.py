@@ -506,7 +506,7 @@ def test_varlen_backward_on_the_cpu(causal, alignment, extra, dv):
     upper, hi, local, lo = A._mask(0, 0, causal, "top_left", extra.get("window"))
     got = torch.ops.vitrail.attention_varlen_bwd(
         go, glse.float(), q.detach(), k.detach(), v.detach(), o.detach(), lse.detach().float(),
-        cq, ck, 16 ** -0.5, upper, hi, local, lo, extra.get("softcap", 0.0),
+        cq, ck, max(lq), max(lk), 16 ** -0.5, upper, hi, local, lo, extra.get("softcap", 0.0),
         alignment == "bottom_right")
     for x, t, what in zip(got, (q, k, v), ("dq", "dk", "dv")):
         torch.testing.assert_close(x, t.grad, rtol=1e-6, atol=1e-6, msg=what)
@@ -557,7 +557,7 @@ def test_varlen_gradients_and_opcheck():
         torch.testing.assert_close(x.double(), w, rtol=2e-2, atol=2e-2 * w.abs().max().item(),
                                    msg=what)
     torch.library.opcheck(torch.ops.vitrail.attention_varlen_fwd.default,
-                          (qs, ks, vs, cq, ck, 700, 0.1, True, 0, False, 0, 0.0, True))
+                          (qs, ks, vs, cq, ck, 700, 650, 0.1, True, 0, False, 0, 0.0, True))
 
 
 
@@ -596,10 +596,10 @@ def test_the_packed_backwards_rows_start_each_sequence_at_a_padded_offset():
     (False, "bottom_right", {"window": (100, 30)}), (True, "top_left", {"softcap": 20.0})])
 def test_the_fused_varlen_backward_matches_the_sequence_by_sequence_one(d, causal, alignment,
                                                                         extra):
-    """fused_varlen_backward (one launch per kernel, not yet the op's route) against the op's
-    backward sequence by sequence: 12 sequences of random lengths (none, one key, one row),
-    GQA 4, the lse's gradient too; the same bits on a second run and replayed from a CUDA graph
-    (no host synchronization)."""
+    """The op's varlen backward (fused_varlen_backward here: one launch per kernel) against the
+    sequence-by-sequence one: 12 sequences of random lengths (none, one key, one row), GQA 4,
+    the lse's gradient too; the same bits on a second run and replayed from a CUDA graph (no
+    host synchronization)."""
     g = torch.Generator().manual_seed(d + 7)
     lq = [0, 1, 200, *torch.randint(1, 700, (9,), generator=g).tolist()]
     lk = [5, 0, 1, *torch.randint(1, 700, (9,), generator=g).tolist()]
@@ -613,8 +613,8 @@ def test_the_fused_varlen_backward_matches_the_sequence_by_sequence_one(d, causa
     args = (go, glse, q, k, v, o, lse, cq, ck)
     opts = (d ** -0.5, upper, hi, local, lo, float(extra.get("softcap", 0.0)),
             alignment == "bottom_right")
-    want = torch.ops.vitrail.attention_varlen_bwd(*args, *opts)
-    got = A.fused_varlen_backward(*args, max(lq), max(lk), *opts)
+    want = A.sequence_by_sequence_backward(*args, *opts)
+    got = torch.ops.vitrail.attention_varlen_bwd(*args, max(lq), max(lk), *opts)
     for x, w, what in zip(got, want, ("dq", "dk", "dv")):
         torch.testing.assert_close(x.float(), w.float(), rtol=2e-2,
                                    atol=2e-2 * w.abs().max().item(), msg=what)
@@ -652,4 +652,5 @@ def test_varlen_with_a_v_head_dim_of_its_own(d, dv):
         torch.testing.assert_close(x.double(), w, rtol=2e-2, atol=2e-2 * w.abs().max().item(),
                                    msg=what)
     torch.library.opcheck(torch.ops.vitrail.attention_varlen_fwd.default,
-                          (qs, ks, vs, cq, ck, max(lq), d ** -0.5, True, 0, False, 0, 0.0, True))
+                          (qs, ks, vs, cq, ck, max(lq), max(lk), d ** -0.5, True, 0, False, 0, 0.0,
+                           True))

@@ -242,9 +242,8 @@ def fused_varlen_backward(grad_o: Tensor, grad_lse: Optional[Tensor], q: Tensor,
                           local_offset: int, softcap: float,
                           bottom_right: bool) -> tuple[Tensor, Tensor, Tensor]:
     """The fused kernels' backward of attention_varlen (D = Dv of 64 or 128, Hopper): one
-    launch each for every sequence, no host synchronization. Not yet the op's route:
-    attention_varlen's backward runs sequence by sequence until this has run on a GPU
-    (tests/ops/test_attention.py compares the two)."""
+    launch each for every sequence, no host synchronization; the grids cover max_seqlen_q rows
+    and max_seqlen_k keys of each sequence, which must be at least its lengths."""
     total_q, h, d = q.shape
     total_k, hk = k.shape[0], k.shape[1]
     batch = cu_seqlens_q.shape[0] - 1
@@ -498,12 +497,13 @@ def _lengths(cu: Tensor, total: int, max_seqlen: int, name: str) -> list[int]:
 
 @torch.library.custom_op("vitrail::attention_varlen_fwd", mutates_args=())
 def _attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
-                          cu_seqlens_k: Tensor, max_seqlen_q: int, scale: float, causal: bool,
-                          causal_offset: int, local: bool, local_offset: int, softcap: float,
+                          cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                          scale: float, causal: bool, causal_offset: int, local: bool,
+                          local_offset: int, softcap: float,
                           bottom_right: bool) -> tuple[Tensor, Tensor]:
     """The forward over packed sequences: q (total_q, H, D), k (total_k, Hkv, D), v (total_k,
     Hkv, Dv); o (total_q, H, Dv), lse (H, total_q). Offsets as _attention_fwd's, plus seqlen_k -
-    seqlen_q per sequence where bottom_right."""
+    seqlen_q per sequence where bottom_right. max_seqlen_k is the backward's (its dK/dV grid)."""
     tq, h, d = q.shape
     tk, hk, dv = k.shape[0], k.shape[1], v.shape[2]
     batch = cu_seqlens_q.shape[0] - 1
@@ -532,8 +532,9 @@ def _attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
 
 
 @_attention_varlen_fwd.register_fake
-def _attention_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, causal,
-                               causal_offset, local, local_offset, softcap, bottom_right):
+def _attention_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               scale, causal, causal_offset, local, local_offset, softcap,
+                               bottom_right):
     tq, h, _ = q.shape
     return q.new_empty((tq, h, v.shape[2])), q.new_empty((h, tq), dtype=torch.float32)
 
@@ -541,10 +542,26 @@ def _attention_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
 @torch.library.custom_op("vitrail::attention_varlen_bwd", mutates_args=())
 def _attention_varlen_bwd(grad_o: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor,
                           v: Tensor, o: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
-                          cu_seqlens_k: Tensor, scale: float, causal: bool, causal_offset: int,
-                          local: bool, local_offset: int, softcap: float,
+                          cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                          scale: float, causal: bool, causal_offset: int, local: bool,
+                          local_offset: int, softcap: float,
                           bottom_right: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """Each sequence's backward (backward.py's matmuls, a batch of one)."""
+    """The fused kernels' backward where they run (one launch each), else each sequence's."""
+    args = (grad_o, grad_lse, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
+    options = (scale, causal, causal_offset, local, local_offset, softcap, bottom_right)
+    if fused_backward_runs(q[None], k[None], v[None]):
+        return fused_varlen_backward(*args, max_seqlen_q, max_seqlen_k, *options)
+    return sequence_by_sequence_backward(*args, *options)
+
+
+def sequence_by_sequence_backward(grad_o: Tensor, grad_lse: Optional[Tensor], q: Tensor,
+                                  k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+                                  cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float,
+                                  causal: bool, causal_offset: int, local: bool,
+                                  local_offset: int, softcap: float,
+                                  bottom_right: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """attention_varlen's backward one sequence at a time through backward.py's matmuls (a
+    batch of one each): any head dims and devices; reads the offsets (a synchronization)."""
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     dq, dk, dv = q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
     for q0, q1, k0, k1 in zip(cq, cq[1:], ck, ck[1:]):
@@ -561,7 +578,7 @@ def _attention_varlen_bwd(grad_o: Tensor, grad_lse: Optional[Tensor], q: Tensor,
 
 @_attention_varlen_bwd.register_fake
 def _attention_varlen_bwd_fake(grad_o, grad_lse, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k,
-                               scale, causal, causal_offset, local, local_offset, softcap,
+                               max_seqlen_q, max_seqlen_k, scale, causal, causal_offset, local, local_offset, softcap,
                                bottom_right):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
@@ -571,13 +588,14 @@ def _varlen_backward(ctx, grad_o, grad_lse):
     if grad_o is None:
         grad_o = torch.zeros_like(o)
     dq, dk, dv = _attention_varlen_bwd(grad_o, grad_lse, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
-    return (dq, dk, dv) + (None,) * 10
+    return (dq, dk, dv) + (None,) * 11
 
 
 def _varlen_setup(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, _max_q, *args = inputs
+    q, k, v, cu_q, cu_k, *args = inputs
     ctx.save_for_backward(q, k, v, cu_q, cu_k, *output)
-    ctx.args = tuple(args)  # scale, causal, causal_offset, local, local_offset, softcap, bottom
+    ctx.args = tuple(args)  # the maxima, scale, causal, causal_offset, local, local_offset,
+    # softcap, bottom_right
 
 
 _attention_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup)
@@ -594,7 +612,9 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
     cu_seqlens_q[i]:cu_seqlens_q[i + 1] of q and cu_seqlens_k[i]:cu_seqlens_k[i + 1] of k and v
     (int32 on q's device). Options as :func:`attention`'s, per sequence. Returns o (total_q, H,
     Dv) and, with return_lse, lse (H, total_q). In eager mode the lengths are read once (one
-    synchronization) and checked against the tensors and the maxima."""
+    synchronization) and checked against the tensors and the maxima; under torch.compile or a
+    CUDA graph's capture they are not, and the kernels' grids trust max_seqlen_q and
+    max_seqlen_k to be at least each sequence's rows and keys."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(NAME, name, t, dtypes=DTYPES, ndim=3)
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
@@ -619,9 +639,9 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
     d = q.shape[2]
     scale = d ** -0.5 if scale is None else float(scale)
     upper, hi, local, lo = _mask(0, 0, bool(causal), "top_left", window)  # offsets sans Sk - Sq
-    o, lse = _attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale,
-                                   upper, hi, local, lo, float(softcap or 0.0),
-                                   alignment == "bottom_right")
+    o, lse = _attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                   max_seqlen_k, scale, upper, hi, local, lo,
+                                   float(softcap or 0.0), alignment == "bottom_right")
     return (o, lse) if return_lse else o
 
 
