@@ -444,9 +444,13 @@ def test_the_benchmark_registers_its_grid():
     from vitrail.ops.attention import benchmarks as b
     entry = load_benchmarks()["attention"]
     assert entry.run is b.run and entry.build is b.build and entry.by_name
-    assert len(b.CASES) == 18 and {c[3] for c in b.CASES} == {64, 128, 256}
+    assert len(b.CASES) == 30 and {c[3:5] for c in b.CASES} == {
+        (64, 64), (96, 96), (128, 128), (192, 128), (256, 256)}
     assert all(bb * s == 16384 for bb, s, *_ in b.CASES)
-    assert b.flops(1, 1024, 1, 64, True) * 2 == b.flops(1, 1024, 1, 64, False) == 4 * 1024**2 * 64
+    assert b.flops(1, 1024, 1, 64, 64, True) * 2 == b.flops(1, 1024, 1, 64, 64, False) == \
+        4 * 1024**2 * 64
+    assert b.flops(1, 1024, 1, 192, 128, False) == 2 * 1024**2 * (192 + 128)
+    assert b._name(2, 1024, 16, 192, 128, True) == "causal B2 S1024 H16 D192 Dv128"
     assert load_benchmarks()["attention.backward"].run is b.run_backward
     assert b.TRAIN_CASES == b.CASES
 

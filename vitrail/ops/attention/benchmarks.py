@@ -6,17 +6,22 @@ from __future__ import annotations
 
 from vitrail.bench import Row, register
 
-# (batch, seqlen, heads, head_dim, causal): the issue's grid, seqlen 1k to 16k at 16k tokens a
-# batch, head dims 64, 128 and 256
-CASES = [(b, s, h, d, causal)
+# (batch, seqlen, heads, head_dim, v head_dim, causal): seqlen 1k to 16k at 16k tokens a batch;
+# head dims 64, 96, 128 and 256, and 192 with a v head dim of 128 (DeepSeek's MLA shapes)
+CASES = [(b, s, h, d, dv, causal)
          for s, b in ((1024, 16), (4096, 4), (16384, 1))
-         for d, h in ((64, 32), (128, 16), (256, 8))
+         for d, dv, h in ((64, 64, 32), (96, 96, 16), (128, 128, 16), (192, 128, 16),
+                          (256, 256, 8))
          for causal in (False, True)]
 
 
-def flops(b: int, s: int, h: int, d: int, causal: bool) -> float:
-    """Q K^T and P V: 4 b h s^2 d, half of it where causal."""
-    return 4.0 * b * h * s * s * d / (2 if causal else 1)
+def flops(b: int, s: int, h: int, d: int, dv: int, causal: bool) -> float:
+    """Q K^T and P V: 2 b h s^2 (d + dv), half of it where causal."""
+    return 2.0 * b * h * s * s * (d + dv) / (2 if causal else 1)
+
+
+def _name(b: int, s: int, h: int, d: int, dv: int, causal: bool) -> str:
+    return f"{'causal ' if causal else ''}B{b} S{s} H{h} D{d}{f' Dv{dv}' if dv != d else ''}"
 
 
 def build() -> None:
@@ -27,10 +32,10 @@ def build() -> None:
     import torch
 
     from vitrail.ops.attention import BWD_HEAD_DIMS, bwd_kernels, kernel
-    variants = sorted({(d, causal) for _, _, _, d, causal in CASES})
-    jobs = [lambda v=v: kernel(torch.bfloat16, *v) for v in variants]
-    jobs += [lambda v=v: bwd_kernels(torch.bfloat16, *v) for v in variants
-             if v[0] in BWD_HEAD_DIMS]
+    variants = sorted({(d, dv, causal) for _, _, _, d, dv, causal in CASES})
+    jobs = [lambda d=d, dv=dv, c=c: kernel(torch.bfloat16, d, c, dv=dv) for d, dv, c in variants]
+    jobs += [lambda d=d, c=c: bwd_kernels(torch.bfloat16, d, c) for d, dv, c in variants
+             if d == dv and d in BWD_HEAD_DIMS]
     with ThreadPoolExecutor(max(1, min(8, len(jobs)))) as pool:
         list(pool.map(lambda job: job(), jobs))
 
@@ -72,18 +77,19 @@ def run() -> list[Row]:
     from vitrail.ops.attention import attention
     cudnn, flash = _sdpa(SDPBackend.CUDNN_ATTENTION), _sdpa(SDPBackend.FLASH_ATTENTION)
     rows = []
-    for b, s, h, d, causal in CASES:
-        q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
-                   for _ in range(3))
-        case = f"{'causal ' if causal else ''}B{b} S{s} H{h} D{d}"
+    for b, s, h, d, dv, causal in CASES:
+        q, k, v = (torch.randn(b, s, h, e, device="cuda", dtype=torch.bfloat16)
+                   for e in (d, d, dv))
+        case = _name(b, s, h, d, dv, causal)
         fns = {"vitrail": lambda: attention(q, k, v, causal=causal),
                "SDPA cuDNN": lambda: cudnn(q, k, v, causal),
                "SDPA flash": lambda: flash(q, k, v, causal)}
-        rows += _timed(case, fns, flops(b, s, h, d, causal), f"D{d}")
+        rows += _timed(case, fns, flops(b, s, h, d, dv, causal), f"D{d}")
     return rows
 
 
-# forward + backward: the forward's grid (D 256's backward runs backward.py's matmuls)
+# forward + backward: the forward's grid (where D is not 64 or 128, or Dv differs, the backward
+# runs backward.py's matmuls)
 TRAIN_CASES = CASES
 
 
@@ -98,16 +104,16 @@ def run_backward() -> list[Row]:
     from vitrail.ops.attention import attention
     cudnn, flash = _sdpa(SDPBackend.CUDNN_ATTENTION), _sdpa(SDPBackend.FLASH_ATTENTION)
     rows = []
-    for b, s, h, d, causal in TRAIN_CASES:
-        q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16,
-                               requires_grad=True) for _ in range(3))
-        go = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
-        case = f"{'causal ' if causal else ''}B{b} S{s} H{h} D{d}"
+    for b, s, h, d, dv, causal in TRAIN_CASES:
+        q, k, v = (torch.randn(b, s, h, e, device="cuda", dtype=torch.bfloat16,
+                               requires_grad=True) for e in (d, d, dv))
+        go = torch.randn(b, s, h, dv, device="cuda", dtype=torch.bfloat16)
+        case = _name(b, s, h, d, dv, causal)
 
         def step(forward):
             return lambda: torch.autograd.grad(forward(), (q, k, v), go)
         fns = {"vitrail": step(lambda: attention(q, k, v, causal=causal)),
                "SDPA cuDNN": step(lambda: cudnn(q, k, v, causal).transpose(1, 2)),
                "SDPA flash": step(lambda: flash(q, k, v, causal).transpose(1, 2))}
-        rows += _timed(case, fns, 3.5 * flops(b, s, h, d, causal), f"D{d}")
+        rows += _timed(case, fns, 3.5 * flops(b, s, h, d, dv, causal), f"D{d}")
     return rows
