@@ -463,11 +463,38 @@ def test_the_ping_pong_changes_no_bit(d, causal):
     q, k, v = _qkv(2, 1000, 1000, 4, 2, d, torch.bfloat16, seed=4)
     o, lse = A.attention(q, k, v, causal=causal, return_lse=True)
     o2, lse2 = torch.empty_like(o), torch.empty_like(lse)
-    bn = A.block_n(d)
-    A.kernel(q.dtype, d, causal, pingpong=False)[(-(-1000 // A.BM), 4, 2), A.THREADS](
-        o2, lse2, A._map(q, A.BM), A._map(k, bn), A._map(v, bn), 1000, 1000, 4, 2,
-        d ** -0.5 * math.log2(math.e), 0, 0, 0.0, 0.0, None, None, 0, 0,
-        shared_mem=A.smem_bytes(d, q.dtype))
+    A.launch(A.kernel(q.dtype, d, causal, pingpong=False), o2, lse2, q, k, v, 1000, 1000, 2,
+             d ** -0.5, 0, 0, 0.0)
+    assert torch.equal(o, o2) and torch.equal(lse, lse2)
+
+
+@needs_hopper
+@pytest.mark.parametrize("d,causal,extra", [
+    (64, True, {}), (128, False, {}), (96, True, {"window": (300, 0), "softcap": 30.0}),
+    (256, False, {})])
+def test_the_persistent_grid_changes_no_bit(d, causal, extra):
+    """A CTA per SM taking tiles from a counter (the default) computes each tile as a CTA per
+    tile does: the same bits, here with more tiles than SMs (several tiles a CTA), causal, a
+    window and a softcap, and packed sequences of their own lengths."""
+    q, k, v = _qkv(3, 1500, 1700, 8, 2, d, torch.bfloat16, seed=6)
+    kw = dict(causal=causal, alignment="bottom_right", **extra)
+    o, lse = A.attention(q, k, v, return_lse=True, **kw)
+    upper, hi, local, lo = A._mask(1500, 1700, causal, "bottom_right", extra.get("window"))
+    softcap = float(extra.get("softcap", 0.0))
+    lockstep = A.kernel(q.dtype, d, upper, local=local, softcap=softcap > 0, persistent=False)
+    o2, lse2 = torch.empty_like(o), torch.empty_like(lse)
+    A.launch(lockstep, o2, lse2, q, k, v, 1500, 1700, 3, d ** -0.5, hi, lo, softcap,
+             persistent=False)
+    assert torch.equal(o, o2) and torch.equal(lse, lse2)
+    lq, lk = [700, 0, 1, 1500, 129], [900, 3, 0, 1700, 128]
+    q, k, v, cq, ck = _varlen_inputs(lq, lk, 8, 2, d, torch.bfloat16, seed=7)
+    o, lse = A.attention_varlen(q, k, v, cq, ck, max(lq), max(lk), return_lse=True, **kw)
+    upper, hi, local, lo = A._mask(0, 0, causal, "top_left", extra.get("window"))
+    lockstep = A.kernel(q.dtype, d, upper, local=local, softcap=softcap > 0, varlen=True,
+                        persistent=False)
+    o2, lse2 = torch.empty_like(o), torch.empty_like(lse)
+    A.launch(lockstep, o2, lse2, q[None], k[None], v[None], max(lq), 0, len(lq), d ** -0.5, hi,
+             lo, softcap, cq, ck, bottom_right=True, persistent=False)
     assert torch.equal(o, o2) and torch.equal(lse, lse2)
 
 

@@ -258,6 +258,12 @@ struct Bulk {
   __device__ static void load(void* smem, const void* gmem, int bytes, uint64_t* mbar) {
     cute::SM90_BULK_COPY_G2S::copy(gmem, mbar, smem, bytes);
   }
+  // One thread: arrive on mbar announcing no copies (a phase with nothing to load; its writes
+  // to shared memory before the arrival are visible to the threads that wait on the phase).
+  __device__ static void arrive(uint64_t* mbar) {
+    const unsigned bar = static_cast<unsigned>(__cvta_generic_to_shared(mbar));
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+  }
   // Any thread: wait until the barrier's phase `phase` completes (the bytes have landed).
   __device__ static void wait(uint64_t* mbar, int phase) { cute::wait_barrier(*mbar, phase); }
   // One thread, after a barrier over the threads that wrote smem: start smem -> gmem.

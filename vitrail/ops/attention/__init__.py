@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from vitrail.device import ctype
+from vitrail.device import ctype, sm_count
 from vitrail.jit.errors import ArgumentError
 from vitrail.jit.tma import tensor_map
 from vitrail.ops.attention.backward import attention_backward
@@ -44,6 +44,7 @@ DTYPES = (torch.bfloat16, torch.float16)
 HEAD_DIMS = tuple(range(16, 257, 16))
 ALIGNMENTS = ("top_left", "bottom_right")
 BM, STAGES, THREADS = 128, 2, 384
+PERSISTENT = True  # the forward's default: a CTA per SM taking tiles from a counter
 MAX_GRID_YZ = 65535  # heads on the grid's y, batch on its z
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory a CTA may take on Hopper
 _KERNELS: dict[tuple, object] = {}
@@ -69,8 +70,8 @@ STOCK_MMA_N = (8, 16, 32, 64, 96, 128, 192, 256)
 
 def _smem(d: int, dv: int, bn: int, e: int) -> int:
     """The forward's shared memory (the .cuh's kSmemBytes): Q, STAGES blocks of K and V, the
-    barriers, 1024 bytes to align."""
-    return 1024 + BM * d * e + STAGES * bn * (d + dv) * e + 16 * STAGES + 16
+    barriers and the scheduled tiles, 1024 bytes to align."""
+    return 1024 + BM * d * e + STAGES * bn * (d + dv) * e + 16 * STAGES + 24
 
 
 def smem_bytes(d: int, dtype: torch.dtype = torch.bfloat16, dv: Optional[int] = None) -> int:
@@ -79,11 +80,12 @@ def smem_bytes(d: int, dtype: torch.dtype = torch.bfloat16, dv: Optional[int] = 
 
 
 def source(dtype: torch.dtype, d: int, causal: bool, pingpong: bool = True, local: bool = False,
-           softcap: bool = False, varlen: bool = False, dv: Optional[int] = None) -> str:
+           softcap: bool = False, varlen: bool = False, dv: Optional[int] = None,
+           persistent: bool = PERSISTENT) -> str:
     dv = d if dv is None else dv
     config = {"D": d, "DV": dv, "BM": BM, "BN": block_n(d, dv), "STAGES": STAGES}
     flags = {"CAUSAL": causal, "LOCAL": local, "SOFTCAP": softcap, "VARLEN": varlen,
-             "PINGPONG": pingpong}
+             "PINGPONG": pingpong, "PERSISTENT": persistent}
     # P V is one wgmma Dv wide per 16 keys; Dv of 80, 112, 160... is among CuTe's extended
     # shapes (their headers cost compile time, so only where needed)
     extended = dv not in STOCK_MMA_N
@@ -99,27 +101,56 @@ def source(dtype: torch.dtype, d: int, causal: bool, pingpong: bool = True, loca
 SIGNATURE = ("void* o, float* lse, const vitrail::TensorMap mapQ, const vitrail::TensorMap mapK, "
              "const vitrail::TensorMap mapV, int seqlen_q, int seqlen_k, int heads, "
              "int heads_kv, float scale_log2, int causal_offset, int local_offset, float softcap, "
-             "float softcap_pre, const int* cu_q, const int* cu_k, int total_q, int bottom_right")
+             "float softcap_pre, const int* cu_q, const int* cu_k, int total_q, int bottom_right, "
+             "int row_blocks, int batch, int* tile_counter")
 
 
 def kernel(dtype: torch.dtype, d: int, causal: bool, pingpong: bool = True, local: bool = False,
-           softcap: bool = False, varlen: bool = False, dv: Optional[int] = None):
-    """The compiled forward (pingpong=False: the warpgroups in lockstep, kept to measure the
-    ping-pong against; the op always runs the default). causal: keys right of the diagonal
-    (shifted by a window's right size) masked; local: keys left of a window masked; softcap:
-    the scores capped with tanh; varlen: sequences packed along the rows; dv: v's head dim
-    (default d)."""
+           softcap: bool = False, varlen: bool = False, dv: Optional[int] = None,
+           persistent: bool = PERSISTENT):
+    """The compiled forward (pingpong=False: the warpgroups in lockstep; persistent=False: a CTA
+    per tile; both kept to measure the defaults against, which the op always runs). causal:
+    keys right of the diagonal (shifted by a window's right size) masked; local: keys left of a
+    window masked; softcap: the scores capped with tanh; varlen: sequences packed along the
+    rows; dv: v's head dim (default d). Launch it with :func:`launch`."""
     dv = d if dv is None else dv
-    key = (dtype, d, dv, causal, pingpong, local, softcap, varlen)
+    key = (dtype, d, dv, causal, pingpong, local, softcap, varlen, persistent)
     k = _KERNELS.get(key)
     if k is None:
         from vitrail import jit
         # CuTe's constexpr helpers carry no __device__: NVRTC needs -default-device
-        module = jit.compile(source(dtype, d, causal, pingpong, local, softcap, varlen, dv),
+        module = jit.compile(source(dtype, d, causal, pingpong, local, softcap, varlen, dv,
+                                    persistent),
                              name="attention_fwd",
                              backend="nvrtc", include_dirs=[HERE], flags=["-default-device"])
         k = _KERNELS[key] = module.kernel("attention_fwd", SIGNATURE)
     return k
+
+
+def launch(fwd, o: Tensor, lse: Tensor, q4: Tensor, k4: Tensor, v4: Tensor, seqlen_q: int,
+           seqlen_k: int, batch: int, scale: float, causal_offset: int, local_offset: int,
+           softcap: float, cu_q: Optional[Tensor] = None, cu_k: Optional[Tensor] = None,
+           bottom_right: bool = False, persistent: bool = PERSISTENT) -> None:
+    """Run a forward kernel (:func:`kernel`'s, built with the same persistent) over q4, k4 and v4
+    as (batch, seqlen, heads, head dim) tensors TMA can read (varlen: one batch of every row,
+    seqlen_q the longest sequence's rows, cu_q and cu_k the offsets): a CTA per tile, or per
+    SM with a tile counter (zeroed here: a fill on the stream, captured with a graph's)."""
+    h, hk, d, dv = q4.shape[2], k4.shape[2], q4.shape[3], v4.shape[3]
+    row_blocks = -(-seqlen_q // BM)
+    if persistent:
+        counter = torch.zeros(1, dtype=torch.int32, device=q4.device)
+        grid = (min(row_blocks * h * batch, sm_count(q4.device.index)), 1, 1)
+    else:
+        counter, grid = None, (row_blocks, h, batch)
+    bn = block_n(d, dv)
+    varlen = cu_q is not None
+    with torch.cuda.device(q4.device):
+        fwd[grid, THREADS](
+            o, lse, _map(q4, BM), _map(k4, bn), _map(v4, bn), seqlen_q, seqlen_k, h, hk,
+            (1.0 if softcap > 0 else scale) * math.log2(math.e), causal_offset, local_offset,
+            softcap, scale / softcap if softcap > 0 else 0.0, cu_q, cu_k,
+            q4.shape[1] if varlen else 0, int(bottom_right), row_blocks, batch, counter,
+            shared_mem=smem_bytes(d, q4.dtype, dv))
 
 
 # The backward's kernels (sm90_attention_bwd.cuh): dQ over the keys, dK and dV over the rows.
@@ -356,7 +387,7 @@ def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
     """causal: key j visible to row i where j <= i + causal_offset; local: where
     j >= i + local_offset; softcap > 0: scores capped to softcap * tanh(s * scale / softcap)."""
     b, sq, h, d = q.shape
-    sk, hk, dv = k.shape[1], k.shape[2], v.shape[3]
+    sk, dv = k.shape[1], v.shape[3]
     o = q.new_empty((b, sq, h, dv))
     lse = q.new_empty((b, h, sq), dtype=torch.float32)
     if o.numel() == 0:
@@ -370,14 +401,8 @@ def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
                                   f"{torch.cuda.get_device_name(q.device)} is not one: use "
                                   f"torch.nn.functional.scaled_dot_product_attention there")
     q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
-    bn = block_n(d, dv)
-    grid = (-(-sq // BM), h, b)
-    with torch.cuda.device(q.device):
-        kernel(q.dtype, d, causal, local=local, softcap=softcap > 0, dv=dv)[grid, THREADS](
-            o, lse, _map(q, BM), _map(k, bn), _map(v, bn), sq, sk, h, hk,
-            (1.0 if softcap > 0 else scale) * math.log2(math.e), causal_offset, local_offset,
-            softcap, scale / softcap if softcap > 0 else 0.0, None, None, 0, 0,
-            shared_mem=smem_bytes(d, q.dtype, dv))
+    launch(kernel(q.dtype, d, causal, local=local, softcap=softcap > 0, dv=dv), o, lse, q, k, v,
+           sq, sk, b, scale, causal_offset, local_offset, softcap)
     return o, lse
 
 
@@ -505,7 +530,7 @@ def _attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
     Hkv, Dv); o (total_q, H, Dv), lse (H, total_q). Offsets as _attention_fwd's, plus seqlen_k -
     seqlen_q per sequence where bottom_right. max_seqlen_k is the backward's (its dK/dV grid)."""
     tq, h, d = q.shape
-    tk, hk, dv = k.shape[0], k.shape[1], v.shape[2]
+    tk, dv = k.shape[0], v.shape[2]
     batch = cu_seqlens_q.shape[0] - 1
     o = q.new_empty((tq, h, dv))
     lse = q.new_empty((h, tq), dtype=torch.float32)
@@ -519,15 +544,9 @@ def _attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
         raise NotImplementedError(f"{NAME}: the kernel is sm_90a (Hopper); "
                                   f"{torch.cuda.get_device_name(q.device)} is not one")
     q4, k4, v4 = (_tma_ready(t.unsqueeze(0)) for t in (q, k, v))  # one "batch" of all rows
-    bn = block_n(d, dv)
-    grid = (-(-max_seqlen_q // BM), h, batch)
-    with torch.cuda.device(q.device):
-        kernel(q.dtype, d, causal, local=local, softcap=softcap > 0, varlen=True,
-               dv=dv)[grid, THREADS](
-            o, lse, _map(q4, BM), _map(k4, bn), _map(v4, bn), max_seqlen_q, 0, h, hk,
-            (1.0 if softcap > 0 else scale) * math.log2(math.e), causal_offset, local_offset,
-            softcap, scale / softcap if softcap > 0 else 0.0, cu_seqlens_q, cu_seqlens_k, tq,
-            int(bottom_right), shared_mem=smem_bytes(d, q.dtype, dv))
+    launch(kernel(q.dtype, d, causal, local=local, softcap=softcap > 0, varlen=True, dv=dv), o,
+           lse, q4, k4, v4, max_seqlen_q, 0, batch, scale, causal_offset, local_offset, softcap,
+           cu_seqlens_q, cu_seqlens_k, bottom_right)
     return o, lse
 
 

@@ -17,9 +17,14 @@
 // and keys' start (cumulative lengths, batch + 1 of them); keys past its end are masked like
 // keys past seqlen_k.
 // Fragment -> slab: O / sum, converted to T, and the log-sum-exp, stored where they land.
+// PERSISTENT: a CTA per SM takes tiles (a block of query rows of one head) one after another
+// from a counter; its producer loads the next tile's Q as soon as the consumers' last Q K^T of
+// the tile is done, and its keys and values as the ring frees, so a tile's start and its
+// epilogue overlap the neighbouring tiles' work (else one CTA per tile).
 //
 // Config (constexpr before the include): T, D (q's and k's head dim), DV (v's and o's), BM
-// (query rows), BN (keys per block), STAGES, CAUSAL, LOCAL, SOFTCAP, VARLEN, PINGPONG (bool).
+// (query rows), BN (keys per block), STAGES, CAUSAL, LOCAL, SOFTCAP, VARLEN, PINGPONG,
+// PERSISTENT (bool).
 // Layouts: q, k (batch, seqlen, heads, D), v, o (batch, seqlen, heads, DV), the head dim
 // contiguous; TMA maps over (head dim, seqlen, heads, batch) made by the Python side
 // (vitrail.ops.attention); lse (batch, heads, seqlen_q) fp32.
@@ -35,6 +40,10 @@ namespace attention {
 using QK = vitrail::TileMMA<T, BM, BN, D, 2>;                                    // S = Q K^T
 using PV = vitrail::TileMMA<T, BM, DV, BN, 2, vitrail::Major::K, vitrail::Major::MN>;  // O += P V
 constexpr int kThreads = 128 + QK::kThreads;
+// setmaxnreg: the producer's registers go to the consumers, within the 168 a thread of the CTA
+// has at launch (65536 / 384, rounded down to a multiple of 8)
+constexpr int kProducerRegisters = 48, kConsumerRegisters = 224;
+static_assert(128 * kProducerRegisters + QK::kThreads * kConsumerRegisters <= 168 * kThreads);
 constexpr float kInf = cuda::std::numeric_limits<float>::infinity();
 static_assert(D % 16 == 0 && D >= 16 && D <= 256, "attention: D must be a multiple of 16 to 256");
 static_assert(DV % 16 == 0 && DV >= 16 && DV <= 256,
@@ -50,8 +59,9 @@ static_assert(cute::is_same_v<Atom<D>, Atom<kChunk>> && cute::is_same_v<Atom<DV>
               "attention: a chunk is not the atom's width");
 constexpr int kBytesQ = QK::kBytesA<>;
 constexpr int kBytesKV = QK::kBytesB<> + PV::kBytesB<>;  // one stage: a block of K and of V
+// Q, STAGES blocks of K and V, the ring's barriers, Q's two barriers and the two scheduled tiles
 constexpr int kSmemBytes = 1024 + kBytesQ + STAGES * kBytesKV +
-                           int(sizeof(typename vitrail::Pipeline<STAGES>::Storage)) + 16;
+                           int(sizeof(typename vitrail::Pipeline<STAGES>::Storage)) + 24;
 
 struct Params {
   T* o;
@@ -94,15 +104,63 @@ __device__ int first_full_block(const Params& p, int m0) {
   return lowest <= 0 ? 0 : (lowest + BN - 1) / BN;
 }
 
-// The CTA's block of query rows: causal CTAs from the last (the most keys) to the first.
-__device__ int row_block() {
-  return CAUSAL ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+// A tile: one block of BM query rows of one (sequence, head); p holds its sequence's lengths
+// and offsets (VARLEN: read from cu_q and cu_k), q_start and k_start its first row and key in
+// the packed tensors (VARLEN; else 0).
+struct Tile {
+  Params p;
+  int m0, head, batch, q_start, k_start;
+};
+
+// Tile ti of the launch's row_blocks x heads x batch: the row block fastest, so the CTAs that
+// run together share a head's keys and values in L2; causal row blocks from the last (the most
+// keys) to the first, so the tail is the lightest work. False for a tile past its sequence's
+// rows (VARLEN: the grid fits the longest sequence).
+__device__ bool tile_of(const Params& base, int row_blocks, int ti, Tile& tile) {
+  const int rb = ti % row_blocks, hb = ti / row_blocks;
+  tile.p = base;
+  tile.m0 = (CAUSAL ? row_blocks - 1 - rb : rb) * BM;
+  tile.head = hb % base.heads;
+  tile.batch = hb / base.heads;
+  tile.q_start = tile.k_start = 0;
+  if constexpr (VARLEN) {  // the sequence's lengths, and the offsets from them
+    Params& p = tile.p;
+    tile.q_start = base.cu_q[tile.batch];
+    tile.k_start = base.cu_k[tile.batch];
+    p.seqlen_q = base.cu_q[tile.batch + 1] - tile.q_start;
+    p.seqlen_k = base.cu_k[tile.batch + 1] - tile.k_start;
+    if (base.bottom_right) {
+      p.causal_offset += p.seqlen_k - p.seqlen_q;
+      p.local_offset += p.seqlen_k - p.seqlen_q;
+    }
+    return tile.m0 < p.seqlen_q;
+  }
+  return true;
 }
 
-// p: one sequence's lengths and offsets; q_start, k_start (VARLEN): its first row and key in
-// the packed tensors.
-__device__ void forward(const Params& p, int q_start, int k_start, const vitrail::TensorMap& mapQ,
-                        const vitrail::TensorMap& mapK, const vitrail::TensorMap& mapV) {
+// The key blocks a tile loads and computes: [start, blocks).
+__device__ int tile_blocks(const Tile& t) { return kv_blocks(t.p, t.m0); }
+__device__ int tile_start(const Tile& t) {
+  return LOCAL ? min(tile_blocks(t), first_block(t.p, t.m0)) : 0;
+}
+
+// The CTA's tiles. One per CTA (grid row_blocks x heads x batch), or PERSISTENT: a CTA per SM
+// takes blockIdx.x first, then the next untaken one from a counter in global memory (zero at
+// the launch; tile gridDim.x + the count), so a CTA's producer loads the next tile's Q, K and V
+// while its consumers finish the last one and store it.
+__device__ int first_tile() {
+  return PERSISTENT ? int(blockIdx.x)
+                    : int(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
+}
+__device__ int next_tile(int* counter, int total) {
+  return PERSISTENT ? int(gridDim.x) + atomicAdd(counter, 1) : total;
+}
+
+// p: the launch's lengths (VARLEN: the longest sequence's rows as seqlen_q); row_blocks x
+// p.heads x batch tiles; counter: PERSISTENT's tile counter.
+__device__ void forward(const Params& base, int row_blocks, int batch, int* counter,
+                        const vitrail::TensorMap& mapQ, const vitrail::TensorMap& mapK,
+                        const vitrail::TensorMap& mapV) {
   extern __shared__ char smem_raw[];
   unsigned raw = static_cast<unsigned>(__cvta_generic_to_shared(smem_raw));
   char* smem = smem_raw + ((1024 - raw % 1024) % 1024);
@@ -110,45 +168,56 @@ __device__ void forward(const Params& p, int q_start, int k_start, const vitrail
   char* ring = smem + kBytesQ;
   auto& bars = *reinterpret_cast<typename vitrail::Pipeline<STAGES>::Storage*>(
       ring + STAGES * kBytesKV);
-  uint64_t* q_full = reinterpret_cast<uint64_t*>(&bars + 1);
+  uint64_t* q_full = reinterpret_cast<uint64_t*>(&bars + 1);  // Q (and the tile) has landed
+  uint64_t* q_empty = q_full + 1;  // the consumers' last Q K^T of the tile is done
+  int* scheduled = reinterpret_cast<int*>(q_empty + 1);  // the tile of each Q phase (-1: none)
   vitrail::Pipeline<STAGES> pipe(bars);
   auto sK = [&](int stage) { return QK::tile_b(ring + stage * kBytesKV); };
   auto sV = [&](int stage) { return PV::tile_b(ring + stage * kBytesKV + QK::kBytesB<>); };
-
-  const int m0 = row_block() * BM, head = blockIdx.y, batch = blockIdx.z;
-  const int tma_batch = VARLEN ? 0 : batch;
-  const int head_kv = head / (p.heads / p.heads_kv);
-  const int blocks = kv_blocks(p, m0);
-  const int start = LOCAL ? min(blocks, first_block(p, m0)) : 0;
+  const int total = row_blocks * base.heads * batch;
   if (threadIdx.x == 0) {
     vitrail::Tma::prefetch(mapQ);
     vitrail::Tma::prefetch(mapK);
     vitrail::Tma::prefetch(mapV);
     pipe.init(/*producer arrivals=*/1, /*consumer arrivals: one per warp=*/QK::kThreads / 32);
     vitrail::Bulk::init(q_full, 1);
+    vitrail::Bulk::init(q_empty, QK::kThreads / 32);
   }
   __syncthreads();
 
   if (threadIdx.x / 128 == 0) {  // producer: slab -> tile
-    vitrail::warpgroup_registers_down<40>();
+    vitrail::warpgroup_registers_down<kProducerRegisters>();
     if (threadIdx.x == 0) {
-      vitrail::Bulk::expect(q_full, kBytesQ);
-      for (int c = 0; c < kChunks; ++c)  // Q's kChunk-wide slices of D, BM rows each
-        vitrail::Tma::load(&sQ(0, c * kChunk, 0), mapQ, q_full, c * kChunk, q_start + m0, head,
-                           tma_batch);
       auto w = vitrail::PipeState<STAGES>::producer();
-      for (int j = start; j < blocks; ++j, w.advance()) {
-        pipe.acquire(w);
-        pipe.expect(w, kBytesKV);
-        auto k = sK(w.index);
-        auto v = sV(w.index);
-        for (int c = 0; c < cute::max(kChunks, kChunksV); ++c) {
-          if (c < kChunks)
-            vitrail::Tma::load(&k(0, c * kChunk, 0), mapK, pipe.full(w), c * kChunk,
-                               k_start + j * BN, head_kv, tma_batch);
-          if (c < kChunksV)
-            vitrail::Tma::load(&v(c * kChunkV, 0, 0), mapV, pipe.full(w), c * kChunkV,
-                               k_start + j * BN, head_kv, tma_batch);
+      Tile tile;
+      for (int i = 0, ti = first_tile();; ++i, ti = next_tile(counter, total)) {
+        while (ti < total && !tile_of(base, row_blocks, ti, tile)) ti = next_tile(counter, total);
+        if (i > 0) vitrail::Bulk::wait(q_empty, (i - 1) & 1);  // sQ is free again
+        scheduled[i & 1] = ti < total ? ti : -1;
+        if (ti >= total) {  // the consumers' last phase: no tile
+          vitrail::Bulk::arrive(q_full);
+          break;
+        }
+        asm volatile("" ::: "memory");  // the tile's index before the phase's arrival
+        const int tma_batch = VARLEN ? 0 : tile.batch;
+        const int head_kv = tile.head / (base.heads / base.heads_kv);
+        vitrail::Bulk::expect(q_full, kBytesQ);
+        for (int c = 0; c < kChunks; ++c)  // Q's kChunk-wide slices of D, BM rows each
+          vitrail::Tma::load(&sQ(0, c * kChunk, 0), mapQ, q_full, c * kChunk,
+                             tile.q_start + tile.m0, tile.head, tma_batch);
+        for (int j = tile_start(tile), blocks = tile_blocks(tile); j < blocks; ++j, w.advance()) {
+          pipe.acquire(w);
+          pipe.expect(w, kBytesKV);
+          auto k = sK(w.index);
+          auto v = sV(w.index);
+          for (int c = 0; c < cute::max(kChunks, kChunksV); ++c) {
+            if (c < kChunks)
+              vitrail::Tma::load(&k(0, c * kChunk, 0), mapK, pipe.full(w), c * kChunk,
+                                 tile.k_start + j * BN, head_kv, tma_batch);
+            if (c < kChunksV)
+              vitrail::Tma::load(&v(c * kChunkV, 0, 0), mapV, pipe.full(w), c * kChunkV,
+                                 tile.k_start + j * BN, head_kv, tma_batch);
+          }
         }
       }
     }
@@ -156,112 +225,132 @@ __device__ void forward(const Params& p, int q_start, int k_start, const vitrail
   }
 
   // consumers: tile -> fragment
-  vitrail::warpgroup_registers_up<232>();
+  vitrail::warpgroup_registers_up<kConsumerRegisters>();
   const int t = threadIdx.x - 128;
   QK qk(t);
   PV pv(t);
   auto s = qk.accumulators();
   auto o = pv.accumulators();
-  PV::zero(o);
   auto s_rows = QK::rows(s);
   auto o_rows = PV::rows(o);
   auto where = QK::rows(qk.coordinates());  // (row, key) in the tile of each element of S
   constexpr int kRows = decltype(cute::size<0>(s_rows))::value;
   float row_max[kRows], row_sum[kRows];
-  for (int r = 0; r < kRows; ++r) row_max[r] = -kInf, row_sum[r] = 0.f;
 
   // Ping-pong: warpgroup w issues its Q K^T after the other has issued its own (barrier kTurn
-  // + w), then lets the other go; warpgroup 0 goes first. The last arrival is never waited on.
+  // + w), then lets the other go; warpgroup 0 goes first. Both run every block of every tile,
+  // so the turns carry across tiles. The last arrival is never waited on.
   constexpr int kTurn = 1;
   const int wg = t / 128;
   if (PINGPONG && wg == 1) vitrail::named_barrier_arrive(kTurn, QK::kThreads);
 
-  // One block of keys: S = Q K^T, the online softmax, O += P V. Masked (a constant): keys past
-  // seqlen_k (TMA filled them with zeros), past the causal diagonal or left of the window
-  // become -inf. Only the blocks at the ends need it, and they get loops of their own: with one
-  // loop, ptxas computed every element's mask predicates in every block, ahead of the block's
-  // first wgmma.
   vitrail::PipeState<STAGES> rd;
-  auto block = [&](int j, auto masked) {
-    pipe.wait(rd);
-    if (PINGPONG) vitrail::named_barrier_sync(kTurn + wg, QK::kThreads);
-    QK::zero(s);
-    qk.mma(sQ(cute::_, cute::_, 0), sK(rd.index)(cute::_, cute::_, 0), s);
-    if (PINGPONG) vitrail::named_barrier_arrive(kTurn + 1 - wg, QK::kThreads);
-    QK::wait<0>(s);
+  for (int i = 0;; ++i) {
+    vitrail::Bulk::wait(q_full, i & 1);
+    const int ti = scheduled[i & 1];
+    if (ti < 0) break;
+    Tile tile;
+    tile_of(base, row_blocks, ti, tile);
+    const Params& p = tile.p;
+    const int m0 = tile.m0, head = tile.head, batch = tile.batch;
+    const int blocks = tile_blocks(tile), start = tile_start(tile);
+    PV::zero(o);
+    for (int r = 0; r < kRows; ++r) row_max[r] = -kInf, row_sum[r] = 0.f;
+    // Each warp's arrival once its warpgroup's last Q K^T of the tile is done (or at once,
+    // with no block): sQ may then take the next tile's Q.
+    auto release_q = [&] {
+      if (threadIdx.x % 32 == 0) vitrail::Bulk::arrive(q_empty);
+    };
+
+    // One block of keys: S = Q K^T, the online softmax, O += P V. Masked (a constant): keys
+    // past seqlen_k (TMA filled them with zeros), past the causal diagonal or left of the window
+    // become -inf. Only the blocks at the ends need it, and they get loops of their own: with
+    // one loop, ptxas computed every element's mask predicates in every block, ahead of the
+    // block's first wgmma.
+    auto block = [&](int j, auto masked) {
+      pipe.wait(rd);
+      if (PINGPONG) vitrail::named_barrier_sync(kTurn + wg, QK::kThreads);
+      QK::zero(s);
+      qk.mma(sQ(cute::_, cute::_, 0), sK(rd.index)(cute::_, cute::_, 0), s);
+      if (PINGPONG) vitrail::named_barrier_arrive(kTurn + 1 - wg, QK::kThreads);
+      QK::wait<0>(s);
+      if (j == blocks - 1) release_q();
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        float m = row_max[r];
+        CUTE_UNROLL
+        for (int c = 0; c < cute::size<1>(s_rows); ++c) {
+          if constexpr (SOFTCAP) s_rows(r, c) = p.softcap * tanhf(s_rows(r, c) * p.softcap_pre);
+          if constexpr (decltype(masked)::value) {
+            const int row = m0 + cute::get<0>(where(r, c));
+            const int key = j * BN + cute::get<1>(where(r, c));
+            if (key >= p.seqlen_k || (CAUSAL && key > row + p.causal_offset) ||
+                (LOCAL && key < row + p.local_offset))
+              s_rows(r, c) = -kInf;
+          }
+          m = fmaxf(m, s_rows(r, c));
+        }
+        m = vitrail::quad_reduce(m, [](float a, float b) { return fmaxf(a, b); });
+        // A row with every key masked so far keeps m = -inf: use 0 so exp2 gives 0, not NaN.
+        const float m_scaled = m == -kInf ? 0.f : m * p.scale_log2;
+        const float correction = exp2f(row_max[r] * p.scale_log2 - m_scaled);
+        row_max[r] = m;
+        float sum = 0.f;
+        CUTE_UNROLL
+        for (int c = 0; c < cute::size<1>(s_rows); ++c) {
+          s_rows(r, c) = exp2f(s_rows(r, c) * p.scale_log2 - m_scaled);
+          sum += s_rows(r, c);
+        }
+        row_sum[r] = row_sum[r] * correction + sum;
+        CUTE_UNROLL
+        for (int c = 0; c < cute::size<1>(o_rows); ++c) o_rows(r, c) *= correction;
+      }
+      auto pfrag = QK::as_a(s);
+      pv.mma_rs(pfrag, sV(rd.index)(cute::_, cute::_, 0), o);
+      PV::wait<0>(o, pfrag);
+      if (threadIdx.x % 32 == 0) pipe.release(rd);
+      rd.advance();
+    };
+    if (blocks == start) release_q();
+    // [0, tail): no mask; [tail, blocks): the diagonal and seqlen_k's edge. LOCAL: [start,
+    // full) masked too, the window's left edge (one loop: three call sites of block made ptxas
+    // keep it out of line, its state on the stack)
+    const int tail = min(blocks, first_masked_block(p, m0));
+    if constexpr (LOCAL) {
+      const int full = max(start, first_full_block(p, m0));
+      for (int j = start; j < blocks; ++j) {
+        if (j >= full && j < tail) block(j, cute::false_type{});
+        else block(j, cute::true_type{});
+      }
+    } else {
+      for (int j = 0; j < tail; ++j) block(j, cute::false_type{});
+      for (int j = tail; j < blocks; ++j) block(j, cute::true_type{});
+    }
+
+    // fragment -> slab: O / sum and the log-sum-exp (natural log) of each row
+    auto o_where = PV::rows(pv.coordinates());
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
-      float m = row_max[r];
+      const float sum = vitrail::quad_reduce(row_sum[r], [](float a, float b) { return a + b; });
+      const int row = m0 + cute::get<0>(o_where(r, 0));
+      if (row >= p.seqlen_q) continue;
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;  // a fully masked row: O = 0, lse = -inf
+      const long long o_row =
+          VARLEN ? (long long)tile.q_start + row : (long long)(batch * p.seqlen_q + row);
+      T* out = p.o + (o_row * p.heads + head) * DV;
       CUTE_UNROLL
-      for (int c = 0; c < cute::size<1>(s_rows); ++c) {
-        if constexpr (SOFTCAP) s_rows(r, c) = p.softcap * tanhf(s_rows(r, c) * p.softcap_pre);
-        if constexpr (decltype(masked)::value) {
-          const int row = m0 + cute::get<0>(where(r, c)), key = j * BN + cute::get<1>(where(r, c));
-          if (key >= p.seqlen_k || (CAUSAL && key > row + p.causal_offset) ||
-              (LOCAL && key < row + p.local_offset))
-            s_rows(r, c) = -kInf;
-        }
-        m = fmaxf(m, s_rows(r, c));
+      for (int c = 0; c < cute::size<1>(o_rows); c += 2) {
+        using T2 = cute::conditional_t<cute::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+        const int col = cute::get<1>(o_where(r, c));
+        *reinterpret_cast<T2*>(out + col) = T2(T(o_rows(r, c) * inv), T(o_rows(r, c + 1) * inv));
       }
-      m = vitrail::quad_reduce(m, [](float a, float b) { return fmaxf(a, b); });
-      // A row with every key masked so far keeps m = -inf: use 0 so exp2 gives 0, not NaN.
-      const float m_scaled = m == -kInf ? 0.f : m * p.scale_log2;
-      const float correction = exp2f(row_max[r] * p.scale_log2 - m_scaled);
-      row_max[r] = m;
-      float sum = 0.f;
-      CUTE_UNROLL
-      for (int c = 0; c < cute::size<1>(s_rows); ++c) {
-        s_rows(r, c) = exp2f(s_rows(r, c) * p.scale_log2 - m_scaled);
-        sum += s_rows(r, c);
+      if (t % 4 == 0) {
+        const float lse = sum > 0.f ? row_max[r] * (p.scale_log2 / 1.4426950408889634f) +
+                                          logf(sum)
+                                    : -kInf;
+        p.lse[VARLEN ? (long long)head * p.total_q + tile.q_start + row
+                     : ((long long)batch * p.heads + head) * p.seqlen_q + row] = lse;
       }
-      row_sum[r] = row_sum[r] * correction + sum;
-      CUTE_UNROLL
-      for (int c = 0; c < cute::size<1>(o_rows); ++c) o_rows(r, c) *= correction;
-    }
-    auto pfrag = QK::as_a(s);
-    pv.mma_rs(pfrag, sV(rd.index)(cute::_, cute::_, 0), o);
-    PV::wait<0>(o, pfrag);
-    if (threadIdx.x % 32 == 0) pipe.release(rd);
-    rd.advance();
-  };
-  vitrail::Bulk::wait(q_full, 0);
-  // [0, tail): no mask; [tail, blocks): the diagonal and seqlen_k's edge. LOCAL: [start, full)
-  // masked too, the window's left edge (one loop: three call sites of block made ptxas keep it
-  // out of line, its state on the stack)
-  const int tail = min(blocks, first_masked_block(p, m0));
-  if constexpr (LOCAL) {
-    const int full = max(start, first_full_block(p, m0));
-    for (int j = start; j < blocks; ++j) {
-      if (j >= full && j < tail) block(j, cute::false_type{});
-      else block(j, cute::true_type{});
-    }
-  } else {
-    for (int j = 0; j < tail; ++j) block(j, cute::false_type{});
-    for (int j = tail; j < blocks; ++j) block(j, cute::true_type{});
-  }
-
-  // fragment -> slab: O / sum and the log-sum-exp (natural log) of each row
-  auto o_where = PV::rows(pv.coordinates());
-  CUTE_UNROLL
-  for (int r = 0; r < kRows; ++r) {
-    const float sum = vitrail::quad_reduce(row_sum[r], [](float a, float b) { return a + b; });
-    const int row = m0 + cute::get<0>(o_where(r, 0));
-    if (row >= p.seqlen_q) continue;
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;  // a fully masked row: O = 0, lse = -inf
-    const long long o_row =
-        VARLEN ? (long long)q_start + row : (long long)(batch * p.seqlen_q + row);
-    T* out = p.o + (o_row * p.heads + head) * DV;
-    CUTE_UNROLL
-    for (int c = 0; c < cute::size<1>(o_rows); c += 2) {
-      using T2 = cute::conditional_t<cute::is_same_v<T, __half>, __half2, __nv_bfloat162>;
-      const int col = cute::get<1>(o_where(r, c));
-      *reinterpret_cast<T2*>(out + col) = T2(T(o_rows(r, c) * inv), T(o_rows(r, c + 1) * inv));
-    }
-    if (t % 4 == 0) {
-      const float lse = sum > 0.f ? row_max[r] * (p.scale_log2 / 1.4426950408889634f) + logf(sum)
-                                  : -kInf;
-      p.lse[VARLEN ? (long long)head * p.total_q + q_start + row
-                   : ((long long)batch * p.heads + head) * p.seqlen_q + row] = lse;
     }
   }
 }
@@ -274,22 +363,8 @@ attention_fwd(T* o, float* lse, const __grid_constant__ vitrail::TensorMap mapQ,
               const __grid_constant__ vitrail::TensorMap mapV, int seqlen_q, int seqlen_k,
               int heads, int heads_kv, float scale_log2, int causal_offset, int local_offset,
               float softcap, float softcap_pre, const int* cu_q, const int* cu_k, int total_q,
-              int bottom_right) {
-  if constexpr (VARLEN) {  // blockIdx.z's sequence: its lengths, and the offsets from them
-    attention::Params p{o, lse, seqlen_q, seqlen_k, heads, heads_kv, scale_log2, causal_offset,
-                        local_offset, softcap, softcap_pre, cu_q, cu_k, total_q, bottom_right};
-    const int q_start = cu_q[blockIdx.z], k_start = cu_k[blockIdx.z];
-    p.seqlen_q = cu_q[blockIdx.z + 1] - q_start;
-    p.seqlen_k = cu_k[blockIdx.z + 1] - k_start;
-    if (bottom_right) {
-      p.causal_offset += p.seqlen_k - p.seqlen_q;
-      p.local_offset += p.seqlen_k - p.seqlen_q;
-    }
-    if (attention::row_block() * BM >= p.seqlen_q) return;  // the grid fits the longest one
-    attention::forward(p, q_start, k_start, mapQ, mapK, mapV);
-  } else {
-    attention::forward({o, lse, seqlen_q, seqlen_k, heads, heads_kv, scale_log2, causal_offset,
-                        local_offset, softcap, softcap_pre, cu_q, cu_k, total_q, bottom_right},
-                       0, 0, mapQ, mapK, mapV);
-  }
+              int bottom_right, int row_blocks, int batch, int* tile_counter) {
+  attention::forward({o, lse, seqlen_q, seqlen_k, heads, heads_kv, scale_log2, causal_offset,
+                      local_offset, softcap, softcap_pre, cu_q, cu_k, total_q, bottom_right},
+                     row_blocks, batch, tile_counter, mapQ, mapK, mapV);
 }
