@@ -102,7 +102,7 @@ SIGNATURE = ("void* o, float* lse, const vitrail::TensorMap mapQ, const vitrail:
              "const vitrail::TensorMap mapV, int seqlen_q, int seqlen_k, int heads, "
              "int heads_kv, float scale_log2, int causal_offset, int local_offset, float softcap, "
              "float softcap_pre, const int* cu_q, const int* cu_k, int total_q, int bottom_right, "
-             "int row_blocks, int batch, int* tile_counter")
+             "int row_blocks, int tiles, int* tile_counter")
 
 
 def kernel(dtype: torch.dtype, d: int, causal: bool, pingpong: bool = True, local: bool = False,
@@ -149,7 +149,8 @@ def launch(fwd, o: Tensor, lse: Tensor, q4: Tensor, k4: Tensor, v4: Tensor, seql
             o, lse, _map(q4, BM), _map(k4, bn), _map(v4, bn), seqlen_q, seqlen_k, h, hk,
             (1.0 if softcap > 0 else scale) * math.log2(math.e), causal_offset, local_offset,
             softcap, scale / softcap if softcap > 0 else 0.0, cu_q, cu_k,
-            q4.shape[1] if varlen else 0, int(bottom_right), row_blocks, batch, counter,
+            q4.shape[1] if varlen else 0, int(bottom_right), row_blocks, row_blocks * h * batch,
+            counter,
             shared_mem=smem_bytes(d, q4.dtype, dv))
 
 

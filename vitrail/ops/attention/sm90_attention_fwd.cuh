@@ -41,8 +41,11 @@ using QK = vitrail::TileMMA<T, BM, BN, D, 2>;                                   
 using PV = vitrail::TileMMA<T, BM, DV, BN, 2, vitrail::Major::K, vitrail::Major::MN>;  // O += P V
 constexpr int kThreads = 128 + QK::kThreads;
 // setmaxnreg: the producer's registers go to the consumers, within the 168 a thread of the CTA
-// has at launch (65536 / 384, rounded down to a multiple of 8)
-constexpr int kProducerRegisters = 48, kConsumerRegisters = 224;
+// has at launch (65536 / 384, rounded down to a multiple of 8). PERSISTENT's producer loop over
+// tiles spills at 40 (ptxas moves a TMA coordinate to the stack around each load), so it keeps
+// 48 and the consumers get 224.
+constexpr int kProducerRegisters = PERSISTENT ? 48 : 40;
+constexpr int kConsumerRegisters = PERSISTENT ? 224 : 232;
 static_assert(128 * kProducerRegisters + QK::kThreads * kConsumerRegisters <= 168 * kThreads);
 constexpr float kInf = cuda::std::numeric_limits<float>::infinity();
 static_assert(D % 16 == 0 && D >= 16 && D <= 256, "attention: D must be a multiple of 16 to 256");
@@ -117,11 +120,12 @@ struct Tile {
 // keys) to the first, so the tail is the lightest work. False for a tile past its sequence's
 // rows (VARLEN: the grid fits the longest sequence).
 __device__ bool tile_of(const Params& base, int row_blocks, int ti, Tile& tile) {
-  const int rb = ti % row_blocks, hb = ti / row_blocks;
+  // unsigned: the division's code is shorter, and the producer has few registers
+  const unsigned rb = unsigned(ti) % unsigned(row_blocks), hb = unsigned(ti) / unsigned(row_blocks);
   tile.p = base;
-  tile.m0 = (CAUSAL ? row_blocks - 1 - rb : rb) * BM;
-  tile.head = hb % base.heads;
-  tile.batch = hb / base.heads;
+  tile.m0 = int(CAUSAL ? row_blocks - 1 - rb : rb) * BM;
+  tile.head = int(hb % unsigned(base.heads));
+  tile.batch = int(hb / unsigned(base.heads));
   tile.q_start = tile.k_start = 0;
   if constexpr (VARLEN) {  // the sequence's lengths, and the offsets from them
     Params& p = tile.p;
@@ -156,9 +160,10 @@ __device__ int next_tile(int* counter, int total) {
   return PERSISTENT ? int(gridDim.x) + atomicAdd(counter, 1) : total;
 }
 
-// p: the launch's lengths (VARLEN: the longest sequence's rows as seqlen_q); row_blocks x
-// p.heads x batch tiles; counter: PERSISTENT's tile counter.
-__device__ void forward(const Params& base, int row_blocks, int batch, int* counter,
+// p: the launch's lengths (VARLEN: the longest sequence's rows as seqlen_q); total: row_blocks
+// x p.heads x batch tiles (a kernel parameter: the producer has no register to spare for it);
+// counter: PERSISTENT's tile counter.
+__device__ void forward(const Params& base, int row_blocks, int total, int* counter,
                         const vitrail::TensorMap& mapQ, const vitrail::TensorMap& mapK,
                         const vitrail::TensorMap& mapV) {
   extern __shared__ char smem_raw[];
@@ -174,7 +179,6 @@ __device__ void forward(const Params& base, int row_blocks, int batch, int* coun
   vitrail::Pipeline<STAGES> pipe(bars);
   auto sK = [&](int stage) { return QK::tile_b(ring + stage * kBytesKV); };
   auto sV = [&](int stage) { return PV::tile_b(ring + stage * kBytesKV + QK::kBytesB<>); };
-  const int total = row_blocks * base.heads * batch;
   if (threadIdx.x == 0) {
     vitrail::Tma::prefetch(mapQ);
     vitrail::Tma::prefetch(mapK);
@@ -200,7 +204,7 @@ __device__ void forward(const Params& base, int row_blocks, int batch, int* coun
         }
         asm volatile("" ::: "memory");  // the tile's index before the phase's arrival
         const int tma_batch = VARLEN ? 0 : tile.batch;
-        const int head_kv = tile.head / (base.heads / base.heads_kv);
+        const int head_kv = int(unsigned(tile.head) / unsigned(base.heads / base.heads_kv));
         vitrail::Bulk::expect(q_full, kBytesQ);
         for (int c = 0; c < kChunks; ++c)  // Q's kChunk-wide slices of D, BM rows each
           vitrail::Tma::load(&sQ(0, c * kChunk, 0), mapQ, q_full, c * kChunk,
@@ -363,8 +367,8 @@ attention_fwd(T* o, float* lse, const __grid_constant__ vitrail::TensorMap mapQ,
               const __grid_constant__ vitrail::TensorMap mapV, int seqlen_q, int seqlen_k,
               int heads, int heads_kv, float scale_log2, int causal_offset, int local_offset,
               float softcap, float softcap_pre, const int* cu_q, const int* cu_k, int total_q,
-              int bottom_right, int row_blocks, int batch, int* tile_counter) {
+              int bottom_right, int row_blocks, int tiles, int* tile_counter) {
   attention::forward({o, lse, seqlen_q, seqlen_k, heads, heads_kv, scale_log2, causal_offset,
                       local_offset, softcap, softcap_pre, cu_q, cu_k, total_q, bottom_right},
-                     row_blocks, batch, tile_counter, mapQ, mapK, mapV);
+                     row_blocks, tiles, tile_counter, mapQ, mapK, mapV);
 }
