@@ -44,7 +44,18 @@ DTYPES = (torch.bfloat16, torch.float16)
 HEAD_DIMS = tuple(range(16, 257, 16))
 ALIGNMENTS = ("top_left", "bottom_right")
 BM, STAGES, THREADS = 128, 2, 384
-PERSISTENT = True  # the forward's default: a CTA per SM taking tiles from a counter
+# The forward's grid: a CTA per SM taking tiles from a counter up to this many keys a sequence,
+# a CTA per tile beyond (measured on the H100/H200 bench grid: the persistent grid gains most
+# where a tile has few blocks of keys; past 4k keys its consumers' 8 fewer registers cost more
+# than its overlap gains)
+PERSISTENT_MAX_KEYS = 4096
+
+
+def persistent_for(seqlen_k: int) -> bool:
+    """Whether the forward over seqlen_k keys (varlen: the longest sequence's) runs the
+    persistent grid."""
+    return seqlen_k <= PERSISTENT_MAX_KEYS
+
 MAX_GRID_YZ = 65535  # heads on the grid's y, batch on its z
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory a CTA may take on Hopper
 _KERNELS: dict[tuple, object] = {}
@@ -81,7 +92,7 @@ def smem_bytes(d: int, dtype: torch.dtype = torch.bfloat16, dv: Optional[int] = 
 
 def source(dtype: torch.dtype, d: int, causal: bool, pingpong: bool = True, local: bool = False,
            softcap: bool = False, varlen: bool = False, dv: Optional[int] = None,
-           persistent: bool = PERSISTENT) -> str:
+           persistent: bool = True) -> str:
     dv = d if dv is None else dv
     config = {"D": d, "DV": dv, "BM": BM, "BN": block_n(d, dv), "STAGES": STAGES}
     flags = {"CAUSAL": causal, "LOCAL": local, "SOFTCAP": softcap, "VARLEN": varlen,
@@ -107,7 +118,7 @@ SIGNATURE = ("void* o, float* lse, const vitrail::TensorMap mapQ, const vitrail:
 
 def kernel(dtype: torch.dtype, d: int, causal: bool, pingpong: bool = True, local: bool = False,
            softcap: bool = False, varlen: bool = False, dv: Optional[int] = None,
-           persistent: bool = PERSISTENT):
+           persistent: bool = True):
     """The compiled forward (pingpong=False: the warpgroups in lockstep; persistent=False: a CTA
     per tile; both kept to measure the defaults against, which the op always runs). causal:
     keys right of the diagonal (shifted by a window's right size) masked; local: keys left of a
@@ -130,7 +141,7 @@ def kernel(dtype: torch.dtype, d: int, causal: bool, pingpong: bool = True, loca
 def launch(fwd, o: Tensor, lse: Tensor, q4: Tensor, k4: Tensor, v4: Tensor, seqlen_q: int,
            seqlen_k: int, batch: int, scale: float, causal_offset: int, local_offset: int,
            softcap: float, cu_q: Optional[Tensor] = None, cu_k: Optional[Tensor] = None,
-           bottom_right: bool = False, persistent: bool = PERSISTENT) -> None:
+           bottom_right: bool = False, persistent: bool = True) -> None:
     """Run a forward kernel (:func:`kernel`'s, built with the same persistent) over q4, k4 and v4
     as (batch, seqlen, heads, head dim) tensors TMA can read (varlen: one batch of every row,
     seqlen_q the longest sequence's rows, cu_q and cu_k the offsets): a CTA per tile, or per
@@ -402,8 +413,10 @@ def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
                                   f"{torch.cuda.get_device_name(q.device)} is not one: use "
                                   f"torch.nn.functional.scaled_dot_product_attention there")
     q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
-    launch(kernel(q.dtype, d, causal, local=local, softcap=softcap > 0, dv=dv), o, lse, q, k, v,
-           sq, sk, b, scale, causal_offset, local_offset, softcap)
+    persistent = persistent_for(sk)
+    launch(kernel(q.dtype, d, causal, local=local, softcap=softcap > 0, dv=dv,
+                  persistent=persistent), o, lse, q, k, v, sq, sk, b, scale, causal_offset,
+           local_offset, softcap, persistent=persistent)
     return o, lse
 
 
@@ -529,7 +542,8 @@ def _attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                           bottom_right: bool) -> tuple[Tensor, Tensor]:
     """The forward over packed sequences: q (total_q, H, D), k (total_k, Hkv, D), v (total_k,
     Hkv, Dv); o (total_q, H, Dv), lse (H, total_q). Offsets as _attention_fwd's, plus seqlen_k -
-    seqlen_q per sequence where bottom_right. max_seqlen_k is the backward's (its dK/dV grid)."""
+    seqlen_q per sequence where bottom_right. max_seqlen_k picks the grid (persistent_for) and
+    is the backward's (its dK/dV grid)."""
     tq, h, d = q.shape
     tk, dv = k.shape[0], v.shape[2]
     batch = cu_seqlens_q.shape[0] - 1
@@ -545,9 +559,11 @@ def _attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
         raise NotImplementedError(f"{NAME}: the kernel is sm_90a (Hopper); "
                                   f"{torch.cuda.get_device_name(q.device)} is not one")
     q4, k4, v4 = (_tma_ready(t.unsqueeze(0)) for t in (q, k, v))  # one "batch" of all rows
-    launch(kernel(q.dtype, d, causal, local=local, softcap=softcap > 0, varlen=True, dv=dv), o,
-           lse, q4, k4, v4, max_seqlen_q, 0, batch, scale, causal_offset, local_offset, softcap,
-           cu_seqlens_q, cu_seqlens_k, bottom_right)
+    persistent = persistent_for(max_seqlen_k)
+    launch(kernel(q.dtype, d, causal, local=local, softcap=softcap > 0, varlen=True, dv=dv,
+                  persistent=persistent), o, lse, q4, k4, v4, max_seqlen_q, 0, batch, scale,
+           causal_offset, local_offset, softcap, cu_seqlens_q, cu_seqlens_k, bottom_right,
+           persistent)
     return o, lse
 
 

@@ -31,11 +31,13 @@ def build() -> None:
 
     import torch
 
-    from vitrail.ops.attention import BWD_HEAD_DIMS, bwd_kernels, kernel
-    variants = sorted({(d, dv, causal) for _, _, _, d, dv, causal in CASES})
-    jobs = [lambda d=d, dv=dv, c=c: kernel(torch.bfloat16, d, c, dv=dv) for d, dv, c in variants]
-    jobs += [lambda d=d, c=c: bwd_kernels(torch.bfloat16, d, c) for d, dv, c in variants
-             if d == dv and d in BWD_HEAD_DIMS]
+    from vitrail.ops.attention import BWD_HEAD_DIMS, bwd_kernels, kernel, persistent_for
+    variants = sorted({(d, dv, causal, persistent_for(s)) for _, s, _, d, dv, causal in CASES})
+    jobs = [lambda d=d, dv=dv, c=c, p=p: kernel(torch.bfloat16, d, c, dv=dv, persistent=p)
+            for d, dv, c, p in variants]
+    jobs += [lambda d=d, c=c: bwd_kernels(torch.bfloat16, d, c)
+             for d, c in sorted({(d, c) for d, dv, c, _ in variants if d == dv})
+             if d in BWD_HEAD_DIMS]
     with ThreadPoolExecutor(max(1, min(8, len(jobs)))) as pool:
         list(pool.map(lambda job: job(), jobs))
 
