@@ -45,9 +45,9 @@ HEAD_DIMS = tuple(range(16, 257, 16))
 ALIGNMENTS = ("top_left", "bottom_right")
 BM, STAGES, THREADS = 128, 2, 384
 # The forward's grid: a CTA per SM taking tiles from a counter up to this many keys a sequence,
-# a CTA per tile beyond (measured on the H100/H200 bench grid: the persistent grid gains most
-# where a tile has few blocks of keys; past 4k keys its consumers' 8 fewer registers cost more
-# than its overlap gains)
+# a CTA per tile beyond (chosen on the attention benchmark's grid: the persistent grid gains most
+# where a tile has few blocks of keys; past this its consumers' 8 fewer registers cost more than
+# its overlap gains)
 PERSISTENT_MAX_KEYS = 4096
 
 
@@ -614,8 +614,8 @@ def sequence_by_sequence_backward(grad_o: Tensor, grad_lse: Optional[Tensor], q:
 
 @_attention_varlen_bwd.register_fake
 def _attention_varlen_bwd_fake(grad_o, grad_lse, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k,
-                               max_seqlen_q, max_seqlen_k, scale, causal, causal_offset, local, local_offset, softcap,
-                               bottom_right):
+                               max_seqlen_q, max_seqlen_k, scale, causal, causal_offset, local,
+                               local_offset, softcap, bottom_right):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 

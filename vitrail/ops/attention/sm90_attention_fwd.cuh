@@ -120,8 +120,9 @@ struct Tile {
 // keys) to the first, so the tail is the lightest work. False for a tile past its sequence's
 // rows (VARLEN: the grid fits the longest sequence).
 __device__ bool tile_of(const Params& base, int row_blocks, int ti, Tile& tile) {
-  // unsigned: the division's code is shorter, and the producer has few registers
-  const unsigned rb = unsigned(ti) % unsigned(row_blocks), hb = unsigned(ti) / unsigned(row_blocks);
+  // unsigned: the division's code is shorter (the producer has few registers)
+  const unsigned rb = unsigned(ti) % unsigned(row_blocks);
+  const unsigned hb = unsigned(ti) / unsigned(row_blocks);
   tile.p = base;
   tile.m0 = int(CAUSAL ? row_blocks - 1 - rb : rb) * BM;
   tile.head = int(hb % unsigned(base.heads));
@@ -161,7 +162,7 @@ __device__ int next_tile(int* counter, int total) {
 }
 
 // p: the launch's lengths (VARLEN: the longest sequence's rows as seqlen_q); total: row_blocks
-// x p.heads x batch tiles (a kernel parameter: the producer has no register to spare for it);
+// x p.heads x batch tiles (a kernel parameter, read where needed);
 // counter: PERSISTENT's tile counter.
 __device__ void forward(const Params& base, int row_blocks, int total, int* counter,
                         const vitrail::TensorMap& mapQ, const vitrail::TensorMap& mapK,
