@@ -401,6 +401,23 @@ def test_gemm_epilogue_stream_k(epi, poison):
     check_epilogue(epi, 7, 1000, 4097)
 
 
+@requires_gpu
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "silu", "sigmoid", "tanh"])
+def test_activation_math_in_fp32(act, poison):
+    """Each activation's formula in the epilogue, element by element: I @ X passes X's bf16
+    values through exactly (one product each, fp32 sums), so the fp32 output is act(x) as the
+    kernel computes it, against the fp64 formula on [-12, 12] and near 0: within a few fp32
+    ulps, also where the result is tiny (gelu's left tail)."""
+    from vitrail.gemm.ops.reference import activation
+    ops = family()
+    x = torch.cat([torch.linspace(-12, 12, 256 * 56), torch.linspace(-1e-3, 1e-3, 256 * 8)])
+    x = x.to(torch.bfloat16).reshape(64, 256).t().contiguous().cuda()  # (256, 64)
+    eye = torch.eye(256, dtype=torch.bfloat16, device="cuda")
+    out = ops.gemm(eye, x, activation=act, out_dtype=torch.float32)
+    ref = activation(x.double(), act)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-6, atol=4e-7)
+
+
 def check_epilogue(epi, M, N, K):
     ops = family()
     from vitrail.gemm.ops.reference import gemm_reference
