@@ -36,6 +36,8 @@
 #include <vitrail/tile_copy.cuh>
 #include <vitrail/tile_mma.cuh>
 
+#include "sm90_attention_math.cuh"
+
 namespace attention_bwd {
 
 constexpr int kChunk = 64;  // TMA boxes are 64 elements (128 bytes) of D wide
@@ -95,7 +97,7 @@ __device__ __forceinline__ Seq sequence(Params& p) {
 // One score's P from S and the row's lse2.
 __device__ __forceinline__ float probability(const Params& p, float s, float lse2) {
   if constexpr (SOFTCAP) s = p.softcap * tanhf(s * p.softcap_pre);
-  return exp2f(s * p.scale_log2 - lse2);
+  return attention_math::exp2_ftz(s * p.scale_log2 - lse2);  // +inf lse2: 0
 }
 
 // SOFTCAP: the cap's derivative 1 - tanh^2 at a score, recovered from its P (log2 P + lse2 =

@@ -35,6 +35,8 @@
 
 #include <cuda/std/limits>
 
+#include "sm90_attention_math.cuh"
+
 namespace attention {
 
 using QK = vitrail::TileMMA<T, BM, BN, D, 2>;                                    // S = Q K^T
@@ -80,16 +82,6 @@ struct Params {
   int total_q;       // VARLEN: q's rows in all (lse's row stride)
   int bottom_right;  // VARLEN: the offsets above are relative to seqlen_k - seqlen_q
 };
-
-// 2^x by the SFU alone (ex2.approx.ftz: 2 ulp; results below 2^-126 flush to 0, which the
-// softmax's P, rounded to T or summed in fp32 against the row's maximum's 1, never misses).
-// exp2f adds a test and two multiplies per element for those tiny results, and the softmax's
-// ALU work is what the tensor cores wait on at small head dims.
-__device__ __forceinline__ float exp2_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // The blocks of keys a query block sees: all, or those up to the causal diagonal.
 __device__ int kv_blocks(const Params& p, int m0) {
@@ -308,12 +300,12 @@ __device__ void forward(const Params& base, int row_blocks, int total, int* coun
         m = vitrail::quad_reduce(m, [](float a, float b) { return fmaxf(a, b); });
         // A row with every key masked so far keeps m = -inf: use 0 so exp2 gives 0, not NaN.
         const float m_scaled = m == -kInf ? 0.f : m * p.scale_log2;
-        const float correction = exp2_ftz(row_max[r] * p.scale_log2 - m_scaled);
+        const float correction = attention_math::exp2_ftz(row_max[r] * p.scale_log2 - m_scaled);
         row_max[r] = m;
         float sum = 0.f;
         CUTE_UNROLL
         for (int c = 0; c < cute::size<1>(s_rows); ++c) {
-          s_rows(r, c) = exp2_ftz(s_rows(r, c) * p.scale_log2 - m_scaled);
+          s_rows(r, c) = attention_math::exp2_ftz(s_rows(r, c) * p.scale_log2 - m_scaled);
           sum += s_rows(r, c);
         }
         row_sum[r] = row_sum[r] * correction + sum;
