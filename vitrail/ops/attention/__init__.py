@@ -223,33 +223,57 @@ def bwd_smem_bytes(d: int, dtype: torch.dtype = torch.bfloat16) -> dict:
             "attention_bwd_dkv": 1024 + 2 * c["BK"] * d * e + c["STAGES"] * stage + barriers}
 
 
+def _rows_of(grad_o: Tensor, grad_lse: Optional[Tensor], o: Tensor,
+             lse: Tensor) -> tuple[Tensor, Tensor]:
+    """What the backward's kernels read per query row, in lse's layout: lse2 = lse * log2(e)
+    (+inf where a row sees no key: P = 0) and delta = rowsum(dO * O) - the lse's gradient."""
+    lse2 = torch.where(torch.isinf(lse), math.inf, lse * math.log2(math.e))
+    delta = (grad_o.float() * o.float()).sum(-1).transpose(-1, -2)
+    return lse2, delta if grad_lse is None else delta - grad_lse
+
+
+def _run_backward(kernels: dict, dq: Tensor, dk: Tensor, dv: Tensor, lse2: Tensor,
+                  delta: Tensor, q4: Tensor, k4: Tensor, v4: Tensor, do4: Tensor, rows: int,
+                  keys: int, batch: int, ints: tuple, varlen: tuple) -> None:
+    """Launch the two kernels (dQ over rows of each of batch sequences; dK and dV over keys)
+    on (batch, seqlen, heads, D) tensors TMA can read; ints: the lengths, heads and scales
+    (_BWD_INTS' order up to softcap_pre); varlen: cu_q, cu_k, cu_pad, bottom_right (Nones and
+    0 without)."""
+    h, hk, d = q4.shape[2], k4.shape[2], q4.shape[3]
+    smem, c = bwd_smem_bytes(d, q4.dtype), BWD
+    with torch.cuda.device(q4.device):
+        kernels["attention_bwd_dq"][(-(-rows // c["BM"]), h, batch), BWD_THREADS](
+            dq, lse2, delta, _map(q4, c["BM"]), _map(do4, c["BM"]), _map(k4, c["BN"]),
+            _map(v4, c["BN"]), *ints, *varlen, shared_mem=smem["attention_bwd_dq"])
+        kernels["attention_bwd_dkv"][(-(-keys // c["BK"]), hk, batch), BWD_THREADS](
+            dk, dv, lse2, delta, _map(k4, c["BK"]), _map(v4, c["BK"]), _map(q4, c["BQ"]),
+            _map(do4, c["BQ"]), *ints, *varlen, shared_mem=smem["attention_bwd_dkv"])
+
+
+def _bwd_ints(seqlen_q: int, seqlen_k: int, padded: int, h: int, hk: int, scale: float,
+              causal_offset: int, local_offset: int, softcap: float) -> tuple:
+    """The backward kernels' scalar arguments, _BWD_INTS' order up to softcap_pre."""
+    return (seqlen_q, seqlen_k, padded, h, hk,
+            (1.0 if softcap > 0 else scale) * math.log2(math.e), scale, causal_offset,
+            local_offset, softcap, scale / softcap if softcap > 0 else 0.0)
+
+
 def _fused_backward(grad_o, grad_lse, q, k, v, o, lse, scale, causal, causal_offset,
                     local=False, local_offset=0, softcap=0.0):
     """The backward's two kernels (dQ; dK and dV) on a Hopper GPU."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     padded = -(-sq // ROWS_PADDED) * ROWS_PADDED
-    log2e = math.log2(math.e)
     lse2 = lse.new_full((b, h, padded), math.inf)
-    lse2[..., :sq] = torch.where(torch.isinf(lse), math.inf, lse * log2e)
     delta = lse.new_zeros((b, h, padded))
-    rows = (grad_o.float() * o.float()).sum(-1).transpose(1, 2)
-    delta[..., :sq] = rows if grad_lse is None else rows - grad_lse
+    lse2[..., :sq], delta[..., :sq] = _rows_of(grad_o, grad_lse, o, lse)
     q, k, v, grad_o = (_tma_ready(t) for t in (q, k, v, grad_o))
     dq = q.new_empty((b, sq, h, d))
     dk, dv = k.new_empty((b, sk, hk, d)), v.new_empty((b, sk, hk, d))
-    kernels = bwd_kernels(q.dtype, d, causal, local, softcap > 0)
-    smem, c = bwd_smem_bytes(d, q.dtype), BWD
-    ints = (sq, sk, padded, h, hk, (1.0 if softcap > 0 else scale) * log2e, scale, causal_offset,
-            local_offset, softcap, scale / softcap if softcap > 0 else 0.0)
-    with torch.cuda.device(q.device):
-        kernels["attention_bwd_dq"][(-(-sq // c["BM"]), h, b), BWD_THREADS](
-            dq, lse2, delta, _map(q, c["BM"]), _map(grad_o, c["BM"]), _map(k, c["BN"]),
-            _map(v, c["BN"]), *ints, None, None, None, 0, shared_mem=smem["attention_bwd_dq"])
-        kernels["attention_bwd_dkv"][(-(-sk // c["BK"]), hk, b), BWD_THREADS](
-            dk, dv, lse2, delta, _map(k, c["BK"]), _map(v, c["BK"]), _map(q, c["BQ"]),
-            _map(grad_o, c["BQ"]), *ints, None, None, None, 0,
-            shared_mem=smem["attention_bwd_dkv"])
+    _run_backward(bwd_kernels(q.dtype, d, causal, local, softcap > 0), dq, dk, dv, lse2, delta,
+                  q, k, v, grad_o, sq, sk, b,
+                  _bwd_ints(sq, sk, padded, h, hk, scale, causal_offset, local_offset, softcap),
+                  (None, None, None, 0))
     return dq, dk, dv
 
 
@@ -269,12 +293,9 @@ def _varlen_rows(grad_o: Tensor, grad_lse: Optional[Tensor], o: Tensor, lse: Ten
     row = torch.arange(total, device=lse.device)
     seq = torch.searchsorted(cu[1:], row, right=True)  # each packed row's sequence
     dest = cu_pad[seq] + row - cu[seq]
-    log2e = math.log2(math.e)
     lse2 = lse.new_full((h, padded), math.inf)
-    lse2[:, dest] = torch.where(torch.isinf(lse), math.inf, lse * log2e)
     delta = lse.new_zeros((h, padded))
-    rows = (grad_o.float() * o.float()).sum(-1).transpose(0, 1)
-    delta[:, dest] = rows if grad_lse is None else rows - grad_lse
+    lse2[:, dest], delta[:, dest] = _rows_of(grad_o, grad_lse, o, lse)
     return lse2, delta, cu_pad.int()
 
 
@@ -296,21 +317,11 @@ def fused_varlen_backward(grad_o: Tensor, grad_lse: Optional[Tensor], q: Tensor,
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
     # every row and key is written: a sequence's CTAs cover its rows (dQ) and keys (dK, dV)
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-    kernels = bwd_kernels(q.dtype, d, causal, local, softcap > 0, varlen=True)
-    smem, c = bwd_smem_bytes(d, q.dtype), BWD
-    log2e = math.log2(math.e)
-    ints = (0, 0, lse2.shape[1], h, hk, (1.0 if softcap > 0 else scale) * log2e, scale,
-            causal_offset, local_offset, softcap, scale / softcap if softcap > 0 else 0.0)
-    cu_q, cu_k = cu_seqlens_q.int(), cu_seqlens_k.int()
-    with torch.cuda.device(q.device):
-        kernels["attention_bwd_dq"][(-(-max_seqlen_q // c["BM"]), h, batch), BWD_THREADS](
-            dq, lse2, delta, _map(q4, c["BM"]), _map(do4, c["BM"]), _map(k4, c["BN"]),
-            _map(v4, c["BN"]), *ints, cu_q, cu_k, cu_pad, int(bottom_right),
-            shared_mem=smem["attention_bwd_dq"])
-        kernels["attention_bwd_dkv"][(-(-max_seqlen_k // c["BK"]), hk, batch), BWD_THREADS](
-            dk, dv, lse2, delta, _map(k4, c["BK"]), _map(v4, c["BK"]), _map(q4, c["BQ"]),
-            _map(do4, c["BQ"]), *ints, cu_q, cu_k, cu_pad, int(bottom_right),
-            shared_mem=smem["attention_bwd_dkv"])
+    _run_backward(bwd_kernels(q.dtype, d, causal, local, softcap > 0, varlen=True), dq, dk, dv,
+                  lse2, delta, q4, k4, v4, do4, max_seqlen_q, max_seqlen_k, batch,
+                  _bwd_ints(0, 0, lse2.shape[1], h, hk, scale, causal_offset, local_offset,
+                            softcap),
+                  (cu_seqlens_q.int(), cu_seqlens_k.int(), cu_pad, int(bottom_right)))
     return dq, dk, dv
 
 
