@@ -131,6 +131,8 @@ def _tune(args: argparse.Namespace) -> int:
             print(f"imported {added} tuning records from {args.file}"
                   + (f"; kept {kept} already here (--overwrite replaces them)" if kept else ""))
         return 0
+    if what == "grid":
+        return _tune_grid(args)
     if what == "ls":
         records = store.records(args.op)
         for r in records:
@@ -159,6 +161,78 @@ def _tune(args: argparse.Namespace) -> int:
     print(f"{label}: {shaped.op.name} {config.label}")
     _plot_sweep(shaped.op, shaped.key, label, args)
     return 0
+
+
+def _tune_grid(args: argparse.Namespace) -> int:
+    """``vitrail tune grid [FILE]``: PickBest over vitrail.tune.grid.GRID on this GPU, into a
+    store of its own (nothing this machine tuned before is reused), merged into FILE (default:
+    the shipped layer's tuning.json) after each problem, with the records of other GPUs that
+    still apply; a problem FILE already holds for this GPU is skipped (--overwrite: tuned
+    again), so an interrupted run goes on where it stopped."""
+    import math
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from vitrail import __version__
+    from vitrail.jit.shared import SHIPPED
+    from vitrail.tune import TuningError, TuningStore, grid, limits, tuner
+    from vitrail.tune.store import read_export, write_export
+    path = Path(args.file or os.path.join(SHIPPED, "tuning.json"))
+    if _gpu() is None:
+        print("vitrail tune grid: no GPU is visible: tuning times the candidate kernels on one",
+              file=sys.stderr)
+        return 1
+    registry = _load_ops(args.module)
+    try:
+        chosen = grid.problems(args.op)
+        shipped = read_export(path) if path.exists() else []
+        # the grid's ops, some not registered (sympow's other dtypes): what merge checks against
+        known = dict(registry)
+        for p in grid.GRID:
+            shaped, _ = resolve_tune(p.family, p.shape, p.dtype, p.backward, registry,
+                                     device=_gpu())
+            known[shaped.op.name] = shaped.op
+    except (ValueError, _Usage) as e:
+        print(f"vitrail tune grid: {e}", file=sys.stderr)
+        return 2
+    applies = grid.applies_here(known, __version__)
+    records = {r.key: r for r in grid.merge([], shipped, applies)}
+    failed, slowdowns, skipped = [], {}, 0
+    import vitrail
+    with tempfile.TemporaryDirectory() as tmp, vitrail.settings(max_workers=args.workers):
+        store = TuningStore(Path(tmp) / "tuning.sqlite")
+        for p in chosen:
+            try:
+                shaped, _ = resolve_tune(p.family, p.shape, p.dtype, p.backward, registry,
+                                         device=_gpu())
+                key = tuner.record_key(shaped.op.tunable, shaped.key, limits())
+                if key in records and key not in slowdowns and not args.overwrite:
+                    skipped += 1
+                    continue
+                config = shaped.op.tune(shaped.key, shaped.problem, shaped.args(), store)
+            except (_Usage, TuningError) as e:
+                failed.append(f"{p.label}: {e}")
+                print(f"{p.label}: FAILED {e}", file=sys.stderr)
+                continue
+            space = shaped.op.tunable.space
+            heuristic = space.default(shaped.problem, limits()) if space.heuristic else None
+            record = store.get(key)
+            records[key] = grid.shipped_form(record, heuristic)
+            slow = slowdowns[key] = grid.heuristic_slowdown(record, heuristic)
+            write_export(path, grid.merge(records.values(), [], applies))
+            print(f"{p.label}: {shaped.op.name} {config.label}"
+                  + (f" (the heuristic's config: {slow:.3f}x the best's time)" if slow else ""),
+                  flush=True)
+    slow = [x for x in slowdowns.values() if x is not None]
+    if slow:
+        geo = math.exp(sum(map(math.log, slow)) / len(slow))
+        print(f"the heuristic's config vs the best over {len(slow)} records: geomean "
+              f"{geo:.3f}x the time, worst {max(slow):.3f}x")
+    print(f"{len(slowdowns)} records tuned here, {skipped} problems skipped (FILE holds them; "
+          f"--overwrite tunes them again); {len(records)} records in {path}"
+          + (f"; {len(failed)} problems failed" if failed else ""))
+    return 1 if failed else 0
 
 
 class _Usage(Exception):
@@ -314,17 +388,20 @@ def main(argv: list[str] | None = None) -> int:
                           epilog=_tune_epilog() if helping else None,
                           formatter_class=argparse.RawDescriptionHelpFormatter)
     tune.add_argument("what", help="a family (softmax, gemm, ...: below), an op (a variant), "
-                      "or ls | export | import")
-    tune.add_argument("file", nargs="?", help="export/import: the JSON file")
+                      "or ls | export | import | grid (the shipped grid: vitrail.tune.grid)")
+    tune.add_argument("file", nargs="?", help="export/import: the JSON file; grid: the file "
+                      "to write (default: the shipped layer's tuning.json)")
     tune.add_argument("--shape", help="the problem's shape: what it means is the family's "
                       "(below), e.g. softmax 4096x4096 (ROWSxCOLS), gemm 4096x4096x4096 (MxNxK)")
     tune.add_argument("--dtype", help="the problem's dtype (torch name; default: the family's "
                       "first, below; a variant fixes its own)")
     tune.add_argument("--backward", action="store_true",
                       help="tune the family's backward (softmax, log_softmax)")
-    tune.add_argument("--op", help="ls/export: only this op's records")
+    tune.add_argument("--op", help="ls/export: only this op's records; grid: only this "
+                      "family's problems")
     tune.add_argument("--overwrite", action="store_true",
-                      help="import: replace records this machine already has")
+                      help="import: replace records this machine already has; grid: tune "
+                      "again the problems FILE holds for this GPU")
     tune.add_argument("--workers", type=int, help="compile processes (default: cores/memory)")
     tune.add_argument("--out", default="results", help="folder for the sweep's PNG")
     tune.add_argument("--module", action="append", default=[],

@@ -14,6 +14,7 @@ run for that shape); each Op makes its own problem from a shape (``Op.make_probl
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 import threading
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from vitrail.jit.errors import LaunchError
-from vitrail.tune.settings import current, current_policy
+from vitrail.tune.settings import PickBest, current, current_policy
 from vitrail.tune.space import Config, Limits, Space, limits
 from vitrail.tune.tuner import Tunable, compile_all, pick
 
@@ -143,6 +144,13 @@ class Op:
                                settings=s)
                     self._configs[memo] = hit
         return hit
+
+    def tune(self, problem_key: str, problem: Any, args: tuple, store) -> Config:
+        """PickBest for one problem into ``store`` (a TuningStore of its own), whatever this
+        process or the user's store chose before: what ``vitrail tune grid`` measures."""
+        s = dataclasses.replace(current(), policy=PickBest)
+        return pick(self.tunable, problem_key, problem, run=self._run, args=args, store=store,
+                    settings=s)
 
     def forget_configs(self) -> None:
         """Choose each problem's config afresh at its next call (settings that change the

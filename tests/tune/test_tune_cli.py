@@ -124,3 +124,10 @@ def test_help_documents_every_familys_shape(capsys):
     text = capsys.readouterr().out
     for name, fam in FAMILIES.items():
         assert name in text and fam.shape in text
+
+
+def test_sympow_problems_capture_through_the_package_module():
+    """On a GPU, sympow's problems record the implementation's launch through the package's
+    CAPTURE; vitrail.ops's attribute of that name is the public function, not the package."""
+    from vitrail.ops.sympow import problems
+    assert hasattr(problems._pkg, "CAPTURE") and hasattr(problems._pkg, "_mma_bwd_impl")

@@ -144,9 +144,7 @@ class TuningStore:
     def export(self, path: str | Path, op: str | None = None) -> int:
         """Write the records (of one op, or all) to a JSON file; returns how many."""
         records = self.records(op)
-        doc = {"format": FORMAT, "version": FORMAT_VERSION,
-               "records": [r.to_json() for r in records]}
-        Path(path).write_text(json.dumps(doc, indent=1, default=_json_safe))
+        write_export(path, records)
         return len(records)
 
     def import_(self, path: str | Path, *, overwrite: bool = False,
@@ -195,6 +193,13 @@ def _exported(roots: tuple[str, ...]) -> dict[RecordKey, Record]:
         except ValueError as e:
             _warn_once(Path(path), f"vitrail: the shared tuning records {path} are not used: {e}")
     return found
+
+
+def write_export(path: str | Path, records: list[Record]) -> None:
+    """Write records as an export file (what import_ and the shared layers read)."""
+    doc = {"format": FORMAT, "version": FORMAT_VERSION,
+           "records": [r.to_json() for r in records]}
+    Path(path).write_text(json.dumps(doc, indent=1, default=_json_safe) + "\n")
 
 
 MAX_EXPORT_BYTES = 64 << 20  # an export of every record of a busy machine is a few MB

@@ -6,12 +6,16 @@ sizes that only it computes). Without a GPU the variant is predicted from the dt
 the build target."""
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from vitrail.jit.errors import ArgumentError
 from vitrail.op import Shaped, family
-from vitrail.ops import sympow as _pkg
 from vitrail.ops.sympow import _OPS, _op, configs
+
+# the package module itself: vitrail.ops's attribute "sympow" is the public function
+_pkg = importlib.import_module("vitrail.ops.sympow")
 
 DTYPES = ("bfloat16", "float16", "float32")
 SHAPES = {"sympow": "ROWSxD[xPOWER[xD_TILE]]", "sympow_mma": "MxNxD[xPOWER[xD_TILE]]",
