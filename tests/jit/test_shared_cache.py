@@ -214,7 +214,7 @@ def _unreadable(self):
 
 def test_the_knobs_are_read_as_documented(monkeypatch, tmp_path):
     monkeypatch.setenv("VITRAIL_SHARED_CACHE", f"{tmp_path}/a::{tmp_path}/b")
-    assert shared.roots() == [f"{tmp_path}/a", f"{tmp_path}/b"]
+    assert shared.roots() == [f"{tmp_path}/a", f"{tmp_path}/b", *shared.layers()]
     monkeypatch.setenv("VITRAIL_SHARED_CACHE_OWNERS", "0, root 12")
     assert shared.owners() == {0, os.geteuid(), 12}
 

@@ -14,7 +14,7 @@ import torch
 from vitrail import __version__
 from vitrail.cli import _load_ops, main, resolve_tune
 from vitrail.jit.shared import SHIPPED
-from vitrail.tune import Config, Record, RecordKey, grid, limits
+from vitrail.tune import Config, Record, RecordKey, TuningStore, grid, limits
 from vitrail.tune.store import read_export
 
 REGISTRY = _load_ops([])
@@ -82,6 +82,8 @@ def test_the_shipped_records_are_a_valid_export_for_known_ops():
     for r in records:
         assert r.key.op.split(".")[0] in {"softmax", "log_softmax", "copy", "sympow"}, r.key
         assert r.timings and r.key.vitrail == __version__, r.key
+    # a lookup that misses the user's store finds them (the layer vitrail ships, read last)
+    assert TuningStore().get(records[0].key).config == records[0].config
 
 
 def test_the_docs_list_the_grid():
