@@ -50,6 +50,10 @@ constexpr int kProducerRegisters = PERSISTENT ? 48 : 40;
 constexpr int kConsumerRegisters = PERSISTENT ? 224 : 232;
 static_assert(128 * kProducerRegisters + QK::kThreads * kConsumerRegisters <= 168 * kThreads);
 constexpr float kInf = cuda::std::numeric_limits<float>::infinity();
+// Of each 8 columns of a row, how many exponentials go to the FMA pipe (attention_math::
+// exp2_fma) in a block with no mask: at small head dims the products are short and the SFU's
+// exp2 is what the tensor cores wait on.
+constexpr int kPolyOf8 = D <= 64 ? 2 : 0;
 static_assert(D % 16 == 0 && D >= 16 && D <= 256, "attention: D must be a multiple of 16 to 256");
 static_assert(DV % 16 == 0 && DV >= 16 && DV <= 256,
               "attention: DV must be a multiple of 16 to 256");
@@ -305,7 +309,12 @@ __device__ void forward(const Params& base, int row_blocks, int total, int* coun
         float sum = 0.f;
         CUTE_UNROLL
         for (int c = 0; c < cute::size<1>(s_rows); ++c) {
-          s_rows(r, c) = attention_math::exp2_ftz(s_rows(r, c) * p.scale_log2 - m_scaled);
+          const float x = s_rows(r, c) * p.scale_log2 - m_scaled;
+          if (!decltype(masked)::value && c % 8 < kPolyOf8) {  // finite: no score is masked
+            s_rows(r, c) = attention_math::exp2_fma(x);
+          } else {
+            s_rows(r, c) = attention_math::exp2_ftz(x);
+          }
           sum += s_rows(r, c);
         }
         row_sum[r] = row_sum[r] * correction + sum;
