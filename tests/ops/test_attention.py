@@ -27,15 +27,19 @@ pytestmark = pytest.mark.warm_cache  # --kernel-cache: one build per kernel acro
     # representatives (CI's two cores build each in about 40 s): TMA boxes 16 wide with P V's
     # wgmma 80 wide (one of CuTe's extended shapes), boxes 32 wide, v's head dim of its own
     ("fwd", 80, True, {}), ("fwd", 96, False, {}), ("fwd", 192, True, {"dv": 128}),
+    # the backward: the fast one (dQ by atomics: dS K's tiles, bulk reduce-adds) at both head
+    # dims, with a window and the softcap; the deterministic one (its two kernels) with varlen
     ("bwd", 128, True, {}), ("bwd", 64, False, {}),
-    ("bwd", 128, False, {"local": True, "softcap": True}), ("bwd", 128, True, {"varlen": True})])
+    ("bwd", 128, False, {"local": True, "softcap": True}),
+    ("bwd", 128, True, {"varlen": True, "deterministic": True})])
 def test_compiles_for_sm90a(which, d, causal, options):
     from vitrail.jit import compiler
     source = (A.source if which == "fwd" else A.bwd_source)(torch.bfloat16, d, causal, **options)
     entry, _ = compiler.build_entry(source, name=f"attention_{which}", backend="nvrtc",
                                     arch="90a", include_dirs=[A.HERE], flags=["-default-device"])
     res = entry.meta["resources"]
-    names = ["attention_fwd"] if which == "fwd" else list(A.BWD_SIGNATURES)
+    names = (["attention_fwd"] if which == "fwd" else
+             list(A.bwd_kernel_names(options.get("deterministic", False))))
     for name in names:
         assert name in res, res
         assert res[name]["spill_stores"] == 0 and res[name]["stack"] == 0, res[name]
@@ -58,6 +62,89 @@ def test_every_head_dim_fits_shared_memory():
     assert A.smem_bytes(128) == A.smem_bytes(128, torch.bfloat16, 128)
     assert (A.block_n(192, 128), A.block_n(256, 128), A.block_n(64, 256)) == (128, 64, 64)
     assert [A.chunk(d) for d in (64, 128, 192, 256)] == [64] * 4  # the maps as before
+
+
+def test_the_backwards_fit_shared_memory_and_name_their_kernels():
+    """The fast backward's attention_bwd_dkv adds two dS tiles and two fp32 dQ tiles (32 KB each
+    pair at D 128, bf16) to the deterministic one's, within a CTA's 227 KB."""
+    for d in A.BWD_HEAD_DIMS:
+        for dtype in A.DTYPES:
+            fast = A.bwd_smem_bytes(d, dtype, deterministic=False)
+            slow = A.bwd_smem_bytes(d, dtype, deterministic=True)
+            assert fast["attention_bwd_dkv"] - slow["attention_bwd_dkv"] == 2 * 64 * 128 * 2 + \
+                2 * 64 * 64 * 4
+            assert max(fast.values()) <= A.SMEM_LIMIT and max(slow.values()) <= A.SMEM_LIMIT
+    assert A.bwd_smem_bytes(128)["attention_bwd_dkv"] == 134192  # the deterministic as before
+    assert A.bwd_kernel_names(True) == ("attention_bwd_dq", "attention_bwd_dkv")
+    assert A.bwd_kernel_names(False) == ("attention_bwd_dkv", "attention_bwd_dq_convert")
+    for det in (False, True):
+        source = A.bwd_source(torch.float16, 64, True, deterministic=det)
+        assert f"constexpr bool ATOMIC_DQ = {'false' if det else 'true'};" in source
+
+
+class _Recorder:
+    """A compiled kernel's stand-in: records each launch (grid, block, arguments, shared
+    memory)."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def __getitem__(self, launch):
+        grid, block = launch
+        return lambda *args, shared_mem=0: self.log.append(
+            (self.name, grid, block, args, shared_mem))
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_backward_launches_on_the_cpu(monkeypatch, varlen, deterministic):
+    """_run_backward with recording kernels: the deterministic backward launches dQ's kernel
+    then dK/dV's (no dq_accum); the fast one zeros dq_accum (lse2's rows, D wide, fp32), hands
+    it to dK/dV's kernel, then converts it into dq over BQ rows a CTA, with seqlen_q, the padded
+    rows, the heads, the scale and cu_q / cu_pad."""
+    import contextlib
+    monkeypatch.setattr(A, "_map", lambda t, rows: ("map", t.shape, rows))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    log = []
+    kernels = {n: _Recorder(n, log) for n in A.bwd_kernel_names(deterministic)}
+    b, sq, sk, h, hk, d = (1, 300, 500, 4, 2, 64) if varlen else (2, 300, 500, 4, 2, 64)
+    q4, do4 = torch.randn(b, sq, h, d), torch.randn(b, sq, h, d)
+    k4, v4 = torch.randn(b, sk, hk, d), torch.randn(b, sk, hk, d)
+    padded = 384
+    lse2 = torch.randn((h, padded) if varlen else (b, h, padded))
+    delta = torch.randn(lse2.shape)
+    dq, dk, dv = torch.empty_like(q4), torch.empty_like(k4), torch.empty_like(v4)
+    cu = (torch.tensor([0, 100, 300], dtype=torch.int32),) * 2
+    extra = (*cu, torch.tensor([0, 128, 384], dtype=torch.int32), 1) if varlen else \
+        (None, None, None, 0)
+    rows, keys, batch = (200, 300, 2) if varlen else (sq, sk, b)
+    ints = A._bwd_ints(0 if varlen else sq, 0 if varlen else sk, padded, h, hk, 0.125, 3, 0, 0.0)
+    A._run_backward(kernels, dq, dk, dv, lse2, delta, q4, k4, v4, do4, rows, keys, batch, ints,
+                    extra)
+    smem = A.bwd_smem_bytes(d, q4.dtype, deterministic)
+    names = [entry[0] for entry in log]
+    assert names == list(A.bwd_kernel_names(deterministic))
+    dkv = log[names.index("attention_bwd_dkv")]
+    assert dkv[1] == (-(-keys // 128), hk, batch) and dkv[2] == A.BWD_THREADS
+    assert dkv[4] == smem["attention_bwd_dkv"]
+    assert dkv[3][:4] == (dk, dv, lse2, delta) and dkv[3][8:-1] == (*ints, *extra)
+    accum = dkv[3][-1]
+    if deterministic:
+        assert accum is None
+        assert log[0][1] == (-(-rows // 128), h, batch) and log[0][3][0] is dq
+        return
+    assert accum.shape == lse2.shape + (d,) and accum.dtype == torch.float32
+    assert not accum.any()  # zeros: the kernels add into it
+    _, grid, block, args, shared = log[1]
+    assert grid == (-(-rows // 64), h, batch) and block == A.DQ_CONVERT_THREADS and shared == 0
+    assert args[0] is dq and args[1] is accum
+    assert args[2:] == (ints[0], padded, h, 0.125, extra[0], extra[2])
+
+
+def test_the_backward_is_deterministic_where_asked_or_where_torch_is(monkeypatch):
+    assert not A._deterministic(False) and A._deterministic(True)
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    assert A._deterministic(False)
 
 
 def test_head_dim_refusals_name_the_tensor(monkeypatch):
