@@ -27,15 +27,19 @@ pytestmark = pytest.mark.warm_cache  # --kernel-cache: one build per kernel acro
     # representatives (CI's two cores build each in about 40 s): TMA boxes 16 wide with P V's
     # wgmma 80 wide (one of CuTe's extended shapes), boxes 32 wide, v's head dim of its own
     ("fwd", 80, True, {}), ("fwd", 96, False, {}), ("fwd", 192, True, {"dv": 128}),
+    # the backward: the fast one (dQ by atomics: dS K's tiles, bulk reduce-adds) at both head
+    # dims, with a window and the softcap; the deterministic one (its two kernels) with varlen
     ("bwd", 128, True, {}), ("bwd", 64, False, {}),
-    ("bwd", 128, False, {"local": True, "softcap": True}), ("bwd", 128, True, {"varlen": True})])
+    ("bwd", 128, False, {"local": True, "softcap": True}),
+    ("bwd", 128, True, {"varlen": True, "deterministic": True})])
 def test_compiles_for_sm90a(which, d, causal, options):
     from vitrail.jit import compiler
     source = (A.source if which == "fwd" else A.bwd_source)(torch.bfloat16, d, causal, **options)
     entry, _ = compiler.build_entry(source, name=f"attention_{which}", backend="nvrtc",
                                     arch="90a", include_dirs=[A.HERE], flags=["-default-device"])
     res = entry.meta["resources"]
-    names = ["attention_fwd"] if which == "fwd" else list(A.BWD_SIGNATURES)
+    names = (["attention_fwd"] if which == "fwd" else
+             list(A.bwd_kernel_names(options.get("deterministic", False))))
     for name in names:
         assert name in res, res
         assert res[name]["spill_stores"] == 0 and res[name]["stack"] == 0, res[name]
@@ -58,6 +62,89 @@ def test_every_head_dim_fits_shared_memory():
     assert A.smem_bytes(128) == A.smem_bytes(128, torch.bfloat16, 128)
     assert (A.block_n(192, 128), A.block_n(256, 128), A.block_n(64, 256)) == (128, 64, 64)
     assert [A.chunk(d) for d in (64, 128, 192, 256)] == [64] * 4  # the maps as before
+
+
+def test_the_backwards_fit_shared_memory_and_name_their_kernels():
+    """The fast backward's attention_bwd_dkv adds two dS tiles and two fp32 dQ tiles (32 KB each
+    pair at D 128, bf16) to the deterministic one's, within a CTA's 227 KB."""
+    for d in A.BWD_HEAD_DIMS:
+        for dtype in A.DTYPES:
+            fast = A.bwd_smem_bytes(d, dtype, deterministic=False)
+            slow = A.bwd_smem_bytes(d, dtype, deterministic=True)
+            assert fast["attention_bwd_dkv"] - slow["attention_bwd_dkv"] == 2 * 64 * 128 * 2 + \
+                2 * 64 * 64 * 4
+            assert max(fast.values()) <= A.SMEM_LIMIT and max(slow.values()) <= A.SMEM_LIMIT
+    assert A.bwd_smem_bytes(128)["attention_bwd_dkv"] == 134192  # the deterministic as before
+    assert A.bwd_kernel_names(True) == ("attention_bwd_dq", "attention_bwd_dkv")
+    assert A.bwd_kernel_names(False) == ("attention_bwd_dkv", "attention_bwd_dq_convert")
+    for det in (False, True):
+        source = A.bwd_source(torch.float16, 64, True, deterministic=det)
+        assert f"constexpr bool ATOMIC_DQ = {'false' if det else 'true'};" in source
+
+
+class _Recorder:
+    """A compiled kernel's stand-in: records each launch (grid, block, arguments, shared
+    memory)."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def __getitem__(self, launch):
+        grid, block = launch
+        return lambda *args, shared_mem=0: self.log.append(
+            (self.name, grid, block, args, shared_mem))
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_backward_launches_on_the_cpu(monkeypatch, varlen, deterministic):
+    """_run_backward with recording kernels: the deterministic backward launches dQ's kernel
+    then dK/dV's (no dq_accum); the fast one zeros dq_accum (lse2's rows, D wide, fp32), hands
+    it to dK/dV's kernel, then converts it into dq over BQ rows a CTA, with seqlen_q, the padded
+    rows, the heads, the scale and cu_q / cu_pad."""
+    import contextlib
+    monkeypatch.setattr(A, "_map", lambda t, rows: ("map", t.shape, rows))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    log = []
+    kernels = {n: _Recorder(n, log) for n in A.bwd_kernel_names(deterministic)}
+    b, sq, sk, h, hk, d = (1, 300, 500, 4, 2, 64) if varlen else (2, 300, 500, 4, 2, 64)
+    q4, do4 = torch.randn(b, sq, h, d), torch.randn(b, sq, h, d)
+    k4, v4 = torch.randn(b, sk, hk, d), torch.randn(b, sk, hk, d)
+    padded = 384
+    lse2 = torch.randn((h, padded) if varlen else (b, h, padded))
+    delta = torch.randn(lse2.shape)
+    dq, dk, dv = torch.empty_like(q4), torch.empty_like(k4), torch.empty_like(v4)
+    cu = (torch.tensor([0, 100, 300], dtype=torch.int32),) * 2
+    extra = (*cu, torch.tensor([0, 128, 384], dtype=torch.int32), 1) if varlen else \
+        (None, None, None, 0)
+    rows, keys, batch = (200, 300, 2) if varlen else (sq, sk, b)
+    ints = A._bwd_ints(0 if varlen else sq, 0 if varlen else sk, padded, h, hk, 0.125, 3, 0, 0.0)
+    A._run_backward(kernels, dq, dk, dv, lse2, delta, q4, k4, v4, do4, rows, keys, batch, ints,
+                    extra)
+    smem = A.bwd_smem_bytes(d, q4.dtype, deterministic)
+    names = [entry[0] for entry in log]
+    assert names == list(A.bwd_kernel_names(deterministic))
+    dkv = log[names.index("attention_bwd_dkv")]
+    assert dkv[1] == (-(-keys // 128), hk, batch) and dkv[2] == A.BWD_THREADS
+    assert dkv[4] == smem["attention_bwd_dkv"]
+    assert dkv[3][:4] == (dk, dv, lse2, delta) and dkv[3][8:-1] == (*ints, *extra)
+    accum = dkv[3][-1]
+    if deterministic:
+        assert accum is None
+        assert log[0][1] == (-(-rows // 128), h, batch) and log[0][3][0] is dq
+        return
+    assert accum.shape == lse2.shape + (d,) and accum.dtype == torch.float32
+    assert not accum.any()  # zeros: the kernels add into it
+    _, grid, block, args, shared = log[1]
+    assert grid == (-(-rows // 64), h, batch) and block == A.DQ_CONVERT_THREADS and shared == 0
+    assert args[0] is dq and args[1] is accum
+    assert args[2:] == (ints[0], padded, h, 0.125, extra[0], extra[2])
+
+
+def test_the_backward_is_deterministic_where_asked_or_where_torch_is(monkeypatch):
+    assert not A._deterministic(False) and A._deterministic(True)
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    assert A._deterministic(False)
 
 
 def test_head_dim_refusals_name_the_tensor(monkeypatch):
@@ -326,9 +413,9 @@ def test_the_backward_algebra_on_the_cpu(monkeypatch, dtype, b, sq, sk, h, hk, d
                                    msg=lambda m: f"{what}: {m}")
 
 
-def _check_grads(q, k, v, with_lse=False, **kw):
+def _check_grads(q, k, v, with_lse=False, deterministic=False, **kw):
     q, k, v = (x.detach().requires_grad_(True) for x in (q, k, v))
-    o, lse = A.attention(q, k, v, return_lse=True, **kw)
+    o, lse = A.attention(q, k, v, return_lse=True, deterministic=deterministic, **kw)
     g = torch.Generator(device="cuda").manual_seed(7)
     go = torch.randn(o.shape, device="cuda", generator=g).to(o.dtype)
     glse = torch.randn(lse.shape, device="cuda", generator=g) if with_lse else None
@@ -421,13 +508,73 @@ def test_the_fused_backward_is_deterministic_and_agrees_with_the_matmul_path(d, 
     mask = A._mask(777, 901, causal, "bottom_right", extra.get("window"))
     args = (go, None, q, k, v, o, lse, d ** -0.5, *mask, extra.get("softcap", 0.0))
     assert A.fused_backward_runs(q, k, v)
-    first = torch.ops.vitrail.attention_bwd(*args)
-    again = torch.ops.vitrail.attention_bwd(*args)
+    first = torch.ops.vitrail.attention_bwd(*args, True)
+    again = torch.ops.vitrail.attention_bwd(*args, True)
+    fast = torch.ops.vitrail.attention_bwd(*args)
     plain = attention_backward(*args)
-    for x, y, z, what in zip(first, again, plain, ("dq", "dk", "dv")):
+    for x, y, f, z, what in zip(first, again, fast, plain, ("dq", "dk", "dv")):
         assert torch.equal(x, y), what
-        torch.testing.assert_close(x.float(), z.float(), rtol=2e-2,
-                                   atol=2e-2 * z.float().abs().max().item(), msg=what)
+        for got in (x, f):
+            torch.testing.assert_close(got.float(), z.float(), rtol=2e-2,
+                                       atol=2e-2 * z.float().abs().max().item(), msg=what)
+    # torch's deterministic mode picks the deterministic kernels: the same bits
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        chosen = torch.ops.vitrail.attention_bwd(*args)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert all(torch.equal(x, y) for x, y in zip(first, chosen))
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", A.BWD_HEAD_DIMS)
+@pytest.mark.parametrize("b,sq,sk,h,hk,causal,alignment,extra", [
+    (2, 1000, 1000, 4, 4, True, "top_left", {}), (1, 77, 1000, 8, 2, False, "top_left", {}),
+    (2, 1000, 77, 8, 1, True, "bottom_right", {}), (1, 1, 1, 2, 1, False, "top_left", {}),
+    (2, 600, 700, 4, 2, True, "bottom_right", {"window": (129, None), "softcap": 3.0}),
+    (1, 700, 600, 4, 4, False, "top_left", {"window": (300, 40), "softcap": 0.5})])
+def test_the_fast_backward_against_the_reference_and_the_deterministic_one(
+        dtype, d, b, sq, sk, h, hk, causal, alignment, extra):
+    """The fast backward (the default: dQ summed by atomics in attention_bwd_dkv, written by
+    attention_bwd_dq_convert): dq, dk and dv against autograd through the fp64 reference (a loss
+    on the lse too) and against the deterministic kernels, with GQA, odd lengths, rows that see
+    no key, the diagonal, a window's edges and the softcap; dq's unwritten rows would be NaN."""
+    q, k, v = _qkv(b, sq, sk, h, hk, d, dtype, seed=sq + sk + d)
+    kw = dict(causal=causal, alignment=alignment, **extra)
+    _check_grads(q, k, v, with_lse=True, **kw)
+    o, lse = A.attention(q, k, v, return_lse=True, **kw)
+    go = torch.randn_like(o)
+    mask = A._mask(sq, sk, causal, alignment, extra.get("window"))
+    args = (go, None, q, k, v, o, lse, d ** -0.5, *mask, extra.get("softcap", 0.0))
+    fast = torch.ops.vitrail.attention_bwd(*args)
+    slow = torch.ops.vitrail.attention_bwd(*args, True)
+    tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
+    for x, y, what in zip(fast, slow, ("dq", "dk", "dv")):
+        assert x.isfinite().all(), what
+        torch.testing.assert_close(x.float(), y.float(), rtol=tol,
+                                   atol=tol * y.float().abs().max().item(), msg=what)
+    assert torch.equal(fast[1], slow[1]) and torch.equal(fast[2], slow[2])  # dK, dV: same sums
+
+
+@needs_hopper
+@pytest.mark.parametrize("d", A.BWD_HEAD_DIMS)
+def test_the_deterministic_backward_gives_the_same_bits_twice(d):
+    """deterministic=True through attention(): the gradients' bits repeat; the default (fast)
+    ones agree with them within rounding."""
+    q, k, v = _qkv(2, 1000, 1000, 8, 2, d, torch.bfloat16, seed=31)
+    go = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16)
+
+    def grads(deterministic):
+        x = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        o = A.attention(*x, causal=True, deterministic=deterministic)
+        return torch.autograd.grad(o, x, go)
+    first, again, fast = grads(True), grads(True), grads(False)
+    for x, y, f, what in zip(first, again, fast, ("dq", "dk", "dv")):
+        assert torch.equal(x, y), what
+        torch.testing.assert_close(f.float(), x.float(), rtol=2e-2,
+                                   atol=2e-2 * x.float().abs().max().item(), msg=what)
 
 
 @needs_hopper
@@ -621,16 +768,18 @@ def test_the_packed_backwards_rows_start_each_sequence_at_a_padded_offset():
 
 
 @needs_hopper
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal,alignment,extra", [
     (False, "top_left", {}), (True, "top_left", {}), (True, "bottom_right", {}),
     (False, "bottom_right", {"window": (100, 30)}), (True, "top_left", {"softcap": 20.0})])
 def test_the_fused_varlen_backward_matches_the_sequence_by_sequence_one(d, causal, alignment,
-                                                                        extra):
-    """The op's varlen backward (fused_varlen_backward here: one launch per kernel) against the
-    sequence-by-sequence one: 12 sequences of random lengths (none, one key, one row), GQA 4,
-    the lse's gradient too; the same bits on a second run and replayed from a CUDA graph (no
-    host synchronization)."""
+                                                                        extra, deterministic):
+    """The op's varlen backward (fused_varlen_backward here: one launch per kernel; the fast
+    one or the deterministic one) against the sequence-by-sequence one: 12 sequences of random
+    lengths (none, one key, one row), GQA 4, the lse's gradient too; on a second run and
+    replayed from a CUDA graph (no host synchronization), the same bits (deterministic) or
+    the same values within rounding (fast: dq's sums in another order)."""
     g = torch.Generator().manual_seed(d + 7)
     lq = [0, 1, 200, *torch.randint(1, 700, (9,), generator=g).tolist()]
     lk = [5, 0, 1, *torch.randint(1, 700, (9,), generator=g).tolist()]
@@ -645,18 +794,24 @@ def test_the_fused_varlen_backward_matches_the_sequence_by_sequence_one(d, causa
     opts = (d ** -0.5, upper, hi, local, lo, float(extra.get("softcap", 0.0)),
             alignment == "bottom_right")
     want = A.sequence_by_sequence_backward(*args, *opts)
-    got = torch.ops.vitrail.attention_varlen_bwd(*args, max(lq), max(lk), *opts)
+    got = torch.ops.vitrail.attention_varlen_bwd(*args, max(lq), max(lk), *opts, deterministic)
     for x, w, what in zip(got, want, ("dq", "dk", "dv")):
         torch.testing.assert_close(x.float(), w.float(), rtol=2e-2,
                                    atol=2e-2 * w.abs().max().item(), msg=what)
-    again = A.fused_varlen_backward(*args, max(lq), max(lk), *opts)
-    assert all(torch.equal(a, b) for a, b in zip(got, again))
+
+    def same(a, b):
+        if deterministic:
+            return torch.equal(a, b)
+        return torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2 * b.abs().max().item())
+    again = A.fused_varlen_backward(*args, max(lq), max(lk), *opts, deterministic)
+    assert all(same(a, b) for a, b in zip(got, again))
+    assert torch.equal(got[1], again[1]) and torch.equal(got[2], again[2])  # dK, dV
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = A.fused_varlen_backward(*args, max(lq), max(lk), *opts)
+        captured = A.fused_varlen_backward(*args, max(lq), max(lk), *opts, deterministic)
     graph.replay()
     torch.cuda.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip(got, captured))
+    assert all(same(a, b) for a, b in zip(got, captured))
 
 @needs_hopper
 @pytest.mark.parametrize("d,dv", [(192, 128), (64, 128), (96, 32)])

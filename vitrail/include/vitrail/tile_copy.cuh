@@ -271,10 +271,21 @@ struct Bulk {
   __device__ static void store(void* gmem, const void* smem, int bytes) {
     cute::SM90_BULK_COPY_S2G::copy(smem, gmem, bytes);
   }
+  // One thread, as store: gmem[i] += smem[i] over `bytes` bytes of fp32 (a multiple of 16,
+  // both addresses 16-byte aligned), each element's add atomic in L2 (other CTAs may add to
+  // the same elements; the order of their adds, hence the rounding, varies from run to run).
+  __device__ static void reduce_add(float* gmem, const float* smem, int bytes) {
+    const unsigned src = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+                 ::"l"(gmem), "r"(src), "r"(bytes) : "memory");
+  }
   __device__ static void fence_shared() { cute::tma_store_fence(); }
+  // The issuing thread: close a group of its stores and reduce_adds (groups are per thread).
   __device__ static void commit() { cute::tma_store_arrive(); }
   // Wait until at most InFlight committed store groups are still reading shared memory.
   template <int InFlight> __device__ static void store_wait() { cute::tma_store_wait<InFlight>(); }
+  // Wait until every committed group is complete, its writes to global memory included.
+  __device__ static void wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 };
 
 // A CUtensorMap, passed to a kernel by value (`const __grid_constant__ vitrail::TensorMap map`):

@@ -14,10 +14,14 @@ or None for unbounded) makes key j visible to query i only where i + offset - le
 offset + right, with the same offset (causal=True is right = 0); ``softcap`` caps the scaled
 scores to softcap * tanh(s / softcap) (Gemma 2). A row that sees no key gives zeros and an lse
 of -inf. Every refusal names the argument. The backward (q, k and v, and through the lse too)
-runs two kernels at D = Dv of 64 and 128 (sm90_attention_bwd.cuh: dQ over the keys, dK and dV
-over the query rows, no atomics: the same bits every run), else torch's batched matmuls a block
-of query rows at a time (``backward.py``). ``attention_varlen`` takes sequences of their own
-lengths packed along the rows (FlashAttention's cu_seqlens).
+runs fused kernels at D = Dv of 64 and 128 (sm90_attention_bwd.cuh), else torch's batched
+matmuls a block of query rows at a time (``backward.py``). The fused backward is by default the
+fast one: a kernel per block of keys makes dK, dV and dQ, summing dQ over the blocks of keys
+with atomics (its rounding, so dq's last bits, vary from run to run); ``deterministic=True`` (or
+``torch.use_deterministic_algorithms(True)``) runs two kernels without atomics (dQ over the
+keys, dK and dV over the query rows: the same bits every run, S and dP computed twice).
+``attention_varlen`` takes sequences of their own lengths packed along the rows
+(FlashAttention's cu_seqlens).
 
 Kernels compile with NVRTC in seconds, one per (dtype, D, Dv, causal); a new sequence length or
 batch compiles nothing.
@@ -173,8 +177,12 @@ ROWS_PADDED = 128  # lse2 and delta are padded to a multiple of BM and BQ
 
 
 def bwd_source(dtype: torch.dtype, d: int, causal: bool, local: bool = False,
-               softcap: bool = False, varlen: bool = False) -> str:
-    flags = {"CAUSAL": causal, "LOCAL": local, "SOFTCAP": softcap, "VARLEN": varlen}
+               softcap: bool = False, varlen: bool = False, deterministic: bool = False) -> str:
+    """The backward's instantiation: the fast one (attention_bwd_dkv sums dQ into an fp32 slab
+    with atomics, attention_bwd_dq_convert writes it as dq) or, deterministic, the two kernels
+    without atomics."""
+    flags = {"ATOMIC_DQ": not deterministic, "CAUSAL": causal, "LOCAL": local,
+             "SOFTCAP": softcap, "VARLEN": varlen}
     return ("#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
             f"using T = {ctype(dtype)};\nconstexpr int D = {d};\n" +
             "".join(f"constexpr int {k} = {v};\n" for k, v in BWD.items()) +
@@ -194,33 +202,50 @@ BWD_SIGNATURES = {
     "attention_bwd_dkv": "void* dk, void* dv, float* lse2, float* delta, "
                          "const vitrail::TensorMap mapK, const vitrail::TensorMap mapV, "
                          "const vitrail::TensorMap mapQ, const vitrail::TensorMap mapdO, " +
-                         _BWD_INTS}
+                         _BWD_INTS + ", float* dq_accum",
+    "attention_bwd_dq_convert": "void* dq, const float* dq_accum, int seqlen_q, "
+                                "int seqlen_q_padded, int heads, float scale, const int* cu_q, "
+                                "const int* cu_pad"}
+DQ_CONVERT_THREADS = 256
+
+
+def bwd_kernel_names(deterministic: bool) -> tuple[str, str]:
+    """The kernels a backward launches, in order: dQ's, then dK and dV's (deterministic); dK,
+    dV and dQ's sums, then dq from them (the fast one). Each build holds all three entry
+    points; the one a backward does not launch is empty."""
+    return (("attention_bwd_dq", "attention_bwd_dkv") if deterministic else
+            ("attention_bwd_dkv", "attention_bwd_dq_convert"))
 
 
 def bwd_kernels(dtype: torch.dtype, d: int, causal: bool, local: bool = False,
-                softcap: bool = False, varlen: bool = False) -> dict:
-    """The compiled backward: {"attention_bwd_dq": kernel, "attention_bwd_dkv": kernel}."""
-    key = ("bwd", dtype, d, causal, local, softcap, varlen)
+                softcap: bool = False, varlen: bool = False, deterministic: bool = False) -> dict:
+    """The compiled backward: {name: kernel} for bwd_kernel_names(deterministic)."""
+    key = ("bwd", dtype, d, causal, local, softcap, varlen, deterministic)
     k = _KERNELS.get(key)
     if k is None:
         from vitrail import jit
-        module = jit.compile(bwd_source(dtype, d, causal, local, softcap, varlen),
+        module = jit.compile(bwd_source(dtype, d, causal, local, softcap, varlen, deterministic),
                              name="attention_bwd",
                              backend="nvrtc", include_dirs=[HERE], flags=["-default-device"])
-        k = _KERNELS[key] = {name: module.kernel(name, sig)
-                             for name, sig in BWD_SIGNATURES.items()}
+        k = _KERNELS[key] = {name: module.kernel(name, BWD_SIGNATURES[name])
+                             for name in bwd_kernel_names(deterministic)}
     return k
 
 
-def bwd_smem_bytes(d: int, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """Dynamic shared memory of each backward kernel (the .cuh's kSmemBytes)."""
+def bwd_smem_bytes(d: int, dtype: torch.dtype = torch.bfloat16,
+                   deterministic: bool = True) -> dict:
+    """Dynamic shared memory of each backward kernel (the .cuh's kSmemBytes); the fast
+    backward's attention_bwd_dkv adds two dS tiles (T) and two warpgroups' dQ tiles (fp32)."""
     e = torch.finfo(dtype).bits // 8
     c = BWD
     barriers = 16 * c["STAGES"] + 16
     stage = -(-(2 * c["BQ"] * d * e + 2 * c["BQ"] * 4) // 1024) * 1024
+    atomic = 0 if deterministic else 2 * c["BQ"] * c["BK"] * e + 2 * c["BQ"] * 64 * 4
     return {"attention_bwd_dq": 1024 + 2 * c["BM"] * d * e + c["STAGES"] * 2 * c["BN"] * d * e +
             barriers,
-            "attention_bwd_dkv": 1024 + 2 * c["BK"] * d * e + c["STAGES"] * stage + barriers}
+            "attention_bwd_dkv": 1024 + 2 * c["BK"] * d * e + c["STAGES"] * stage + atomic +
+            barriers,
+            "attention_bwd_dq_convert": 0}
 
 
 def _rows_of(grad_o: Tensor, grad_lse: Optional[Tensor], o: Tensor,
@@ -235,19 +260,30 @@ def _rows_of(grad_o: Tensor, grad_lse: Optional[Tensor], o: Tensor,
 def _run_backward(kernels: dict, dq: Tensor, dk: Tensor, dv: Tensor, lse2: Tensor,
                   delta: Tensor, q4: Tensor, k4: Tensor, v4: Tensor, do4: Tensor, rows: int,
                   keys: int, batch: int, ints: tuple, varlen: tuple) -> None:
-    """Launch the two kernels (dQ over rows of each of batch sequences; dK and dV over keys)
-    on (batch, seqlen, heads, D) tensors TMA can read; ints: the lengths, heads and scales
-    (_BWD_INTS' order up to softcap_pre); varlen: cu_q, cu_k, cu_pad, bottom_right (Nones and
-    0 without)."""
+    """Launch bwd_kernels' kernels on (batch, seqlen, heads, D) tensors TMA can read: the
+    deterministic ones (dQ over rows of each of batch sequences; dK and dV over keys) or the
+    fast ones (dK and dV over keys, dQ summed into fp32 zeros with lse2's rows; then dq from
+    them); ints: the lengths, heads and scales (_BWD_INTS' order up to softcap_pre); varlen:
+    cu_q, cu_k, cu_pad, bottom_right (Nones and 0 without)."""
     h, hk, d = q4.shape[2], k4.shape[2], q4.shape[3]
-    smem, c = bwd_smem_bytes(d, q4.dtype), BWD
+    deterministic = "attention_bwd_dq" in kernels
+    smem, c = bwd_smem_bytes(d, q4.dtype, deterministic), BWD
     with torch.cuda.device(q4.device):
-        kernels["attention_bwd_dq"][(-(-rows // c["BM"]), h, batch), BWD_THREADS](
-            dq, lse2, delta, _map(q4, c["BM"]), _map(do4, c["BM"]), _map(k4, c["BN"]),
-            _map(v4, c["BN"]), *ints, *varlen, shared_mem=smem["attention_bwd_dq"])
+        accum = None
+        if deterministic:
+            kernels["attention_bwd_dq"][(-(-rows // c["BM"]), h, batch), BWD_THREADS](
+                dq, lse2, delta, _map(q4, c["BM"]), _map(do4, c["BM"]), _map(k4, c["BN"]),
+                _map(v4, c["BN"]), *ints, *varlen, shared_mem=smem["attention_bwd_dq"])
+        else:  # a fill on the stream (no synchronization; captured with a CUDA graph's)
+            accum = torch.zeros(lse2.shape + (d,), dtype=torch.float32, device=lse2.device)
         kernels["attention_bwd_dkv"][(-(-keys // c["BK"]), hk, batch), BWD_THREADS](
             dk, dv, lse2, delta, _map(k4, c["BK"]), _map(v4, c["BK"]), _map(q4, c["BQ"]),
-            _map(do4, c["BQ"]), *ints, *varlen, shared_mem=smem["attention_bwd_dkv"])
+            _map(do4, c["BQ"]), *ints, *varlen, accum, shared_mem=smem["attention_bwd_dkv"])
+        if not deterministic:
+            seqlen_q, padded, scale = ints[0], ints[2], ints[6]
+            kernels["attention_bwd_dq_convert"][(-(-rows // c["BQ"]), h, batch),
+                                                DQ_CONVERT_THREADS](
+                dq, accum, seqlen_q, padded, h, scale, varlen[0], varlen[2])
 
 
 def _bwd_ints(seqlen_q: int, seqlen_k: int, padded: int, h: int, hk: int, scale: float,
@@ -259,8 +295,9 @@ def _bwd_ints(seqlen_q: int, seqlen_k: int, padded: int, h: int, hk: int, scale:
 
 
 def _fused_backward(grad_o, grad_lse, q, k, v, o, lse, scale, causal, causal_offset,
-                    local=False, local_offset=0, softcap=0.0):
-    """The backward's two kernels (dQ; dK and dV) on a Hopper GPU."""
+                    local=False, local_offset=0, softcap=0.0, deterministic=False):
+    """The backward's kernels on a Hopper GPU: the fast ones (dQ summed with atomics) or,
+    deterministic, the two without atomics."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     padded = -(-sq // ROWS_PADDED) * ROWS_PADDED
@@ -270,7 +307,8 @@ def _fused_backward(grad_o, grad_lse, q, k, v, o, lse, scale, causal, causal_off
     q, k, v, grad_o = (_tma_ready(t) for t in (q, k, v, grad_o))
     dq = q.new_empty((b, sq, h, d))
     dk, dv = k.new_empty((b, sk, hk, d)), v.new_empty((b, sk, hk, d))
-    _run_backward(bwd_kernels(q.dtype, d, causal, local, softcap > 0), dq, dk, dv, lse2, delta,
+    _run_backward(bwd_kernels(q.dtype, d, causal, local, softcap > 0,
+                              deterministic=deterministic), dq, dk, dv, lse2, delta,
                   q, k, v, grad_o, sq, sk, b,
                   _bwd_ints(sq, sk, padded, h, hk, scale, causal_offset, local_offset, softcap),
                   (None, None, None, 0))
@@ -303,11 +341,12 @@ def fused_varlen_backward(grad_o: Tensor, grad_lse: Optional[Tensor], q: Tensor,
                           v: Tensor, o: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
                           cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
                           scale: float, causal: bool, causal_offset: int, local: bool,
-                          local_offset: int, softcap: float,
-                          bottom_right: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """The fused kernels' backward of attention_varlen (D = Dv of 64 or 128, Hopper): one
-    launch each for every sequence, no host synchronization; the grids cover max_seqlen_q rows
-    and max_seqlen_k keys of each sequence, which must be at least its lengths."""
+                          local_offset: int, softcap: float, bottom_right: bool,
+                          deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """The fused kernels' backward of attention_varlen (D = Dv of 64 or 128, Hopper; the fast
+    ones or, deterministic, the two without atomics): one launch each for every sequence, no
+    host synchronization; the grids cover max_seqlen_q rows and max_seqlen_k keys of each
+    sequence, which must be at least its lengths."""
     total_q, h, d = q.shape
     total_k, hk = k.shape[0], k.shape[1]
     batch = cu_seqlens_q.shape[0] - 1
@@ -317,7 +356,8 @@ def fused_varlen_backward(grad_o: Tensor, grad_lse: Optional[Tensor], q: Tensor,
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
     # every row and key is written: a sequence's CTAs cover its rows (dQ) and keys (dK, dV)
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-    _run_backward(bwd_kernels(q.dtype, d, causal, local, softcap > 0, varlen=True), dq, dk, dv,
+    _run_backward(bwd_kernels(q.dtype, d, causal, local, softcap > 0, varlen=True,
+                              deterministic=deterministic), dq, dk, dv,
                   lse2, delta, q4, k4, v4, do4, max_seqlen_q, max_seqlen_k, batch,
                   _bwd_ints(0, 0, lse2.shape[1], h, hk, scale, causal_offset, local_offset,
                             softcap),
@@ -406,9 +446,10 @@ def _map(t: Tensor, rows: int) -> bytes:
 @torch.library.custom_op("vitrail::attention_fwd", mutates_args=())
 def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
                    causal_offset: int, local: bool = False, local_offset: int = 0,
-                   softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+                   softcap: float = 0.0, deterministic: bool = False) -> tuple[Tensor, Tensor]:
     """causal: key j visible to row i where j <= i + causal_offset; local: where
-    j >= i + local_offset; softcap > 0: scores capped to softcap * tanh(s * scale / softcap)."""
+    j >= i + local_offset; softcap > 0: scores capped to softcap * tanh(s * scale / softcap);
+    deterministic: for the backward only (its kernels without atomics)."""
     b, sq, h, d = q.shape
     sk, dv = k.shape[1], v.shape[3]
     o = q.new_empty((b, sq, h, dv))
@@ -433,7 +474,7 @@ def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
 
 @_attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, scale, causal, causal_offset, local=False, local_offset=0,
-                        softcap=0.0):
+                        softcap=0.0, deterministic=False):
     b, sq, h, _ = q.shape
     return q.new_empty((b, sq, h, v.shape[3])), q.new_empty((b, h, sq), dtype=torch.float32)
 
@@ -441,11 +482,11 @@ def _attention_fwd_fake(q, k, v, scale, causal, causal_offset, local=False, loca
 @torch.library.custom_op("vitrail::attention_bwd", mutates_args=())
 def _attention_bwd(grad_o: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor,
                    o: Tensor, lse: Tensor, scale: float, causal: bool, causal_offset: int,
-                   local: bool = False, local_offset: int = 0,
-                   softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+                   local: bool = False, local_offset: int = 0, softcap: float = 0.0,
+                   deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     if fused_backward_runs(q, k, v):
         return _fused_backward(grad_o, grad_lse, q, k, v, o, lse, scale, causal, causal_offset,
-                               local, local_offset, softcap)
+                               local, local_offset, softcap, _deterministic(deterministic))
     return attention_backward(grad_o, grad_lse, q, k, v, o, lse, scale, causal, causal_offset,
                               local, local_offset, softcap)
 
@@ -460,7 +501,7 @@ def fused_backward_runs(q: Tensor, k: Tensor, v: Tensor) -> bool:
 
 @_attention_bwd.register_fake
 def _attention_bwd_fake(grad_o, grad_lse, q, k, v, o, lse, scale, causal, causal_offset,
-                        local=False, local_offset=0, softcap=0.0):
+                        local=False, local_offset=0, softcap=0.0, deterministic=False):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -469,11 +510,18 @@ def _backward(ctx, grad_o, grad_lse):
     if grad_o is None:  # only the lse took part in the loss
         grad_o = torch.zeros_like(o)
     dq, dk, dv = _attention_bwd(grad_o, grad_lse, q, k, v, o, lse, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def _deterministic(asked: bool) -> bool:
+    """Whether a backward runs the kernels without atomics: asked for, or torch's deterministic
+    algorithms turned on (torch.use_deterministic_algorithms) when the backward runs."""
+    return bool(asked) or torch.are_deterministic_algorithms_enabled()
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, *args = inputs  # scale, causal, causal_offset, local, local_offset, softcap
+    q, k, v, *args = inputs  # scale, causal, causal_offset, local, local_offset, softcap,
+    # deterministic
     ctx.save_for_backward(q, k, v, *output)
     ctx.args = tuple(args)
 
@@ -494,13 +542,15 @@ def _mask(sq: int, sk: int, causal: bool, alignment: str, window) -> tuple[bool,
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
               scale: Optional[float] = None, alignment: str = "top_left",
               window: Optional[tuple[Optional[int], Optional[int]]] = None,
-              softcap: Optional[float] = None, return_lse: bool = False):
-    """softmax(q k^T * scale) v per batch and head (see the module docstring)."""
+              softcap: Optional[float] = None, return_lse: bool = False,
+              deterministic: bool = False):
+    """softmax(q k^T * scale) v per batch and head (see the module docstring); deterministic:
+    the backward's kernels without atomics (the same gradient bits on every run)."""
     _check(q, k, v, scale, alignment, causal, window, softcap)
     d = q.shape[3]
     scale = d ** -0.5 if scale is None else float(scale)
     mask = _mask(q.shape[1], k.shape[1], bool(causal), alignment, window)
-    o, lse = _attention_fwd(q, k, v, scale, *mask, float(softcap or 0.0))
+    o, lse = _attention_fwd(q, k, v, scale, *mask, float(softcap or 0.0), bool(deterministic))
     return (o, lse) if return_lse else o
 
 
@@ -549,8 +599,8 @@ def _lengths(cu: Tensor, total: int, max_seqlen: int, name: str) -> list[int]:
 def _attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                           cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
                           scale: float, causal: bool, causal_offset: int, local: bool,
-                          local_offset: int, softcap: float,
-                          bottom_right: bool) -> tuple[Tensor, Tensor]:
+                          local_offset: int, softcap: float, bottom_right: bool,
+                          deterministic: bool = False) -> tuple[Tensor, Tensor]:
     """The forward over packed sequences: q (total_q, H, D), k (total_k, Hkv, D), v (total_k,
     Hkv, Dv); o (total_q, H, Dv), lse (H, total_q). Offsets as _attention_fwd's, plus seqlen_k -
     seqlen_q per sequence where bottom_right. max_seqlen_k picks the grid (persistent_for) and
@@ -581,7 +631,7 @@ def _attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
 @_attention_varlen_fwd.register_fake
 def _attention_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                scale, causal, causal_offset, local, local_offset, softcap,
-                               bottom_right):
+                               bottom_right, deterministic=False):
     tq, h, _ = q.shape
     return q.new_empty((tq, h, v.shape[2])), q.new_empty((h, tq), dtype=torch.float32)
 
@@ -591,13 +641,14 @@ def _attention_varlen_bwd(grad_o: Tensor, grad_lse: Optional[Tensor], q: Tensor,
                           v: Tensor, o: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
                           cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
                           scale: float, causal: bool, causal_offset: int, local: bool,
-                          local_offset: int, softcap: float,
-                          bottom_right: bool) -> tuple[Tensor, Tensor, Tensor]:
+                          local_offset: int, softcap: float, bottom_right: bool,
+                          deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """The fused kernels' backward where they run (one launch each), else each sequence's."""
     args = (grad_o, grad_lse, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
     options = (scale, causal, causal_offset, local, local_offset, softcap, bottom_right)
     if fused_backward_runs(q[None], k[None], v[None]):
-        return fused_varlen_backward(*args, max_seqlen_q, max_seqlen_k, *options)
+        return fused_varlen_backward(*args, max_seqlen_q, max_seqlen_k, *options,
+                                     _deterministic(deterministic))
     return sequence_by_sequence_backward(*args, *options)
 
 
@@ -626,7 +677,7 @@ def sequence_by_sequence_backward(grad_o: Tensor, grad_lse: Optional[Tensor], q:
 @_attention_varlen_bwd.register_fake
 def _attention_varlen_bwd_fake(grad_o, grad_lse, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k,
                                max_seqlen_q, max_seqlen_k, scale, causal, causal_offset, local,
-                               local_offset, softcap, bottom_right):
+                               local_offset, softcap, bottom_right, deterministic=False):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -635,14 +686,14 @@ def _varlen_backward(ctx, grad_o, grad_lse):
     if grad_o is None:
         grad_o = torch.zeros_like(o)
     dq, dk, dv = _attention_varlen_bwd(grad_o, grad_lse, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
-    return (dq, dk, dv) + (None,) * 11
+    return (dq, dk, dv) + (None,) * 12
 
 
 def _varlen_setup(ctx, inputs, output):
     q, k, v, cu_q, cu_k, *args = inputs
     ctx.save_for_backward(q, k, v, cu_q, cu_k, *output)
     ctx.args = tuple(args)  # the maxima, scale, causal, causal_offset, local, local_offset,
-    # softcap, bottom_right
+    # softcap, bottom_right, deterministic
 
 
 _attention_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup)
@@ -653,7 +704,8 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                      causal: bool = False, scale: Optional[float] = None,
                      alignment: str = "top_left",
                      window: Optional[tuple[Optional[int], Optional[int]]] = None,
-                     softcap: Optional[float] = None, return_lse: bool = False):
+                     softcap: Optional[float] = None, return_lse: bool = False,
+                     deterministic: bool = False):
     """attention over sequences of their own lengths packed along the rows (FlashAttention's
     varlen): q (total_q, H, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv); sequence i is rows
     cu_seqlens_q[i]:cu_seqlens_q[i + 1] of q and cu_seqlens_k[i]:cu_seqlens_k[i + 1] of k and v
@@ -688,7 +740,8 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
     upper, hi, local, lo = _mask(0, 0, bool(causal), "top_left", window)  # offsets sans Sk - Sq
     o, lse = _attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                    max_seqlen_k, scale, upper, hi, local, lo,
-                                   float(softcap or 0.0), alignment == "bottom_right")
+                                   float(softcap or 0.0), alignment == "bottom_right",
+                                   bool(deterministic))
     return (o, lse) if return_lse else o
 
 

@@ -35,9 +35,9 @@ def build() -> None:
     variants = sorted({(d, dv, causal, persistent_for(s)) for _, s, _, d, dv, causal in CASES})
     jobs = [lambda d=d, dv=dv, c=c, p=p: kernel(torch.bfloat16, d, c, dv=dv, persistent=p)
             for d, dv, c, p in variants]
-    jobs += [lambda d=d, c=c: bwd_kernels(torch.bfloat16, d, c)
+    jobs += [lambda d=d, c=c, det=det: bwd_kernels(torch.bfloat16, d, c, deterministic=det)
              for d, c in sorted({(d, c) for d, dv, c, _ in variants if d == dv})
-             if d in BWD_HEAD_DIMS]
+             if d in BWD_HEAD_DIMS for det in (False, True)]
     with ThreadPoolExecutor(max(1, min(8, len(jobs)))) as pool:
         list(pool.map(lambda job: job(), jobs))
 
@@ -65,7 +65,8 @@ def _timed(case: str, fns: dict, work: float, group: str) -> list[Row]:
         except Exception as e:
             print(f"  {case} {impl}: {type(e).__name__}: {str(e)[:200]}")
     return [Row(case=case, impl=impl, value=work / t.median / 1e9, unit="TFLOP/s",
-                lower_is_better=False, baseline=impl != "vitrail", ms=t.median, flops=work,
+                lower_is_better=False, baseline=not impl.startswith("vitrail"), ms=t.median,
+                flops=work,
                 math="bf16", group=group)
             for impl, t in (compare(ok) if ok else {}).items()]
 
@@ -99,11 +100,13 @@ TRAIN_CASES = CASES
           "(cuDNN, flash), bf16", build, by_name=True)
 def run_backward() -> list[Row]:
     """One forward and its backward (q, k and v's gradients), 3.5 times the forward's FLOPs
-    (FlashAttention's count), against SDPA's backends doing the same in the same run."""
+    (FlashAttention's count), against SDPA's backends doing the same in the same run: vitrail's
+    default (fast) backward, and where it has kernels (D = Dv of 64 or 128) its deterministic
+    one too."""
     import torch
     from torch.nn.attention import SDPBackend
 
-    from vitrail.ops.attention import attention
+    from vitrail.ops.attention import BWD_HEAD_DIMS, attention
     cudnn, flash = _sdpa(SDPBackend.CUDNN_ATTENTION), _sdpa(SDPBackend.FLASH_ATTENTION)
     rows = []
     for b, s, h, d, dv, causal in TRAIN_CASES:
@@ -114,8 +117,11 @@ def run_backward() -> list[Row]:
 
         def step(forward):
             return lambda: torch.autograd.grad(forward(), (q, k, v), go)
-        fns = {"vitrail": step(lambda: attention(q, k, v, causal=causal)),
-               "SDPA cuDNN": step(lambda: cudnn(q, k, v, causal).transpose(1, 2)),
-               "SDPA flash": step(lambda: flash(q, k, v, causal).transpose(1, 2))}
+        fns = {"vitrail": step(lambda: attention(q, k, v, causal=causal))}
+        if d == dv and d in BWD_HEAD_DIMS:
+            fns["vitrail deterministic"] = step(
+                lambda: attention(q, k, v, causal=causal, deterministic=True))
+        fns |= {"SDPA cuDNN": step(lambda: cudnn(q, k, v, causal).transpose(1, 2)),
+                "SDPA flash": step(lambda: flash(q, k, v, causal).transpose(1, 2))}
         rows += _timed(case, fns, 3.5 * flops(b, s, h, d, dv, causal), f"D{d}")
     return rows

@@ -11,6 +11,11 @@
 //
 // S and dP are recomputed in both (FlashAttention-2's split of the backward: seven products of
 // the forward's size instead of five, against an fp32 dQ summed with atomics across CTAs).
+// ATOMIC_DQ (the fast backward, whose dQ's rounding varies from run to run): attention_bwd_dkv
+// alone computes the products, five, dQ among them: dS = (dS^T)^T from a shared tile,
+// dQ_partial = dS K a block of rows at a time, summed into an fp32 slab dq_accum by bulk
+// reduce-adds (cp.reduce.async.bulk .add.f32: atomic per element in L2); then
+// attention_bwd_dq_convert writes dq = T(dq_accum * scale). attention_bwd_dq is then empty.
 // Both kernels: a producer warpgroup loads by TMA (the CTA's own rows once, the streamed blocks
 // into a ring of STAGES stages), two consumer warpgroups compute with TileMMA: the two products
 // of a block from shared memory (SS), the gradient's product with the fp32 result converted to
@@ -19,7 +24,7 @@
 //
 // Config (constexpr before the include): T, D (head dim), BM and BN (attention_bwd_dq's query
 // rows and keys per block), BK and BQ (attention_bwd_dkv's keys and query rows per block),
-// STAGES, CAUSAL, LOCAL (a window's left edge: key j visible to row i only where
+// STAGES, ATOMIC_DQ, CAUSAL, LOCAL (a window's left edge: key j visible to row i only where
 // j >= i + local_offset), SOFTCAP (scores capped: c tanh(s * softcap_pre), whose derivative
 // 1 - tanh^2 scales dS), VARLEN (sequences of their own lengths packed along the rows).
 // Layouts: q, k, v, do (batch, seqlen, heads, D), D contiguous, read by TMA maps over (D, seqlen,
@@ -31,6 +36,11 @@
 // first row and key (batch + 1 entries); lse2 and delta are (heads, seqlen_q_padded), where a
 // sequence's rows start at cu_pad[z], a multiple of BM and BQ, and the rows between sequences
 // hold +inf and 0 (so a block of rows that runs past its sequence reads no other's).
+// ATOMIC_DQ: dq_accum (fp32, zeros before the launch) has lse2's rows, D wide: (batch, heads,
+// seqlen_q_padded, D), VARLEN (heads, seqlen_q_padded, D); in each block of BQ rows, the
+// 64-column chunks of D one after the other, each a (BQ, 64) tile of 8 (BQ, 8) blocks of
+// columns, row-major (dQ's fragments land in shared memory without bank conflicts, and a
+// block's chunk is one contiguous reduce-add); only attention_bwd_dq_convert reads it.
 #pragma once
 #include <vitrail/pipeline.cuh>
 #include <vitrail/tile_copy.cuh>
@@ -61,6 +71,7 @@ struct Params {
   const int* cu_k;
   const int* cu_pad;
   int bottom_right;   // VARLEN: the offsets above are relative to seqlen_k - seqlen_q
+  float* dq_accum;    // ATOMIC_DQ: attention_bwd_dkv's sums of dQ (see the layouts above)
 };
 
 // Where a CTA's sequence lies: its first row and key in the TMA maps' seqlen coordinate and in
@@ -318,8 +329,32 @@ constexpr int kThreads = 128 + KQ::kThreads;
 constexpr int kBytesKeys = KQ::kBytesA<>;  // K, and V: BK x D each, loaded once
 constexpr int kBytesQ = KQ::kBytesB<>;     // a block of Q, and of dO: BQ x D each
 constexpr int kStageBytes = (2 * kBytesQ + 2 * BQ * 4 + 1023) / 1024 * 1024;  // + lse2, delta
-constexpr int kSmemBytes = 1024 + 2 * kBytesKeys + STAGES * kStageBytes + int(sizeof(Storage)) +
-                           16;
+// ATOMIC_DQ: dQ = dS K. Each consumer warpgroup makes a (BQ, 64) fp32 tile of each block's:
+// at D 128 the 64 columns of its chunk of D, over every key (dS from both warpgroups' dS^T); at
+// D 64 all of D over its own 64 keys (the two tiles add into the same rows of dq_accum). dS^T
+// is stored as T into a (BQ, BK) tile, query rows contiguous: dS's bytes as an MN-major A
+// operand (two of them, alternate blocks: a warpgroup writes the next block's while the other
+// may still read this one's). K is read as the MN-major (D, keys) B operand (the same bytes).
+constexpr bool kSplitKeys = D == kChunk;
+static_assert(!ATOMIC_DQ || D == kChunk || D == 2 * kChunk,
+              "attention backward: ATOMIC_DQ takes D 64 or 128");
+constexpr int kDqKeys = kSplitKeys ? BK / 2 : BK;
+using DQ = vitrail::TileMMA<T, BQ, kChunk, kDqKeys, 1, vitrail::Major::MN, vitrail::Major::MN>;
+using DsTile = vitrail::SmemTile<T, BQ, BK, vitrail::Major::MN>;
+constexpr int kBytesDs = BQ * BK * int(sizeof(T));
+constexpr int kBytesDq = BQ * kChunk * 4;
+constexpr int kBytesAtomic = ATOMIC_DQ ? 2 * kBytesDs + 2 * kBytesDq : 0;
+// Named barriers (the forward's ping-pong takes 1 and 2): both warpgroups' dS^T are in the
+// tile (and each one's last reduce-add has read its dQ tile); a warpgroup's dQ tile is written.
+constexpr int kDsReady = 3, kDqReady = 4;  // kDqReady + warpgroup
+// Registers a thread: ATOMIC_DQ's consumers hold dQ's tile too (and, with a window and the
+// softcap, 232 spilled), the producer issues its loads from 24.
+constexpr int kProducerRegisters = ATOMIC_DQ ? 24 : 40;
+constexpr int kConsumerRegisters = ATOMIC_DQ ? 240 : 232;
+static_assert(128 * kProducerRegisters + KQ::kThreads * kConsumerRegisters <= 65536);
+static_assert(!ATOMIC_DQ || STAGES % 2 == 0, "the dS tile of a block is its stage's index % 2");
+constexpr int kSmemBytes = 1024 + 2 * kBytesKeys + STAGES * kStageBytes + kBytesAtomic +
+                           int(sizeof(Storage)) + 16;
 
 // The blocks of query rows that see a key of [n0, n0 + BK): [first, last); those of
 // [unmasked, unmasked_end) see every one of them (causal: key <= row + causal_offset for all;
@@ -347,6 +382,52 @@ __device__ Range rows_of(const Params& p, int n0) {
   return {first, unmasked, unmasked_end, last};
 }
 
+// ATOMIC_DQ: this thread's dS^T (T; the accumulators' (key, row) view, `where` its
+// coordinates, where0 thread 0's) into the dS tile: (BQ, BK), MN-major, the 128-byte swizzle
+// (DsTile), (row, key) at byte (key / 8) 1024 + (key % 8) 128 + ((row / 8) ^ (key % 8)) 16 +
+// (row % 8) 2. wgmma's accumulators give a thread keys key0 + 8 k and pairs of rows row0 + 8 j
+// (+ 1), row0 < 8, so a pair's address is the thread's base + 1024 per 8 keys, xor 16 j: one
+// add and one xor a store, and nothing the compiler keeps across blocks (a cute view of the tile
+// had it hoist 16 addresses out of the loop, and spill them).
+template <class Rows, class Where, class Where0>
+__device__ void store_ds(Rows const& ds_rows, Where const& where, Where0 const& where0,
+                         unsigned tile) {
+  const int key0 = cute::get<0>(where(0, 0)), row0 = cute::get<1>(where(0, 0));
+  const unsigned base = tile + key0 / 8 * 1024 + key0 % 8 * (128 + 16) + row0 * 2;
+  CUTE_UNROLL
+  for (int r = 0; r < cute::size<0>(ds_rows); ++r) {
+    CUTE_UNROLL
+    for (int c = 0; c < cute::size<1>(ds_rows); c += 2) {
+      const int dk = cute::get<0>(where0(r, c)), dr = cute::get<1>(where0(r, c));
+      const unsigned at = (base + dk / 8 * 1024) ^ (dr / 8 * 16);
+      const unsigned bits =
+          unsigned(ds_rows(r, c).raw()) | unsigned(ds_rows(r, c + 1).raw()) << 16;
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(bits));
+    }
+  }
+}
+
+// ATOMIC_DQ: this thread's dQ fragment into the warpgroup's (BQ, 64) fp32 tile, laid out as in
+// dq_accum: 8 blocks of (BQ, 8) columns, each row-major ((row, col) at (col / 8) 8 BQ + 8 row +
+// col % 8), so that a warp's pairs for one 8-column block (8 rows of 8 columns) are 256
+// contiguous bytes (no bank conflicts); addresses as store_ds's: the thread's base + constants.
+template <class Acc, class Where, class Where0>
+__device__ void store_dq(Acc const& dq, Where const& where, Where0 const& where0, unsigned tile) {
+  auto dq_rows = DQ::rows(dq);
+  const int row0 = cute::get<0>(where(0, 0)), col0 = cute::get<1>(where(0, 0));
+  const unsigned base = tile + 4 * (row0 * 8 + col0);
+  CUTE_UNROLL
+  for (int r = 0; r < cute::size<0>(dq_rows); ++r) {
+    CUTE_UNROLL
+    for (int c = 0; c < cute::size<1>(dq_rows); c += 2) {
+      const int dr = cute::get<0>(where0(r, c)), dc = cute::get<1>(where0(r, c));
+      const unsigned at = base + 4 * (dc / 8 * 8 * BQ + dr * 8);
+      asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(dq_rows(r, c)),
+                   "f"(dq_rows(r, c + 1)));
+    }
+  }
+}
+
 __device__ void run(Params p, const vitrail::TensorMap& mapK, const vitrail::TensorMap& mapV,
                     const vitrail::TensorMap& mapQ, const vitrail::TensorMap& mapdO) {
   const Seq at = sequence(p);
@@ -358,7 +439,8 @@ __device__ void run(Params p, const vitrail::TensorMap& mapK, const vitrail::Ten
   auto sK = KQ::tile_a(smem);
   auto sV = KQ::tile_a(smem + kBytesKeys);
   char* ring = smem + 2 * kBytesKeys;
-  auto& bars = *reinterpret_cast<Storage*>(ring + STAGES * kStageBytes);
+  char* atomic = ring + STAGES * kStageBytes;  // ATOMIC_DQ: two dS tiles, two dQ tiles
+  auto& bars = *reinterpret_cast<Storage*>(atomic + kBytesAtomic);
   uint64_t* keys_full = reinterpret_cast<uint64_t*>(&bars + 1);
   vitrail::Pipeline<STAGES> pipe(bars);
   auto sQ = [&](int stage) { return KQ::tile_b(ring + stage * kStageBytes); };
@@ -383,7 +465,7 @@ __device__ void run(Params p, const vitrail::TensorMap& mapK, const vitrail::Ten
   __syncthreads();
 
   if (threadIdx.x / 128 == 0) {  // producer: slab -> tile
-    vitrail::warpgroup_registers_down<40>();
+    vitrail::warpgroup_registers_down<kProducerRegisters>();
     if (threadIdx.x == 0) {
       vitrail::Bulk::expect(keys_full, 2 * kBytesKeys);
       for (int c = 0; c < kChunks; ++c) {
@@ -417,7 +499,7 @@ __device__ void run(Params p, const vitrail::TensorMap& mapK, const vitrail::Ten
   }
 
   // consumers: tile -> fragment
-  vitrail::warpgroup_registers_up<232>();
+  vitrail::warpgroup_registers_up<kConsumerRegisters>();
   const int t = threadIdx.x - 128;
   KQ kq(t);
   PQ pq(t);
@@ -431,6 +513,20 @@ __device__ void run(Params p, const vitrail::TensorMap& mapK, const vitrail::Ten
   auto dp_rows = KQ::rows(dp);
   auto where = KQ::rows(kq.coordinates());  // (key, row) in the tile of each element of S^T
   constexpr int kRows = decltype(cute::size<0>(s_rows))::value;
+  // ATOMIC_DQ: this warpgroup's dQ product: its keys of the dS tile, its chunk of K's columns;
+  // the thread that issues its reduce-adds; where its rows start in dq_accum (per query head)
+  const int wg = t / 128;
+  DQ dqm(t % 128);
+  auto dq = dqm.accumulators();
+  const int ds_offset = kSplitKeys ? wg * kDqKeys * BQ * int(sizeof(T)) : 0;
+  const int k_offset = (kSplitKeys ? wg * kDqKeys : wg * BK) * kChunk * int(sizeof(T));
+  const bool issuer = t % 128 == 0;
+  float* dq_tile = reinterpret_cast<float*>(atomic + 2 * kBytesDs + wg * kBytesDq);
+  const unsigned dq_tile_at = static_cast<unsigned>(__cvta_generic_to_shared(dq_tile));
+  const auto kq0 = KQ(0).coordinates(), dq0 = DQ(0).coordinates(), dq_at = dqm.coordinates();
+  auto where0 = KQ::rows(kq0);  // thread 0's: the part of a coordinate that is no thread's
+  auto dq_where = DQ::rows(dq_at), dq_where0 = DQ::rows(dq0);
+  float* accum = nullptr;
 
   vitrail::PipeState<STAGES> rd;
   auto block = [&](int i, auto masked) {
@@ -470,12 +566,38 @@ __device__ void run(Params p, const vitrail::TensorMap& mapK, const vitrail::Ten
     }
     auto dst = KQ::as_a(dp);
     pq.mma_rs(dst, sQt(rd.index)(cute::_, cute::_, 0), dk);
-    PQ::wait<0>(dv, dk, pt, dst);
-    if (threadIdx.x % 32 == 0) pipe.release(rd);
+    if constexpr (ATOMIC_DQ) {
+      PQ::wait<1>(dv, pt);  // dV's batch retired (P^T's registers free); dK's in flight
+      char* ds_tile = atomic + rd.index % 2 * kBytesDs;  // blocks alternate
+      store_ds(cute::make_tensor(dst.data(), dp_rows.layout()), where, where0,
+               static_cast<unsigned>(__cvta_generic_to_shared(ds_tile)));
+      vitrail::fence_tile_writes();  // generic writes, read by wgmma (the async proxy)
+      if (issuer) vitrail::Bulk::store_wait<0>();  // the last reduce-add has read dq_tile
+      vitrail::named_barrier_sync(kDsReady, KQ::kThreads);
+      DQ::zero(dq);
+      dqm.mma(DQ::tile_a(ds_tile + ds_offset)(cute::_, cute::_, 0),
+              DQ::tile_b(smem + k_offset)(cute::_, cute::_, 0), dq);
+      PQ::wait<1>(dk, dst);  // dQ's batch may still be in flight; the stage is read
+      if (threadIdx.x % 32 == 0) pipe.release(rd);
+      DQ::wait<0>(dq);
+      store_dq(dq, dq_where, dq_where0, dq_tile_at);
+      vitrail::fence_tile_writes();  // read by the bulk reduce-add (the async proxy)
+      vitrail::named_barrier_sync(kDqReady + wg, 128);
+      if (issuer) {
+        const int chunk = kSplitKeys ? 0 : wg;
+        vitrail::Bulk::reduce_add(accum + (long long)i * BQ * D + chunk * BQ * kChunk, dq_tile,
+                                  kBytesDq);
+        vitrail::Bulk::commit();
+      }
+    } else {
+      PQ::wait<0>(dv, dk, pt, dst);
+      if (threadIdx.x % 32 == 0) pipe.release(rd);
+    }
     rd.advance();
   };
   vitrail::Bulk::wait(keys_full, 0);
   for (int g = 0; g < group; ++g) {
+    if constexpr (ATOMIC_DQ) accum = p.dq_accum + head_rows(p, at, head_kv * group + g) * D;
     if constexpr (LOCAL) {  // masked at both ends: one loop (three call sites: out of line)
       for (int i = range.first; i < range.last; ++i) {
         if (i >= range.unmasked && i < range.unmasked_end) block(i, cute::false_type{});
@@ -487,6 +609,10 @@ __device__ void run(Params p, const vitrail::TensorMap& mapK, const vitrail::Ten
     }
   }
 
+  if constexpr (ATOMIC_DQ) {
+    if (issuer) vitrail::Bulk::wait_all();  // the reduce-adds done before the CTA ends
+  }
+
   // fragment -> slab: dK * scale and dV, keys below seqlen_k
   const long long stride = (long long)p.heads_kv * D;
   const long long base = (at.out_k * p.heads_kv + head_kv) * D;
@@ -495,6 +621,34 @@ __device__ void run(Params p, const vitrail::TensorMap& mapK, const vitrail::Ten
   store_rows(PQ::rows(dv), out_where, n0, p.seqlen_k, stride, p.grad_v + base, 1.f);
 }
 }  // namespace dkv
+
+// ------------------------------------------------- ATOMIC_DQ: dq = T(dq_accum * scale)
+namespace dq_convert {
+constexpr int kThreads = 256;
+constexpr int kVec = 8;  // elements a thread converts at once: 32 bytes read, 16 written
+
+// A CTA per BQ rows of one head of one sequence (VARLEN) or batch entry: the rows below its
+// length, from dq_accum's layout (see the top) to dq's (batch, seqlen, heads, D).
+__device__ void run(Params p) {
+  const Seq at = sequence(p);
+  const int head = blockIdx.y, m0 = int(blockIdx.x) * BQ;
+  if (m0 >= p.seqlen_q) return;
+  const float* src = p.dq_accum + (head_rows(p, at, head) + m0) * D;
+  T* dst = p.grad + ((at.out_q + m0) * p.heads + head) * D;
+  for (int e = threadIdx.x; e < BQ * D / kVec; e += kThreads) {
+    const int row = e / (D / kVec), col = e % (D / kVec) * kVec;
+    if (m0 + row >= p.seqlen_q) break;  // rows ascend with e
+    const float* s = src + (col / kChunk * BQ * kChunk + col % kChunk / 8 * BQ * 8 + row * 8);
+    const float4 a = *reinterpret_cast<const float4*>(s);
+    const float4 b = *reinterpret_cast<const float4*>(s + 4);
+    const float x = p.scale;
+    const T2 out[4] = {T2(T(a.x * x), T(a.y * x)), T2(T(a.z * x), T(a.w * x)),
+                       T2(T(b.x * x), T(b.y * x)), T2(T(b.z * x), T(b.w * x))};
+    *reinterpret_cast<uint4*>(dst + (long long)row * p.heads * D + col) =
+        *reinterpret_cast<const uint4*>(out);
+  }
+}
+}  // namespace dq_convert
 
 }  // namespace attention_bwd
 
@@ -506,10 +660,12 @@ attention_bwd_dq(T* dq, float* lse2, float* delta, const __grid_constant__ vitra
                  int seqlen_q_padded, int heads, int heads_kv, float scale_log2, float scale,
                  int causal_offset, int local_offset, float softcap, float softcap_pre,
                  const int* cu_q, const int* cu_k, const int* cu_pad, int bottom_right) {
-  attention_bwd::dq::run({dq, nullptr, lse2, delta, seqlen_q, seqlen_k, seqlen_q_padded, heads,
-                          heads_kv, scale_log2, scale, causal_offset, local_offset, softcap,
-                          softcap_pre, cu_q, cu_k, cu_pad, bottom_right},
-                         mapQ, mapdO, mapK, mapV);
+  if constexpr (!ATOMIC_DQ) {  // empty in the fast backward's build (attention_bwd_dkv's dQ)
+    attention_bwd::dq::run({dq, nullptr, lse2, delta, seqlen_q, seqlen_k, seqlen_q_padded,
+                            heads, heads_kv, scale_log2, scale, causal_offset, local_offset,
+                            softcap, softcap_pre, cu_q, cu_k, cu_pad, bottom_right},
+                           mapQ, mapdO, mapK, mapV);
+  }
 }
 
 extern "C" __global__ void __launch_bounds__(attention_bwd::dkv::kThreads, 1)
@@ -520,9 +676,28 @@ attention_bwd_dkv(T* dk, T* dv, float* lse2, float* delta,
                   const __grid_constant__ vitrail::TensorMap mapdO, int seqlen_q, int seqlen_k,
                   int seqlen_q_padded, int heads, int heads_kv, float scale_log2, float scale,
                   int causal_offset, int local_offset, float softcap, float softcap_pre,
-                  const int* cu_q, const int* cu_k, const int* cu_pad, int bottom_right) {
+                  const int* cu_q, const int* cu_k, const int* cu_pad, int bottom_right,
+                  float* dq_accum) {
   attention_bwd::dkv::run({dk, dv, lse2, delta, seqlen_q, seqlen_k, seqlen_q_padded, heads,
                            heads_kv, scale_log2, scale, causal_offset, local_offset, softcap,
-                           softcap_pre, cu_q, cu_k, cu_pad, bottom_right},
+                           softcap_pre, cu_q, cu_k, cu_pad, bottom_right, dq_accum},
                           mapK, mapV, mapQ, mapdO);
+}
+
+extern "C" __global__ void __launch_bounds__(attention_bwd::dq_convert::kThreads)
+attention_bwd_dq_convert(T* dq, const float* dq_accum, int seqlen_q, int seqlen_q_padded,
+                         int heads, float scale, const int* cu_q, const int* cu_pad) {
+  if constexpr (ATOMIC_DQ) {  // empty in the deterministic backward's build
+    attention_bwd::Params p{};
+    p.grad = dq;
+    p.dq_accum = const_cast<float*>(dq_accum);
+    p.seqlen_q = seqlen_q;
+    p.seqlen_q_padded = seqlen_q_padded;
+    p.heads = heads;
+    p.scale = scale;
+    p.cu_q = cu_q;
+    p.cu_k = cu_q;  // sequence() reads it; unused here
+    p.cu_pad = cu_pad;
+    attention_bwd::dq_convert::run(p);
+  }
 }
