@@ -453,7 +453,13 @@ __device__ void run(Params p, const vitrail::TensorMap& mapK, const vitrail::Ten
 
   const int head_kv = blockIdx.y, batch = at.tma_batch;
   const int group = p.heads / p.heads_kv;
-  const Range range = rows_of(p, n0);
+  Range range = rows_of(p, n0);
+  // ATOMIC_DQ and VARLEN: keys past the sequence's end are the next sequence's, not TMA's zeros;
+  // a row that sees every key of the sequence (no causal or window mask) would sum their dS K
+  // into its dQ, so the block of keys that crosses the end masks every block of rows.
+  if (ATOMIC_DQ && VARLEN && n0 + BK > p.seqlen_k) {
+    range.unmasked = range.unmasked_end = range.last;
+  }
   if (threadIdx.x == 0) {
     vitrail::Tma::prefetch(mapK);
     vitrail::Tma::prefetch(mapV);
@@ -546,7 +552,7 @@ __device__ void run(Params p, const vitrail::TensorMap& mapK, const vitrail::Ten
         float pr = probability(p, s_rows(r, c), lse2[col]);
         if constexpr (decltype(masked)::value) {
           const int key = n0 + cute::get<0>(where(r, c)), row = i * BQ + col;
-          if (hidden(p, row, key)) pr = 0.f;
+          if (hidden(p, row, key) || (ATOMIC_DQ && VARLEN && key >= p.seqlen_k)) pr = 0.f;
         }
         s_rows(r, c) = pr;
       }
