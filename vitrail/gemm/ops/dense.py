@@ -120,6 +120,8 @@ def _save(ctx, a, b, c, bias, y, params) -> None:
 
 def _sum_to(g: Tensor, shape: tuple) -> Tensor:
     """Sum a gradient over the dimensions that were broadcast to reach g's shape."""
+    if g.shape == shape:  # nothing was broadcast (the common case: one comparison)
+        return g
     while g.dim() > len(shape):
         g = g.sum(0)
     for i, n in enumerate(shape):
@@ -149,23 +151,25 @@ def _grads(ctx, grad: Tensor, mm) -> tuple:
                 inside &= y <= hi
             g = g * inside
     ga = gb = gc = gbias = None
-    gm = g.to(a.dtype)
+    gm = g if g.dtype == a.dtype else g.to(a.dtype)
     if needs[0]:
-        ga = _sum_to(mm(gm, b.transpose(-1, -2), None, None, alpha, 0.0, None, 0.0, None, None,
-                        a.dtype), tuple(a.shape))
+        ga = _sum_to(mm(gm, b.mT, None, None, alpha, 0.0, None, 0.0, None, None, a.dtype),
+                     a.shape)
     if needs[1]:
-        gb = _sum_to(mm(a.transpose(-1, -2), gm, None, None, alpha, 0.0, None, 0.0, None, None,
-                        b.dtype), tuple(b.shape))
+        gb = _sum_to(mm(a.mT, gm, None, None, alpha, 0.0, None, 0.0, None, None, b.dtype),
+                     b.shape)
     if c is not None and needs[2]:
         gc = _sum_to(g * beta, ctx.c_shape).to(c.dtype)
     if bias is not None and needs[3]:  # summed in fp32
         if bias.dim() == 1:  # per column: over rows (and batch); a 16-bit g is summed in fp32
-            gbias = g.reshape(-1, g.shape[-1]).sum(0)  # and rounded once: one kernel
+            # and rounded once: one kernel
+            gbias = (g if g.dim() == 2 else g.reshape(-1, g.shape[-1])).sum(0)
         else:  # per row (M, 1): over columns and batch
             gbias = g.sum(-1, keepdim=True, dtype=torch.float32)
             while gbias.dim() > 2:
                 gbias = gbias.sum(0)
-        gbias = gbias.to(bias.dtype)
+        if gbias.dtype != bias.dtype:
+            gbias = gbias.to(bias.dtype)
     return ga, gb, gc, gbias
 
 

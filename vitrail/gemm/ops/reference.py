@@ -73,27 +73,32 @@ def grad_from_output(name: Optional[str], slope: float = 0.01) -> bool:
     return name in (None, "relu", "sigmoid", "tanh") or (name == "leaky_relu" and slope >= 0)
 
 
+_ATEN_BACKWARD = {name: getattr(torch.ops.aten, f"{name}_backward").default
+                  for name in ("threshold", "leaky_relu", "sigmoid", "tanh", "gelu", "silu",
+                               "hardswish")}
+
+
 def activation_backward(grad: torch.Tensor, t: torch.Tensor, name: Optional[str],
                         slope: float = 0.01) -> torch.Tensor:
     """grad * act'(z), one aten backward kernel: t is act's output y where grad_from_output(name,
     slope), else z (pass fp32 z and grad for accuracy)."""
-    aten = torch.ops.aten
     if name is None:
         return grad
+    aten = _ATEN_BACKWARD  # the ops' overloads, looked up once: a gradient rule's host time
     if name == "relu":
-        return aten.threshold_backward(grad, t, 0)
+        return aten["threshold"](grad, t, 0)
     if name == "leaky_relu":
-        return aten.leaky_relu_backward(grad, t, slope, grad_from_output(name, slope))
+        return aten["leaky_relu"](grad, t, slope, grad_from_output(name, slope))
     if name == "sigmoid":
-        return aten.sigmoid_backward(grad, t)
+        return aten["sigmoid"](grad, t)
     if name == "tanh":
-        return aten.tanh_backward(grad, t)
+        return aten["tanh"](grad, t)
     if name in ("gelu", "gelu_tanh"):
-        return aten.gelu_backward(grad, t, approximate="tanh" if name == "gelu_tanh" else "none")
+        return aten["gelu"](grad, t, approximate="tanh" if name == "gelu_tanh" else "none")
     if name == "silu":
-        return aten.silu_backward(grad, t)
+        return aten["silu"](grad, t)
     if name == "hardswish":
-        return aten.hardswish_backward(grad, t)
+        return aten["hardswish"](grad, t)
     raise ValueError(f"activation={name!r} is unknown")
 
 
