@@ -141,3 +141,20 @@ def test_docs_links_in_code_lead_somewhere():
                     _anchor(h) for h in re.findall(r"^#+ (.+)$", dest.read_text(), flags=re.M)}:
                 broken.append(f"{path.relative_to(REPO)}: {page}#{anchor}")
     assert not broken
+
+
+def test_no_benchmark_figures_in_the_packages_comments():
+    """Measured figures (speedups against a baseline, TFLOP/s, GB/s) live in docs pages, the
+    performance notes or generated from `vitrail bench` JSON; a code comment keeps its reason
+    and a link (the benchmark modules, which print figures, are not comments)."""
+    figure = re.compile(r"\d(\.\d+)?x (torch|cuBLAS|cuDNN|SDPA|flash|CuPy)|\d (TFLOP/s|GB/s)\b")
+    found = []
+    for path in sorted((REPO / "vitrail").rglob("*")):
+        if path.suffix not in (".py", ".cuh", ".cpp", ".h", ".cu"):
+            continue
+        mark = "#" if path.suffix == ".py" else "//"
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            comment = line.split(mark, 1)[1] if mark in line else ""
+            if figure.search(comment):
+                found.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
+    assert not found, "\n".join(found)

@@ -7,8 +7,8 @@
 // into a temporary fragment started at zero and adds ("promotes") it into the fp32 accumulators
 // on the CUDA cores; cuBLAS promotes at the same depth (its errors match ours to the bit).
 // CUTLASS's collective waits for every wgmma in flight before each promotion (warpgroup_wait<0>),
-// so the tensor cores idle while the warpgroup drains, adds and issues again: 0.81-0.86x torch on
-// an H100 at 4096^3 and 8192^3.
+// so the tensor cores idle while the warpgroup drains, adds and issues again (measured slower
+// than torch's exact mode: docs/perf-notes.md, "The FP8 mainloop with exact accumulation").
 //
 // Here the warpgroup's N columns are cut into Parts slices. Unroll k-tiles form one sequence of
 // Unroll x Parts wgmma groups (one slice of one k-tile each): each group is issued into a
@@ -18,14 +18,12 @@
 // two groups are live, so two slice-sized temporaries rotate: a 64 x 256 warpgroup tile holds
 // 128 + 2 x 32 accumulator registers, where CUTLASS's collective needs 2 x 128 and spills; that
 // is what lets exact mode use the 128x256 tiles of fast mode. A k-tile's A is read from shared
-// memory once per slice (64-column wgmma run at the full rate: 8191 of 8192 FLOP/clk/SM measured
-// with 2 warpgroups, like 256-column ones). The promotion depth (one k-tile) and order are
-// CUTLASS's: the results are bit-identical.
+// memory once per slice (64-column wgmmas run at the full rate, as 256-column ones do: measured,
+// docs/perf-notes.md). The promotion depth (one k-tile) and order are CUTLASS's: the results
+// are bit-identical.
 //
-// H100, bf16 out, against torch._scaled_mm's exact mode in the same run: 128x256x128 tiles, 2x1
-// cluster, 1.02x at 4096^3 and 1.00x at 6144^3 (128x128 tiles 0.94x and 0.91x; the stock
-// collective at 128x128 0.87x and 0.84x), 0.95-1.04x at 8192^3 in six runs (clocks vary with
-// power there). Drains staggered between the two warpgroups, Unroll 2 and 8 measured no better.
+// Its measurements against torch._scaled_mm's exact mode, and the variants that measured no
+// better (staggered drains, other Unroll): docs/perf-notes.md.
 //
 // Constraints (static_asserts): operands from shared memory (SS wgmma), K-major; K-tile at most
 // 4 wgmma deep (the promotion depth of exact mode); N per slice a multiple of 8 (a wgmma N).
