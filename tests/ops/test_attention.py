@@ -840,3 +840,83 @@ def test_varlen_with_a_v_head_dim_of_its_own(d, dv):
     torch.library.opcheck(torch.ops.vitrail.attention_varlen_fwd.default,
                           (qs, ks, vs, cq, ck, max(lq), max(lk), d ** -0.5, True, 0, False, 0, 0.0,
                            True))
+
+
+def _varlen_on_the_cpu(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, causal_offset, local,
+                       local_offset, softcap, bottom_right, deterministic=False):
+    """attention_varlen's forward as the kernel computes it (o in q's dtype, lse fp32), by the
+    fp64 reference sequence by sequence, unmasked (what _split_keys asks of it)."""
+    assert not causal and not local and not bottom_right
+    o = q.new_empty(q.shape[:2] + v.shape[2:])
+    lse = torch.empty(q.shape[1], q.shape[0])
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    assert max(b - a for a, b in zip(cq, cq[1:])) <= max_q
+    assert max(b - a for a, b in zip(ck, ck[1:])) <= max_k
+    for q0, q1, k0, k1 in zip(cq, cq[1:], ck, ck[1:]):
+        oz, lz = A.reference(*(t[None].double() for t in (q[q0:q1], k[k0:k1], v[k0:k1])),
+                             scale=scale, softcap=softcap or None)
+        o[q0:q1], lse[:, q0:q1] = oz[0].to(q.dtype), lz[0].float()
+    return o, lse
+
+
+@pytest.mark.parametrize("b,sq,h,hk,sk,d,dv,splits,extra", [
+    (2, 1, 4, 2, 37, 32, 32, 4, {}), (1, 3, 2, 2, 50, 16, 48, 7, {"softcap": 5.0}),
+    (3, 1, 2, 1, 3, 16, 16, 8, {"causal": True, "alignment": "bottom_right"}),
+    (1, 2, 2, 1, 40, 16, 16, 3, {"scale": 0.3})])
+def test_split_keys_combine_the_chunks_like_one_pass(monkeypatch, b, sq, h, hk, sk, d, dv,
+                                                     splits, extra):
+    """num_splits > 1 (no mask): each batch entry's keys in chunks, each a sequence of the
+    varlen kernel (here its fp64 reference on the CPU), combined by their log-sum-exps: o and lse
+    as one pass over all keys (GQA, Dv != D, softcap, more splits than keys, decoding's one row
+    with a bottom-right causal mask, which hides no key)."""
+    monkeypatch.setattr(A, "_attention_varlen_fwd", _varlen_on_the_cpu)
+    monkeypatch.setattr(A, "_check", lambda *a: None)  # CPU tensors (the checks: tests above)
+    g = torch.Generator().manual_seed(sk)
+    q = torch.randn(b, sq, h, d, generator=g).to(torch.bfloat16)
+    k = torch.randn(b, sk, hk, d, generator=g).to(torch.bfloat16)
+    v = torch.randn(b, sk, hk, dv, generator=g).to(torch.bfloat16)
+    o, lse = A.attention(q, k, v, num_splits=splits, return_lse=True, **extra)
+    ro, rlse = A.reference(q.double(), k.double(), v.double(), **extra)
+    assert o.shape == ro.shape and o.dtype == q.dtype and lse.shape == (b, h, sq)
+    torch.testing.assert_close(o.double(), ro, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(lse.double(), rlse, rtol=1e-5, atol=1e-5)
+
+
+def test_num_splits_is_checked_and_a_masked_call_takes_one_pass(monkeypatch):
+    monkeypatch.setattr(A, "_check", lambda *a: None)  # CPU tensors
+    q = torch.randn(1, 2, 2, 16, dtype=torch.bfloat16)
+    k = v = torch.randn(1, 64, 2, 16, dtype=torch.bfloat16)
+    for bad in (0, -1, 2.0, True, "4"):
+        with pytest.raises(ArgumentError, match="num_splits must be an integer >= 1"):
+            A.attention(q, k, v, num_splits=bad)
+    passes = []
+    monkeypatch.setattr(A, "_attention_fwd", lambda *a: passes.append(a) or (None, None))
+    monkeypatch.setattr(A, "_split_keys", lambda *a: pytest.fail("split a masked call"))
+    for kw in ({"causal": True}, {"causal": True, "alignment": "bottom_right"},
+               {"window": (8, 0)}):
+        A.attention(q, k, v, num_splits=4, **kw)  # two rows: the diagonal hides keys
+    assert len(passes) == 3
+
+
+@needs_hopper
+@pytest.mark.parametrize("b,sq,h,hk,sk,d,splits,extra", [
+    (2, 1, 8, 2, 3000, 128, 8, {"causal": True, "alignment": "bottom_right"}),
+    (1, 4, 4, 4, 1000, 64, 5, {}), (3, 1, 4, 1, 700, 64, 16, {"softcap": 30.0})])
+def test_split_keys_on_the_gpu(b, sq, h, hk, sk, d, splits, extra):
+    """num_splits > 1 against one pass and the fp64 reference: o, lse and the gradients of q, k
+    and v through the varlen kernels' backward and the combination's."""
+    g = torch.Generator(device="cuda").manual_seed(sk)
+    q, k, v = (torch.randn(b, s, n, d, device="cuda", generator=g, dtype=torch.bfloat16)
+               .requires_grad_() for s, n in ((sq, h), (sk, hk), (sk, hk)))
+    o, lse = A.attention(q, k, v, num_splits=splits, return_lse=True, **extra)
+    one, one_lse = A.attention(q, k, v, return_lse=True, **extra)
+    ro, rlse = A.reference(q.double(), k.double(), v.double(), **extra)
+    torch.testing.assert_close(o.double(), ro, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(o.float(), one.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(lse.double(), rlse, rtol=1e-4, atol=1e-4)
+    go = torch.randn(o.shape, device="cuda", generator=g, dtype=o.dtype)
+    got = torch.autograd.grad(o, (q, k, v), go)
+    want = torch.autograd.grad(ro, (q, k, v), go.double())
+    for x, w, what in zip(got, want, "qkv"):
+        torch.testing.assert_close(x.double(), w, rtol=2e-2, atol=2e-2 * w.abs().max().item(),
+                                   msg=lambda m, what=what: f"d{what}: {m}")

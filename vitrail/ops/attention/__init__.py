@@ -24,7 +24,8 @@ keys, dK and dV over the query rows: the same bits every run, S and dP computed 
 (FlashAttention's cu_seqlens).
 
 Kernels compile with NVRTC in seconds, one per (dtype, D, Dv, causal); a new sequence length or
-batch compiles nothing.
+batch compiles nothing. ``num_splits=n`` (decoding: few query rows, many keys, no mask) computes
+n chunks of each batch entry's keys side by side and combines them (split-KV: _split_keys).
 """
 from __future__ import annotations
 
@@ -543,15 +544,74 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
               scale: Optional[float] = None, alignment: str = "top_left",
               window: Optional[tuple[Optional[int], Optional[int]]] = None,
               softcap: Optional[float] = None, return_lse: bool = False,
-              deterministic: bool = False):
+              deterministic: bool = False, num_splits: int = 1):
     """softmax(q k^T * scale) v per batch and head (see the module docstring); deterministic:
-    the backward's kernels without atomics (the same gradient bits on every run)."""
+    the backward's kernels without atomics (the same gradient bits on every run); num_splits:
+    split each batch entry's keys into that many chunks computed side by side and combined
+    (split-KV, for decoding: few query rows, many keys), where no key is masked (see
+    _split_keys); elsewhere one pass."""
     _check(q, k, v, scale, alignment, causal, window, softcap)
+    if not (isinstance(num_splits, int) and not isinstance(num_splits, bool) and
+            num_splits >= 1):
+        raise ArgumentError(f"{NAME}: num_splits must be an integer >= 1, got {num_splits!r}")
     d = q.shape[3]
     scale = d ** -0.5 if scale is None else float(scale)
-    mask = _mask(q.shape[1], k.shape[1], bool(causal), alignment, window)
-    o, lse = _attention_fwd(q, k, v, scale, *mask, float(softcap or 0.0), bool(deterministic))
+    b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+    mask = _mask(sq, sk, bool(causal), alignment, window)
+    upper, hi, local, _ = mask
+    splits = min(num_splits, sk, MAX_GRID_YZ // max(b, 1))
+    if splits > 1 and b * sq > 0 and not local and (not upper or hi >= sk - 1):  # no mask
+        o, lse = _split_keys(q, k, v, splits, scale, float(softcap or 0.0), bool(deterministic))
+    else:
+        o, lse = _attention_fwd(q, k, v, scale, *mask, float(softcap or 0.0),
+                                bool(deterministic))
     return (o, lse) if return_lse else o
+
+
+def _split_keys(q: Tensor, k: Tensor, v: Tensor, splits: int, scale: float, softcap: float,
+                deterministic: bool) -> tuple[Tensor, Tensor]:
+    """(o, lse) of attention with no mask, each batch entry's keys cut into `splits` chunks
+    (the last shorter), each (entry, chunk) a sequence of attention_varlen's kernel with a copy
+    of the entry's query rows, the chunks' outputs then weighted by exp(lse_chunk - lse) and
+    summed in fp32 (FlashAttention's split-KV): b * splits * heads CTAs where b * heads alone
+    leave the GPU idle. Differentiable: the varlen op's backward and the combination's. The
+    chunks' outputs are rounded to q's dtype before they are combined."""
+    b, sq, h, d = q.shape
+    sk, hk, dv = k.shape[1], k.shape[2], v.shape[3]
+    size = -(-sk // splits)
+    n = -(-sk // size)  # chunks, none empty
+    cu_q, cu_k = _split_offsets(b, n, sq, sk, size, q.device)
+    qs = q.unsqueeze(1).expand(b, n, sq, h, d).reshape(b * n * sq, h, d)
+    o, lse = _attention_varlen_fwd(qs, k.reshape(b * sk, hk, d), v.reshape(b * sk, hk, dv),
+                                   cu_q, cu_k, sq, size, scale, False, 0, False, 0, softcap,
+                                   False, deterministic)
+    lse = lse.view(h, b, n, sq)
+    total = torch.logsumexp(lse, dim=2)  # (h, b, sq); every chunk has keys: finite
+    weight = torch.exp(lse - total.unsqueeze(2)).permute(1, 2, 3, 0).unsqueeze(-1)
+    out = (o.view(b, n, sq, h, dv).float() * weight).sum(1)
+    return out.to(q.dtype), total.permute(1, 0, 2)
+
+
+_SPLIT_OFFSETS: dict[tuple, tuple[Tensor, Tensor]] = {}
+
+
+def _split_offsets(b: int, n: int, sq: int, sk: int, size: int,
+                   device: torch.device) -> tuple[Tensor, Tensor]:
+    """cu_seqlens_q and cu_seqlens_k (int32, on device) of _split_keys' sequences, (entry,
+    chunk) in that order: sq rows each; keys [e sk + c size, e sk + min((c + 1) size, sk)) of
+    the packed (b sk) keys (consecutive sequences' keys are contiguous). Kept per shape, so a
+    decoding loop makes them once (no synchronization either way)."""
+    key = (b, n, sq, sk, size, device)
+    found = _SPLIT_OFFSETS.get(key)
+    if found is None:  # made on the device: no copy from the host (a decoding step's sk is new)
+        ends = (torch.arange(b, device=device)[:, None] * sk +
+                torch.arange(1, n + 1, device=device).mul_(size).clamp_(max=sk)[None, :])
+        found = (torch.arange(0, b * n * sq + 1, sq, dtype=torch.int32, device=device),
+                 torch.cat([ends.new_zeros(1), ends.flatten()]).int())
+        if len(_SPLIT_OFFSETS) > 64:
+            _SPLIT_OFFSETS.clear()
+        _SPLIT_OFFSETS[key] = found
+    return found
 
 
 def reference(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
