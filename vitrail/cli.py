@@ -187,12 +187,11 @@ def _tune_grid(args: argparse.Namespace) -> int:
     try:
         chosen = grid.problems(args.op)
         shipped = read_export(path) if path.exists() else []
-        # the grid's ops, some not registered (sympow's other dtypes): what merge checks against
-        known = dict(registry)
-        for p in grid.GRID:
-            shaped, _ = resolve_tune(p.family, p.shape, p.dtype, p.backward, registry,
-                                     device=_gpu())
-            known[shaped.op.name] = shaped.op
+        # every problem routed once: the loop below takes its own; merge checks the records
+        # against the grid's ops, some not registered (sympow's other dtypes)
+        resolved = {p: resolve_tune(p.family, p.shape, p.dtype, p.backward, registry,
+                                    device=_gpu())[0] for p in grid.GRID}
+        known = {**registry, **{s.op.name: s.op for s in resolved.values()}}
     except (ValueError, _Usage) as e:
         print(f"vitrail tune grid: {e}", file=sys.stderr)
         return 2
@@ -203,15 +202,14 @@ def _tune_grid(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp, vitrail.settings(max_workers=args.workers):
         store = TuningStore(Path(tmp) / "tuning.sqlite")
         for p in chosen:
+            shaped = resolved[p]
+            key = tuner.record_key(shaped.op.tunable, shaped.key, limits())
+            if key in records and key not in slowdowns and not args.overwrite:
+                skipped += 1
+                continue
             try:
-                shaped, _ = resolve_tune(p.family, p.shape, p.dtype, p.backward, registry,
-                                         device=_gpu())
-                key = tuner.record_key(shaped.op.tunable, shaped.key, limits())
-                if key in records and key not in slowdowns and not args.overwrite:
-                    skipped += 1
-                    continue
                 config = shaped.op.tune(shaped.key, shaped.problem, shaped.args(), store)
-            except (_Usage, TuningError) as e:
+            except TuningError as e:
                 failed.append(f"{p.label}: {e}")
                 print(f"{p.label}: FAILED {e}", file=sys.stderr)
                 continue
