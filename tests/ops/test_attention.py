@@ -6,6 +6,7 @@ and SDPA's layout."""
 from __future__ import annotations
 
 import importlib
+import itertools
 import math
 
 import pytest
@@ -863,14 +864,18 @@ def _varlen_on_the_cpu(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, causal_
 @pytest.mark.parametrize("b,sq,h,hk,sk,d,dv,splits,extra", [
     (2, 1, 4, 2, 37, 32, 32, 4, {}), (1, 3, 2, 2, 50, 16, 48, 7, {"softcap": 5.0}),
     (3, 1, 2, 1, 3, 16, 16, 8, {"causal": True, "alignment": "bottom_right"}),
-    (1, 2, 2, 1, 40, 16, 16, 3, {"scale": 0.3})])
+    (1, 2, 2, 1, 40, 16, 16, 3, {"scale": 0.3}), (2, 3, 6, 2, 20, 16, 16, 1, {}),
+    (2, 1, 8, 2, 9, 16, 32, None, {}), (1, 50, 4, 2, 9, 16, 16, 2, {})])
 def test_split_keys_combine_the_chunks_like_one_pass(monkeypatch, b, sq, h, hk, sk, d, dv,
                                                      splits, extra):
-    """num_splits > 1 (no mask): each batch entry's keys in chunks, each a sequence of the
-    varlen kernel (here its fp64 reference on the CPU), combined by their log-sum-exps: o and lse
-    as one pass over all keys (GQA, Dv != D, softcap, more splits than keys, decoding's one row
-    with a bottom-right causal mask, which hides no key)."""
+    """No mask: each batch entry's keys in chunks, each a sequence of the varlen kernel (here
+    its fp64 reference on the CPU), combined by their log-sum-exps: o and lse as one pass over
+    all keys (GQA's heads packed into the rows, one chunk or several, the default; rows too many
+    to pack; Dv != D, softcap, more splits than keys, decoding's one row with a bottom-right
+    causal mask, which hides no key)."""
     monkeypatch.setattr(A, "_attention_varlen_fwd", _varlen_on_the_cpu)
+    calls, split_keys = [], A._split_keys
+    monkeypatch.setattr(A, "_split_keys", lambda *a: calls.append(a) or split_keys(*a))
     monkeypatch.setattr(A, "_check", lambda *a: None)  # CPU tensors (the checks: tests above)
     g = torch.Generator().manual_seed(sk)
     q = torch.randn(b, sq, h, d, generator=g).to(torch.bfloat16)
@@ -881,14 +886,61 @@ def test_split_keys_combine_the_chunks_like_one_pass(monkeypatch, b, sq, h, hk, 
     assert o.shape == ro.shape and o.dtype == q.dtype and lse.shape == (b, h, sq)
     torch.testing.assert_close(o.double(), ro, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(lse.double(), rlse, rtol=1e-5, atol=1e-5)
+    pack = h > hk and sq * h // hk <= A.BM
+    assert [c[4] for c in calls] == ([pack] if pack or (splits or 1) > 1 else [])
+
+
+def test_the_combination_of_chunks_against_its_formula():
+    """combine_reference (the combine kernel's reference, its CPU path and its backward): o =
+    sum_c exp(lse_c - lse) o_c with lse = log sum_c exp(lse_c), computed here head by head from
+    the varlen layout (packed rows s g + j of KV head kv being head kv g + j's row s); a row
+    whose chunks saw no key gives zeros and -inf; and the gradients through the op."""
+    b, n, sq, g, hk, dv = 2, 3, 2, 2, 3, 8
+    gen = torch.Generator().manual_seed(0)
+    part = torch.randn(b * n * sq * g, hk, dv, generator=gen, dtype=torch.float64)
+    part_lse = torch.randn(hk, b * n * sq * g, generator=gen, dtype=torch.float64)
+    part_lse[1, :n * sq * g:sq * g] = -math.inf  # entry 0, row 0 of KV head 1: no key anywhere
+    o, lse = A.combine_reference(part, part_lse, b, n, sq, g)
+    assert o.shape == (b, sq, hk * g, dv) and lse.shape == (b, hk * g, sq)
+    for e, s, kv, j in itertools.product(range(b), range(sq), range(hk), range(g)):
+        rows = [(e * n + c) * sq * g + s * g + j for c in range(n)]
+        ls = part_lse[kv, rows]
+        want_lse = torch.logsumexp(ls, 0)
+        assert torch.allclose(lse[e, kv * g + j, s], want_lse) or (
+            want_lse == -math.inf and lse[e, kv * g + j, s] == -math.inf)
+        want = (torch.zeros(dv, dtype=torch.float64) if want_lse == -math.inf else
+                (torch.exp(ls - want_lse)[:, None] * part[rows, kv]).sum(0))
+        torch.testing.assert_close(o[e, s, kv * g + j], want)
+    assert (o[0, 0, g] == 0).all() and lse[0, g, 0] == -math.inf
+    finite = part_lse.clone()
+    finite[1] = 0.0
+    torch.autograd.gradcheck(lambda p, pl: A._split_combine(p, pl, b, n, sq, g),
+                             (part.requires_grad_(), finite.requires_grad_()))
+
+
+def test_splits_for():
+    """The automatic split: none where one pass's CTAs nearly fill the SMs or the keys are too
+    few; else chunks of at least SPLIT_MIN_BLOCKS blocks, at most MAX_SPLITS, whose CTAs fill
+    one wave nearly full (decoding: few CTAs, many keys)."""
+    sms, bn = 132, 128
+    for tiles in (106, 128, 132, 500):
+        assert A.splits_for(tiles, 1 << 16, bn, sms) == 1, tiles
+    for keys in (1, 100, (2 * A.SPLIT_MIN_BLOCKS - 1) * bn):
+        assert A.splits_for(8, keys, bn, sms) == 1, keys
+    for tiles, keys in itertools.product((8, 16, 32, 64), (1 << 15, 1 << 17)):
+        n = A.splits_for(tiles, keys, bn, sms)
+        assert 0.8 * sms <= tiles * n <= sms and n <= A.MAX_SPLITS, (tiles, keys, n)
+    assert A.splits_for(1, 1 << 24, bn, sms) <= A.MAX_SPLITS
+    assert A.splits_for(8, 6 * bn, bn, sms) == 6 // A.SPLIT_MIN_BLOCKS
 
 
 def test_num_splits_is_checked_and_a_masked_call_takes_one_pass(monkeypatch):
+    """Where a key is masked, or K and V would need a copy, the call is one pass."""
     monkeypatch.setattr(A, "_check", lambda *a: None)  # CPU tensors
     q = torch.randn(1, 2, 2, 16, dtype=torch.bfloat16)
     k = v = torch.randn(1, 64, 2, 16, dtype=torch.bfloat16)
     for bad in (0, -1, 2.0, True, "4"):
-        with pytest.raises(ArgumentError, match="num_splits must be an integer >= 1"):
+        with pytest.raises(ArgumentError, match="num_splits must be None or an integer >= 1"):
             A.attention(q, k, v, num_splits=bad)
     passes = []
     monkeypatch.setattr(A, "_attention_fwd", lambda *a: passes.append(a) or (None, None))
@@ -897,12 +949,19 @@ def test_num_splits_is_checked_and_a_masked_call_takes_one_pass(monkeypatch):
                {"window": (8, 0)}):
         A.attention(q, k, v, num_splits=4, **kw)  # two rows: the diagonal hides keys
     assert len(passes) == 3
+    # K and V whose (batch, seqlen) rows the varlen kernel cannot read without a copy (SDPA's
+    # layout, batch 2): one pass, not a copy of the keys
+    kt = torch.randn(2, 2, 64, 16, dtype=torch.bfloat16).transpose(1, 2)
+    A.attention(torch.randn(2, 1, 4, 16, dtype=torch.bfloat16), kt, kt, num_splits=4)
+    assert len(passes) == 4
 
 
 @needs_hopper
 @pytest.mark.parametrize("b,sq,h,hk,sk,d,splits,extra", [
     (2, 1, 8, 2, 3000, 128, 8, {"causal": True, "alignment": "bottom_right"}),
-    (1, 4, 4, 4, 1000, 64, 5, {}), (3, 1, 4, 1, 700, 64, 16, {"softcap": 30.0})])
+    (1, 4, 4, 4, 1000, 64, 5, {}), (3, 1, 4, 1, 700, 64, 16, {"softcap": 30.0}),
+    (2, 1, 32, 8, 5000, 128, None, {}), (1, 3, 8, 2, 2000, 64, 1, {}),
+    (1, 1, 16, 16, 20000, 128, None, {})])
 def test_split_keys_on_the_gpu(b, sq, h, hk, sk, d, splits, extra):
     """num_splits > 1 against one pass and the fp64 reference: o, lse and the gradients of q, k
     and v through the varlen kernels' backward and the combination's."""
@@ -919,5 +978,54 @@ def test_split_keys_on_the_gpu(b, sq, h, hk, sk, d, splits, extra):
     got = torch.autograd.grad(o, (q, k, v), go)
     want = torch.autograd.grad(ro, (q, k, v), go.double())
     for x, w, what in zip(got, want, "qkv"):
-        torch.testing.assert_close(x.double(), w, rtol=2e-2, atol=2e-2 * w.abs().max().item(),
+        torch.testing.assert_close(x.double(), w.double(), rtol=2e-2,
+                                   atol=2e-2 * w.abs().max().item(),
                                    msg=lambda m, what=what: f"d{what}: {m}")
+
+
+@needs_hopper
+def test_decoding_under_torch_compile_and_a_cuda_graph():
+    """The packed and split decoding path (varlen forward, combination) traced whole by
+    torch.compile and replayed from a CUDA graph: the eager values."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(2, s, n, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
+               for s, n in ((1, 16), (9000, 4), (9000, 4)))
+    want, want_lse = A.attention(q, k, v, return_lse=True)
+    f = torch.compile(lambda a, b, c: A.attention(a, b, c, return_lse=True), fullgraph=True)
+    for got, lse in (f(q, k, v), f(q, k, v)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = A.attention(q, k, v)
+    q.copy_(torch.randn(q.shape, device="cuda", generator=gen))
+    graph.replay()
+    torch.testing.assert_close(out, A.attention(q, k, v), rtol=0, atol=0)
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype,dv,g", [(torch.bfloat16, 48, 4), (torch.float16, 128, 1),
+                                        (torch.bfloat16, 256, 2)])
+def test_the_combine_kernel_matches_its_reference(dtype, dv, g):
+    """smxx_attention_combine.cuh against combine_reference, rows that saw no key included."""
+    b, n, sq, hk = 3, 5, 2, 3
+    gen = torch.Generator(device="cuda").manual_seed(dv)
+    part = torch.randn(b * n * sq * g, hk, dv, device="cuda", generator=gen).to(dtype)
+    part_lse = 4 * torch.randn(hk, b * n * sq * g, device="cuda", generator=gen)
+    part_lse[0, 1::7] = -math.inf  # some chunks without keys
+    part_lse[2, :n * sq * g:sq * g] = -math.inf  # a row without any
+    o, lse = A._split_combine(part, part_lse, b, n, sq, g)
+    ro, rlse = A.combine_reference(part.double(), part_lse.double(), b, n, sq, g)
+    torch.testing.assert_close(o.double(), ro, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(lse.double(), rlse, rtol=1e-5, atol=1e-5)
+    assert o.dtype == dtype and lse.isneginf().sum() == rlse.isneginf().sum() > 0
+
+
+@pytest.mark.parametrize("dtype,dv", [(torch.bfloat16, 48), (torch.float16, 256)])
+def test_the_combine_kernel_compiles_for_sm90a(dtype, dv):
+    """Split-KV's combination (a 6-lane and a 32-lane row) builds, without spills."""
+    from vitrail.jit import compiler
+    entry, _ = compiler.build_entry(A.combine_source(dtype, dv), name="attention_split_combine",
+                                    backend="nvrtc", arch="90a", include_dirs=[A.HERE])
+    res = entry.meta["resources"]["attention_split_combine"]
+    assert res["spill_stores"] == 0 and res["stack"] == 0, res

@@ -24,8 +24,10 @@ keys, dK and dV over the query rows: the same bits every run, S and dP computed 
 (FlashAttention's cu_seqlens).
 
 Kernels compile with NVRTC in seconds, one per (dtype, D, Dv, causal); a new sequence length or
-batch compiles nothing. ``num_splits=n`` (decoding: few query rows, many keys, no mask) computes
-n chunks of each batch entry's keys side by side and combines them (split-KV: _split_keys).
+batch compiles nothing. Where no key is masked (decoding: few query rows, many keys), the keys
+of each batch entry are split into chunks computed side by side and combined where one pass
+would leave SMs idle (split-KV; ``num_splits=n`` sets the chunks, 1 none), and a GQA group's
+query heads share their K and V's reads (packed into one tile's rows): _split_keys.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from vitrail.device import ctype, sm_count
+from vitrail.device import ctype, sm_count, target_limits
 from vitrail.jit.errors import ArgumentError
 from vitrail.jit.tma import tensor_map
 from vitrail.ops.attention.backward import attention_backward
@@ -56,10 +58,11 @@ BM, STAGES, THREADS = 128, 2, 384
 PERSISTENT_MAX_KEYS = 4096
 
 
-def persistent_for(seqlen_k: int) -> bool:
-    """Whether the forward over seqlen_k keys (varlen: the longest sequence's) runs the
-    persistent grid."""
-    return seqlen_k <= PERSISTENT_MAX_KEYS
+def persistent_for(seqlen_k: int, tiles: int, sms: int) -> bool:
+    """Whether the forward of `tiles` tiles over seqlen_k keys (varlen: the longest sequence's)
+    runs the persistent grid: not where every tile has an SM of its own (the grid would be the
+    same, plus the counter's fill)."""
+    return seqlen_k <= PERSISTENT_MAX_KEYS and tiles > sms
 
 MAX_GRID_YZ = 65535  # heads on the grid's y, batch on its z
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory a CTA may take on Hopper
@@ -466,7 +469,7 @@ def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
                                   f"{torch.cuda.get_device_name(q.device)} is not one: use "
                                   f"torch.nn.functional.scaled_dot_product_attention there")
     q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
-    persistent = persistent_for(sk)
+    persistent = persistent_for(sk, -(-sq // BM) * h * b, sm_count(q.device.index))
     launch(kernel(q.dtype, d, causal, local=local, softcap=softcap > 0, dv=dv,
                   persistent=persistent), o, lse, q, k, v, sq, sk, b, scale, causal_offset,
            local_offset, softcap, persistent=persistent)
@@ -544,52 +547,93 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
               scale: Optional[float] = None, alignment: str = "top_left",
               window: Optional[tuple[Optional[int], Optional[int]]] = None,
               softcap: Optional[float] = None, return_lse: bool = False,
-              deterministic: bool = False, num_splits: int = 1):
+              deterministic: bool = False, num_splits: Optional[int] = None):
     """softmax(q k^T * scale) v per batch and head (see the module docstring); deterministic:
     the backward's kernels without atomics (the same gradient bits on every run); num_splits:
-    split each batch entry's keys into that many chunks computed side by side and combined
-    (split-KV, for decoding: few query rows, many keys), where no key is masked (see
-    _split_keys); elsewhere one pass."""
+    where no key is masked, each batch entry's keys in that many chunks computed side by side
+    and combined (split-KV, for decoding: few query rows, many keys; see _split_keys); None
+    chooses (splits_for), 1 never splits."""
     _check(q, k, v, scale, alignment, causal, window, softcap)
-    if not (isinstance(num_splits, int) and not isinstance(num_splits, bool) and
-            num_splits >= 1):
-        raise ArgumentError(f"{NAME}: num_splits must be an integer >= 1, got {num_splits!r}")
-    d = q.shape[3]
+    if num_splits is not None and not (isinstance(num_splits, int) and
+                                       not isinstance(num_splits, bool) and num_splits >= 1):
+        raise ArgumentError(f"{NAME}: num_splits must be None or an integer >= 1, got "
+                            f"{num_splits!r}")
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
     scale = d ** -0.5 if scale is None else float(scale)
-    b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
     mask = _mask(sq, sk, bool(causal), alignment, window)
     upper, hi, local, _ = mask
-    splits = min(num_splits, sk, MAX_GRID_YZ // max(b, 1))
-    if splits > 1 and b * sq > 0 and not local and (not upper or hi >= sk - 1):  # no mask
-        o, lse = _split_keys(q, k, v, splits, scale, float(softcap or 0.0), bool(deterministic))
-    else:
-        o, lse = _attention_fwd(q, k, v, scale, *mask, float(softcap or 0.0),
-                                bool(deterministic))
+    softcap, deterministic = float(softcap or 0.0), bool(deterministic)
+    if (b * sq > 0 and sk > 0 and not local and (not upper or hi >= sk - 1) and  # no key masked
+            _rows_of_one_stride(k) and _rows_of_one_stride(v)):
+        pack = h > hk and sq * (h // hk) <= BM
+        heads, rows = (hk, sq * (h // hk)) if pack else (h, sq)
+        sms = sm_count(q.device.index) if q.is_cuda else target_limits().sm_count  # (tests)
+        splits = (splits_for(b * heads * -(-rows // BM), sk, block_n(d, v.shape[3]), sms)
+                  if num_splits is None else num_splits)
+        splits = min(splits, sk, MAX_GRID_YZ // b)
+        if pack or splits > 1:
+            o, lse = _split_keys(q, k, v, splits, pack, scale, softcap, deterministic)
+            return (o, lse) if return_lse else o
+    o, lse = _attention_fwd(q, k, v, scale, *mask, softcap, deterministic)
     return (o, lse) if return_lse else o
 
 
-def _split_keys(q: Tensor, k: Tensor, v: Tensor, splits: int, scale: float, softcap: float,
-                deterministic: bool) -> tuple[Tensor, Tensor]:
-    """(o, lse) of attention with no mask, each batch entry's keys cut into `splits` chunks
-    (the last shorter), each (entry, chunk) a sequence of attention_varlen's kernel with a copy
-    of the entry's query rows, the chunks' outputs then weighted by exp(lse_chunk - lse) and
-    summed in fp32 (FlashAttention's split-KV): b * splits * heads CTAs where b * heads alone
-    leave the GPU idle. Differentiable: the varlen op's backward and the combination's. The
-    chunks' outputs are rounded to q's dtype before they are combined."""
+def _rows_of_one_stride(t: Tensor) -> bool:
+    """Whether t's (batch, seqlen) rows are one run of equal strides, as the varlen kernel reads
+    them (a view, not a copy of a KV cache in SDPA's layout with batch > 1)."""
+    return t.shape[0] == 1 or t.shape[1] == 1 or t.stride(0) == t.shape[1] * t.stride(1)
+
+
+# The automatic split's model of a pass: its time is its waves of CTAs, each as long as a CTA
+# takes over its blocks of keys plus SPLIT_CTA_BLOCKS blocks' worth of fixed cost (launch, Q's
+# load, the epilogue, the combination's reads), but no less than its blocks read at the memory
+# bandwidth that SPLIT_BANDWIDTH_SMS of the SMs busy already reach
+SPLIT_CTA_BLOCKS = 2
+SPLIT_BANDWIDTH_SMS = 0.8
+MAX_SPLITS = 64
+SPLIT_MIN_BLOCKS = 2  # blocks of keys a chunk holds at least
+
+
+def splits_for(tiles: int, keys: int, bn: int, sms: int) -> int:
+    """The chunks to cut each sequence's keys into, given the CTAs (tiles) of one pass over
+    them: the fewest (1 to MAX_SPLITS, chunks of SPLIT_MIN_BLOCKS blocks of bn keys or more)
+    whose modeled time is the least's within 2%. So a pass whose CTAs nearly fill
+    the SMs is not split, and few CTAs over many keys are."""
+    blocks = -(-keys // bn)
+    floor = tiles * blocks / (SPLIT_BANDWIDTH_SMS * sms)
+
+    def time(n: int) -> float:
+        return max(-(-tiles * n // sms) * (-(-blocks // n) + SPLIT_CTA_BLOCKS), floor)
+    counts = range(1, max(1, min(MAX_SPLITS, blocks // SPLIT_MIN_BLOCKS)) + 1)
+    best = min(time(n) for n in counts)
+    return next(n for n in counts if time(n) <= 1.02 * best)  # within the model's noise
+
+def _split_keys(q: Tensor, k: Tensor, v: Tensor, splits: int, pack: bool, scale: float,
+                softcap: float, deterministic: bool) -> tuple[Tensor, Tensor]:
+    """(o, lse) of attention with no mask through attention_varlen's kernel: each batch entry's
+    keys cut into `splits` chunks (the last shorter), each (entry, chunk) a sequence whose rows
+    are a copy of the entry's query rows, and where `pack`, a GQA group's query heads packed
+    into the rows (row s g + j of KV head kv is head kv g + j's row s: the group's heads read
+    their K and V once, not g times). The chunks' outputs are then combined by their
+    log-sum-exps (smxx_attention_combine.cuh; FlashAttention's split-KV): b * splits * heads
+    CTAs where b * heads alone leave the GPU idle. Differentiable: the varlen op's backward and
+    the combination's. The chunks' outputs are rounded to q's dtype before they are combined."""
     b, sq, h, d = q.shape
     sk, hk, dv = k.shape[1], k.shape[2], v.shape[3]
+    g = h // hk if pack else 1
     size = -(-sk // splits)
     n = -(-sk // size)  # chunks, none empty
-    cu_q, cu_k = _split_offsets(b, n, sq, sk, size, q.device)
-    qs = q.unsqueeze(1).expand(b, n, sq, h, d).reshape(b * n * sq, h, d)
-    o, lse = _attention_varlen_fwd(qs, k.reshape(b * sk, hk, d), v.reshape(b * sk, hk, dv),
-                                   cu_q, cu_k, sq, size, scale, False, 0, False, 0, softcap,
-                                   False, deterministic)
-    lse = lse.view(h, b, n, sq)
-    total = torch.logsumexp(lse, dim=2)  # (h, b, sq); every chunk has keys: finite
-    weight = torch.exp(lse - total.unsqueeze(2)).permute(1, 2, 3, 0).unsqueeze(-1)
-    out = (o.view(b, n, sq, h, dv).float() * weight).sum(1)
-    return out.to(q.dtype), total.permute(1, 0, 2)
+    rows = sq * g
+    cu_q, cu_k = _split_offsets(b, n, rows, sk, size, q.device)
+    packed = q.view(b, sq, h // g, g, d).transpose(2, 3)  # (b, sq, g, h / g, d)
+    qs = packed.unsqueeze(1).expand(b, n, sq, g, h // g, d).reshape(b * n * rows, h // g, d)
+    part, part_lse = _attention_varlen_fwd(qs, k.reshape(b * sk, hk, d),
+                                           v.reshape(b * sk, hk, dv), cu_q, cu_k, rows, size,
+                                           scale, False, 0, False, 0, softcap, False,
+                                           deterministic)
+    return _split_combine(part, part_lse, b, n, sq, g)
+
 
 
 _SPLIT_OFFSETS: dict[tuple, tuple[Tensor, Tensor]] = {}
@@ -599,20 +643,107 @@ def _split_offsets(b: int, n: int, sq: int, sk: int, size: int,
                    device: torch.device) -> tuple[Tensor, Tensor]:
     """cu_seqlens_q and cu_seqlens_k (int32, on device) of _split_keys' sequences, (entry,
     chunk) in that order: sq rows each; keys [e sk + c size, e sk + min((c + 1) size, sk)) of
-    the packed (b sk) keys (consecutive sequences' keys are contiguous). Kept per shape, so a
-    decoding loop makes them once (no synchronization either way)."""
+    the packed (b sk) keys (consecutive sequences' keys are contiguous). Made on the device (no
+    copy from the host: a decoding step's sk is new) and kept per shape, so a decoding loop
+    makes them once; traced by torch.compile, ops of its graph."""
     key = (b, n, sq, sk, size, device)
-    found = _SPLIT_OFFSETS.get(key)
-    if found is None:  # made on the device: no copy from the host (a decoding step's sk is new)
-        ends = (torch.arange(b, device=device)[:, None] * sk +
-                torch.arange(1, n + 1, device=device).mul_(size).clamp_(max=sk)[None, :])
-        found = (torch.arange(0, b * n * sq + 1, sq, dtype=torch.int32, device=device),
-                 torch.cat([ends.new_zeros(1), ends.flatten()]).int())
-        if len(_SPLIT_OFFSETS) > 64:
-            _SPLIT_OFFSETS.clear()
-        _SPLIT_OFFSETS[key] = found
+    compiling = torch.compiler.is_compiling()
+    found = None if compiling else _SPLIT_OFFSETS.get(key)
+    if found is None:
+        i = torch.arange(b * n + 1, dtype=torch.int32, device=device)  # chunk c of entry e:
+        found = (i * sq, (i // n) * sk + (i % n) * size)  # i = e n + c; i = b n: the end
+        if not compiling:
+            if len(_SPLIT_OFFSETS) > 64:
+                _SPLIT_OFFSETS.clear()
+            _SPLIT_OFFSETS[key] = found
     return found
 
+
+def combine_reference(part: Tensor, part_lse: Tensor, batch: int, splits: int, seqlen_q: int,
+                      group: int) -> tuple[Tensor, Tensor]:
+    """smxx_attention_combine.cuh's (o, lse) by torch's ops (differentiable): part (batch splits
+    seqlen_q group, Hkv, Dv) and part_lse (Hkv, batch splits seqlen_q group) as _split_keys'
+    varlen call makes them; o (batch, seqlen_q, Hkv group, Dv) in part's dtype, lse (batch,
+    heads, seqlen_q) fp32."""
+    hk, dv = part.shape[1], part.shape[2]
+    b, n, sq, g, h = batch, splits, seqlen_q, group, hk * group
+    lse = part_lse.view(hk, b, n, sq, g).permute(1, 2, 3, 0, 4).reshape(b, n, sq, h)
+    whole = torch.logsumexp(lse, dim=1)  # (b, sq, h); -inf where no chunk has a key
+    weight = torch.exp(lse - whole.unsqueeze(1)).nan_to_num(0.0)
+    parts = part.view(b, n, sq, g, hk, dv).transpose(3, 4).reshape(b, n, sq, h, dv)
+    wide = torch.float64 if part.dtype == torch.float64 else torch.float32
+    o = (parts.to(wide) * weight.unsqueeze(-1).to(wide)).sum(1)
+    return o.to(part.dtype), whole.transpose(1, 2).contiguous()
+
+
+COMBINE_SIGNATURE = ("void* o, float* lse, const void* part, const float* part_lse, int batch, "
+                     "int splits, int seqlen_q, int heads, int group")
+
+
+def combine_source(dtype: torch.dtype, dv: int) -> str:
+    return (f"#include <cuda_bf16.h>\n#include <cuda_fp16.h>\nusing T = {ctype(dtype)};\n"
+            f"constexpr int DV = {dv};\n#include \"smxx_attention_combine.cuh\"\n")
+
+
+def combine_kernel(dtype: torch.dtype, dv: int):
+    """The compiled smxx_attention_combine.cuh for a dtype and v head dim."""
+    key = ("combine", dtype, dv)
+    k = _KERNELS.get(key)
+    if k is None:
+        from vitrail import jit
+        module = jit.compile(combine_source(dtype, dv), name="attention_split_combine",
+                             backend="nvrtc", include_dirs=[HERE])
+        k = _KERNELS[key] = module.kernel("attention_split_combine", COMBINE_SIGNATURE)
+    return k
+
+
+@torch.library.custom_op("vitrail::attention_split_combine", mutates_args=())
+def _split_combine(part: Tensor, part_lse: Tensor, batch: int, splits: int, seqlen_q: int,
+                   group: int) -> tuple[Tensor, Tensor]:
+    """combine_reference's (o, lse): one kernel on a GPU, torch's ops elsewhere."""
+    if not part.is_cuda:
+        o, lse = combine_reference(part, part_lse, batch, splits, seqlen_q, group)
+        return o, lse
+    hk, dv = part.shape[1], part.shape[2]
+    h = hk * group
+    o = part.new_empty((batch, seqlen_q, h, dv))
+    lse = part_lse.new_empty((batch, h, seqlen_q))
+    rows = batch * seqlen_q * h
+    if rows:
+        per_block = 128 // (dv // 8)
+        with torch.cuda.device(part.device):
+            combine_kernel(part.dtype, dv)[(-(-rows // per_block), 1, 1), per_block * (dv // 8)](
+                o, lse, part, part_lse, batch, splits, seqlen_q, h, group)
+    return o, lse
+
+
+@_split_combine.register_fake
+def _split_combine_fake(part, part_lse, batch, splits, seqlen_q, group):
+    h, dv = part.shape[1] * group, part.shape[2]
+    return (part.new_empty((batch, seqlen_q, h, dv)),
+            part_lse.new_empty((batch, h, seqlen_q)))
+
+
+def _split_combine_backward(ctx, grad_o, grad_lse):
+    """Through combine_reference's ops, recomputed (the combination is cheap next to the
+    chunks' attention)."""
+    part, part_lse = ctx.saved_tensors
+    with torch.enable_grad():
+        ins = (part.detach().requires_grad_(), part_lse.detach().requires_grad_())
+        outs = combine_reference(*ins, *ctx.args)
+        used = [(t, gt) for t, gt in zip(outs, (grad_o, grad_lse)) if gt is not None]
+        grads = torch.autograd.grad([t for t, _ in used], ins, [gt for _, gt in used],
+                                    allow_unused=True)
+    return (*grads, None, None, None, None)
+
+
+def _split_combine_setup(ctx, inputs, output):
+    part, part_lse, *args = inputs
+    ctx.save_for_backward(part, part_lse)
+    ctx.args = tuple(args)
+
+
+_split_combine.register_autograd(_split_combine_backward, setup_context=_split_combine_setup)
 
 def reference(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
               scale: Optional[float] = None, alignment: str = "top_left", window=None,
@@ -680,7 +811,8 @@ def _attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
         raise NotImplementedError(f"{NAME}: the kernel is sm_90a (Hopper); "
                                   f"{torch.cuda.get_device_name(q.device)} is not one")
     q4, k4, v4 = (_tma_ready(t.unsqueeze(0)) for t in (q, k, v))  # one "batch" of all rows
-    persistent = persistent_for(max_seqlen_k)
+    persistent = persistent_for(max_seqlen_k, -(-max_seqlen_q // BM) * h * batch,
+                                sm_count(q.device.index))
     launch(kernel(q.dtype, d, causal, local=local, softcap=softcap > 0, varlen=True, dv=dv,
                   persistent=persistent), o, lse, q4, k4, v4, max_seqlen_q, 0, batch, scale,
            causal_offset, local_offset, softcap, cu_seqlens_q, cu_seqlens_k, bottom_right,

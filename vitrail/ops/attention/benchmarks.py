@@ -31,8 +31,11 @@ def build() -> None:
 
     import torch
 
-    from vitrail.ops.attention import BWD_HEAD_DIMS, bwd_kernels, kernel, persistent_for
-    variants = sorted({(d, dv, causal, persistent_for(s)) for _, s, _, d, dv, causal in CASES})
+    from vitrail.ops.attention import BM, BWD_HEAD_DIMS, bwd_kernels, kernel, persistent_for
+    from vitrail.device import target_limits
+    sms = target_limits().sm_count
+    variants = sorted({(d, dv, causal, persistent_for(s, -(-s // BM) * h * b, sms))
+                       for b, s, h, d, dv, causal in CASES})
     jobs = [lambda d=d, dv=dv, c=c, p=p: kernel(torch.bfloat16, d, c, dv=dv, persistent=p)
             for d, dv, c, p in variants]
     jobs += [lambda d=d, c=c, det=det: bwd_kernels(torch.bfloat16, d, c, deterministic=det)
@@ -49,13 +52,15 @@ def _sdpa(backend):
     def run(q, k, v, causal):
         with sdpa_kernel(backend):  # SDPA's (batch, heads, seqlen, head_dim) views, no copy
             return torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
+                enable_gqa=q.shape[2] != k.shape[2])
     return run
 
 
-def _timed(case: str, fns: dict, work: float, group: str) -> list[Row]:
-    """TFLOP/s rows of the implementations of one case, timed together; an implementation that
-    refuses the case is reported, not fatal (SDPA's backends refuse some)."""
+def _timed(case: str, fns: dict, work: float, group: str, unit: str = "TFLOP/s") -> list[Row]:
+    """Rows of the implementations of one case, timed together: TFLOP/s for work FLOPs, or GB/s
+    for work bytes; an implementation that refuses the case is reported, not fatal (SDPA's
+    backends refuse some)."""
     from vitrail.profile import compare
     ok = {}
     for impl, fn in fns.items():
@@ -64,10 +69,11 @@ def _timed(case: str, fns: dict, work: float, group: str) -> list[Row]:
             ok[impl] = fn
         except Exception as e:
             print(f"  {case} {impl}: {type(e).__name__}: {str(e)[:200]}")
-    return [Row(case=case, impl=impl, value=work / t.median / 1e9, unit="TFLOP/s",
+    per_ms = 1e9 if unit == "TFLOP/s" else 1e6
+    return [Row(case=case, impl=impl, value=work / t.median / per_ms, unit=unit,
                 lower_is_better=False, baseline=not impl.startswith("vitrail"), ms=t.median,
-                flops=work,
-                math="bf16", group=group)
+                **({"flops": work, "math": "bf16"} if unit == "TFLOP/s" else {"bytes": work}),
+                group=group)
             for impl, t in (compare(ok) if ok else {}).items()]
 
 
@@ -124,4 +130,57 @@ def run_backward() -> list[Row]:
         fns |= {"SDPA cuDNN": step(lambda: cudnn(q, k, v, causal).transpose(1, 2)),
                 "SDPA flash": step(lambda: flash(q, k, v, causal).transpose(1, 2))}
         rows += _timed(case, fns, 3.5 * flops(b, s, h, d, dv, causal), f"D{d}")
+    return rows
+
+
+# decoding: one query row per (batch entry, head) against a long KV cache, no mask (what
+# split-KV is for); GQA with 4 query heads a KV head, and MHA; tokens a batch at most 2^19
+DECODE_CASES = [(b, sk, h, hk, d)
+                for h, hk, d in ((32, 8, 128), (16, 16, 128), (32, 8, 64))
+                for sk in (2048, 8192, 32768, 131072)
+                for b in (1, 4, 16) if b * sk <= 1 << 19]
+DECODE_SPLITS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def build_decode() -> None:
+    """The kernels decoding takes: the one-pass forward at each case's keys and the varlen
+    forward at each split's chunk size (persistent or not), in parallel."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from vitrail.ops.attention import combine_kernel, kernel
+    variants = {(d, var, p) for _, _, _, _, d in DECODE_CASES for var in (False, True)
+                for p in (False, True)}
+    jobs = [lambda d=d, var=var, p=p: kernel(torch.bfloat16, d, False, varlen=var, persistent=p)
+            for d, var, p in sorted(variants)]
+    jobs += [lambda d=d: combine_kernel(torch.bfloat16, d)
+             for d in sorted({c[4] for c in DECODE_CASES})]
+    with ThreadPoolExecutor(max(1, min(8, len(jobs)))) as pool:
+        list(pool.map(lambda job: job(), jobs))
+
+
+@register("attention.decode", "vitrail.ops.attention decoding (one query row, long KV, split-KV) "
+          "vs torch SDPA (cuDNN, flash), bf16", build_decode, by_name=True)
+def run_decode() -> list[Row]:
+    """GB/s over the bytes a decoding step must read (K and V once, q and o): vitrail's own
+    choice of split and each fixed num_splits, against SDPA's backends (GQA through
+    enable_gqa) in the same run."""
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    from vitrail.ops.attention import attention
+    cudnn, flash = _sdpa(SDPBackend.CUDNN_ATTENTION), _sdpa(SDPBackend.FLASH_ATTENTION)
+    rows = []
+    for b, sk, h, hk, d in DECODE_CASES:
+        q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+        case = f"B{b} Sk{sk} H{h}/{hk} D{d}"
+        nbytes = 2.0 * (2 * b * sk * hk * d + 2 * b * h * d)
+        fns = {"vitrail": lambda: attention(q, k, v)}
+        fns |= {f"vitrail splits {n}": lambda n=n: attention(q, k, v, num_splits=n)
+                for n in DECODE_SPLITS if sk // n >= 128}
+        fns |= {"SDPA cuDNN": lambda: cudnn(q, k, v, False),
+                "SDPA flash": lambda: flash(q, k, v, False)}
+        rows += _timed(case, fns, nbytes, f"H{h}/{hk} D{d}", unit="GB/s")
     return rows
