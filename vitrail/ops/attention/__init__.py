@@ -598,8 +598,10 @@ SPLIT_MIN_BLOCKS = 2  # blocks of keys a chunk holds at least
 def splits_for(tiles: int, keys: int, bn: int, sms: int) -> int:
     """The chunks to cut each sequence's keys into, given the CTAs (tiles) of one pass over
     them: the fewest (1 to MAX_SPLITS, chunks of SPLIT_MIN_BLOCKS blocks of bn keys or more)
-    whose modeled time is the least's within 2%. So a pass whose CTAs nearly fill
-    the SMs is not split, and few CTAs over many keys are."""
+    whose modeled time is the least's within 2%, where one pass leaves SMs idle (fewer tiles
+    than SPLIT_BANDWIDTH_SMS of them): few CTAs over many keys are split."""
+    if tiles >= SPLIT_BANDWIDTH_SMS * sms:  # busy already; and many rows would be copied
+        return 1
     blocks = -(-keys // bn)
     floor = tiles * blocks / (SPLIT_BANDWIDTH_SMS * sms)
 
