@@ -602,6 +602,9 @@ def test_the_benchmark_registers_its_grid():
     assert b._name(2, 1024, 16, 192, 128, True) == "causal B2 S1024 H16 D192 Dv128"
     assert load_benchmarks()["attention.backward"].run is b.run_backward
     assert b.TRAIN_CASES == b.CASES
+    decode = load_benchmarks()["attention.decode"]
+    assert decode.run is b.run_decode and decode.build is b.build_decode and decode.by_name
+    assert all(bb * sk <= 1 << 19 and h % hk == 0 for bb, sk, h, hk, _ in b.DECODE_CASES)
 
 
 @needs_hopper
