@@ -17,8 +17,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     pytest.mark.warm_cache]  # --kernel-cache: the conv kernels (about 60 s each) built once
 
 SIZES = [(1, 1), (7, 7), (33, 7), (1, 33), (33, 33)]
-GEOMETRY = [  # (R, S, stride, padding, dilation)
-    (1, 1, 1, 0, 1), (3, 3, 1, 1, 1), (3, 3, 2, 1, 1), (3, 3, 1, 2, 2), (5, 3, 2, (2, 1), 1),
+GEOMETRY = [  # (R, S, stride, padding, dilation); 1x1 unpadded: vitrail's GEMM
+    (1, 1, 1, 0, 1), (1, 1, 2, 0, 1), (3, 3, 1, 1, 1), (3, 3, 2, 1, 1), (3, 3, 1, 2, 2), (5, 3, 2, (2, 1), 1),
     (2, 2, 2, 0, 1)]
 
 
@@ -116,8 +116,8 @@ def test_one_kernel_serves_every_size():
     from vitrail.ops.conv import operation
     keys = set()
     for H, W, C, K in ((7, 7, 16, 16), (33, 1, 64, 8), (1, 33, 8, 128)):
-        x, w = _tensors(1, C, H, W, K, 1, 1, torch.bfloat16)
-        conv2d(x, w)
+        x, w = _tensors(1, C, H, W, K, 3, 3, torch.bfloat16)
+        conv2d(x, w, padding=1)
         keys.add(operation("fprop", torch.bfloat16).compile().key)
     assert len(keys) == 1
 
@@ -149,6 +149,33 @@ def test_refusals_are_not_implemented_errors():
     x, w = _tensors(1, 16, 8, 8, 16, 3, 3, torch.bfloat16)
     with pytest.raises(NotImplementedError, match="depthwise is not one"):
         conv2d(x, w[:, :1].contiguous(memory_format=torch.channels_last), groups=16)
+
+
+@pytest.mark.parametrize("C, K, stride", [(12, 20, 1), (64, 40, 2), (3, 8, 1)])
+def test_a_1x1_convolution_of_any_channel_count_runs_the_gemm(C, K, stride):
+    """1x1 unpadded convolutions are GEMMs over pixels (vitrail's GEMM, which copies what TMA
+    cannot read): channel counts that are not multiples of 8 run too; forward with a bias and
+    an activation, dx and dw against torch's in fp64."""
+    from vitrail.ops import conv2d
+    from vitrail.ops.conv import reasons
+    x, w = _tensors(3, C, 11, 6, K, 1, 1, torch.bfloat16, seed=8)
+    assert reasons(x, w, stride=stride) == []
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    b = torch.randn(K, device="cuda").to(torch.bfloat16).requires_grad_(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the GEMM's aligned copies, said once a process
+        y = conv2d(x, w, b, stride=stride, activation="silu")
+        x64, w64, b64 = (t.detach().double().requires_grad_(True) for t in (x, w, b))
+        y64 = torch.nn.functional.silu(torch.nn.functional.conv2d(x64, w64, b64, stride))
+        assert y.shape == y64.shape and y.is_contiguous(memory_format=torch.channels_last)
+        _close(y, y64, torch.bfloat16, "y")
+        g = torch.randn_like(y64).to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
+        y.backward(g)
+    y64.backward(g.double())
+    for got, want, what in ((x.grad, x64.grad, "dx"), (w.grad, w64.grad, "dw"),
+                            (b.grad, b64.grad, "dbias")):
+        _close(got, want, torch.bfloat16, what)
 
 
 @pytest.mark.parametrize("groups, C, K, stride", [(2, 32, 48, 1), (4, 64, 32, 2), (3, 24, 24, 1)])

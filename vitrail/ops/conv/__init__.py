@@ -23,6 +23,13 @@ are copied to channels-last first (a one-time warning says so). A strided convol
 the unit-stride dgrad kernel on dy spread out with zeros (stride_h * stride_w times its work):
 CUTLASS's sm90 dgrad runs at unit stride only.
 
+1x1 convolutions without padding (one group) are GEMMs over pixels and run vitrail's GEMM
+(vitrail.ops.gemm and mm, with their selection: split-K, stream-K and torch's own matmul among
+its candidates): fprop y = x W^T with the bias and activation in its epilogue, dgrad dx = dy W,
+wgrad dw = dy^T x; with a stride, the kept pixels of x are copied first and dx is scattered
+into zeros. Their channel counts need not be multiples of 8 (the GEMM copies what TMA cannot
+read, with a one-time warning).
+
 Kernel choice: one config per kind (128x128x64 tiles, no cluster); tuning is not wired yet.
 """
 from __future__ import annotations
@@ -38,6 +45,7 @@ from vitrail.gemm import (Conv2dProblem, ConvArguments, ConvOperation, LinearCom
                           MathInstruction, TensorDescription)
 from vitrail.gemm.conv import default_tile
 from vitrail.gemm.epilogue import ACTIVATIONS
+from vitrail.gemm.ops import gemm, mm
 from vitrail.jit.errors import ArgumentError
 from vitrail.ops.common import check_same_device, check_tensor
 from vitrail.gemm.ops.operands import warn_once
@@ -94,11 +102,7 @@ def _run(kind: str, a: Tensor, b: Tensor, d: Tensor, bias: Optional[Tensor],
          activation: Optional[str], padding, stride, dilation, pad_hi) -> None:
     """Run the kernel of ``kind`` on NHWC-indexed views a, b, d (conv_arguments' roles), or
     raise NotImplementedError with the reasons it cannot."""
-    if not is_hopper(a.device):
-        raise NotImplementedError(
-            f"{NAME}: the convolution kernels are sm_90a (Hopper); "
-            f"{torch.cuda.get_device_name(a.device)} is not one: use "
-            f"torch.nn.functional.conv2d there")
+    _require_hopper(a.device)
     op = operation(kind, a.dtype, bias is not None, activation)
     args = ConvArguments.from_tensors(op, a, b, d, bias=bias, padding=padding, stride=stride,
                                       dilation=dilation, pad_hi=pad_hi)
@@ -108,6 +112,14 @@ def _run(kind: str, a: Tensor, b: Tensor, d: Tensor, bias: Optional[Tensor],
     if any(t.numel() == 0 for t in (a, b, d)):
         return
     op.run(args)
+
+
+def _require_hopper(device: torch.device) -> None:
+    if not is_hopper(device):
+        raise NotImplementedError(
+            f"{NAME}: the convolution kernels are sm_90a (Hopper); "
+            f"{torch.cuda.get_device_name(device)} is not one: use "
+            f"torch.nn.functional.conv2d there")
 
 
 def _refused(kind: str, why: list[str]) -> str:
@@ -190,6 +202,32 @@ def _out_hw(h, w, r, s, pad, pad_hi, stride, dilation) -> tuple[int, int]:
     return p, q
 
 
+def _is_gemm(weight_or_rs, pad, pad_hi, groups: int) -> bool:
+    """Whether the convolution is a GEMM over pixels (1x1 filters, no padding, one group): it
+    runs vitrail's GEMM (vitrail.ops.gemm and mm: their selection, with split-K, stream-K and
+    torch's own matmul among the candidates), not the implicit-GEMM kernels."""
+    rs = (tuple(weight_or_rs.shape[2:]) if isinstance(weight_or_rs, Tensor)
+          else tuple(weight_or_rs))
+    return rs == (1, 1) and groups == 1 and not any(pad) and not any(pad_hi)
+
+
+def _gemm_ready(t: Tensor, weight_or_rs, pad, pad_hi, groups: int) -> bool:
+    """_is_gemm, on a Hopper GPU (else refused, as the kernels are)."""
+    if not _is_gemm(weight_or_rs, pad, pad_hi, groups):
+        return False
+    _require_hopper(t.device)
+    return True
+
+
+def _pixels(t: Tensor, stride) -> Tensor:
+    """A channels-last (N, C, H, W) tensor's pixels as rows: (N H' W', C), the pixels a stride
+    keeps (a copy where it skips some; else a view)."""
+    t = _nhwc(t)
+    if tuple(stride) != (1, 1):
+        t = t[:, ::stride[0], ::stride[1]].contiguous()
+    return t.reshape(-1, t.shape[3])
+
+
 # ------------------------------------------------------------------------------ custom ops
 @torch.library.custom_op("vitrail::conv2d", mutates_args=())
 def _conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: list[int],
@@ -200,6 +238,10 @@ def _conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: list[int]
     n, _, h, w = x.shape
     k, _, r, s = weight.shape
     p, q = _out_hw(h, w, r, s, pad, pad_hi, stride, dilation)
+    if _gemm_ready(x, weight, pad, pad_hi, groups):  # y (N P Q, K) = x (N P Q, C) W^T
+        y = gemm(_pixels(x, stride), _nhwc(weight).reshape(k, -1).t(), bias=bias,
+                 activation=activation)
+        return y.view(n, p, q, k).permute(0, 3, 1, 2)
     y = _empty_nchw((n, k, p, q), x)
     biases = bias.chunk(groups) if bias is not None else [None] * groups
     for xg, wg, yg, bg in zip(_nhwc(x).chunk(groups, 3), _nhwc(weight).chunk(groups, 0),
@@ -228,6 +270,13 @@ def _conv2d_dgrad(dy: Tensor, weight: Tensor, input_hw: list[int], stride: list[
     n, k, p, q = dy.shape
     _, cg, r, s = weight.shape
     h, w = input_hw
+    if _gemm_ready(dy, weight, pad, pad_hi, groups):  # dx (N P Q, C) = dy (N P Q, K) W
+        g = mm(_pixels(dy, (1, 1)), _nhwc(weight).reshape(k, -1)).view(n, p, q, cg)
+        if tuple(stride) == (1, 1):
+            return g.permute(0, 3, 1, 2)
+        dx = dy.new_zeros((n, h, w, cg))  # the pixels no output read
+        dx[:, ::stride[0], ::stride[1]] = g
+        return dx.permute(0, 3, 1, 2)
     dx = _empty_nchw((n, cg * groups, h, w), dy)
     a = _nhwc(dy)
     if tuple(stride) != (1, 1):  # the unit-stride kernel on dy spread out with zeros
@@ -254,6 +303,9 @@ def _conv2d_wgrad(dy: Tensor, x: Tensor, filter_rs: list[int], stride: list[int]
     channels_last."""
     x = _channels_last(x, "x")
     k, c = dy.shape[1], x.shape[1]
+    if _gemm_ready(x, filter_rs, pad, pad_hi, groups):  # dw (K, C) = dy^T (K, NPQ) x (NPQ, C)
+        dw = mm(_nhwc(dy).reshape(-1, k).t(), _pixels(x, stride))
+        return dw.view(k, 1, 1, c).permute(0, 3, 1, 2)
     dw = _empty_nchw((k, c // groups, *filter_rs), x)
     for dyg, xg, dwg in zip(_nhwc(dy).chunk(groups, 3), _nhwc(x).chunk(groups, 3),
                             _nhwc(dw).chunk(groups, 0)):
@@ -356,6 +408,8 @@ def reasons(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
     if p < 1 or q < 1:
         raise ArgumentError(f"{NAME}: the output would be {p} x {q}: the dilated filter is "
                             f"larger than the padded input")
+    if _is_gemm(weight, pad, pad_hi, groups):  # vitrail's GEMM runs every shape
+        return []
 
     def packed(*shape: int) -> Tensor:  # an NHWC-indexed operand as the kernel gets it
         return torch.empty(shape, dtype=x.dtype, device="meta")

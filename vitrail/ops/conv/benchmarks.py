@@ -10,9 +10,9 @@ followed by a batch norm, a bias once folded for inference, and a ReLU; SiLU, th
 activation, for the U-Net). vitrail's rows call what conv2d and its autograd call:
 ``vitrail.ops.conv2d`` and the ``vitrail::conv2d_dgrad`` and ``vitrail::conv2d_wgrad`` custom
 ops; each result is compared with cuDNN's before it is timed (a mismatch is printed). FLOPs
-are the convolution's own, 2 N P Q K C R S, for every kind (a strided dgrad, which runs the
-unit-stride kernel on dy spread out with zeros, does stride_h * stride_w times that work and
-is credited with the convolution's).
+are the convolution's own, 2 N P Q K C R S, for every kind (a strided dgrad of a filter larger
+than 1x1, which runs the unit-stride kernel on dy spread out with zeros, does stride_h *
+stride_w times that work and is credited with the convolution's).
 
 A layer the op refuses (the 3-channel stem of ResNet-50, the U-Net's 4-channel conv_in and
 conv_out: TMA reads 16-byte channel vectors, C and K must be multiples of 8 in bf16) is a row
@@ -22,8 +22,9 @@ kind: the geometric mean of vitrail's speedups over cuDNN, the worst and best la
 speedup of the network's convolutions taken together (each layer's time times its count).
 
 ``build()`` compiles the five kernels the rows run (fprop, dgrad, wgrad, fprop+bias+relu,
-fprop+bias+silu; bf16, the op's one config), in parallel: what ``vitrail bench conv`` builds
-on a machine with no GPU.
+fprop+bias+silu; bf16, the op's one config) and the GEMM kernels of the 1x1 unpadded layers
+(which the op runs as GEMMs over pixels), in parallel: what ``vitrail bench conv`` builds on a
+machine with no GPU.
 """
 from __future__ import annotations
 
@@ -282,16 +283,47 @@ def operations() -> list:
     return ops
 
 
+def gemm_kernels(lim) -> list:
+    """(Op, config) of each GEMM kernel the 1x1 unpadded layers run (vitrail.ops.conv's GEMM
+    route: fprop x W^T, dgrad dy W, wgrad dy^T x), as the GEMM's selection chooses them for
+    their shapes (torch's matmul, where chosen, compiles nothing and is left out)."""
+    from vitrail.gemm import LinearCombination
+    from vitrail.gemm.ops.configs import Kind, Problem
+    from vitrail.gemm.ops.launch import op_for
+    from vitrail.gemm.ops.model import TORCH
+    found = []
+    for case in cases():
+        lay = case.layer
+        if (lay.R, lay.S, lay.padding) != (1, 1, 0):
+            continue
+        p, q = lay.out_hw()
+        pixels = case.batch * p * q
+        epilogue = LinearCombination("bf16", bias="col" if case.activation else None,
+                                     activation=case.activation)
+        layout_a, layout_b, problem = {
+            "fprop": ("row", "col", Problem(pixels, lay.K, lay.C)),
+            "dgrad": ("row", "row", Problem(pixels, lay.C, lay.K)),
+            "wgrad": ("col", "row", Problem(lay.K, lay.C, pixels))}[case.kernel]
+        op = op_for(Kind("bf16", "bf16", layout_a, layout_b, epilogue))
+        config = op.space.default(problem, lim)
+        if config["backend"] != TORCH and (op, config) not in found:
+            found.append((op, config))
+    return found
+
+
 def build() -> None:
-    """Compile the five kernels in parallel for the build target (the kernels are sm_90a: for
-    another target, say so and build nothing)."""
+    """Compile the five kernels and the 1x1 layers' GEMM kernels in parallel for the build
+    target (the kernels are sm_90a: for another target, say so and build nothing)."""
     from vitrail.tune import compile_all, limits
-    arch = limits().arch.name
+    lim = limits()
+    arch = lim.arch.name
     if arch != "90a":
         print(f"  conv bench: the convolution kernels are sm_90a (Hopper); the target is "
               f"sm_{arch}: nothing to build")
         return
     jobs = [(op.name, op.compile_kwargs(arch)) for op in operations()]
+    jobs += [(f"{op.name} {i}", dict(op.render(config), arch=arch))
+             for i, (op, config) in enumerate(gemm_kernels(lim))]
     for name, error in compile_all(jobs, verbose=True, label="conv bench").items():
         print(f"  build failed: {name}: {error[:2000]}")
 
