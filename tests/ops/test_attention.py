@@ -867,15 +867,15 @@ def _varlen_on_the_cpu(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, causal_
 @pytest.mark.parametrize("b,sq,h,hk,sk,d,dv,splits,extra", [
     (2, 1, 4, 2, 37, 32, 32, 4, {}), (1, 3, 2, 2, 50, 16, 48, 7, {"softcap": 5.0}),
     (3, 1, 2, 1, 3, 16, 16, 8, {"causal": True, "alignment": "bottom_right"}),
-    (1, 2, 2, 1, 40, 16, 16, 3, {"scale": 0.3}), (2, 3, 6, 2, 20, 16, 16, 1, {}),
-    (2, 1, 8, 2, 9, 16, 32, None, {}), (1, 50, 4, 2, 9, 16, 16, 2, {})])
+    (1, 2, 2, 1, 40, 16, 16, 3, {"scale": 0.3}), (2, 3, 6, 2, 1100, 16, 16, 1, {}),
+    (2, 1, 8, 2, 1500, 16, 32, None, {}), (1, 50, 4, 2, 1100, 16, 16, 2, {})])
 def test_split_keys_combine_the_chunks_like_one_pass(monkeypatch, b, sq, h, hk, sk, d, dv,
                                                      splits, extra):
     """No mask: each batch entry's keys in chunks, each a sequence of the varlen kernel (here
     its fp64 reference on the CPU), combined by their log-sum-exps: o and lse as one pass over
     all keys (GQA's heads packed into the rows, one chunk or several, the default; rows too many
-    to pack; Dv != D, softcap, more splits than keys, decoding's one row with a bottom-right
-    causal mask, which hides no key)."""
+    to pack; Dv != D, softcap, more splits than keys,
+    decoding's one row with a bottom-right causal mask, which hides no key)."""
     monkeypatch.setattr(A, "_attention_varlen_fwd", _varlen_on_the_cpu)
     calls, split_keys = [], A._split_keys
     monkeypatch.setattr(A, "_split_keys", lambda *a: calls.append(a) or split_keys(*a))
@@ -889,8 +889,9 @@ def test_split_keys_combine_the_chunks_like_one_pass(monkeypatch, b, sq, h, hk, 
     assert o.shape == ro.shape and o.dtype == q.dtype and lse.shape == (b, h, sq)
     torch.testing.assert_close(o.double(), ro, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(lse.double(), rlse, rtol=1e-5, atol=1e-5)
-    pack = h > hk and sq * h // hk <= A.BM
-    assert [c[4] for c in calls] == ([pack] if pack or (splits or 1) > 1 else [])
+    pack = h > hk and sq * h // hk <= A.BM and sk >= A.DECODE_MIN_KEYS
+    split = splits > 1 if splits else True  # the default, by splits_for: 1 to 4 tiles
+    assert [c[4] for c in calls] == ([pack] if pack or split else [])
 
 
 def test_the_combination_of_chunks_against_its_formula():
@@ -938,7 +939,8 @@ def test_splits_for():
 
 
 def test_num_splits_is_checked_and_a_masked_call_takes_one_pass(monkeypatch):
-    """Where a key is masked, or K and V would need a copy, the call is one pass."""
+    """Where a key is masked, K and V would need a copy, or (by default) the keys are few or the
+    rows many, the call is one pass."""
     monkeypatch.setattr(A, "_check", lambda *a: None)  # CPU tensors
     q = torch.randn(1, 2, 2, 16, dtype=torch.bfloat16)
     k = v = torch.randn(1, 64, 2, 16, dtype=torch.bfloat16)
@@ -957,6 +959,13 @@ def test_num_splits_is_checked_and_a_masked_call_takes_one_pass(monkeypatch):
     kt = torch.randn(2, 2, 64, 16, dtype=torch.bfloat16).transpose(1, 2)
     A.attention(torch.randn(2, 1, 4, 16, dtype=torch.bfloat16), kt, kt, num_splits=4)
     assert len(passes) == 4
+    # by default, fewer keys than DECODE_MIN_KEYS, or a head's rows more than a tile: one pass,
+    # GQA's heads not packed either
+    few = torch.randn(2, A.DECODE_MIN_KEYS - 1, 2, 16, dtype=torch.bfloat16)
+    A.attention(torch.randn(2, 1, 8, 16, dtype=torch.bfloat16), few, few)
+    many = torch.randn(1, A.DECODE_MIN_KEYS, 4, 16, dtype=torch.bfloat16)
+    A.attention(torch.randn(1, A.BM + 1, 4, 16, dtype=torch.bfloat16), many, many)
+    assert len(passes) == 6
 
 
 @needs_hopper

@@ -27,7 +27,8 @@ Kernels compile with NVRTC in seconds, one per (dtype, D, Dv, causal); a new seq
 batch compiles nothing. Where no key is masked (decoding: few query rows, many keys), the keys
 of each batch entry are split into chunks computed side by side and combined where one pass
 would leave SMs idle (split-KV; ``num_splits=n`` sets the chunks, 1 none), and a GQA group's
-query heads share their K and V's reads (packed into one tile's rows): _split_keys.
+query heads share their K and V's reads (packed into one tile's rows), from DECODE_MIN_KEYS keys:
+_split_keys.
 """
 from __future__ import annotations
 
@@ -552,7 +553,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     the backward's kernels without atomics (the same gradient bits on every run); num_splits:
     where no key is masked, each batch entry's keys in that many chunks computed side by side
     and combined (split-KV, for decoding: few query rows, many keys; see _split_keys); None
-    chooses (splits_for), 1 never splits."""
+    chooses where a head's query rows fit one tile and there are DECODE_MIN_KEYS keys or more
+    (splits_for), else one pass; 1 never splits."""
     _check(q, k, v, scale, alignment, causal, window, softcap)
     if num_splits is not None and not (isinstance(num_splits, int) and
                                        not isinstance(num_splits, bool) and num_splits >= 1):
@@ -566,11 +568,16 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     softcap, deterministic = float(softcap or 0.0), bool(deterministic)
     if (b * sq > 0 and sk > 0 and not local and (not upper or hi >= sk - 1) and  # no key masked
             _rows_of_one_stride(k) and _rows_of_one_stride(v)):
-        pack = h > hk and sq * (h // hk) <= BM
+        long = sk >= DECODE_MIN_KEYS
+        pack = long and h > hk and sq * (h // hk) <= BM
         heads, rows = (hk, sq * (h // hk)) if pack else (h, sq)
-        sms = sm_count(q.device.index) if q.is_cuda else target_limits().sm_count  # (tests)
-        splits = (splits_for(b * heads * -(-rows // BM), sk, block_n(d, v.shape[3]), sms)
-                  if num_splits is None else num_splits)
+        if num_splits is not None:
+            splits = num_splits
+        elif long and rows <= BM:  # decoding: one tile of rows a head, many keys
+            sms = sm_count(q.device.index) if q.is_cuda else target_limits().sm_count  # (tests)
+            splits = splits_for(b * heads, sk, block_n(d, v.shape[3]), sms)
+        else:  # a copy of many rows a chunk and their combination would cost more than gained
+            splits = 1
         splits = min(splits, sk, MAX_GRID_YZ // b)
         if pack or splits > 1:
             o, lse = _split_keys(q, k, v, splits, pack, scale, softcap, deterministic)
@@ -585,6 +592,10 @@ def _rows_of_one_stride(t: Tensor) -> bool:
     return t.shape[0] == 1 or t.shape[1] == 1 or t.stride(0) == t.shape[1] * t.stride(1)
 
 
+# Packing and the automatic split apply from this many keys: below, the launches they add (a copy
+# of q's rows, the combination) cost more than the reads they save (on the H100: 16 keys took
+# twice one pass's time, 2048 keys two thirds of it)
+DECODE_MIN_KEYS = 1024
 # The automatic split's model of a pass: its time is its waves of CTAs, each as long as a CTA
 # takes over its blocks of keys plus SPLIT_CTA_BLOCKS blocks' worth of fixed cost (launch, Q's
 # load, the epilogue, the combination's reads), but no less than its blocks read at the memory
