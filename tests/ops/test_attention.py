@@ -818,6 +818,7 @@ def test_the_fused_varlen_backward_matches_the_sequence_by_sequence_one(d, causa
     torch.cuda.synchronize()
     assert all(same(a, b) for a, b in zip(got, captured))
 
+
 @needs_hopper
 @pytest.mark.parametrize("d,dv", [(192, 128), (64, 128), (96, 32)])
 def test_varlen_with_a_v_head_dim_of_its_own(d, dv):

@@ -18,8 +18,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
 
 SIZES = [(1, 1), (7, 7), (33, 7), (1, 33), (33, 33)]
 GEOMETRY = [  # (R, S, stride, padding, dilation); 1x1 unpadded: vitrail's GEMM
-    (1, 1, 1, 0, 1), (1, 1, 2, 0, 1), (3, 3, 1, 1, 1), (3, 3, 2, 1, 1), (3, 3, 1, 2, 2), (5, 3, 2, (2, 1), 1),
-    (2, 2, 2, 0, 1)]
+    (1, 1, 1, 0, 1), (1, 1, 2, 0, 1), (3, 3, 1, 1, 1), (3, 3, 2, 1, 1), (3, 3, 1, 2, 2),
+    (5, 3, 2, (2, 1), 1), (2, 2, 2, 0, 1)]
 
 
 def _tensors(N, C, H, W, K, R, S, dtype, seed=0):

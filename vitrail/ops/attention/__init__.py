@@ -622,6 +622,7 @@ def splits_for(tiles: int, keys: int, bn: int, sms: int) -> int:
     best = min(time(n) for n in counts)
     return next(n for n in counts if time(n) <= 1.02 * best)  # within the model's noise
 
+
 def _split_keys(q: Tensor, k: Tensor, v: Tensor, splits: int, pack: bool, scale: float,
                 softcap: float, deterministic: bool) -> tuple[Tensor, Tensor]:
     """(o, lse) of attention with no mask through attention_varlen's kernel: each batch entry's
@@ -646,7 +647,6 @@ def _split_keys(q: Tensor, k: Tensor, v: Tensor, splits: int, pack: bool, scale:
                                            scale, False, 0, False, 0, softcap, False,
                                            deterministic)
     return _split_combine(part, part_lse, b, n, sq, g)
-
 
 
 _SPLIT_OFFSETS: dict[tuple, tuple[Tensor, Tensor]] = {}
@@ -694,6 +694,7 @@ COMBINE_SIGNATURE = ("void* o, float* lse, const void* part, const float* part_l
 
 
 def combine_source(dtype: torch.dtype, dv: int) -> str:
+    """smxx_attention_combine.cuh's instantiation for a dtype and v head dim."""
     return (f"#include <cuda_bf16.h>\n#include <cuda_fp16.h>\nusing T = {ctype(dtype)};\n"
             f"constexpr int DV = {dv};\n#include \"smxx_attention_combine.cuh\"\n")
 
@@ -757,6 +758,7 @@ def _split_combine_setup(ctx, inputs, output):
 
 
 _split_combine.register_autograd(_split_combine_backward, setup_context=_split_combine_setup)
+
 
 def reference(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
               scale: Optional[float] = None, alignment: str = "top_left", window=None,
