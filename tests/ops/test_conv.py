@@ -44,6 +44,22 @@ def _close(got, want, dtype, what):
     assert err <= tol * scale, f"{what}: max error {err} (scale {scale})"
 
 
+def _against_fp64(op, reference, x, w, b):
+    """op(x, w, b) (bf16) and its gradients of x, w and b against reference's on fp64 copies,
+    through one upstream gradient: y channels-last, every value within _close."""
+    x, w, b = (t.detach().requires_grad_(True) for t in (x, w, b))
+    x64, w64, b64 = (t.detach().double().requires_grad_(True) for t in (x, w, b))
+    y, y64 = op(x, w, b), reference(x64, w64, b64)
+    assert y.shape == y64.shape and y.is_contiguous(memory_format=torch.channels_last)
+    _close(y, y64, torch.bfloat16, "y")
+    g = torch.randn_like(y64).to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    y.backward(g)
+    y64.backward(g.double())
+    for got, want, what in ((x.grad, x64.grad, "dx"), (w.grad, w64.grad, "dw"),
+                            (b.grad, b64.grad, "dbias")):
+        _close(got, want, torch.bfloat16, what)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("H, W", SIZES)
 @pytest.mark.parametrize("R, S, stride, padding, dilation", GEOMETRY)
@@ -160,22 +176,12 @@ def test_a_1x1_convolution_of_any_channel_count_runs_the_gemm(C, K, stride):
     from vitrail.ops.conv import reasons
     x, w = _tensors(3, C, 11, 6, K, 1, 1, torch.bfloat16, seed=8)
     assert reasons(x, w, stride=stride) == []
-    x.requires_grad_(True)
-    w.requires_grad_(True)
-    b = torch.randn(K, device="cuda").to(torch.bfloat16).requires_grad_(True)
+    b = torch.randn(K, device="cuda").to(torch.bfloat16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the GEMM's aligned copies, said once a process
-        y = conv2d(x, w, b, stride=stride, activation="silu")
-        x64, w64, b64 = (t.detach().double().requires_grad_(True) for t in (x, w, b))
-        y64 = torch.nn.functional.silu(torch.nn.functional.conv2d(x64, w64, b64, stride))
-        assert y.shape == y64.shape and y.is_contiguous(memory_format=torch.channels_last)
-        _close(y, y64, torch.bfloat16, "y")
-        g = torch.randn_like(y64).to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
-        y.backward(g)
-    y64.backward(g.double())
-    for got, want, what in ((x.grad, x64.grad, "dx"), (w.grad, w64.grad, "dw"),
-                            (b.grad, b64.grad, "dbias")):
-        _close(got, want, torch.bfloat16, what)
+        _against_fp64(lambda x, w, b: conv2d(x, w, b, stride=stride, activation="silu"),
+                      lambda x, w, b: torch.nn.functional.silu(
+                          torch.nn.functional.conv2d(x, w, b, stride)), x, w, b)
 
 
 @pytest.mark.parametrize("groups, C, K, stride", [(2, 32, 48, 1), (4, 64, 32, 2), (3, 24, 24, 1)])
@@ -184,20 +190,12 @@ def test_groups_run_a_kernel_a_group(groups, C, K, stride):
     forward, dx and dw against torch's in fp64, with a bias."""
     from vitrail.ops import conv2d
     x, w = _tensors(2, C, 13, 9, K, 3, 3, torch.bfloat16, seed=6)
-    w = w[:, :C // groups].contiguous(memory_format=torch.channels_last).requires_grad_(True)
-    x.requires_grad_(True)
-    b = torch.randn(K, device="cuda").to(torch.bfloat16).requires_grad_(True)
-    y = conv2d(x, w, b, stride=stride, padding=1, groups=groups, activation="relu")
-    x64, w64 = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
-    b64 = b.detach().double().requires_grad_(True)
-    y64 = torch.relu(torch.nn.functional.conv2d(x64, w64, b64, stride, 1, 1, groups))
-    _close(y, y64, torch.bfloat16, "y")
-    g = torch.randn_like(y64).to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
-    y.backward(g)
-    y64.backward(g.double())
-    for got, want, what in ((x.grad, x64.grad, "dx"), (w.grad, w64.grad, "dw"),
-                            (b.grad, b64.grad, "dbias")):
-        _close(got, want, torch.bfloat16, what)
+    w = w[:, :C // groups].contiguous(memory_format=torch.channels_last)
+    b = torch.randn(K, device="cuda").to(torch.bfloat16)
+    _against_fp64(lambda x, w, b: conv2d(x, w, b, stride=stride, padding=1, groups=groups,
+                                         activation="relu"),
+                  lambda x, w, b: torch.relu(torch.nn.functional.conv2d(x, w, b, stride, 1, 1,
+                                                                        groups)), x, w, b)
 
 
 def test_compiles_under_torch_compile():
