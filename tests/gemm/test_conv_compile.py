@@ -1,8 +1,10 @@
 """Compile-only builds of the convolutions for sm_90a (CI has no GPU): two of the kernels
-vitrail.ops.conv2d runs for bf16, fprop with its bias and relu fused, and dgrad: each on TMA
-(im2col for the activation) and wgmma, without spills. Two builds in parallel, about 60 s each
-on one core (CI's budget: no more conv builds than these; wgrad builds on the GPU machine, in
-tests/ops/test_conv.py, and in `vitrail bench conv --compile-only`)."""
+vitrail.ops.conv2d runs for bf16, fprop with its bias and relu fused, and the chunked wgrad
+(the batch in chunks in one launch, fp32 partials): each on TMA (im2col for the activation)
+and wgmma, without spills, and the entry point's checks. Two builds in parallel, about 60 s
+each on one core (CI's budget: no more conv builds than these; dgrad and the one-pass wgrad
+build on the GPU machine, in tests/ops/test_conv.py, and in `vitrail bench conv
+--compile-only`)."""
 from __future__ import annotations
 
 import re
@@ -18,10 +20,11 @@ from tests.conftest import requires_nvcc
 def test_compile_representative_convolutions(monkeypatch):
     monkeypatch.setenv("VITRAIL_ARCH", "90a")
     from vitrail.gemm import compile_many
+    from vitrail.gemm.conv_arguments import MAX_CHUNKS
     from vitrail.ops.conv import operation
 
     ops = [operation("fprop", torch.bfloat16, bias=True, activation="relu"),
-           operation("dgrad", torch.bfloat16)]
+           operation("wgrad", torch.bfloat16, partials=True)]
     failures = compile_many(ops, arch="90a", max_workers=2)
     assert not failures, failures
     for op in ops:
@@ -30,21 +33,23 @@ def test_compile_representative_convolutions(monkeypatch):
         wgmma = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", mod.ptx))
         assert wgmma == {"m64n128k16"}, (op.name, wgmma)
         assert "cp.async.bulk.tensor" in mod.ptx
-        # the activation (A of fprop and dgrad) comes through TMA's im2col mode
+        # the activation (A of fprop, B of wgrad) comes through TMA's im2col mode
         assert re.search(r"cp\.async\.bulk\.tensor\.4d\.shared::cluster\.global\.im2col", mod.ptx)
         res = mod.resources()
-        kernel = [r for name, r in res.items() if "ConvUniversal" in name]
+        kernel = [r for name, r in res.items()
+                  if "ConvUniversal" in name or "vitrail_conv_chunks" in name]
         assert kernel and not any(r.spills or r.stack for r in kernel), res
         run = mod.function("vitrail_conv")  # the entry point loads and checks (no GPU needed)
         # A, B, C, D, bias; N H W C K R S; padding, stride, dilation; x, w, y and C strides;
-        # alpha, beta, slope, lo, hi; workspace, its bytes, SM count
+        # alpha, beta, slope, lo, hi; splits; workspace, its bytes, SM count
         args = [16, 32, 0, 64, 0, 1, 8, 8, 64, 64, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1,
                 4096, 512, 64, 576, 192, 64, 4096, 512, 64, 4096, 512, 64,
-                1.0, 0.0, 0.01, float("-inf"), float("inf"), 0, 0, 132]
+                1.0, 0.0, 0.01, float("-inf"), float("inf"), 1, 0, 0, 132]
         assert run(*args[:5], 0, *args[6:], stream=0) == -3  # N = 0
         assert run(*args[:12], -1, *args[13:], stream=0) == -3  # negative padding
         assert run(17, *args[1:], stream=0) == -1  # A not 16-byte aligned
         assert run(*args[:8], 60, *args[9:], stream=0) == -8  # C not a multiple of 8
         assert run(*args[:20], 4100, *args[21:], stream=0) == -2  # a stride not of 16 bytes
-        if op.kind == "dgrad":
-            assert run(*args[:16], 2, *args[17:], stream=0) == -7  # dgrad at stride 2
+        # splits: 1 but for the chunked wgrad; there at most MAX_CHUNKS, none empty (N is 1)
+        for splits in ((2,) if op.kind == "fprop" else (0, MAX_CHUNKS + 1, 2)):
+            assert run(*args[:37], splits, *args[38:], stream=0) == -9, splits

@@ -10,10 +10,11 @@ from vitrail.gemm import (Conv2dProblem, ConvArguments, ConvOperation, LinearCom
 from vitrail.gemm.conv import default_tile
 
 
-def _op(kind="fprop", el="bf16", tile=None, **epi):
+def _op(kind="fprop", el="bf16", tile=None, chunked=False, out=None, **epi):
     t = TensorDescription(el)
-    return ConvOperation(kind, t, t, t, MathInstruction(el, el), tile or default_tile(),
-                         LinearCombination(el, **epi))
+    return ConvOperation(kind, t, t, TensorDescription(out or el), MathInstruction(el, el),
+                         tile or default_tile(), LinearCombination(out or el, **epi),
+                         chunked=chunked)
 
 
 @pytest.mark.parametrize("change, says", [
@@ -21,6 +22,8 @@ def _op(kind="fprop", el="bf16", tile=None, **epi):
     (dict(tile=TileDescription((128, 128, 64))), "'warpspecialized'"),
     (dict(bias="row"), "bias='col'"),
     (dict(kind="wgrad", bias="col"), "wgrad takes no bias"),
+    (dict(kind="fprop", chunked=True), "wgrad only"),
+    (dict(kind="wgrad", chunked=True, element_source="bf16"), "wgrad only"),
 ])
 def test_refusals_say_what_to_change(change, says):
     with pytest.raises(ValueError, match=says):
@@ -68,10 +71,23 @@ def test_emission(kind, operator, layout, tile_n):
     assert "cutlass::conv::KernelImplicitTmaWarpSpecializedSm90" in src
     assert "cudaLaunchKernelEx" in src and 'extern "C" int vitrail_conv(' in src
     assert ("return -7;" in src) == (kind == "dgrad")
+    assert "vitrail_conv_chunks" not in src and "if (splits != 1) return -9;" in src
     fused = _op(kind, activation="gelu").emit()
     assert "vitrail_epi::ActClamp<3, false>" in fused
     if kind == "fprop":
         assert "Sm90RowBroadcast" in _op(kind, bias="col").emit()
+
+
+def test_a_chunked_wgrad_launches_every_chunk_in_one_grid():
+    from vitrail.gemm.conv_arguments import MAX_CHUNKS
+    op = _op("wgrad", chunked=True, out="f32")
+    src = op.emit()
+    assert op.name.endswith("_chunked") and op.name != _op("wgrad", out="f32").name
+    assert f"constexpr int kMaxChunks = {MAX_CHUNKS};" in src
+    assert "op(params.chunk[blockIdx.z], smem);" in src
+    assert "config.gridDim.z = splits;" in src
+    assert "cudaLaunchKernelEx(&config, vitrail_conv_chunks, params)" in src
+    assert "device_kernel<GemmKernel>" not in src  # one kernel: the chunked one
 
 
 def test_problem_extents():
@@ -123,6 +139,20 @@ def test_can_implement_reasons():
     why = _op("wgrad").can_implement(_args("wgrad", p, _nhwc(2, 8, 8, 16), _nhwc(32, 3, 3, 16),
                                            _nhwc(2, 8, 16, 32)[:, :, :8]))
     assert any("must be packed" in w for w in why), why
+    chunked = _op("wgrad", chunked=True, out="f32")
+    x, dy = _nhwc(6, 8, 8, 16), _nhwc(6, 8, 8, 32)
+    p6 = Conv2dProblem(6, 8, 8, 16, 32, 3, 3, pad=(1, 1))
+
+    def partials(rows):
+        return torch.zeros(rows, 3, 3, 16)
+    assert chunked.can_implement(_args("wgrad", p6, x, partials(3 * 32), dy, splits=3)) == []
+    for splits, rows, says in ((4, 4 * 32, "leave the last empty"),  # chunks of 2: 3 of them
+                               (3, 32, "D has 32 rows; 3 chunks of K=32 take 96"),
+                               (21, 21 * 32, "at most 20 chunks")):
+        why = chunked.can_implement(_args("wgrad", p6, x, partials(rows), dy, splits=splits))
+        assert any(says in w for w in why), (splits, why)
+    why = _op("wgrad").can_implement(_args("wgrad", p6, x, _nhwc(32, 3, 3, 16), dy, splits=2))
+    assert any("only a chunked wgrad kernel" in w for w in why), why
     expanded = _nhwc(1, 8, 8, 16).expand(2, 8, 8, 16)  # stride 0 along N
     why = op.can_implement(_args("fprop", p, expanded, _nhwc(32, 3, 3, 16), _nhwc(2, 8, 8, 32)))
     assert any("A has a stride of 0" in w and "pass a copy" in w for w in why), why

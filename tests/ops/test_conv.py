@@ -198,6 +198,64 @@ def test_groups_run_a_kernel_a_group(groups, C, K, stride):
                                                                         groups)), x, w, b)
 
 
+@pytest.mark.parametrize("N, C, K, H, W, stride, groups, dtype", [
+    (16, 64, 64, 28, 28, 1, 1, torch.bfloat16),  # ResNet's 3x3 C64 K64: 5 tiles of dw
+    (13, 32, 48, 63, 63, 2, 1, torch.float16),  # chunks of 1 or 2 images (13 is prime)
+    (12, 64, 64, 40, 40, 1, 2, torch.bfloat16),  # each group's dw in chunks
+])
+def test_a_small_dw_runs_the_batch_in_chunks(N, C, K, H, W, stride, groups, dtype):
+    """wgrad of a dw of few tiles over a batch of many pixels: the chunked kernel (the batch in
+    chunks of whole images, one launch) and the fp32 sum of the partials; dw and the other
+    gradients against fp64."""
+    import importlib
+    from vitrail.device import sm_count
+    from vitrail.ops import conv2d
+    conv = importlib.import_module("vitrail.ops.conv")
+    P = (H + 2 - 3) // stride + 1
+    assert conv.wgrad_chunks(K // groups, 9 * C // groups, N, P * P, sm_count()) > 1
+    x, w = _tensors(N, C, H, W, K, 3, 3, dtype, seed=7)
+    w = w[:, :C // groups].contiguous(memory_format=torch.channels_last)
+    b = torch.randn(K, device="cuda").to(dtype)
+    _against_fp64(lambda x, w, b: conv2d(x, w, b, stride=stride, padding=1, groups=groups),
+                  lambda x, w, b: torch.nn.functional.conv2d(x, w, b, stride, 1, 1, groups),
+                  x, w, b)
+
+
+def test_each_chunk_writes_its_own_partial():
+    """The chunked wgrad kernel at every chunk count of a batch of 5 (chunks of 5, 3, 2, 1
+    images, the last shorter): into partials filled with NaN, each chunk's rows equal the fp64
+    weight gradient of its own images; and the launch replays from a CUDA graph."""
+    from vitrail.gemm import ConvArguments
+    from vitrail.ops.conv import operation
+    N, C, K, H, W = 5, 16, 24, 33, 7
+    x, w = _tensors(N, C, H, W, K, 3, 3, torch.bfloat16, seed=8)
+    dy = torch.randn(N, K, H, W, device="cuda").to(torch.bfloat16).contiguous(
+        memory_format=torch.channels_last)
+    nhwc = (lambda t: t.permute(0, 2, 3, 1))
+    op = operation("wgrad", torch.bfloat16, partials=True)
+    for splits in (1, 2, 3, 5):
+        chunk = -(-N // splits)
+        d = torch.full((splits * K, 3, 3, C), float("nan"), device="cuda")
+        args = ConvArguments.from_tensors(op, nhwc(dy).contiguous(), nhwc(x), d, padding=1,
+                                          splits=splits)
+        assert op.can_implement(args) == []
+        op.run(args)
+        assert not d.isnan().any(), f"{splits} chunks: {int(d.isnan().sum())} not written"
+        for i in range(splits):
+            rows = slice(i * chunk, (i + 1) * chunk)
+            want = torch.nn.grad.conv2d_weight(x[rows].double(), (K, C, 3, 3),
+                                               dy[rows].double(), padding=1)
+            _close(d[i * K:(i + 1) * K], nhwc(want), torch.float16, f"chunk {i} of {splits}")
+    d.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        op.run(args)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not d.isnan().any()
+    _close(d[-K:], nhwc(want), torch.float16, "replayed")
+
+
 def test_compiles_under_torch_compile():
     from vitrail.ops import conv2d
     x, w = _tensors(2, 16, 7, 7, 16, 3, 3, torch.bfloat16)

@@ -113,10 +113,12 @@ def test_the_benchmark_registers_as_conv():
                               "fprop+bias+silu": 31}
 
 
-def test_the_no_gpu_build_list_is_five_kernels():
+def test_the_no_gpu_build_list_is_six_kernels():
     names = [op.name for op in bm.operations()]
-    assert len(set(names)) == 5
-    assert [n.split("_")[1] for n in names] == ["fprop", "dgrad", "wgrad", "fprop", "fprop"]
+    assert len(set(names)) == 6
+    assert [n.split("_")[1] for n in names] == ["fprop", "dgrad", "wgrad", "wgrad", "fprop",
+                                                "fprop"]
+    assert [op.chunked for op in bm.operations()] == [False] * 3 + [True] + [False] * 2
     epilogues = {(op.kind, op.epilogue.bias, op.epilogue.activation) for op in bm.operations()}
     assert {("fprop", "col", "relu"), ("fprop", "col", "silu"),
             ("wgrad", None, None)} <= epilogues

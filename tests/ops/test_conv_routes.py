@@ -70,3 +70,58 @@ def test_what_takes_the_gemm_route():
                        stride=2) == []
     assert C2D.reasons(x, torch.empty(20, 12, 3, 3, dtype=torch.bfloat16, device="meta"),
                        padding=1) != []
+
+
+def test_wgrad_chunks_fill_the_gpu_where_dw_is_small():
+    """The model's choices: a dw of a few tiles over a large batch (ResNet-50's 3x3 C64 K64:
+    5 tiles) runs in many chunks, one filling the GPU in one pass; chunks are never empty,
+    never more than the batch or MAX_CHUNKS."""
+    from vitrail.gemm.conv_arguments import MAX_CHUNKS
+    chunks = C2D.wgrad_chunks
+    assert 16 <= chunks(64, 576, 128, 56 * 56, 132) <= MAX_CHUNKS
+    assert chunks(128, 1152, 128, 28 * 28, 132) > 8  # 9 tiles
+    assert chunks(512, 4608, 128, 7 * 7, 132) == 1  # 144 tiles
+    assert chunks(640, 2880, 8, 32 * 32, 132) == 1  # 115 tiles: one wave already
+    assert chunks(64, 576, 1, 224 * 224, 132) == 1  # one image
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        k, rsc = (int(v) for v in torch.randint(1, 80, (2,), generator=g) * 8)
+        batch = int(torch.randint(1, 300, (1,), generator=g))
+        pixels = int(torch.randint(1, 5000, (1,), generator=g))
+        s = chunks(k, rsc, batch, pixels, 132)
+        assert 1 <= s <= min(batch, MAX_CHUNKS)
+        assert (s - 1) * -(-batch // s) < batch, (k, rsc, batch, pixels, s)  # none empty
+
+
+def test_wgrad_in_chunks_sums_every_chunks_partial(monkeypatch):
+    """_wgrad with the kernel replaced by torch's weight gradient, run as the chunked
+    kernel's contract says (chunk i: images [i c, (i + 1) c), c = ceil(n / splits), into rows
+    [i K, (i + 1) K) of the partials): dw equals torch's over the whole batch."""
+    runs = []
+
+    def kernel(kind, dy, x, d, bias, act, pad, stride, dilation, pad_hi, splits=1):
+        assert kind == "wgrad" and pad == pad_hi
+        n, k = dy.shape[0], dy.shape[3]
+        chunk = -(-n // splits)
+        for i in range(splits):
+            rows = slice(i * chunk, min(n, (i + 1) * chunk))
+            shape = (k, d.shape[3], d.shape[1], d.shape[2])
+            dw = torch.nn.grad.conv2d_weight(x[rows].permute(0, 3, 1, 2), shape,
+                                             dy[rows].permute(0, 3, 1, 2), stride, pad,
+                                             dilation)
+            d[i * k:(i + 1) * k] = dw.permute(0, 2, 3, 1).to(d.dtype)
+        runs.append(splits)
+    monkeypatch.setattr(C2D, "_run", kernel)
+    monkeypatch.setattr(C2D, "sm_count", lambda index=None: 132)
+    g = torch.Generator().manual_seed(3)
+    n, c, h, w, k = 13, 8, 20, 20, 8
+    x = torch.randn(n, h, w, c, generator=g, dtype=torch.float64)
+    dy = torch.randn(n, h // 2, w // 2, k, generator=g, dtype=torch.float64)
+    assert C2D.wgrad_chunks(k, 9 * c, n, (h // 2) * (w // 2), 132) > 1
+    dw = torch.empty(k, 3, 3, c, dtype=torch.float64)
+    C2D._wgrad(dy, x, dw, (1, 1), (2, 2), (1, 1), (1, 1))
+    want = torch.nn.grad.conv2d_weight(x.permute(0, 3, 1, 2), (k, c, 3, 3),
+                                       dy.permute(0, 3, 1, 2), (2, 2), (1, 1), (1, 1))
+    assert runs and runs[0] > 1
+    # the partials are fp32 (as the kernel's): dw within their rounding of torch's fp64
+    torch.testing.assert_close(dw, want.permute(0, 2, 3, 1), rtol=1e-5, atol=1e-4)

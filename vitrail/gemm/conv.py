@@ -39,13 +39,15 @@ from typing import Optional
 from vitrail.gemm.descriptions import (MathInstruction, TensorDescription,
                                        TileDescription, bits, check_stages, check_tile_k,
                                        cpp_type)
-from vitrail.gemm.conv_arguments import ENTRY, launch, reasons
+from vitrail.gemm.conv_arguments import ENTRY, MAX_CHUNKS, launch, reasons
 from vitrail.gemm.emit.template import fill
 from vitrail.gemm.epilogue import LinearCombination
 from vitrail.gemm.operation import Buildable
 
 CONV_KINDS = ("fprop", "dgrad", "wgrad")
 CONV_ELEMENTS = ("bf16", "f16")
+
+
 def default_tile() -> TileDescription:
     return TileDescription((128, 128, 64), kernel_schedule="warpspecialized")
 
@@ -66,6 +68,7 @@ class ConvOperation(Buildable):
     epilogue: Optional[LinearCombination] = None
     C: Optional[TensorDescription] = None
     spatial_dims: int = 2
+    chunked: bool = False
 
     def __post_init__(self):
         if self.epilogue is None:
@@ -112,6 +115,9 @@ class ConvOperation(Buildable):
                              "a convolution's bias is one per output channel: bias='col'")
         if epi.bias and self.kind == "wgrad":
             raise ValueError("ConvOperation: wgrad takes no bias (D is a weight gradient)")
+        if self.chunked and (self.kind != "wgrad" or epi.has_source):
+            raise ValueError("ConvOperation: chunked is wgrad's batch in chunks, each writing its "
+                             "own partial dw: wgrad only, without a source C")
         if t.kernel_schedule != "warpspecialized":
             raise ValueError(f"ConvOperation: kernel_schedule={t.kernel_schedule!r}: CUTLASS's "
                              f"sm90 implicit-GEMM convolutions run the non-persistent "
@@ -149,7 +155,7 @@ class ConvOperation(Buildable):
         cm, cn, _ = self.tile.cluster_shape
         return (f"conv2d_{self.kind}_{self.math.element_a}_{self.D.element}_{tm}x{tn}x{tk}_"
                 f"c{cm}x{cn}" + (f"_s{self.tile.stages}" if self.tile.stages else "")
-                + f"_{self.epilogue.tag}")
+                + f"_{self.epilogue.tag}" + ("_chunked" if self.chunked else ""))
 
     def emit(self) -> str:
         """The C++ translation unit of this operation."""
@@ -286,7 +292,7 @@ typename GemmKernel::Arguments make_arguments(
 
 bool aligned(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 bool aligned_strides(const int64_t* t, int64_t e) { return !(t[0] % e || t[1] % e || t[2] % e); }
-}  // namespace vitrail_conv_impl
+@CHUNKS@}  // namespace vitrail_conv_impl
 using namespace vitrail_conv_impl;
 
 extern "C" int @ENTRY@(
@@ -295,7 +301,7 @@ extern "C" int @ENTRY@(
     int pad_w_hi, int stride_h, int stride_w, int dilation_h, int dilation_w,
     int64_t act_n, int64_t act_h, int64_t act_w, int64_t flt_k, int64_t flt_r, int64_t flt_s,
     int64_t out_n, int64_t out_p, int64_t out_q, int64_t c_0, int64_t c_1, int64_t c_2,
-    float alpha, float beta, float slope, float lo, float hi, void* workspace,
+    float alpha, float beta, float slope, float lo, float hi, int splits, void* workspace,
     int64_t workspace_bytes, int sm_count, cudaStream_t stream) {
   if (n <= 0 || h <= 0 || w <= 0 || c <= 0 || k <= 0 || r <= 0 || s <= 0 || stride_h <= 0 ||
       stride_w <= 0 || dilation_h <= 0 || dilation_w <= 0 || pad_h < 0 || pad_w < 0 ||
@@ -311,14 +317,77 @@ extern "C" int @ENTRY@(
       !aligned_strides(out, e)@C_STRIDES_ALIGNED@)
     return -2;
 @KIND_CHECKS@
+@RUN@
+}
+"""
+
+# fprop and dgrad: one problem, one launch (the GEMMs' LAUNCH)
+_RUN = r"""  if (splits != 1) return -9;
   ProblemShape problem = make_problem(n, h, w, c, k, r, s, pad_h, pad_w, pad_h_hi, pad_w_hi,
                                       stride_h, stride_w, dilation_h, dilation_w, act, flt, out);
   auto args = make_arguments(A, B, C, D, bias, problem, @D_STRIDES@, cs, alpha, beta, slope, lo,
                              hi, sm_count);
   if (!GemmKernel::can_implement(args)) return -6;
-@LAUNCH@
+@LAUNCH@"""
+
+# A chunked wgrad (ConvOperation.chunked). wgrad's GEMM K is the batch's pixels, so a small dw
+# (K x RSC: a few tiles) leaves most of the GPU idle. The batch runs in `splits` chunks of whole
+# images in one launch: the kernel below takes every chunk's parameters (its own TMA descriptors
+# and sizes; about 1.5 KB each, so MAX_CHUNKS of them stay under the 32 KB kernel parameter limit)
+# and blockIdx.z picks one (CUTLASS's conv kernel reads no blockIdx.z: a convolution has no batch
+# mode L); chunk i writes its partial dw to D's rows [i K, (i + 1) K), which the caller sums.
+_CHUNKS = r"""
+constexpr int kMaxChunks = @MAX_CHUNKS@;  // conv_arguments.MAX_CHUNKS
+struct ChunkParams {
+  typename GemmKernel::Params chunk[kMaxChunks];
+};
+static_assert(sizeof(ChunkParams) <= 32764, "a kernel's parameters take at most 32764 bytes");
+
+__global__ void __launch_bounds__(GemmKernel::MaxThreadsPerBlock,
+                                  GemmKernel::MinBlocksPerMultiprocessor)
+vitrail_conv_chunks(const __grid_constant__ ChunkParams params) {
+  extern __shared__ char smem[];
+  GemmKernel op;
+  op(params.chunk[blockIdx.z], smem);
 }
 """
+_RUN_CHUNKS = r"""  // chunks of ceil(n / splits) images, none empty
+  if (splits < 1 || splits > kMaxChunks) return -9;
+  const int chunk = (n + splits - 1) / splits;
+  if ((splits - 1) * chunk >= n) return -9;
+@BIND@
+  ChunkParams params;
+  for (int i = 0; i < splits; ++i) {
+    ProblemShape problem = make_problem(i + 1 < splits ? chunk : n - i * chunk, h, w, c, k, r,
+                                        s, pad_h, pad_w, pad_h_hi, pad_w_hi, stride_h, stride_w,
+                                        dilation_h, dilation_w, act, flt, out);
+    const int64_t images = static_cast<int64_t>(i) * chunk;
+    auto args = make_arguments(static_cast<const ElementA*>(A) + images * out_n,
+                               static_cast<const ElementB*>(B) + images * act_n, C,
+                               static_cast<ElementD*>(D) + i * k * flt_k, bias, problem, flt,
+                               cs, alpha, beta, slope, lo, hi, sm_count);
+    if (!GemmKernel::can_implement(args)) return -6;
+    if (static_cast<int64_t>(GemmKernel::get_workspace_size(args)) > workspace_bytes) return -4;
+    params.chunk[i] = GemmKernel::to_underlying_arguments(args, workspace);
+  }
+  constexpr int smem = GemmKernel::SharedStorageSize;
+  static cudaError_t attr = cudaFuncSetAttribute(
+      vitrail_conv_chunks, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (attr != cudaSuccess) return static_cast<int>(attr);
+  cudaLaunchConfig_t config{};
+  config.gridDim = GemmKernel::get_grid_shape(params.chunk[0]);
+  config.gridDim.z = splits;
+  config.blockDim = GemmKernel::get_block_shape();
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = cute::size<0>(ClusterShape{});
+  attribute[0].val.clusterDim.y = cute::size<1>(ClusterShape{});
+  attribute[0].val.clusterDim.z = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  return static_cast<int>(cudaLaunchKernelEx(&config, vitrail_conv_chunks, params));"""
 
 _OPERATORS = {"fprop": "kFprop", "dgrad": "kDgrad", "wgrad": "kWgrad"}
 # the strides of D's tensor among the entry's: y (fprop), dx (dgrad), dw (wgrad)
@@ -369,5 +438,8 @@ def emit(op: ConvOperation) -> str:
         "C_STRIDES_ALIGNED": (" ||\n      !aligned_strides(cs, 128 / cutlass::sizeof_bits<"
                               "ElementC>::value)") if has_c else "",
         "D_STRIDES": _D_STRIDES[op.kind], "KIND_CHECKS": kind_checks,
+        "MAX_CHUNKS": str(MAX_CHUNKS),
     }
-    return fill(_TEMPLATE, subs, op.wgmma_n)
+    template = (_TEMPLATE.replace("@RUN@", _RUN_CHUNKS if op.chunked else _RUN)
+                .replace("@CHUNKS@", _CHUNKS if op.chunked else ""))
+    return fill(template, subs, op.wgmma_n)

@@ -31,12 +31,17 @@ CONV_CODES = {**CODES,
               -3: "a size is not positive, or a padding is negative",
               -6: "CUTLASS's can_implement refused the problem (the TMA im2col limits)",
               -7: "dgrad takes a traversal stride of 1 only",
-              -8: "a channel count (C or K) is not a multiple of 16 bytes (TMA needs it)"}
+              -8: "a channel count (C or K) is not a multiple of 16 bytes (TMA needs it)",
+              -9: "splits: 1, or for a chunked wgrad up to MAX_CHUNKS, each chunk of the "
+                  "batch non-empty"}
 # TMA im2col limits of a 2-D convolution (CUTLASS's collective checks the same): padding in
 # [0, 256], the im2col box corners in [-128, 127], the filter's extent (R-1)*dilation < 255
 PADDING_LIMIT = 256
 CORNER_LIMIT = 128
 OFFSET_LIMIT = 255
+# the most batch chunks one chunked wgrad launch takes: every chunk's parameters (1,536 bytes for
+# CUTLASS 4.2's 128x128 kernel) are the kernel's, whose parameters take at most 32,764 bytes
+MAX_CHUNKS = 20
 
 
 @dataclass(frozen=True)
@@ -117,6 +122,7 @@ class ConvArguments:
     lo: float = float("-inf")
     hi: float = float("inf")
     kind: str = "fprop"
+    splits: int = 1
     device: int = 0
     keep: list = field(default_factory=list, repr=False)
 
@@ -124,13 +130,16 @@ class ConvArguments:
     def from_tensors(cls, op, a, b, d=None, *, c=None, bias=None, padding=0, stride=1,
                      dilation=1, pad_hi=None, input_hw=None, filter_rs=None,
                      alpha: float = 1.0, beta: float = 0.0, slope: float = 0.01,
-                     lo: float = float("-inf"), hi: float = float("inf")) -> "ConvArguments":
+                     lo: float = float("-inf"), hi: float = float("inf"),
+                     splits: int = 1) -> "ConvArguments":
         """Arguments for ``op`` (a ConvOperation) on its operands a and b (the module
         docstring's roles) and output d (allocated, packed, when None); c: the epilogue's source
         (D's shape), bias: one value per column of D. padding, stride, dilation: an int or
         (h, w), as torch's conv2d; pad_hi: (bottom, right) padding where it differs from
         padding. An allocated dgrad output needs ``input_hw`` (H, W), a wgrad output
-        ``filter_rs`` (R, S): dy does not determine them."""
+        ``filter_rs`` (R, S): dy does not determine them. splits (wgrad): the batch runs in
+        that many chunks of whole images, chunk i's partial dw written to d's rows [i K,
+        (i + 1) K): d is (splits K) x R x S x C, and the caller sums the partials."""
         kind = op.kind
         a, _ = as_cuda_tensor(a, "a", WHAT)
         b, _ = as_cuda_tensor(b, "b", WHAT)
@@ -179,11 +188,16 @@ class ConvArguments:
             else:
                 raise ArgumentError(f"{WHAT}: wgrad without d needs filter_rs=(R, S): dy and "
                                     f"x do not determine the filter's size")
+        if not isinstance(splits, int) or isinstance(splits, bool) or splits < 1 or \
+                splits > 1 and kind != "wgrad":
+            raise ArgumentError(f"{WHAT}: splits must be a positive int, and 1 but for wgrad, "
+                                f"got {splits!r} ({kind})")
         problem = Conv2dProblem(N, H, W, C, K, R, S, pad, st, dil, hi_pad)
         if problem.P < 1 or problem.Q < 1:
             raise ArgumentError(f"{WHAT}: the output would be {problem.P} x {problem.Q}: the "
                                 f"dilated filter is larger than the padded input")
-        shapes = {"x": (N, H, W, C), "w": (K, R, S, C), "y": (N, problem.P, problem.Q, K)}
+        shapes = {"x": (N, H, W, C), "w": (K * splits, R, S, C),
+                  "y": (N, problem.P, problem.Q, K)}
         roles = {"fprop": ("x", "w", "y"), "dgrad": ("y", "w", "x"), "wgrad": ("y", "x", "w")}
         ra, rb, rd = roles[kind]
         for name, t, role in (("a", a, ra), ("b", b, rb)):
@@ -202,7 +216,7 @@ class ConvArguments:
         named = dict(zip((ra, rb, rd), (a, b, d)))
         args = cls(problem, named["x"], named["w"], named["y"], C=c, bias=bias,
                    alpha=float(alpha), beta=float(beta), slope=float(slope), lo=float(lo),
-                   hi=float(hi), kind=kind, device=a.device.index or 0,
+                   hi=float(hi), kind=kind, splits=splits, device=a.device.index or 0,
                    keep=[a, b, d] + [t for t in (c, bias) if t is not None])
         return args
 
@@ -320,9 +334,31 @@ def reasons(op, args: ConvArguments) -> list[str]:
                            f"strides {t.stride()}")
         if args.C is not None and not _packed(args.C):
             why.append(f"C must be packed for wgrad, got strides {args.C.stride()}")
+    why += _split_reasons(op, args)
     gemm_m = p.N * p.P * p.Q if op.kind != "dgrad" else p.N * p.H * p.W
     if gemm_m >= 2**31:
         why.append(f"N*P*Q (or N*H*W) = {gemm_m} exceeds 2^31 - 1 (CUTLASS's int32 extents)")
+    return why
+
+
+def _split_reasons(op, args: ConvArguments) -> list[str]:
+    """Why op cannot run args in args.splits batch chunks (conv.py's wgrad kernel)."""
+    splits, n = args.splits, args.problem.N
+    if splits == 1:
+        return []
+    why = []
+    if not op.chunked:
+        why.append(f"splits={splits}: only a chunked wgrad kernel (ConvOperation.chunked) runs "
+                   f"the batch in chunks")
+    if splits > MAX_CHUNKS:
+        why.append(f"splits={splits}: one launch takes at most {MAX_CHUNKS} chunks")
+    chunk = -(-n // max(splits, 1))
+    if (splits - 1) * chunk >= n:
+        why.append(f"splits={splits} of a batch of {n}: chunks of {chunk} images leave the last "
+                   f"empty")
+    if args.output.shape[0] != splits * args.problem.K:
+        why.append(f"D has {args.output.shape[0]} rows; {splits} chunks of K={args.problem.K} "
+                   f"take {splits * args.problem.K}")
     return why
 
 
@@ -349,5 +385,6 @@ def launch(op, module, args: ConvArguments, stream=None) -> None:
     values = (A.data_ptr(), B.data_ptr(), ptr(C), D.data_ptr(), ptr(args.bias),
               p.N, p.H, p.W, p.C, p.K, p.R, p.S, *p.pad, *p.pad_hi, *p.stride, *p.dilation,
               *strides(args.x)[:3], *strides(args.w)[:3], *strides(args.y)[:3], *cs,
-              args.alpha, args.beta, args.slope, args.lo, args.hi, 0, 0, sm_count(args.device))
+              args.alpha, args.beta, args.slope, args.lo, args.hi, args.splits, 0, 0,
+              sm_count(args.device))
     call_entry(module.function(ENTRY), values, args.device, stream, op.name, CONV_CODES)

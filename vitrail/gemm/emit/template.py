@@ -71,9 +71,10 @@ class Hooks:
         return text
 
 
-# The end of every entry point (plain and grouped): workspace, parameters, and the launch with
-# the cluster shape as a launch attribute (no GemmUniversalAdapter: it pulls in far more code).
-LAUNCH = r"""  // A thread that has made no CUDA call yet has no current context (torch's autograd engine
+# The end of every entry point (plain and grouped): the thread's CUDA context (BIND), workspace,
+# parameters, and the launch with the cluster shape as a launch attribute (no
+# GemmUniversalAdapter: it pulls in far more code).
+BIND = r"""  // A thread that has made no CUDA call yet has no current context (torch's autograd engine
   // thread on device 0 runs a backward's GEMMs so), and encoding the TMA descriptors fails
   // without one (CUDA_ERROR_INVALID_CONTEXT): make the current device's primary context
   // current, once per thread.
@@ -85,7 +86,8 @@ LAUNCH = r"""  // A thread that has made no CUDA call yet has no current context
     if (bind != cudaSuccess) return static_cast<int>(bind);
     bound = true;
   }
-  if (static_cast<int64_t>(GemmKernel::get_workspace_size(args)) > workspace_bytes) return -4;
+"""
+LAUNCH = BIND + r"""  if (static_cast<int64_t>(GemmKernel::get_workspace_size(args)) > workspace_bytes) return -4;
   if (GemmKernel::initialize_workspace(args, workspace, stream) != cutlass::Status::kSuccess)
     return -5;
   typename GemmKernel::Params params = GemmKernel::to_underlying_arguments(args, workspace);
@@ -147,14 +149,14 @@ PTR_ARRAY_INCLUDES = """@EXTENDED_SHAPES@
 #include <cutlass/gemm/kernel/tile_scheduler.hpp>
 #include <cutlass/gemm/kernel/@KERNEL_HEADER@>
 #include <cutlass/device_kernel.h>"""
-SHARED = {"LAUNCH": LAUNCH, "ENTRY_PARAMS": ENTRY_PARAMS,
+SHARED = {"LAUNCH": LAUNCH, "BIND": BIND, "ENTRY_PARAMS": ENTRY_PARAMS,
           "PTR_ARRAY_INCLUDES": PTR_ARRAY_INCLUDES}
 
 
 def fill(template: str, subs: dict[str, str], wgmma_n=()) -> str:
     """template with the shared fragments (SHARED: @PTR_ARRAY_INCLUDES@, @ENTRY_PARAMS@,
-    @LAUNCH@) spliced in, @EXTENDED_SHAPES@ as the N widths of the kernel's wgmma (wgmma_n) need,
-    then every @KEY@ replaced by subs[KEY]."""
+    @LAUNCH@, @BIND@) spliced in, @EXTENDED_SHAPES@ as the N widths of the kernel's wgmma
+    (wgmma_n) need, then every @KEY@ replaced by subs[KEY]."""
     for k, v in {**SHARED, "EXTENDED_SHAPES": extended_shapes(wgmma_n), **subs}.items():
         template = template.replace(f"@{k}@", v)
     return template

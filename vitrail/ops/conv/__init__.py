@@ -30,20 +30,25 @@ wgrad dw = dy^T x; with a stride, the kept pixels of x are copied first and dx i
 into zeros. Their channel counts need not be multiples of 8 (the GEMM copies what TMA cannot
 read, with a one-time warning).
 
+wgrad's GEMM runs over the batch's pixels (its K is N*P*Q), so a small dw (K x R*S*C: a few
+128x128 tiles) would leave most SMs idle: the batch then runs in chunks of whole images in one
+launch (wgrad_chunks: a model of its waves), each chunk's dw summed in fp32 into dw.
+
 Kernel choice: one config per kind (128x128x64 tiles, no cluster); tuning is not wired yet.
 """
 from __future__ import annotations
 
 import importlib
+from functools import lru_cache
 from typing import Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
-from vitrail.device import is_hopper
+from vitrail.device import is_hopper, sm_count
 from vitrail.gemm import (Conv2dProblem, ConvArguments, ConvOperation, LinearCombination,
                           MathInstruction, TensorDescription)
-from vitrail.gemm.conv import default_tile
+from vitrail.gemm.conv import MAX_CHUNKS, default_tile
 from vitrail.gemm.epilogue import ACTIVATIONS
 from vitrail.gemm.ops import gemm, mm
 from vitrail.jit.errors import ArgumentError
@@ -60,17 +65,50 @@ _OPS: dict[tuple, ConvOperation] = {}
 
 # ------------------------------------------------------------------------------- kernels
 def operation(kind: str, dtype: torch.dtype, bias: bool = False,
-              activation: Optional[str] = None) -> ConvOperation:
-    """The ConvOperation a call of ``kind`` on ``dtype`` tensors runs (built once)."""
-    key = (kind, dtype, bias, activation)
+              activation: Optional[str] = None, partials: bool = False) -> ConvOperation:
+    """The ConvOperation a call of ``kind`` on ``dtype`` tensors runs (built once); partials:
+    wgrad's kernel writing fp32 partial sums (a batch in chunks, wgrad_chunks)."""
+    key = (kind, dtype, bias, activation, partials)
     op = _OPS.get(key)
     if op is None:
         el = ELEMENTS[dtype]
+        out = "f32" if partials else el
         op = _OPS[key] = ConvOperation(
-            kind, TensorDescription(el), TensorDescription(el), TensorDescription(el),
+            kind, TensorDescription(el), TensorDescription(el), TensorDescription(out),
             MathInstruction(el, el), default_tile(),
-            LinearCombination(el, bias="col" if bias else None, activation=activation))
+            LinearCombination(out, bias="col" if bias else None, activation=activation),
+            chunked=partials)
     return op
+
+
+# wgrad_chunks' model, in units of one CTA's 64-deep k-block of a 128x128 tile (about 0.3-0.45 us
+# on the H100): a CTA's own cost beside its k-blocks (prologue, storing its fp32 tile), the
+# bytes of partials moved in that time, and the sum's two launches
+CHUNK_CTA_BLOCKS = 6
+CHUNK_BYTES_PER_BLOCK = 1.0e6
+CHUNK_SUM_BLOCKS = 15
+
+
+@lru_cache(maxsize=1024)
+def wgrad_chunks(k: int, rsc: int, batch: int, pixels: int, sms: int) -> int:
+    """The chunks (of whole images) to run a wgrad's batch in: dw is k x rsc, the batch `batch`
+    images of `pixels` output pixels each. One launch of s chunks runs tiles * s CTAs (a 128x128
+    tile of dw each) in waves of `sms`, each CTA over its chunk's pixels (ceil(batch / s) * pixels
+    of them, 64 a k-block) plus CHUNK_CTA_BLOCKS; chunks add their fp32 partials' traffic
+    (written, then read by the sum) and the sum. The fewest chunks (1 to MAX_CHUNKS, none empty)
+    within 3% of the modeled best: a dw of a few tiles over a large batch runs in many chunks,
+    one that fills the GPU in one."""
+    tiles = -(-k // 128) * -(-rsc // 128)
+
+    def time(s: int) -> float:
+        chunk = -(-batch // s)
+        cost = -(-tiles * s // sms) * (chunk * pixels / 64 + CHUNK_CTA_BLOCKS)
+        if s > 1:
+            cost += s * k * rsc * 8 / CHUNK_BYTES_PER_BLOCK + CHUNK_SUM_BLOCKS
+        return cost
+    counts = sorted({-(-batch // -(-batch // s)) for s in range(1, min(batch, MAX_CHUNKS) + 1)})
+    best = min(time(s) for s in counts)
+    return next(s for s in counts if time(s) <= 1.03 * best)
 
 
 def _nhwc(t: Tensor) -> Tensor:
@@ -99,13 +137,14 @@ def _empty_nchw(shape: Sequence[int], like: Tensor) -> Tensor:
 
 
 def _run(kind: str, a: Tensor, b: Tensor, d: Tensor, bias: Optional[Tensor],
-         activation: Optional[str], padding, stride, dilation, pad_hi) -> None:
+         activation: Optional[str], padding, stride, dilation, pad_hi, splits: int = 1) -> None:
     """Run the kernel of ``kind`` on NHWC-indexed views a, b, d (conv_arguments' roles), or
-    raise NotImplementedError with the reasons it cannot."""
+    raise NotImplementedError with the reasons it cannot; splits > 1: wgrad's batch in that
+    many chunks, d their fp32 partials."""
     _require_hopper(a.device)
-    op = operation(kind, a.dtype, bias is not None, activation)
+    op = operation(kind, a.dtype, bias is not None, activation, partials=splits > 1)
     args = ConvArguments.from_tensors(op, a, b, d, bias=bias, padding=padding, stride=stride,
-                                      dilation=dilation, pad_hi=pad_hi)
+                                      dilation=dilation, pad_hi=pad_hi, splits=splits)
     why = op.can_implement(args)
     if why:
         raise NotImplementedError(_refused(kind, why))
@@ -309,9 +348,24 @@ def _conv2d_wgrad(dy: Tensor, x: Tensor, filter_rs: list[int], stride: list[int]
     dw = _empty_nchw((k, c // groups, *filter_rs), x)
     for dyg, xg, dwg in zip(_nhwc(dy).chunk(groups, 3), _nhwc(x).chunk(groups, 3),
                             _nhwc(dw).chunk(groups, 0)):
-        _run("wgrad", dyg.contiguous(), xg, dwg, None, None, tuple(pad), tuple(stride),
-             tuple(dilation), tuple(pad_hi))  # wgrad reads dy packed (NPQK): a copy a group
+        _wgrad(dyg.contiguous(), xg, dwg, tuple(pad), tuple(stride), tuple(dilation),
+               tuple(pad_hi))  # wgrad reads dy packed (NPQK): a copy a group
     return dw
+
+
+def _wgrad(dy: Tensor, x: Tensor, dw: Tensor, pad, stride, dilation, pad_hi) -> None:
+    """dw (K, R, S, C) of dy (N, P, Q, K) and x (N, H, W, C), NHWC-indexed views: the kernel
+    writes dw itself, or the batch runs in chunks (wgrad_chunks) whose fp32 partials are summed
+    into dw."""
+    n, p, q, k = dy.shape
+    _, r, s, c = dw.shape
+    splits = wgrad_chunks(k, r * s * c, n, p * q, sm_count(dy.device.index)) if n > 1 else 1
+    if splits == 1:
+        _run("wgrad", dy, x, dw, None, None, pad, stride, dilation, pad_hi)
+        return
+    partials = torch.empty((splits * k, r, s, c), dtype=torch.float32, device=dy.device)
+    _run("wgrad", dy, x, partials, None, None, pad, stride, dilation, pad_hi, splits)
+    dw.copy_(partials.view(splits, k, r, s, c).sum(0))
 
 
 @_conv2d_wgrad.register_fake

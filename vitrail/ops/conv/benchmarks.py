@@ -21,8 +21,8 @@ tensors, beside cuDNN's row; it enters no speedup. The run ends with a table per
 kind: the geometric mean of vitrail's speedups over cuDNN, the worst and best layer, and the
 speedup of the network's convolutions taken together (each layer's time times its count).
 
-``build()`` compiles the five kernels the rows run (fprop, dgrad, wgrad, fprop+bias+relu,
-fprop+bias+silu; bf16, the op's one config) and the GEMM kernels of the 1x1 unpadded layers
+``build()`` compiles the six kernels the rows run (fprop, dgrad, wgrad, wgrad in batch chunks,
+fprop+bias+relu, fprop+bias+silu; bf16, the op's one config) and the GEMM kernels of the 1x1 unpadded layers
 (which the op runs as GEMMs over pixels), in parallel: what ``vitrail bench conv`` builds on a
 machine with no GPU.
 """
@@ -271,13 +271,13 @@ def summary_lines(summary: list[dict]) -> list[str]:
 
 # ------------------------------------------------------------------------------------ build
 def operations() -> list:
-    """The ConvOperations the rows run: each kind in bf16, and fprop with each network's fused
-    bias and activation."""
+    """The ConvOperations the rows run: each kind in bf16, the chunked wgrad (fp32 partials),
+    and fprop with each network's fused bias and activation."""
     import torch
 
     from vitrail.ops.conv import operation
     bf = torch.bfloat16
-    ops = [operation(kind, bf) for kind in KINDS]
+    ops = [operation(kind, bf) for kind in KINDS] + [operation("wgrad", bf, partials=True)]
     for _, _, act in NETWORKS.values():
         ops.append(operation("fprop", bf, True, act))
     return ops
@@ -312,7 +312,7 @@ def gemm_kernels(lim) -> list:
 
 
 def build() -> None:
-    """Compile the five kernels and the 1x1 layers' GEMM kernels in parallel for the build
+    """Compile the six kernels and the 1x1 layers' GEMM kernels in parallel for the build
     target (the kernels are sm_90a: for another target, say so and build nothing)."""
     from vitrail.tune import compile_all, limits
     lim = limits()
