@@ -83,6 +83,22 @@ def test_fprop_dgrad_wgrad_against_fp64(dtype, H, W, R, S, stride, padding, dila
     _close(w.grad, w64.grad, dtype, "dw")
 
 
+@pytest.mark.parametrize("C, K", [(16, 24), (72, 136), (136, 64), (64, 200)])
+def test_narrow_and_wide_tiles(C, K):
+    """The tile kernel() gives each kind (a 64-wide side where the GEMM's side is at most 64
+    channels: fprop's K, dgrad's C, wgrad's K), each against fp64 through autograd."""
+    from vitrail.ops import conv2d
+    from vitrail.ops.conv import kernel
+    bf = torch.bfloat16
+    assert kernel("fprop", bf, K, C).tile.tile_shape[1] == (64 if K <= 64 else 128)
+    assert kernel("dgrad", bf, K, C).tile.tile_shape[1] == (64 if C <= 64 else 128)
+    assert kernel("wgrad", bf, K, C).tile.tile_shape[0] == (64 if K <= 64 else 128)
+    x, w = _tensors(3, C, 33, 7, K, 3, 3, bf, seed=9)
+    b = torch.randn(K, device="cuda").to(bf)
+    _against_fp64(lambda x, w, b: conv2d(x, w, b, padding=1, activation="relu"),
+                  lambda x, w, b: torch.relu(torch.nn.functional.conv2d(x, w, b, 1, 1)), x, w, b)
+
+
 @pytest.mark.parametrize("activation", [None, "relu", "gelu", "silu", "leaky_relu", "tanh"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_bias_and_activation(activation, dtype):
@@ -127,14 +143,17 @@ def test_an_input_expanded_over_the_batch():
 
 
 def test_one_kernel_serves_every_size():
-    """Static config, dynamic shapes: every problem of a kind runs the one compiled kernel."""
+    """Static config, dynamic shapes: every problem of a kind and tile class (here more than 64
+    output channels) runs the one compiled kernel."""
     from vitrail.ops import conv2d
-    from vitrail.ops.conv import operation
+    from vitrail.ops.conv import kernel
     keys = set()
-    for H, W, C, K in ((7, 7, 16, 16), (33, 1, 64, 8), (1, 33, 8, 128)):
+    for H, W, C, K in ((7, 7, 16, 96), (33, 1, 64, 80), (1, 33, 8, 128)):
         x, w = _tensors(1, C, H, W, K, 3, 3, torch.bfloat16)
-        conv2d(x, w, padding=1)
-        keys.add(operation("fprop", torch.bfloat16).compile().key)
+        _close(conv2d(x, w, padding=1),
+               torch.nn.functional.conv2d(x.double(), w.double(), padding=1), torch.bfloat16,
+               f"C{C} K{K} {H}x{W}")
+        keys.add(kernel("fprop", torch.bfloat16, K, C).compile().key)
     assert len(keys) == 1
 
 

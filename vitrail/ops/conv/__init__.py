@@ -34,7 +34,8 @@ wgrad's GEMM runs over the batch's pixels (its K is N*P*Q), so a small dw (K x R
 128x128 tiles) would leave most SMs idle: the batch then runs in chunks of whole images in one
 launch (wgrad_chunks: a model of its waves), each chunk's dw summed in fp32 into dw.
 
-Kernel choice: one config per kind (128x128x64 tiles, no cluster); tuning is not wired yet.
+Kernel choice: one config per kind (128x128x64 tiles, no cluster; a 64-wide side where the
+GEMM's side is at most 64 channels: kernel()); tuning is not wired yet.
 """
 from __future__ import annotations
 
@@ -47,8 +48,8 @@ from torch import Tensor
 
 from vitrail.device import is_hopper, sm_count
 from vitrail.gemm import (Conv2dProblem, ConvArguments, ConvOperation, LinearCombination,
-                          MathInstruction, TensorDescription)
-from vitrail.gemm.conv import MAX_CHUNKS, default_tile
+                          MathInstruction, TensorDescription, TileDescription)
+from vitrail.gemm.conv import MAX_CHUNKS
 from vitrail.gemm.epilogue import ACTIVATIONS
 from vitrail.gemm.ops import gemm, mm
 from vitrail.jit.errors import ArgumentError
@@ -65,20 +66,34 @@ _OPS: dict[tuple, ConvOperation] = {}
 
 # ------------------------------------------------------------------------------- kernels
 def operation(kind: str, dtype: torch.dtype, bias: bool = False,
-              activation: Optional[str] = None, partials: bool = False) -> ConvOperation:
-    """The ConvOperation a call of ``kind`` on ``dtype`` tensors runs (built once); partials:
-    wgrad's kernel writing fp32 partial sums (a batch in chunks, wgrad_chunks)."""
-    key = (kind, dtype, bias, activation, partials)
+              activation: Optional[str] = None, partials: bool = False,
+              tile: tuple[int, int, int] = (128, 128, 64)) -> ConvOperation:
+    """The ConvOperation of ``kind`` on ``dtype`` tensors with this epilogue and tile (built
+    once); partials: wgrad's chunked kernel, writing fp32 partial sums (wgrad_chunks)."""
+    key = (kind, dtype, bias, activation, partials, tile)
     op = _OPS.get(key)
     if op is None:
         el = ELEMENTS[dtype]
         out = "f32" if partials else el
         op = _OPS[key] = ConvOperation(
             kind, TensorDescription(el), TensorDescription(el), TensorDescription(out),
-            MathInstruction(el, el), default_tile(),
+            MathInstruction(el, el), TileDescription(tile, kernel_schedule="warpspecialized"),
             LinearCombination(out, bias="col" if bias else None, activation=activation),
             chunked=partials)
     return op
+
+
+def kernel(kind: str, dtype: torch.dtype, k: int, c: int, *, bias: bool = False,
+           activation: Optional[str] = None, chunks: int = 1) -> ConvOperation:
+    """The kernel conv2d runs for ``kind`` on a group of k output and c input channels: 128 x 128
+    tiles, but a 64-wide side where the GEMM's side is at most 64 channels (fprop's N = K,
+    dgrad's N = C, wgrad's M = K), not half a tile of padding; chunks > 1: wgrad's batch in
+    chunks (wgrad_chunks)."""
+    if kind == "wgrad":
+        tile = (64 if k <= 64 else 128, 128, 64)
+    else:
+        tile = (128, 64 if (k if kind == "fprop" else c) <= 64 else 128, 64)
+    return operation(kind, dtype, bias, activation, partials=chunks > 1, tile=tile)
 
 
 # wgrad_chunks' model, in units of one CTA's 64-deep k-block of a 128x128 tile (about 0.3-0.45 us
@@ -142,7 +157,9 @@ def _run(kind: str, a: Tensor, b: Tensor, d: Tensor, bias: Optional[Tensor],
     raise NotImplementedError with the reasons it cannot; splits > 1: wgrad's batch in that
     many chunks, d their fp32 partials."""
     _require_hopper(a.device)
-    op = operation(kind, a.dtype, bias is not None, activation, partials=splits > 1)
+    k, c = (a.shape[3], b.shape[3]) if kind == "wgrad" else (b.shape[0], b.shape[3])
+    op = kernel(kind, a.dtype, k, c, bias=bias is not None, activation=activation,
+                chunks=splits)
     args = ConvArguments.from_tensors(op, a, b, d, bias=bias, padding=padding, stride=stride,
                                       dilation=dilation, pad_hi=pad_hi, splits=splits)
     why = op.can_implement(args)
@@ -474,12 +491,13 @@ def reasons(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
         stride = (1, 1)
     ys = packed(n, p, q, kg) if kind == "wgrad" else packed(n, p, q, k)[..., :kg]  # wgrad: a copy
     with_bias = bias is not None and kind == "fprop"
-    op = operation(kind, x.dtype, with_bias, activation if kind == "fprop" else None)
+    op = kernel(kind, x.dtype, kg, cg, bias=with_bias,
+                activation=activation if kind == "fprop" else None)
     bias_m = torch.empty((kg,), dtype=x.dtype, device="meta") if with_bias else None
     args = ConvArguments(Conv2dProblem(n, h, w, cg, kg, r, s, pad, stride, dilation, pad_hi),
                          xs, ws, ys, bias=bias_m, kind=kind)
     return op.can_implement(args)
 
 
-__all__ = ["conv2d", "operation", "reasons", "reference"]
+__all__ = ["conv2d", "kernel", "operation", "reasons", "reference", "wgrad_chunks"]
 importlib.import_module("vitrail.ops.conv.problems")  # vitrail tune and precompile say why not

@@ -21,8 +21,9 @@ tensors, beside cuDNN's row; it enters no speedup. The run ends with a table per
 kind: the geometric mean of vitrail's speedups over cuDNN, the worst and best layer, and the
 speedup of the network's convolutions taken together (each layer's time times its count).
 
-``build()`` compiles the six kernels the rows run (fprop, dgrad, wgrad, wgrad in batch chunks,
-fprop+bias+relu, fprop+bias+silu; bf16, the op's one config) and the GEMM kernels of the 1x1 unpadded layers
+``build()`` compiles the conv kernels the rows run (``operations()``: fprop, dgrad, wgrad, wgrad
+in batch chunks, fprop+bias+relu, fprop+bias+silu, in bf16, at the tiles the layers' channels
+take) and the GEMM kernels of the 1x1 unpadded layers
 (which the op runs as GEMMs over pixels), in parallel: what ``vitrail bench conv`` builds on a
 machine with no GPU.
 """
@@ -270,16 +271,26 @@ def summary_lines(summary: list[dict]) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------ build
-def operations() -> list:
-    """The ConvOperations the rows run: each kind in bf16, the chunked wgrad (fp32 partials),
-    and fprop with each network's fused bias and activation."""
+def operations(sms: int = 132) -> list:
+    """The ConvOperations the rows run (bf16; in the cases' order, each once): the kernel
+    vitrail.ops.conv.kernel gives each layer's kind, wgrad's chunked one where wgrad_chunks
+    splits its batch on a GPU of ``sms`` SMs; none for the 1x1 layers (the GEMM's) or refused
+    ones."""
     import torch
 
-    from vitrail.ops.conv import operation
-    bf = torch.bfloat16
-    ops = [operation(kind, bf) for kind in KINDS] + [operation("wgrad", bf, partials=True)]
-    for _, _, act in NETWORKS.values():
-        ops.append(operation("fprop", bf, True, act))
+    from vitrail.ops.conv import kernel, wgrad_chunks
+    ops = []
+    for case in cases():
+        lay = case.layer
+        if (lay.R, lay.S, lay.padding) == (1, 1, 0) or refusal(case):
+            continue
+        p, q = lay.out_hw()
+        chunks = (wgrad_chunks(lay.K, lay.R * lay.S * lay.C, case.batch, p * q, sms)
+                  if case.kernel == "wgrad" else 1)
+        op = kernel(case.kernel, torch.bfloat16, lay.K, lay.C, bias=case.activation is not None,
+                    activation=case.activation, chunks=chunks)
+        if op not in ops:
+            ops.append(op)
     return ops
 
 
@@ -312,8 +323,8 @@ def gemm_kernels(lim) -> list:
 
 
 def build() -> None:
-    """Compile the six kernels and the 1x1 layers' GEMM kernels in parallel for the build
-    target (the kernels are sm_90a: for another target, say so and build nothing)."""
+    """Compile the conv kernels the rows run and the 1x1 layers' GEMM kernels in parallel for
+    the build target (the kernels are sm_90a: for another target, say so and build nothing)."""
     from vitrail.tune import compile_all, limits
     lim = limits()
     arch = lim.arch.name
@@ -321,7 +332,7 @@ def build() -> None:
         print(f"  conv bench: the convolution kernels are sm_90a (Hopper); the target is "
               f"sm_{arch}: nothing to build")
         return
-    jobs = [(op.name, op.compile_kwargs(arch)) for op in operations()]
+    jobs = [(op.name, op.compile_kwargs(arch)) for op in operations(lim.sm_count)]
     jobs += [(f"{op.name} {i}", dict(op.render(config), arch=arch))
              for i, (op, config) in enumerate(gemm_kernels(lim))]
     for name, error in compile_all(jobs, verbose=True, label="conv bench").items():
