@@ -49,7 +49,7 @@ from torch import Tensor
 from vitrail.device import is_hopper, sm_count
 from vitrail.gemm import (Conv2dProblem, ConvArguments, ConvOperation, LinearCombination,
                           MathInstruction, TensorDescription, TileDescription)
-from vitrail.gemm.conv import MAX_CHUNKS
+from vitrail.gemm.conv_arguments import MAX_CHUNKS
 from vitrail.gemm.epilogue import ACTIVATIONS
 from vitrail.gemm.ops import gemm, mm
 from vitrail.jit.errors import ArgumentError
@@ -96,9 +96,9 @@ def kernel(kind: str, dtype: torch.dtype, k: int, c: int, *, bias: bool = False,
     return operation(kind, dtype, bias, activation, partials=chunks > 1, tile=tile)
 
 
-# wgrad_chunks' model, in units of one CTA's 64-deep k-block of a 128x128 tile (about 0.3-0.45 us
-# on the H100): a CTA's own cost beside its k-blocks (prologue, storing its fp32 tile), the
-# bytes of partials moved in that time, and the sum's two launches
+# wgrad_chunks' model, in units of one CTA's 64-deep k-block of a 128x128 tile: a CTA's own cost
+# beside its k-blocks (prologue, storing its fp32 tile), the bytes of partials moved in that
+# time, and the sum's two launches
 CHUNK_CTA_BLOCKS = 6
 CHUNK_BYTES_PER_BLOCK = 1.0e6
 CHUNK_SUM_BLOCKS = 15
