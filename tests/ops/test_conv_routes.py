@@ -125,3 +125,14 @@ def test_wgrad_in_chunks_sums_every_chunks_partial(monkeypatch):
     assert runs and runs[0] > 1
     # the partials are fp32 (as the kernel's): dw within their rounding of torch's fp64
     torch.testing.assert_close(dw, want.permute(0, 2, 3, 1), rtol=1e-5, atol=1e-4)
+
+
+def test_a_kernels_module_is_loaded_once_a_process(monkeypatch):
+    """_module: op.compile() (which emits the whole source again to find the module) once per
+    op, then a dictionary lookup."""
+    ops = [C2D.kernel("fprop", torch.bfloat16, 96, 32), C2D.kernel("dgrad", torch.bfloat16, 96, 32)]
+    calls = []
+    monkeypatch.setattr(type(ops[0]), "compile", lambda self: calls.append(self) or object())
+    monkeypatch.setattr(C2D, "_MODULES", {})
+    loaded = [C2D._module(op) for op in ops + ops + ops]
+    assert calls == ops and loaded[:2] == loaded[2:4] == loaded[4:]

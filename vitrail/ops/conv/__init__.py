@@ -49,7 +49,7 @@ from torch import Tensor
 from vitrail.device import is_hopper, sm_count
 from vitrail.gemm import (Conv2dProblem, ConvArguments, ConvOperation, LinearCombination,
                           MathInstruction, TensorDescription, TileDescription)
-from vitrail.gemm.conv_arguments import MAX_CHUNKS
+from vitrail.gemm.conv_arguments import MAX_CHUNKS, launch
 from vitrail.gemm.epilogue import ACTIVATIONS
 from vitrail.gemm.ops import gemm, mm
 from vitrail.jit.errors import ArgumentError
@@ -167,7 +167,19 @@ def _run(kind: str, a: Tensor, b: Tensor, d: Tensor, bias: Optional[Tensor],
         raise NotImplementedError(_refused(kind, why))
     if any(t.numel() == 0 for t in (a, b, d)):
         return
-    op.run(args)
+    launch(op, _module(op), args)  # checked above (op.run would check again)
+
+
+_MODULES: dict[int, object] = {}  # id(op) -> its module (the ops live in _OPS: ids stay theirs)
+
+
+def _module(op: ConvOperation):
+    """op's loaded module, compiled or fetched once a process: op.compile() emits the source
+    again to find it, which takes longer than the launch itself."""
+    module = _MODULES.get(id(op))
+    if module is None:
+        module = _MODULES[id(op)] = op.compile()
+    return module
 
 
 def _require_hopper(device: torch.device) -> None:
