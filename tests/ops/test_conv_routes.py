@@ -74,14 +74,15 @@ def test_what_takes_the_gemm_route():
 
 def test_wgrad_chunks_fill_the_gpu_where_dw_is_small():
     """The model's choices: a dw of a few tiles over a large batch (ResNet-50's 3x3 C64 K64:
-    5 tiles) runs in many chunks, one filling the GPU in one pass; chunks are never empty,
-    never more than the batch or MAX_CHUNKS."""
+    5 tiles) runs in many chunks, one filling half the GPU or more in one pass; chunks are
+    never empty, never more than the batch or MAX_CHUNKS, and never add a wave."""
     from vitrail.gemm.conv_arguments import MAX_CHUNKS
     chunks = C2D.wgrad_chunks
     assert 16 <= chunks(64, 576, 128, 56 * 56, 132) <= MAX_CHUNKS
     assert chunks(128, 1152, 128, 28 * 28, 132) > 8  # 9 tiles
     assert chunks(512, 4608, 128, 7 * 7, 132) == 1  # 144 tiles
     assert chunks(640, 2880, 8, 32 * 32, 132) == 1  # 115 tiles: one wave already
+    assert chunks(320, 2880, 8, 64 * 64, 132) == 1  # 69 tiles: 3 chunks ran 0.77x as fast
     assert chunks(64, 576, 1, 224 * 224, 132) == 1  # one image
     g = torch.Generator().manual_seed(0)
     for _ in range(300):
@@ -90,6 +91,7 @@ def test_wgrad_chunks_fill_the_gpu_where_dw_is_small():
         pixels = int(torch.randint(1, 5000, (1,), generator=g))
         s = chunks(k, rsc, batch, pixels, 132)
         assert 1 <= s <= min(batch, MAX_CHUNKS)
+        assert s == 1 or s * -(-k // 128) * -(-rsc // 128) <= 132  # never a wave more
         assert (s - 1) * -(-batch // s) < batch, (k, rsc, batch, pixels, s)  # none empty
 
 

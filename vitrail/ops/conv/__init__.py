@@ -32,7 +32,7 @@ read, with a one-time warning).
 
 wgrad's GEMM runs over the batch's pixels (its K is N*P*Q), so a small dw (K x R*S*C: a few
 128x128 tiles) would leave most SMs idle: the batch then runs in chunks of whole images in one
-launch (wgrad_chunks: a model of its waves), each chunk's dw summed in fp32 into dw.
+launch (wgrad_chunks: as many as fill the idle SMs), each chunk's dw summed in fp32 into dw.
 
 Kernel choice: one config per kind (128x128x64 tiles, no cluster; a 64-wide side where the
 GEMM's side is at most 64 channels: kernel()); tuning is not wired yet.
@@ -108,20 +108,22 @@ CHUNK_SUM_BLOCKS = 15
 def wgrad_chunks(k: int, rsc: int, batch: int, pixels: int, sms: int) -> int:
     """The chunks (of whole images) to run a wgrad's batch in: dw is k x rsc, the batch `batch`
     images of `pixels` output pixels each. One launch of s chunks runs tiles * s CTAs (a 128x128
-    tile of dw each) in waves of `sms`, each CTA over its chunk's pixels (ceil(batch / s) * pixels
-    of them, 64 a k-block) plus CHUNK_CTA_BLOCKS; chunks add their fp32 partials' traffic
-    (written, then read by the sum) and the sum. The fewest chunks (1 to MAX_CHUNKS, none empty)
-    within 3% of the modeled best: a dw of a few tiles over a large batch runs in many chunks,
-    one that fills the GPU in one."""
+    tile of dw each), each over its chunk's pixels (ceil(batch / s) * pixels of them, 64 a
+    k-block) plus CHUNK_CTA_BLOCKS; chunks add their fp32 partials' traffic (written, then read
+    by the sum) and the sum. Chunks only fill SMs that one pass leaves idle, never adding a wave
+    (tiles * s <= sms: where CTAs share the SMs, each runs slower than the model's, and a second
+    wave lost on the H100); of those counts (1 to MAX_CHUNKS, none empty), the fewest within 3%
+    of the modeled best: a dw of a few tiles over a large batch runs in many chunks, one that
+    fills half the GPU or more in one."""
     tiles = -(-k // 128) * -(-rsc // 128)
 
     def time(s: int) -> float:
-        chunk = -(-batch // s)
-        cost = -(-tiles * s // sms) * (chunk * pixels / 64 + CHUNK_CTA_BLOCKS)
+        cost = -(-batch // s) * pixels / 64 + CHUNK_CTA_BLOCKS
         if s > 1:
             cost += s * k * rsc * 8 / CHUNK_BYTES_PER_BLOCK + CHUNK_SUM_BLOCKS
         return cost
-    counts = sorted({-(-batch // -(-batch // s)) for s in range(1, min(batch, MAX_CHUNKS) + 1)})
+    most = min(batch, MAX_CHUNKS, max(1, sms // tiles))
+    counts = sorted({-(-batch // -(-batch // s)) for s in range(1, most + 1)})
     best = min(time(s) for s in counts)
     return next(s for s in counts if time(s) <= 1.03 * best)
 
