@@ -138,3 +138,57 @@ def test_a_kernels_module_is_loaded_once_a_process(monkeypatch):
     monkeypatch.setattr(C2D, "_MODULES", {})
     loaded = [C2D._module(op) for op in ops + ops + ops]
     assert calls == ops and loaded[:2] == loaded[2:4] == loaded[4:]
+
+
+def _unit_stride_dgrad(kind, a, wt, d, bias, act, pad, stride, dilation, pad_hi, splits=1):
+    """The dgrad kernel's contract in float64 (conv_arguments' roles, NHWC-indexed): d (N, H,
+    W, C) = the gradient of the unit-stride convolution of padding (pad, pad_hi) and dilation
+    whose output gradient is a (N, P, Q, K), filter wt (K, R, S, C); the geometry checked as the
+    kernel checks it."""
+    assert kind == "dgrad" and stride == (1, 1) and splits == 1 and bias is None
+    n, p, q, k = a.shape
+    _, r, s, c = wt.shape
+    h, w = d.shape[1:3]
+    assert min(pad) >= 0 and min(pad_hi) >= 0, (pad, pad_hi)
+    assert (p, q) == (h + pad[0] + pad_hi[0] - dilation[0] * (r - 1),
+                      w + pad[1] + pad_hi[1] - dilation[1] * (s - 1)), (a.shape, d.shape)
+    out = torch.zeros(n, h, w, c, dtype=a.dtype)
+    for i in range(r):
+        for j in range(s):  # dx[y, x] += dy[y - i dh + pad_h, x - j dw + pad_w] w[i, j]
+            ys = torch.arange(h) - i * dilation[0] + pad[0]
+            xs = torch.arange(w) - j * dilation[1] + pad[1]
+            vy, vx = (ys >= 0) & (ys < p), (xs >= 0) & (xs < q)
+            part = a[:, ys[vy]][:, :, xs[vx]] @ wt[:, i, j]
+            out[:, vy.nonzero()[:, 0, None], vx.nonzero()[:, 0]] += part
+    d.copy_(out)
+
+
+def test_a_strided_dgrad_runs_one_unit_stride_dgrad_a_phase(monkeypatch):
+    """dx of convolutions (strides 1 to 3, dilations 1 to 3, paddings 0 to 2, sizes down to 1,
+    filters 1x1 to 5x5) as the phases' unit-stride dgrads (one at unit stride), each run by the
+    kernel's contract in float64: equal to torch's dx."""
+    monkeypatch.setattr(C2D, "_run", _unit_stride_dgrad)
+    monkeypatch.setattr(C2D, "_require_hopper", lambda device: None)
+    g = torch.Generator().manual_seed(5)
+    done = 0
+    for _ in range(400):
+        h, w = (int(v) for v in torch.randint(1, 14, (2,), generator=g))
+        r, s = (int(v) for v in torch.randint(1, 6, (2,), generator=g))
+        stride = tuple(int(v) for v in torch.randint(1, 4, (2,), generator=g))
+        dil = tuple(int(v) for v in torch.randint(1, 4, (2,), generator=g))
+        pad = tuple(int(v) for v in torch.randint(0, 3, (2,), generator=g))
+        p, q = C2D._out_hw(h, w, r, s, pad, pad, stride, dil)
+        if p < 1 or q < 1 or (r, s, pad) == (1, 1, (0, 0)):
+            continue
+        x = torch.randn(2, 3, h, w, generator=g, dtype=torch.float64).requires_grad_(True)
+        wt = torch.randn(4, 3, r, s, generator=g, dtype=torch.float64)
+        y = F.conv2d(x, wt, None, stride, pad, dil)
+        dy = torch.randn(y.shape, generator=g, dtype=torch.float64)
+        y.backward(dy)
+        dx = C2D._conv2d_dgrad(dy.contiguous(memory_format=torch.channels_last),
+                               wt.contiguous(memory_format=torch.channels_last), [h, w],
+                               list(stride), list(pad), list(pad), list(dil))
+        torch.testing.assert_close(dx, x.grad, msg=lambda m: f"{(h, w, r, s, stride, dil, pad)}"
+                                   f": {m}")
+        done += 1
+    assert done > 200

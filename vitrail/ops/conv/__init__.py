@@ -19,9 +19,10 @@ What is refused (NotImplementedError, saying why and what is supported), never c
 way: GPUs other than Hopper (the kernels are sm_90a), dtypes other than bf16/fp16, channel
 counts per group (C / groups, K / groups) that are not multiples of 8, padding, dilation or
 filters beyond the TMA im2col limits (conv_arguments.reasons). Inputs that are not channels-last
-are copied to channels-last first (a one-time warning says so). A strided convolution's dx runs
-the unit-stride dgrad kernel on dy spread out with zeros (stride_h * stride_w times its work):
-CUTLASS's sm90 dgrad runs at unit stride only.
+are copied to channels-last first (a one-time warning says so). CUTLASS's sm90 dgrad runs at
+unit stride only, so a strided convolution's dx runs as stride_h * stride_w unit-stride dgrads,
+one a phase (the pixels at (i, j) + stride * (a, b), written in place), each with the filter
+taps that reach its pixels: the convolution's own work (_dgrad_phases).
 
 1x1 convolutions without padding (one group) are GEMMs over pixels and run vitrail's GEMM
 (vitrail.ops.gemm and mm, with their selection: split-K, stream-K and torch's own matmul among
@@ -40,6 +41,8 @@ GEMM's side is at most 64 channels: kernel()); tuning is not wired yet.
 from __future__ import annotations
 
 import importlib
+import math
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional, Sequence, Union
 
@@ -151,6 +154,12 @@ def _empty_nchw(shape: Sequence[int], like: Tensor) -> Tensor:
     """A new (N, C, H, W) tensor in channels_last memory."""
     n, c, h, w = shape
     return like.new_empty((n, h, w, c)).permute(0, 3, 1, 2)
+
+
+def _zeros_nchw(shape: Sequence[int], like: Tensor) -> Tensor:
+    """_empty_nchw, filled with zeros."""
+    n, c, h, w = shape
+    return like.new_zeros((n, h, w, c)).permute(0, 3, 1, 2)
 
 
 def _run(kind: str, a: Tensor, b: Tensor, d: Tensor, bias: Optional[Tensor],
@@ -347,17 +356,89 @@ def _conv2d_dgrad(dy: Tensor, weight: Tensor, input_hw: list[int], stride: list[
         dx = dy.new_zeros((n, h, w, cg))  # the pixels no output read
         dx[:, ::stride[0], ::stride[1]] = g
         return dx.permute(0, 3, 1, 2)
-    dx = _empty_nchw((n, cg * groups, h, w), dy)
-    a = _nhwc(dy)
-    if tuple(stride) != (1, 1):  # the unit-stride kernel on dy spread out with zeros
-        p1, q1 = _out_hw(h, w, r, s, pad, pad_hi, (1, 1), dilation)
-        a = dy.new_zeros((n, p1, q1, k))
-        a[:, :p * stride[0]:stride[0], :q * stride[1]:stride[1]] = _nhwc(dy)
-    for ag, wg, dg in zip(a.chunk(groups, 3), _nhwc(weight).chunk(groups, 0),
-                          _nhwc(dx).chunk(groups, 3)):
-        _run("dgrad", ag, wg, dg, None, None, tuple(pad), (1, 1), tuple(dilation),
-             tuple(pad_hi))
+    phases = _dgrad_phases((h, w), (p, q), (r, s), pad, pad_hi, stride, dilation)
+    whole = all(ph.rows == ph.extent or not all(ph.extent) for ph in phases)  # all written
+    dx = (_empty_nchw if whole else _zeros_nchw)((n, cg * groups, h, w), dy)
+    for ph in phases:
+        if not all(ph.rows):
+            continue
+        a = _nhwc(dy)[:, :ph.dy[0], :ph.dy[1]]
+        wt = _nhwc(weight)
+        if ph.taps != (range(r), range(s)):  # the phase's own taps: a small packed copy
+            wt = wt[:, ph.taps[0]][:, :, ph.taps[1]].contiguous()
+        (sh, sw), (kh, kw) = stride, ph.skip
+        d = _nhwc(dx)[:, ph.phase[0] + kh * sh::sh, ph.phase[1] + kw * sw::sw]
+        d = d[:, :ph.rows[0], :ph.rows[1]]
+        for ag, wg, dg in zip(a.chunk(groups, 3), wt.chunk(groups, 0), d.chunk(groups, 3)):
+            _run("dgrad", ag, wg, dg, None, None, ph.pad, (1, 1), ph.dilation, ph.pad_hi)
     return dx
+
+
+@dataclass(frozen=True)
+class _Phase:
+    """The pixels of dx at (phase + i * stride) along h and w, as a unit-stride dgrad computes
+    them (each per dimension, h then w): ``extent`` such pixels, of which ``rows`` from the
+    ``skip``-th on get a gradient (none: rows 0; the others are zeros); ``taps``, the filter taps
+    that reach them (a range of R or S, stepping by stride / gcd(stride, dilation)); the
+    unit-stride problem's ``dilation``, ``pad`` and ``pad_hi``, on dy's first ``dy`` rows."""
+    phase: tuple[int, int]
+    extent: tuple[int, int]
+    skip: tuple[int, int]
+    rows: tuple[int, int]
+    taps: tuple[range, range]
+    dilation: tuple[int, int]
+    pad: tuple[int, int]
+    pad_hi: tuple[int, int]
+    dy: tuple[int, int]
+
+
+def _phase_1d(size: int, out: int, taps: int, pad: int, stride: int, dilation: int,
+              phi: int) -> tuple:
+    """One dimension of a _Phase (phi: its first pixel): (extent, skip, rows, taps, dilation,
+    pad, pad_hi, dy's rows). dx[phi + s j] = sum over k of dy[j + t0 - k d'] w[r0 + k s / g] for
+    the taps r0 + k s / g whose r d - pad - phi is a multiple of s (g = gcd(s, d), d' = d / g,
+    t0 = (phi + pad - r0 d) / s): a unit-stride dgrad of padding t0 and dilation d'; where t0
+    is negative, the first -t0 pixels read no dy (skipped: zeros), and pixels past every tap's
+    reach at the end get none either."""
+    extent = len(range(phi, size, stride))
+    first = [t for t in range(taps) if (t * dilation - pad - phi) % stride == 0]
+    none = (extent, 0, 0, range(0), 1, 0, 0, 0)
+    if not extent or not first:
+        return none
+    g = math.gcd(stride, dilation)
+    tap = range(first[0], taps, stride // g)
+    dil = dilation // g
+    t0 = (phi + pad - first[0] * dilation) // stride
+    skip = max(0, -t0)
+    pad_lo, rows = t0 + skip, extent - skip
+    used = min(out, rows + pad_lo)  # dy's rows any of these pixels reads
+    if rows <= 0 or used <= 0:
+        return none
+    pad_hi = used - rows - pad_lo + dil * (len(tap) - 1)
+    rows += min(0, pad_hi)  # pixels past every tap's reach get none
+    if rows <= 0:
+        return none
+    return extent, skip, rows, tap, dil, pad_lo, max(0, pad_hi), used
+
+
+def _dgrad_phases(size, out, taps, pad, pad_hi, stride, dilation) -> list[_Phase]:
+    """dx of a strided convolution as stride_h * stride_w unit-stride dgrads (one a phase: the
+    pixels at (i, j) + stride * (a, b)), each of the taps that reach its pixels: the same work
+    as the convolution's, where dy spread out with zeros would cost stride_h * stride_w times
+    it. Unit stride: one phase, the convolution's own geometry (pad_hi: the forward's)."""
+    if tuple(stride) == (1, 1):
+        return [_Phase((0, 0), tuple(size), (0, 0), tuple(size),
+                       (range(taps[0]), range(taps[1])), tuple(dilation), tuple(pad),
+                       tuple(pad_hi), tuple(out))]
+    phases = []
+    for ph in range(stride[0]):
+        for pw in range(stride[1]):
+            dims = [_phase_1d(size[i], out[i], taps[i], pad[i], stride[i], dilation[i], phi)
+                    for i, phi in enumerate((ph, pw))]
+            rows = (dims[0][2], dims[1][2]) if dims[0][2] and dims[1][2] else (0, 0)
+            phases.append(_Phase((ph, pw), *(tuple(d[i] for d in dims) for i in (0, 1)), rows,
+                                 *(tuple(d[i] for d in dims) for i in range(3, 8))))
+    return phases
 
 
 @_conv2d_dgrad.register_fake
@@ -474,8 +555,8 @@ def reasons(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
     """Why conv2d's kernel of ``kind`` (fprop: the call itself; dgrad: its dx; wgrad: its dw)
     would refuse the convolution of x by weight; [] when it would run it. Nothing is compiled
     or run, and x, weight and bias may be meta tensors: only their shapes and dtypes count. The
-    kernel's operands are judged as the op hands them over (channels-last and packed, dy spread
-    to unit stride for a strided dgrad), so a strided view's own strides are not; nor is the
+    kernel's operands are judged as the op hands them over (channels-last and packed; a strided
+    dgrad phase by phase), so a strided view's own strides are not; nor is the
     GPU (the kernels are Hopper's). Arguments torch would reject raise ArgumentError, as
     conv2d's do."""
     if kind not in ("fprop", "dgrad", "wgrad"):
@@ -499,15 +580,23 @@ def reasons(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
     def packed(*shape: int) -> Tensor:  # an NHWC-indexed operand as the kernel gets it
         return torch.empty(shape, dtype=x.dtype, device="meta")
     cg, kg = c // groups, k // groups  # one group's channels: the first group's views
-    xs, ws = packed(n, h, w, c)[..., :cg], packed(kg, r, s, cg)
-    if kind == "dgrad" and stride != (1, 1):  # the unit-stride kernel on dy spread out
-        p, q = _out_hw(h, w, r, s, pad, pad_hi, (1, 1), dilation)
-        stride = (1, 1)
-    ys = packed(n, p, q, kg) if kind == "wgrad" else packed(n, p, q, k)[..., :kg]  # wgrad: a copy
     with_bias = bias is not None and kind == "fprop"
     op = kernel(kind, x.dtype, kg, cg, bias=with_bias,
                 activation=activation if kind == "fprop" else None)
     bias_m = torch.empty((kg,), dtype=x.dtype, device="meta") if with_bias else None
+    if kind == "dgrad":  # one unit-stride dgrad a phase (one at unit stride)
+        why: list[str] = []
+        for ph in _dgrad_phases((h, w), (p, q), (r, s), pad, pad_hi, stride, dilation):
+            if all(ph.rows):
+                problem = Conv2dProblem(n, *ph.rows, cg, kg, len(ph.taps[0]), len(ph.taps[1]),
+                                        ph.pad, (1, 1), ph.dilation, ph.pad_hi)
+                args = ConvArguments(problem, packed(n, *ph.rows, cg * groups)[..., :cg],
+                                     packed(kg, problem.R, problem.S, cg),
+                                     packed(n, *ph.dy, k)[..., :kg], kind=kind)
+                why += [w for w in op.can_implement(args) if w not in why]
+        return why
+    xs, ws = packed(n, h, w, c)[..., :cg], packed(kg, r, s, cg)
+    ys = packed(n, p, q, kg) if kind == "wgrad" else packed(n, p, q, k)[..., :kg]  # wgrad: a copy
     args = ConvArguments(Conv2dProblem(n, h, w, cg, kg, r, s, pad, stride, dilation, pad_hi),
                          xs, ws, ys, bias=bias_m, kind=kind)
     return op.can_implement(args)

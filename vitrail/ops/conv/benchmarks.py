@@ -11,8 +11,8 @@ activation, for the U-Net). vitrail's rows call what conv2d and its autograd cal
 ``vitrail.ops.conv2d`` and the ``vitrail::conv2d_dgrad`` and ``vitrail::conv2d_wgrad`` custom
 ops; each result is compared with cuDNN's before it is timed (a mismatch is printed). FLOPs
 are the convolution's own, 2 N P Q K C R S, for every kind (a strided dgrad of a filter larger
-than 1x1, which runs the unit-stride kernel on dy spread out with zeros, does stride_h *
-stride_w times that work and is credited with the convolution's).
+than 1x1 runs stride_h * stride_w unit-stride dgrads, one a stride phase, which together do that
+work).
 
 A layer the op refuses (the 3-channel stem of ResNet-50, the U-Net's 4-channel conv_in and
 conv_out: TMA reads 16-byte channel vectors, C and K must be multiples of 8 in bf16) is a row
@@ -201,8 +201,7 @@ def row(case: Case, impl: str, ms: float | None, **extra) -> Row:
             "count": lay.count, "geometry": {k: getattr(lay, k) for k in (
                 "C", "H", "W", "K", "R", "S", "stride", "padding")}, **extra}
     if case.kernel == "dgrad" and lay.stride > 1 and impl.startswith(OURS):
-        info["note"] = (f"unit-stride dgrad on dy spread out with zeros: {lay.stride ** 2}x the "
-                        f"work counted")
+        info["note"] = f"{lay.stride ** 2} unit-stride dgrads, one a stride phase"
     return Row(case=case.name, impl=f"{impl} {case.kind}",
                value=0.0 if ms is None else case.flops / ms / 1e9, unit="TFLOP/s",
                lower_is_better=False, baseline=impl == THEIRS, extra=info,
