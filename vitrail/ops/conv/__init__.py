@@ -365,7 +365,8 @@ def _conv2d_dgrad(dy: Tensor, weight: Tensor, input_hw: list[int], stride: list[
         a = _nhwc(dy)[:, :ph.dy[0], :ph.dy[1]]
         wt = _nhwc(weight)
         if ph.taps != (range(r), range(s)):  # the phase's own taps: a small packed copy
-            wt = wt[:, ph.taps[0]][:, :, ph.taps[1]].contiguous()
+            (th, tw) = ph.taps  # slices (a list index would copy it to the GPU: a sync a call)
+            wt = wt[:, th.start:th.stop:th.step, tw.start:tw.stop:tw.step].contiguous()
         (sh, sw), (kh, kw) = stride, ph.skip
         d = _nhwc(dx)[:, ph.phase[0] + kh * sh::sh, ph.phase[1] + kw * sw::sw]
         d = d[:, :ph.rows[0], :ph.rows[1]]
