@@ -40,7 +40,7 @@ from vitrail.gemm.descriptions import (MathInstruction, TensorDescription,
                                        TileDescription, bits, check_stages, check_tile_k,
                                        cpp_type)
 from vitrail.gemm.conv_arguments import ENTRY, MAX_CHUNKS, launch, reasons
-from vitrail.gemm.emit.template import fill
+from vitrail.gemm.emit.template import cluster_launch, fill
 from vitrail.gemm.epilogue import LinearCombination
 from vitrail.gemm.operation import Buildable
 
@@ -370,24 +370,9 @@ _RUN_CHUNKS = r"""  // chunks of ceil(n / splits) images, none empty
     if (static_cast<int64_t>(GemmKernel::get_workspace_size(args)) > workspace_bytes) return -4;
     params.chunk[i] = GemmKernel::to_underlying_arguments(args, workspace);
   }
-  constexpr int smem = GemmKernel::SharedStorageSize;
-  static cudaError_t attr = cudaFuncSetAttribute(
-      vitrail_conv_chunks, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (attr != cudaSuccess) return static_cast<int>(attr);
-  cudaLaunchConfig_t config{};
-  config.gridDim = GemmKernel::get_grid_shape(params.chunk[0]);
-  config.gridDim.z = splits;
-  config.blockDim = GemmKernel::get_block_shape();
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeClusterDimension;
-  attribute[0].val.clusterDim.x = cute::size<0>(ClusterShape{});
-  attribute[0].val.clusterDim.y = cute::size<1>(ClusterShape{});
-  attribute[0].val.clusterDim.z = 1;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  return static_cast<int>(cudaLaunchKernelEx(&config, vitrail_conv_chunks, params));"""
+""" + cluster_launch("vitrail_conv_chunks", "params",
+                      "config.gridDim = GemmKernel::get_grid_shape(params.chunk[0]);\n"
+                      "  config.gridDim.z = splits;")
 
 _OPERATORS = {"fprop": "kFprop", "dgrad": "kDgrad", "wgrad": "kWgrad"}
 # the strides of D's tensor among the entry's: y (fprop), dx (dgrad), dw (wgrad)

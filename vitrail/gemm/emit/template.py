@@ -87,27 +87,37 @@ BIND = r"""  // A thread that has made no CUDA call yet has no current context (
     bound = true;
   }
 """
-LAUNCH = BIND + r"""  if (static_cast<int64_t>(GemmKernel::get_workspace_size(args)) > workspace_bytes) return -4;
-  if (GemmKernel::initialize_workspace(args, workspace, stream) != cutlass::Status::kSuccess)
-    return -5;
-  typename GemmKernel::Params params = GemmKernel::to_underlying_arguments(args, workspace);
-  constexpr int smem = GemmKernel::SharedStorageSize;
+
+
+def cluster_launch(kernel: str, params: str, grid: str) -> str:
+    """The end of an entry point: ``kernel``'s shared memory attribute set once, then its launch
+    on ``params`` with the cluster shape as a launch attribute; ``grid``: the statements setting
+    ``config.gridDim``."""
+    return f"""  constexpr int smem = GemmKernel::SharedStorageSize;
   static cudaError_t attr = cudaFuncSetAttribute(
-      cutlass::device_kernel<GemmKernel>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      {kernel}, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (attr != cudaSuccess) return static_cast<int>(attr);
-  cudaLaunchConfig_t config{};
-  config.gridDim = GemmKernel::get_grid_shape(params);
+  cudaLaunchConfig_t config{{}};
+  {grid}
   config.blockDim = GemmKernel::get_block_shape();
   config.dynamicSmemBytes = smem;
   config.stream = stream;
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeClusterDimension;
-  attribute[0].val.clusterDim.x = cute::size<0>(ClusterShape{});
-  attribute[0].val.clusterDim.y = cute::size<1>(ClusterShape{});
+  attribute[0].val.clusterDim.x = cute::size<0>(ClusterShape{{}});
+  attribute[0].val.clusterDim.y = cute::size<1>(ClusterShape{{}});
   attribute[0].val.clusterDim.z = 1;
   config.attrs = attribute;
   config.numAttrs = 1;
-  return static_cast<int>(cudaLaunchKernelEx(&config, cutlass::device_kernel<GemmKernel>, params));"""
+  return static_cast<int>(cudaLaunchKernelEx(&config, {kernel}, {params}));"""
+
+
+LAUNCH = BIND + r"""  if (static_cast<int64_t>(GemmKernel::get_workspace_size(args)) > workspace_bytes) return -4;
+  if (GemmKernel::initialize_workspace(args, workspace, stream) != cutlass::Status::kSuccess)
+    return -5;
+  typename GemmKernel::Params params = GemmKernel::to_underlying_arguments(args, workspace);
+""" + cluster_launch("cutlass::device_kernel<GemmKernel>", "params",
+                     "config.gridDim = GemmKernel::get_grid_shape(params);")
 
 
 # The plain GEMM entry point's parameters, which split_k.py's entry point shares (one ABI for
