@@ -275,6 +275,53 @@ def test_each_chunk_writes_its_own_partial():
     _close(d[-K:], nhwc(want), torch.float16, "replayed")
 
 
+@pytest.mark.parametrize("R, S, stride, padding, groups", [
+    (3, 3, 1, 1, 1), (3, 3, 2, 1, 2), (5, 3, 2, (2, 1), 1), (2, 2, 3, 0, 1), (1, 1, 2, 0, 1)])
+def test_eager_calls_replay_their_plans(R, S, stride, padding, groups):
+    """A signature's first call plans its launches (vitrail.plan); later calls on fresh data
+    replay them: y, dx and dw equal the fp64 reference's at every call, eager (y through the
+    public function, dx and dw through the custom ops) and under autograd. The 3x3 and 5x3
+    calls have C++ plans (the stride-2 dx one a stride phase each, on views of the filter);
+    the 2x2 stride-3 dx has pixels no tap reaches (zeros: the general path each call), and
+    the 1x1 stride-2 convolution runs vitrail's GEMM."""
+    from vitrail.ops import conv2d
+    from vitrail.ops.conv import _dgrad
+    from vitrail.plan import native
+    native.load(wait=True)
+    N, C, K, H, W = 2, 32, 48, 15, 13
+    pad = padding if isinstance(padding, tuple) else (padding, padding)
+    for seed in range(3):
+        x, w = _tensors(N, C, H, W, K, R, S, torch.bfloat16, seed=seed)
+        w = w[:, :C // groups].contiguous(memory_format=torch.channels_last)
+        b = torch.randn(K, device="cuda").to(torch.bfloat16)
+        y = conv2d(x, w, b, stride, padding, groups=groups, activation="relu")
+        y64 = torch.relu(torch.nn.functional.conv2d(x.double(), w.double(), b.double(), stride,
+                                                    pad, 1, groups))
+        _close(y, y64, torch.bfloat16, f"y, call {seed}")
+        dy = torch.randn_like(y64).to(torch.bfloat16).contiguous(
+            memory_format=torch.channels_last)
+        geometry = ([stride] * 2, list(pad), list(pad), [1, 1], groups)
+        dx = torch.ops.vitrail.conv2d_dgrad(dy, w, [H, W], *geometry)
+        dw = torch.ops.vitrail.conv2d_wgrad(dy, x, [R, S], *geometry)
+        _close(dx, torch.nn.grad.conv2d_input(x.shape, w.double(), dy.double(), stride, pad, 1,
+                                              groups), torch.bfloat16, f"dx, call {seed}")
+        _close(dw, torch.nn.grad.conv2d_weight(x.double(), w.shape, dy.double(), stride, pad, 1,
+                                               groups), torch.bfloat16, f"dw, call {seed}")
+        _against_fp64(lambda x, w, b: conv2d(x, w, b, stride, padding, groups=groups),
+                      lambda x, w, b: torch.nn.functional.conv2d(x, w, b, stride, pad, 1,
+                                                                 groups), x, w, b)
+    if R == 1 or native.loaded() is None:
+        return
+    if isinstance(padding, int):  # a pair is no value the C++ keys take: planned in Python
+        assert conv2d.front.call(x, w, b, stride, padding, 1, groups, "relu") is not \
+            native.MISS
+        xg, wg, bg = (t.detach().requires_grad_(True) for t in (x, w, b))
+        y = conv2d.front.call(xg, wg, bg, stride, padding, 1, groups, None)  # autograd's too
+        assert y is not native.MISS and y.grad_fn is not None
+    planned = _dgrad.front.call(dy, w, H, W, stride, stride, *pad, *pad, 1, 1, groups)
+    assert (planned is native.MISS) == (stride == 3), "dx: a plan where every pixel is written"
+
+
 def test_compiles_under_torch_compile():
     from vitrail.ops import conv2d
     x, w = _tensors(2, 16, 7, 7, 16, 3, 3, torch.bfloat16)

@@ -14,14 +14,14 @@ C2D = importlib.import_module("vitrail.ops.conv")
 
 @pytest.fixture
 def gemm_on_the_cpu(monkeypatch):
-    """gemm and mm as torch computes them; the GEMM route taken on the CPU."""
+    """The GEMM's run_into and mm as torch computes them; the GEMM route taken on the CPU."""
     from vitrail.gemm.ops.reference import activation as act
     runs = []
 
-    def gemm(a, b, bias=None, activation=None):
-        runs.append("gemm")
-        return act(a @ b + (0 if bias is None else bias), activation)
-    monkeypatch.setattr(C2D, "gemm", gemm)
+    def run_into(d, a, b, c, bias, alpha, beta, activation, *rest):
+        runs.append("mm" if bias is None and activation is None else "gemm")
+        d.copy_(act(a @ b + (0 if bias is None else bias), activation))
+    monkeypatch.setattr(C2D, "run_into", run_into)
     monkeypatch.setattr(C2D, "mm", lambda a, b: runs.append("mm") or a @ b)
     monkeypatch.setattr(C2D, "_require_hopper", lambda device: None)
     monkeypatch.setattr(C2D, "_run", lambda *a: pytest.fail("an implicit-GEMM kernel ran"))

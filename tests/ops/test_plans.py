@@ -75,10 +75,14 @@ def _cases():
                                        enumerate(((0, 50), (50, 120), (120, 200)))]),
          lambda: mats((200, 64), (3, 64, 48))() + (
              torch.tensor([50, 120, 200], device="cuda", dtype=torch.int32),), 0.05),
+        ("conv2d bias relu", lambda x, w, b: ops.conv2d(x, w, b, padding=1, activation="relu"),
+         lambda x, w, b: F.relu(F.conv2d(x.float(), w.float(), b.float(), padding=1)),
+         lambda: tuple(t.contiguous(memory_format=torch.channels_last) for t in mats(
+             (2, 32, 9, 11), (48, 32, 3, 3), scale=0.25)()) + mats((48,))(), 0.05),
     ]
 
 
-CASES = 12
+CASES = 13
 
 
 @pytest.mark.parametrize("case", range(CASES))

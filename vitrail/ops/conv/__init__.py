@@ -54,10 +54,14 @@ from vitrail.gemm import (Conv2dProblem, ConvArguments, ConvOperation, LinearCom
                           MathInstruction, TensorDescription, TileDescription)
 from vitrail.gemm.conv_arguments import MAX_CHUNKS, launch
 from vitrail.gemm.epilogue import ACTIVATIONS
-from vitrail.gemm.ops import gemm, mm
-from vitrail.jit.errors import ArgumentError
-from vitrail.ops.common import check_same_device, check_tensor
+from vitrail.gemm.ops import mm
+from vitrail.gemm.ops.launch import run_into
 from vitrail.gemm.ops.operands import warn_once
+from vitrail.jit.errors import ArgumentError
+from vitrail.ops.common import (DISPATCH, EAGER, autograd_apply, call_mode, check_same_device,
+                                check_tensor)
+from vitrail.plan import Plans, signature
+from vitrail.plan.native import GRAD, INPUT, OUTPUT, VALUE, front
 from vitrail.gemm.ops.reference import activation as _act
 from vitrail.gemm.ops.reference import activation_backward, grad_from_output
 
@@ -154,12 +158,6 @@ def _empty_nchw(shape: Sequence[int], like: Tensor) -> Tensor:
     """A new (N, C, H, W) tensor in channels_last memory."""
     n, c, h, w = shape
     return like.new_empty((n, h, w, c)).permute(0, 3, 1, 2)
-
-
-def _zeros_nchw(shape: Sequence[int], like: Tensor) -> Tensor:
-    """_empty_nchw, filled with zeros."""
-    n, c, h, w = shape
-    return like.new_zeros((n, h, w, c)).permute(0, 3, 1, 2)
 
 
 def _run(kind: str, a: Tensor, b: Tensor, d: Tensor, bias: Optional[Tensor],
@@ -307,27 +305,144 @@ def _pixels(t: Tensor, stride) -> Tensor:
     return t.reshape(-1, t.shape[3])
 
 
+# ------------------------------------------------------------- each kind's work, and its plan
+# A call's general path (vitrail.plan): it checks operands, routes and launches the kernels on
+# views of the inputs and of a new output. Where that is all it does (channels-last operands,
+# no zero fill or copy, no chunk partials to sum), the signature's later calls replay the
+# launches: one C++ call from the public function (native.front) or one generated Python one.
+PLANS = Plans("conv2d")
+
+
+def _geometry(stride, pad, pad_hi, dilation) -> tuple[int, ...]:
+    """The 8 ints of a convolution's geometry, as the fronts take them."""
+    return (*stride, *pad, *pad_hi, *dilation)
+
+
+def _split(g: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """(stride, pad, pad_hi, dilation) of a _geometry."""
+    return g[0:2], g[2:4], g[4:6], g[6:8]
+
+
+def _sig(t: Optional[Tensor]):
+    return None if t is None else signature(t)
+
+
+def _new_y(x, weight, bias, g, activation, groups) -> tuple[Tensor]:
+    n, _, h, w = x.shape
+    k, _, r, s = weight.shape
+    stride, pad, pad_hi, dilation = _split(g)
+    return (_empty_nchw((n, k, *_out_hw(h, w, r, s, pad, pad_hi, stride, dilation)), x),)
+
+
+def _fprop_into(x, weight, bias, y, g, activation, groups) -> None:
+    """y = act(conv2d(x, weight) + bias)."""
+    x = _channels_last(x, "x")
+    weight = _channels_last(weight, "weight")
+    stride, pad, pad_hi, dilation = _split(g)
+    k = weight.shape[0]
+    if _gemm_ready(x, weight, pad, pad_hi, groups):  # y (N P Q, K) = x (N P Q, C) W^T
+        run_into(_nhwc(y).reshape(-1, k), _pixels(x, stride), _nhwc(weight).reshape(k, -1).t(),
+                 None, bias, 1.0, 0.0, activation, 0.01, None, None)
+        return
+    biases = bias.chunk(groups) if bias is not None else [None] * groups
+    for xg, wg, yg, bg in zip(_nhwc(x).chunk(groups, 3), _nhwc(weight).chunk(groups, 0),
+                              _nhwc(y).chunk(groups, 3), biases):  # a group's channels
+        _run("fprop", xg, wg, yg, bg, activation, pad, stride, dilation, pad_hi)
+
+
+def _new_dx(dy, weight, h, w, g, groups) -> tuple[Tensor]:
+    return (_empty_nchw((dy.shape[0], weight.shape[1] * groups, h, w), dy),)
+
+
+def _dgrad_into(dy, weight, dx, h, w, g, groups) -> None:
+    """dx of conv2d from dy."""
+    dy = _channels_last(dy, "dy")
+    weight = _channels_last(weight, "weight")
+    stride, pad, pad_hi, dilation = _split(g)
+    n, k, p, q = dy.shape
+    _, cg, r, s = weight.shape
+    rows = _nhwc(dx)
+    if _gemm_ready(dy, weight, pad, pad_hi, groups):  # dx (N P Q, C) = dy (N P Q, K) W
+        wk = _nhwc(weight).reshape(k, -1)
+        if stride == (1, 1):
+            run_into(rows.reshape(-1, cg), _pixels(dy, (1, 1)), wk, None, None, 1.0, 0.0, None,
+                     0.01, None, None)
+            return
+        dx.zero_()  # the pixels no output read
+        rows[:, ::stride[0], ::stride[1]] = mm(_pixels(dy, (1, 1)), wk).view(n, p, q, cg)
+        return
+    phases = _dgrad_phases((h, w), (p, q), (r, s), pad, pad_hi, stride, dilation)
+    if not all(ph.rows == ph.extent or not all(ph.extent) for ph in phases):
+        dx.zero_()  # pixels that no filter tap reaches
+    for ph in phases:
+        if not all(ph.rows):
+            continue
+        a = _nhwc(dy)[:, :ph.dy[0], :ph.dy[1]]
+        (th, tw), (sh, sw), (kh, kw) = ph.taps, stride, ph.skip
+        wt = _nhwc(weight)[:, th.start:th.stop:th.step, tw.start:tw.stop:tw.step]  # its taps
+        d = rows[:, ph.phase[0] + kh * sh::sh, ph.phase[1] + kw * sw::sw]
+        d = d[:, :ph.rows[0], :ph.rows[1]]
+        for ag, wg, dg in zip(a.chunk(groups, 3), wt.chunk(groups, 0), d.chunk(groups, 3)):
+            _run("dgrad", ag, wg, dg, None, None, ph.pad, (1, 1), ph.dilation, ph.pad_hi)
+
+
+def _new_dw(dy, x, r, s, g, groups) -> tuple[Tensor]:
+    return (_empty_nchw((dy.shape[1], x.shape[1] // groups, r, s), x),)
+
+
+def _wgrad_into(dy, x, dw, r, s, g, groups) -> None:
+    """dw of conv2d from dy and x."""
+    x = _channels_last(x, "x")
+    stride, pad, pad_hi, dilation = _split(g)
+    k, c = dy.shape[1], x.shape[1]
+    if _gemm_ready(x, (r, s), pad, pad_hi, groups):  # dw (K, C) = dy^T (K, NPQ) x (NPQ, C)
+        run_into(_nhwc(dw).reshape(k, c), _nhwc(dy).reshape(-1, k).t(), _pixels(x, stride),
+                 None, None, 1.0, 0.0, None, 0.01, None, None)
+        return
+    for dyg, xg, dwg in zip(_nhwc(dy).chunk(groups, 3), _nhwc(x).chunk(groups, 3),
+                            _nhwc(dw).chunk(groups, 0)):
+        _wgrad(dyg.contiguous(), xg, dwg, pad, stride, dilation,
+               pad_hi)  # wgrad reads dy packed (NPQK): a copy a group (none for one)
+
+
+@front(PLANS)
+def _fprop(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride_h: int, stride_w: int,
+           pad_h: int, pad_w: int, pad_h_hi: int, pad_w_hi: int, dilation_h: int,
+           dilation_w: int, activation: Optional[str], groups: int) -> Tensor:
+    """conv2d's y of checked operands, through its plan (each argument a value the C++ keys
+    take: the geometry as ints)."""
+    g = (stride_h, stride_w, pad_h, pad_w, pad_h_hi, pad_w_hi, dilation_h, dilation_w)
+    return PLANS.run(("fprop", signature(x), signature(weight), _sig(bias), g, activation,
+                      groups), (x, weight, bias), _new_y, _fprop_into, (g, activation, groups))[0]
+
+
+@front(PLANS)
+def _dgrad(dy: Tensor, weight: Tensor, h: int, w: int, stride_h: int, stride_w: int, pad_h: int,
+           pad_w: int, pad_h_hi: int, pad_w_hi: int, dilation_h: int, dilation_w: int,
+           groups: int) -> Tensor:
+    """conv2d's dx (x of h x w pixels) through its plan."""
+    g = (stride_h, stride_w, pad_h, pad_w, pad_h_hi, pad_w_hi, dilation_h, dilation_w)
+    return PLANS.run(("dgrad", signature(dy), signature(weight), h, w, g, groups), (dy, weight),
+                     _new_dx, _dgrad_into, (h, w, g, groups))[0]
+
+
+@front(PLANS)
+def _wgrad_of(dy: Tensor, x: Tensor, r: int, s: int, stride_h: int, stride_w: int, pad_h: int,
+              pad_w: int, pad_h_hi: int, pad_w_hi: int, dilation_h: int, dilation_w: int,
+              groups: int) -> Tensor:
+    """conv2d's dw (an r x s filter) through its plan."""
+    g = (stride_h, stride_w, pad_h, pad_w, pad_h_hi, pad_w_hi, dilation_h, dilation_w)
+    return PLANS.run(("wgrad", signature(dy), signature(x), r, s, g, groups), (dy, x), _new_dw,
+                     _wgrad_into, (r, s, g, groups))[0]
+
+
 # ------------------------------------------------------------------------------ custom ops
 @torch.library.custom_op("vitrail::conv2d", mutates_args=())
 def _conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: list[int],
             pad: list[int], pad_hi: list[int], dilation: list[int],
             activation: Optional[str], groups: int = 1) -> Tensor:
-    x = _channels_last(x, "x")
-    weight = _channels_last(weight, "weight")
-    n, _, h, w = x.shape
-    k, _, r, s = weight.shape
-    p, q = _out_hw(h, w, r, s, pad, pad_hi, stride, dilation)
-    if _gemm_ready(x, weight, pad, pad_hi, groups):  # y (N P Q, K) = x (N P Q, C) W^T
-        y = gemm(_pixels(x, stride), _nhwc(weight).reshape(k, -1).t(), bias=bias,
-                 activation=activation)
-        return y.view(n, p, q, k).permute(0, 3, 1, 2)
-    y = _empty_nchw((n, k, p, q), x)
-    biases = bias.chunk(groups) if bias is not None else [None] * groups
-    for xg, wg, yg, bg in zip(_nhwc(x).chunk(groups, 3), _nhwc(weight).chunk(groups, 0),
-                              _nhwc(y).chunk(groups, 3), biases):  # a group's channels
-        _run("fprop", xg, wg, yg, bg, activation, tuple(pad), tuple(stride), tuple(dilation),
-             tuple(pad_hi))
-    return y
+    return _fprop(x, weight, bias, *_geometry(stride, pad, pad_hi, dilation), activation,
+                  groups)
 
 
 @_conv2d.register_fake
@@ -344,35 +459,7 @@ def _conv2d_dgrad(dy: Tensor, weight: Tensor, input_hw: list[int], stride: list[
                   groups: int = 1) -> Tensor:
     """dx of conv2d: dy (N, K, P, Q), weight (K, C / groups, R, S) -> (N, C, H, W),
     channels_last."""
-    dy = _channels_last(dy, "dy")
-    weight = _channels_last(weight, "weight")
-    n, k, p, q = dy.shape
-    _, cg, r, s = weight.shape
-    h, w = input_hw
-    if _gemm_ready(dy, weight, pad, pad_hi, groups):  # dx (N P Q, C) = dy (N P Q, K) W
-        g = mm(_pixels(dy, (1, 1)), _nhwc(weight).reshape(k, -1)).view(n, p, q, cg)
-        if tuple(stride) == (1, 1):
-            return g.permute(0, 3, 1, 2)
-        dx = dy.new_zeros((n, h, w, cg))  # the pixels no output read
-        dx[:, ::stride[0], ::stride[1]] = g
-        return dx.permute(0, 3, 1, 2)
-    phases = _dgrad_phases((h, w), (p, q), (r, s), pad, pad_hi, stride, dilation)
-    whole = all(ph.rows == ph.extent or not all(ph.extent) for ph in phases)  # all written
-    dx = (_empty_nchw if whole else _zeros_nchw)((n, cg * groups, h, w), dy)
-    for ph in phases:
-        if not all(ph.rows):
-            continue
-        a = _nhwc(dy)[:, :ph.dy[0], :ph.dy[1]]
-        wt = _nhwc(weight)
-        if ph.taps != (range(r), range(s)):  # the phase's own taps: a small packed copy
-            (th, tw) = ph.taps  # slices (a list index would copy it to the GPU: a sync a call)
-            wt = wt[:, th.start:th.stop:th.step, tw.start:tw.stop:tw.step].contiguous()
-        (sh, sw), (kh, kw) = stride, ph.skip
-        d = _nhwc(dx)[:, ph.phase[0] + kh * sh::sh, ph.phase[1] + kw * sw::sw]
-        d = d[:, :ph.rows[0], :ph.rows[1]]
-        for ag, wg, dg in zip(a.chunk(groups, 3), wt.chunk(groups, 0), d.chunk(groups, 3)):
-            _run("dgrad", ag, wg, dg, None, None, ph.pad, (1, 1), ph.dilation, ph.pad_hi)
-    return dx
+    return _dgrad(dy, weight, *input_hw, *_geometry(stride, pad, pad_hi, dilation), groups)
 
 
 @dataclass(frozen=True)
@@ -453,17 +540,7 @@ def _conv2d_wgrad(dy: Tensor, x: Tensor, filter_rs: list[int], stride: list[int]
                   groups: int = 1) -> Tensor:
     """dw of conv2d: dy (N, K, P, Q), x (N, C, H, W) -> (K, C / groups, R, S),
     channels_last."""
-    x = _channels_last(x, "x")
-    k, c = dy.shape[1], x.shape[1]
-    if _gemm_ready(x, filter_rs, pad, pad_hi, groups):  # dw (K, C) = dy^T (K, NPQ) x (NPQ, C)
-        dw = mm(_nhwc(dy).reshape(-1, k).t(), _pixels(x, stride))
-        return dw.view(k, 1, 1, c).permute(0, 3, 1, 2)
-    dw = _empty_nchw((k, c // groups, *filter_rs), x)
-    for dyg, xg, dwg in zip(_nhwc(dy).chunk(groups, 3), _nhwc(x).chunk(groups, 3),
-                            _nhwc(dw).chunk(groups, 0)):
-        _wgrad(dyg.contiguous(), xg, dwg, tuple(pad), tuple(stride), tuple(dilation),
-               tuple(pad_hi))  # wgrad reads dy packed (NPQK): a copy a group
-    return dw
+    return _wgrad_of(dy, x, *filter_rs, *_geometry(stride, pad, pad_hi, dilation), groups)
 
 
 def _wgrad(dy: Tensor, x: Tensor, dw: Tensor, pad, stride, dilation, pad_hi) -> None:
@@ -486,42 +563,102 @@ def _conv2d_wgrad_fake(dy, x, filter_rs, stride, pad, pad_hi, dilation, groups=1
     return _empty_nchw((dy.shape[1], x.shape[1] // groups, *filter_rs), x)
 
 
+# ---------------------------------------------------------------------------------- autograd
+def _gradients(x, weight, bias, y, grad, g, activation, groups, from_y, needs,
+               through_ops: bool) -> tuple:
+    """(dx, dw, db) of conv2d, None where needs (x's, weight's, bias's) says not; y: the output
+    where the activation's derivative is taken from it (from_y), else z is computed again
+    without the activation. through_ops: by the custom ops (a traced backward, or a graph of
+    the gradients: create_graph), else straight to the kernels' plans."""
+    stride, pad, pad_hi, dilation = (list(v) for v in _split(g))
+    if activation is not None:
+        if from_y:
+            grad = activation_backward(grad, y, activation)
+        else:  # z in fp32 for the derivative
+            z = (_conv2d(x, weight, bias, stride, pad, pad_hi, dilation, None, groups)
+                 if through_ops else _fprop(x, weight, bias, *g, None, groups))
+            grad = activation_backward(grad.float(), z.float(), activation).to(grad.dtype)
+    dx = dw = db = None
+    if needs[0]:
+        h, w = x.shape[2:]
+        dx = (_conv2d_dgrad(grad, weight, [h, w], stride, pad, pad_hi, dilation, groups)
+              if through_ops else _dgrad(grad, weight, h, w, *g, groups))
+    if needs[1]:
+        r, s = weight.shape[2:]
+        dw = (_conv2d_wgrad(grad, x, [r, s], stride, pad, pad_hi, dilation, groups)
+              if through_ops else _wgrad_of(grad, x, r, s, *g, groups))
+    if bias is not None and needs[2]:
+        db = grad.sum((0, 2, 3), dtype=torch.float32).to(bias.dtype)
+    return dx, dw, db
+
+
 def _setup(ctx, inputs, output):
     x, weight, bias, stride, pad, pad_hi, dilation, activation, groups = inputs
     from_y = activation is not None and grad_from_output(activation)
     ctx.save_for_backward(x, weight, bias, output if from_y else None)
-    ctx.geometry = (list(stride), list(pad), list(pad_hi), list(dilation), groups)
-    ctx.activation, ctx.from_y = activation, from_y
+    ctx.geometry = _geometry(stride, pad, pad_hi, dilation)
+    ctx.activation, ctx.groups, ctx.from_y = activation, groups, from_y
 
 
 def _backward(ctx, grad: Tensor):
     x, weight, bias, y = ctx.saved_tensors
-    stride, pad, pad_hi, dilation, groups = ctx.geometry
-    activation = ctx.activation
-    g = grad
-    if activation is not None:
-        if ctx.from_y:
-            g = activation_backward(grad, y, activation)
-        else:  # z recomputed by the kernel without the activation, its derivative in fp32
-            z = _conv2d(x, weight, bias, stride, pad, pad_hi, dilation, None, groups)
-            g = activation_backward(grad.float(), z.float(), activation).to(grad.dtype)
-    needs = ctx.needs_input_grad
-    dx = dw = db = None
-    if needs[0]:
-        dx = _conv2d_dgrad(g, weight, list(x.shape[2:]), stride, pad, pad_hi, dilation,
-                           groups)
-    if needs[1]:
-        dw = _conv2d_wgrad(g, x, list(weight.shape[2:]), stride, pad, pad_hi, dilation,
-                           groups)
-    if bias is not None and needs[2]:
-        db = g.sum((0, 2, 3), dtype=torch.float32).to(bias.dtype)
-    return dx, dw, db, None, None, None, None, None, None
+    got = _gradients(x, weight, bias, y, grad, ctx.geometry, ctx.activation, ctx.groups,
+                     ctx.from_y, ctx.needs_input_grad[:3], through_ops=True)
+    return (*got, None, None, None, None, None, None)
 
 
 _conv2d.register_autograd(_backward, setup_context=_setup)
 
 
+class _Conv2d(torch.autograd.Function):
+    """A GRAD call (vitrail.ops.common.call_mode): forward and backward straight to the kernels'
+    plans, not through the custom ops' dispatch."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, g, activation, groups):
+        y = _fprop(x, weight, bias, *g, activation, groups)
+        from_y = activation is not None and grad_from_output(activation)
+        ctx.save_for_backward(x, weight, bias, y if from_y else None)
+        ctx.g, ctx.activation, ctx.groups, ctx.from_y = g, activation, groups, from_y
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, bias, y = ctx.saved_tensors
+        got = _gradients(x, weight, bias, y, grad, ctx.g, ctx.activation, ctx.groups,
+                         ctx.from_y, ctx.needs_input_grad[:3], torch.is_grad_enabled())
+        return (*got, None, None, None)
+
+
+_CONV2D = autograd_apply(_Conv2d)
+
+
+def _plan_grads(x, weight, bias, y, grad, g, activation, groups, from_y, needs) -> tuple:
+    """The gradients of x, weight and bias (where given) of a call run as a C++ plan that
+    records gradients (vitrail.plan.native)."""
+    got = _gradients(x, weight, bias, y, grad, g, activation, groups, from_y, needs,
+                     torch.is_grad_enabled())
+    return got if bias is not None else got[:2]
+
+
+def _rule(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, activation=None):
+    """The gradient rule of conv2d's C++ plans (native.front's grad, given the front's
+    arguments in order): the call's arguments passed its checks (a plan exists only for
+    those)."""
+    stride, dilation = _pair(stride, "stride"), _pair(dilation, "dilation")
+    pad, pad_hi = _padding(padding, weight, stride, dilation)
+    from_y = activation is not None and grad_from_output(activation)
+    tensors = (x, weight, bias)
+    args = ((INPUT, 0), (INPUT, 1), (INPUT, 2) if bias is not None else (VALUE, None),
+            (OUTPUT, 0) if from_y else (VALUE, None), (GRAD, 0),
+            (VALUE, _geometry(stride, pad, pad_hi, dilation)), (VALUE, activation),
+            (VALUE, groups), (VALUE, from_y),
+            (VALUE, tuple(t is not None and t.requires_grad for t in tensors)))
+    return _plan_grads, args, (0, 1, 2) if bias is not None else (0, 1), "vitrail::Conv2dBackward"
+
+
 # -------------------------------------------------------------------------- public function
+@front(PLANS, grad=_rule)
 def conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
            stride: Union[int, Sequence[int]] = 1, padding: Union[int, Sequence[int], str] = 0,
            dilation: Union[int, Sequence[int]] = 1, groups: int = 1, *,
@@ -538,8 +675,21 @@ def conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
     dilation = _pair(dilation, "dilation")
     _check(x, weight, bias, stride, dilation, groups, activation)
     pad, pad_hi = _padding(padding, weight, stride, dilation)
-    return _conv2d(x, weight, bias, list(stride), list(pad), list(pad_hi), list(dilation),
-                   activation, groups)
+    mode = call_mode(x, weight, bias)
+    if mode == DISPATCH:
+        return _conv2d(x, weight, bias, list(stride), list(pad), list(pad_hi), list(dilation),
+                       activation, groups)
+    args = (x, weight, bias, _geometry(stride, pad, pad_hi, dilation), activation, groups)
+    if x.get_device() != torch.cuda.current_device():  # the plans' keys hold the device
+        with torch.cuda.device(x.device):
+            return _forward(mode, *args)
+    return _forward(mode, *args)
+
+
+def _forward(mode: int, x, weight, bias, g, activation, groups) -> Tensor:
+    if mode == EAGER:
+        return _fprop(x, weight, bias, *g, activation, groups)
+    return _CONV2D(x, weight, bias, g, activation, groups)
 
 
 def reference(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, stride=1, padding=0,
@@ -585,18 +735,19 @@ def reasons(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
     op = kernel(kind, x.dtype, kg, cg, bias=with_bias,
                 activation=activation if kind == "fprop" else None)
     bias_m = torch.empty((kg,), dtype=x.dtype, device="meta") if with_bias else None
-    if kind == "dgrad":  # one unit-stride dgrad a phase (one at unit stride)
+    xs, ws = packed(n, h, w, c)[..., :cg], packed(kg, r, s, cg)
+    if kind == "dgrad":  # one unit-stride dgrad a phase, on its taps' view of the filter
         why: list[str] = []
         for ph in _dgrad_phases((h, w), (p, q), (r, s), pad, pad_hi, stride, dilation):
             if all(ph.rows):
-                problem = Conv2dProblem(n, *ph.rows, cg, kg, len(ph.taps[0]), len(ph.taps[1]),
-                                        ph.pad, (1, 1), ph.dilation, ph.pad_hi)
+                (th, tw) = ph.taps
+                problem = Conv2dProblem(n, *ph.rows, cg, kg, len(th), len(tw), ph.pad, (1, 1),
+                                        ph.dilation, ph.pad_hi)
                 args = ConvArguments(problem, packed(n, *ph.rows, cg * groups)[..., :cg],
-                                     packed(kg, problem.R, problem.S, cg),
+                                     ws[:, th.start:th.stop:th.step, tw.start:tw.stop:tw.step],
                                      packed(n, *ph.dy, k)[..., :kg], kind=kind)
                 why += [w for w in op.can_implement(args) if w not in why]
         return why
-    xs, ws = packed(n, h, w, c)[..., :cg], packed(kg, r, s, cg)
     ys = packed(n, p, q, kg) if kind == "wgrad" else packed(n, p, q, k)[..., :kg]  # wgrad: a copy
     args = ConvArguments(Conv2dProblem(n, h, w, cg, kg, r, s, pad, stride, dilation, pad_hi),
                          xs, ws, ys, bias=bias_m, kind=kind)
