@@ -145,6 +145,13 @@ def _host_cases():
             "vitrail": lambda: ops.mma_sympow_bwd(g, gt, qa, -1, 2, 8),
             "torch": lambda: torch.bmm(g, gt)}),
     ]
+    cl = torch.channels_last
+    cx = torch.randn(8, 64, 28, 28, device=dev, dtype=bf).contiguous(memory_format=cl)
+    cw = torch.randn(64, 64, 3, 3, device=dev, dtype=bf).contiguous(memory_format=cl) / 24
+    cb = torch.randn(64, device=dev, dtype=bf)
+    cases.append(("conv2d bias relu bf16 8x64x28x28 3x3", {
+        "vitrail": lambda: ops.conv2d(cx, cw, cb, padding=1, activation="relu"),
+        "torch": lambda: F.relu(F.conv2d(cx, cw, cb, padding=1))}))
     grouped = {"vitrail": lambda: ops.grouped_mm(ga, gw, ends)}
     if hasattr(torch, "_grouped_mm"):
         wt = gw.transpose(-1, -2).contiguous().transpose(-1, -2)
@@ -185,6 +192,22 @@ def _small_cases():
         "vitrail": lambda: torch.autograd.grad(
             ops.gemm(a, w, bias=bias, activation="relu"), (a, w, bias), gy),
         "torch": lambda: torch.autograd.grad(F.relu(torch.addmm(bias, a, w)), (a, w, bias), gy)}))
+    cl = torch.channels_last
+    for stride in (1, 2):  # ResNet-50's 3x3 C128 layers at batch 8; /2: dx in stride phases
+        x = torch.randn(8, 128, 28 * stride, 28 * stride, device=dev, dtype=bf).contiguous(
+            memory_format=cl).requires_grad_(True)
+        w = (torch.randn(128, 128, 3, 3, device=dev, dtype=bf) / 34).contiguous(
+            memory_format=cl).requires_grad_(True)
+        gy = torch.randn(8, 128, 28, 28, device=dev, dtype=bf).contiguous(memory_format=cl)
+        name = f"conv2d 3x3{'/2' if stride > 1 else ''} bf16 8x128x{28 * stride}^2"
+        cases.append((f"{name} fwd", {
+            "vitrail": lambda x=x, w=w, s=stride: ops.conv2d(x.detach(), w.detach(), None, s, 1),
+            "torch": lambda x=x, w=w, s=stride: F.conv2d(x.detach(), w.detach(), None, s, 1)}))
+        cases.append((f"{name} fwd+bwd", {
+            "vitrail": lambda x=x, w=w, gy=gy, s=stride: torch.autograd.grad(
+                ops.conv2d(x, w, None, s, 1), (x, w), gy),
+            "torch": lambda x=x, w=w, gy=gy, s=stride: torch.autograd.grad(
+                F.conv2d(x, w, None, s, 1), (x, w), gy)}))
     xt = torch.randn(2048, 2048, device=dev, dtype=bf).t()
     cases.append(("copy transpose bf16 2048^2", {
         "vitrail": lambda: ops.copy(xt), "torch": lambda: xt.contiguous()}))
