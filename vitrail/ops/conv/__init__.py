@@ -35,6 +35,11 @@ wgrad's GEMM runs over the batch's pixels (its K is N*P*Q), so a small dw (K x R
 128x128 tiles) would leave most SMs idle: the batch then runs in chunks of whole images in one
 launch (wgrad_chunks: as many as fill the idle SMs), each chunk's dw summed in fp32 into dw.
 
+Eager calls replay plans (vitrail.plan): a signature's first call of conv2d, its dgrad or its
+wgrad checks, routes and launches; later calls repeat the launches on the new tensors, from one
+C++ call. Autograd calls run an autograd.Function straight to those plans; torch.compile,
+functorch transforms and double backward go through the custom ops.
+
 Kernel choice: one config per kind (128x128x64 tiles, no cluster; a 64-wide side where the
 GEMM's side is at most 64 channels: kernel()); tuning is not wired yet.
 """
