@@ -264,7 +264,8 @@ def _front_op(module, plans, calls):
     @native.front(plans)
     def scale(x, a=2.0, *, tag=None):
         """a * x"""
-        return plans.run((signature(x), a, tag), (x,), _outputs, general, (a,))[0]
+        key = ("list", *tag) if isinstance(tag, list) else tag  # hashable
+        return plans.run((signature(x), a, key), (x,), _outputs, general, (a,))[0]
     return scale
 
 
@@ -298,6 +299,28 @@ def test_front_functions_run_their_plans_from_cpp(module, ext):
     assert len(front.table) == 6
     plans.clear()
     assert len(front.table) == 0
+
+
+def test_tuples_and_lists_of_ints_are_keyed_by_value(module, ext):
+    """A stride or padding given as a pair (nn.Conv2d keeps them so) is a C++ key: its values,
+    and whether a tuple or a list; anything else in one keeps to Python."""
+    from vitrail.plan import native
+    plans, calls = Plans("native-test"), []
+    scale = _front_op(module, plans, calls)
+    front = scale.front
+    x = torch.randn(9)
+    for tag in ((1, 1), [3, 3], (), (1, 2, 3, 4, 5, 6, 7, 8)):
+        torch.testing.assert_close(scale(x, 3.0, tag=tag), 3 * x)  # learned
+        before = len(calls)
+        torch.testing.assert_close(scale(x, 3.0, tag=tag), 3 * x)
+        assert len(calls) == before, tag  # replayed from C++
+        assert front.call(x, 3.0, tag) is not native.MISS
+    assert len(front.table) == 4
+    for other in ((1, 2), [1, 1], (1, 1, 1)):  # another key: a miss, learned
+        assert front.call(x, 3.0, other) is native.MISS and front.pending(), other
+        scale(x, 3.0, tag=other)
+    for never in ((1, 1.0), (True, 1), ((1,), 1), tuple(range(9)), (1, "a"), (2 ** 70, 1)):
+        assert front.call(x, 3.0, never) is native.MISS and not front.pending(), never
 
 
 def test_what_no_key_vouches_for_keeps_to_python(module, ext):

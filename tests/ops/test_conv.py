@@ -312,12 +312,11 @@ def test_eager_calls_replay_their_plans(R, S, stride, padding, groups):
                                                                  groups), x, w, b)
     if R == 1 or native.loaded() is None:
         return
-    if isinstance(padding, int):  # a pair is no value the C++ keys take: planned in Python
-        assert conv2d.front.call(x, w, b, stride, padding, 1, groups, "relu") is not \
-            native.MISS
-        xg, wg, bg = (t.detach().requires_grad_(True) for t in (x, w, b))
-        y = conv2d.front.call(xg, wg, bg, stride, padding, 1, groups, None)  # autograd's too
-        assert y is not native.MISS and y.grad_fn is not None
+    # (a padding pair too: the C++ keys take tuples of ints)
+    assert conv2d.front.call(x, w, b, stride, padding, 1, groups, "relu") is not native.MISS
+    xg, wg, bg = (t.detach().requires_grad_(True) for t in (x, w, b))
+    y = conv2d.front.call(xg, wg, bg, stride, padding, 1, groups, None)  # autograd's too
+    assert y is not native.MISS and y.grad_fn is not None
     planned = _dgrad.front.call(dy, w, H, W, stride, stride, *pad, *pad, 1, 1, groups)
     assert (planned is native.MISS) == (stride == 3), "dx: a plan where every pixel is written"
 

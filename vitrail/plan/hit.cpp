@@ -3,7 +3,8 @@
 // A Table holds one op family's plans, keyed by the arguments of its public function as they
 // were passed: each tensor's shape, strides, dtype, device, dispatch keys, address modulo 16
 // and which earlier tensor argument starts at the same address (mm(a, a) is not mm(a, b));
-// each scalar's type and value; and the current device and stream (a plan may pass state kept
+// each scalar's type and value (a tuple or list of up to 8 ints too: a stride, a padding);
+// and the current device and stream (a plan may pass state kept
 // per stream). table.call(*args) builds that key, finds the plan and runs it: allocates the
 // outputs (and scratch buffers) through ATen, then calls the recorded entry points (through
 // their prototype's packed caller) and launches the recorded kernels (cuLaunchKernel) with this
@@ -254,6 +255,22 @@ bool make_key(PyObject* const* args, Py_ssize_t n, std::string& key, bool grad_o
       }
       key.push_back('I');
       put(key, v);
+    } else if (PyTuple_CheckExact(o) || PyList_CheckExact(o)) {  // a few ints: (1, 1), [3, 3]
+      const Py_ssize_t size = PySequence_Fast_GET_SIZE(o);
+      if (size > 8) return false;
+      PyObject* const* items = PySequence_Fast_ITEMS(o);
+      key.push_back(PyTuple_CheckExact(o) ? 'U' : 'L');
+      put(key, static_cast<int8_t>(size));
+      for (Py_ssize_t j = 0; j < size; ++j) {
+        if (!PyLong_CheckExact(items[j])) return false;  // bools, floats, nested: Python's
+        int overflow = 0;
+        const long long v = PyLong_AsLongLongAndOverflow(items[j], &overflow);
+        if (overflow || (v == -1 && PyErr_Occurred())) {
+          PyErr_Clear();
+          return false;
+        }
+        put(key, v);
+      }
     } else if (PyFloat_CheckExact(o)) {
       key.push_back('F');
       put(key, PyFloat_AS_DOUBLE(o));

@@ -4,8 +4,8 @@ C++ call, with no Python between the public function and the launch.
 An op's public function is wrapped by ``front(plans)``. The wrapper passes its arguments, as
 given, to the function's own ``Table`` (C++), which keys them (each tensor's shape, strides,
 dtype, device, dispatch keys, address modulo 16, whether it requires a gradient, and which
-earlier tensor argument starts at the same address; each scalar's type and value; the current
-device and stream), finds the plan, allocates the outputs through ATen and makes the recorded
+earlier tensor argument starts at the same address; each scalar's type and value, and a
+tuple's or list's ints; the current device and stream), finds the plan, allocates the outputs through ATen and makes the recorded
 calls and launches on the current stream. A key it has no plan for is *pending*: the function
 runs its Python path while the plans it uses are watched, and if exactly one ran and its
 outputs are the function's result, that plan's description (``describe``: the allocations, the
