@@ -30,7 +30,10 @@ def gemm_on_the_cpu(monkeypatch):
 
 @pytest.mark.parametrize("stride", [(1, 1), (2, 2), (3, 2)])
 @pytest.mark.parametrize("activation", [None, "relu"])
-def test_a_1x1_convolution_is_a_gemm_over_pixels(gemm_on_the_cpu, stride, activation):
+@pytest.mark.parametrize("path", ["custom op", "autograd.Function"])
+def test_a_1x1_convolution_is_a_gemm_over_pixels(gemm_on_the_cpu, stride, activation, path):
+    """Through either autograd path: the custom op's (torch.compile, transforms) and the
+    Function an eager call that records gradients runs (straight to the plans)."""
     g = torch.Generator().manual_seed(sum(stride))
     n, c, h, w, k = 2, 5, 7, 6, 3
     x = torch.randn(n, c, h, w, generator=g, dtype=torch.float64).contiguous(
@@ -38,7 +41,10 @@ def test_a_1x1_convolution_is_a_gemm_over_pixels(gemm_on_the_cpu, stride, activa
     wt = torch.randn(k, c, 1, 1, generator=g, dtype=torch.float64).contiguous(
         memory_format=torch.channels_last).requires_grad_(True)
     b = torch.randn(k, generator=g, dtype=torch.float64).requires_grad_(True)
-    y = C2D._conv2d(x, wt, b, list(stride), [0, 0], [0, 0], [1, 1], activation)
+    if path == "custom op":
+        y = C2D._conv2d(x, wt, b, list(stride), [0, 0], [0, 0], [1, 1], activation)
+    else:
+        y = C2D._CONV2D(x, wt, b, (*stride, 0, 0, 0, 0, 1, 1), activation, 1)
     x2, w2, b2 = (t.detach().clone().requires_grad_(True) for t in (x, wt, b))
     want = F.conv2d(x2, w2, b2, stride)
     want = want.relu() if activation == "relu" else want

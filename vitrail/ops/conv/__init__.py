@@ -671,19 +671,28 @@ def _gradients(x, weight, bias, y, grad, g, activation, groups, from_y, needs,
     return dx, dw, db
 
 
+def _save(ctx, x, weight, bias, y, g, activation, groups) -> None:
+    """What a backward needs (both autograd paths): the operands, y where the activation's
+    derivative is taken from it, the geometry (_geometry) and the epilogue."""
+    from_y = activation is not None and grad_from_output(activation)
+    ctx.save_for_backward(x, weight, bias, y if from_y else None)
+    ctx.g, ctx.activation, ctx.groups, ctx.from_y = g, activation, groups, from_y
+
+
+def _grads(ctx, grad: Tensor, through_ops: bool) -> tuple:
+    x, weight, bias, y = ctx.saved_tensors
+    return _gradients(x, weight, bias, y, grad, ctx.g, ctx.activation, ctx.groups, ctx.from_y,
+                      ctx.needs_input_grad[:3], through_ops)
+
+
 def _setup(ctx, inputs, output):
     x, weight, bias, stride, pad, pad_hi, dilation, activation, groups = inputs
-    from_y = activation is not None and grad_from_output(activation)
-    ctx.save_for_backward(x, weight, bias, output if from_y else None)
-    ctx.geometry = _geometry(stride, pad, pad_hi, dilation)
-    ctx.activation, ctx.groups, ctx.from_y = activation, groups, from_y
+    _save(ctx, x, weight, bias, output, _geometry(stride, pad, pad_hi, dilation), activation,
+          groups)
 
 
 def _backward(ctx, grad: Tensor):
-    x, weight, bias, y = ctx.saved_tensors
-    got = _gradients(x, weight, bias, y, grad, ctx.geometry, ctx.activation, ctx.groups,
-                     ctx.from_y, ctx.needs_input_grad[:3], through_ops=True)
-    return (*got, None, None, None, None, None, None)
+    return (*_grads(ctx, grad, through_ops=True), None, None, None, None, None, None)
 
 
 _conv2d.register_autograd(_backward, setup_context=_setup)
@@ -696,17 +705,12 @@ class _Conv2d(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, g, activation, groups):
         y = _fprop(x, weight, bias, *g, activation, groups)
-        from_y = activation is not None and grad_from_output(activation)
-        ctx.save_for_backward(x, weight, bias, y if from_y else None)
-        ctx.g, ctx.activation, ctx.groups, ctx.from_y = g, activation, groups, from_y
+        _save(ctx, x, weight, bias, y, g, activation, groups)
         return y
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight, bias, y = ctx.saved_tensors
-        got = _gradients(x, weight, bias, y, grad, ctx.g, ctx.activation, ctx.groups,
-                         ctx.from_y, ctx.needs_input_grad[:3], torch.is_grad_enabled())
-        return (*got, None, None, None)
+        return (*_grads(ctx, grad, torch.is_grad_enabled()), None, None, None)
 
 
 _CONV2D = autograd_apply(_Conv2d)
