@@ -41,10 +41,10 @@ def test_compile_representative_convolutions(monkeypatch):
         assert kernel and not any(r.spills or r.stack for r in kernel), res
         run = mod.function("vitrail_conv")  # the entry point loads and checks (no GPU needed)
         # A, B, C, D, bias; N H W C K R S; padding, stride, dilation; x, w, y and C strides;
-        # alpha, beta, slope, lo, hi; splits; workspace, its bytes, SM count
+        # alpha, beta, slope, lo, hi; splits, phases; workspace, its bytes, SM count
         args = [16, 32, 0, 64, 0, 1, 8, 8, 64, 64, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1,
                 4096, 512, 64, 576, 192, 64, 4096, 512, 64, 4096, 512, 64,
-                1.0, 0.0, 0.01, float("-inf"), float("inf"), 1, 0, 0, 132]
+                1.0, 0.0, 0.01, float("-inf"), float("inf"), 1, 0, 0, 0, 132]
         assert run(*args[:5], 0, *args[6:], stream=0) == -3  # N = 0
         assert run(*args[:12], -1, *args[13:], stream=0) == -3  # negative padding
         assert run(17, *args[1:], stream=0) == -1  # A not 16-byte aligned
@@ -53,3 +53,4 @@ def test_compile_representative_convolutions(monkeypatch):
         # splits: 1 but for the chunked wgrad; there at most MAX_CHUNKS, none empty (N is 1)
         for splits in ((2,) if op.kind == "fprop" else (0, MAX_CHUNKS + 1, 2)):
             assert run(*args[:37], splits, *args[38:], stream=0) == -9, splits
+        assert run(*args[:38], 64, *args[39:], stream=0) == -9  # a phase table: phased only

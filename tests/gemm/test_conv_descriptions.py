@@ -10,11 +10,11 @@ from vitrail.gemm import (Conv2dProblem, ConvArguments, ConvOperation, LinearCom
 from vitrail.gemm.conv import default_tile
 
 
-def _op(kind="fprop", el="bf16", tile=None, chunked=False, out=None, **epi):
+def _op(kind="fprop", el="bf16", tile=None, chunked=False, out=None, phased=False, **epi):
     t = TensorDescription(el)
     return ConvOperation(kind, t, t, TensorDescription(out or el), MathInstruction(el, el),
                          tile or default_tile(), LinearCombination(out or el, **epi),
-                         chunked=chunked)
+                         chunked=chunked, phased=phased)
 
 
 @pytest.mark.parametrize("change, says", [
@@ -71,7 +71,8 @@ def test_emission(kind, operator, layout, tile_n):
     assert "cutlass::conv::KernelImplicitTmaWarpSpecializedSm90" in src
     assert "cudaLaunchKernelEx" in src and 'extern "C" int vitrail_conv(' in src
     assert ("return -7;" in src) == (kind == "dgrad")
-    assert "vitrail_conv_chunks" not in src and "if (splits != 1) return -9;" in src
+    assert "vitrail_conv_chunks" not in src and "vitrail_conv_phases" not in src
+    assert "if (splits != 1 || phases != nullptr) return -9;" in src
     fused = _op(kind, activation="gelu").emit()
     assert "vitrail_epi::ActClamp<3, false>" in fused
     if kind == "fprop":
@@ -88,6 +89,29 @@ def test_a_chunked_wgrad_launches_every_chunk_in_one_grid():
     assert "config.gridDim.z = splits;" in src
     assert "cudaLaunchKernelEx(&config, vitrail_conv_chunks, params)" in src
     assert "device_kernel<GemmKernel>" not in src  # one kernel: the chunked one
+
+
+def test_a_phased_dgrad_launches_every_stride_phase_in_one_grid():
+    from vitrail.gemm.conv_arguments import MAX_CHUNKS, PHASE_VALUES
+    op = ConvOperation("dgrad", TensorDescription("bf16"), TensorDescription("bf16"),
+                       TensorDescription("bf16"), MathInstruction("bf16", "bf16"),
+                       TileDescription((128, 128, 64), kernel_schedule="warpspecialized"),
+                       phased=True)
+    src = op.emit()
+    assert op.name.endswith("_phased")
+    assert f"constexpr int kMaxPhases = {MAX_CHUNKS};" in src
+    assert f"constexpr int kPhaseValues = {len(PHASE_VALUES)};" in src
+    assert "op(params.phase[blockIdx.z], smem);" in src
+    assert "cudaLaunchKernelEx(&config, vitrail_conv_phases, params)" in src
+    assert "device_kernel<GemmKernel>" not in src and "vitrail_conv_chunks" not in src
+    for bad in (dict(kind="fprop"), dict(kind="dgrad", element_source="bf16")):
+        with pytest.raises(ValueError, match="phased"):
+            _op(phased=True, **bad)
+    with pytest.raises(ValueError, match="cluster"):
+        ConvOperation("dgrad", TensorDescription("bf16"), TensorDescription("bf16"),
+                      TensorDescription("bf16"), MathInstruction("bf16", "bf16"),
+                      TileDescription((128, 128, 64), (2, 1, 1),
+                                      kernel_schedule="warpspecialized"), phased=True)
 
 
 def test_problem_extents():

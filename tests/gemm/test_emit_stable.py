@@ -56,8 +56,8 @@ STORED = {
     "accurate": ("9a819a544c027414", "4ccf5f270bb2ef57"),
     "array_source": ("e0e19c8ea6045632", "6984648450cebf0a"),
     "batched_f16_col": ("03f2d7064b298f1a", "118067789a8eaed1"),
-    "conv_fprop_bias": ("0d33739833ba4d3b", "7e619917d896c04d"),
-    "conv_wgrad": ("2057b33efd58f858", "186f51b175db783a"),
+    "conv_fprop_bias": ("791321f545d21f0f", "7e619917d896c04d"),  # + phases (ABI)
+    "conv_wgrad": ("28ea381db2a5f174", "186f51b175db783a"),  # + phases (ABI)
     "epilogue_all": ("384a1106a7982e87", "91bd8ecf38c93f1d"),
     "fp8_exact_144": ("826d56303db1042f", "717e21415fc72caf"),
     "fp8_fast": ("2c8c15e3d8cd9699", "cc70517ff2eaca58"),

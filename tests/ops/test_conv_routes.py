@@ -149,11 +149,27 @@ def test_a_kernels_module_is_loaded_once_a_process(monkeypatch):
     assert calls == ops and loaded[:2] == loaded[2:4] == loaded[4:]
 
 
-def _unit_stride_dgrad(kind, a, wt, d, bias, act, pad, stride, dilation, pad_hi, splits=1):
+def _unit_stride_dgrad(kind, a, wt, d, bias, act, pad, stride, dilation, pad_hi, splits=1,
+                       phases=None):
     """The dgrad kernel's contract in float64 (conv_arguments' roles, NHWC-indexed): d (N, H,
     W, C) = the gradient of the unit-stride convolution of padding (pad, pad_hi) and dilation
     whose output gradient is a (N, P, Q, K), filter wt (K, R, S, C); the geometry checked as the
-    kernel checks it."""
+    kernel checks it. With a table of phases (the phased kernel's): each row's problem, on
+    a, wt and d's strides (the first phase's views, as the kernel reads them) from their starts
+    plus the row's filter and dx offsets."""
+    if phases is not None:
+        from vitrail.gemm.conv_arguments import PHASE_VALUES
+        assert phases.shape[1] == len(PHASE_VALUES) and phases.shape[0] > 1
+        n, k = a.shape[0], a.shape[3]
+        for b_off, d_off, h, w, r, s, ph, pw, ph_hi, pw_hi in phases.tolist():
+            p = h + ph + ph_hi - dilation[0] * (r - 1)
+            q = w + pw + pw_hi - dilation[1] * (s - 1)
+            _unit_stride_dgrad(
+                kind, a.as_strided((n, p, q, k), a.stride(), a.storage_offset()),
+                wt.as_strided((k, r, s, wt.shape[3]), wt.stride(), wt.storage_offset() + b_off),
+                d.as_strided((n, h, w, d.shape[3]), d.stride(), d.storage_offset() + d_off),
+                bias, act, (ph, pw), stride, dilation, (ph_hi, pw_hi))
+        return
     assert kind == "dgrad" and stride == (1, 1) and splits == 1 and bias is None
     n, p, q, k = a.shape
     _, r, s, c = wt.shape

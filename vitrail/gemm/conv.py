@@ -69,6 +69,7 @@ class ConvOperation(Buildable):
     C: Optional[TensorDescription] = None
     spatial_dims: int = 2
     chunked: bool = False
+    phased: bool = False
 
     def __post_init__(self):
         if self.epilogue is None:
@@ -118,6 +119,11 @@ class ConvOperation(Buildable):
         if self.chunked and (self.kind != "wgrad" or epi.has_source):
             raise ValueError("ConvOperation: chunked is wgrad's batch in chunks, each writing its "
                              "own partial dw: wgrad only, without a source C")
+        if self.phased and (self.kind != "dgrad" or epi.has_source or
+                            tuple(t.cluster_shape) != (1, 1, 1)):
+            raise ValueError("ConvOperation: phased is a strided dx's stride phases in one "
+                             "launch: dgrad only, without a source C, cluster 1x1x1 (a CTA "
+                             "outside its phase's tiles returns at once)")
         if t.kernel_schedule != "warpspecialized":
             raise ValueError(f"ConvOperation: kernel_schedule={t.kernel_schedule!r}: CUTLASS's "
                              f"sm90 implicit-GEMM convolutions run the non-persistent "
@@ -155,7 +161,8 @@ class ConvOperation(Buildable):
         cm, cn, _ = self.tile.cluster_shape
         return (f"conv2d_{self.kind}_{self.math.element_a}_{self.D.element}_{tm}x{tn}x{tk}_"
                 f"c{cm}x{cn}" + (f"_s{self.tile.stages}" if self.tile.stages else "")
-                + f"_{self.epilogue.tag}" + ("_chunked" if self.chunked else ""))
+                + f"_{self.epilogue.tag}" + ("_chunked" if self.chunked else "")
+                + ("_phased" if self.phased else ""))
 
     def emit(self) -> str:
         """The C++ translation unit of this operation."""
@@ -301,7 +308,8 @@ extern "C" int @ENTRY@(
     int pad_w_hi, int stride_h, int stride_w, int dilation_h, int dilation_w,
     int64_t act_n, int64_t act_h, int64_t act_w, int64_t flt_k, int64_t flt_r, int64_t flt_s,
     int64_t out_n, int64_t out_p, int64_t out_q, int64_t c_0, int64_t c_1, int64_t c_2,
-    float alpha, float beta, float slope, float lo, float hi, int splits, void* workspace,
+    float alpha, float beta, float slope, float lo, float hi, int splits,
+    const long long* phases, void* workspace,
     int64_t workspace_bytes, int sm_count, cudaStream_t stream) {
   if (n <= 0 || h <= 0 || w <= 0 || c <= 0 || k <= 0 || r <= 0 || s <= 0 || stride_h <= 0 ||
       stride_w <= 0 || dilation_h <= 0 || dilation_w <= 0 || pad_h < 0 || pad_w < 0 ||
@@ -322,7 +330,7 @@ extern "C" int @ENTRY@(
 """
 
 # fprop and dgrad: one problem, one launch (the GEMMs' LAUNCH)
-_RUN = r"""  if (splits != 1) return -9;
+_RUN = r"""  if (splits != 1 || phases != nullptr) return -9;
   ProblemShape problem = make_problem(n, h, w, c, k, r, s, pad_h, pad_w, pad_h_hi, pad_w_hi,
                                       stride_h, stride_w, dilation_h, dilation_w, act, flt, out);
   auto args = make_arguments(A, B, C, D, bias, problem, @D_STRIDES@, cs, alpha, beta, slope, lo,
@@ -352,7 +360,7 @@ vitrail_conv_chunks(const __grid_constant__ ChunkParams params) {
 }
 """
 _RUN_CHUNKS = r"""  // chunks of ceil(n / splits) images, none empty
-  if (splits < 1 || splits > kMaxChunks) return -9;
+  if (splits < 1 || splits > kMaxChunks || phases != nullptr) return -9;
   const int chunk = (n + splits - 1) / splits;
   if ((splits - 1) * chunk >= n) return -9;
 @BIND@
@@ -373,6 +381,56 @@ _RUN_CHUNKS = r"""  // chunks of ceil(n / splits) images, none empty
 """ + cluster_launch("vitrail_conv_chunks", "params",
                       "config.gridDim = GemmKernel::get_grid_shape(params.chunk[0]);\n"
                       "  config.gridDim.z = splits;")
+
+# A strided dgrad's stride phases in one launch (ConvOperation.phased). CUTLASS's sm90 dgrad runs
+# at unit stride, so a strided dx is stride_h * stride_w unit-stride dgrads, one a phase (the
+# pixels at (i, j) + stride * (a, b)), each with the filter taps that reach them: problems of
+# their own sizes on views of dy, w and dx that share their strides. One launch takes every
+# phase's parameters; blockIdx.z picks one, and a CTA past that phase's own tiles returns before
+# it does anything (so the cluster is 1x1x1: no CTA waits on another). `phases` (host memory)
+# holds kPhaseValues int64 a phase: the filter's and dx's element offsets from B and D, dx's
+# rows and columns of the phase, its taps (r, s), and its padding (h, w, h_hi, w_hi).
+_PHASES = r"""
+constexpr int kMaxPhases = @MAX_CHUNKS@;  // conv_arguments.MAX_CHUNKS
+constexpr int kPhaseValues = 10;
+struct PhaseParams {
+  typename GemmKernel::Params phase[kMaxPhases];
+  unsigned tiles[kMaxPhases][2];  // the phase's own grid (x, y)
+};
+static_assert(sizeof(PhaseParams) <= 32764, "a kernel's parameters take at most 32764 bytes");
+static_assert(cute::size(ClusterShape{}) == 1, "phases return early: no cluster");
+
+__global__ void __launch_bounds__(GemmKernel::MaxThreadsPerBlock,
+                                  GemmKernel::MinBlocksPerMultiprocessor)
+vitrail_conv_phases(const __grid_constant__ PhaseParams params) {
+  if (blockIdx.x >= params.tiles[blockIdx.z][0] || blockIdx.y >= params.tiles[blockIdx.z][1])
+    return;
+  extern __shared__ char smem[];
+  GemmKernel op;
+  op(params.phase[blockIdx.z], smem);
+}
+"""
+_RUN_PHASES = r"""  if (splits < 1 || splits > kMaxPhases || phases == nullptr) return -9;
+@BIND@
+  PhaseParams params;
+  dim3 grid(1, 1, splits);
+  for (int i = 0; i < splits; ++i) {
+    const long long* v = phases + kPhaseValues * i;
+    ProblemShape problem = make_problem(n, v[2], v[3], c, k, v[4], v[5], v[6], v[7], v[8], v[9],
+                                        1, 1, dilation_h, dilation_w, act, flt, out);
+    auto args = make_arguments(A, static_cast<const ElementB*>(B) + v[0], C,
+                               static_cast<ElementD*>(D) + v[1], bias, problem, @D_STRIDES@, cs,
+                               alpha, beta, slope, lo, hi, sm_count);
+    if (!GemmKernel::can_implement(args)) return -6;
+    if (static_cast<int64_t>(GemmKernel::get_workspace_size(args)) > workspace_bytes) return -4;
+    params.phase[i] = GemmKernel::to_underlying_arguments(args, workspace);
+    const dim3 tiles = GemmKernel::get_grid_shape(params.phase[i]);
+    params.tiles[i][0] = tiles.x;
+    params.tiles[i][1] = tiles.y;
+    grid.x = tiles.x > grid.x ? tiles.x : grid.x;
+    grid.y = tiles.y > grid.y ? tiles.y : grid.y;
+  }
+""" + cluster_launch("vitrail_conv_phases", "params", "config.gridDim = grid;")
 
 _OPERATORS = {"fprop": "kFprop", "dgrad": "kDgrad", "wgrad": "kWgrad"}
 # the strides of D's tensor among the entry's: y (fprop), dx (dgrad), dw (wgrad)
@@ -425,6 +483,7 @@ def emit(op: ConvOperation) -> str:
         "D_STRIDES": _D_STRIDES[op.kind], "KIND_CHECKS": kind_checks,
         "MAX_CHUNKS": str(MAX_CHUNKS),
     }
-    template = (_TEMPLATE.replace("@RUN@", _RUN_CHUNKS if op.chunked else _RUN)
-                .replace("@CHUNKS@", _CHUNKS if op.chunked else ""))
+    run, extra = ((_RUN_CHUNKS, _CHUNKS) if op.chunked else
+                  (_RUN_PHASES, _PHASES) if op.phased else (_RUN, ""))
+    template = _TEMPLATE.replace("@RUN@", run).replace("@CHUNKS@", extra)
     return fill(template, subs, op.wgmma_n)

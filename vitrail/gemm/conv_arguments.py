@@ -32,16 +32,21 @@ CONV_CODES = {**CODES,
               -6: "CUTLASS's can_implement refused the problem (the TMA im2col limits)",
               -7: "dgrad takes a traversal stride of 1 only",
               -8: "a channel count (C or K) is not a multiple of 16 bytes (TMA needs it)",
-              -9: "splits: 1, or for a chunked wgrad up to MAX_CHUNKS, each chunk of the "
-                  "batch non-empty"}
+              -9: "splits: 1 and no phase table, or for a chunked wgrad up to MAX_CHUNKS, "
+                  "each chunk of the batch non-empty, or for a phased dgrad up to MAX_CHUNKS "
+                  "phases and their table"}
 # TMA im2col limits of a 2-D convolution (CUTLASS's collective checks the same): padding in
 # [0, 256], the im2col box corners in [-128, 127], the filter's extent (R-1)*dilation < 255
 PADDING_LIMIT = 256
 CORNER_LIMIT = 128
 OFFSET_LIMIT = 255
-# the most batch chunks one chunked wgrad launch takes: every chunk's parameters (1,536 bytes for
-# CUTLASS 4.2's 128x128 kernel) are the kernel's, whose parameters take at most 32,764 bytes
+# the most batch chunks one chunked wgrad launch takes (and stride phases one phased dgrad launch
+# does): every chunk's parameters (1,536 bytes for CUTLASS 4.2's 128x128 kernel) are the
+# kernel's, whose parameters take at most 32,764 bytes
 MAX_CHUNKS = 20
+# a phased dgrad's table: these int64 values a phase (conv.py's _PHASES)
+PHASE_VALUES = ("filter offset", "dx offset", "h", "w", "r", "s", "pad_h", "pad_w", "pad_h_hi",
+                "pad_w_hi")
 
 
 @dataclass(frozen=True)
@@ -123,6 +128,7 @@ class ConvArguments:
     hi: float = float("inf")
     kind: str = "fprop"
     splits: int = 1
+    phases: Optional[torch.Tensor] = None
     device: int = 0
     keep: list = field(default_factory=list, repr=False)
 
@@ -131,7 +137,8 @@ class ConvArguments:
                      dilation=1, pad_hi=None, input_hw=None, filter_rs=None,
                      alpha: float = 1.0, beta: float = 0.0, slope: float = 0.01,
                      lo: float = float("-inf"), hi: float = float("inf"),
-                     splits: int = 1) -> "ConvArguments":
+                     splits: int = 1,
+                     phases: Optional[torch.Tensor] = None) -> "ConvArguments":
         """Arguments for ``op`` (a ConvOperation) on its operands a and b (the module
         docstring's roles) and output d (allocated, packed, when None); c: the epilogue's source
         (D's shape), bias: one value per column of D. padding, stride, dilation: an int or
@@ -139,7 +146,10 @@ class ConvArguments:
         padding. An allocated dgrad output needs ``input_hw`` (H, W), a wgrad output
         ``filter_rs`` (R, S): dy does not determine them. splits (wgrad): the batch runs in
         that many chunks of whole images, chunk i's partial dw written to d's rows [i K,
-        (i + 1) K): d is (splits K) x R x S x C, and the caller sums the partials."""
+        (i + 1) K): d is (splits K) x R x S x C, and the caller sums the partials. phases
+        (dgrad): a strided dx's stride phases in one launch (ConvOperation.phased), a CPU int64
+        tensor of a row of PHASE_VALUES a phase; a, b and d are then the first phase's views,
+        whose strides every phase shares."""
         kind = op.kind
         a, _ = as_cuda_tensor(a, "a", WHAT)
         b, _ = as_cuda_tensor(b, "b", WHAT)
@@ -192,11 +202,21 @@ class ConvArguments:
                 splits > 1 and kind != "wgrad":
             raise ArgumentError(f"{WHAT}: splits must be a positive int, and 1 but for wgrad, "
                                 f"got {splits!r} ({kind})")
+        if phases is not None:
+            if kind != "dgrad" or not isinstance(phases, torch.Tensor) or \
+                    phases.dtype != torch.int64 or phases.device.type != "cpu" or \
+                    phases.dim() != 2 or phases.shape[1] != len(PHASE_VALUES) or \
+                    not phases.shape[0] or not phases.is_contiguous():
+                raise ArgumentError(f"{WHAT}: phases must be a packed CPU int64 tensor of "
+                                    f"{len(PHASE_VALUES)} values a phase ({', '.join(PHASE_VALUES)}"
+                                    f"), for dgrad only; got {phases!r:.80}")
+            splits = phases.shape[0]
         problem = Conv2dProblem(N, H, W, C, K, R, S, pad, st, dil, hi_pad)
         if problem.P < 1 or problem.Q < 1:
             raise ArgumentError(f"{WHAT}: the output would be {problem.P} x {problem.Q}: the "
                                 f"dilated filter is larger than the padded input")
-        shapes = {"x": (N, H, W, C), "w": (K * splits, R, S, C),
+        chunks = splits if kind == "wgrad" else 1
+        shapes = {"x": (N, H, W, C), "w": (K * chunks, R, S, C),
                   "y": (N, problem.P, problem.Q, K)}
         roles = {"fprop": ("x", "w", "y"), "dgrad": ("y", "w", "x"), "wgrad": ("y", "x", "w")}
         ra, rb, rd = roles[kind]
@@ -216,8 +236,9 @@ class ConvArguments:
         named = dict(zip((ra, rb, rd), (a, b, d)))
         args = cls(problem, named["x"], named["w"], named["y"], C=c, bias=bias,
                    alpha=float(alpha), beta=float(beta), slope=float(slope), lo=float(lo),
-                   hi=float(hi), kind=kind, splits=splits, device=a.device.index or 0,
-                   keep=[a, b, d] + [t for t in (c, bias) if t is not None])
+                   hi=float(hi), kind=kind, splits=splits, phases=phases,
+                   device=a.device.index or 0,
+                   keep=[a, b, d] + [t for t in (c, bias, phases) if t is not None])
         return args
 
     @property
@@ -344,6 +365,19 @@ def reasons(op, args: ConvArguments) -> list[str]:
 def _split_reasons(op, args: ConvArguments) -> list[str]:
     """Why op cannot run args in args.splits batch chunks (conv.py's wgrad kernel)."""
     splits, n = args.splits, args.problem.N
+    if args.phases is not None or op.phased:
+        if args.phases is None:
+            return ["a phased dgrad kernel runs a table of stride phases (phases=)"]
+        if not op.phased:
+            return ["phases: only a phased dgrad kernel (ConvOperation.phased) runs them"]
+        why = [] if splits <= MAX_CHUNKS else \
+            [f"{splits} phases: one launch takes at most {MAX_CHUNKS}"]
+        align = 128 // bits(op.math.element_a)
+        for name, t in (("x", args.x), ("w", args.w), ("y", args.y)):
+            if any(v % align for v in t.stride()[:3]):
+                why.append(f"{name}'s strides {t.stride()} (every phase's) are not multiples of "
+                           f"{align} elements")
+        return why
     if splits == 1:
         return []
     why = []
@@ -380,11 +414,15 @@ def launch(op, module, args: ConvArguments, stream=None) -> None:
     C = args.C
     D = args.output
     cs = strides(C if C is not None else D)[:3]
+    # a phased dgrad's phases share the first one's strides: its own, as torch keeps them (a
+    # phase's size-1 dimension keeps the stride the others step by)
+    st = strides if args.phases is None else (lambda t: t.stride())
     ptr = (lambda t: 0 if t is None else t.data_ptr())
     A, B, D = args.operands
     values = (A.data_ptr(), B.data_ptr(), ptr(C), D.data_ptr(), ptr(args.bias),
               p.N, p.H, p.W, p.C, p.K, p.R, p.S, *p.pad, *p.pad_hi, *p.stride, *p.dilation,
-              *strides(args.x)[:3], *strides(args.w)[:3], *strides(args.y)[:3], *cs,
-              args.alpha, args.beta, args.slope, args.lo, args.hi, args.splits, 0, 0,
+              *st(args.x)[:3], *st(args.w)[:3], *st(args.y)[:3], *cs,
+              args.alpha, args.beta, args.slope, args.lo, args.hi, args.splits,
+              ptr(args.phases), 0, 0,
               sm_count(args.device))
     call_entry(module.function(ENTRY), values, args.device, stream, op.name, CONV_CODES)

@@ -22,7 +22,8 @@ filters beyond the TMA im2col limits (conv_arguments.reasons). Inputs that are n
 are copied to channels-last first (a one-time warning says so). CUTLASS's sm90 dgrad runs at
 unit stride only, so a strided convolution's dx runs as stride_h * stride_w unit-stride dgrads,
 one a phase (the pixels at (i, j) + stride * (a, b), written in place), each with the filter
-taps that reach its pixels: the convolution's own work (_dgrad_phases).
+taps that reach its pixels: the convolution's own work (_dgrad_phases), all in one launch
+(the phased dgrad kernel, from a table of the phases: _phase_table).
 
 1x1 convolutions without padding (one group) are GEMMs over pixels and run vitrail's GEMM
 (vitrail.ops.gemm and mm, with their selection: split-K, stream-K and torch's own matmul among
@@ -65,7 +66,7 @@ from vitrail.gemm.ops.operands import warn_once
 from vitrail.jit.errors import ArgumentError
 from vitrail.ops.common import (DISPATCH, EAGER, autograd_apply, call_mode, check_same_device,
                                 check_tensor)
-from vitrail.plan import Plans, scratch, signature
+from vitrail.plan import Plans, keep, scratch, setup, signature
 from vitrail.plan.native import GRAD, INPUT, OUTPUT, VALUE, front
 from vitrail.gemm.ops.reference import activation as _act
 from vitrail.gemm.ops.reference import activation_backward, grad_from_output
@@ -79,10 +80,11 @@ _OPS: dict[tuple, ConvOperation] = {}
 # ------------------------------------------------------------------------------- kernels
 def operation(kind: str, dtype: torch.dtype, bias: bool = False,
               activation: Optional[str] = None, partials: bool = False,
-              tile: tuple[int, int, int] = (128, 128, 64)) -> ConvOperation:
+              tile: tuple[int, int, int] = (128, 128, 64), phased: bool = False) -> ConvOperation:
     """The ConvOperation of ``kind`` on ``dtype`` tensors with this epilogue and tile (built
-    once); partials: wgrad's chunked kernel, writing fp32 partial sums (wgrad_chunks)."""
-    key = (kind, dtype, bias, activation, partials, tile)
+    once); partials: wgrad's chunked kernel, writing fp32 partial sums (wgrad_chunks); phased:
+    dgrad's stride phases in one launch."""
+    key = (kind, dtype, bias, activation, partials, tile, phased)
     op = _OPS.get(key)
     if op is None:
         el = ELEMENTS[dtype]
@@ -91,21 +93,23 @@ def operation(kind: str, dtype: torch.dtype, bias: bool = False,
             kind, TensorDescription(el), TensorDescription(el), TensorDescription(out),
             MathInstruction(el, el), TileDescription(tile, kernel_schedule="warpspecialized"),
             LinearCombination(out, bias="col" if bias else None, activation=activation),
-            chunked=partials)
+            chunked=partials, phased=phased)
     return op
 
 
 def kernel(kind: str, dtype: torch.dtype, k: int, c: int, *, bias: bool = False,
-           activation: Optional[str] = None, chunks: int = 1) -> ConvOperation:
+           activation: Optional[str] = None, chunks: int = 1,
+           phased: bool = False) -> ConvOperation:
     """The kernel conv2d runs for ``kind`` on a group of k output and c input channels: 128 x 128
     tiles, but a 64-wide side where the GEMM's side is at most 64 channels (fprop's N = K,
     dgrad's N = C, wgrad's M = K), not half a tile of padding; chunks > 1: wgrad's batch in
-    chunks (wgrad_chunks)."""
+    chunks (wgrad_chunks); phased: a strided dgrad's stride phases in one launch."""
     if kind == "wgrad":
         tile = (64 if k <= 64 else 128, 128, 64)
     else:
         tile = (128, 64 if (k if kind == "fprop" else c) <= 64 else 128, 64)
-    return operation(kind, dtype, bias, activation, partials=chunks > 1, tile=tile)
+    return operation(kind, dtype, bias, activation, partials=chunks > 1, tile=tile,
+                     phased=phased)
 
 
 # wgrad_chunks' model, in units of one CTA's 64-deep k-block of a 128x128 tile: a CTA's own cost
@@ -166,16 +170,19 @@ def _empty_nchw(shape: Sequence[int], like: Tensor) -> Tensor:
 
 
 def _run(kind: str, a: Tensor, b: Tensor, d: Tensor, bias: Optional[Tensor],
-         activation: Optional[str], padding, stride, dilation, pad_hi, splits: int = 1) -> None:
+         activation: Optional[str], padding, stride, dilation, pad_hi, splits: int = 1,
+         phases: Optional[Tensor] = None) -> None:
     """Run the kernel of ``kind`` on NHWC-indexed views a, b, d (conv_arguments' roles), or
     raise NotImplementedError with the reasons it cannot; splits > 1: wgrad's batch in that
-    many chunks, d their fp32 partials."""
+    many chunks, d their fp32 partials; phases: dgrad's table of stride phases (a, b and d the
+    first phase's views: _dgrad_phase_table)."""
     _require_hopper(a.device)
     k, c = (a.shape[3], b.shape[3]) if kind == "wgrad" else (b.shape[0], b.shape[3])
     op = kernel(kind, a.dtype, k, c, bias=bias is not None, activation=activation,
-                chunks=splits)
+                chunks=splits, phased=phases is not None)
     args = ConvArguments.from_tensors(op, a, b, d, bias=bias, padding=padding, stride=stride,
-                                      dilation=dilation, pad_hi=pad_hi, splits=splits)
+                                      dilation=dilation, pad_hi=pad_hi, splits=splits,
+                                      phases=phases)
     why = op.can_implement(args)
     if why:
         raise NotImplementedError(_refused(kind, why))
@@ -379,16 +386,43 @@ def _dgrad_into(dy, weight, dx, h, w, g, groups) -> None:
     phases = _dgrad_phases((h, w), (p, q), (r, s), pad, pad_hi, stride, dilation)
     if not all(ph.rows == ph.extent or not all(ph.extent) for ph in phases):
         dx.zero_()  # pixels that no filter tap reaches
-    for ph in phases:
-        if not all(ph.rows):
-            continue
-        a = _nhwc(dy)[:, :ph.dy[0], :ph.dy[1]]
-        (th, tw), (sh, sw), (kh, kw) = ph.taps, stride, ph.skip
-        wt = _nhwc(weight)[:, th.start:th.stop:th.step, tw.start:tw.stop:tw.step]  # its taps
-        d = rows[:, ph.phase[0] + kh * sh::sh, ph.phase[1] + kw * sw::sw]
-        d = d[:, :ph.rows[0], :ph.rows[1]]
+    active = [ph for ph in phases if all(ph.rows)]
+    views = [_phase_views(ph, dy, weight, rows, stride) for ph in active]
+    table = None
+    if len(active) > 1:  # every phase in one launch, from the first one's views
+        table = _phase_table(active, views)
+        active, views = active[:1], views[:1]
+    for ph, (a, wt, d) in zip(active, views):
         for ag, wg, dg in zip(a.chunk(groups, 3), wt.chunk(groups, 0), d.chunk(groups, 3)):
-            _run("dgrad", ag, wg, dg, None, None, ph.pad, (1, 1), ph.dilation, ph.pad_hi)
+            _run("dgrad", ag, wg, dg, None, None, ph.pad, (1, 1), ph.dilation, ph.pad_hi,
+                 phases=table)
+
+
+def _phase_views(ph: "_Phase", dy: Tensor, weight: Tensor, rows: Tensor, stride) -> tuple:
+    """A stride phase's dy, filter taps and dx pixels: NHWC-indexed views."""
+    (th, tw), (sh, sw), (kh, kw) = ph.taps, stride, ph.skip
+    a = _nhwc(dy)[:, :ph.dy[0], :ph.dy[1]]
+    wt = _nhwc(weight)[:, th.start:th.stop:th.step, tw.start:tw.stop:tw.step]  # its taps
+    d = rows[:, ph.phase[0] + kh * sh::sh, ph.phase[1] + kw * sw::sw]
+    return a, wt, d[:, :ph.rows[0], :ph.rows[1]]
+
+
+def _phase_table(active: list["_Phase"], views: list[tuple]) -> Tensor:
+    """The phased dgrad's table (conv_arguments.PHASE_VALUES a phase) of the phases with pixels
+    to write (their views: _phase_views): each one's filter and dx offsets from the first one's
+    views, in elements (the views share their strides: the step of the taps and of the pixels
+    is every phase's), its pixels, taps and padding. A CPU tensor that a plan keeps
+    (vitrail.plan.keep): the same for every call of a signature."""
+    if len({ph.dilation for ph in active}) != 1:
+        raise AssertionError(f"{NAME}: stride phases of different dilations: {active}")
+    (_, w0, d0), es = views[0], views[0][1].element_size()
+    values = [((wt.data_ptr() - w0.data_ptr()) // es, (d.data_ptr() - d0.data_ptr()) // es,
+               *ph.rows, len(ph.taps[0]), len(ph.taps[1]), *ph.pad, *ph.pad_hi)
+              for ph, (_, wt, d) in zip(active, views)]
+    with setup():  # made once a signature: no reason to refuse the plan
+        table = torch.tensor(values, dtype=torch.int64)
+    keep(table)
+    return table
 
 
 def _new_dw(dy, x, r, s, g, groups) -> tuple[Tensor]:

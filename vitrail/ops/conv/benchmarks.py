@@ -273,7 +273,7 @@ def summary_lines(summary: list[dict]) -> list[str]:
 def operations(sms: int = 132) -> list:
     """The ConvOperations the rows run (bf16; in the cases' order, each once): the kernel
     vitrail.ops.conv.kernel gives each layer's kind, wgrad's chunked one where wgrad_chunks
-    splits its batch on a GPU of ``sms`` SMs; none for the 1x1 layers (the GEMM's) or refused
+    splits its batch on a GPU of ``sms`` SMs, dgrad's phased one at a stride; none for the 1x1 layers (the GEMM's) or refused
     ones."""
     import torch
 
@@ -286,8 +286,9 @@ def operations(sms: int = 132) -> list:
         p, q = lay.out_hw()
         chunks = (wgrad_chunks(lay.K, lay.R * lay.S * lay.C, case.batch, p * q, sms)
                   if case.kernel == "wgrad" else 1)
+        phased = case.kernel == "dgrad" and lay.stride > 1  # its stride phases, one launch
         op = kernel(case.kernel, torch.bfloat16, lay.K, lay.C, bias=case.activation is not None,
-                    activation=case.activation, chunks=chunks)
+                    activation=case.activation, chunks=chunks, phased=phased)
         if op not in ops:
             ops.append(op)
     return ops
