@@ -182,8 +182,32 @@ def test_refusals_are_not_implemented_errors():
     with pytest.raises(NotImplementedError, match="not a multiple of 8"):
         conv2d(x, w, padding=1)
     x, w = _tensors(1, 16, 8, 8, 16, 3, 3, torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="depthwise is not one"):
-        conv2d(x, w[:, :1].contiguous(memory_format=torch.channels_last), groups=16)
+    with pytest.raises(NotImplementedError, match="groups of one input channel"):
+        conv2d(x, w[:, :2].contiguous(memory_format=torch.channels_last), groups=8)
+
+
+@pytest.mark.parametrize("C, m, R, S, stride, padding, dilation, dtype", [
+    (32, 1, 3, 3, 1, 1, 1, torch.bfloat16),  # 8 channels a thread
+    (48, 1, 7, 7, 1, 3, 1, torch.bfloat16),  # ConvNeXt's 7x7
+    (20, 1, 3, 3, 2, 1, 1, torch.float16),  # 4 channels a thread, stride 2
+    (13, 1, 5, 3, (2, 1), (2, 0), (1, 2), torch.bfloat16),  # odd channels: one a thread
+    (8, 3, 3, 3, 1, 1, 1, torch.bfloat16),  # 3 filters a channel (K = 24)
+    (16, 2, 4, 4, 3, 0, 1, torch.float16),  # an even filter, stride 3, no padding
+    (24, 1, 3, 3, 1, "same", 2, torch.bfloat16),  # asymmetric padding of its own
+])
+def test_depthwise_against_fp64(C, m, R, S, stride, padding, dilation, dtype):
+    """Depthwise convolutions (groups = C) run the depthwise kernels: forward with a bias and
+    an activation, dx and dw against torch's in fp64, twice on new values (the second call
+    replays the plan of the first)."""
+    from vitrail.ops import conv2d
+    for seed in (11, 12):
+        x, w = _tensors(2, C, 17, 11, C * m, R, S, dtype, seed=seed)
+        w = (w[:, :1].float() * C ** 0.5).to(dtype).contiguous(memory_format=torch.channels_last)
+        b = torch.randn(C * m, device="cuda").to(dtype)
+        _against_fp64(lambda x, w, b: conv2d(x, w, b, stride=stride, padding=padding,
+                                             dilation=dilation, groups=C, activation="silu"),
+                      lambda x, w, b: torch.nn.functional.silu(torch.nn.functional.conv2d(
+                          x, w, b, stride, padding, dilation, C)), x, w, b)
 
 
 @pytest.mark.parametrize("C, K, stride", [(12, 20, 1), (64, 40, 2), (3, 8, 1)])
