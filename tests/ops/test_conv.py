@@ -198,8 +198,11 @@ def test_refusals_are_not_implemented_errors():
 def test_depthwise_against_fp64(C, m, R, S, stride, padding, dilation, dtype):
     """Depthwise convolutions (groups = C) run the depthwise kernels: forward with a bias and
     an activation, dx and dw against torch's in fp64, twice on new values (the second call
-    replays the plan of the first)."""
+    replays the plan of the first: the three kinds' C++ plans exist)."""
     from vitrail.ops import conv2d
+    from vitrail.ops.conv import _dgrad, _wgrad_of
+    from vitrail.plan import native
+    native.load(wait=True)
     for seed in (11, 12):
         x, w = _tensors(2, C, 17, 11, C * m, R, S, dtype, seed=seed)
         w = (w[:, :1].float() * C ** 0.5).to(dtype).contiguous(memory_format=torch.channels_last)
@@ -208,6 +211,20 @@ def test_depthwise_against_fp64(C, m, R, S, stride, padding, dilation, dtype):
                                              dilation=dilation, groups=C, activation="silu"),
                       lambda x, w, b: torch.nn.functional.silu(torch.nn.functional.conv2d(
                           x, w, b, stride, padding, dilation, C)), x, w, b)
+    if native.loaded() is None:
+        return
+    assert conv2d.front.call(x, w, b, stride, padding, dilation, C, "silu") is not native.MISS
+    y = conv2d(x, w, b, stride, padding, dilation, C)
+    sh, sw = (stride, stride) if isinstance(stride, int) else stride
+    dh, dw = (dilation, dilation) if isinstance(dilation, int) else dilation
+    if padding == "same":
+        pad = [(dh * (R - 1)) // 2, (dw * (S - 1)) // 2]
+        hi = [dh * (R - 1) - pad[0], dw * (S - 1) - pad[1]]
+    else:
+        pad = hi = [padding, padding] if isinstance(padding, int) else list(padding)
+    dy = torch.randn_like(y)
+    assert _dgrad.front.call(dy, w, 17, 11, sh, sw, *pad, *hi, dh, dw, C) is not native.MISS
+    assert _wgrad_of.front.call(dy, x, R, S, sh, sw, *pad, *hi, dh, dw, C) is not native.MISS
 
 
 @pytest.mark.parametrize("C, K, stride", [(12, 20, 1), (64, 40, 2), (3, 8, 1)])

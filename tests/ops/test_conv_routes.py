@@ -241,14 +241,21 @@ def test_a_depthwise_thread_owns_the_widest_vector_every_view_allows():
 
 
 @requires_nvrtc
-@pytest.mark.parametrize("name", ["vitrail_dw_fprop<1, 8, 5, 1>", "vitrail_dw_fprop<0, 1, 0, 0>",
-                                  "vitrail_dw_dgrad<1, 8>", "vitrail_dw_wgrad<0, 1>"])
-def test_the_depthwise_kernels_compile(name, tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind, template", [("fprop", (1, 8, 5, 1)), ("fprop", (0, 1, 0, 0)),
+                                            ("dgrad", (1, 8)), ("wgrad", (0, 1))])
+def test_the_depthwise_kernels_compile(kind, template, tmp_path, monkeypatch):
     """The depthwise kernels build with NVRTC for sm_90a (bf16 8 channels a thread with a bias
-    and silu; fp16 one channel a thread; each kind); the GPU tests run them."""
+    and silu; fp16 one channel a thread; each kind) and take pointers and scalars only, the
+    geometry as many as _geometry gives (a struct by value would keep plans from replaying
+    them); the GPU tests run them."""
     from vitrail.ops.conv import depthwise
     monkeypatch.setenv("VITRAIL_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("VITRAIL_ARCH", "90a")
     monkeypatch.setattr(depthwise, "_KERNELS", {})
-    params = depthwise._kernel(name).compile().proto.params
-    assert [p.kind for p in params][-2:] in (["opaque", "scalar"], ["pointer", "opaque"])
+    params = depthwise._kernel(kind, *template).compile().proto.params
+    assert {p.kind for p in params} == {"pointer", "scalar"}
+    x = torch.empty(2, 9, 7, 16, dtype=torch.bfloat16)
+    geometry = depthwise._geometry(x, x[:, :5, :4], torch.empty(16, 1, 3, 3), (2, 2), (1, 1),
+                                   (1, 1))
+    assert len(geometry) == 25
+    assert [p.type for p in params[-25:]] == ["long long"] * 18 + ["int"] * 7

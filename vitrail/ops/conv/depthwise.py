@@ -18,7 +18,6 @@ The kernels are NVRTC RawKernels (vitrail.jit), launched on the current stream, 
 """
 from __future__ import annotations
 
-import ctypes
 from typing import Callable, Optional
 
 import torch
@@ -51,7 +50,8 @@ template <int kBf16> __device__ __forceinline__ unsigned short store(float f) {
 }
 
 // The geometry: sizes, NHWC strides (in elements) of the pixel-major operands, the filter's
-// k/r/s strides, stride, padding, dilation and the multiplier m = K / C.
+// k/r/s strides, stride, padding, dilation and the multiplier m = K / C. The kernels take it
+// as scalars (GEOMETRY: a plan replays scalars, not structs) and gather it here.
 struct Geometry {
   long long n, h, w, c, p, q, k, r, s;
   long long xs[3], ys[3];   // x (or dx) and y (or dy): n, h, w strides; channels packed
@@ -60,11 +60,21 @@ struct Geometry {
 };
 }  // namespace vitrail_dw
 
+#define VITRAIL_DW_GEOMETRY                                                                  \
+  long long n_, long long h_, long long w_, long long c_, long long p_, long long q_,        \
+  long long k_, long long r_, long long s_, long long xs0, long long xs1, long long xs2,     \
+  long long ys0, long long ys1, long long ys2, long long ws0, long long ws1, long long ws2, \
+  int sh, int sw, int ph, int pw, int dh, int dw, int m_
+#define VITRAIL_DW_G                                                                          \
+  const vitrail_dw::Geometry g{n_, h_, w_, c_, p_, q_, k_, r_, s_, {xs0, xs1, xs2},          \
+                               {ys0, ys1, ys2}, {ws0, ws1, ws2}, {sh, sw}, {ph, pw}, {dh, dw}, m_}
+
 template <int kBf16, int V, int Act, int kBias>
 __global__ void __launch_bounds__(256) vitrail_dw_fprop(
     const unsigned short* __restrict__ x, const unsigned short* __restrict__ wt,
-    const unsigned short* __restrict__ bias, unsigned short* __restrict__ y,
-    vitrail_dw::Geometry g, float slope) {
+    const unsigned short* __restrict__ bias, unsigned short* __restrict__ y, float slope,
+    VITRAIL_DW_GEOMETRY) {
+  VITRAIL_DW_G;
   const long long kv = g.k / V, total = g.n * g.p * g.q * kv;
   for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
        i += static_cast<long long>(gridDim.x) * blockDim.x) {
@@ -109,7 +119,8 @@ __global__ void __launch_bounds__(256) vitrail_dw_fprop(
 template <int kBf16, int V>
 __global__ void __launch_bounds__(256) vitrail_dw_dgrad(
     const unsigned short* __restrict__ dy, const unsigned short* __restrict__ wt,
-    unsigned short* __restrict__ dx, vitrail_dw::Geometry g) {
+    unsigned short* __restrict__ dx, VITRAIL_DW_GEOMETRY) {
+  VITRAIL_DW_G;
   const long long cv = g.c / V, total = g.n * g.h * g.w * cv;
   for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
        i += static_cast<long long>(gridDim.x) * blockDim.x) {
@@ -157,7 +168,8 @@ __global__ void __launch_bounds__(256) vitrail_dw_dgrad(
 template <int kBf16, int V>
 __global__ void __launch_bounds__(256) vitrail_dw_wgrad(
     const unsigned short* __restrict__ dy, const unsigned short* __restrict__ x,
-    float* __restrict__ partials, vitrail_dw::Geometry g, long long chunk) {
+    float* __restrict__ partials, long long chunk, VITRAIL_DW_GEOMETRY) {
+  VITRAIL_DW_G;
   const long long kv = g.k / V, work = kv * g.r * g.s;
   const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= work) return;
@@ -194,11 +206,14 @@ __global__ void __launch_bounds__(256) vitrail_dw_wgrad(
 _KERNELS: dict[str, object] = {}
 
 
-def _kernel(name: str):
+def _kernel(kind: str, *template: int):
+    """The RawKernel vitrail_dw_<kind><template...> (built on its first launch)."""
+    name = f"vitrail_dw_{kind}<{', '.join(map(str, template))}>"
     kernel = _KERNELS.get(name)
     if kernel is None:
         from vitrail import jit
-        kernel = _KERNELS.setdefault(name, jit.RawKernel(_SOURCE, name))
+        kernel = _KERNELS.setdefault(name, jit.RawKernel(_SOURCE, name,
+                                                         signature=_SIGNATURES[kind]))
     return kernel
 
 
@@ -223,8 +238,8 @@ def _vector(m: int, channels: int, *views: Tensor) -> int:
 
 
 def _geometry(xs: Tensor, ys: Tensor, weight: Tensor, stride, pad, dilation) -> tuple:
-    """The kernels' Geometry of NHWC-indexed views x-like (x or dx) and y-like (y or dy), and
-    the (K, 1, R, S) filter: a tuple in the struct's field order."""
+    """The kernels' geometry (their last 25 parameters) of NHWC-indexed views x-like (x or dx)
+    and y-like (y or dy), and the (K, 1, R, S) filter."""
     for t, name in ((xs, "x"), (ys, "y")):
         if t.stride(3) != 1:
             raise AssertionError(f"depthwise: {name}'s channels are not packed: {t.stride()}")
@@ -236,18 +251,14 @@ def _geometry(xs: Tensor, ys: Tensor, weight: Tensor, stride, pad, dilation) -> 
             *stride, *pad, *dilation, k // c)
 
 
-class _Geometry(ctypes.Structure):
-    """vitrail_dw::Geometry, passed by value."""
-    _fields_ = ([(f, ctypes.c_longlong) for f in "n h w c p q k r s".split()] +
-                [(f, ctypes.c_longlong * 3) for f in ("xs", "ys", "ws")] +
-                [(f, ctypes.c_int * 2) for f in ("stride", "pad", "dil")] + [("m", ctypes.c_int)])
-
-
-def _pack(*v) -> _Geometry:
-    """The struct of _geometry's values."""
-    three, two = ctypes.c_longlong * 3, ctypes.c_int * 2
-    return _Geometry(*v[:9], three(*v[9:12]), three(*v[12:15]), three(*v[15:18]),
-                     two(*v[18:20]), two(*v[20:22]), two(*v[22:24]), v[24])
+# the kernels' parameters (GEOMETRY is a macro, so their signatures are spelled here)
+_GEOMETRY = ", ".join(["long long"] * 18 + ["int"] * 7)
+_SIGNATURES = {
+    "fprop": "const unsigned short*, const unsigned short*, const unsigned short*, "
+             "unsigned short*, float, " + _GEOMETRY,
+    "dgrad": "const unsigned short*, const unsigned short*, unsigned short*, " + _GEOMETRY,
+    "wgrad": "const unsigned short*, const unsigned short*, float*, long long, " + _GEOMETRY,
+}
 
 
 def _bf16(t: Tensor) -> int:
@@ -255,6 +266,7 @@ def _bf16(t: Tensor) -> int:
 
 
 def _grid(total: int) -> int:
+    """Blocks of a grid-stride loop over total threads' work."""
     return max(1, min(-(-total // THREADS), 65535 * 8))
 
 
@@ -264,22 +276,23 @@ def fprop(x: Tensor, weight: Tensor, bias: Optional[Tensor], y: Tensor, stride, 
     m = weight.shape[0] // x.shape[3]
     v = _vector(m, y.shape[3], x, y)
     act = ACT_IDS[activation] if activation else 0
-    name = f"vitrail_dw_fprop<{_bf16(x)}, {v}, {act}, {int(bias is not None)}>"
-    g = _pack(*_geometry(x, y, weight, stride, pad, dilation))
+    g = _geometry(x, y, weight, stride, pad, dilation)
     total = y.shape[0] * y.shape[1] * y.shape[2] * (y.shape[3] // v)
-    _kernel(name)[_grid(total), THREADS](x.data_ptr(), weight.data_ptr(),
-                                         bias.data_ptr() if bias is not None else None,
-                                         y.data_ptr(), g, float(slope))
+    if bias is not None and bias.stride(0) != 1:
+        bias = bias.contiguous()  # the kernel reads K packed values
+    _kernel("fprop", _bf16(x), v, act, int(bias is not None))[_grid(total), THREADS](
+        x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None,
+        y.data_ptr(), float(slope), *g)
 
 
 def dgrad(dy: Tensor, weight: Tensor, dx: Tensor, stride, pad, dilation) -> None:
     """dx (NHWC view) of a depthwise convolution from dy (NHWC view); writes every pixel."""
     m = weight.shape[0] // dx.shape[3]
     v = _vector(m, dx.shape[3], dy, dx)
-    g = _pack(*_geometry(dx, dy, weight, stride, pad, dilation))
+    g = _geometry(dx, dy, weight, stride, pad, dilation)
     total = dx.shape[0] * dx.shape[1] * dx.shape[2] * (dx.shape[3] // v)
-    _kernel(f"vitrail_dw_dgrad<{_bf16(dx)}, {v}>")[_grid(total), THREADS](
-        dy.data_ptr(), weight.data_ptr(), dx.data_ptr(), g)
+    _kernel("dgrad", _bf16(dx), v)[_grid(total), THREADS](
+        dy.data_ptr(), weight.data_ptr(), dx.data_ptr(), *g)
 
 
 def wgrad(dy: Tensor, x: Tensor, dw: Tensor, stride, pad, dilation,
@@ -293,10 +306,9 @@ def wgrad(dy: Tensor, x: Tensor, dw: Tensor, stride, pad, dilation,
     pixels = dy.shape[0] * dy.shape[1] * dy.shape[2]
     tiles = -(-(k // v * r * s) // THREADS)
     blocks = max(1, min(-(-WGRAD_BLOCKS // tiles), -(-pixels // WGRAD_MIN_PIXELS), 65535))
-    chunk = -(-pixels // blocks)
-    blocks = -(-pixels // chunk)  # none empty
+    chunk = max(1, -(-pixels // blocks))
+    blocks = max(1, -(-pixels // chunk))  # none empty (but the one of an empty batch: zeros)
     out = partials(blocks * k * r * s)
-    _kernel(f"vitrail_dw_wgrad<{_bf16(x)}, {v}>")[(tiles, blocks), THREADS](
-        dy.data_ptr(), x.data_ptr(), out, _pack(*_geometry(x, dy, dw, stride, pad, dilation)),
-        chunk)
+    _kernel("wgrad", _bf16(x), v)[(tiles, blocks), THREADS](
+        dy.data_ptr(), x.data_ptr(), out, chunk, *_geometry(x, dy, dw, stride, pad, dilation))
     return out, blocks
