@@ -242,7 +242,7 @@ def test_a_depthwise_thread_owns_the_widest_vector_every_view_allows():
 
 @requires_nvrtc
 @pytest.mark.parametrize("kind, template", [("fprop", (1, 8, 5, 1)), ("fprop", (0, 1, 0, 0)),
-                                            ("dgrad", (1, 8)), ("wgrad", (0, 1))])
+                                            ("dgrad", (1, 8)), ("wgrad", (0, 1)), ("taps", ())])
 def test_the_depthwise_kernels_compile(kind, template, tmp_path, monkeypatch):
     """The depthwise kernels build with NVRTC for sm_90a (bf16 8 channels a thread with a bias
     and silu; fp16 one channel a thread; each kind) and take pointers and scalars only, the
@@ -254,8 +254,10 @@ def test_the_depthwise_kernels_compile(kind, template, tmp_path, monkeypatch):
     monkeypatch.setattr(depthwise, "_KERNELS", {})
     params = depthwise._kernel(kind, *template).compile().proto.params
     assert {p.kind for p in params} == {"pointer", "scalar"}
+    if kind == "taps":
+        return
     x = torch.empty(2, 9, 7, 16, dtype=torch.bfloat16)
-    geometry = depthwise._geometry(x, x[:, :5, :4], torch.empty(16, 1, 3, 3), (2, 2), (1, 1),
+    geometry = depthwise._geometry(x, x[:, :5, :4], torch.empty(3, 3, 16), (2, 2), (1, 1),
                                    (1, 1))
-    assert len(geometry) == 25
+    assert len(geometry) == 25 and geometry[15:18] == (1, 48, 16)  # the taps' k, r, s strides
     assert [p.type for p in params[-25:]] == ["long long"] * 18 + ["int"] * 7

@@ -358,7 +358,8 @@ def _fprop_into(x, weight, bias, y, g, activation, groups) -> None:
     k = weight.shape[0]
     if depthwise.is_depthwise(x.shape[1], weight.shape, groups):
         _require_hopper(x.device)
-        depthwise.fprop(_nhwc(x), weight, bias, _nhwc(y), stride, pad, dilation, activation)
+        depthwise.fprop(_nhwc(x), weight, bias, _nhwc(y), stride, pad, dilation, activation,
+                        lambda n, dtype: scratch(n, dtype, x.device))
         return
     if _gemm_ready(x, weight, pad, pad_hi, groups):  # y (N P Q, K) = x (N P Q, C) W^T
         run_into(_nhwc(y).reshape(-1, k), _pixels(x, stride), _nhwc(weight).reshape(k, -1).t(),
@@ -384,7 +385,8 @@ def _dgrad_into(dy, weight, dx, h, w, g, groups) -> None:
     rows = _nhwc(dx)
     if depthwise.is_depthwise(dx.shape[1], weight.shape, groups):  # every pixel written
         _require_hopper(dy.device)
-        depthwise.dgrad(_nhwc(dy), weight, rows, stride, pad, dilation)
+        depthwise.dgrad(_nhwc(dy), weight, rows, stride, pad, dilation,
+                        lambda n, dtype: scratch(n, dtype, dy.device))
         return
     if _gemm_ready(dy, weight, pad, pad_hi, groups):  # dx (N P Q, C) = dy (N P Q, K) W
         wk = _nhwc(weight).reshape(k, -1)

@@ -3,7 +3,9 @@ kernels of our own, since a group of one channel is no GEMM (the implicit-GEMM k
 
 Every kind reads and writes channels-last (NHWC-indexed views, any pixel strides, channels
 packed) and is memory-bound: a thread owns V consecutive channels (16-byte vectors where m = 1
-and the views allow, else one) of one pixel and walks the filter's R x S taps.
+and the views allow, else one) of one pixel and walks the filter's R x S taps, which fprop and
+dgrad read laid out as (R, S, K) by a launch of their own (_taps): a tap's V filters are one
+vector load, a warp's loads one run of memory.
 
 - fprop: y[n, p, q, k] = act(sum over taps x[n, h, w, k / m] * w[k, r, s] + bias[k]), with the
   GEMM epilogues' own activation math (vitrail.gemm.epilogue.ACTIVATION_MATH);
@@ -92,12 +94,12 @@ __global__ void __launch_bounds__(256) vitrail_dw_fprop(
         if (w < 0 || w >= g.w) continue;
         const unsigned short* px = x + n * g.xs[0] + h * g.xs[1] + w * g.xs[2];
         const unsigned short* pw = wt + r * g.ws[1] + s * g.ws[2];
-        if (V > 1) {  // m = 1: V channels in, V out
+        if (V > 1) {  // m = 1: V channels in, V out; the taps' filters packed (ws[0] = 1)
           const vitrail_dw::Pack<V> v = *reinterpret_cast<const vitrail_dw::Pack<V>*>(px + c0);
+          const vitrail_dw::Pack<V> f = *reinterpret_cast<const vitrail_dw::Pack<V>*>(pw + k0);
 #pragma unroll
           for (int j = 0; j < V; ++j)
-            acc[j] += vitrail_dw::load<kBf16>(v.h[j]) *
-                      vitrail_dw::load<kBf16>(pw[(k0 + j) * g.ws[0]]);
+            acc[j] += vitrail_dw::load<kBf16>(v.h[j]) * vitrail_dw::load<kBf16>(f.h[j]);
         } else {
           acc[0] += vitrail_dw::load<kBf16>(px[c0]) * vitrail_dw::load<kBf16>(pw[k0 * g.ws[0]]);
         }
@@ -112,6 +114,18 @@ __global__ void __launch_bounds__(256) vitrail_dw_fprop(
     }
     *reinterpret_cast<vitrail_dw::Pack<V>*>(y + n * g.ys[0] + p * g.ys[1] + q * g.ys[2] + k0) =
         out;
+  }
+}
+
+// The filter (K, R, S; any strides) as its taps: out[r][s][k], packed, so that a thread's V
+// channels of a tap are one vector and a warp's loads one run of memory.
+extern "C" __global__ void __launch_bounds__(256) vitrail_dw_taps(
+    const unsigned short* __restrict__ wt, unsigned short* __restrict__ out, long long k,
+    long long r, long long s, long long wk, long long wr, long long ws) {
+  for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+       i < k * r * s; i += static_cast<long long>(gridDim.x) * blockDim.x) {
+    const long long kk = i % k, tap = i / k;
+    out[i] = wt[kk * wk + tap / s * wr + tap % s * ws];
   }
 }
 
@@ -141,12 +155,12 @@ __global__ void __launch_bounds__(256) vitrail_dw_dgrad(
         if (q >= g.q) continue;
         const unsigned short* pd = dy + n * g.ys[0] + p * g.ys[1] + q * g.ys[2];
         const unsigned short* pw = wt + r * g.ws[1] + s * g.ws[2];
-        if (V > 1) {  // m = 1
+        if (V > 1) {  // m = 1; the taps' filters packed (ws[0] = 1)
           const vitrail_dw::Pack<V> v = *reinterpret_cast<const vitrail_dw::Pack<V>*>(pd + c0);
+          const vitrail_dw::Pack<V> f = *reinterpret_cast<const vitrail_dw::Pack<V>*>(pw + c0);
 #pragma unroll
           for (int j = 0; j < V; ++j)
-            acc[j] += vitrail_dw::load<kBf16>(v.h[j]) *
-                      vitrail_dw::load<kBf16>(pw[(c0 + j) * g.ws[0]]);
+            acc[j] += vitrail_dw::load<kBf16>(v.h[j]) * vitrail_dw::load<kBf16>(f.h[j]);
         } else {
           for (int j = 0; j < g.m; ++j) {
             const long long k = c0 * g.m + j;
@@ -208,7 +222,7 @@ _KERNELS: dict[str, object] = {}
 
 def _kernel(kind: str, *template: int):
     """The RawKernel vitrail_dw_<kind><template...> (built on its first launch)."""
-    name = f"vitrail_dw_{kind}<{', '.join(map(str, template))}>"
+    name = f"vitrail_dw_{kind}" + (f"<{', '.join(map(str, template))}>" if template else "")
     kernel = _KERNELS.get(name)
     if kernel is None:
         from vitrail import jit
@@ -237,18 +251,28 @@ def _vector(m: int, channels: int, *views: Tensor) -> int:
     return 1
 
 
-def _geometry(xs: Tensor, ys: Tensor, weight: Tensor, stride, pad, dilation) -> tuple:
+def _geometry(xs: Tensor, ys: Tensor, taps: Tensor, stride, pad, dilation) -> tuple:
     """The kernels' geometry (their last 25 parameters) of NHWC-indexed views x-like (x or dx)
-    and y-like (y or dy), and the (K, 1, R, S) filter."""
+    and y-like (y or dy), and the filter's taps (R, S, K: _taps)."""
     for t, name in ((xs, "x"), (ys, "y")):
         if t.stride(3) != 1:
             raise AssertionError(f"depthwise: {name}'s channels are not packed: {t.stride()}")
     n, h, w, c = xs.shape
     _, p, q, k = ys.shape
-    _, _, r, s = weight.shape
-    wk, _, wr, ws = weight.stride()
+    r, s, _ = taps.shape
+    wr, ws, wk = taps.stride()
     return (n, h, w, c, p, q, k, r, s, *xs.stride()[:3], *ys.stride()[:3], wk, wr, ws,
             *stride, *pad, *dilation, k // c)
+
+
+def _taps(weight: Tensor, buffer: Callable[[int, torch.dtype], Tensor]) -> Tensor:
+    """The (K, 1, R, S) filter as its taps (R, S, K), packed in buffer(K R S, dtype): a launch
+    of our own (a plan replays it), so a thread's channels of a tap are one vector load."""
+    k, _, r, s = weight.shape
+    out = buffer(k * r * s, weight.dtype)
+    wk, _, wr, ws = weight.stride()
+    _kernel("taps")[_grid(k * r * s), THREADS](weight.data_ptr(), out, k, r, s, wk, wr, ws)
+    return out.view(r, s, k)
 
 
 # the kernels' parameters (GEOMETRY is a macro, so their signatures are spelled here)
@@ -258,6 +282,7 @@ _SIGNATURES = {
              "unsigned short*, float, " + _GEOMETRY,
     "dgrad": "const unsigned short*, const unsigned short*, unsigned short*, " + _GEOMETRY,
     "wgrad": "const unsigned short*, const unsigned short*, float*, long long, " + _GEOMETRY,
+    "taps": "const unsigned short*, unsigned short*, " + ", ".join(["long long"] * 6),
 }
 
 
@@ -271,28 +296,34 @@ def _grid(total: int) -> int:
 
 
 def fprop(x: Tensor, weight: Tensor, bias: Optional[Tensor], y: Tensor, stride, pad, dilation,
-          activation: Optional[str], slope: float = 0.01) -> None:
-    """y (NHWC view) = act(depthwise conv of x (NHWC view) + bias)."""
+          activation: Optional[str], buffer: Callable[[int, torch.dtype], Tensor],
+          slope: float = 0.01) -> None:
+    """y (NHWC view) = act(depthwise conv of x (NHWC view) + bias); buffer(n, dtype): scratch
+    for the filter's taps."""
     m = weight.shape[0] // x.shape[3]
     v = _vector(m, y.shape[3], x, y)
     act = ACT_IDS[activation] if activation else 0
-    g = _geometry(x, y, weight, stride, pad, dilation)
+    taps = _taps(weight, buffer)
+    g = _geometry(x, y, taps, stride, pad, dilation)
     total = y.shape[0] * y.shape[1] * y.shape[2] * (y.shape[3] // v)
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()  # the kernel reads K packed values
     _kernel("fprop", _bf16(x), v, act, int(bias is not None))[_grid(total), THREADS](
-        x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None,
+        x.data_ptr(), taps, bias.data_ptr() if bias is not None else None,
         y.data_ptr(), float(slope), *g)
 
 
-def dgrad(dy: Tensor, weight: Tensor, dx: Tensor, stride, pad, dilation) -> None:
-    """dx (NHWC view) of a depthwise convolution from dy (NHWC view); writes every pixel."""
+def dgrad(dy: Tensor, weight: Tensor, dx: Tensor, stride, pad, dilation,
+          buffer: Callable[[int, torch.dtype], Tensor]) -> None:
+    """dx (NHWC view) of a depthwise convolution from dy (NHWC view), every pixel written;
+    buffer(n, dtype): scratch for the filter's taps."""
     m = weight.shape[0] // dx.shape[3]
     v = _vector(m, dx.shape[3], dy, dx)
-    g = _geometry(dx, dy, weight, stride, pad, dilation)
+    taps = _taps(weight, buffer)
+    g = _geometry(dx, dy, taps, stride, pad, dilation)
     total = dx.shape[0] * dx.shape[1] * dx.shape[2] * (dx.shape[3] // v)
     _kernel("dgrad", _bf16(dx), v)[_grid(total), THREADS](
-        dy.data_ptr(), weight.data_ptr(), dx.data_ptr(), *g)
+        dy.data_ptr(), taps, dx.data_ptr(), *g)
 
 
 def wgrad(dy: Tensor, x: Tensor, dw: Tensor, stride, pad, dilation,
@@ -310,5 +341,6 @@ def wgrad(dy: Tensor, x: Tensor, dw: Tensor, stride, pad, dilation,
     blocks = max(1, -(-pixels // chunk))  # none empty (but the one of an empty batch: zeros)
     out = partials(blocks * k * r * s)
     _kernel("wgrad", _bf16(x), v)[(tiles, blocks), THREADS](
-        dy.data_ptr(), x.data_ptr(), out, chunk, *_geometry(x, dy, dw, stride, pad, dilation))
+        dy.data_ptr(), x.data_ptr(), out, chunk,
+        *_geometry(x, dy, dw.permute(2, 3, 0, 1)[..., 0], stride, pad, dilation))
     return out, blocks
