@@ -66,10 +66,11 @@ struct Geometry {
   long long n_, long long h_, long long w_, long long c_, long long p_, long long q_,        \
   long long k_, long long r_, long long s_, long long xs0, long long xs1, long long xs2,     \
   long long ys0, long long ys1, long long ys2, long long ws0, long long ws1, long long ws2, \
-  int sh, int sw, int ph, int pw, int dh, int dw, int m_
+  int sh_, int sw_, int ph_, int pw_, int dh_, int dw_, int m_
 #define VITRAIL_DW_G                                                                          \
   const vitrail_dw::Geometry g{n_, h_, w_, c_, p_, q_, k_, r_, s_, {xs0, xs1, xs2},          \
-                               {ys0, ys1, ys2}, {ws0, ws1, ws2}, {sh, sw}, {ph, pw}, {dh, dw}, m_}
+                               {ys0, ys1, ys2}, {ws0, ws1, ws2}, {sh_, sw_}, {ph_, pw_},     \
+                               {dh_, dw_}, m_}
 
 template <int kBf16, int V, int Act, int kBias>
 __global__ void __launch_bounds__(256) vitrail_dw_fprop(
@@ -143,15 +144,15 @@ __global__ void __launch_bounds__(256) vitrail_dw_dgrad(
     float acc[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) acc[j] = 0.f;
-    for (int r = 0; r < g.r; ++r) {
-      const long long ph = h + g.pad[0] - r * g.dil[0];  // = p * stride
+    for (int r = 0; r < g.r; ++r) {  // pixel coordinates in int: cheaper division
+      const int ph = static_cast<int>(h) + g.pad[0] - r * g.dil[0];  // = p * stride
       if (ph < 0 || ph % g.stride[0]) continue;
-      const long long p = ph / g.stride[0];
+      const int p = ph / g.stride[0];
       if (p >= g.p) continue;
       for (int s = 0; s < g.s; ++s) {
-        const long long qw = w + g.pad[1] - s * g.dil[1];
+        const int qw = static_cast<int>(w) + g.pad[1] - s * g.dil[1];
         if (qw < 0 || qw % g.stride[1]) continue;
-        const long long q = qw / g.stride[1];
+        const int q = qw / g.stride[1];
         if (q >= g.q) continue;
         const unsigned short* pd = dy + n * g.ys[0] + p * g.ys[1] + q * g.ys[2];
         const unsigned short* pw = wt + r * g.ws[1] + s * g.ws[2];
@@ -195,21 +196,31 @@ __global__ void __launch_bounds__(256) vitrail_dw_wgrad(
   float acc[V];
 #pragma unroll
   for (int j = 0; j < V; ++j) acc[j] = 0.f;
+  // the first pixel's (n, p, q), then stepped along (no division a pixel)
+  long long n = first / (g.q * g.p);
+  int p = static_cast<int>(first / g.q % g.p), q = static_cast<int>(first % g.q);
   for (long long pix = first; pix < last; ++pix) {
-    const long long q = pix % g.q, p = pix / g.q % g.p, n = pix / (g.q * g.p);
-    const long long h = p * g.stride[0] - g.pad[0] + r * g.dil[0];
-    const long long w = q * g.stride[1] - g.pad[1] + s * g.dil[1];
-    if (h < 0 || h >= g.h || w < 0 || w >= g.w) continue;
-    const unsigned short* pd = dy + n * g.ys[0] + p * g.ys[1] + q * g.ys[2] + k0;
-    const unsigned short* px = x + n * g.xs[0] + h * g.xs[1] + w * g.xs[2] + c0;
-    if (V > 1) {  // m = 1
-      const vitrail_dw::Pack<V> a = *reinterpret_cast<const vitrail_dw::Pack<V>*>(pd);
-      const vitrail_dw::Pack<V> b = *reinterpret_cast<const vitrail_dw::Pack<V>*>(px);
+    const long long h = static_cast<long long>(p) * g.stride[0] - g.pad[0] + r * g.dil[0];
+    const long long w = static_cast<long long>(q) * g.stride[1] - g.pad[1] + s * g.dil[1];
+    if (h >= 0 && h < g.h && w >= 0 && w < g.w) {
+      const unsigned short* pd = dy + n * g.ys[0] + p * g.ys[1] + q * g.ys[2] + k0;
+      const unsigned short* px = x + n * g.xs[0] + h * g.xs[1] + w * g.xs[2] + c0;
+      if (V > 1) {  // m = 1
+        const vitrail_dw::Pack<V> a = *reinterpret_cast<const vitrail_dw::Pack<V>*>(pd);
+        const vitrail_dw::Pack<V> b = *reinterpret_cast<const vitrail_dw::Pack<V>*>(px);
 #pragma unroll
-      for (int j = 0; j < V; ++j)
-        acc[j] += vitrail_dw::load<kBf16>(a.h[j]) * vitrail_dw::load<kBf16>(b.h[j]);
-    } else {
-      acc[0] += vitrail_dw::load<kBf16>(pd[0]) * vitrail_dw::load<kBf16>(px[0]);
+        for (int j = 0; j < V; ++j)
+          acc[j] += vitrail_dw::load<kBf16>(a.h[j]) * vitrail_dw::load<kBf16>(b.h[j]);
+      } else {
+        acc[0] += vitrail_dw::load<kBf16>(pd[0]) * vitrail_dw::load<kBf16>(px[0]);
+      }
+    }
+    if (++q == g.q) {
+      q = 0;
+      if (++p == g.p) {
+        p = 0;
+        ++n;
+      }
     }
   }
   float* out = partials + blockIdx.y * g.k * g.r * g.s;
