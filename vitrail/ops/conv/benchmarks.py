@@ -273,8 +273,8 @@ def summary_lines(summary: list[dict]) -> list[str]:
 def operations(sms: int = 132) -> list:
     """The ConvOperations the rows run (bf16; in the cases' order, each once): the kernel
     vitrail.ops.conv.kernel gives each layer's kind, wgrad's chunked one where wgrad_chunks
-    splits its batch on a GPU of ``sms`` SMs, dgrad's phased one at a stride; none for the 1x1 layers (the GEMM's) or refused
-    ones."""
+    splits its batch on a GPU of ``sms`` SMs, dgrad's phased one at a stride; none for the 1x1
+    layers (the GEMM's) or refused ones."""
     import torch
 
     from vitrail.ops.conv import kernel, wgrad_chunks
