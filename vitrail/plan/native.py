@@ -4,17 +4,17 @@ C++ call, with no Python between the public function and the launch.
 An op's public function is wrapped by ``front(plans)``. The wrapper passes its arguments, as
 given, to the function's own ``Table`` (C++), which keys them (each tensor's shape, strides,
 dtype, device, dispatch keys, address modulo 16, whether it requires a gradient, and which
-earlier tensor argument starts at the same address; each scalar's type and value, and a
-tuple's or list's ints; the current device and stream), finds the plan, allocates the outputs through ATen and makes the recorded
-calls and launches on the current stream. A key it has no plan for is *pending*: the function
-runs its Python path while the plans it uses are watched, and if exactly one ran and its
-outputs are the function's result, that plan's description (``describe``: the allocations, the
-launches as 8-byte slots, which argument each pointer comes from) is added under the pending
-key; any other outcome adds "general", and the key's calls keep to Python. A call that records
-gradients has a plan only where the front has a gradient rule (``front(grad=)``): the outputs
-then get a C++ autograd node whose backward calls the rule. What no key can vouch for
-(gradients without a rule, tensor subclasses, scoped settings, a call being recorded) is a miss
-every time, and Python decides as before.
+earlier tensor argument starts at the same address; each scalar's type and value, and a tuple's
+or list's ints; the current device and stream), finds the plan, allocates the outputs through
+ATen and makes the recorded calls and launches on the current stream. A key it has no plan for
+is *pending*: the function runs its Python path while the plans it uses are watched, and if
+exactly one ran and its outputs are the function's result, that plan's description
+(``describe``: the allocations, the launches as 8-byte slots, which argument each pointer comes
+from) is added under the pending key; any other outcome adds "general", and the key's calls keep
+to Python. A call that records gradients has a plan only where the front has a gradient rule
+(``front(grad=)``): the outputs then get a C++ autograd node whose backward calls the rule. What
+no key can vouch for (gradients without a rule, tensor subclasses, scoped settings, a call being
+recorded) is a miss every time, and Python decides as before.
 
 The extension is compiled once per machine and torch version (host C++ against libtorch, about
 15 s), in a background thread started by the first plan of a CUDA call; until it is loaded every

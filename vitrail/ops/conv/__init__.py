@@ -178,7 +178,7 @@ def _run(kind: str, a: Tensor, b: Tensor, d: Tensor, bias: Optional[Tensor],
     """Run the kernel of ``kind`` on NHWC-indexed views a, b, d (conv_arguments' roles), or
     raise NotImplementedError with the reasons it cannot; splits > 1: wgrad's batch in that
     many chunks, d their fp32 partials; phases: dgrad's table of stride phases (a, b and d the
-    first phase's views: _dgrad_phase_table)."""
+    first phase's views: _phase_table)."""
     _require_hopper(a.device)
     k, c = (a.shape[3], b.shape[3]) if kind == "wgrad" else (b.shape[0], b.shape[3])
     op = kernel(kind, a.dtype, k, c, bias=bias is not None, activation=activation,
