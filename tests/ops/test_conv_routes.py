@@ -241,20 +241,21 @@ def test_a_depthwise_thread_owns_the_widest_vector_every_view_allows():
 
 
 @requires_nvrtc
-@pytest.mark.parametrize("kind, template", [("fprop", (1, 8, 5, 1)), ("fprop", (0, 1, 0, 0)),
-                                            ("dgrad", (1, 8)), ("wgrad", (0, 1)), ("taps", ())])
+@pytest.mark.parametrize("kind, template", [
+    ("fprop", (1, 8, 5, 1, 7, 2, 4)), ("fprop", (0, 1, 0, 0, 0, 0, 1)), ("dgrad", (1, 8)),
+    ("wgrad", (1, 8, 9, 2, 4)), ("wgrad", (0, 1, 0, 0, 1)), ("taps", ()), ("sum", (0,))])
 def test_the_depthwise_kernels_compile(kind, template, tmp_path, monkeypatch):
     """The depthwise kernels build with NVRTC for sm_90a (bf16 8 channels a thread with a bias
-    and silu; fp16 one channel a thread; each kind) and take pointers and scalars only, the
-    geometry as many as _geometry gives (a struct by value would keep plans from replaying
-    them); the GPU tests run them."""
+    and silu, a 7-wide filter compiled in; fp16 one channel a thread, tap by tap; each kind)
+    and take pointers and scalars only, the geometry as many as _geometry gives (a struct by
+    value would keep plans from replaying them); the GPU tests run them."""
     from vitrail.ops.conv import depthwise
     monkeypatch.setenv("VITRAIL_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("VITRAIL_ARCH", "90a")
     monkeypatch.setattr(depthwise, "_KERNELS", {})
     params = depthwise._kernel(kind, *template).compile().proto.params
     assert {p.kind for p in params} == {"pointer", "scalar"}
-    if kind == "taps":
+    if kind in ("taps", "sum"):
         return
     x = torch.empty(2, 9, 7, 16, dtype=torch.bfloat16)
     geometry = depthwise._geometry(x, x[:, :5, :4], torch.empty(3, 3, 16), (2, 2), (1, 1),

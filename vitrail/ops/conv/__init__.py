@@ -448,12 +448,10 @@ def _wgrad_into(dy, x, dw, r, s, g, groups) -> None:
     x = _channels_last(x, "x")
     stride, pad, pad_hi, dilation = _split(g)
     k, c = dy.shape[1], x.shape[1]
-    if depthwise.is_depthwise(c, dw.shape, groups):  # blocks' fp32 partials, then their sum
+    if depthwise.is_depthwise(c, dw.shape, groups):
         _require_hopper(x.device)
-        partials, blocks = depthwise.wgrad(_nhwc(_channels_last(dy, "dy")), _nhwc(x), dw, stride,
-                                           pad, dilation,
-                                           lambda n: scratch(n, torch.float32, dy.device))
-        _sum_partials(partials, dw, blocks)
+        depthwise.wgrad(_nhwc(_channels_last(dy, "dy")), _nhwc(x), dw, stride, pad, dilation,
+                        lambda n: scratch(n, torch.float32, dy.device))
         return
     if _gemm_ready(x, (r, s), pad, pad_hi, groups):  # dw (K, C) = dy^T (K, NPQ) x (NPQ, C)
         run_into(_nhwc(dw).reshape(k, c), _nhwc(dy).reshape(-1, k).t(), _pixels(x, stride),

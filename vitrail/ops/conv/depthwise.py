@@ -2,18 +2,23 @@
 kernels of our own, since a group of one channel is no GEMM (the implicit-GEMM kernels need 8).
 
 Every kind reads and writes channels-last (NHWC-indexed views, any pixel strides, channels
-packed) and is memory-bound: a thread owns V consecutive channels (16-byte vectors where m = 1
-and the views allow, else one) of one pixel and walks the filter's R x S taps, which fprop and
-dgrad read laid out as (R, S, K) by a launch of their own (_taps): a tap's V filters are one
-vector load, a warp's loads one run of memory.
+packed) and is memory-bound: a thread owns V consecutive channels (8, 4 or 2 packed where m = 1
+and the views allow, else one) and sums in fp32. Where the filter is at most MAX_WIDTH wide,
+its column dilation 1 and its column stride one of STRIDES, the kernels are compiled for that
+width and stride (kS, kStride), and a thread loads the input pixels its outputs share once;
+otherwise they walk the taps one by one (any geometry). fprop and dgrad read the filter as its
+taps (R, S, K), laid out by a launch of their own (_taps): a tap's V filters are one vector load.
 
 - fprop: y[n, p, q, k] = act(sum over taps x[n, h, w, k / m] * w[k, r, s] + bias[k]), with the
-  GEMM epilogues' own activation math (vitrail.gemm.epilogue.ACTIVATION_MATH);
-- dgrad: dx[n, h, w, c] = sum over its m outputs and the taps that reach (h, w) of
-  dy[n, p, q, k] * w[k, r, s]: a gather (no atomics), any stride and dilation;
-- wgrad: dw[k, r, s] = sum over pixels dy[n, p, q, k] * x[n, h, w, k / m]: each block of
-  ``chunk`` pixels writes fp32 partial sums that one more launch adds in order and rounds once
-  (the implicit-GEMM wgrad's own sum kernel): deterministic, no atomics.
+  GEMM epilogues' own activation math (vitrail.gemm.epilogue.ACTIVATION_MATH); a thread
+  computes a run of OUTPUTS outputs of a row;
+- dgrad: at stride 1 with m = 1, the fprop of dy with the flipped filter; else dx[n, h, w, c] =
+  the sum over its m outputs and the taps that reach (h, w) of dy[n, p, q, k] * w[k, r, s], a
+  gather (no atomics), any stride and dilation;
+- wgrad: dw[k, r, s] = sum over pixels dy[n, p, q, k] * x[n, h, w, k / m]: a block sums runs of
+  output rows for a filter row, its threads' sums added in shared memory into one fp32 partial
+  of dw a block column, and one more launch adds the partials in one order and rounds once:
+  deterministic, no atomics.
 
 The kernels are NVRTC RawKernels (vitrail.jit), launched on the current stream, so a plan
 (vitrail.plan) records and replays them as it does the CUTLASS ones.
@@ -28,10 +33,21 @@ from torch import Tensor
 from vitrail.gemm.epilogue import ACT_IDS, ACTIVATION_MATH
 
 THREADS = 256
-# wgrad: blocks of partial sums to aim for (enough to fill an H100's 132 SMs a few times over),
-# and the fewest pixels a block sums (fewer partials to add, once the GPU is full)
-WGRAD_BLOCKS = 1024
-WGRAD_MIN_PIXELS = 64
+MAX_WIDTH = 9  # the widest filter whose columns the kernels compile in
+STRIDES = (1, 2)  # the column strides they compile in
+# fprop, where the columns are compiled in: at most 4 channels a thread, and the outputs of a
+# row it computes, by column stride
+OUTPUTS = {1: 4, 2: 2}
+NARROW_ABOVE = 5  # wgrad: wider filters compiled in take at most 4 channels a thread
+MAX_IMAGES = 65535  # a launch's images (grid.y)
+# wgrad: blocks to aim for (about two an SM: more blocks, more partials to add), the outputs
+# of a row a thread sums in turn (a segment), and those whose pixels it loads at once (a run),
+# by filter width: longer where a run's pixels are shared by more taps, shorter where 8
+# channels a thread (filters 4 to NARROW_ABOVE wide) leave fewer registers
+WGRAD_BLOCKS = 256
+SEGMENT = 32
+WGRAD_RUNS = {1: 4, 2: 4, 3: 4, 4: 2, 5: 2}
+WIDE_RUN = 8
 
 _SOURCE = ACTIVATION_MATH + r"""
 namespace vitrail_dw {
@@ -49,6 +65,27 @@ template <int kBf16> __device__ __forceinline__ unsigned short store(float f) {
   if (kBf16) asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
   else asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
   return h;
+}
+
+// The V channels at row[w * stride], or zeros where column w is outside [0, width)
+template <int V>
+__device__ __forceinline__ Pack<V> fetch(const unsigned short* row, int w, long long width,
+                                         long long stride) {
+  Pack<V> v;
+  if (w >= 0 && w < width) {
+    v = *reinterpret_cast<const Pack<V>*>(row + w * stride);
+  } else {
+#pragma unroll
+    for (int j = 0; j < V; ++j) v.h[j] = 0;
+  }
+  return v;
+}
+
+// acc[j] += a[j] b[j] over V channels
+template <int kBf16, int V>
+__device__ __forceinline__ void fma(float* acc, const Pack<V>& a, const Pack<V>& b) {
+#pragma unroll
+  for (int j = 0; j < V; ++j) acc[j] += load<kBf16>(a.h[j]) * load<kBf16>(b.h[j]);
 }
 
 // The geometry: sizes, NHWC strides (in elements) of the pixel-major operands, the filter's
@@ -72,160 +109,216 @@ struct Geometry {
                                {ys0, ys1, ys2}, {ws0, ws1, ws2}, {sh_, sw_}, {ph_, pw_},     \
                                {dh_, dw_}, m_}
 
-template <int kBf16, int V, int Act, int kBias>
+// y from x, image blockIdx.y: a thread computes TQ consecutive outputs of a row (q0 .. q0 +
+// TQ - 1) for V channels. Where the filter's width kS and the column stride kStride are
+// compile-time (dilation 1), it loads each of the (TQ - 1) kStride + kS input pixels those
+// outputs share once a filter row and keeps the row's kS taps in registers; kS = 0 (TQ = 1)
+// walks the taps of any geometry. The taps are the filter laid out (R, S, K) (_taps).
+template <int kBf16, int V, int Act, int kBias, int kS, int kStride, int TQ>
 __global__ void __launch_bounds__(256) vitrail_dw_fprop(
-    const unsigned short* __restrict__ x, const unsigned short* __restrict__ wt,
+    const unsigned short* __restrict__ x, const unsigned short* __restrict__ taps,
     const unsigned short* __restrict__ bias, unsigned short* __restrict__ y, float slope,
     VITRAIL_DW_GEOMETRY) {
   VITRAIL_DW_G;
-  const long long kv = g.k / V, total = g.n * g.p * g.q * kv;
-  for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-       i += static_cast<long long>(gridDim.x) * blockDim.x) {
-    const long long k0 = (i % kv) * V, pix = i / kv;
-    const long long q = pix % g.q, p = pix / g.q % g.p, n = pix / (g.q * g.p);
-    float acc[V];
+  using vitrail_dw::Pack;
+  const int kv = static_cast<int>(g.k / V), tiles = static_cast<int>((g.q + TQ - 1) / TQ);
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;  // (p, tile, channels): channels fastest
+  if (t >= g.p * tiles * kv) return;
+  const int k0 = t % kv * V, q0 = t / kv % tiles * TQ, p = t / kv / tiles;
+  const long long n = blockIdx.y;
+  const unsigned short* xn = x + n * g.xs[0] + k0 / g.m;
+  float acc[TQ][V] = {};
+  for (int r = 0; r < g.r; ++r) {
+    const int h = p * g.stride[0] - g.pad[0] + r * g.dil[0];
+    if (h < 0 || h >= g.h) continue;
+    const unsigned short* row = xn + h * g.xs[1];
+    const unsigned short* tap = taps + r * g.ws[1] + k0;
+    if constexpr (kS > 0) {
+      Pack<V> f[kS];
 #pragma unroll
-    for (int j = 0; j < V; ++j) acc[j] = 0.f;
-    const long long c0 = k0 / g.m;
-    for (int r = 0; r < g.r; ++r) {
-      const long long h = p * g.stride[0] - g.pad[0] + r * g.dil[0];
-      if (h < 0 || h >= g.h) continue;
+      for (int s = 0; s < kS; ++s) f[s] = *reinterpret_cast<const Pack<V>*>(tap + s * g.ws[2]);
+      const int w0 = q0 * kStride - g.pad[1];
+#pragma unroll
+      for (int u = 0; u < (TQ - 1) * kStride + kS; ++u) {  // input column w0 + u
+        const Pack<V> a = vitrail_dw::fetch<V>(row, w0 + u, g.w, g.xs[2]);
+#pragma unroll
+        for (int s = 0; s < kS; ++s)  // output j reads column j kStride + s
+          if (u >= s && (u - s) % kStride == 0 && (u - s) / kStride < TQ)
+            vitrail_dw::fma<kBf16, V>(acc[(u - s) / kStride], a, f[s]);
+      }
+    } else {
       for (int s = 0; s < g.s; ++s) {
-        const long long w = q * g.stride[1] - g.pad[1] + s * g.dil[1];
+        const int w = q0 * g.stride[1] - g.pad[1] + s * g.dil[1];
         if (w < 0 || w >= g.w) continue;
-        const unsigned short* px = x + n * g.xs[0] + h * g.xs[1] + w * g.xs[2];
-        const unsigned short* pw = wt + r * g.ws[1] + s * g.ws[2];
-        if (V > 1) {  // m = 1: V channels in, V out; the taps' filters packed (ws[0] = 1)
-          const vitrail_dw::Pack<V> v = *reinterpret_cast<const vitrail_dw::Pack<V>*>(px + c0);
-          const vitrail_dw::Pack<V> f = *reinterpret_cast<const vitrail_dw::Pack<V>*>(pw + k0);
-#pragma unroll
-          for (int j = 0; j < V; ++j)
-            acc[j] += vitrail_dw::load<kBf16>(v.h[j]) * vitrail_dw::load<kBf16>(f.h[j]);
-        } else {
-          acc[0] += vitrail_dw::load<kBf16>(px[c0]) * vitrail_dw::load<kBf16>(pw[k0 * g.ws[0]]);
-        }
+        vitrail_dw::fma<kBf16, V>(acc[0], *reinterpret_cast<const Pack<V>*>(row + w * g.xs[2]),
+                                  *reinterpret_cast<const Pack<V>*>(tap + s * g.ws[2]));
       }
     }
-    vitrail_dw::Pack<V> out;
+  }
+  unsigned short* out = y + n * g.ys[0] + p * g.ys[1] + k0;
 #pragma unroll
-    for (int j = 0; j < V; ++j) {
-      float v = acc[j];
-      if (kBias) v += vitrail_dw::load<kBf16>(bias[k0 + j]);
-      out.h[j] = vitrail_dw::store<kBf16>(vitrail_act::apply<Act>(v, slope));
+  for (int j = 0; j < TQ; ++j) {
+    if (q0 + j >= g.q) break;
+    Pack<V> o;
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      float v = acc[j][i];
+      if (kBias) v += vitrail_dw::load<kBf16>(bias[k0 + i]);
+      o.h[i] = vitrail_dw::store<kBf16>(vitrail_act::apply<Act>(v, slope));
     }
-    *reinterpret_cast<vitrail_dw::Pack<V>*>(y + n * g.ys[0] + p * g.ys[1] + q * g.ys[2] + k0) =
-        out;
+    *reinterpret_cast<Pack<V>*>(out + (q0 + j) * g.ys[2]) = o;
   }
 }
 
 // The filter (K, R, S; any strides) as its taps: out[r][s][k], packed, so that a thread's V
-// channels of a tap are one vector and a warp's loads one run of memory.
+// channels of a tap are one vector and a warp's loads one run of memory; flipped (out[r][s]
+// = the filter's [R - 1 - r][S - 1 - s]) for a dgrad that runs as an fprop.
 extern "C" __global__ void __launch_bounds__(256) vitrail_dw_taps(
     const unsigned short* __restrict__ wt, unsigned short* __restrict__ out, long long k,
-    long long r, long long s, long long wk, long long wr, long long ws) {
+    long long r, long long s, long long wk, long long wr, long long ws, int flip) {
   for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
        i < k * r * s; i += static_cast<long long>(gridDim.x) * blockDim.x) {
-    const long long kk = i % k, tap = i / k;
+    const long long kk = i % k, tap = flip ? r * s - 1 - i / k : i / k;
     out[i] = wt[kk * wk + tap / s * wr + tap % s * ws];
   }
 }
 
-// dx from dy: x's roles (xs, h, w, c) are dx's, y's (ys, p, q, k) dy's
+// dx from dy, image blockIdx.y, as a gather (any stride, dilation and m): x's roles (xs, h, w,
+// c) are dx's, y's (ys, p, q, k) dy's; a thread owns V channels of one pixel
 template <int kBf16, int V>
 __global__ void __launch_bounds__(256) vitrail_dw_dgrad(
-    const unsigned short* __restrict__ dy, const unsigned short* __restrict__ wt,
+    const unsigned short* __restrict__ dy, const unsigned short* __restrict__ taps,
     unsigned short* __restrict__ dx, VITRAIL_DW_GEOMETRY) {
   VITRAIL_DW_G;
-  const long long cv = g.c / V, total = g.n * g.h * g.w * cv;
-  for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-       i += static_cast<long long>(gridDim.x) * blockDim.x) {
-    const long long c0 = (i % cv) * V, pix = i / cv;
-    const long long w = pix % g.w, h = pix / g.w % g.h, n = pix / (g.w * g.h);
-    float acc[V];
-#pragma unroll
-    for (int j = 0; j < V; ++j) acc[j] = 0.f;
-    for (int r = 0; r < g.r; ++r) {  // pixel coordinates in int: cheaper division
-      const int ph = static_cast<int>(h) + g.pad[0] - r * g.dil[0];  // = p * stride
-      if (ph < 0 || ph % g.stride[0]) continue;
-      const int p = ph / g.stride[0];
-      if (p >= g.p) continue;
-      for (int s = 0; s < g.s; ++s) {
-        const int qw = static_cast<int>(w) + g.pad[1] - s * g.dil[1];
-        if (qw < 0 || qw % g.stride[1]) continue;
-        const int q = qw / g.stride[1];
-        if (q >= g.q) continue;
-        const unsigned short* pd = dy + n * g.ys[0] + p * g.ys[1] + q * g.ys[2];
-        const unsigned short* pw = wt + r * g.ws[1] + s * g.ws[2];
-        if (V > 1) {  // m = 1; the taps' filters packed (ws[0] = 1)
-          const vitrail_dw::Pack<V> v = *reinterpret_cast<const vitrail_dw::Pack<V>*>(pd + c0);
-          const vitrail_dw::Pack<V> f = *reinterpret_cast<const vitrail_dw::Pack<V>*>(pw + c0);
-#pragma unroll
-          for (int j = 0; j < V; ++j)
-            acc[j] += vitrail_dw::load<kBf16>(v.h[j]) * vitrail_dw::load<kBf16>(f.h[j]);
-        } else {
-          for (int j = 0; j < g.m; ++j) {
-            const long long k = c0 * g.m + j;
-            acc[0] += vitrail_dw::load<kBf16>(pd[k]) * vitrail_dw::load<kBf16>(pw[k * g.ws[0]]);
-          }
+  using vitrail_dw::Pack;
+  const int cv = static_cast<int>(g.c / V);
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;  // (h, w, channels): channels fastest
+  if (t >= g.h * g.w * cv) return;
+  const int c0 = t % cv * V, w = t / cv % g.w, h = t / cv / g.w;
+  const long long n = blockIdx.y;
+  float acc[V] = {};
+  for (int r = 0; r < g.r; ++r) {
+    const int ph = h + g.pad[0] - r * g.dil[0];  // = p * stride
+    if (ph < 0 || ph % g.stride[0]) continue;
+    const int p = ph / g.stride[0];
+    if (p >= g.p) continue;
+    for (int s = 0; s < g.s; ++s) {
+      const int qw = w + g.pad[1] - s * g.dil[1];
+      if (qw < 0 || qw % g.stride[1]) continue;
+      const int q = qw / g.stride[1];
+      if (q >= g.q) continue;
+      const unsigned short* d = dy + n * g.ys[0] + p * g.ys[1] + q * g.ys[2];
+      const unsigned short* tap = taps + r * g.ws[1] + s * g.ws[2];
+      if (V > 1) {  // m = 1
+        vitrail_dw::fma<kBf16, V>(acc, *reinterpret_cast<const Pack<V>*>(d + c0),
+                                  *reinterpret_cast<const Pack<V>*>(tap + c0));
+      } else {
+        for (int j = 0; j < g.m; ++j) {
+          const long long k = c0 * g.m + j;
+          acc[0] += vitrail_dw::load<kBf16>(d[k]) * vitrail_dw::load<kBf16>(tap[k]);
         }
       }
     }
-    vitrail_dw::Pack<V> out;
+  }
+  Pack<V> o;
 #pragma unroll
-    for (int j = 0; j < V; ++j) out.h[j] = vitrail_dw::store<kBf16>(acc[j]);
-    *reinterpret_cast<vitrail_dw::Pack<V>*>(dx + n * g.xs[0] + h * g.xs[1] + w * g.xs[2] + c0) =
-        out;
+  for (int j = 0; j < V; ++j) o.h[j] = vitrail_dw::store<kBf16>(acc[j]);
+  *reinterpret_cast<Pack<V>*>(dx + n * g.xs[0] + h * g.xs[1] + w * g.xs[2] + c0) = o;
+}
+
+// dw's fp32 partial sums, partials[blockIdx.x][k][r][s] (dw's packed K R S order). The work
+// units are the segments of `segment` outputs of each output row (n, p); block (b, y, z) sums
+// units [b per_block, (b + 1) per_block) for the channel vectors [z lanes_k, (z + 1) lanes_k)
+// and filter row y (kS > 0: all kS taps of it, a thread loading the dy and input pixels of
+// kRun outputs at once, then summing them; kS = 0: tap y = (r, s) alone, any stride and
+// dilation). A thread owns V channels of one unit at a time (lanes_k threads a
+// unit, 256 / lanes_k units at once); the block adds its threads' sums in shared memory.
+template <int kBf16, int V, int kS, int kStride, int kRun>
+__global__ void __launch_bounds__(256) vitrail_dw_wgrad(
+    const unsigned short* __restrict__ dy, const unsigned short* __restrict__ x,
+    float* __restrict__ partials, long long per_block, int lanes_k, int segment,
+    VITRAIL_DW_GEOMETRY) {
+  VITRAIL_DW_G;
+  using vitrail_dw::Pack;
+  constexpr int T = kS > 0 ? kS : 1;  // taps a thread sums
+  __shared__ float sums[256 * V];
+  const int lanes = blockDim.x / lanes_k, unit_lane = threadIdx.x / lanes_k;
+  const int kvi = blockIdx.z * lanes_k + threadIdx.x % lanes_k;
+  const bool active = unit_lane < lanes && kvi < g.k / V;
+  const int r = kS > 0 ? blockIdx.y : blockIdx.y / g.s, s0 = kS > 0 ? 0 : blockIdx.y % g.s;
+  const int k0 = kvi * V, segments = static_cast<int>((g.q + segment - 1) / segment);
+  const long long first = blockIdx.x * per_block, units = g.n * g.p * segments;
+  const long long last = first + per_block < units ? first + per_block : units;
+  float acc[T][V] = {};
+  for (long long u = first + unit_lane; active && u < last; u += lanes) {
+    const long long row = u / segments, n = row / g.p;
+    const int p = static_cast<int>(row - n * g.p);
+    const int h = p * g.stride[0] - g.pad[0] + r * g.dil[0];
+    if (h < 0 || h >= g.h) continue;
+    const int qa = static_cast<int>(u - row * segments) * segment;
+    const int qb = qa + segment < g.q ? qa + segment : static_cast<int>(g.q);
+    const unsigned short* xr = x + n * g.xs[0] + h * g.xs[1] + k0 / g.m;
+    const unsigned short* dr = dy + n * g.ys[0] + p * g.ys[1] + k0;
+    if constexpr (kS > 0) {
+      constexpr int kColumns = (kRun - 1) * kStride + kS;  // the input pixels of kRun outputs
+      for (int q = qa; q < qb; q += kRun) {  // every load of a run issued before its sums
+        Pack<V> d[kRun], a[kColumns];
+#pragma unroll
+        for (int j = 0; j < kRun; ++j) d[j] = vitrail_dw::fetch<V>(dr, q + j, qb, g.ys[2]);
+        const int w0 = q * kStride - g.pad[1];
+#pragma unroll
+        for (int u = 0; u < kColumns; ++u)
+          a[u] = vitrail_dw::fetch<V>(xr, w0 + u, g.w, g.xs[2]);
+#pragma unroll
+        for (int j = 0; j < kRun; ++j)
+#pragma unroll
+          for (int s = 0; s < kS; ++s) vitrail_dw::fma<kBf16, V>(acc[s], d[j], a[j * kStride + s]);
+      }
+    } else {
+      for (int q = qa; q < qb; ++q) {
+        const int w = q * g.stride[1] - g.pad[1] + s0 * g.dil[1];
+        if (w < 0 || w >= g.w) continue;
+        vitrail_dw::fma<kBf16, V>(acc[0], *reinterpret_cast<const Pack<V>*>(dr + q * g.ys[2]),
+                                  *reinterpret_cast<const Pack<V>*>(xr + w * g.xs[2]));
+      }
+    }
+  }
+  float* out = partials + blockIdx.x * g.k * g.r * g.s;
+  const int width = lanes_k * V;  // the block's channels
+#pragma unroll
+  for (int s = 0; s < T; ++s) {
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < V; ++j) sums[threadIdx.x * V + j] = acc[s][j];
+    __syncthreads();
+    if (threadIdx.x < width) {
+      float sum = 0.f;
+      for (int l = 0; l < lanes; ++l) sum += sums[l * width + threadIdx.x];
+      const long long k = static_cast<long long>(blockIdx.z) * width + threadIdx.x;
+      if (k < g.k) out[(k * g.r + r) * g.s + s0 + s] = sum;
+    }
   }
 }
 
-// dw's fp32 partial sums: block (blockIdx.y) b sums pixels [b chunk, (b + 1) chunk) of dy; a
-// thread owns V channels of one tap. partials[b][k][r][s] (dw's packed K R S order).
-template <int kBf16, int V>
-__global__ void __launch_bounds__(256) vitrail_dw_wgrad(
-    const unsigned short* __restrict__ dy, const unsigned short* __restrict__ x,
-    float* __restrict__ partials, long long chunk, VITRAIL_DW_GEOMETRY) {
-  VITRAIL_DW_G;
-  const long long kv = g.k / V, work = kv * g.r * g.s;
-  const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (t >= work) return;
-  const long long k0 = (t % kv) * V, tap = t / kv;
-  const int r = static_cast<int>(tap / g.s), s = static_cast<int>(tap % g.s);
-  const long long c0 = k0 / g.m, pixels = g.n * g.p * g.q;
-  const long long first = blockIdx.y * chunk;
-  const long long last = first + chunk < pixels ? first + chunk : pixels;
-  float acc[V];
+// dw (its K R S elements packed; bf16 or fp16) = the sum of `blocks` fp32 partials of its size,
+// in one order: a block's 32 outputs, 8 threads each adding every 8th partial, then those 8
+template <int kBf16>
+__global__ void __launch_bounds__(256) vitrail_dw_sum(
+    const float* __restrict__ partials, unsigned short* __restrict__ dw, long long n,
+    long long blocks) {
+  __shared__ float sums[8][32];
+  const int o = threadIdx.x % 32, lane = threadIdx.x / 32;
+  const long long i = blockIdx.x * 32LL + o;
+  float sum = 0.f;
+  for (long long b = lane; i < n && b < blocks; b += 8) sum += partials[b * n + i];
+  sums[lane][o] = sum;
+  __syncthreads();
+  if (lane == 0 && i < n) {
+    float total = 0.f;
 #pragma unroll
-  for (int j = 0; j < V; ++j) acc[j] = 0.f;
-  // the first pixel's (n, p, q), then stepped along (no division a pixel)
-  long long n = first / (g.q * g.p);
-  int p = static_cast<int>(first / g.q % g.p), q = static_cast<int>(first % g.q);
-  for (long long pix = first; pix < last; ++pix) {
-    const long long h = static_cast<long long>(p) * g.stride[0] - g.pad[0] + r * g.dil[0];
-    const long long w = static_cast<long long>(q) * g.stride[1] - g.pad[1] + s * g.dil[1];
-    if (h >= 0 && h < g.h && w >= 0 && w < g.w) {
-      const unsigned short* pd = dy + n * g.ys[0] + p * g.ys[1] + q * g.ys[2] + k0;
-      const unsigned short* px = x + n * g.xs[0] + h * g.xs[1] + w * g.xs[2] + c0;
-      if (V > 1) {  // m = 1
-        const vitrail_dw::Pack<V> a = *reinterpret_cast<const vitrail_dw::Pack<V>*>(pd);
-        const vitrail_dw::Pack<V> b = *reinterpret_cast<const vitrail_dw::Pack<V>*>(px);
-#pragma unroll
-        for (int j = 0; j < V; ++j)
-          acc[j] += vitrail_dw::load<kBf16>(a.h[j]) * vitrail_dw::load<kBf16>(b.h[j]);
-      } else {
-        acc[0] += vitrail_dw::load<kBf16>(pd[0]) * vitrail_dw::load<kBf16>(px[0]);
-      }
-    }
-    if (++q == g.q) {
-      q = 0;
-      if (++p == g.p) {
-        p = 0;
-        ++n;
-      }
-    }
+    for (int l = 0; l < 8; ++l) total += sums[l][o];
+    dw[i] = vitrail_dw::store<kBf16>(total);
   }
-  float* out = partials + blockIdx.y * g.k * g.r * g.s;
-#pragma unroll
-  for (int j = 0; j < V; ++j) out[((k0 + j) * g.r + r) * g.s + s] = acc[j];
 }
 """
 _KERNELS: dict[str, object] = {}
@@ -276,13 +369,16 @@ def _geometry(xs: Tensor, ys: Tensor, taps: Tensor, stride, pad, dilation) -> tu
             *stride, *pad, *dilation, k // c)
 
 
-def _taps(weight: Tensor, buffer: Callable[[int, torch.dtype], Tensor]) -> Tensor:
-    """The (K, 1, R, S) filter as its taps (R, S, K), packed in buffer(K R S, dtype): a launch
-    of our own (a plan replays it), so a thread's channels of a tap are one vector load."""
+def _taps(weight: Tensor, buffer: Callable[[int, torch.dtype], Tensor],
+          flip: bool = False) -> Tensor:
+    """The (K, 1, R, S) filter as its taps (R, S, K), packed in buffer(K R S, dtype), flipped
+    for a dgrad run as an fprop: a launch of our own (a plan replays it), so a thread's channels
+    of a tap are one vector load."""
     k, _, r, s = weight.shape
     out = buffer(k * r * s, weight.dtype)
     wk, _, wr, ws = weight.stride()
-    _kernel("taps")[_grid(k * r * s), THREADS](weight.data_ptr(), out, k, r, s, wk, wr, ws)
+    _kernel("taps")[_grid(k * r * s), THREADS](weight.data_ptr(), out, k, r, s, wk, wr, ws,
+                                                int(flip))
     return out.view(r, s, k)
 
 
@@ -292,8 +388,10 @@ _SIGNATURES = {
     "fprop": "const unsigned short*, const unsigned short*, const unsigned short*, "
              "unsigned short*, float, " + _GEOMETRY,
     "dgrad": "const unsigned short*, const unsigned short*, unsigned short*, " + _GEOMETRY,
-    "wgrad": "const unsigned short*, const unsigned short*, float*, long long, " + _GEOMETRY,
-    "taps": "const unsigned short*, unsigned short*, " + ", ".join(["long long"] * 6),
+    "wgrad": "const unsigned short*, const unsigned short*, float*, long long, int, int, "
+             + _GEOMETRY,
+    "taps": "const unsigned short*, unsigned short*, " + ", ".join(["long long"] * 6) + ", int",
+    "sum": "const float*, unsigned short*, long long, long long",
 }
 
 
@@ -306,6 +404,46 @@ def _grid(total: int) -> int:
     return max(1, min(-(-total // THREADS), 65535 * 8))
 
 
+def _compiled(s: int, stride: int, dilation: int) -> tuple[int, int]:
+    """(kS, kStride): the filter width and column stride the kernels compile in, where they
+    can (dilation 1, the widths and strides below), else (0, 0): any geometry, tap by tap."""
+    if dilation == 1 and s <= MAX_WIDTH and stride in STRIDES:
+        return s, stride
+    return 0, 0
+
+
+def _images(launch: Callable[[int, int], None], n: int) -> None:
+    """launch(first, count) over the batch in runs of at most MAX_IMAGES (grid.y: an image)."""
+    for first in range(0, n, MAX_IMAGES):
+        launch(first, min(MAX_IMAGES, n - first))
+
+
+def _per_image(threads: int, what: str) -> int:
+    """Blocks of one image's threads (the kernels index them in 32 bits)."""
+    if threads >= 2 ** 31:
+        raise ValueError(f"depthwise {what}: {threads} threads an image, over the 2^31 the "
+                         f"kernels index")
+    return -(-threads // THREADS)
+
+
+def _forward(x: Tensor, taps: Tensor, bias: Optional[Tensor], y: Tensor, stride, pad,
+             dilation, act: int, v: int, slope: float, what: str) -> None:
+    """y = act(depthwise conv of x with the taps (R, S, K) + bias): NHWC-indexed views."""
+    n, p, q, k = y.shape
+    ks, kstride = _compiled(taps.shape[1], stride[1], dilation[1])
+    tq = OUTPUTS[kstride] if ks else 1
+    v = min(v, 4) if ks else v
+    blocks = _per_image(p * -(-q // tq) * (k // v), what)
+    kernel = _kernel("fprop", _bf16(x), v, act, int(bias is not None), ks, kstride, tq)
+    bias_ptr = bias.data_ptr() if bias is not None else None
+
+    def launch(first: int, count: int) -> None:
+        xs, ys = x[first:first + count], y[first:first + count]
+        kernel[(blocks, count), THREADS](xs.data_ptr(), taps, bias_ptr, ys.data_ptr(), slope,
+                                         *_geometry(xs, ys, taps, stride, pad, dilation))
+    _images(launch, n)
+
+
 def fprop(x: Tensor, weight: Tensor, bias: Optional[Tensor], y: Tensor, stride, pad, dilation,
           activation: Optional[str], buffer: Callable[[int, torch.dtype], Tensor],
           slope: float = 0.01) -> None:
@@ -313,45 +451,62 @@ def fprop(x: Tensor, weight: Tensor, bias: Optional[Tensor], y: Tensor, stride, 
     for the filter's taps."""
     m = weight.shape[0] // x.shape[3]
     v = _vector(m, y.shape[3], x, y)
-    act = ACT_IDS[activation] if activation else 0
-    taps = _taps(weight, buffer)
-    g = _geometry(x, y, taps, stride, pad, dilation)
-    total = y.shape[0] * y.shape[1] * y.shape[2] * (y.shape[3] // v)
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()  # the kernel reads K packed values
-    _kernel("fprop", _bf16(x), v, act, int(bias is not None))[_grid(total), THREADS](
-        x.data_ptr(), taps, bias.data_ptr() if bias is not None else None,
-        y.data_ptr(), float(slope), *g)
+    _forward(x, _taps(weight, buffer), bias, y, stride, pad, dilation,
+             ACT_IDS[activation] if activation else 0, v, float(slope), "fprop")
 
 
 def dgrad(dy: Tensor, weight: Tensor, dx: Tensor, stride, pad, dilation,
           buffer: Callable[[int, torch.dtype], Tensor]) -> None:
     """dx (NHWC view) of a depthwise convolution from dy (NHWC view), every pixel written;
-    buffer(n, dtype): scratch for the filter's taps."""
-    m = weight.shape[0] // dx.shape[3]
+    buffer(n, dtype): scratch for the filter's taps. At stride 1 with one filter a channel it
+    is the forward convolution of dy with the flipped filter (the fprop kernel, its columns
+    compiled in where they can be); else a gather, pixel by pixel."""
+    k, _, r, s = weight.shape
+    m = k // dx.shape[3]
     v = _vector(m, dx.shape[3], dy, dx)
+    if m == 1 and tuple(stride) == (1, 1) and _compiled(s, 1, dilation[1])[0]:
+        flipped = (dilation[0] * (r - 1) - pad[0], dilation[1] * (s - 1) - pad[1])
+        _forward(dy, _taps(weight, buffer, flip=True), None, dx, (1, 1), flipped, dilation, 0,
+                 v, 0.01, "dgrad")
+        return
     taps = _taps(weight, buffer)
-    g = _geometry(dx, dy, taps, stride, pad, dilation)
-    total = dx.shape[0] * dx.shape[1] * dx.shape[2] * (dx.shape[3] // v)
-    _kernel("dgrad", _bf16(dx), v)[_grid(total), THREADS](
-        dy.data_ptr(), taps, dx.data_ptr(), *g)
+    n, h, w, c = dx.shape
+    blocks = _per_image(h * w * (c // v), "dgrad")
+    kernel = _kernel("dgrad", _bf16(dx), v)
+
+    def launch(first: int, count: int) -> None:
+        dys, dxs = dy[first:first + count], dx[first:first + count]
+        kernel[(blocks, count), THREADS](dys.data_ptr(), taps, dxs.data_ptr(),
+                                         *_geometry(dxs, dys, taps, stride, pad, dilation))
+    _images(launch, n)
 
 
 def wgrad(dy: Tensor, x: Tensor, dw: Tensor, stride, pad, dilation,
-          partials: Callable[[int], Tensor]) -> tuple[Tensor, int]:
-    """The partial sums of dw (K, 1, R, S) of a depthwise convolution from dy and x (NHWC
-    views), and how many blocks of dw's size they are: fp32 values from partials(n), which the
-    caller adds into dw (the chunked wgrad's sum kernel)."""
+          partials: Callable[[int], Tensor]) -> None:
+    """dw (K, 1, R, S; its elements packed) of a depthwise convolution from dy and x (NHWC
+    views): blocks of fp32 partial sums in partials(n), then their sum in one order."""
+    if not dw.is_contiguous():
+        raise AssertionError(f"depthwise wgrad: dw's elements are not packed: {dw.stride()}")
     m = dw.shape[0] // x.shape[3]
-    v = _vector(m, dy.shape[3], dy, x)
     k, r, s = dw.shape[0], dw.shape[2], dw.shape[3]
-    pixels = dy.shape[0] * dy.shape[1] * dy.shape[2]
-    tiles = -(-(k // v * r * s) // THREADS)
-    blocks = max(1, min(-(-WGRAD_BLOCKS // tiles), -(-pixels // WGRAD_MIN_PIXELS), 65535))
-    chunk = max(1, -(-pixels // blocks))
-    blocks = max(1, -(-pixels // chunk))  # none empty (but the one of an empty batch: zeros)
+    ks, kstride = _compiled(s, stride[1], dilation[1])
+    v = _vector(m, dy.shape[3], dy, x)
+    v = min(v, 4) if ks > NARROW_ABOVE else v
+    n, p, q, _ = dy.shape
+    lanes_k = min(k // v, 32)  # threads a unit: a warp's channel vectors at most
+    segment = q if q <= 2 * SEGMENT else SEGMENT
+    units = n * p * -(-q // segment)
+    taps_y, vectors_z = r if ks else r * s, -(-(k // v) // lanes_k)
+    blocks = max(1, min(-(-WGRAD_BLOCKS // (taps_y * vectors_z)),
+                        -(-units // (THREADS // lanes_k))))
+    per_block = max(1, -(-units // blocks))
+    blocks = max(1, -(-units // per_block))  # none empty (but the one of an empty batch: zeros)
     out = partials(blocks * k * r * s)
-    _kernel("wgrad", _bf16(x), v)[(tiles, blocks), THREADS](
-        dy.data_ptr(), x.data_ptr(), out, chunk,
+    run = WGRAD_RUNS.get(ks, WIDE_RUN) if ks else 1
+    kernel = _kernel("wgrad", _bf16(x), v, ks, kstride, run)
+    kernel[(blocks, taps_y, vectors_z), THREADS](
+        dy.data_ptr(), x.data_ptr(), out, per_block, lanes_k, segment,
         *_geometry(x, dy, dw.permute(2, 3, 0, 1)[..., 0], stride, pad, dilation))
-    return out, blocks
+    _kernel("sum", _bf16(dw))[-(-dw.numel() // 32), THREADS](out, dw, dw.numel(), blocks)
