@@ -182,8 +182,68 @@ def test_refusals_are_not_implemented_errors():
     with pytest.raises(NotImplementedError, match="not a multiple of 8"):
         conv2d(x, w, padding=1)
     x, w = _tensors(1, 16, 8, 8, 16, 3, 3, torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="depthwise is not one"):
-        conv2d(x, w[:, :1].contiguous(memory_format=torch.channels_last), groups=16)
+    with pytest.raises(NotImplementedError, match="groups of one input channel"):
+        conv2d(x, w[:, :2].contiguous(memory_format=torch.channels_last), groups=8)
+
+
+@pytest.mark.parametrize("C, m, R, S, stride, padding, dilation, dtype", [
+    (32, 1, 3, 3, 1, 1, 1, torch.bfloat16),  # 8 channels a thread
+    (48, 1, 7, 7, 1, 3, 1, torch.bfloat16),  # ConvNeXt's 7x7
+    (20, 1, 3, 3, 2, 1, 1, torch.float16),  # 4 channels a thread, stride 2
+    (13, 1, 5, 3, (2, 1), (2, 0), (1, 2), torch.bfloat16),  # odd channels: one a thread
+    (8, 3, 3, 3, 1, 1, 1, torch.bfloat16),  # 3 filters a channel (K = 24)
+    (16, 2, 4, 4, 3, 0, 1, torch.float16),  # an even filter, stride 3, no padding
+    (24, 1, 3, 3, 1, "same", 2, torch.bfloat16),  # dilated: tap by tap
+    (24, 1, 4, 4, 1, "same", 1, torch.bfloat16),  # asymmetric padding of its own
+    (40, 1, 5, 9, 1, (2, 4), (2, 1), torch.float16),  # rows dilated, 9 columns compiled in
+])
+def test_depthwise_against_fp64(C, m, R, S, stride, padding, dilation, dtype):
+    """Depthwise convolutions (groups = C) run the depthwise kernels: forward with a bias and
+    an activation, dx and dw against torch's in fp64, eager (y through the public function, dx
+    and dw through the custom ops) and under autograd, on new values each call (the later calls
+    replay the plans of the first: the three kinds' C++ plans exist). 70 columns: dw's rows in
+    runs of outputs."""
+    from vitrail.ops import conv2d
+    from vitrail.ops.conv import _dgrad, _wgrad_of
+    from vitrail.plan import native
+    native.load(wait=True)
+    H, W = 17, 70
+    sh, sw = (stride, stride) if isinstance(stride, int) else stride
+    dh, dw = (dilation, dilation) if isinstance(dilation, int) else dilation
+    if padding == "same":
+        pad = [(dh * (R - 1)) // 2, (dw * (S - 1)) // 2]
+        hi = [dh * (R - 1) - pad[0], dw * (S - 1) - pad[1]]
+    else:
+        pad = hi = [padding, padding] if isinstance(padding, int) else list(padding)
+    geometry = ([sh, sw], pad, hi, [dh, dw], C)
+    for seed in (11, 12, 13):
+        x, w = _tensors(2, C, H, W, C * m, R, S, dtype, seed=seed)
+        w = (w[:, :1].float() * C ** 0.5).to(dtype).contiguous(memory_format=torch.channels_last)
+        b = torch.randn(C * m, device="cuda").to(dtype)
+        x64, w64 = x.double(), w.double()
+        z64 = torch.nn.functional.conv2d(torch.nn.functional.pad(x64, (pad[1], hi[1], pad[0],
+                                                                        hi[0])),
+                                         w64, b.double(), (sh, sw), 0, (dh, dw), C)
+        y = conv2d(x, w, b, stride, padding, dilation, C, activation="silu")
+        _close(y, torch.nn.functional.silu(z64), torch.bfloat16, f"y, call {seed}")
+        dy = torch.randn_like(z64).to(dtype).contiguous(memory_format=torch.channels_last)
+        x64.requires_grad_(True)
+        w64.requires_grad_(True)
+        torch.nn.functional.conv2d(torch.nn.functional.pad(x64, (pad[1], hi[1], pad[0], hi[0])),
+                                   w64, None, (sh, sw), 0, (dh, dw), C).backward(dy.double())
+        dx = torch.ops.vitrail.conv2d_dgrad(dy, w, [H, W], *geometry)
+        dwt = torch.ops.vitrail.conv2d_wgrad(dy, x, [R, S], *geometry)
+        _close(dx, x64.grad, torch.bfloat16, f"dx, call {seed}")
+        _close(dwt, w64.grad, torch.bfloat16, f"dw, call {seed}")
+        _against_fp64(lambda x, w, b: conv2d(x, w, b, stride=stride, padding=padding,
+                                             dilation=dilation, groups=C, activation="silu"),
+                      lambda x, w, b: torch.nn.functional.silu(torch.nn.functional.conv2d(
+                          x, w, b, stride, padding, dilation, C)), x, w, b)
+    if native.loaded() is None:
+        return
+    assert conv2d.front.call(x, w, b, stride, padding, dilation, C, "silu") is not native.MISS
+    assert _dgrad.front.call(dy, w, H, W, sh, sw, *pad, *hi, dh, dw, C) is not native.MISS
+    assert _wgrad_of.front.call(dy, x, R, S, sh, sw, *pad, *hi, dh, dw, C) is not native.MISS
 
 
 @pytest.mark.parametrize("C, K, stride", [(12, 20, 1), (64, 40, 2), (3, 8, 1)])

@@ -149,9 +149,13 @@ def test_reasons_judge_what_the_kernels_get_on_meta_tensors():
     assert reasons(x, w, _meta(128), 1, 1, activation="silu") == []
     for kind in ("fprop", "dgrad", "wgrad"):  # two groups of 32 -> 32 channels: one kernel each
         assert reasons(_meta(8, 64, 8, 8), _meta(64, 32, 3, 3), groups=2, kind=kind) == []
-    depthwise = reasons(_meta(8, 64, 8, 8), _meta(64, 1, 3, 3), groups=64)
-    assert len(depthwise) == 1 and "(depthwise is not one)" in depthwise[0]
-    assert "use torch.nn.functional.conv2d" in depthwise[0]
+    for kind in ("fprop", "dgrad", "wgrad"):  # depthwise, m = 1 and 2, odd channels too
+        for c, k in ((64, 64), (64, 128), (13, 13)):
+            assert reasons(_meta(8, c, 8, 8), _meta(k, 1, 3, 3), None, 2, 1, groups=c,
+                           kind=kind) == []
+    narrow = reasons(_meta(8, 64, 8, 8), _meta(64, 2, 3, 3), groups=32)  # 2 -> 2 a group
+    assert len(narrow) == 1 and "the depthwise kernels groups of one input" in narrow[0]
+    assert "use torch.nn.functional.conv2d" in narrow[0]
     four = [reasons(_meta(8, 64, 8, 8), _meta(64, 16, 3, 3), groups=4, kind=k)
             for k in ("fprop", "wgrad")]  # 16 -> 16 channels a group
     assert four == [[], []]

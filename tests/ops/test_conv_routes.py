@@ -9,6 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.conftest import requires_nvrtc
+
 C2D = importlib.import_module("vitrail.ops.conv")
 
 
@@ -217,3 +219,46 @@ def test_a_strided_dgrad_runs_one_unit_stride_dgrad_a_phase(monkeypatch):
                                    f": {m}")
         done += 1
     assert done > 200
+
+
+def test_a_depthwise_thread_owns_the_widest_vector_every_view_allows():
+    """8, 4 or 2 packed channels a thread where m = 1 and each view's pointer and pixel strides
+    allow 16-, 8- or 4-byte loads; one channel otherwise (odd counts, m > 1, offsets)."""
+    from vitrail.ops.conv import depthwise
+
+    def nhwc(c, offset=0):
+        t = torch.empty(offset + 2 * 5 * 4 * c, dtype=torch.bfloat16)[offset:]
+        return t.view(2, 5, 4, c)  # NHWC-indexed, channels packed
+    assert [depthwise._vector(1, c, nhwc(c), nhwc(c)) for c in (32, 20, 6, 13)] == [8, 4, 2, 1]
+    assert depthwise._vector(2, 32, nhwc(32), nhwc(32)) == 1
+    assert depthwise._vector(1, 32, nhwc(32), nhwc(32, offset=2)) == 2  # 4 bytes past 16
+    wide = torch.empty(2, 5, 4, 40, dtype=torch.bfloat16)[..., :32]  # a pixel stride of 40
+    assert depthwise._vector(1, 32, wide, nhwc(32)) == 8
+    assert depthwise.is_depthwise(16, (16, 1, 3, 3), 16)
+    assert depthwise.is_depthwise(16, (48, 1, 3, 3), 16)
+    assert not depthwise.is_depthwise(16, (16, 2, 3, 3), 8)
+    assert not depthwise.is_depthwise(1, (4, 1, 3, 3), 1)  # one channel: a plain convolution
+
+
+@requires_nvrtc
+@pytest.mark.parametrize("kind, template", [
+    ("fprop", (1, 8, 5, 1, 7, 2, 4)), ("fprop", (0, 1, 0, 0, 0, 0, 1)), ("dgrad", (1, 8)),
+    ("wgrad", (1, 8, 9, 2, 4)), ("wgrad", (0, 1, 0, 0, 1)), ("taps", ()), ("sum", (0,))])
+def test_the_depthwise_kernels_compile(kind, template, tmp_path, monkeypatch):
+    """The depthwise kernels build with NVRTC for sm_90a (bf16 8 channels a thread with a bias
+    and silu, a 7-wide filter compiled in; fp16 one channel a thread, tap by tap; each kind)
+    and take pointers and scalars only, the geometry as many as _geometry gives (a struct by
+    value would keep plans from replaying them); the GPU tests run them."""
+    from vitrail.ops.conv import depthwise
+    monkeypatch.setenv("VITRAIL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("VITRAIL_ARCH", "90a")
+    monkeypatch.setattr(depthwise, "_KERNELS", {})
+    params = depthwise._kernel(kind, *template).compile().proto.params
+    assert {p.kind for p in params} == {"pointer", "scalar"}
+    if kind in ("taps", "sum"):
+        return
+    x = torch.empty(2, 9, 7, 16, dtype=torch.bfloat16)
+    geometry = depthwise._geometry(x, x[:, :5, :4], torch.empty(3, 3, 16), (2, 2), (1, 1),
+                                   (1, 1))
+    assert len(geometry) == 25 and geometry[15:18] == (1, 48, 16)  # the taps' k, r, s strides
+    assert [p.type for p in params[-25:]] == ["long long"] * 18 + ["int"] * 7

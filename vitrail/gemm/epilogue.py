@@ -21,9 +21,36 @@ ACTIVATIONS = ("relu", "leaky_relu", "gelu", "gelu_tanh", "silu", "sigmoid", "ta
                "hardswish")
 ACT_IDS = {name: i + 1 for i, name in enumerate(ACTIVATIONS)}
 
+# The activations on one fp32 value (ACT_IDS numbers them; 0: none): plain CUDA, so kernels
+# outside CUTLASS (the depthwise convolution's) compute exactly what the GEMM epilogues do.
+ACTIVATION_MATH = r"""
+namespace vitrail_act {
+template <int Act>
+__device__ __forceinline__ float apply(float x, float slope) {
+  if constexpr (Act == 1) return x > 0.f ? x : 0.f;
+  else if constexpr (Act == 2) return x > 0.f ? x : x * slope;
+  else if constexpr (Act == 3) return 0.5f * x * (1.f + erff(x * 0.70710678118654752f));
+  // gelu_tanh: 0.5 x (1 + tanh(u)) = x / (1 + e^(-2u)), u = sqrt(2 / pi) (x + 0.044715 x^3),
+  // e^(-2u) = 2^(x (a + b x^2)): one exp2 and one fast division, no tanhf and its branches,
+  // and no cancellation where tanh(u) nears -1 (x e^(2u) keeps its relative accuracy)
+  else if constexpr (Act == 4) {
+    constexpr float a = -2.f * 0.7978845608028654f * 1.4426950408889634f, b = a * 0.044715f;
+    return __fdividef(x, 1.f + exp2f(x * fmaf(b, x * x, a)));
+  }
+  // silu, sigmoid: the fast division (no branch to the IEEE slow path per element, which
+  // kept ptxas from interleaving the elements); 1 + e^-x = inf gives 0 as it should
+  else if constexpr (Act == 5) return __fdividef(x, 1.f + __expf(-x));
+  else if constexpr (Act == 6) return __fdividef(1.f, 1.f + __expf(-x));
+  else if constexpr (Act == 7) return tanhf(x);
+  else if constexpr (Act == 8) return x * fminf(fmaxf(x + 3.f, 0.f), 6.f) * (1.f / 6.f);
+  else return x;
+}
+}  // namespace vitrail_act
+"""
+
 # Elementwise activation, then optional clamp, on a fragment of the compute type. Runtime
 # parameters arrive through the functor's Arguments (Sm90Compute passes them to operator()).
-ACTIVATION_FUNCTOR = r"""
+ACTIVATION_FUNCTOR = ACTIVATION_MATH + r"""
 namespace vitrail_epi {
 struct ActArguments { float slope = 0.01f; float lo = -INFINITY; float hi = INFINITY; };
 
@@ -32,30 +59,11 @@ struct ActClamp {
   template <class T>
   struct Fn {
     using Arguments = ActArguments;
-    CUTLASS_DEVICE static float act(float x, float slope) {
-      if constexpr (Act == 1) return x > 0.f ? x : 0.f;
-      else if constexpr (Act == 2) return x > 0.f ? x : x * slope;
-      else if constexpr (Act == 3) return 0.5f * x * (1.f + erff(x * 0.70710678118654752f));
-      // gelu_tanh: 0.5 x (1 + tanh(u)) = x / (1 + e^(-2u)), u = sqrt(2 / pi) (x + 0.044715 x^3),
-      // e^(-2u) = 2^(x (a + b x^2)): one exp2 and one fast division, no tanhf and its branches,
-      // and no cancellation where tanh(u) nears -1 (x e^(2u) keeps its relative accuracy)
-      else if constexpr (Act == 4) {
-        constexpr float a = -2.f * 0.7978845608028654f * 1.4426950408889634f, b = a * 0.044715f;
-        return __fdividef(x, 1.f + exp2f(x * fmaf(b, x * x, a)));
-      }
-      // silu, sigmoid: the fast division (no branch to the IEEE slow path per element, which
-      // kept ptxas from interleaving the elements); 1 + e^-x = inf gives 0 as it should
-      else if constexpr (Act == 5) return __fdividef(x, 1.f + __expf(-x));
-      else if constexpr (Act == 6) return __fdividef(1.f, 1.f + __expf(-x));
-      else if constexpr (Act == 7) return tanhf(x);
-      else if constexpr (Act == 8) return x * fminf(fmaxf(x + 3.f, 0.f), 6.f) * (1.f / 6.f);
-      else return x;
-    }
     CUTLASS_DEVICE T operator()(T const& x, Arguments const& a) const {
       T y;
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < int(T::kElements); ++i) {
-        float v = act(float(x[i]), a.slope);
+        float v = vitrail_act::apply<Act>(float(x[i]), a.slope);
         if constexpr (Clamp) v = v < a.lo ? a.lo : (v > a.hi ? a.hi : v);  // NaN stays NaN
         y[i] = v;
       }

@@ -8,7 +8,7 @@ busy with a cost of S * M * N * 4 bytes written and read once more.
 
 The translation unit is the batched GEMM of mode gemm (plain.py) (D: fp32 in D's layout,
 epilogue alpha * acc, its entry points renamed and made static) plus the reduction kernel
-(plain CUDA C++; its activations are the epilogue's own ``vitrail_epi::ActClamp``) and the
+(plain CUDA C++; its activations are the epilogue's own ``vitrail_act::apply``) and the
 usual two ``extern "C"`` entry points with the plain GEMM's signature, so the runtime side
 (arguments.py) is shared:
 
@@ -154,8 +154,7 @@ def emit(op) -> str:
     activate = ""
     if act:
         act_id = ACT_IDS.get(epi.activation, 0) if epi.activation else 0
-        activate = ("    x = vitrail_epi::ActClamp<Act, false>::Fn<cutlass::Array<float, 1>>::act("
-                    "x, slope);\n" if act_id else "")
+        activate = "    x = vitrail_act::apply<Act>(x, slope);\n" if act_id else ""
         if epi.clamp:
             activate += "    x = x < lo ? lo : (x > hi ? hi : x);  // NaN stays NaN\n"
     subs = {

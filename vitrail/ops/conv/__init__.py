@@ -12,18 +12,20 @@ wgrad kernel, the bias's gradient summed in fp32.
 
 Grouped convolutions run the implicit-GEMM kernels once per group, on the group's channel
 slices read and written in place (strided views; wgrad copies each group's dy, which it reads
-packed). That takes groups whose C / groups and K / groups are multiples of 8; depthwise and
-other narrow groups are refused (torch.nn.functional.conv2d runs them).
+packed). That takes groups whose C / groups and K / groups are multiples of 8. Depthwise
+convolutions (a group an input channel, any multiplier K / C) run direct kernels of their own
+(vitrail.ops.conv.depthwise); other narrow groups are refused (torch.nn.functional.conv2d runs
+them).
 
 What is refused (NotImplementedError, saying why and what is supported), never computed another
 way: GPUs other than Hopper (the kernels are sm_90a), dtypes other than bf16/fp16, channel
-counts per group (C / groups, K / groups) that are not multiples of 8, padding, dilation or
-filters beyond the TMA im2col limits (conv_arguments.reasons). Inputs that are not channels-last
-are copied to channels-last first (a one-time warning says so). CUTLASS's sm90 dgrad runs at
-unit stride only, so a strided convolution's dx runs as stride_h * stride_w unit-stride dgrads,
-one a phase (the pixels at (i, j) + stride * (a, b), written in place), each with the filter
-taps that reach its pixels: the convolution's own work (_dgrad_phases), all in one launch
-(the phased dgrad kernel, from a table of the phases: _phase_table).
+counts per group (C / groups, K / groups) that are not multiples of 8 (but depthwise), padding,
+dilation or filters beyond the TMA im2col limits (conv_arguments.reasons). Inputs that are not
+channels-last are copied to channels-last first (a one-time warning says so). CUTLASS's sm90
+dgrad runs at unit stride only, so a strided convolution's dx runs as stride_h * stride_w
+unit-stride dgrads, one a phase (the pixels at (i, j) + stride * (a, b), written in place),
+each with the filter taps that reach its pixels: the convolution's own work (_dgrad_phases),
+all in one launch (the phased dgrad kernel, from a table of the phases: _phase_table).
 
 1x1 convolutions without padding (one group) are GEMMs over pixels and run vitrail's GEMM
 (vitrail.ops.gemm and mm, with their selection: split-K, stream-K and torch's own matmul among
@@ -64,6 +66,7 @@ from vitrail.gemm.ops import mm
 from vitrail.gemm.ops.launch import run_into
 from vitrail.gemm.ops.operands import warn_once
 from vitrail.jit.errors import ArgumentError
+from vitrail.ops.conv import depthwise
 from vitrail.ops.common import (DISPATCH, EAGER, autograd_apply, call_mode, check_same_device,
                                 check_tensor)
 from vitrail.plan import Plans, keep, scratch, setup, signature
@@ -266,12 +269,13 @@ def _check(x, weight, bias, stride, dilation, groups, activation, cuda: bool = T
         raise ArgumentError(f"{NAME}: weight {tuple(weight.shape)} expects "
                             f"{weight.shape[1] * groups} input channels ({weight.shape[1]} per "
                             f"group, groups={groups}), x {tuple(x.shape)} has {c}")
-    if groups > 1 and (c // groups) % 8 or groups > 1 and (k // groups) % 8:
+    if (groups > 1 and ((c // groups) % 8 or (k // groups) % 8)
+            and not depthwise.is_depthwise(c, weight.shape, groups)):
         raise NotImplementedError(
             f"{NAME}: groups={groups} gives {c // groups} input and {k // groups} output "
             f"channels a group; the implicit-GEMM kernels run groups of multiples of 8 "
-            f"(16 bytes of channels for TMA){' (depthwise is not one)' if c == groups else ''}: "
-            f"use torch.nn.functional.conv2d for this one")
+            f"(16 bytes of channels for TMA), the depthwise kernels groups of one input "
+            f"channel: use torch.nn.functional.conv2d for this one")
     if bias is not None:
         check_tensor(NAME, "bias", bias, dtypes=(x.dtype,), ndim=1, cuda=cuda)
         if bias.shape[0] != weight.shape[0]:
@@ -352,6 +356,11 @@ def _fprop_into(x, weight, bias, y, g, activation, groups) -> None:
     weight = _channels_last(weight, "weight")
     stride, pad, pad_hi, dilation = _split(g)
     k = weight.shape[0]
+    if depthwise.is_depthwise(x.shape[1], weight.shape, groups):
+        _require_hopper(x.device)
+        depthwise.fprop(_nhwc(x), weight, bias, _nhwc(y), stride, pad, dilation, activation,
+                        lambda n, dtype: scratch(n, dtype, x.device))
+        return
     if _gemm_ready(x, weight, pad, pad_hi, groups):  # y (N P Q, K) = x (N P Q, C) W^T
         run_into(_nhwc(y).reshape(-1, k), _pixels(x, stride), _nhwc(weight).reshape(k, -1).t(),
                  None, bias, 1.0, 0.0, activation, 0.01, None, None)
@@ -374,6 +383,11 @@ def _dgrad_into(dy, weight, dx, h, w, g, groups) -> None:
     n, k, p, q = dy.shape
     _, cg, r, s = weight.shape
     rows = _nhwc(dx)
+    if depthwise.is_depthwise(dx.shape[1], weight.shape, groups):  # every pixel written
+        _require_hopper(dy.device)
+        depthwise.dgrad(_nhwc(dy), weight, rows, stride, pad, dilation,
+                        lambda n, dtype: scratch(n, dtype, dy.device))
+        return
     if _gemm_ready(dy, weight, pad, pad_hi, groups):  # dx (N P Q, C) = dy (N P Q, K) W
         wk = _nhwc(weight).reshape(k, -1)
         if stride == (1, 1):
@@ -434,6 +448,11 @@ def _wgrad_into(dy, x, dw, r, s, g, groups) -> None:
     x = _channels_last(x, "x")
     stride, pad, pad_hi, dilation = _split(g)
     k, c = dy.shape[1], x.shape[1]
+    if depthwise.is_depthwise(c, dw.shape, groups):
+        _require_hopper(x.device)
+        depthwise.wgrad(_nhwc(_channels_last(dy, "dy")), _nhwc(x), dw, stride, pad, dilation,
+                        lambda n: scratch(n, torch.float32, dy.device))
+        return
     if _gemm_ready(x, (r, s), pad, pad_hi, groups):  # dw (K, C) = dy^T (K, NPQ) x (NPQ, C)
         run_into(_nhwc(dw).reshape(k, c), _nhwc(dy).reshape(-1, k).t(), _pixels(x, stride),
                  None, None, 1.0, 0.0, None, 0.01, None, None)
@@ -808,8 +827,8 @@ def reasons(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
     if p < 1 or q < 1:
         raise ArgumentError(f"{NAME}: the output would be {p} x {q}: the dilated filter is "
                             f"larger than the padded input")
-    if _is_gemm(weight, pad, pad_hi, groups):  # vitrail's GEMM runs every shape
-        return []
+    if _is_gemm(weight, pad, pad_hi, groups) or depthwise.is_depthwise(c, weight.shape, groups):
+        return []  # vitrail's GEMM and the depthwise kernels run every shape
 
     def packed(*shape: int) -> Tensor:  # an NHWC-indexed operand as the kernel gets it
         return torch.empty(shape, dtype=x.dtype, device="meta")
