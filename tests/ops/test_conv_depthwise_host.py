@@ -64,71 +64,24 @@ _STORE = """  unsigned short h;
 _C_TYPES = {"long long": ctypes.c_longlong, "int": ctypes.c_int, "float": ctypes.c_float}
 
 
-def _entry(kind: str, template: tuple, signature: str) -> tuple[str, list]:
-    """An extern "C" function entry(gx, gy, gz, kernel arguments...) that runs the kernel's
+def _entry(j: int, kind: str, template: tuple, signature: str) -> tuple[str, list]:
+    """An extern "C" function entry<j>(gx, gy, gz, kernel arguments...) that runs the kernel's
     grid on the host, and its ctypes argument types."""
     types = [t.strip() for t in signature.split(",")]
-    names = [f"a{j}" for j in range(len(types))]
+    names = [f"a{i}" for i in range(len(types))]
     name = f"vitrail_dw_{kind}" + (f"<{', '.join(map(str, template))}>" if template else "")
-    source = (f'extern "C" void entry(unsigned gx, unsigned gy, unsigned gz, '
+    source = (f'extern "C" void entry{j}(unsigned gx, unsigned gy, unsigned gz, '
               f'{", ".join(f"{t} {a}" for t, a in zip(types, names))}) {{\n'
               f'  run(gx, gy, gz, [&] {{ {name}({", ".join(names)}); }});\n}}\n')
     grid = [ctypes.c_uint] * 3
     return source, grid + [ctypes.c_void_p if t.endswith("*") else _C_TYPES[t] for t in types]
 
 
-@pytest.fixture(scope="module")
-def host_kernels(tmp_path_factory):
-    """depthwise._kernel answering with the kernels built as host libraries (one for each
-    kernel the host code asks for, on its first launch)."""
-    compiler = shutil.which("g++")
-    if compiler is None:
-        pytest.skip("needs g++")
-    from vitrail.ops.conv import depthwise
-    source = depthwise._SOURCE
-    for device, host in ((_LOAD_F16, "  return 0.f;  // fp16: not emulated"),
-                         (_STORE, "  return host_bf16(f);"), ("__expf(", "host_expf(")):
-        assert device in source, f"the kernels' source changed: update the shims ({device!r})"
-        source = source.replace(device, host)
-    path = tmp_path_factory.mktemp("depthwise")
-    built = {}
-
-    def library(kind: str, template: tuple):
-        key = (kind, template)
-        if key not in built:
-            entry, argtypes = _entry(kind, template, depthwise._SIGNATURES[kind])
-            stem = path / "_".join(map(str, key[:1] + template))
-            stem.with_suffix(".cpp").write_text(_SHIMS + source + entry)
-            subprocess.run([compiler, "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC",
-                            "-o", str(stem.with_suffix(".so")), str(stem.with_suffix(".cpp"))],
-                           check=True, capture_output=True)
-            f = ctypes.CDLL(str(stem.with_suffix(".so"))).entry
-            f.argtypes = argtypes
-            built[key] = f
-        return built[key]
-
-    class Launch:
-        def __init__(self, kind: str, template: tuple):
-            self.f = library(kind, template)
-
-        def __getitem__(self, config):
-            blocks, threads = config
-            assert threads == depthwise.THREADS == 256
-            grid = (tuple(blocks) if isinstance(blocks, tuple) else (blocks,)) + (1, 1)
-            return lambda *args: self.f(*grid[:3], *(
-                a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args))
-
-    saved = depthwise._kernel
-    depthwise._kernel = lambda kind, *template: Launch(kind, template)
-    yield depthwise
-    depthwise._kernel = saved
-
-
 def _cl(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous(memory_format=torch.channels_last)
 
 
-@pytest.mark.parametrize("C, m, R, S, stride, padding, dilation, activation, width", [
+CASES = [  # C, m, R, S, stride, padding, dilation, activation, width
     (32, 1, 3, 3, (1, 1), (1, 1), (1, 1), "silu", 11),  # 8 channels a thread; dx as an fprop
     (20, 1, 7, 7, (2, 2), (3, 3), (1, 1), None, 11),  # 4 a thread, 7x7 at stride 2
     (6, 1, 3, 3, (2, 3), (1, 2), (2, 1), "silu", 11),  # 2 a thread, tap by tap (stride 3)
@@ -137,12 +90,13 @@ def _cl(t: torch.Tensor) -> torch.Tensor:
     (16, 2, 4, 4, (3, 3), (0, 0), (1, 1), "silu", 11),  # 2 filters a channel, pixels no tap reaches
     (40, 1, 5, 9, (1, 1), (3, 4), (2, 1), None, 75),  # rows dilated; runs of outputs in dw
     (16, 1, 3, 10, (1, 2), (1, 4), (1, 1), "silu", 23),  # wider than the kernels compile in
-])
-def test_the_kernels_source_computes_a_depthwise_convolution(host_kernels, C, m, R, S, stride,
-                                                             padding, dilation, activation,
-                                                             width, monkeypatch):
-    depthwise = host_kernels
-    monkeypatch.setattr(depthwise, "SEGMENT", 4)  # dw: many units, more partials than 8 a sum
+]
+SEGMENT = 4  # dw's segments: many units, and more partials than the sum's 8 lanes
+
+
+def _convolve(depthwise, C, m, R, S, stride, padding, dilation, activation, width) -> list:
+    """(got, want, what) of y, dx and dw: depthwise's host code (its kernels, outputs and
+    scratch NaN-filled first) against torch's convolution and gradients in fp64."""
     g = torch.Generator().manual_seed(C * 7 + R)
     n, h, w = 2, 13, width
     x = _cl(torch.randn(n, C, h, w, generator=g).bfloat16())
@@ -165,6 +119,73 @@ def test_the_kernels_source_computes_a_depthwise_convolution(host_kernels, C, m,
                                       dilation, C)
     dw64 = torch.nn.grad.conv2d_weight(x.double(), wt.shape, dy.double(), stride, padding,
                                        dilation, C)
-    for got, ref, what in ((y, want, "y"), (dx, dx64, "dx"), (dw, dw64, "dw")):
+    return [(y, want, "y"), (dx, dx64, "dx"), (dw, dw64, "dw")]
+
+
+@pytest.fixture(scope="module")
+def host_kernels(tmp_path_factory):
+    """depthwise._kernel answering with the kernels built as one host library: the kernels
+    that the host code launches for CASES (a first pass over them, launching nothing, lists
+    them)."""
+    compiler = shutil.which("g++")
+    if compiler is None:
+        pytest.skip("needs g++")
+    from vitrail.ops.conv import depthwise
+    source = depthwise._SOURCE
+    for device, host in ((_LOAD_F16, "  return 0.f;  // fp16: not emulated"),
+                         (_STORE, "  return host_bf16(f);"), ("__expf(", "host_expf(")):
+        assert device in source, f"the kernels' source changed: update the shims ({device!r})"
+        source = source.replace(device, host)
+    saved = depthwise._kernel, depthwise.SEGMENT
+    kernels: list[tuple] = []
+
+    class Listed:  # depthwise._kernel(kind, *template)
+        def __init__(self, kind: str, *template: int):
+            if (kind, template) not in kernels:
+                kernels.append((kind, template))
+
+        def __getitem__(self, config):
+            return lambda *args: None
+    depthwise._kernel, depthwise.SEGMENT = Listed, SEGMENT
+    try:
+        for case in CASES:
+            _convolve(depthwise, *case)
+    finally:
+        depthwise._kernel, depthwise.SEGMENT = saved
+    entries = [_entry(j, kind, template, depthwise._SIGNATURES[kind])
+               for j, (kind, template) in enumerate(kernels)]
+    path = tmp_path_factory.mktemp("depthwise")
+    (path / "k.cpp").write_text(_SHIMS + source + "".join(e for e, _ in entries))
+    subprocess.run([compiler, "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-o",
+                    str(path / "k.so"), str(path / "k.cpp")], check=True, capture_output=True)
+    lib = ctypes.CDLL(str(path / "k.so"))
+    functions = {}
+    for j, (key, (_, argtypes)) in enumerate(zip(kernels, entries)):
+        functions[key] = getattr(lib, f"entry{j}")
+        functions[key].argtypes = argtypes
+
+    class Launch:  # depthwise._kernel(kind, *template)
+        def __init__(self, kind: str, *template: int):
+            self.f = functions[kind, template]
+
+        def __getitem__(self, config):
+            blocks, threads = config
+            assert threads == depthwise.THREADS == 256
+            grid = (tuple(blocks) if isinstance(blocks, tuple) else (blocks,)) + (1, 1)
+            return lambda *args: self.f(*grid[:3], *(
+                a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args))
+
+    depthwise._kernel = Launch
+    yield depthwise
+    depthwise._kernel = saved[0]
+
+
+@pytest.mark.parametrize("C, m, R, S, stride, padding, dilation, activation, width", CASES)
+def test_the_kernels_source_computes_a_depthwise_convolution(host_kernels, C, m, R, S, stride,
+                                                             padding, dilation, activation,
+                                                             width, monkeypatch):
+    monkeypatch.setattr(host_kernels, "SEGMENT", SEGMENT)
+    for got, ref, what in _convolve(host_kernels, C, m, R, S, stride, padding, dilation,
+                                    activation, width):
         err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
         assert err < 0.01, f"{what}: relative error {err}"  # bf16 rounding: about 0.004
