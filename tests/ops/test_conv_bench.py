@@ -23,21 +23,22 @@ def _meta(*shape):
 
 
 def _geometry(layer):
-    return (layer.C, layer.H, layer.W, layer.K, layer.R, layer.S, layer.stride, layer.padding)
+    return (layer.C, layer.H, layer.W, layer.K, layer.R, layer.S, layer.stride, layer.padding,
+            layer.groups)
 
 
 def _resnet50():
     """torchvision's resnet50 (v1.5) at 224x224, derived from its stages: every convolution."""
-    convs = [(3, 224, 224, 64, 7, 7, 2, 3)]
+    convs = [(3, 224, 224, 64, 7, 7, 2, 3, 1)]
     c, h = 64, 56  # after the stem's stride-2 conv and max pool
     for width, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
         for b in range(blocks):
             s = stride if b == 0 else 1
             ho = (h + 2 - 3) // s + 1
-            convs += [(c, h, h, width, 1, 1, 1, 0), (width, h, h, width, 3, 3, s, 1),
-                      (width, ho, ho, 4 * width, 1, 1, 1, 0)]
+            convs += [(c, h, h, width, 1, 1, 1, 0, 1), (width, h, h, width, 3, 3, s, 1, 1),
+                      (width, ho, ho, 4 * width, 1, 1, 1, 0, 1)]
             if b == 0:
-                convs.append((c, h, h, 4 * width, 1, 1, s, 0))  # downsample
+                convs.append((c, h, h, 4 * width, 1, 1, s, 0, 1))  # downsample
             c, h = 4 * width, ho
     return convs
 
@@ -47,10 +48,10 @@ def _unet():
     320/640/1280/1280, 2 resnets per down block, 3 per up block on the skips, 2 in the middle):
     every convolution but the transformers' proj_in/proj_out."""
     def resnet(cin, cout, h):
-        out = [(cin, h, h, cout, 3, 3, 1, 1), (cout, h, h, cout, 3, 3, 1, 1)]
-        return out + ([(cin, h, h, cout, 1, 1, 1, 0)] if cin != cout else [])
+        out = [(cin, h, h, cout, 3, 3, 1, 1, 1), (cout, h, h, cout, 3, 3, 1, 1, 1)]
+        return out + ([(cin, h, h, cout, 1, 1, 1, 0, 1)] if cin != cout else [])
     widths = (320, 640, 1280, 1280)
-    convs, c, h = [(4, 64, 64, 320, 3, 3, 1, 1)], 320, 64
+    convs, c, h = [(4, 64, 64, 320, 3, 3, 1, 1, 1)], 320, 64
     skips = [(c, h)]
     for i, width in enumerate(widths):
         for _ in range(2):
@@ -58,7 +59,7 @@ def _unet():
             c = width
             skips.append((c, h))
         if i < len(widths) - 1:
-            convs.append((c, h, h, c, 3, 3, 2, 1))
+            convs.append((c, h, h, c, 3, 3, 2, 1, 1))
             h //= 2
             skips.append((c, h))
     convs += resnet(c, c, h) + resnet(c, c, h)
@@ -70,20 +71,52 @@ def _unet():
             c = width
         if i < len(widths) - 1:
             h *= 2
-            convs.append((c, h, h, c, 3, 3, 1, 1))  # after the nearest 2x upsampling
+            convs.append((c, h, h, c, 3, 3, 1, 1, 1))  # after the nearest 2x upsampling
     assert not skips
-    return convs + [(320, 64, 64, 4, 3, 3, 1, 1)]
+    return convs + [(320, 64, 64, 4, 3, 3, 1, 1, 1)]
+
+
+def _convnext_t():
+    """torchvision's convnext_tiny at 224x224, derived from its stages (depths 3/3/9/3, widths
+    96/192/384/768): the stem, each block's depthwise 7x7, the downsamplers."""
+    convs, h = [(3, 224, 224, 96, 4, 4, 4, 0, 1)], 56
+    widths = (96, 192, 384, 768)
+    for i, (width, depth) in enumerate(zip(widths, (3, 3, 9, 3))):
+        if i:
+            convs.append((widths[i - 1], 2 * h, 2 * h, width, 2, 2, 2, 0, 1))
+        convs += [(width, h, h, width, 7, 7, 1, 3, width)] * depth
+        h //= 2
+    return convs
+
+
+def _mobilenet_v2_depthwise():
+    """torchvision's mobilenet_v2 at 224x224, derived from its inverted-residual settings
+    (t, c, n, s): each block's depthwise 3x3 (on t x its input channels, the block's first
+    at stride s)."""
+    convs, c, h = [], 32, 112
+    for t, out, n, s in ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2),
+                         (6, 96, 3, 1), (6, 160, 3, 2), (6, 320, 1, 1)):
+        for b in range(n):
+            stride = s if b == 0 else 1
+            convs.append((t * c, h, h, t * c, 3, 3, stride, 1, t * c))
+            c, h = out, h // stride
+    return convs
 
 
 def test_the_layer_lists_are_the_networks_convolutions():
     assert (len(bm.RESNET50), sum(lay.count for lay in bm.RESNET50)) == (23, 53)
     assert (len(bm.UNET), sum(lay.count for lay in bm.UNET)) == (31, 66)
-    for layers, derived in ((bm.RESNET50, _resnet50()), (bm.UNET, _unet())):
+    assert (len(bm.CONVNEXT_T), sum(lay.count for lay in bm.CONVNEXT_T)) == (8, 22)
+    assert (len(bm.MOBILENET_V2), sum(lay.count for lay in bm.MOBILENET_V2)) == (10, 17)
+    for layers, derived in ((bm.RESNET50, _resnet50()), (bm.UNET, _unet()),
+                            (bm.CONVNEXT_T, _convnext_t()),
+                            (bm.MOBILENET_V2, _mobilenet_v2_depthwise())):
         assert len({_geometry(lay) for lay in layers}) == len(layers)  # distinct
         assert len({lay.name for lay in layers}) == len(layers)
         assert {_geometry(lay): lay.count for lay in layers} == Counter(derived)
     assert {n: (b, a) for n, (b, _, a) in bm.NETWORKS.items()} == {
-        "resnet50": (128, "relu"), "unet": (8, "silu")}
+        "resnet50": (128, "relu"), "unet": (8, "silu"), "convnext_t": (64, None),
+        "mobilenet_v2": (128, None)}
 
 
 @pytest.mark.parametrize("network", list(bm.NETWORKS))
@@ -92,13 +125,14 @@ def test_each_layers_output_shape_is_torchs(network):
     count the output torch's conv2d gives."""
     batch, layers, _ = bm.NETWORKS[network]
     for lay in layers:
-        x, w = _meta(batch, lay.C, lay.H, lay.W), _meta(lay.K, lay.C, lay.R, lay.S)
-        s, p = [lay.stride] * 2, [lay.padding] * 2
-        want = F.conv2d(x, w, None, s, p).shape
-        assert torch.ops.vitrail.conv2d(x, w, None, s, p, p, [1, 1], None).shape == want
+        x = _meta(batch, lay.C, lay.H, lay.W)
+        w = _meta(lay.K, lay.C // lay.groups, lay.R, lay.S)
+        s, p, g = [lay.stride] * 2, [lay.padding] * 2, lay.groups
+        want = F.conv2d(x, w, None, s, p, 1, g).shape
+        assert torch.ops.vitrail.conv2d(x, w, None, s, p, p, [1, 1], None, g).shape == want
         assert (batch, lay.K, *lay.out_hw()) == tuple(want), lay.name
         case = bm.Case(network, lay, batch, "fprop")
-        assert case.flops == 2.0 * want.numel() * lay.C * lay.R * lay.S
+        assert case.flops == 2.0 * want.numel() * w.shape[1] * lay.R * lay.S
 
 
 def test_the_benchmark_registers_as_conv():
@@ -108,15 +142,17 @@ def test_the_benchmark_registers_as_conv():
     assert b.run is bm.run and b.build is bm.build
     assert b.by_name  # run when named, until the op's GPU tests all pass
     kinds = [c.kind for c in bm.cases()]
-    assert len(kinds) == 4 * (23 + 31)
-    assert Counter(kinds) == {"fprop": 54, "dgrad": 54, "wgrad": 54, "fprop+bias+relu": 23,
+    assert len(kinds) == 4 * (23 + 31) + 3 * (8 + 10)  # no fused rows: ConvNeXt, MobileNetV2
+    assert Counter(kinds) == {"fprop": 72, "dgrad": 72, "wgrad": 72, "fprop+bias+relu": 23,
                               "fprop+bias+silu": 31}
 
 
 def test_the_no_gpu_build_list_is_what_the_rows_run():
     """operations(): each kind's kernel once; narrow tiles for ResNet's 64-channel layer, the
     chunked wgrad where a layer's dw is small against its batch, the one-pass wgrad where it
-    fills the GPU, the phased dgrad of the strided layers, each network's fused activation."""
+    fills the GPU, the phased dgrad of the strided layers, each network's fused activation;
+    ConvNeXt's 2x2/2 downsamplers take kernels of these, and the depthwise layers none (their
+    kernels are NVRTC ones)."""
     ops = bm.operations()
     names = [op.name for op in ops]
     assert len(set(names)) == len(names) == 11
@@ -135,8 +171,9 @@ def test_the_refused_layers_are_the_3_and_4_channel_convs():
     refused = {(c.network, c.layer.name, c.kind): bm.refusal(c) for c in bm.cases()}
     refused = {k: why for k, why in refused.items() if why}
     assert {(n, layer) for n, layer, _ in refused} == {
-        ("resnet50", "conv1"), ("unet", "conv_in"), ("unet", "conv_out")}
-    assert len(refused) == 12  # every kind of each
+        ("resnet50", "conv1"), ("unet", "conv_in"), ("unet", "conv_out"),
+        ("convnext_t", "stem")}
+    assert len(refused) == 12 + 3  # every kind of each
     assert all("not a multiple of 8" in why for why in refused.values())
     assert "C (input channels)=3" in refused["resnet50", "conv1", "wgrad"]
     assert "K (output channels)=4" in refused["unet", "conv_out", "fprop+bias+silu"]
@@ -272,3 +309,15 @@ def test_tune_and_precompile_say_conv2d_has_nothing_to_tune():
         _select_ops(["conv2d"], registry, "precompile")
     with pytest.raises(_Usage, match="nothing to tune.*vitrail bench conv --compile-only"):
         resolve_tune("conv2d", "8x8", None, False, registry)
+
+
+def test_a_depthwise_layer_runs_and_counts_its_groups_flops(monkeypatch):
+    case = _case("mobilenet_v2", "features.4", "dgrad")  # 144 channels, stride 2
+    assert bm.refusal(case) == "" and case.layer.label == "features.4 C144 56x56 K144 3x3/2 dw"
+    assert case.layer.out_hw() == (28, 28)
+    assert case.flops == 2.0 * 128 * 28 * 28 * 144 * 1 * 3 * 3  # one input channel a filter
+    _fake_timing(monkeypatch, {"vitrail": 0.1, "cuDNN": 0.2})
+    monkeypatch.setattr(bm, "_calls", lambda case: (lambda: torch.ones(2), lambda: torch.ones(2)))
+    ours, theirs = bm.time_case(case)
+    assert ours.extra["geometry"]["groups"] == 144 and "note" not in ours.extra  # no phases
+    assert ours.group == "mobilenet_v2 dgrad" and ours.value == pytest.approx(2 * theirs.value)

@@ -1,7 +1,8 @@
-"""`vitrail bench conv`: every convolution of ResNet-50 (batch 128, 224x224) and of an SD-1.x
-U-Net (batch 8, 64x64 latent), fprop, dgrad and wgrad in bf16, and fprop with its bias and
-activation fused, in TFLOP/s beside torch (cuDNN, channels_last, ``cudnn.benchmark`` on) timed
-in the same run.
+"""`vitrail bench conv`: every convolution of ResNet-50 (batch 128, 224x224), of an SD-1.x
+U-Net (batch 8, 64x64 latent) and of ConvNeXt-T (batch 64, 224x224; its depthwise 7x7s), and
+the depthwise convolutions of MobileNetV2 (batch 128, 224x224), fprop, dgrad and wgrad in bf16,
+and fprop with its bias and activation fused (ResNet-50 and the U-Net), in TFLOP/s beside torch
+(cuDNN, channels_last, ``cudnn.benchmark`` on) timed in the same run.
 
 The baselines: ``F.conv2d`` (fprop), ``torch.ops.aten.convolution_backward`` asked for dx only
 (dgrad) or dw only (wgrad), and ``F.conv2d`` with its bias (torch adds it after cuDNN's
@@ -10,12 +11,13 @@ followed by a batch norm, a bias once folded for inference, and a ReLU; SiLU, th
 activation, for the U-Net). vitrail's rows call what conv2d and its autograd call:
 ``vitrail.ops.conv2d`` and the ``vitrail::conv2d_dgrad`` and ``vitrail::conv2d_wgrad`` custom
 ops; each result is compared with cuDNN's before it is timed (a mismatch is printed). FLOPs
-are the convolution's own, 2 N P Q K C R S, for every kind (a strided dgrad of a filter larger
-than 1x1 runs stride_h * stride_w unit-stride dgrads, one a stride phase, which together do that
-work).
+are the convolution's own, 2 N P Q K (C / groups) R S, for every kind (a strided dgrad of a
+filter larger than 1x1 runs stride_h * stride_w unit-stride dgrads, one a stride phase, which
+together do that work).
 
-A layer the op refuses (the 3-channel stem of ResNet-50, the U-Net's 4-channel conv_in and
-conv_out: TMA reads 16-byte channel vectors, C and K must be multiples of 8 in bf16) is a row
+A layer the op refuses (the 3-channel stems of ResNet-50 and ConvNeXt-T, the U-Net's 4-channel
+conv_in and conv_out: TMA reads 16-byte channel vectors, C and K must be multiples of 8 in
+bf16) is a row
 of value 0 whose ``extra["refused"]`` says why, decided by vitrail.ops.conv.reasons on meta
 tensors, beside cuDNN's row; it enters no speedup. The run ends with a table per network and
 kind: the geometric mean of vitrail's speedups over cuDNN, the worst and best layer, and the
@@ -38,8 +40,8 @@ from vitrail.profile.timing import geomean
 
 @dataclass(frozen=True)
 class Layer:
-    """A convolution's geometry (x: N x C x H x W, weight: K x C x R x S, square stride and
-    padding, no dilation) and how many convolutions of its network have it."""
+    """A convolution's geometry (x: N x C x H x W, weight: K x C / groups x R x S, square
+    stride and padding, no dilation) and how many convolutions of its network have it."""
     name: str
     C: int
     H: int
@@ -50,6 +52,7 @@ class Layer:
     stride: int
     padding: int
     count: int = 1
+    groups: int = 1
 
     def out_hw(self) -> tuple[int, int]:
         return ((self.H + 2 * self.padding - self.R) // self.stride + 1,
@@ -58,7 +61,9 @@ class Layer:
     @property
     def label(self) -> str:
         return (f"{self.name} C{self.C} {self.H}x{self.W} K{self.K} {self.R}x{self.S}"
-                + (f"/{self.stride}" if self.stride > 1 else ""))
+                + (f"/{self.stride}" if self.stride > 1 else "")
+                + (" dw" if self.groups == self.C > 1 else
+                   f" g{self.groups}" if self.groups > 1 else ""))
 
 
 L = Layer
@@ -132,10 +137,42 @@ UNET = [
     L("up3.res1.shortcut", 640, 64, 64, 320, 1, 1, 1, 0, count=2),
     L("conv_out", 320, 64, 64, 4, 3, 3, 1, 1),  # K=4: refused (16-byte channel rule)
 ]
+
+# torchvision's ConvNeXt-T at 224x224: its 22 convolutions, 8 geometries: the 4x4/4 stem (3
+# channels in: refused), each stage's depthwise 7x7s (3, 3, 9, 3 blocks) and the 2x2/2
+# downsamplers between stages. (Each block's two pointwise layers are linear layers: GEMMs.)
+CONVNEXT_T = [
+    L("stem", 3, 224, 224, 96, 4, 4, 4, 0),  # C=3: refused (16-byte channel rule)
+    L("stage0.dwconv", 96, 56, 56, 96, 7, 7, 1, 3, count=3, groups=96),
+    L("down1", 96, 56, 56, 192, 2, 2, 2, 0),
+    L("stage1.dwconv", 192, 28, 28, 192, 7, 7, 1, 3, count=3, groups=192),
+    L("down2", 192, 28, 28, 384, 2, 2, 2, 0),
+    L("stage2.dwconv", 384, 14, 14, 384, 7, 7, 1, 3, count=9, groups=384),
+    L("down3", 384, 14, 14, 768, 2, 2, 2, 0),
+    L("stage3.dwconv", 768, 7, 7, 768, 7, 7, 1, 3, count=3, groups=768),
+]
+
+# torchvision's MobileNetV2 (width 1.0) at 224x224: its 17 depthwise 3x3 convolutions, 10
+# geometries, named by the first inverted-residual block of each (features.N). Its 1x1 expand
+# and project convolutions are GEMMs over pixels (vitrail's GEMM runs them: `vitrail bench
+# gemm`'s subject) and its stem takes 3 channels; neither is listed.
+MOBILENET_V2 = [
+    L("features.1", 32, 112, 112, 32, 3, 3, 1, 1, groups=32),
+    L("features.2", 96, 112, 112, 96, 3, 3, 2, 1, groups=96),
+    L("features.3", 144, 56, 56, 144, 3, 3, 1, 1, groups=144),
+    L("features.4", 144, 56, 56, 144, 3, 3, 2, 1, groups=144),
+    L("features.5", 192, 28, 28, 192, 3, 3, 1, 1, count=2, groups=192),
+    L("features.7", 192, 28, 28, 192, 3, 3, 2, 1, groups=192),
+    L("features.8", 384, 14, 14, 384, 3, 3, 1, 1, count=4, groups=384),
+    L("features.12", 576, 14, 14, 576, 3, 3, 1, 1, count=2, groups=576),
+    L("features.14", 576, 14, 14, 576, 3, 3, 2, 1, groups=576),
+    L("features.15", 960, 7, 7, 960, 3, 3, 1, 1, count=3, groups=960),
+]
 del L
 
-# network: (batch, layers, the activation of its fused rows)
-NETWORKS = {"resnet50": (128, RESNET50, "relu"), "unet": (8, UNET, "silu")}
+# network: (batch, layers, the activation of its fused rows: None for none)
+NETWORKS = {"resnet50": (128, RESNET50, "relu"), "unet": (8, UNET, "silu"),
+            "convnext_t": (64, CONVNEXT_T, None), "mobilenet_v2": (128, MOBILENET_V2, None)}
 KINDS = ("fprop", "dgrad", "wgrad")
 OURS, THEIRS = "vitrail", "cuDNN"  # implementations' first words: "vitrail fprop", "cuDNN fprop"
 TOLERANCE = 0.03  # vitrail's result against cuDNN's, max error / max |cuDNN|: a mismatch above
@@ -166,7 +203,7 @@ class Case:
     def flops(self) -> float:
         p, q = self.layer.out_hw()
         lay = self.layer
-        return 2.0 * self.batch * p * q * lay.K * lay.C * lay.R * lay.S
+        return 2.0 * self.batch * p * q * lay.K * (lay.C // lay.groups) * lay.R * lay.S
 
 
 def cases() -> list[Case]:
@@ -174,7 +211,7 @@ def cases() -> list[Case]:
     out = []
     for network, (batch, layers, act) in NETWORKS.items():
         for layer in layers:
-            for kind in KINDS + (f"fprop+bias+{act}",):
+            for kind in KINDS + ((f"fprop+bias+{act}",) if act else ()):
                 out.append(Case(network, layer, batch, kind))
     return out
 
@@ -187,10 +224,10 @@ def refusal(case: Case) -> str:
     from vitrail.ops.conv import reasons
     lay, bf = case.layer, torch.bfloat16
     x = torch.empty(case.batch, lay.C, lay.H, lay.W, dtype=bf, device="meta")
-    w = torch.empty(lay.K, lay.C, lay.R, lay.S, dtype=bf, device="meta")
+    w = torch.empty(lay.K, lay.C // lay.groups, lay.R, lay.S, dtype=bf, device="meta")
     bias = torch.empty(lay.K, dtype=bf, device="meta") if case.activation else None
-    return "; ".join(reasons(x, w, bias, lay.stride, lay.padding, activation=case.activation,
-                             kind=case.kernel))
+    return "; ".join(reasons(x, w, bias, lay.stride, lay.padding, groups=lay.groups,
+                             activation=case.activation, kind=case.kernel))
 
 
 def row(case: Case, impl: str, ms: float | None, **extra) -> Row:
@@ -199,8 +236,8 @@ def row(case: Case, impl: str, ms: float | None, **extra) -> Row:
     lay = case.layer
     info = {"network": case.network, "layer": lay.name, "kind": case.kind, "batch": case.batch,
             "count": lay.count, "geometry": {k: getattr(lay, k) for k in (
-                "C", "H", "W", "K", "R", "S", "stride", "padding")}, **extra}
-    if case.kernel == "dgrad" and lay.stride > 1 and impl.startswith(OURS):
+                "C", "H", "W", "K", "R", "S", "stride", "padding", "groups")}, **extra}
+    if case.kernel == "dgrad" and lay.stride > 1 and lay.groups == 1 and impl.startswith(OURS):
         info["note"] = f"{lay.stride ** 2} unit-stride dgrads, one a stride phase"
     return Row(case=case.name, impl=f"{impl} {case.kind}",
                value=0.0 if ms is None else case.flops / ms / 1e9, unit="TFLOP/s",
@@ -274,14 +311,15 @@ def operations(sms: int = 132) -> list:
     """The ConvOperations the rows run (bf16; in the cases' order, each once): the kernel
     vitrail.ops.conv.kernel gives each layer's kind, wgrad's chunked one where wgrad_chunks
     splits its batch on a GPU of ``sms`` SMs, dgrad's phased one at a stride; none for the 1x1
-    layers (the GEMM's) or refused ones."""
+    layers (the GEMM's), the depthwise ones (NVRTC kernels of their own, built at the first
+    call in seconds) or refused ones."""
     import torch
 
     from vitrail.ops.conv import kernel, wgrad_chunks
     ops = []
     for case in cases():
         lay = case.layer
-        if (lay.R, lay.S, lay.padding) == (1, 1, 0) or refusal(case):
+        if (lay.R, lay.S, lay.padding) == (1, 1, 0) or lay.groups > 1 or refusal(case):
             continue
         p, q = lay.out_hw()
         chunks = (wgrad_chunks(lay.K, lay.R * lay.S * lay.C, case.batch, p * q, sms)
@@ -347,8 +385,8 @@ def _tensors(case: Case):
     cl = torch.channels_last
     p, q = case.layer.out_hw()
     x = torch.randn(case.batch, lay.C, lay.H, lay.W, device="cuda", dtype=bf).to(memory_format=cl)
-    w = (torch.randn(lay.K, lay.C, lay.R, lay.S, device="cuda", dtype=bf)
-         / (lay.C * lay.R * lay.S) ** 0.5).to(memory_format=cl)
+    w = (torch.randn(lay.K, lay.C // lay.groups, lay.R, lay.S, device="cuda", dtype=bf)
+         / (lay.C // lay.groups * lay.R * lay.S) ** 0.5).to(memory_format=cl)
     dy = torch.randn(case.batch, lay.K, p, q, device="cuda", dtype=bf).to(memory_format=cl)
     bias = torch.randn(lay.K, device="cuda", dtype=bf) if case.activation else None
     return x, w, dy, bias
@@ -362,22 +400,24 @@ def _calls(case: Case):
     from vitrail.ops.conv import conv2d
     x, w, dy, bias = _tensors(case)
     lay = case.layer
-    s, pad, one = [lay.stride] * 2, [lay.padding] * 2, [1, 1]
+    s, pad, one, g = [lay.stride] * 2, [lay.padding] * 2, [1, 1], lay.groups
     back = torch.ops.aten.convolution_backward
     if case.kind == "fprop":
-        return (lambda: conv2d(x, w, None, s, pad),
-                lambda: F.conv2d(x, w, None, s, pad))
+        return (lambda: conv2d(x, w, None, s, pad, 1, g),
+                lambda: F.conv2d(x, w, None, s, pad, 1, g))
     if case.kind == "dgrad":
-        return (lambda: torch.ops.vitrail.conv2d_dgrad(dy, w, [lay.H, lay.W], s, pad, pad, one),
-                lambda: back(dy, x, w, None, s, pad, one, False, [0, 0], 1,
+        return (lambda: torch.ops.vitrail.conv2d_dgrad(dy, w, [lay.H, lay.W], s, pad, pad, one,
+                                                       g),
+                lambda: back(dy, x, w, None, s, pad, one, False, [0, 0], g,
                              [True, False, False])[0])
     if case.kind == "wgrad":
-        return (lambda: torch.ops.vitrail.conv2d_wgrad(dy, x, [lay.R, lay.S], s, pad, pad, one),
-                lambda: back(dy, x, w, None, s, pad, one, False, [0, 0], 1,
+        return (lambda: torch.ops.vitrail.conv2d_wgrad(dy, x, [lay.R, lay.S], s, pad, pad, one,
+                                                       g),
+                lambda: back(dy, x, w, None, s, pad, one, False, [0, 0], g,
                              [False, True, False])[1])
     act = {"relu": torch.relu, "silu": F.silu}[case.activation]
-    return (lambda: conv2d(x, w, bias, s, pad, activation=case.activation),
-            lambda: act(F.conv2d(x, w, bias, s, pad)))
+    return (lambda: conv2d(x, w, bias, s, pad, 1, g, activation=case.activation),
+            lambda: act(F.conv2d(x, w, bias, s, pad, 1, g)))
 
 
 def time_case(case: Case) -> list[Row]:
@@ -414,7 +454,8 @@ def time_case(case: Case) -> list[Row]:
 
 
 @register("conv", "vitrail.ops.conv2d fprop/dgrad/wgrad and fused bias+act vs cuDNN: every "
-          "conv of ResNet-50 (batch 128) and an SD U-Net (batch 8), bf16", build,
+          "conv of ResNet-50 (batch 128), an SD U-Net (batch 8) and ConvNeXt-T (batch 64), "
+          "MobileNetV2's depthwise convs (batch 128), bf16", build,
           by_name=True)  # (not in a bare `vitrail bench` until the op's GPU tests all pass)
 def run() -> list[Row]:
     import torch
