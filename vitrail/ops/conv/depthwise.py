@@ -90,7 +90,8 @@ __device__ __forceinline__ void fma(float* acc, const Pack<V>& a, const Pack<V>&
 
 // The geometry: sizes, NHWC strides (in elements) of the pixel-major operands, the filter's
 // k/r/s strides, stride, padding, dilation and the multiplier m = K / C. The kernels take it
-// as scalars (GEOMETRY: a plan replays scalars, not structs) and gather it here.
+// as scalars (DEPTHWISE_PARAMETERS: a plan replays scalars, not structs) and gather it
+// here (DEPTHWISE_GEOMETRY).
 struct Geometry {
   long long n, h, w, c, p, q, k, r, s;
   long long xs[3], ys[3];   // x (or dx) and y (or dy): n, h, w strides; channels packed
@@ -99,12 +100,12 @@ struct Geometry {
 };
 }  // namespace vitrail_dw
 
-#define VITRAIL_DW_GEOMETRY                                                                  \
+#define DEPTHWISE_PARAMETERS                                                                 \
   long long n_, long long h_, long long w_, long long c_, long long p_, long long q_,        \
   long long k_, long long r_, long long s_, long long xs0, long long xs1, long long xs2,     \
   long long ys0, long long ys1, long long ys2, long long ws0, long long ws1, long long ws2, \
   int sh_, int sw_, int ph_, int pw_, int dh_, int dw_, int m_
-#define VITRAIL_DW_G                                                                          \
+#define DEPTHWISE_GEOMETRY                                                                   \
   const vitrail_dw::Geometry g{n_, h_, w_, c_, p_, q_, k_, r_, s_, {xs0, xs1, xs2},          \
                                {ys0, ys1, ys2}, {ws0, ws1, ws2}, {sh_, sw_}, {ph_, pw_},     \
                                {dh_, dw_}, m_}
@@ -118,8 +119,8 @@ template <int kBf16, int V, int Act, int kBias, int kS, int kStride, int TQ>
 __global__ void __launch_bounds__(256) vitrail_dw_fprop(
     const unsigned short* __restrict__ x, const unsigned short* __restrict__ taps,
     const unsigned short* __restrict__ bias, unsigned short* __restrict__ y, float slope,
-    VITRAIL_DW_GEOMETRY) {
-  VITRAIL_DW_G;
+    DEPTHWISE_PARAMETERS) {
+  DEPTHWISE_GEOMETRY;
   using vitrail_dw::Pack;
   const int kv = static_cast<int>(g.k / V), tiles = static_cast<int>((g.q + TQ - 1) / TQ);
   const int t = blockIdx.x * blockDim.x + threadIdx.x;  // (p, tile, channels): channels fastest
@@ -188,8 +189,8 @@ extern "C" __global__ void __launch_bounds__(256) vitrail_dw_taps(
 template <int kBf16, int V>
 __global__ void __launch_bounds__(256) vitrail_dw_dgrad(
     const unsigned short* __restrict__ dy, const unsigned short* __restrict__ taps,
-    unsigned short* __restrict__ dx, VITRAIL_DW_GEOMETRY) {
-  VITRAIL_DW_G;
+    unsigned short* __restrict__ dx, DEPTHWISE_PARAMETERS) {
+  DEPTHWISE_GEOMETRY;
   using vitrail_dw::Pack;
   const int cv = static_cast<int>(g.c / V);
   const int t = blockIdx.x * blockDim.x + threadIdx.x;  // (h, w, channels): channels fastest
@@ -237,8 +238,8 @@ template <int kBf16, int V, int kS, int kStride, int kRun>
 __global__ void __launch_bounds__(256) vitrail_dw_wgrad(
     const unsigned short* __restrict__ dy, const unsigned short* __restrict__ x,
     float* __restrict__ partials, long long per_block, int lanes_k, int segment,
-    VITRAIL_DW_GEOMETRY) {
-  VITRAIL_DW_G;
+    DEPTHWISE_PARAMETERS) {
+  DEPTHWISE_GEOMETRY;
   using vitrail_dw::Pack;
   constexpr int T = kS > 0 ? kS : 1;  // taps a thread sums
   __shared__ float sums[256 * V];
@@ -382,7 +383,7 @@ def _taps(weight: Tensor, buffer: Callable[[int, torch.dtype], Tensor],
     return out.view(r, s, k)
 
 
-# the kernels' parameters (GEOMETRY is a macro, so their signatures are spelled here)
+# the kernels' parameters (DEPTHWISE_PARAMETERS is a macro: their signatures are spelled here)
 _GEOMETRY = ", ".join(["long long"] * 18 + ["int"] * 7)
 _SIGNATURES = {
     "fprop": "const unsigned short*, const unsigned short*, const unsigned short*, "
