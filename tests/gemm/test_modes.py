@@ -32,7 +32,7 @@ def test_split_k_parallel_description_and_source():
     src = SKP.emit()
     assert SKP.name.endswith("_skp")
     assert "static int vitrail_partial_gemm(" in src and 'extern "C" int vitrail_gemm(' in src
-    assert "reduce_slices" in src and "ActClamp<Act, false>" in src
+    assert "reduce_slices" in src and "x = vitrail_act::apply<Act>(x, slope);" in src
     assert src.count('extern "C"') == 2  # the partial GEMM's entry points are static
     with pytest.raises(ValueError, match="persistent tile scheduler"):
         op_of("split_k_parallel", tile_scheduler="stream_k")
