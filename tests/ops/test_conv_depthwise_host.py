@@ -1,5 +1,6 @@
-"""The depthwise kernels' own CUDA source, compiled as host C++ (a block's threads as host
-threads, blocks one after another: one valid schedule) and driven by
+"""The depthwise kernels' own CUDA source, compiled as host C++ (blocks one after another, a
+block's threads in turn or, where they synchronize, as host threads: valid schedules) and
+driven by
 vitrail.ops.conv.depthwise's own host code, against torch's convolution and its gradients in
 fp64 on the CPU: the index math, the vector widths, the strides and every output element
 (NaN-filled outputs and partials) checked without a GPU. The GPU tests run the same kernels."""
@@ -13,9 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-# The device-only parts of the source, for the host: a block's 256 threads run as host threads
-# that meet at a barrier (__syncthreads), blocks one after another (their shared memory is a
-# static); fp16 conversions are not used (bf16 only)
+# The device-only parts of the source, for the host: blocks one after another, a block's 256
+# threads one after another (kernels that never synchronize) or as host threads that meet at a
+# barrier (__syncthreads; a block's shared memory is a static); fp16 conversions are not used
+# (bf16 only)
 _SHIMS = r"""
 #include <barrier>
 #include <cmath>
@@ -40,20 +42,35 @@ static inline unsigned short host_bf16(float f) {  // round to nearest even (fin
   std::memcpy(&u, &f, 4);
   return static_cast<unsigned short>((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
-template <class F> static void run(unsigned gx, unsigned gy, unsigned gz, const F& f) {
+// a grid's blocks in order; a block's threads one after another, or (kSync: the kernel
+// synchronizes them) as 256 host threads that run every block and meet at one barrier, at the
+// kernel's __syncthreads and after each block (its shared memory is the next block's)
+template <bool kSync, class F>
+static void run(unsigned gx, unsigned gy, unsigned gz, const F& f) {
   gridDim = {gx, gy, gz};
   blockDim = {256, 1, 1};
-  for (unsigned z = 0; z < gz; ++z) for (unsigned y = 0; y < gy; ++y)
-    for (unsigned x = 0; x < gx; ++x) {
-      std::barrier<> block(256);
-      block_barrier = &block;
-      std::vector<std::thread> threads;
-      for (unsigned t = 0; t < 256; ++t)
-        threads.emplace_back([&, x, y, z, t] { blockIdx = {x, y, z}; threadIdx = {t, 0, 0}; f(); });
-      for (auto& thread : threads) thread.join();
-    }
+  auto blocks = [&](unsigned t) {
+    threadIdx = {t, 0, 0};
+    for (unsigned z = 0; z < gz; ++z) for (unsigned y = 0; y < gy; ++y)
+      for (unsigned x = 0; x < gx; ++x) {
+        blockIdx = {x, y, z};
+        if (!kSync) {
+          for (unsigned u = 0; u < 256; ++u) { threadIdx = {u, 0, 0}; f(); }
+          continue;
+        }
+        f();
+        block_barrier->arrive_and_wait();
+      }
+  };
+  if (!kSync) return blocks(0);
+  std::barrier<> barrier(256);
+  block_barrier = &barrier;
+  std::vector<std::thread> threads;
+  for (unsigned t = 0; t < 256; ++t) threads.emplace_back(blocks, t);
+  for (auto& thread : threads) thread.join();
 }
 """
+_SYNCHRONIZING = ("wgrad", "sum")  # the kernels that call __syncthreads
 _LOAD_F16 = """  float f;
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
   return f;"""
@@ -72,7 +89,8 @@ def _entry(j: int, kind: str, template: tuple, signature: str) -> tuple[str, lis
     name = f"vitrail_dw_{kind}" + (f"<{', '.join(map(str, template))}>" if template else "")
     source = (f'extern "C" void entry{j}(unsigned gx, unsigned gy, unsigned gz, '
               f'{", ".join(f"{t} {a}" for t, a in zip(types, names))}) {{\n'
-              f'  run(gx, gy, gz, [&] {{ {name}({", ".join(names)}); }});\n}}\n')
+              f'  run<{str(kind in _SYNCHRONIZING).lower()}>(gx, gy, gz, '
+              f'[&] {{ {name}({", ".join(names)}); }});\n}}\n')
     grid = [ctypes.c_uint] * 3
     return source, grid + [ctypes.c_void_p if t.endswith("*") else _C_TYPES[t] for t in types]
 
