@@ -108,6 +108,8 @@ CASES = [  # C, m, R, S, stride, padding, dilation, activation, width
     (16, 2, 4, 4, (3, 3), (0, 0), (1, 1), "silu", 11),  # 2 filters a channel, pixels no tap reaches
     (40, 1, 5, 9, (1, 1), (3, 4), (2, 1), None, 75),  # rows dilated; runs of outputs in dw
     (16, 1, 3, 10, (1, 2), (1, 4), (1, 1), "silu", 23),  # wider than the kernels compile in
+    (8, 1, 2, 2, (3, 3), (0, 0), (1, 1), None, 11),  # dx phases that no tap reaches: zeros
+    (24, 1, 5, 3, (2, 3), (2, 1), (1, 1), None, 14),  # dx: 6 phases of 3x1, 3x1, 2x1 taps
 ]
 SEGMENT = 4  # dw's segments: many units, and more partials than the sum's 8 lanes
 

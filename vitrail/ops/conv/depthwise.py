@@ -171,16 +171,18 @@ __global__ void __launch_bounds__(256) vitrail_dw_fprop(
   }
 }
 
-// The filter (K, R, S; any strides) as its taps: out[r][s][k], packed, so that a thread's V
-// channels of a tap are one vector and a warp's loads one run of memory; flipped (out[r][s]
-// = the filter's [R - 1 - r][S - 1 - s]) for a dgrad that runs as an fprop.
+// The filter's taps (r0 + rstep i, s0 + sstep j) for i < r, j < s (K of them each; the
+// filter's strides wk, wr, ws) as out[i][j][k], packed, so that a thread's V channels of a tap
+// are one vector and a warp's loads one run of memory; flipped (out[i][j] = tap (r - 1 - i,
+// s - 1 - j)) for a dgrad that runs as an fprop.
 extern "C" __global__ void __launch_bounds__(256) vitrail_dw_taps(
     const unsigned short* __restrict__ wt, unsigned short* __restrict__ out, long long k,
-    long long r, long long s, long long wk, long long wr, long long ws, int flip) {
+    long long r, long long s, long long wk, long long wr, long long ws, int flip, int r0,
+    int rstep, int s0, int sstep) {
   for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
        i < k * r * s; i += static_cast<long long>(gridDim.x) * blockDim.x) {
     const long long kk = i % k, tap = flip ? r * s - 1 - i / k : i / k;
-    out[i] = wt[kk * wk + tap / s * wr + tap % s * ws];
+    out[i] = wt[kk * wk + (r0 + tap / s * rstep) * wr + (s0 + tap % s * sstep) * ws];
   }
 }
 
@@ -377,10 +379,17 @@ def _taps(weight: Tensor, buffer: Callable[[int, torch.dtype], Tensor],
     of a tap are one vector load."""
     k, _, r, s = weight.shape
     out = buffer(k * r * s, weight.dtype)
-    wk, _, wr, ws = weight.stride()
-    _kernel("taps")[_grid(k * r * s), THREADS](weight.data_ptr(), out, k, r, s, wk, wr, ws,
-                                                int(flip))
+    _lay_out(weight, out, (0, 1, r), (0, 1, s), flip)
     return out.view(r, s, k)
+
+
+def _lay_out(weight: Tensor, out: Tensor, rows: tuple, columns: tuple, flip: bool) -> None:
+    """out (packed) = the filter's taps at rows r0 + rstep i (i < count) and columns s0 +
+    sstep j, (rows, columns) = ((r0, rstep, count), (s0, sstep, count)), as (i, j, K)."""
+    (r0, rstep, rc), (s0, sstep, sc), k = rows, columns, weight.shape[0]
+    wk, _, wr, ws = weight.stride()
+    _kernel("taps")[_grid(k * rc * sc), THREADS](weight.data_ptr(), out, k, rc, sc, wk, wr, ws,
+                                                  int(flip), r0, rstep, s0, sstep)
 
 
 # the kernels' parameters (DEPTHWISE_PARAMETERS is a macro: their signatures are spelled here)
@@ -391,7 +400,8 @@ _SIGNATURES = {
     "dgrad": "const unsigned short*, const unsigned short*, unsigned short*, " + _GEOMETRY,
     "wgrad": "const unsigned short*, const unsigned short*, float*, long long, int, int, "
              + _GEOMETRY,
-    "taps": "const unsigned short*, unsigned short*, " + ", ".join(["long long"] * 6) + ", int",
+    "taps": "const unsigned short*, unsigned short*, " + ", ".join(["long long"] * 6)
+            + ", int, int, int, int, int",
     "sum": "const float*, unsigned short*, long long, long long",
 }
 
@@ -461,9 +471,10 @@ def fprop(x: Tensor, weight: Tensor, bias: Optional[Tensor], y: Tensor, stride, 
 def dgrad(dy: Tensor, weight: Tensor, dx: Tensor, stride, pad, dilation,
           buffer: Callable[[int, torch.dtype], Tensor]) -> None:
     """dx (NHWC view) of a depthwise convolution from dy (NHWC view), every pixel written;
-    buffer(n, dtype): scratch for the filter's taps. At stride 1 with one filter a channel it
-    is the forward convolution of dy with the flipped filter (the fprop kernel, its columns
-    compiled in where they can be); else a gather, pixel by pixel."""
+    buffer(n, dtype): scratch for the filter's taps. With one filter a channel it is the
+    forward convolution of dy with the flipped filter (the fprop kernel, its columns compiled
+    in where they can be) at stride 1, and one such convolution a stride phase without
+    dilation (_phased); else a gather, pixel by pixel."""
     k, _, r, s = weight.shape
     m = k // dx.shape[3]
     v = _vector(m, dx.shape[3], dy, dx)
@@ -471,6 +482,9 @@ def dgrad(dy: Tensor, weight: Tensor, dx: Tensor, stride, pad, dilation,
         flipped = (dilation[0] * (r - 1) - pad[0], dilation[1] * (s - 1) - pad[1])
         _forward(dy, _taps(weight, buffer, flip=True), None, dx, (1, 1), flipped, dilation, 0,
                  v, 0.01, "dgrad")
+        return
+    if m == 1 and tuple(dilation) == (1, 1):
+        _phased(dy, weight, dx, stride, pad, v, buffer)
         return
     taps = _taps(weight, buffer)
     n, h, w, c = dx.shape
@@ -482,6 +496,36 @@ def dgrad(dy: Tensor, weight: Tensor, dx: Tensor, stride, pad, dilation,
         kernel[(blocks, count), THREADS](dys.data_ptr(), taps, dxs.data_ptr(),
                                          *_geometry(dxs, dys, taps, stride, pad, dilation))
     _images(launch, n)
+
+
+def _phase(a: int, stride: int, pad: int, taps: int) -> tuple[int, int, int]:
+    """Of the dx pixels a + stride i along one axis: the first filter tap that reaches them, r0
+    (the taps r0 + stride j do), their count, and the flipped taps' padding over dy."""
+    r0 = (a + pad) % stride
+    count = max(0, -(-(taps - r0) // stride))
+    return r0, count, count - 1 - (a + pad - r0) // stride
+
+
+def _phased(dy: Tensor, weight: Tensor, dx: Tensor, stride, pad, v: int,
+            buffer: Callable[[int, torch.dtype], Tensor]) -> None:
+    """A strided dx (m = 1, no dilation) as its stride phases: the pixels dx[a + sh i, b + sw
+    j] are the unit-stride fprop of dy with the filter taps that reach them, flipped (taps r
+    = r0 + sh j' for row phase a); a phase no tap reaches is written as zeros (the fprop of no
+    taps). The phases' taps share one buffer of the filter's size."""
+    (sh, sw), (k, _, r, s) = stride, weight.shape
+    taps = buffer(k * r * s, weight.dtype)
+    used = 0
+    for a in range(min(sh, dx.shape[1])):
+        r0, rc, pad_h = _phase(a, sh, pad[0], r)
+        for b in range(min(sw, dx.shape[2])):
+            s0, sc, pad_w = _phase(b, sw, pad[1], s)
+            t = taps[used:used + k * rc * sc].view(rc, sc, k) if rc * sc else taps[:0].view(
+                0, 0, k)
+            if rc * sc:
+                _lay_out(weight, t, (r0, sh, rc), (s0, sw, sc), flip=True)
+                used += k * rc * sc
+            _forward(dy, t, None, dx[:, a::sh, b::sw], (1, 1), (pad_h, pad_w), (1, 1), 0, v,
+                     0.01, "dgrad")
 
 
 def wgrad(dy: Tensor, x: Tensor, dw: Tensor, stride, pad, dilation,
