@@ -234,8 +234,8 @@ __global__ void __launch_bounds__(256) vitrail_dw_dgrad(
 // units [b per_block, (b + 1) per_block) for the channel vectors [z lanes_k, (z + 1) lanes_k)
 // and filter row y (kS > 0: all kS taps of it, a thread loading the dy and input pixels of
 // kRun outputs at once, then summing them; kS = 0: tap y = (r, s) alone, any stride and
-// dilation). A thread owns V channels of one unit at a time (lanes_k threads a
-// unit, 256 / lanes_k units at once); the block adds its threads' sums in shared memory.
+// dilation). A thread owns V channels of one unit at a time (lanes_k threads a unit, 256 /
+// lanes_k units at once); the block adds its threads' sums in shared memory.
 template <int kBf16, int V, int kS, int kStride, int kRun>
 __global__ void __launch_bounds__(256) vitrail_dw_wgrad(
     const unsigned short* __restrict__ dy, const unsigned short* __restrict__ x,
