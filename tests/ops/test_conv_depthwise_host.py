@@ -1,4 +1,5 @@
-"""The depthwise kernels' own CUDA source, compiled as host C++ (blocks one after another, a
+"""The depthwise kernels' own CUDA source (and the shared sum of dw's partials,
+vitrail.ops.conv.partials), compiled as host C++ (blocks one after another, a
 block's threads in turn or, where they synchronize, as host threads: valid schedules) and
 driven by
 vitrail.ops.conv.depthwise's own host code, against torch's convolution and its gradients in
@@ -83,10 +84,11 @@ _C_TYPES = {"long long": ctypes.c_longlong, "int": ctypes.c_int, "float": ctypes
 
 def _entry(j: int, kind: str, template: tuple, signature: str) -> tuple[str, list]:
     """An extern "C" function entry<j>(gx, gy, gz, kernel arguments...) that runs the kernel's
-    grid on the host, and its ctypes argument types."""
+    grid on the host, and its ctypes argument types (kind "sum": the shared sum of partials)."""
     types = [t.strip() for t in signature.split(",")]
     names = [f"a{i}" for i in range(len(types))]
-    name = f"vitrail_dw_{kind}" + (f"<{', '.join(map(str, template))}>" if template else "")
+    name = ("vitrail_conv_partials_sum" if kind == "sum" else f"vitrail_dw_{kind}") + (
+        f"<{', '.join(map(str, template))}>" if template else "")
     source = (f'extern "C" void entry{j}(unsigned gx, unsigned gy, unsigned gz, '
               f'{", ".join(f"{t} {a}" for t, a in zip(types, names))}) {{\n'
               f'  run<{str(kind in _SYNCHRONIZING).lower()}>(gx, gy, gz, '
@@ -144,19 +146,23 @@ def _convolve(depthwise, C, m, R, S, stride, padding, dilation, activation, widt
 
 @pytest.fixture(scope="module")
 def host_kernels(tmp_path_factory):
-    """depthwise._kernel answering with the kernels built as one host library: the kernels
-    that the host code launches for CASES (a first pass over them, launching nothing, lists
-    them)."""
+    """depthwise._kernel (and partials._kernel, the sum of dw's partials: kind "sum")
+    answering with the kernels built as one host library: the kernels that the host code
+    launches for CASES (a first pass over them, launching nothing, lists them)."""
     compiler = shutil.which("g++")
     if compiler is None:
         pytest.skip("needs g++")
-    from vitrail.ops.conv import depthwise
-    source = depthwise._SOURCE
-    for device, host in ((_LOAD_F16, "  return 0.f;  // fp16: not emulated"),
-                         (_STORE, "  return host_bf16(f);"), ("__expf(", "host_expf(")):
-        assert device in source, f"the kernels' source changed: update the shims ({device!r})"
-        source = source.replace(device, host)
-    saved = depthwise._kernel, depthwise.SEGMENT
+    from vitrail.ops.conv import depthwise, partials
+    sources = [depthwise._SOURCE, partials.SOURCE]
+    for device, host, where in ((_LOAD_F16, "  return 0.f;  // fp16: not emulated", (0,)),
+                                (_STORE, "  return host_bf16(f);", (0, 1)),
+                                ("__expf(", "host_expf(", (0,))):
+        for i in where:
+            assert device in sources[i], (f"the kernels' source changed: update the shims "
+                                          f"({device!r})")
+            sources[i] = sources[i].replace(device, host)
+    source = "".join(sources)
+    saved = depthwise._kernel, depthwise.SEGMENT, partials._kernel
     kernels: list[tuple] = []
 
     class Listed:  # depthwise._kernel(kind, *template)
@@ -167,12 +173,15 @@ def host_kernels(tmp_path_factory):
         def __getitem__(self, config):
             return lambda *args: None
     depthwise._kernel, depthwise.SEGMENT = Listed, SEGMENT
+    partials._kernel = lambda bf16: Listed("sum", bf16)
     try:
         for case in CASES:
             _convolve(depthwise, *case)
     finally:
-        depthwise._kernel, depthwise.SEGMENT = saved
-    entries = [_entry(j, kind, template, depthwise._SIGNATURES[kind])
+        depthwise._kernel, depthwise.SEGMENT, partials._kernel = saved
+    assert ("sum", (1,)) in kernels, "the sum of dw's partials is no longer partials._kernel's"
+    signatures = dict(depthwise._SIGNATURES, sum=partials.SIGNATURE)
+    entries = [_entry(j, kind, template, signatures[kind])
                for j, (kind, template) in enumerate(kernels)]
     path = tmp_path_factory.mktemp("depthwise")
     (path / "k.cpp").write_text(_SHIMS + source + "".join(e for e, _ in entries))
@@ -196,8 +205,9 @@ def host_kernels(tmp_path_factory):
                 a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args))
 
     depthwise._kernel = Launch
+    partials._kernel = lambda bf16: Launch("sum", bf16)
     yield depthwise
-    depthwise._kernel = saved[0]
+    depthwise._kernel, partials._kernel = saved[0], saved[2]
 
 
 @pytest.mark.parametrize("C, m, R, S, stride, padding, dilation, activation, width", CASES)

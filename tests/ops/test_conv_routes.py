@@ -122,7 +122,7 @@ def test_wgrad_in_chunks_sums_every_chunks_partial(monkeypatch):
             d[i * k:(i + 1) * k] = dw.permute(0, 2, 3, 1).to(d.dtype)
         runs.append(splits)
     monkeypatch.setattr(C2D, "_run", kernel)
-    monkeypatch.setattr(C2D, "_sum_partials",  # the sum's kernel, as torch computes it
+    monkeypatch.setattr(C2D, "sum_partials",  # the sum's kernel, as torch computes it
                         lambda partials, dw, splits: dw.copy_(
                             partials.view(splits, *dw.shape).sum(0)))
     monkeypatch.setattr(C2D, "sm_count", lambda index=None: 132)
@@ -243,7 +243,7 @@ def test_a_depthwise_thread_owns_the_widest_vector_every_view_allows():
 @requires_nvrtc
 @pytest.mark.parametrize("kind, template", [
     ("fprop", (1, 8, 5, 1, 7, 2, 4)), ("fprop", (0, 1, 0, 0, 0, 0, 1)), ("dgrad", (1, 8)),
-    ("wgrad", (1, 8, 9, 2, 4)), ("wgrad", (0, 1, 0, 0, 1)), ("taps", ()), ("sum", (0,))])
+    ("wgrad", (1, 8, 9, 2, 4)), ("wgrad", (0, 1, 0, 0, 1)), ("taps", ())])
 def test_the_depthwise_kernels_compile(kind, template, tmp_path, monkeypatch):
     """The depthwise kernels build with NVRTC for sm_90a (bf16 8 channels a thread with a bias
     and silu, a 7-wide filter compiled in; fp16 one channel a thread, tap by tap; each kind)
@@ -255,10 +255,40 @@ def test_the_depthwise_kernels_compile(kind, template, tmp_path, monkeypatch):
     monkeypatch.setattr(depthwise, "_KERNELS", {})
     params = depthwise._kernel(kind, *template).compile().proto.params
     assert {p.kind for p in params} == {"pointer", "scalar"}
-    if kind in ("taps", "sum"):
+    if kind == "taps":
         return
     x = torch.empty(2, 9, 7, 16, dtype=torch.bfloat16)
     geometry = depthwise._geometry(x, x[:, :5, :4], torch.empty(3, 3, 16), (2, 2), (1, 1),
                                    (1, 1))
     assert len(geometry) == 25 and geometry[15:18] == (1, 48, 16)  # the taps' k, r, s strides
     assert [p.type for p in params[-25:]] == ["long long"] * 18 + ["int"] * 7
+
+
+@requires_nvrtc
+@pytest.mark.parametrize("bf16", [0, 1])
+def test_the_sum_of_partials_compiles(bf16, tmp_path, monkeypatch):
+    """The one sum of dw's fp32 partials (the chunked wgrad's and depthwise's) builds with NVRTC
+    for sm_90a, fp16 and bf16, and takes pointers and scalars only (as a plan replays)."""
+    from vitrail.ops.conv import partials
+    monkeypatch.setenv("VITRAIL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("VITRAIL_ARCH", "90a")
+    monkeypatch.setattr(partials, "_KERNELS", {})
+    params = partials._kernel(bf16).compile().proto.params
+    assert [p.type for p in params] == ["float*", "unsigned short*", "long long", "long long"]
+    assert {p.kind for p in params} == {"pointer", "scalar"}
+
+
+def test_the_sum_of_partials_refuses_what_it_cannot_write():
+    """sum_partials writes a packed bf16 or fp16 dw from packed fp32 partials; anything else is
+    a ValueError saying what it got (before any launch)."""
+    from vitrail.ops.conv.partials import sum_partials
+    dw = torch.empty(4, 3, 3, 8, dtype=torch.bfloat16)
+    parts = torch.empty(2 * dw.numel(), dtype=torch.float32)
+    with pytest.raises(ValueError, match="packed"):
+        sum_partials(parts, dw.permute(0, 3, 1, 2), 2)
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        sum_partials(parts, dw.float(), 2)
+    with pytest.raises(ValueError, match="fp32 blocks"):
+        sum_partials(parts[:-1], dw, 2)
+    with pytest.raises(ValueError, match="fp32 blocks"):
+        sum_partials(parts.double(), dw, 2)

@@ -67,6 +67,7 @@ from vitrail.gemm.ops.launch import run_into
 from vitrail.gemm.ops.operands import warn_once
 from vitrail.jit.errors import ArgumentError
 from vitrail.ops.conv import depthwise
+from vitrail.ops.conv.partials import sum_partials
 from vitrail.ops.common import (DISPATCH, EAGER, autograd_apply, call_mode, check_same_device,
                                 check_tensor)
 from vitrail.plan import Plans, keep, scratch, setup, signature
@@ -614,46 +615,7 @@ def _wgrad(dy: Tensor, x: Tensor, dw: Tensor, pad, stride, dilation, pad_hi) -> 
     partials = scratch(splits * k * r * s * c, torch.float32, dy.device)
     partials = partials.view(splits * k, r, s, c)
     _run("wgrad", dy, x, partials, None, None, pad, stride, dilation, pad_hi, splits)
-    _sum_partials(partials, dw, splits)
-
-
-# dw[i] = the sum of the chunks' fp32 partials (chunk j's at j n + i), rounded once to bf16
-# (kBf16) or fp16: a launch of our own, so that a plan replays it (an aten sum would not be)
-_SUM = r"""
-template <int kBf16>
-__global__ void vitrail_conv_partials_sum(const float* __restrict__ partials, void* dw,
-                                          long long n, int splits) {
-  unsigned short* out = static_cast<unsigned short*>(dw);
-  const long long step = static_cast<long long>(gridDim.x) * blockDim.x;
-  for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += step) {
-    float acc = 0.f;
-    for (int s = 0; s < splits; ++s) acc += partials[s * n + i];
-    unsigned short v;
-    if (kBf16) {
-      asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(v) : "f"(acc));
-    } else {
-      asm("cvt.rn.f16.f32 %0, %1;" : "=h"(v) : "f"(acc));
-    }
-    out[i] = v;
-  }
-}
-"""
-_SUMS: dict[torch.dtype, object] = {}
-
-
-def _sum_partials(partials: Tensor, dw: Tensor, splits: int) -> None:
-    """dw (packed, bf16 or fp16) = the sum of partials' splits fp32 blocks of dw's size."""
-    if not dw.is_contiguous():
-        raise AssertionError(f"{NAME}: the chunks' sum writes a packed dw, got strides "
-                             f"{dw.stride()}")
-    kernel = _SUMS.get(dw.dtype)
-    if kernel is None:
-        from vitrail import jit
-        kernel = _SUMS.setdefault(dw.dtype, jit.RawKernel(
-            _SUM, f"vitrail_conv_partials_sum<{int(dw.dtype is torch.bfloat16)}>"))
-    n = dw.numel()
-    kernel[min(1024, -(-n // 256)), 256](partials, dw, n, splits)
+    sum_partials(partials, dw, splits)
 
 
 @_conv2d_wgrad.register_fake

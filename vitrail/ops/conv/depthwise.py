@@ -17,8 +17,9 @@ taps (R, S, K), laid out by a launch of their own (_taps): a tap's V filters are
   gather (no atomics), any stride and dilation;
 - wgrad: dw[k, r, s] = sum over pixels dy[n, p, q, k] * x[n, h, w, k / m]: a block sums runs of
   output rows for a filter row, its threads' sums added in shared memory into one fp32 partial
-  of dw a block column, and one more launch adds the partials in one order and rounds once:
-  deterministic, no atomics.
+  of dw a block column, and one more launch adds the partials in one order and rounds once
+  (vitrail.ops.conv.partials, the chunked implicit-GEMM wgrad's sum too): deterministic, no
+  atomics.
 
 The kernels are NVRTC RawKernels (vitrail.jit), launched on the current stream, so a plan
 (vitrail.plan) records and replays them as it does the CUTLASS ones.
@@ -31,6 +32,7 @@ import torch
 from torch import Tensor
 
 from vitrail.gemm.epilogue import ACT_IDS, ACTIVATION_MATH
+from vitrail.ops.conv.partials import sum_partials
 
 THREADS = 256
 MAX_WIDTH = 9  # the widest filter whose columns the kernels compile in
@@ -303,27 +305,6 @@ __global__ void __launch_bounds__(256) vitrail_dw_wgrad(
     }
   }
 }
-
-// dw (its K R S elements packed; bf16 or fp16) = the sum of `blocks` fp32 partials of its size,
-// in one order: a block's 32 outputs, 8 threads each adding every 8th partial, then those 8
-template <int kBf16>
-__global__ void __launch_bounds__(256) vitrail_dw_sum(
-    const float* __restrict__ partials, unsigned short* __restrict__ dw, long long n,
-    long long blocks) {
-  __shared__ float sums[8][32];
-  const int o = threadIdx.x % 32, lane = threadIdx.x / 32;
-  const long long i = blockIdx.x * 32LL + o;
-  float sum = 0.f;
-  for (long long b = lane; i < n && b < blocks; b += 8) sum += partials[b * n + i];
-  sums[lane][o] = sum;
-  __syncthreads();
-  if (lane == 0 && i < n) {
-    float total = 0.f;
-#pragma unroll
-    for (int l = 0; l < 8; ++l) total += sums[l][o];
-    dw[i] = vitrail_dw::store<kBf16>(total);
-  }
-}
 """
 _KERNELS: dict[str, object] = {}
 
@@ -403,7 +384,6 @@ _SIGNATURES = {
              + _GEOMETRY,
     "taps": "const unsigned short*, unsigned short*, " + ", ".join(["long long"] * 6)
             + ", int, int, int, int, int",
-    "sum": "const float*, unsigned short*, long long, long long",
 }
 
 
@@ -555,4 +535,4 @@ def wgrad(dy: Tensor, x: Tensor, dw: Tensor, stride, pad, dilation,
     kernel[(blocks, taps_y, vectors_z), THREADS](
         dy.data_ptr(), x.data_ptr(), out, per_block, lanes_k, segment,
         *_geometry(x, dy, dw.permute(2, 3, 0, 1)[..., 0], stride, pad, dilation))
-    _kernel("sum", _bf16(dw))[-(-dw.numel() // 32), THREADS](out, dw, dw.numel(), blocks)
+    sum_partials(out, dw, blocks)
