@@ -61,11 +61,11 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _load_ops(extra: list[str]) -> dict:
     from vitrail import ops
-    from vitrail.op import REGISTRY
+    from vitrail.op import registry
     ops.load_all()  # vitrail's op families register themselves; --module adds others
     for name in extra or []:
         importlib.import_module(name)
-    return REGISTRY
+    return registry()
 
 
 def _families(registry: dict) -> dict[str, list[str]]:

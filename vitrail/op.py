@@ -1,4 +1,10 @@
-"""An Op: a tunable kernel family bound to the JIT, from problem to launch in one call.
+"""Ops and op families: tunable kernels bound to the JIT, from problem to launch in one call.
+
+An op family (``OpFamily``) is the unit of the library: one object per op (softmax, copy, the
+GEMM kinds, the sympow kernels). Its variants are keys (the path, dtypes, vector width...: what
+the kernel source is instantiated for), each an Op made on its first use; the key is part of the
+Op's name, so of its compile and tuning keys. The family's ``configs.route(problem, limits)`` is
+the pure choice of a variant and of the problem its heuristic and tuner take.
 
     op(problem_key, problem, *args)
       -> config   (memoized per problem and policy; else the tuning store, the heuristic, or
@@ -26,7 +32,8 @@ from vitrail.tune.settings import PickBest, current, current_policy
 from vitrail.tune.space import Config, Limits, Space, limits
 from vitrail.tune.tuner import Tunable, compile_all, pick
 
-REGISTRY: dict[str, "Op"] = {}
+REGISTRY: dict[str, "Op"] = {}  # Ops made outside a family (register=True), by name
+OP_FAMILIES: dict[str, "OpFamily"] = {}
 
 
 @dataclass(frozen=True)
@@ -206,3 +213,58 @@ class Op:
 
     def __repr__(self) -> str:
         return f"<Op '{self.name}': {len(self.space.params)} parameters, {self.space.size} configs>"
+
+
+class OpFamily:
+    """An op family: its variants, an Op each, made on first use from a key.
+
+    Args:
+        name: the family's name (its variants' names begin with it, or with one of the public
+            functions it serves: softmax's are softmax.* and log_softmax.*).
+        make: key -> the keyword arguments of the variant's Op (name, space, kernel_source,
+            render, launch; examples, make_problem, shape): what the key instantiates.
+        keys: () -> every variant's key, what ``vitrail tune`` and ``precompile`` can name; None
+            for a family of too many to list (the GEMM kinds): the CLI knows the ones made so
+            far, and ``listed`` the ones it always knows.
+        listed: keys the CLI knows even where ``keys`` is None (precompile's defaults).
+        register: whether the CLI knows the family (``vitrail tune``, ``precompile``).
+    """
+
+    def __init__(self, name: str, make: Callable[[Any], dict], *,
+                 keys: Callable[[], Iterable[Any]] | None = None, listed: Iterable[Any] = (),
+                 register: bool = True):
+        self.name, self._make, self._keys, self._listed = name, make, keys, tuple(listed)
+        self._variants: dict[Any, Op] = {}
+        self._lock = threading.Lock()
+        if register:
+            OP_FAMILIES[name] = self
+
+    def __getitem__(self, key: Any) -> Op:
+        op = self._variants.get(key)
+        if op is None:
+            with self._lock:
+                op = self._variants.get(key)
+                if op is None:
+                    op = self._variants[key] = Op(**self._make(key), register=False)
+        return op
+
+    def keys(self) -> list:
+        """The variants' keys the CLI can name: every one, or (keys None) the listed ones and
+        those made so far."""
+        if self._keys is not None:
+            return list(self._keys())
+        return list(dict.fromkeys([*self._listed, *self._variants]))
+
+    def made(self) -> dict[Any, Op]:
+        """The variants made so far, by key."""
+        return dict(self._variants)
+
+    def __repr__(self) -> str:
+        return f"<OpFamily '{self.name}': {len(self._variants)} variants made>"
+
+
+def registry() -> dict[str, Op]:
+    """Every Op the CLI can name: each family's variants (made here where they were not yet) and
+    the Ops made outside a family, by name."""
+    ops = {op.name: op for f in OP_FAMILIES.values() for op in (f[k] for k in f.keys())}
+    return {**ops, **REGISTRY}

@@ -16,7 +16,7 @@ import torch
 
 from examples.memory_bound_op.rms_norm import ENTRY, HERE, compile_kwargs, config
 from vitrail.device import vector
-from vitrail.op import Op
+from vitrail.op import OpFamily
 from vitrail.ops.common import FLOATS, check_tensor
 from vitrail.tune import Space, max_threads, require
 
@@ -38,12 +38,17 @@ def _launch(module, c, y, x2, eps):
     module.rms_norm(y.data_ptr(), x2.data_ptr(), x2.shape[0], x2.shape[1], x2.stride(0), eps)
 
 
-# One Op per dtype (the kernel is a template on T). register=False keeps it out of the CLI's
-# registry; register it (the default) to reach it with `vitrail tune --module ...`.
-OPS = {dtype: Op(f"example.rms_norm.{str(dtype).removeprefix('torch.')}", space=SPACE,
-                 kernel_source=KERNEL, render=lambda c, dtype=dtype: compile_kwargs(c, dtype),
-                 launch=_launch, examples=[(4096, dtype)], register=False)
-       for dtype in FLOATS}
+def _variant(dtype: torch.dtype) -> dict:
+    """The Op of one dtype: its name (the tuning key), space, source, render and launch."""
+    return dict(name=f"example.rms_norm.{str(dtype).removeprefix('torch.')}", space=SPACE,
+                kernel_source=KERNEL, render=lambda c: compile_kwargs(c, dtype),
+                launch=_launch, examples=[(4096, dtype)])
+
+
+# The op family: an Op per dtype (the kernel is a template on T), made on first use.
+# register=False keeps it out of the CLI; register it (the default) to reach it with
+# `vitrail tune --module ...`.
+FAMILY = OpFamily("example.rms_norm", _variant, keys=lambda: FLOATS, register=False)
 
 
 @torch.library.custom_op("example::rms_norm", mutates_args=())
@@ -58,7 +63,7 @@ def rms_norm_op(x: torch.Tensor, eps: float) -> torch.Tensor:
         x2 = x2.contiguous()
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     # the problem key says which problems share a tuned config; the problem feeds the heuristic
-    OPS[x.dtype](f"n={n}", (n, x.dtype), y, x2, eps)
+    FAMILY[x.dtype](f"n={n}", (n, x.dtype), y, x2, eps)
     return y.view(x.shape)
 
 
@@ -98,7 +103,7 @@ def build() -> None:
     from vitrail.bench.memory import build_configs
     from vitrail.tune import limits
     lim = limits()
-    build_configs([(OPS[dt], SPACE.default((n, dt), lim)) for (_, n), dt in CASES], "rms_norm")
+    build_configs([(FAMILY[dt], SPACE.default((n, dt), lim)) for (_, n), dt in CASES], "rms_norm")
 
 
 def run() -> list:

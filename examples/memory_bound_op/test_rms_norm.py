@@ -34,14 +34,14 @@ def test_values(shape, dtype):
 # ------------------------------------------------------------- the op: space, custom op, bench
 def test_the_heuristic_is_the_hand_written_config_and_fits_hopper():
     from examples.memory_bound_op import rms_norm
-    from examples.memory_bound_op.op import OPS, SPACE
+    from examples.memory_bound_op.op import FAMILY, SPACE
     from vitrail.tune import limits
     lim = limits(arch="90a")
     for n in (8, 1000, 4096, 32768):
         chosen = SPACE.default((n, torch.bfloat16), lim)
         assert dict(chosen) == rms_norm.config(n, torch.bfloat16)
         # the Op compiles what the plain function compiles: one cache entry for both
-        assert (OPS[torch.bfloat16].render(chosen)
+        assert (FAMILY[torch.bfloat16].render(chosen)
                 == rms_norm.compile_kwargs(rms_norm.config(n, torch.bfloat16), torch.bfloat16))
     assert len(SPACE.valid(lim)) > 1  # something for PickBest to choose from
 

@@ -17,14 +17,15 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 @requires_nvcc
 def test_compile_each_kernel(monkeypatch):
     monkeypatch.setenv("VITRAIL_ARCH", "90a")
-    from vitrail.ops.copy import FLAT_OPS, ROWS_OPS, TILED_OPS, TRANSPOSE_OPS
+    from vitrail.ops.copy import FAMILY, Variant
     from vitrail.tune import limits
     lim = limits(arch="90a")
-    for op in (FLAT_OPS[torch.bfloat16, torch.float32, 4], TILED_OPS[torch.float16, torch.float32],
-               TRANSPOSE_OPS[torch.float32, torch.bfloat16]):
+    for op in (FAMILY[Variant("flat", torch.bfloat16, torch.float32, 4)],
+               FAMILY[Variant("tiled", torch.float16, torch.float32)],
+               FAMILY[Variant("transpose", torch.float32, torch.bfloat16)]):
         res = op.module(op.space.default(None, lim)).resources()
         assert res and not any(r.spills for r in res.values())
-    op = ROWS_OPS[torch.bfloat16, torch.float32, 4]
+    op = FAMILY[Variant("rows", torch.bfloat16, torch.float32, 4)]
     for problem in [(1000, 8), (20, 8)]:
         res = op.module(op.space.default(problem, lim)).resources()
         assert res and not any(r.spills for r in res.values())
@@ -82,9 +83,9 @@ def _transposes(src, dst):
 @pytest.mark.parametrize("src", DTYPES)
 @pytest.mark.parametrize("dst", DTYPES)
 def test_vector_transpose(src, dst):
-    from vitrail.ops.copy import TILED_OPS, TRANSPOSE_OPS, copy, route
+    from vitrail.ops.copy import FAMILY, Variant, copy, route
     for name, x, out in _transposes(src, dst):
-        assert route(x, out)[0] is TRANSPOSE_OPS[src, dst], name
+        assert route(x, out)[0] is FAMILY[Variant("transpose", src, dst)], name
         out.fill_(float("nan"))
         copy(x, out=out)
         assert torch.equal(out, x.to(dst)), name
@@ -93,7 +94,7 @@ def test_vector_transpose(src, dst):
     shifted = torch.randn(4681, device="cuda").to(src)[1:].view(130, 36)
     for name, y in (("row stride", x[:, :35].t()), ("offset", shifted.t())):
         out = torch.empty(y.shape, device="cuda", dtype=dst)
-        assert route(y, out)[0] is TILED_OPS[src, dst], name
+        assert route(y, out)[0] is FAMILY[Variant("tiled", src, dst)], name
         copy(y, out=out)
         assert torch.equal(out, y.to(dst)), name
 
@@ -114,20 +115,20 @@ def test_rows(src, dst):
 
 def _rows(src, dst):
     """(name, x, out, the op that should take it)."""
-    from vitrail.ops.copy import ROWS_OPS, TILED_OPS
+    from vitrail.ops.copy import FAMILY, Variant
     v = 16 // max(torch.empty((), dtype=d).element_size() for d in (src, dst))
     g = lambda *s: torch.randn(*s, device="cuda").to(src)  # noqa: E731
     new = lambda x: torch.empty(x.shape, device="cuda", dtype=dst)  # noqa: E731
     x = g(70, 1032)[:, 8:1008]
-    yield "slice", x, new(x), ROWS_OPS[src, dst, v]
+    yield "slice", x, new(x), FAMILY[Variant("rows", src, dst, v)]
     x = g(40, 3, 264).permute(1, 0, 2)[:, :, :256]
-    yield "batched", x, new(x), ROWS_OPS[src, dst, v]
+    yield "batched", x, new(x), FAMILY[Variant("rows", src, dst, v)]
     x, out = g(70, 1032)[:, 8:1011], torch.empty(70, 1008, device="cuda", dtype=dst)[:, :1003]
-    yield "ragged end, padded out", x, out, ROWS_OPS[src, dst, v]
+    yield "ragged end, padded out", x, out, FAMILY[Variant("rows", src, dst, v)]
     x = g(70, 1032)[:, 5:1008]
-    yield "unaligned", x, new(x), ROWS_OPS[src, dst, 1]
+    yield "unaligned", x, new(x), FAMILY[Variant("rows", src, dst, 1)]
     x = g(50, 24)[:, :v]
-    yield "short rows", x, new(x), TILED_OPS[src, dst]
+    yield "short rows", x, new(x), FAMILY[Variant("tiled", src, dst)]
 
 
 @requires_gpu
@@ -135,9 +136,9 @@ def _rows(src, dst):
 def test_vector_transpose_every_config(src, dst):
     import concurrent.futures as cf
 
-    from vitrail.ops.copy import TRANSPOSE_OPS, route
+    from vitrail.ops.copy import FAMILY, Variant, route
     from vitrail.tune import limits
-    op = TRANSPOSE_OPS[src, dst]
+    op = FAMILY[Variant("transpose", src, dst)]
     configs = op.space.valid(limits())
     with cf.ThreadPoolExecutor(8) as pool:
         modules = dict(zip(configs, pool.map(op.module, configs)))

@@ -48,16 +48,16 @@ def _check(ours, torch_same, ref, floor=1e-6):
 @requires_nvcc
 def test_compile_representative_configs(monkeypatch):
     monkeypatch.setenv("VITRAIL_ARCH", "90a")
-    from vitrail.ops.softmax import OPS
+    from vitrail.ops.softmax import FAMILY, Variant
     from vitrail.tune import limits
     lim = limits(arch="90a")
-    for key, n in [(("fwd", torch.bfloat16, 8, False), 4096),
-                   (("bwd", torch.float32, 4, True), 1 << 14),  # a cluster of 4
-                   (("chunked", "bwd", torch.bfloat16, 8, False), 1 << 20),
-                   (("split", "fwd", torch.bfloat16, 8, False), (1 << 18, 16)),
-                   (("tile", "bwd", torch.float32, 4, True), (1 << 17, 128, 4)),
-                   (("packed", "fwd", torch.bfloat16, 8, False), 8)]:
-        op = OPS[key]
+    for key, n in [(Variant("registers", "fwd", torch.bfloat16, 8, False), 4096),
+                   (Variant("registers", "bwd", torch.float32, 4, True), 1 << 14),  # cluster of 4
+                   (Variant("chunked", "bwd", torch.bfloat16, 8, False), 1 << 20),
+                   (Variant("split", "fwd", torch.bfloat16, 8, False), (1 << 18, 16)),
+                   (Variant("tile", "bwd", torch.float32, 4, True), (1 << 17, 128, 4)),
+                   (Variant("packed", "fwd", torch.bfloat16, 8, False), 8)]:
+        op = FAMILY[key]
         mod = op.module(op.space.default(n, lim))
         res = mod.resources()
         assert res and not any(r.spills for r in res.values()), res
@@ -384,12 +384,13 @@ def test_opcheck_compile_and_errors():
         ops.softmax(torch.randn(3))
 
 
-def _op(key, *ts):
-    """OPS[key], or its windowed kernels where a row of ts starts off a vector boundary."""
+def _op(path, kind, dtype, v, log, *ts):
+    """The variant of the family on path, or its windowed kernels where a row of ts starts off a
+    vector boundary."""
     import importlib
     S = importlib.import_module("vitrail.ops.softmax")
-    v = key[-2]
-    return S.OPS[key + (S.WINDOW,)] if v > 1 and not S._aligned(v, *ts) else S.OPS[key]
+    window = v > 1 and not S._aligned(v, *ts)
+    return S.FAMILY[S.Variant(path, kind, dtype, v, log, window)]
 
 
 @requires_gpu
@@ -399,7 +400,7 @@ def test_cluster_rows(n, log):
     path (on Hopper the tile or split path takes them), and the register kernels called directly
     (they serve such rows where the GPU has no tile path; element by element where a row is not
     16-byte aligned, as at n = 40001), forward and backward."""
-    from vitrail.ops.softmax import OPS, configs
+    from vitrail.ops.softmax import FAMILY, Variant, configs
     from vitrail.ops.softmax.reference import softmax
     from vitrail.tune import bucket
     for dtype in (torch.float32, torch.bfloat16):
@@ -414,7 +415,8 @@ def test_cluster_rows(n, log):
                 continue
             assert configs.heuristic(bucket(n), v, arrays)["CLUSTER"] > 1
             out = torch.full_like(x, float("nan"))
-            op, key = OPS[kind, dtype, v, log], f"n{bucket(n)}"  # an Op keeps a config per key
+            op = FAMILY[Variant("registers", kind, dtype, v, log)]
+            key = f"n{bucket(n)}"  # an Op keeps a config per key
             if kind == "fwd":
                 op(key, bucket(n), out, x)
                 _check(out, softmax(x, -1, log).to(dtype), softmax(x, -1, log))
@@ -440,14 +442,14 @@ def test_chunked_direct(shape, dtype, log):
             x[1, : n // 2] = float("-inf")
             x[2, n // 3] = float("nan")
         y = torch.full_like(x, float("nan"))
-        _op(("chunked", "fwd", dtype, v, log), x)("test", _window(x, v), y, x, x)
+        _op("chunked", "fwd", dtype, v, log, x)("test", _window(x, v), y, x, x)
         ref = softmax(x, -1, log)
         torch.testing.assert_close(y.double(), ref, equal_nan=True, rtol=tol, atol=tol)
         x = (torch.randn(rows, n, device="cuda") * 3).to(dtype)
         y = softmax(x, -1, log).to(dtype)
         dy = torch.randn_like(y)
         dx = torch.full_like(y, float("nan"))
-        _op(("chunked", "bwd", dtype, v, log), y)("test", _window(y, v), dx, y, dy)
+        _op("chunked", "bwd", dtype, v, log, y)("test", _window(y, v), dx, y, dy)
         _check_backward(dx, y, dy, log)
 
 
@@ -489,7 +491,7 @@ def test_tile_direct_every_cluster(dtype, log):
     row stride beyond n), rows that start 3 elements into a vector (edge vectors at both ends:
     the rows' windows), CTAs past a short row's end, -inf and NaN rows."""
     from vitrail.jit.errors import LaunchError
-    from vitrail.ops.softmax import OPS
+    from vitrail.ops.softmax import FAMILY, Variant
     from vitrail.ops.softmax.reference import softmax
     v = vector(dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -507,13 +509,13 @@ def test_tile_direct_every_cluster(dtype, log):
         x[2] = float("-inf")
         x[3, n - 1] = float("nan")
         for kind in ("fwd", "bwd"):
-            op = _op(("tile", kind, dtype, v, log), x)
+            op = _op("tile", kind, dtype, v, log, x)
             c = op.space.config(THREADS=threads, CLUSTER=cluster)
             poisoned = torch.full((rows, width), float("nan"), device="cuda", dtype=dtype)
             out = poisoned[:, off:off + n]
             if kind == "fwd":
-                if op is not OPS["tile", kind, dtype, v, log]:  # unwindowed kernels refuse them
-                    plain = OPS["tile", kind, dtype, v, log]
+                plain = FAMILY[Variant("tile", kind, dtype, v, log)]
+                if op is not plain:  # unwindowed kernels refuse them
                     with pytest.raises(LaunchError):
                         plain.launch(plain.module(c), c, out, x, x)
                 op.launch(op.module(c), c, out, x, x)
@@ -614,7 +616,7 @@ def test_packed_direct(dtype, log):
     one row to many and every lane count; it refuses rows longer than its lanes hold and arrays
     whose rows sit at different offsets within their vectors."""
     from vitrail.jit.errors import LaunchError
-    from vitrail.ops.softmax import OPS
+    from vitrail.ops.softmax import FAMILY, Variant
     from vitrail.ops.softmax.reference import softmax
     v = vector(dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -624,8 +626,8 @@ def test_packed_direct(dtype, log):
             (256, 33, 7, 32, 8, 256, 16), (60, 1000, 1, 16, 4, 256, 4)]:
         if n * dtype.itemsize > 1024:
             continue
-        c = OPS["packed", "fwd", dtype, v, log].space.config(THREADS=threads, TPR=tpr,
-                                                              ITEMS=items, KB=kb)
+        c = FAMILY[Variant("packed", "fwd", dtype, v, log)].space.config(
+            THREADS=threads, TPR=tpr, ITEMS=items, KB=kb)
 
         def buf(fill=None):
             t = (torch.randn(rows * n + off + 16, device="cuda") * 3).to(dtype)
@@ -635,7 +637,7 @@ def test_packed_direct(dtype, log):
         _, x = buf()
         x[rows // 2] = float("-inf")
         for kind in ("fwd", "bwd"):
-            op = OPS["packed", kind, dtype, v, log]
+            op = FAMILY[Variant("packed", kind, dtype, v, log)]
             poisoned, out = buf(float("nan"))
             if kind == "fwd":
                 op.launch(op.module(c), c, out, x, x)
@@ -648,7 +650,7 @@ def test_packed_direct(dtype, log):
                 op.launch(op.module(c), c, out, y, dy)
                 _check_backward(out, y, dy, log)
             assert poisoned[:off].isnan().all() and poisoned[off + rows * n:].isnan().all()
-        fwd = OPS["packed", "fwd", dtype, v, log]
+        fwd = FAMILY[Variant("packed", "fwd", dtype, v, log)]
         longer = torch.randn(2, tpr * items + 1, device="cuda").to(dtype)
         with pytest.raises(LaunchError):  # rows beyond TPR x ITEMS
             fwd.launch(fwd.module(c), c, torch.empty_like(longer), longer, longer)
@@ -710,7 +712,7 @@ def test_split_direct_poisoned_and_strided(dtype, log):
     """Called directly into NaN-poisoned outputs (every element written, nothing outside the
     rows), on rows with a row stride beyond n (16-byte aligned, then not: element by element, and
     the windowed kernels where the output's rows start as far into their vectors)."""
-    from vitrail.ops.softmax import OPS, configs
+    from vitrail.ops.softmax import FAMILY, Variant, configs
     from vitrail.ops.softmax.reference import softmax
     rows, n = 16, 262144
     for off in (8, 3):
@@ -719,13 +721,13 @@ def test_split_direct_poisoned_and_strided(dtype, log):
         v = vector(dtype) if off % vector(dtype) == 0 else 1
         assert configs.use_split(n, rows, v, 1, sm_count())
         y = torch.full((rows, n), float("nan"), device="cuda", dtype=dtype)
-        OPS["split", "fwd", dtype, v, log]("test", (n, rows), y, x, x)
+        FAMILY[Variant("split", "fwd", dtype, v, log)]("test", (n, rows), y, x, x)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(y.double(), softmax(x, -1, log), rtol=tol, atol=tol)
         yy = softmax(x, -1, log).to(dtype)
         dy = (torch.randn(rows, n + 64, device="cuda")).to(dtype)[:, off:off + n]
         dx = torch.full((rows, n), float("nan"), device="cuda", dtype=dtype)
-        OPS["split", "bwd", dtype, v, log]("test", (n, rows), dx, yy, dy)
+        FAMILY[Variant("split", "bwd", dtype, v, log)]("test", (n, rows), dx, yy, dy)
         _check_backward(dx, yy, dy, log)
         import vitrail.ops as ops  # the public path on the strided view
         _check((ops.log_softmax if log else ops.softmax)(x), _fns(log)[1](x, -1),
@@ -735,12 +737,12 @@ def test_split_direct_poisoned_and_strided(dtype, log):
             poisoned = torch.full((rows, n + 64), float("nan"), device="cuda", dtype=dtype)
             y = poisoned[:, off:off + n]
             window = (n + v - 1, rows)
-            _op(("split", "fwd", dtype, v, log), x)("test", window, y, x, x)
+            _op("split", "fwd", dtype, v, log, x)("test", window, y, x, x)
             torch.testing.assert_close(y.double(), softmax(x, -1, log), rtol=tol, atol=tol)
             yy = torch.empty_like(poisoned)[:, off:off + n]
             yy.copy_(softmax(x, -1, log))
             poisoned.fill_(float("nan"))
-            _op(("split", "bwd", dtype, v, log), x)("test", window, y, yy, dy)
+            _op("split", "bwd", dtype, v, log, x)("test", window, y, yy, dy)
             _check_backward(y, yy, dy, log)
             assert poisoned[:, :off].isnan().all() and poisoned[:, off + n:].isnan().all()
 

@@ -25,7 +25,7 @@ from vitrail.gemm.emit import plain as plain_kernel
 from vitrail.gemm import arguments as gargs
 from vitrail.gemm.arguments import round_up as _round_up
 from vitrail.gemm.epilogue import ACTIVATION_FUNCTOR
-from vitrail.op import Op, Shaped
+from vitrail.op import Op, OpFamily, Shaped
 from vitrail.plan import GENERAL, Plans, native, signature
 from vitrail.gemm.ops import configs, model
 from vitrail.gemm.ops.configs import Kind, Problem
@@ -36,7 +36,6 @@ from vitrail.tune import bucket
 ELEMENTS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "tf32",
             torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 OUT_ELEMENTS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
-_OPS: dict[Kind, Op] = {}
 # test hooks, set only by vitrail.gemm.ops.testing's context managers: outputs start as NaN;
 # a list: run records (kind, problem, operands) into it and launches nothing
 _poison = False
@@ -46,50 +45,56 @@ _record: Optional[list] = None
 def forget_choices() -> None:
     """Forget the configs and plans chosen so far: each signature chooses afresh at its next
     call (after a change of what the heuristic or the store answers)."""
-    for op in _OPS.values():
+    for op in FAMILY.made().values():
         op.forget_configs()
     PLANS.clear()
 
 
+def _variant(kind: Kind) -> dict:
+    """The Op of one kind (tensors' dtypes, layouts, epilogue): its space of CUTLASS configs and
+    torch's matmul (model.TORCH: nothing to compile)."""
+    ops_of = {}
+
+    def gemm_operation(config):
+        g = ops_of.get(config)
+        if g is None:
+            g = ops_of[config] = configs.operation(kind, config)
+        return g
+
+    def render(config):
+        if config["backend"] == model.TORCH:
+            return None  # nothing to compile
+        return gemm_operation(config).compile_kwargs()
+
+    def launch(module, config, a, b, c, d, bias, scale_a, scale_b, alpha, beta, slope, lo,
+               hi, splits):
+        if config["backend"] == model.TORCH:  # a plain kind: D = alpha * a @ b
+            torch_matmul(a, b, alpha, d)
+            return
+        g = gemm_operation(config)
+        args = gargs.GemmArguments.from_tensors(
+            g, a, b, d, c=c, bias=bias, scale_a=scale_a, scale_b=scale_b, alpha=alpha,
+            beta=beta, slope=slope, lo=lo, hi=hi, splits=splits)
+        why = g.can_implement(args)
+        if why:  # the caller prepared the operands; this is a bug, say what
+            raise RuntimeError(f"vitrail gemm: {g.name} cannot run the prepared operands: "
+                               + "; ".join(why))
+        gargs.launch(g, module, args)
+
+    return dict(name=kind.name, space=configs.space(kind),
+                kernel_source=plain_kernel.HOOKS.template() + ACTIVATION_FUNCTOR + kind.name,
+                render=render, launch=launch, examples=configs.DEFAULT_PROBLEMS,
+                make_problem=lambda shape, dtype=None: make_problem(kind, shape), shape=SHAPE)
+
+
+# The kinds (configs.Kind), made on first use; the CLI knows the default kinds (what `vitrail
+# precompile` builds) and those made so far
+FAMILY = OpFamily("gemm", _variant, listed=configs.default_kinds())
+
+
 def op_for(kind: Kind) -> Op:
     """The Op of one kind (tensors' dtypes, layouts, epilogue), built on first use."""
-    op = _OPS.get(kind)
-    if op is None:
-        ops_of = {}
-
-        def gemm_operation(config):
-            g = ops_of.get(config)
-            if g is None:
-                g = ops_of[config] = configs.operation(kind, config)
-            return g
-
-        def render(config):
-            if config["backend"] == model.TORCH:
-                return None  # nothing to compile
-            return gemm_operation(config).compile_kwargs()
-
-        def launch(module, config, a, b, c, d, bias, scale_a, scale_b, alpha, beta, slope, lo,
-                   hi, splits):
-            if config["backend"] == model.TORCH:  # a plain kind: D = alpha * a @ b
-                torch_matmul(a, b, alpha, d)
-                return
-            g = gemm_operation(config)
-            args = gargs.GemmArguments.from_tensors(
-                g, a, b, d, c=c, bias=bias, scale_a=scale_a, scale_b=scale_b, alpha=alpha,
-                beta=beta, slope=slope, lo=lo, hi=hi, splits=splits)
-            why = g.can_implement(args)
-            if why:  # the caller prepared the operands; this is a bug, say what
-                raise RuntimeError(f"vitrail gemm: {g.name} cannot run the prepared operands: "
-                                   + "; ".join(why))
-            gargs.launch(g, module, args)
-
-        op = _OPS[kind] = Op(kind.name, space=configs.space(kind),
-                             kernel_source=plain_kernel.HOOKS.template() + ACTIVATION_FUNCTOR
-                             + kind.name,
-                             render=render, launch=launch, examples=configs.DEFAULT_PROBLEMS,
-                             make_problem=lambda shape, dtype=None: make_problem(kind, shape),
-                             shape=SHAPE)
-    return op
+    return FAMILY[kind]
 
 
 def torch_matmul(a: torch.Tensor, b: torch.Tensor, alpha: float, d: torch.Tensor) -> None:
@@ -326,8 +331,3 @@ def run_into(d: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: Optional[torc
     op(key, problem, *args)
     if out is not d:
         out.copy_(d)
-
-
-# the default kinds' Ops exist from import on, so `vitrail precompile` and `vitrail tune` see them
-for _kind in configs.default_kinds():
-    op_for(_kind)

@@ -7,35 +7,35 @@ where both sides allow, then the first that applies of:
   other stride and both pointers 16-byte aligned; 16-byte accesses on both sides, blocks
   transposed in registers;
 - the rows kernel: both sides' fastest dim is the same, of stride 1, rows apart (a slice, padded
-  rows), at least ROWS_MIN_VECTORS vectors long; 16-byte vectors along each row where every row
+  rows), at least configs.ROWS_MIN_VECTORS vectors long; 16-byte vectors along each row where every row
   starts 16-byte aligned on both sides, else one element per access;
 - the general tiled kernel: one element per access through shared memory, reading along the
   input's fastest dim and writing along the output's, so that any strides are coalesced.
-Order: kernels and Ops, custom ops, autograd, the public function.
+The route (which variant, problem and launch arguments) is configs.route's, of the copy's layout.
+Order: kernels and the family's variants, custom ops, autograd, the public function.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from vitrail.device import ctype, sm_count, vector
+from vitrail.device import ctype, sm_count
 from vitrail.jit.errors import ArgumentError
-from vitrail.op import Op
+from vitrail.op import Op, OpFamily
 from vitrail.plan import GENERAL, Plans, signature
 from vitrail.plan import native
 from vitrail.plan.native import front
 from vitrail.ops.common import (DISPATCH, EAGER, FLOATS, GRAD, autograd_apply, call_mode,
                                 check_same_device, check_tensor)
 from vitrail.ops.copy import configs
-from vitrail.tune import bucket
+from vitrail.ops.copy.configs import Layout, Variant
 
 HERE = Path(__file__).resolve().parent
 KERNEL = (HERE / "sm90_copy.cuh").read_text()
-MAX_DIMS = 6
-ROWS_MIN_VECTORS = 16  # shorter rows would leave most lanes of the rows kernel idle: tiled kernel
 
 _FLAT = r"""
 extern "C" cudaError_t copy_flat(void* out, const void* in, long long n, int sms,
@@ -95,83 +95,47 @@ def _launch_rows(module, config, out, x, ndim, sizes, si, so):
     module.copy_rows(out.data_ptr(), x.data_ptr(), ndim, *sizes, *si, *so)
 
 
-FLAT_OPS: dict[tuple, Op] = {}
-TILED_OPS: dict[tuple, Op] = {}
-TRANSPOSE_OPS: dict[tuple, Op] = {}
-ROWS_OPS: dict[tuple, Op] = {}
-for _ti in FLOATS:
-    for _to in FLOATS:
-        _vmax = min(vector(_ti), vector(_to))  # elements of a 16-byte vector on both sides
-        for _v in (_vmax, 1):
-            FLAT_OPS[_ti, _to, _v] = Op(f"copy.flat.{_name(_ti)}.{_name(_to)}.v{_v}",
-                                        space=configs.FLAT, kernel_source=KERNEL,
-                                        render=_render(_FLAT, _ti, _to, _v), launch=_launch_flat)
-        TILED_OPS[_ti, _to] = Op(f"copy.tiled.{_name(_ti)}.{_name(_to)}", space=configs.TILED,
-                                 kernel_source=KERNEL, render=_render(_TILED, _ti, _to),
-                                 launch=_launch_tiled)
-        TRANSPOSE_OPS[_ti, _to] = Op(f"copy.transpose.{_name(_ti)}.{_name(_to)}",
-                                     space=configs.TRANSPOSE, kernel_source=KERNEL,
-                                     render=_render(_TRANSPOSE, _ti, _to),
-                                     launch=_launch_transpose)
-        for _v in (_vmax, 1):
-            ROWS_OPS[_ti, _to, _v] = Op(f"copy.rows.{_name(_ti)}.{_name(_to)}.v{_v}",
-                                        space=configs.ROWS, kernel_source=KERNEL,
-                                        render=_render(_ROWS, _ti, _to, _v), launch=_launch_rows)
+# The family's variants (configs.Variant): the kernel source instantiated per path, dtypes and
+# vector width; made on first use.
+_KINDS = {  # path: (entry, space, launch)
+    "flat": (_FLAT, configs.FLAT, _launch_flat),
+    "tiled": (_TILED, configs.TILED, _launch_tiled),
+    "transpose": (_TRANSPOSE, configs.TRANSPOSE, _launch_transpose),
+    "rows": (_ROWS, configs.ROWS, _launch_rows),
+}
 
 
-def _plan(shape, si, so):
-    """Dims (size > 1) in the output's order, slowest first, merged where both sides allow."""
-    dims = sorted((d for d in range(len(shape)) if shape[d] > 1), key=lambda d: -abs(so[d]))
-    merged: list[list[int]] = []
-    for d in dims:
-        n, a, b = shape[d], si[d], so[d]
-        if merged:
-            pn, pa, pb = merged[-1]
-            if pa == a * n and pb == b * n:
-                merged[-1] = [pn * n, a, b]
-                continue
-        merged.append([n, a, b])
-    return merged
+def _variant(key: Variant) -> dict:
+    entry, space, launch = _KINDS[key.path]
+    return dict(name=key.name, space=space, kernel_source=KERNEL,
+                render=_render(entry, key.src, key.dst, key.v or None), launch=launch,
+                make_problem=functools.partial(_variant_problem, key), shape="ROWS[xCOLS[xLD]]")
+
+
+def _variant_problem(key: Variant, shape: tuple[int, ...], dtype: str | None = None):
+    return problems.variant_problem(key, shape, dtype)  # (imported at the end)
+
+
+FAMILY = OpFamily("copy", _variant, keys=lambda: configs.variants(FLOATS))
+
+
+def layout(x: torch.Tensor, out: torch.Tensor) -> Layout:
+    """The copy of x into out as configs.route sees it."""
+    return Layout(x.dtype, out.dtype, x.numel(), configs.merge(x.shape, x.stride(), out.stride()),
+                  x.data_ptr() % 16, out.data_ptr() % 16)
 
 
 def route(x: torch.Tensor, out: torch.Tensor) -> tuple[Op, str, Any, tuple] | None:
     """The kernel that copies x into out: (op, problem key, problem, launch arguments after
     out and x); None when there is nothing to copy."""
-    if x.numel() == 0:
+    try:
+        recipe = configs.route(layout(x, out))
+    except ArgumentError as e:
+        raise ArgumentError(f"{e} (x's strides {tuple(x.stride())}, out's "
+                            f"{tuple(out.stride())})") from None
+    if recipe is None:
         return None
-    dims = _plan(x.shape, x.stride(), out.stride())
-    vmax = min(vector(x.dtype), vector(out.dtype))  # elements of a 16-byte vector on both sides
-    if not dims or (len(dims) == 1 and dims[0][1] == 1 and dims[0][2] == 1):
-        v = vmax
-        if x.data_ptr() % (v * x.element_size()) or out.data_ptr() % (v * out.element_size()):
-            v = 1
-        return FLAT_OPS[x.dtype, out.dtype, v], f"n{bucket(x.numel())}", x.numel(), ()
-    dims = dims[::-1]  # fastest output dim first
-    if len(dims) > MAX_DIMS:
-        raise ArgumentError(f"vitrail.ops.copy: the strides of x {tuple(x.stride())} and out "
-                            f"{tuple(out.stride())} leave {len(dims)} dims that cannot be merged; "
-                            f"at most {MAX_DIMS} are supported")
-    # dim 1: the input's fastest dim, unless that is dim 0 (then any other one: the next)
-    fastest_in = min(range(len(dims)), key=lambda i: abs(dims[i][1]))
-    along0 = int(fastest_in == 0)
-    if len(dims) == 1:
-        dims.append([1, 0, 0])
-    elif not along0:
-        dims.insert(1, dims.pop(fastest_in))
-    ndim = len(dims)
-    dims += [[1, 0, 0]] * (MAX_DIMS - ndim)
-    sizes, si, so = zip(*dims)
-    key = f"n0{bucket(sizes[0])};n1{bucket(sizes[1])}"
-    if not along0 and _vector_transpose(x, out, si[:ndim], so[:ndim]):
-        return TRANSPOSE_OPS[x.dtype, out.dtype], key, None, (ndim, sizes, si, so)
-    if along0 and si[0] == 1 and so[0] == 1:
-        v = vmax if _aligned_rows(x, out, vmax, si[:ndim], so[:ndim]) else 1
-        vectors = -(-sizes[0] // v)
-        if vectors >= ROWS_MIN_VECTORS:
-            return (ROWS_OPS[x.dtype, out.dtype, v], f"v{bucket(vectors)}",
-                    (vectors, v * x.element_size()), (ndim, sizes, si, so))
-    return (TILED_OPS[x.dtype, out.dtype], f"{key};along0{along0}", None,
-            (ndim, along0, sizes, si, so))
+    return FAMILY[recipe.variant], recipe.key, recipe.problem, recipe.args
 
 
 def _run(out: torch.Tensor, x: torch.Tensor) -> None:
@@ -179,23 +143,6 @@ def _run(out: torch.Tensor, x: torch.Tensor) -> None:
     if chosen is not None:
         op, key, problem, args = chosen
         op(key, problem, out, x, *args)
-
-
-def _vector_transpose(x, out, si, so) -> bool:
-    """Whether the transposing copy can move 16-byte vectors on both sides: the input's dim 1 and
-    the output's dim 0 of stride 1, every other stride and both pointers 16-byte aligned."""
-    if si[1] != 1 or so[0] != 1 or x.data_ptr() % 16 or out.data_ptr() % 16:
-        return False
-    vi, vo = vector(x.dtype), vector(out.dtype)
-    return all(s % vi == 0 for i, s in enumerate(si) if i != 1) and \
-        all(s % vo == 0 for i, s in enumerate(so) if i != 0)
-
-
-def _aligned_rows(x, out, v, si, so) -> bool:
-    """Whether every row starts on a vector of v elements on both sides."""
-    return (x.data_ptr() % (v * x.element_size()) == 0
-            and out.data_ptr() % (v * out.element_size()) == 0
-            and all(s % v == 0 for s in si[1:]) and all(s % v == 0 for s in so[1:]))
 
 
 def _check(x, out, dtype):
@@ -335,6 +282,5 @@ def copy(x: torch.Tensor, *, out: torch.Tensor | None = None,
     return out
 
 
-__all__ = ["copy", "copy_op", "copy_out_op", "route", "FLAT_OPS", "ROWS_OPS", "TILED_OPS",
-           "TRANSPOSE_OPS"]
-importlib.import_module("vitrail.ops.copy.problems")  # vitrail tune's shapes
+__all__ = ["copy", "copy_op", "copy_out_op", "route", "FAMILY", "Variant"]
+problems = importlib.import_module("vitrail.ops.copy.problems")  # vitrail tune's shapes

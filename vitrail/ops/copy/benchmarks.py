@@ -9,14 +9,14 @@ def build() -> None:
     """Compile the kernels the cases take (their default configs), in parallel."""
     import torch
 
-    from vitrail.ops.copy import FLAT_OPS, ROWS_OPS, TRANSPOSE_OPS
+    from vitrail.ops.copy import FAMILY, Variant
     from vitrail.tune import limits
     lim = limits()
     bf, f32 = torch.bfloat16, torch.float32
-    build_configs([(op, op.space.default(problem, lim)) for op, problem in [
-        (FLAT_OPS[bf, f32, 4], None), (TRANSPOSE_OPS[bf, bf], None),
-        (TRANSPOSE_OPS[f32, f32], None), (ROWS_OPS[bf, bf, 8], (2000, 16)),
-        (ROWS_OPS[f32, f32, 4], (4000, 16))]], "copy bench")
+    build_configs([(FAMILY[key], FAMILY[key].space.default(problem, lim)) for key, problem in [
+        (Variant("flat", bf, f32, 4), None), (Variant("transpose", bf, bf), None),
+        (Variant("transpose", f32, f32), None), (Variant("rows", bf, bf, 8), (2000, 16)),
+        (Variant("rows", f32, f32, 4), (4000, 16))]], "copy bench")
 
 
 @register("copy", "vitrail.ops.copy vs torch copy_ / contiguous()", build)

@@ -3,12 +3,11 @@ contiguous tensor, routed as the public function routes it (``route``), and rand
 the GPU when the candidates are timed."""
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from vitrail.op import Shaped, family
-from vitrail.ops.copy import FLAT_OPS, ROWS_OPS, TILED_OPS, TRANSPOSE_OPS, route
+from vitrail.ops.copy import FAMILY, route
+from vitrail.ops.copy.configs import Variant
 
 SHAPE = "ROWS[xCOLS[xLD]]"
 DTYPES = ("float32", "bfloat16", "float16")
@@ -57,11 +56,11 @@ def _resolve(shape: tuple[int, ...], dtype: str, *, backward: bool = False,
     return _shaped(shape, *_dtypes(dtype))
 
 
-def variant_problem(ti: torch.dtype, to: torch.dtype, op, shape: tuple[int, ...],
+def variant_problem(variant: Variant, shape: tuple[int, ...],
                     dtype: str | None = None) -> Shaped:
     """The problem of the shape's copy (see _DOC) on this variant: ValueError where the public
     function routes that copy to another variant (each variant runs its own layouts)."""
-    shaped = _shaped(shape, ti, to)
+    shaped, op = _shaped(shape, variant.src, variant.dst), FAMILY[variant]
     if shaped.op is not op:
         form = ("a flat copy", "a transposing copy", "a row slice's copy")[len(shape) - 1]
         raise ValueError(f"--shape {'x'.join(map(str, shape))} ({form}) runs {shaped.op.name}, "
@@ -69,9 +68,5 @@ def variant_problem(ti: torch.dtype, to: torch.dtype, op, shape: tuple[int, ...]
     return shaped
 
 
-for _table in (FLAT_OPS, ROWS_OPS, TILED_OPS, TRANSPOSE_OPS):
-    for _key, _op in _table.items():
-        _op.make_problem = functools.partial(variant_problem, _key[0], _key[1], _op)
-        _op.shape = SHAPE
 family("copy", SHAPE, _DOC, DTYPES + tuple(f"{a}:{b}" for a in DTYPES for b in DTYPES if a != b),
        _resolve)

@@ -25,12 +25,13 @@ import torch
 
 from vitrail.device import ctype, gpu_limits, sm_count, target_limits, vector
 from vitrail.jit.errors import LaunchError
-from vitrail.op import Op
+from vitrail.op import Op, OpFamily
 from vitrail.plan import GENERAL, Plans, keep, scratch, signature
 from vitrail.plan.native import GRAD, OUTPUT, VALUE, front
 from vitrail.ops.common import (DISPATCH, EAGER, FLOATS, autograd_apply, call_mode, check_dim,
                                 check_tensor, persistent)
 from vitrail.ops.softmax import configs
+from vitrail.ops.softmax.configs import Rows, Variant
 from vitrail.tune import bucket
 
 HERE = Path(__file__).resolve().parent
@@ -161,7 +162,7 @@ def _split_launcher(v: int, arrays: int, log: bool, windowed: bool):
         slots = _slots(dev)
         if rows * groups > min(slots, resident(smem_vecs)):  # cannot all be resident: chunked
             kind = "fwd" if arrays == 1 else "bwd"
-            chunked = OPS[("chunked", kind, a.dtype, v, log) + ((WINDOW,) if windowed else ())]
+            chunked = FAMILY[Variant("chunked", kind, a.dtype, v, log, windowed)]
             chunked(f"n{bucket(window)};rows{bucket(rows)}", window, out, a, b)
             return
         module.softmax_split(out.data_ptr(), _workspace(dev, slots).data_ptr(), slots,
@@ -223,54 +224,43 @@ def _workspace(device: torch.device, slots: int) -> torch.Tensor:
     return ws
 
 
-def _dname(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+# The family's variants (configs.Variant): the kernel source instantiated per path, kind, dtype,
+# vector width, log and window; made on first use.
+_LAUNCHERS = {
+    "registers": lambda v, arrays, log, window: _launch_fwd if arrays == 1 else _launch_bwd,
+    "chunked": lambda v, arrays, log, window: _chunked_launcher(v),
+    "packed": lambda v, arrays, log, window: _packed_launcher,
+    "tile": lambda v, arrays, log, window: _tile_launcher(v, arrays),
+    "split": lambda v, arrays, log, window: _split_launcher(v, arrays, log, window),
+}
+_SPACES = {
+    "registers": lambda v, arrays, window: configs.space(v, arrays),
+    "chunked": lambda v, arrays, window: configs.CHUNKED,
+    "packed": lambda v, arrays, window: configs.packed_space(arrays),
+    "tile": lambda v, arrays, window: configs.tile_space(arrays),
+    "split": lambda v, arrays, window: configs.split_space(v, arrays, window),
+}
 
 
-# OPS[path..., dtype, v, log]: v = 16 bytes / element size (rows on vector boundaries) or 1
-# (element by element); OPS[path..., dtype, v, log, WINDOW]: the windowed kernels (16-byte vectors,
-# rows that may start off a vector boundary), a separate instantiation so that the others keep
-# their registers (sm90_softmax.cuh, load_row).
-WINDOW = "window"
-OPS: dict[tuple, Op] = {}
-for _dt in FLOATS:
-    for _v, _w in ((vector(_dt), False), (vector(_dt), True), (1, False)):
-        for _log in (False, True):
-            _base = (f"{'log_softmax' if _log else 'softmax'}.{{}}.{_dname(_dt)}.v{_v}"
-                     + ("w" if _w else ""))
-            _tag = (WINDOW,) if _w else ()
-            OPS[("fwd", _dt, _v, _log, *_tag)] = Op(
-                _base.format("fwd"), space=configs.space(_v, 1), kernel_source=KERNEL,
-                render=_render("fwd", _dt, _v, _log, 0, _w), launch=_launch_fwd,
-                examples=[4096] if _v > 1 and not _w else [])
-            OPS[("bwd", _dt, _v, _log, *_tag)] = Op(
-                _base.format("bwd"), space=configs.space(_v, 2), kernel_source=KERNEL,
-                render=_render("bwd", _dt, _v, _log, 0, _w), launch=_launch_bwd,
-                examples=[4096] if _v > 1 and not _w else [])
-            for _mode, _kind in ((0, "fwd"), (2 if _log else 1, "bwd")):
-                OPS[("chunked", _kind, _dt, _v, _log, *_tag)] = Op(
-                    _base.format(f"{_kind}_chunked"), kernel_source=KERNEL,
-                    space=configs.CHUNKED,
-                    render=_render("chunked", _dt, _v, _log, _mode, _w),
-                    launch=_chunked_launcher(_v))
-                _arrays = 1 if _kind == "fwd" else 2
-                if _v > 1 and not _w:
-                    OPS[("packed", _kind, _dt, _v, _log)] = Op(
-                        _base.format(f"{_kind}_packed"), kernel_source=KERNEL,
-                        space=configs.packed_space(_arrays),
-                        render=_render("packed", _dt, _v, _log, _mode),
-                        launch=_packed_launcher)
-                if _v > 1:
-                    OPS[("tile", _kind, _dt, _v, _log, *_tag)] = Op(
-                        _base.format(f"{_kind}_tile"), kernel_source=KERNEL,
-                        space=configs.tile_space(_arrays),
-                        render=_render("tile", _dt, _v, _log, _mode, _w),
-                        launch=_tile_launcher(_v, _arrays))
-                OPS[("split", _kind, _dt, _v, _log, *_tag)] = Op(
-                    _base.format(f"{_kind}_split"), kernel_source=KERNEL,
-                    space=configs.split_space(_v, _arrays, _w),
-                    render=_render("split", _dt, _v, _log, _mode, _w),
-                    launch=_split_launcher(_v, _arrays, _log, _w))
+def _variant(key: Variant) -> dict:
+    """The Op of a variant: its space, source (the register path's entry is the kind's; the
+    others' MODE: 0 forward, 1 softmax's backward, 2 log_softmax's), launch; precompile's
+    examples for the register path's 16-byte variants."""
+    path, kind, dtype, v, log, window = key
+    registers = path == "registers"
+    mode = 0 if kind == "fwd" or registers else 2 if log else 1
+    return dict(name=key.name, space=_SPACES[path](v, key.arrays, window), kernel_source=KERNEL,
+                render=_render(kind if registers else path, dtype, v, log, mode, window),
+                launch=_LAUNCHERS[path](v, key.arrays, log, window),
+                examples=[4096] if registers and v > 1 and not window else [],
+                make_problem=functools.partial(_variant_problem, key), shape="ROWSxCOLS")
+
+
+def _variant_problem(key: Variant, shape: tuple[int, ...], dtype: str | None = None):
+    return problems.variant_problem(key, shape, dtype)  # (imported at the end)
+
+
+FAMILY = OpFamily("softmax", _variant, keys=lambda: configs.variants(FLOATS))
 
 
 def _aligned(v: int, *ts: torch.Tensor) -> bool:
@@ -303,20 +293,22 @@ def _end_to_end(*ts: torch.Tensor) -> bool:
 def route(kind: str, rows: int, n: int, dtype: torch.dtype, v: int, log: bool,
           device: torch.device | None, window: bool = False,
           packed: bool = False) -> tuple[Op, str, object]:
-    """The path rows x n takes on `device` (None: the build target, vitrail.device's
-    target_limits: its default SM count where no GPU gives one); v: the vector width, 1 for
-    element by element (rows off vector boundaries that the windowed kernels do not take:
-    ``_run``); n: the columns of
-    the rows' windows (``_window``: n, or n + v - 1 where rows may start off a vector boundary);
-    window: take the windowed kernels (rows that start off a vector boundary); packed: the rows
-    lie end to end in arrays that are coaligned (``_end_to_end``, ``_coaligned``; not windowed),
-    so that short ones may take the packed path whatever v is. Returns (op,
-    problem key, problem); the op is called as op(key, problem, out, a, b). A GPU's routes are
-    memoized (every call takes one)."""
+    """The variant that runs rows x n on `device` (None: the build target, vitrail.device's
+    target_limits: its default SM count where no GPU gives one), as configs.route chooses it
+    (configs.Rows says what the arguments mean): (op, problem key, problem); the op is called
+    as op(key, problem, out, a, b). A GPU's routes are memoized (every call takes one)."""
+    rows_ = Rows(kind, rows, n, dtype, v, log, window, packed)
     if device is None:
-        return _route(kind, rows, n, dtype, v, log, target_limits(), window, packed)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _gpu_route(kind, rows, n, dtype, v, log, index, window, packed)
+        variant, key, problem = configs.route(rows_, target_limits())
+    else:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        variant, key, problem = _gpu_route(rows_, index)
+    return FAMILY[variant], key, problem
+
+
+@functools.lru_cache(maxsize=4096)
+def _gpu_route(rows: Rows, index: int) -> configs.Recipe:
+    return configs.route(rows, gpu_limits(index))
 
 
 def route_contiguous(kind: str, rows: int, n: int, dtype: torch.dtype, log: bool,
@@ -337,48 +329,6 @@ def _vectors(n: int, size: int, v: int, aligned: bool, coaligned: bool) -> tuple
     if coaligned and configs.use_window(n, size):
         return v, True
     return 1, False
-
-
-@functools.lru_cache(maxsize=4096)
-def _gpu_route(kind: str, rows: int, n: int, dtype: torch.dtype, v: int, log: bool, index: int,
-               window: bool, packed: bool):
-    return _route(kind, rows, n, dtype, v, log, gpu_limits(index), window, packed)
-
-
-def _route(kind: str, rows: int, n: int, dtype: torch.dtype, v: int, log: bool, lim,
-           window: bool = False, packed: bool = False):
-    op, key, problem = _path(kind, rows, n, dtype, v, log, lim, packed)
-    return (OPS[op + (WINDOW,)] if window and op[0] != "packed" else OPS[op]), key, problem
-
-
-def _path(kind: str, rows: int, n: int, dtype: torch.dtype, v: int, log: bool, lim,
-          packed: bool = False):
-    """(OPS key, problem key, problem) of rows x n (the windows' columns) on lim's GPU."""
-    arrays = 1 if kind == "fwd" else 2
-    sms, size = lim.sm_count, dtype.itemsize
-    if packed and lim.arch.major >= 9 and configs.use_packed(n, size, v, arrays):
-        path = ("packed", kind, dtype, vector(dtype), log)
-    elif lim.arch.major >= 9 and configs.use_tile(n, rows, v, size, arrays, sms,
-                                                  lim.shared_per_sm):
-        split = configs.split_over_tile(n, rows, v, size, arrays, lim)
-        path = ("split" if split else "tile", kind, dtype, v, log)
-    elif configs.use_split(n, rows, v, arrays, sms):
-        path = ("split", kind, dtype, v, log)
-    elif configs.use_chunked(n, rows, v, arrays, sms):
-        path = ("chunked", kind, dtype, v, log)
-    else:
-        path = (kind, dtype, v, log)  # registers
-    return (path, *problem_of(path[0], rows, n, size))
-
-
-def problem_of(path: str, rows: int, n: int, size: int) -> tuple[str, object]:
-    """(problem key, problem) of rows x n (the windows' columns) of size-byte elements on a
-    path (fwd/bwd: registers; chunked, packed, tile, split): what its heuristic and tuner take."""
-    if path in ("tile", "split"):
-        fine = (bucket(n, configs.KEY_STEPS), bucket(rows, configs.KEY_STEPS))
-        return f"n{fine[0]};rows{fine[1]}", (*fine, size) if path == "tile" else fine
-    key = f"n{bucket(n)};rows{bucket(rows)}"  # registers, chunked, packed
-    return key, n if path == "chunked" else bucket(n)
 
 
 def _run(kind: str, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, log: bool) -> None:
@@ -560,7 +510,7 @@ def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return _call("vitrail.ops.log_softmax", x, dim, True)
 
 
-__all__ = ["softmax", "log_softmax", "softmax_fwd", "softmax_bwd", "OPS", "LaunchError", "route",
-           "route_contiguous"]
+__all__ = ["softmax", "log_softmax", "softmax_fwd", "softmax_bwd", "FAMILY", "Variant",
+           "LaunchError", "route", "route_contiguous"]
 
-importlib.import_module("vitrail.ops.softmax.problems")  # vitrail tune's shapes
+problems = importlib.import_module("vitrail.ops.softmax.problems")  # vitrail tune's shapes

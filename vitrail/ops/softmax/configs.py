@@ -41,8 +41,11 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
-from vitrail.device import target_limits, with_sm_count
+import torch
+
+from vitrail.device import target_limits, vector, with_sm_count
 from vitrail.tune import Space, bucket, max_threads, require
 from vitrail.tune.space import Config
 
@@ -418,3 +421,114 @@ def use_tile(n: int, rows: int, v: int, size: int, arrays: int, sms: int,
 def tile_slice(n: int, v: int, cluster: int) -> int:
     """Elements per CTA: n over the cluster, a multiple of v."""
     return math.ceil(math.ceil(n / cluster) / v) * v
+
+
+# ------------------------------------------------------------------------------------ routing
+class Rows(NamedTuple):
+    """What a call asks of the family: rows x n of dtype (n: the columns of the rows' windows, n
+    or n + v - 1 where rows may start off a vector boundary), kind "fwd" (y of x) or "bwd" (dx of
+    y, dy), log_softmax or softmax; v: the vector width (16 bytes / element size, or 1: element
+    by element); window: rows may start off a vector boundary (the windowed kernels); packed: the
+    rows lie end to end in coaligned arrays (not windowed), so short ones may take the packed
+    path whatever v is."""
+    kind: str
+    rows: int
+    n: int
+    dtype: torch.dtype
+    v: int
+    log: bool
+    window: bool = False
+    packed: bool = False
+
+    @property
+    def arrays(self) -> int:
+        """Arrays a row reads: x forward, y and dy backward."""
+        return 1 if self.kind == "fwd" else 2
+
+
+class Variant(NamedTuple):
+    """One instantiation of the kernel source, an Op of the family (its name, its compile and
+    tuning key): the path (registers, chunked, packed, tile, split), kind, dtype, vector width,
+    log, window (the windowed kernels: rows off a vector boundary; a separate instantiation so
+    that the others keep their registers: sm90_softmax.cuh, load_row)."""
+    path: str
+    kind: str
+    dtype: torch.dtype
+    v: int
+    log: bool
+    window: bool = False
+
+    @property
+    def arrays(self) -> int:
+        """Arrays a row reads: x forward, y and dy backward."""
+        return 1 if self.kind == "fwd" else 2
+
+    @property
+    def name(self) -> str:
+        """softmax.fwd.bfloat16.v8, log_softmax.bwd_split.float32.v4w, ..."""
+        path = "" if self.path == "registers" else f"_{self.path}"
+        return (f"{'log_softmax' if self.log else 'softmax'}.{self.kind}{path}."
+                f"{str(self.dtype).removeprefix('torch.')}.v{self.v}{'w' if self.window else ''}")
+
+
+def variants(dtypes) -> list[Variant]:
+    """Every variant of the family for dtypes: each vector width (16 bytes, windowed, element by
+    element) and path that takes it (packed: 16-byte vectors, never windowed; tile: vectors)."""
+    out = []
+    for dtype in dtypes:
+        for v, window in ((vector(dtype), False), (vector(dtype), True), (1, False)):
+            for log in (False, True):
+                for kind in ("fwd", "bwd"):
+                    for path in PATH_NAMES:
+                        if (path != "packed" or (v > 1 and not window)) and (
+                                path != "tile" or v > 1):
+                            out.append(Variant(path, kind, dtype, v, log, window))
+    return out
+
+
+class Recipe(NamedTuple):
+    """A route's answer: the variant that runs the rows, and the problem key and problem its
+    heuristic and tuner take."""
+    variant: Variant
+    key: str
+    problem: object
+
+
+def _tiles(p: Rows, lim) -> bool:
+    return lim.arch.major >= 9 and use_tile(p.n, p.rows, p.v, p.dtype.itemsize, p.arrays,
+                                            lim.sm_count, lim.shared_per_sm)
+
+
+# The paths, in the order they are tried: the first whose test holds runs the rows (the module's
+# docstring says why each test is what it is); the registers take the rest.
+PATHS = (
+    ("packed", lambda p, lim: p.packed and lim.arch.major >= 9
+        and use_packed(p.n, p.dtype.itemsize, p.v, p.arrays)),
+    ("split", lambda p, lim: _tiles(p, lim)
+        and split_over_tile(p.n, p.rows, p.v, p.dtype.itemsize, p.arrays, lim)),
+    ("tile", _tiles),
+    ("split", lambda p, lim: use_split(p.n, p.rows, p.v, p.arrays, lim.sm_count)),
+    ("chunked", lambda p, lim: use_chunked(p.n, p.rows, p.v, p.arrays, lim.sm_count)),
+    ("registers", lambda p, lim: True),
+)
+PATH_NAMES = ("registers", "chunked", "packed", "tile", "split")
+
+
+def route(p: Rows, lim) -> Recipe:
+    """The variant that runs rows p on lim's GPU, and its problem key and problem."""
+    path = next(name for name, holds in PATHS if holds(p, lim))
+    if path == "packed":  # 16-byte vectors whatever p.v: the rows lie end to end
+        variant = Variant(path, p.kind, p.dtype, vector(p.dtype), p.log)
+    else:
+        variant = Variant(path, p.kind, p.dtype, p.v, p.log, p.window)
+    return Recipe(variant, *problem_of(path, p.rows, p.n, p.dtype.itemsize))
+
+
+def problem_of(path: str, rows: int, n: int, size: int) -> tuple[str, object]:
+    """(problem key, problem) of rows x n (the windows' columns) of size-byte elements on a
+    path: what its heuristic and tuner take."""
+    if path in ("tile", "split"):
+        fine = (bucket(n, KEY_STEPS), bucket(rows, KEY_STEPS))
+        return f"n{fine[0]};rows{fine[1]}", (*fine, size) if path == "tile" else fine
+    key = f"n{bucket(n)};rows{bucket(rows)}"  # registers, chunked, packed
+    return key, n if path == "chunked" else bucket(n)

@@ -3,12 +3,11 @@ tensor, the variant the public function routes them to (``route_contiguous``), o
 user names, and random inputs on the GPU when the candidates are timed."""
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from vitrail.op import Shaped, family
-from vitrail.ops.softmax import OPS, WINDOW, problem_of, route_contiguous
+from vitrail.ops.softmax import FAMILY, route_contiguous
+from vitrail.ops.softmax.configs import Variant, problem_of
 
 SHAPE = "ROWSxCOLS"
 DTYPES = ("float32", "bfloat16", "float16")
@@ -25,20 +24,19 @@ def _args(kind: str, rows: int, n: int, dtype: torch.dtype, log: bool):
     return make
 
 
-def variant_problem(path: tuple, shape: tuple[int, ...], dtype: str | None = None) -> Shaped:
-    """The problem of rows x n (a contiguous tensor) on the variant OPS[path], whatever the
-    public function would route it to."""
-    window = path[-1] == WINDOW
-    dt, v, log = path[-4:-1] if window else path[-3:]
-    kind = path[0] if path[0] in ("fwd", "bwd") else path[1]
+def variant_problem(variant: Variant, shape: tuple[int, ...],
+                    dtype: str | None = None) -> Shaped:
+    """The problem of rows x n (a contiguous tensor) on a variant of the family, whatever the
+    public function would route it to (dtype: the variant's own)."""
+    path, kind, dt, v, log, window = variant
     rows, n = shape
-    if v > 1 and not window and path[0] != "packed" and n % v and rows > 1:
-        raise ValueError(f"{OPS[path].name} reads rows in 16-byte vectors of {v} elements: "
+    if v > 1 and not window and path != "packed" and n % v and rows > 1:
+        raise ValueError(f"{variant.name} reads rows in 16-byte vectors of {v} elements: "
                          f"--shape's COLS must be a multiple of {v} (the windowed variant, "
                          f"...v{v}w, takes other rows)")
     cols = n + (v - 1 if window else 0)  # the windows' columns (route_contiguous)
-    key, problem = problem_of(path[0], rows, cols, dt.itemsize)
-    return Shaped(OPS[path], key, problem, _args(kind, rows, n, dt, log))
+    key, problem = problem_of(path, rows, cols, dt.itemsize)
+    return Shaped(FAMILY[variant], key, problem, _args(kind, rows, n, dt, log))
 
 
 def _family(log: bool):
@@ -52,8 +50,6 @@ def _family(log: bool):
     return resolve
 
 
-for _path, _op in OPS.items():
-    _op.make_problem, _op.shape = functools.partial(variant_problem, _path), SHAPE
 for _log, _name in ((False, "softmax"), (True, "log_softmax")):
     family(_name, SHAPE, f"{_name} along the last dim of a contiguous ROWS x COLS tensor (the "
            f"forward; --backward: the backward)", DTYPES, _family(_log), backward=True)

@@ -21,7 +21,7 @@ import torch
 from vitrail.device import vector
 from vitrail.jit.errors import ArgumentError
 from vitrail.jit.tma import tensor_map
-from vitrail.op import Op
+from vitrail.op import Op, OpFamily
 from vitrail.plan import GENERAL, Plans, keep, setup, signature
 from vitrail.plan import native
 from vitrail.plan.native import front
@@ -41,44 +41,43 @@ SOURCES = {"elementwise": _COMMON + (_HERE / "sm90_sympow.cuh").read_text(),
            "mma90": _COMMON + (_HERE / "sm90_sympow_mma.cuh").read_text()}
 _DT_NAME = {0: "f32", 1: "f16", 2: "bf16"}
 
-# ---------------------------------------------------------------- kernels and Ops
-_OPS: dict[tuple, Op] = {}
+# ---------------------------------------------------------------- kernels and the family
+def _variant(key: tuple) -> dict:
+    """The Op of one kernel source for one (kind, dtype, power, d_tile): those are compile-time
+    statics the problem fixes; the Op's space holds what may be tuned."""
+    kind, dtype, power, d_tile = key
+    tid = DTYPES[dtype]
+    statics = {"T_ID": tid, "POW": power, "TILE": d_tile}
+    name = f"sympow.{kind}.{_DT_NAME[tid]}.p{power}.t{d_tile}"
+    source = SOURCES[kind]
+
+    def render(config):
+        defines = dict(statics)
+        if kind == "elementwise":
+            defines["VEC"] = config.VEC
+        return dict(source=source, name=name.replace(".", "_"), backend="nvrtc",
+                    defines=defines)
+
+    space = {"elementwise": configs.ELEMENTWISE, "mma90": configs.MMA90}.get(kind, configs.MMA)
+    return dict(name=name, space=space, kernel_source=source, render=render, launch=_launch,
+                examples=[{"vec": 8}] if kind == "elementwise" else [None],
+                make_problem=lambda shape, dtype=None: _shape_problem(key, shape),
+                shape="ROWSxD" if kind == "elementwise" else "MxNxD")
+
+
+_EXAMPLES = (("elementwise", torch.bfloat16, 2, 8), ("mma", torch.bfloat16, 2, 8),
+             ("mma90", torch.bfloat16, 2, 8))
+# variants (kind, dtype, power, d_tile), made on first use; the CLI knows the examples and those
+# made so far (powers and tiles are open-ended)
+FAMILY = OpFamily("sympow", _variant, listed=_EXAMPLES)
 
 
 def _op(kind: str, dtype: torch.dtype, power: int, d_tile: int) -> Op:
-    """The Op of one kernel source for one (dtype, power, d_tile): those are compile-time
-    statics the problem fixes; the Op's space holds what may be tuned."""
-    key = (kind, dtype, power, d_tile)
-    op = _OPS.get(key)
-    if op is None:
-        tid = DTYPES[dtype]
-        statics = {"T_ID": tid, "POW": power, "TILE": d_tile}
-        name = f"sympow.{kind}.{_DT_NAME[tid]}.p{power}.t{d_tile}"
-        source = SOURCES[kind]
-
-        def render(config, statics=statics, name=name, source=source):
-            defines = dict(statics)
-            if kind == "elementwise":
-                defines["VEC"] = config.VEC
-            return dict(source=source, name=name.replace(".", "_"), backend="nvrtc",
-                        defines=defines)
-
-        space = {"elementwise": configs.ELEMENTWISE, "mma90": configs.MMA90}.get(kind,
-                                                                                configs.MMA)
-        op = _OPS[key] = Op(name, space=space, kernel_source=source, render=render,
-                            launch=_launch, register=key in _EXAMPLES,
-                            examples=[{"vec": 8}] if kind == "elementwise" else [None],
-                            make_problem=lambda shape, dtype=None, key=key: _shape_problem(
-                                key, shape), shape="ROWSxD" if kind == "elementwise" else "MxNxD")
-    return op
+    return FAMILY[kind, dtype, power, d_tile]
 
 
 def _shape_problem(key: tuple, shape: tuple):
     return problems.variant_problem(key, shape)  # (imported at the end)
-
-
-_EXAMPLES = {("elementwise", torch.bfloat16, 2, 8), ("mma", torch.bfloat16, 2, 8),
-             ("mma90", torch.bfloat16, 2, 8)}
 
 
 _THREADS = {"sympow_mma_m_wg3": 384, "sympow_mma_m_tma3": 384}  # kernels of other than 256 threads
@@ -105,10 +104,6 @@ def _run(kind, dtype, power, d_tile, vec, kernel, grid, smem, *args) -> None:
         found.append((op, f"vec={vec}", {"vec": vec}, (kernel, grid, smem, *args)))
         return
     op(f"vec={vec}", {"vec": vec}, kernel, grid, smem, *args)
-
-
-for _example in sorted(_EXAMPLES, key=str):  # registered from import on, for precompile and tune
-    _op(*_example)
 
 
 # ---------------------------------------------------------------- implementations

@@ -12,7 +12,7 @@ import torch
 
 from vitrail.jit.errors import ArgumentError
 from vitrail.op import Shaped, family
-from vitrail.ops.sympow import _OPS, _op, configs
+from vitrail.ops.sympow import FAMILY, _op, configs
 
 # the package module itself: vitrail.ops's attribute "sympow" is the public function
 _pkg = importlib.import_module("vitrail.ops.sympow")
@@ -96,15 +96,15 @@ def _family(name: str):
 
 
 def variant_problem(key: tuple, shape: tuple[int, ...], dtype: str | None = None) -> Shaped:
-    """The problem of the shape on the variant _OPS[key]: (kind, dtype, power, d_tile); the
+    """The problem of the shape on the variant FAMILY[key]: (kind, dtype, power, d_tile); the
     shape is ROWSxD for the elementwise kernels, MxNxD for the fused ones (sympow_mma's)."""
     kind, dt, power, d_tile = key
     name = "sympow" if kind == "elementwise" else "sympow_mma"
     if len(shape) != (2 if name == "sympow" else 3):
-        raise ValueError(f"--shape {'x'.join(map(str, shape))}: {_OPS[key].name} takes "
+        raise ValueError(f"--shape {'x'.join(map(str, shape))}: {FAMILY[key].name} takes "
                          f"{SHAPES[name].split('[')[0]} (power and d_tile are the variant's)")
     dims = _dims(name, (*shape, power, d_tile))
-    op = _OPS[key]
+    op = FAMILY[key]
     _, problem_key, problem = _predict(name, dims, dt)
     wgmma = None if kind == "elementwise" else kind == "mma90"
 
