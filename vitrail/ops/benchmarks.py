@@ -188,10 +188,12 @@ def _small_cases():
     w = torch.randn(1024, 1024, device=dev, dtype=bf, requires_grad=True)
     bias = torch.randn(1024, device=dev, dtype=bf, requires_grad=True)
     gy = torch.randn(1024, 1024, device=dev, dtype=bf)
+    # each case's tensors bound as defaults: the conv cases below rebind w and gy
     cases.append(("gemm bias+relu fwd+bwd bf16 1024^3", {
-        "vitrail": lambda: torch.autograd.grad(
+        "vitrail": lambda a=a, w=w, bias=bias, gy=gy: torch.autograd.grad(
             ops.gemm(a, w, bias=bias, activation="relu"), (a, w, bias), gy),
-        "torch": lambda: torch.autograd.grad(F.relu(torch.addmm(bias, a, w)), (a, w, bias), gy)}))
+        "torch": lambda a=a, w=w, bias=bias, gy=gy: torch.autograd.grad(
+            F.relu(torch.addmm(bias, a, w)), (a, w, bias), gy)}))
     cl = torch.channels_last
     for stride in (1, 2):  # ResNet-50's 3x3 C128 layers at batch 8; /2: dx in stride phases
         x = torch.randn(8, 128, 28 * stride, 28 * stride, device=dev, dtype=bf).contiguous(
@@ -210,7 +212,7 @@ def _small_cases():
                 F.conv2d(x, w, None, s, 1), (x, w), gy)}))
     xt = torch.randn(2048, 2048, device=dev, dtype=bf).t()
     cases.append(("copy transpose bf16 2048^2", {
-        "vitrail": lambda: ops.copy(xt), "torch": lambda: xt.contiguous()}))
+        "vitrail": lambda xt=xt: ops.copy(xt), "torch": lambda xt=xt: xt.contiguous()}))
     return cases
 
 
