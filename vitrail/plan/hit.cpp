@@ -29,10 +29,12 @@
 
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_strided.h>
 #include <ATen/ops/bmm.h>
@@ -303,6 +305,10 @@ PyObject* run(const Plan& plan, PyObject* const* args) {
   if (plan.kind == Plan::MATMUL) {  // what torch.mm, torch.bmm or torch.matmul would call
     const at::Tensor& a = THPVariable_Unpack(args[plan.args[0]]);
     const at::Tensor& b = THPVariable_Unpack(args[plan.args[1]]);
+    // a call that records no gradient (every call a MATMUL plan serves) goes straight to the
+    // CUDA kernel, below autograd's layer, whose work for it is checks that cannot change it
+    std::optional<at::AutoDispatchBelowADInplaceOrView> below;
+    if (!c10::GradMode::is_enabled() || !(a.requires_grad() || b.requires_grad())) below.emplace();
     return THPVariable_Wrap(a.dim() == 2 && b.dim() == 2   ? at::mm(a, b)
                             : a.dim() == 3 && b.dim() == 3 ? at::bmm(a, b)
                                                            : at::matmul(a, b));
