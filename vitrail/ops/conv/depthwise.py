@@ -42,7 +42,6 @@ STRIDES = (1, 2)  # the column strides they compile in
 OUTPUTS = {1: 4, 2: 2}
 NARROW_ABOVE = 5  # wgrad: wider filters compiled in take at most 4 channels a thread
 MAX_IMAGES = 65535  # a launch's images (grid.y)
-PHASED = True  # a strided dx (m = 1, no dilation) as its stride phases, else the gather
 # wgrad: blocks to aim for (about two an SM: more blocks, more partials to add), the outputs
 # of a row a thread sums in turn (a segment), and those whose pixels it loads at once (a run),
 # by filter width: longer where a run's pixels are shared by more taps, shorter where 8
@@ -464,7 +463,7 @@ def dgrad(dy: Tensor, weight: Tensor, dx: Tensor, stride, pad, dilation,
         _forward(dy, _taps(weight, buffer, flip=True), None, dx, (1, 1), flipped, dilation, 0,
                  v, 0.01, "dgrad")
         return
-    if PHASED and m == 1 and tuple(dilation) == (1, 1):
+    if m == 1 and tuple(dilation) == (1, 1):
         _phased(dy, weight, dx, stride, pad, v, buffer)
         return
     taps = _taps(weight, buffer)
