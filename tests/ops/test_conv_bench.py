@@ -1,7 +1,8 @@
 """`vitrail bench conv` without a GPU: its layer lists (the networks' convolutions, each output
 shape as the op's fake and torch compute it), its registration, the refused rows (decided by
 the op's checks on meta tensors), a case's rows with the timing faked, and the summary's math;
-and `vitrail tune/precompile conv2d` saying why not in one line."""
+`vitrail precompile conv2d` building the family's defaults, and a variant's problem from a
+shape (`vitrail tune conv2d.dgrad.bf16 --shape ...`)."""
 from __future__ import annotations
 
 import math
@@ -302,13 +303,21 @@ def test_the_runs_summary_has_one_entry_per_kind():
     assert fprop["min_case"].startswith("unet down0.res0.conv1")
 
 
-def test_tune_and_precompile_say_conv2d_has_nothing_to_tune():
+def test_precompile_builds_conv2d_defaults_and_a_variant_tunes_from_a_shape():
     from vitrail.cli import _Usage, _load_ops, _select_ops, resolve_tune
+    from vitrail.ops.conv import configs
     registry = _load_ops([])
-    with pytest.raises(SystemExit, match="conv2d has no registered ops to build"):
-        _select_ops(["conv2d"], registry, "precompile")
-    with pytest.raises(_Usage, match="nothing to tune.*vitrail bench conv --compile-only"):
+    chosen = _select_ops(["conv2d"], registry, "precompile")
+    assert {op.name for op in chosen} >= {v.name for v in configs.DEFAULTS}
+    assert all(op.name.startswith("conv2d.") for op in chosen)
+    with pytest.raises(_Usage, match="needs a variant.*PickBest.*precompile conv2d"):
         resolve_tune("conv2d", "8x8", None, False, registry)
+    shaped, _ = resolve_tune("conv2d.dgrad.bf16", "32x64x56x56x64x3", None, False, registry)
+    assert shaped.op is registry["conv2d.dgrad.bf16"]
+    assert shaped.problem == configs.Problem("dgrad", 64, 64, 9, 32 * 56 * 56)
+    assert shaped.op.space.default(shaped.problem, None)["tile"] == "128x64x64"  # C <= 64
+    with pytest.raises(_Usage, match="NxCxHxWxKxR"):
+        resolve_tune("conv2d.fprop.bf16", "8x8", None, False, registry)
 
 
 def test_a_depthwise_layer_runs_and_counts_its_groups_flops(monkeypatch):

@@ -141,14 +141,24 @@ def test_wgrad_in_chunks_sums_every_chunks_partial(monkeypatch):
 
 
 def test_a_kernels_module_is_loaded_once_a_process(monkeypatch):
-    """_module: op.compile() (which emits the whole source again to find the module) once per
-    op, then a dictionary lookup."""
-    ops = [C2D.kernel("fprop", torch.bfloat16, 96, 32), C2D.kernel("dgrad", torch.bfloat16, 96, 32)]
+    """A variant of the family compiles (emits the whole source, finds the module) once per
+    config, then its Op answers from a dictionary; its default config's operation is kernel()'s
+    (the heuristic's tile)."""
+    from vitrail import jit
+    from vitrail.ops.conv.configs import Problem, Variant
+    from vitrail.tune import limits
     calls = []
-    monkeypatch.setattr(type(ops[0]), "compile", lambda self: calls.append(self) or object())
-    monkeypatch.setattr(C2D, "_MODULES", {})
-    loaded = [C2D._module(op) for op in ops + ops + ops]
-    assert calls == ops and loaded[:2] == loaded[2:4] == loaded[4:]
+    monkeypatch.setattr(jit, "compile", lambda **kw: calls.append(kw["name"]) or object())
+    variants = [Variant("fprop", torch.bfloat16), Variant("dgrad", torch.bfloat16)]
+    ops = [C2D.FAMILY[v] for v in variants]
+    monkeypatch.setattr(ops[0], "_modules", {})
+    monkeypatch.setattr(ops[1], "_modules", {})
+    configs = [op.space.default(Problem(v.kind, 96, 32, 9, 4096), limits())
+               for op, v in zip(ops, variants)]
+    loaded = [op.module(c) for op, c in zip(ops + ops + ops, configs + configs + configs)]
+    want = [C2D.kernel(kind, torch.bfloat16, 96, 32) for kind in ("fprop", "dgrad")]
+    assert calls == [op.name for op in want] and loaded[:2] == loaded[2:4] == loaded[4:]
+    assert configs[1]["tile"] == "128x64x64" and configs[0]["tile"] == "128x128x64"
 
 
 def _unit_stride_dgrad(kind, a, wt, d, bias, act, pad, stride, dilation, pad_hi, splits=1,

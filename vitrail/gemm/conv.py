@@ -432,6 +432,8 @@ _RUN_PHASES = r"""  if (splits < 1 || splits > kMaxPhases || phases == nullptr) 
   }
 """ + cluster_launch("vitrail_conv_phases", "params", "config.gridDim = grid;")
 
+# the template's text, all its parts: what keys the tuning records of conv2d's kernels
+KERNEL_SOURCE = _TEMPLATE + _RUN + _CHUNKS + _RUN_CHUNKS + _PHASES + _RUN_PHASES
 _OPERATORS = {"fprop": "kFprop", "dgrad": "kDgrad", "wgrad": "kWgrad"}
 # the strides of D's tensor among the entry's: y (fprop), dx (dgrad), dw (wgrad)
 _D_STRIDES = {"fprop": "out", "dgrad": "act", "wgrad": "flt"}

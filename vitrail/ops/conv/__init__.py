@@ -43,8 +43,11 @@ wgrad checks, routes and launches; later calls repeat the launches on the new te
 C++ call. Autograd calls run an autograd.Function straight to those plans; torch.compile,
 functorch transforms and double backward go through the custom ops.
 
-Kernel choice: one config per kind (128x128x64 tiles, no cluster; a 64-wide side where the
-GEMM's side is at most 64 channels: kernel()); tuning is not wired yet.
+Kernel choice: the implicit-GEMM kernels are an op family (``FAMILY``, vitrail.op.OpFamily),
+a variant (configs.Variant: kind, dtype, epilogue, wgrad's partials, dgrad's phases) an Op whose
+space is its CTA tile (configs.space): the heuristic's 128x128x64, or a 64-wide side where the
+GEMM's side is at most 64 channels; PickBest times both (but for the phased dgrad, whose phase
+table a scratch copy cannot hold: the heuristic's).
 """
 from __future__ import annotations
 
@@ -60,18 +63,22 @@ from torch import Tensor
 from vitrail.device import is_hopper, sm_count
 from vitrail.gemm import (Conv2dProblem, ConvArguments, ConvOperation, LinearCombination,
                           MathInstruction, TensorDescription, TileDescription)
+from vitrail.gemm.conv import KERNEL_SOURCE
 from vitrail.gemm.conv_arguments import MAX_CHUNKS, launch
 from vitrail.gemm.epilogue import ACTIVATIONS
 from vitrail.gemm.ops import mm
 from vitrail.gemm.ops.launch import run_into
 from vitrail.gemm.ops.operands import warn_once
-from vitrail.jit.errors import ArgumentError
-from vitrail.ops.conv import depthwise
+from vitrail.jit.errors import ArgumentError, LaunchError
+from vitrail.op import OpFamily
+from vitrail.ops.conv import configs, depthwise
+from vitrail.ops.conv.configs import Problem, Variant
 from vitrail.ops.conv.partials import sum_partials
 from vitrail.ops.common import (DISPATCH, EAGER, autograd_apply, call_mode, check_same_device,
                                 check_tensor)
 from vitrail.plan import Plans, keep, scratch, setup, signature
 from vitrail.plan.native import GRAD, INPUT, OUTPUT, VALUE, front
+from vitrail.tune import limits
 from vitrail.gemm.ops.reference import activation as _act
 from vitrail.gemm.ops.reference import activation_backward, grad_from_output
 
@@ -104,16 +111,54 @@ def operation(kind: str, dtype: torch.dtype, bias: bool = False,
 def kernel(kind: str, dtype: torch.dtype, k: int, c: int, *, bias: bool = False,
            activation: Optional[str] = None, chunks: int = 1,
            phased: bool = False) -> ConvOperation:
-    """The kernel conv2d runs for ``kind`` on a group of k output and c input channels: 128 x 128
-    tiles, but a 64-wide side where the GEMM's side is at most 64 channels (fprop's N = K,
-    dgrad's N = C, wgrad's M = K), not half a tile of padding; chunks > 1: wgrad's batch in
-    chunks (wgrad_chunks); phased: a strided dgrad's stride phases in one launch."""
-    if kind == "wgrad":
-        tile = (64 if k <= 64 else 128, 128, 64)
-    else:
-        tile = (128, 64 if (k if kind == "fprop" else c) <= 64 else 128, 64)
-    return operation(kind, dtype, bias, activation, partials=chunks > 1, tile=tile,
-                     phased=phased)
+    """The heuristic's kernel for ``kind`` on a group of k output and c input channels
+    (configs.heuristic: 128 x 128 tiles, but a 64-wide side where the GEMM's side is at most 64
+    channels); chunks > 1: wgrad's batch in chunks (wgrad_chunks); phased: a strided dgrad's
+    stride phases in one launch."""
+    variant = Variant(kind, dtype, bias, activation, chunks > 1, phased)
+    return _operation(variant, FAMILY[variant].space.default(Problem(kind, k, c, 1, 1),
+                                                             limits()))
+
+
+def _operation(variant: Variant, config) -> ConvOperation:
+    """The ConvOperation of a variant of the family at a config (its tile)."""
+    kind, dtype, bias, activation, partials, phased = variant
+    return operation(kind, dtype, bias, activation, partials=partials,
+                     tile=configs.tile(config), phased=phased)
+
+
+def _prepared(variant: Variant, config, a, b, d, bias, padding, stride, dilation, pad_hi,
+              splits, phases) -> tuple[ConvOperation, ConvArguments, list[str]]:
+    """The operation of a variant's config, its arguments on these operands, and the reasons it
+    cannot run them (none: it can)."""
+    op = _operation(variant, config)
+    args = ConvArguments.from_tensors(op, a, b, d, bias=bias, padding=padding, stride=stride,
+                                      dilation=dilation, pad_hi=pad_hi, splits=splits,
+                                      phases=phases)
+    return op, args, op.can_implement(args)
+
+
+def _variant(key: Variant) -> dict:
+    """The Op of a variant: a tile its space, the operation of a config its render, and a launch
+    that PickBest times on scratch copies of the call's operands."""
+    def render(config) -> dict:
+        return _operation(key, config).compile_kwargs()
+
+    def run(module, config, *operands) -> None:
+        op, args, why = _prepared(key, config, *operands)
+        if why:
+            raise LaunchError(_refused(key.kind, why))
+        launch(op, module, args)
+    def make_problem(shape: tuple[int, ...], dtype: str | None = None):
+        return problems.variant_problem(key, FAMILY[key], shape, dtype)  # (imported at the end)
+    return dict(name=key.name, space=configs.space(key.kind), kernel_source=KERNEL_SOURCE,
+                render=render, launch=run, examples=[None], make_problem=make_problem,
+                shape=problems.SHAPE)
+
+
+# The implicit-GEMM kernels (configs.Variant), made on first use; the CLI knows the defaults
+# (what `vitrail precompile conv2d` builds) and those made so far
+FAMILY = OpFamily("conv2d", _variant, listed=configs.DEFAULTS)
 
 
 # wgrad_chunks' model, in units of one CTA's 64-deep k-block of a 128x128 tile: a CTA's own cost
@@ -182,29 +227,24 @@ def _run(kind: str, a: Tensor, b: Tensor, d: Tensor, bias: Optional[Tensor],
     first phase's views: _phase_table)."""
     _require_hopper(a.device)
     k, c = (a.shape[3], b.shape[3]) if kind == "wgrad" else (b.shape[0], b.shape[3])
-    op = kernel(kind, a.dtype, k, c, bias=bias is not None, activation=activation,
-                chunks=splits, phased=phases is not None)
-    args = ConvArguments.from_tensors(op, a, b, d, bias=bias, padding=padding, stride=stride,
-                                      dilation=dilation, pad_hi=pad_hi, splits=splits,
-                                      phases=phases)
-    why = op.can_implement(args)
+    wgrad = kind == "wgrad"
+    taps = d.shape[1] * d.shape[2] if wgrad else b.shape[1] * b.shape[2]
+    pixels = a.shape[0] * a.shape[1] * a.shape[2] if wgrad else d.shape[0] * d.shape[1] * d.shape[2]
+    problem = Problem(kind, k, c, taps, pixels)
+    variant = Variant(kind, a.dtype, bias is not None, activation, splits > 1, phases is not None)
+    family_op = FAMILY[variant]
+    operands = (a, b, d, bias, padding, stride, dilation, pad_hi, splits, phases)
+    if phases is None:
+        config = family_op.config(configs.problem_key(problem), problem, operands)
+    else:  # the phase table's offsets reach past the first phase's views, which is all a
+        # scratch copy would hold: PickBest cannot time it, the heuristic chooses
+        config = family_op.space.default(problem, limits())
+    op, args, why = _prepared(variant, config, *operands)
     if why:
         raise NotImplementedError(_refused(kind, why))
     if any(t.numel() == 0 for t in (a, b, d)):
         return
-    launch(op, _module(op), args)  # checked above (op.run would check again)
-
-
-_MODULES: dict[int, object] = {}  # id(op) -> its module (the ops live in _OPS: ids stay theirs)
-
-
-def _module(op: ConvOperation):
-    """op's loaded module, compiled or fetched once a process: op.compile() emits the source
-    again to find it, which takes longer than the launch itself."""
-    module = _MODULES.get(id(op))
-    if module is None:
-        module = _MODULES[id(op)] = op.compile()
-    return module
+    launch(op, family_op.module(config), args)  # checked above (op.run would check again)
 
 
 def _require_hopper(device: torch.device) -> None:
@@ -819,4 +859,4 @@ def reasons(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
 
 
 __all__ = ["conv2d", "kernel", "operation", "reasons", "reference", "wgrad_chunks"]
-importlib.import_module("vitrail.ops.conv.problems")  # vitrail tune and precompile say why not
+problems = importlib.import_module("vitrail.ops.conv.problems")  # vitrail tune's shapes

@@ -1,11 +1,58 @@
-"""conv2d in ``vitrail tune`` and ``vitrail precompile``: a family with nothing to tune yet (one
-kernel per kind, dtype and epilogue; its ConvOperations are not vitrail.op Ops), so both
-commands say so in one line and name what does build the kernels ahead of time."""
+"""conv2d in ``vitrail tune`` and ``vitrail precompile``: precompile builds the family's default
+kernels (configs.DEFAULTS); a variant tunes from a shape (``vitrail tune conv2d.fprop.bf16
+--shape NxCxHxWxKxR``: an R x R filter, stride 1, padding R // 2), its tiles timed on random
+operands laid out as conv2d's own calls lay them (NHWC views)."""
 from __future__ import annotations
 
-from vitrail.op import family
+import torch
+
+from vitrail.op import Shaped, family
+from vitrail.ops.conv.configs import Problem, Variant, problem_key
+
+SHAPE = "NxCxHxWxKxR"
+
+
+def variant_problem(variant: Variant, op, shape: tuple[int, ...],
+                    dtype: str | None = None) -> Shaped:
+    """The problem of N images of C x H x W through K filters of R x R (stride 1, padding
+    R // 2) on a variant; ValueError for what the variant cannot tune from a shape."""
+    if len(shape) != 6:
+        raise ValueError(f"--shape {'x'.join(map(str, shape))}: expected {SHAPE}")
+    if variant.phased:
+        raise ValueError(f"{variant.name}: the phased dgrad takes the heuristic's tile (its phase "
+                         f"table reaches past what a scratch copy holds); tune "
+                         f"conv2d.dgrad.{variant.name.split('.')[2]} instead")
+    n, c, h, w, k, r = shape
+    pad = r // 2
+    p, q = h + 2 * pad - r + 1, w + 2 * pad - r + 1
+    kind, dt = variant.kind, variant.dtype
+    pixels = n * (h * w if kind == "dgrad" else p * q)
+    problem = Problem(kind, k, c, r * r, pixels)
+
+    def args() -> tuple:
+        from vitrail.device import sm_count
+        from vitrail.ops.conv import wgrad_chunks
+
+        def nhwc(*dims: int) -> torch.Tensor:
+            return (torch.randn(*dims, device="cuda") / 8).to(dt)
+        x, wt, y = nhwc(n, h, w, c), nhwc(k, r, r, c), nhwc(n, p, q, k)
+        bias = (torch.randn(k, device="cuda") / 8).to(dt) if variant.bias else None
+        splits = 1
+        if kind == "fprop":
+            a, b, d = x, wt, y
+        elif kind == "dgrad":
+            a, b, d = y, wt, x
+        else:
+            a, b, d = y, x, wt
+            if variant.partials:
+                splits = max(2, wgrad_chunks(k, r * r * c, n, p * q, sm_count()))
+                d = torch.empty(splits * k, r, r, c, device="cuda")
+        return (a, b, d, bias, (pad, pad), (1, 1), (1, 1), (pad, pad), splits, None)
+    return Shaped(op, problem_key(problem), problem, args)
+
 
 family("conv2d", "", "", (), None,
-       why_not="conv2d has no configs to choose yet (one 128x128x64 kernel per kind, dtype and "
-               "epilogue); nothing to tune. Its kernels build at their first calls, or ahead of "
-               "time: `vitrail bench conv --compile-only` builds the bf16 ones")
+       why_not="`vitrail tune conv2d --shape` needs a variant: name one "
+               f"(`vitrail tune conv2d.fprop.bf16 --shape {SHAPE}`; `vitrail tune --list`), or "
+               "call conv2d under vitrail.settings(policy=vitrail.PickBest) to time its tiles on "
+               "your problems; `vitrail precompile conv2d` builds its default kernels")

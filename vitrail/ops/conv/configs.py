@@ -1,0 +1,78 @@
+"""Configs of conv2d's implicit-GEMM kernels: the family's variants, the CTA tile each kind may
+take (the tuning space) and the heuristic's choice.
+
+A kind's GEMM (fprop: M = N P Q pixels, N = K, K = C R S; dgrad: M = N H W, N = C, K = K R S;
+wgrad: M = K, N = C R S, K = N P Q) runs 128x128x64 tiles, but a 64-wide side where the GEMM's
+side that the channels give is at most 64 (fprop's N = K, dgrad's N = C, wgrad's M = K), rather
+than half a tile of padding. PickBest may time both on a problem."""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from vitrail.tune import Space, bucket
+
+WIDE, NARROW = "128x128x64", {"wgrad": "64x128x64", "fprop": "128x64x64", "dgrad": "128x64x64"}
+
+
+class Variant(NamedTuple):
+    """One instantiation of the conv template, an Op of the family (its name, its compile and
+    tuning key): the kind, dtype, the epilogue (bias, activation), wgrad's fp32 partials of batch
+    chunks, dgrad's stride phases in one launch."""
+    kind: str
+    dtype: torch.dtype
+    bias: bool = False
+    activation: Optional[str] = None
+    partials: bool = False
+    phased: bool = False
+
+    @property
+    def name(self) -> str:
+        """conv2d.fprop.bf16.bias.relu, conv2d.wgrad.f16.partials, ..."""
+        dtype = {torch.bfloat16: "bf16", torch.float16: "f16"}[self.dtype]
+        parts = [self.kind, dtype, "bias" if self.bias else "", self.activation or "",
+                 "partials" if self.partials else "", "phased" if self.phased else ""]
+        return "conv2d." + ".".join(p for p in parts if p)
+
+
+class Problem(NamedTuple):
+    """What the heuristic and tuner take: a group's output and input channels, the filter's
+    taps, and the pixels of the GEMM's long side (fprop's N P Q, dgrad's N H W, wgrad's N P Q)."""
+    kind: str
+    k: int
+    c: int
+    taps: int
+    pixels: int
+
+
+def problem_key(p: Problem) -> str:
+    return f"k{bucket(p.k)};c{bucket(p.c)};rs{p.taps};px{bucket(p.pixels)}"
+
+
+def tile(config) -> tuple[int, int, int]:
+    """A config's tile as (M, N, K)."""
+    m, n, k = (int(v) for v in config["tile"].split("x"))
+    return m, n, k
+
+
+def heuristic(kind: str):
+    def choose(problem: Optional[Problem], lim) -> dict:
+        if problem is None:  # precompile: the wide tile
+            return {"tile": WIDE}
+        side = problem.c if kind == "dgrad" else problem.k
+        return {"tile": NARROW[kind] if side <= 64 else WIDE}
+    return choose
+
+
+def space(kind: str) -> Space:
+    """A kind's tiles: the wide one and the one with a 64-wide channel side."""
+    return Space({"tile": [WIDE, NARROW[kind]]}, heuristic=heuristic(kind))
+
+
+# what `vitrail precompile conv2d` builds: the plain bf16 kernels of each kind, ResNet's fused
+# relu and the U-Net's silu forward, and the chunked wgrad
+DEFAULTS = (Variant("fprop", torch.bfloat16), Variant("dgrad", torch.bfloat16),
+            Variant("wgrad", torch.bfloat16), Variant("wgrad", torch.bfloat16, partials=True),
+            Variant("fprop", torch.bfloat16, True, "relu"),
+            Variant("fprop", torch.bfloat16, True, "silu"))
