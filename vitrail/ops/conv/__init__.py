@@ -149,6 +149,7 @@ def _variant(key: Variant) -> dict:
         if why:
             raise LaunchError(_refused(key.kind, why))
         launch(op, module, args)
+
     def make_problem(shape: tuple[int, ...], dtype: str | None = None):
         return problems.variant_problem(key, FAMILY[key], shape, dtype)  # (imported at the end)
     return dict(name=key.name, space=configs.space(key.kind), kernel_source=KERNEL_SOURCE,
