@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from vitrail.gemm.epilogue import ACT_IDS, ACTIVATION_MATH
-from vitrail.ops.conv.partials import sum_partials
+from vitrail.ops.conv.partials import ROUNDING, sum_partials
 
 THREADS = 256
 MAX_WIDTH = 9  # the widest filter whose columns the kernels compile in
@@ -51,7 +51,7 @@ SEGMENT = 32
 WGRAD_RUNS = {1: 4, 2: 4, 3: 4, 4: 2, 5: 2}
 WIDE_RUN = 8
 
-_SOURCE = ACTIVATION_MATH + r"""
+_SOURCE = ACTIVATION_MATH + ROUNDING + r"""
 namespace vitrail_dw {
 template <int V> struct alignas(2 * V) Pack { unsigned short h[V]; };
 
@@ -60,13 +60,6 @@ template <int kBf16> __device__ __forceinline__ float load(unsigned short h) {
   float f;
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
   return f;
-}
-
-template <int kBf16> __device__ __forceinline__ unsigned short store(float f) {
-  unsigned short h;
-  if (kBf16) asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
-  else asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-  return h;
 }
 
 // The V channels at row[w * stride], or zeros where column w is outside [0, width)
@@ -167,7 +160,7 @@ __global__ void __launch_bounds__(256) vitrail_dw_fprop(
     for (int i = 0; i < V; ++i) {
       float v = acc[j][i];
       if (kBias) v += vitrail_dw::load<kBf16>(bias[k0 + i]);
-      o.h[i] = vitrail_dw::store<kBf16>(vitrail_act::apply<Act>(v, slope));
+      o.h[i] = vitrail_conv::store<kBf16>(vitrail_act::apply<Act>(v, slope));
     }
     *reinterpret_cast<Pack<V>*>(out + (q0 + j) * g.ys[2]) = o;
   }
@@ -227,7 +220,7 @@ __global__ void __launch_bounds__(256) vitrail_dw_dgrad(
   }
   Pack<V> o;
 #pragma unroll
-  for (int j = 0; j < V; ++j) o.h[j] = vitrail_dw::store<kBf16>(acc[j]);
+  for (int j = 0; j < V; ++j) o.h[j] = vitrail_conv::store<kBf16>(acc[j]);
   *reinterpret_cast<Pack<V>*>(dx + n * g.xs[0] + h * g.xs[1] + w * g.xs[2] + c0) = o;
 }
 

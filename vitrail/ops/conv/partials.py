@@ -20,15 +20,23 @@ THREADS = 256
 LANES = 8  # threads an output
 OUTPUTS = THREADS // LANES  # a block's outputs
 
-SOURCE = r"""
-namespace vitrail_partials {
+# an fp32 value rounded to nearest bf16 (kBf16) or fp16, as 16 bits: every conv kernel that
+# writes 16-bit values from fp32 sums (this one, the depthwise ones) stores through it
+ROUNDING = r"""
+#ifndef CONV_ROUNDING
+#define CONV_ROUNDING
+namespace vitrail_conv {
 template <int kBf16> __device__ __forceinline__ unsigned short store(float f) {
   unsigned short h;
   if (kBf16) asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
   else asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
   return h;
 }
-}  // namespace vitrail_partials
+}  // namespace vitrail_conv
+#endif
+"""
+
+SOURCE = ROUNDING + r"""
 
 // dw (n elements, packed; bf16 or fp16) = the sum of `blocks` fp32 partials of its size (block
 // b at b n), in one order: a block's 32 outputs, 8 threads each adding every 8th partial, then
@@ -48,7 +56,7 @@ __global__ void __launch_bounds__(256) vitrail_conv_partials_sum(
     float total = 0.f;
 #pragma unroll
     for (int l = 0; l < 8; ++l) total += sums[l][o];
-    dw[i] = vitrail_partials::store<kBf16>(total);
+    dw[i] = vitrail_conv::store<kBf16>(total);
   }
 }
 """
