@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     pytest.mark.warm_cache]  # --kernel-cache: the conv kernels (about 60 s each) built once
 
 SIZES = [(1, 1), (7, 7), (33, 7), (1, 33), (33, 33)]
-GEOMETRY = [  # (R, S, stride, padding, dilation); 1x1 unpadded: vitrail's GEMM
+GEOMETRY = [  # (R, S, stride, padding, dilation); 1x1 unpadded: vitrail's GEMM (at stride 1)
     (1, 1, 1, 0, 1), (1, 1, 2, 0, 1), (3, 3, 1, 1, 1), (3, 3, 2, 1, 1), (3, 3, 1, 2, 2),
     (5, 3, 2, (2, 1), 1), (2, 2, 2, 0, 1)]
 
@@ -246,11 +246,12 @@ def test_depthwise_against_fp64(C, m, R, S, stride, padding, dilation, dtype):
     assert _wgrad_of.front.call(dy, x, R, S, sh, sw, *pad, *hi, dh, dw, C) is not native.MISS
 
 
-@pytest.mark.parametrize("C, K, stride", [(12, 20, 1), (64, 40, 2), (3, 8, 1)])
+@pytest.mark.parametrize("C, K, stride", [(12, 20, 1), (60, 40, 2), (64, 36, 2), (3, 8, 1)])
 def test_a_1x1_convolution_of_any_channel_count_runs_the_gemm(C, K, stride):
-    """1x1 unpadded convolutions are GEMMs over pixels (vitrail's GEMM, which copies what TMA
-    cannot read): channel counts that are not multiples of 8 run too; forward with a bias and
-    an activation, dx and dw against torch's in fp64."""
+    """1x1 unpadded convolutions of unit stride, or of channels TMA cannot read, are GEMMs over
+    pixels (vitrail's GEMM, which copies what TMA cannot read): channel counts that are not
+    multiples of 8 run too; forward with a bias and an activation, dx and dw against torch's in
+    fp64."""
     from vitrail.ops import conv2d
     from vitrail.ops.conv import reasons
     x, w = _tensors(3, C, 11, 6, K, 1, 1, torch.bfloat16, seed=8)
@@ -343,7 +344,7 @@ def test_eager_calls_replay_their_plans(R, S, stride, padding, groups):
     public function, dx and dw through the custom ops) and under autograd. The 3x3 and 5x3
     calls have C++ plans (the stride-2 dx one a stride phase each, on views of the filter);
     the 2x2 stride-3 dx has pixels no tap reaches (zeros: the general path each call), and
-    the 1x1 stride-2 convolution runs vitrail's GEMM."""
+    so has the 1x1 stride-2 one, which runs the implicit-GEMM kernels (aligned channels)."""
     from vitrail.ops import conv2d
     from vitrail.ops.conv import _dgrad
     from vitrail.plan import native

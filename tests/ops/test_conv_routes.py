@@ -65,19 +65,29 @@ def test_a_1x1_convolution_is_a_gemm_over_pixels(gemm_on_the_cpu, stride, activa
 
 
 def test_what_takes_the_gemm_route():
-    """1x1, unpadded, one group; and reasons() says such a convolution runs, whatever its
-    channel counts (3x3's need multiples of 8)."""
+    """1x1, unpadded, one group, and unit stride or channels TMA cannot read (not multiples of
+    8); reasons() says such a convolution runs, whatever its channel counts (3x3's need
+    multiples of 8), and a strided 1x1 of aligned channels is the implicit-GEMM kernels'."""
     w1 = torch.empty(8, 4, 1, 1)
     assert C2D._is_gemm(w1, (0, 0), (0, 0), 1)
     assert not C2D._is_gemm(w1, (1, 0), (1, 0), 1)  # padded
     assert not C2D._is_gemm(w1, (0, 0), (0, 0), 2)  # grouped
     assert not C2D._is_gemm(torch.empty(8, 4, 3, 1), (0, 0), (0, 0), 1)
     assert C2D._is_gemm([1, 1], [0, 0], [0, 0], 1)
+    assert not C2D._is_gemm(w1, (0, 0), (0, 0), 1, (2, 2), (16, 8))  # read in place
+    assert not C2D._is_gemm(w1, (0, 0), (0, 0), 1, (1, 2), (16, 8))
+    assert C2D._is_gemm(w1, (0, 0), (0, 0), 1, (2, 2), (12, 8))  # C not a multiple of 8
+    assert C2D._is_gemm(w1, (0, 0), (0, 0), 1, (2, 2), (16, 20))  # nor K
+    assert C2D._is_gemm(w1, (0, 0), (0, 0), 1, (1, 1), (12, 20))
     x = torch.empty(2, 12, 9, 9, dtype=torch.bfloat16, device="meta")
     assert C2D.reasons(x, torch.empty(20, 12, 1, 1, dtype=torch.bfloat16, device="meta"),
                        stride=2) == []
     assert C2D.reasons(x, torch.empty(20, 12, 3, 3, dtype=torch.bfloat16, device="meta"),
                        padding=1) != []
+    x16 = torch.empty(2, 16, 9, 9, dtype=torch.bfloat16, device="meta")
+    w16 = torch.empty(24, 16, 1, 1, dtype=torch.bfloat16, device="meta")
+    for kind in ("fprop", "dgrad", "wgrad"):  # the kernels' own checks, which pass
+        assert C2D.reasons(x16, w16, stride=2, kind=kind) == [], kind
 
 
 def test_wgrad_chunks_fill_the_gpu_where_dw_is_small():

@@ -27,12 +27,14 @@ unit-stride dgrads, one a phase (the pixels at (i, j) + stride * (a, b), written
 each with the filter taps that reach its pixels: the convolution's own work (_dgrad_phases),
 all in one launch (the phased dgrad kernel, from a table of the phases: _phase_table).
 
-1x1 convolutions without padding (one group) are GEMMs over pixels and run vitrail's GEMM
-(vitrail.ops.gemm and mm, with their selection: split-K, stream-K and torch's own matmul among
-its candidates): fprop y = x W^T with the bias and activation in its epilogue, dgrad dx = dy W,
-wgrad dw = dy^T x; with a stride, the kept pixels of x are copied first and dx is scattered
-into zeros. Their channel counts need not be multiples of 8 (the GEMM copies what TMA cannot
-read, with a one-time warning).
+1x1 convolutions without padding (one group) at unit stride are GEMMs over pixels and run
+vitrail's GEMM (vitrail.ops.gemm and mm, with their selection: split-K, stream-K and torch's own
+matmul among its candidates): fprop y = x W^T with the bias and activation in its epilogue,
+dgrad dx = dy W, wgrad dw = dy^T x. Their channel counts need not be multiples of 8 (the GEMM
+copies what TMA cannot read, with a one-time warning). A strided one runs the implicit-GEMM
+kernels, which read the pixels the stride keeps in place (its dx: one stride phase, the others
+zeros); only where its channels are not multiples of 8 does it run the GEMM, on a copy of the
+kept pixels of x, with dx scattered into zeros.
 
 wgrad's GEMM runs over the batch's pixels (its K is N*P*Q), so a small dw (K x R*S*C: a few
 128x128 tiles) would leave most SMs idle: the batch then runs in chunks of whole images in one
@@ -84,6 +86,7 @@ from vitrail.gemm.ops.reference import activation_backward, grad_from_output
 
 NAME = "vitrail.ops.conv2d"
 DTYPES = (torch.bfloat16, torch.float16)
+_CHANNEL_VECTOR = 8  # channels in TMA's 16-byte vector (bf16, fp16): the kernels' C, K unit
 ELEMENTS = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _OPS: dict[tuple, ConvOperation] = {}
 
@@ -311,7 +314,7 @@ def _check(x, weight, bias, stride, dilation, groups, activation, cuda: bool = T
         raise ArgumentError(f"{NAME}: weight {tuple(weight.shape)} expects "
                             f"{weight.shape[1] * groups} input channels ({weight.shape[1]} per "
                             f"group, groups={groups}), x {tuple(x.shape)} has {c}")
-    if (groups > 1 and ((c // groups) % 8 or (k // groups) % 8)
+    if (groups > 1 and ((c // groups) % _CHANNEL_VECTOR or (k // groups) % _CHANNEL_VECTOR)
             and not depthwise.is_depthwise(c, weight.shape, groups)):
         raise NotImplementedError(
             f"{NAME}: groups={groups} gives {c // groups} input and {k // groups} output "
@@ -337,18 +340,24 @@ def _out_hw(h, w, r, s, pad, pad_hi, stride, dilation) -> tuple[int, int]:
     return p, q
 
 
-def _is_gemm(weight_or_rs, pad, pad_hi, groups: int) -> bool:
-    """Whether the convolution is a GEMM over pixels (1x1 filters, no padding, one group): it
-    runs vitrail's GEMM (vitrail.ops.gemm and mm: their selection, with split-K, stream-K and
-    torch's own matmul among the candidates), not the implicit-GEMM kernels."""
+def _is_gemm(weight_or_rs, pad, pad_hi, groups: int, stride=(1, 1), channels=(0, 0)) -> bool:
+    """Whether the convolution is a GEMM over pixels: 1x1 filters, no padding, one group, and
+    either unit stride (the pixels are the GEMM's rows as they lie) or channels (C, K) that the
+    implicit-GEMM kernels cannot read (not multiples of 8: the GEMM's copies make them
+    aligned). It runs vitrail's GEMM (vitrail.ops.gemm and mm: their selection, with split-K,
+    stream-K and torch's own matmul among the candidates). A strided 1x1 of aligned channels
+    runs the implicit-GEMM kernels, which read the pixels the stride keeps in place, where the
+    GEMM needs a copy of them (fprop, wgrad) or a scatter of dx (dgrad)."""
     rs = (tuple(weight_or_rs.shape[2:]) if isinstance(weight_or_rs, Tensor)
           else tuple(weight_or_rs))
-    return rs == (1, 1) and groups == 1 and not any(pad) and not any(pad_hi)
+    if rs != (1, 1) or groups != 1 or any(pad) or any(pad_hi):
+        return False
+    return tuple(stride) == (1, 1) or any(n % _CHANNEL_VECTOR for n in channels)
 
 
-def _gemm_ready(t: Tensor, weight_or_rs, pad, pad_hi, groups: int) -> bool:
+def _gemm_ready(t: Tensor, weight_or_rs, pad, pad_hi, groups: int, stride, channels) -> bool:
     """_is_gemm, on a Hopper GPU (else refused, as the kernels are)."""
-    if not _is_gemm(weight_or_rs, pad, pad_hi, groups):
+    if not _is_gemm(weight_or_rs, pad, pad_hi, groups, stride, channels):
         return False
     _require_hopper(t.device)
     return True
@@ -403,7 +412,7 @@ def _fprop_into(x, weight, bias, y, g, activation, groups) -> None:
         depthwise.fprop(_nhwc(x), weight, bias, _nhwc(y), stride, pad, dilation, activation,
                         lambda n, dtype: scratch(n, dtype, x.device))
         return
-    if _gemm_ready(x, weight, pad, pad_hi, groups):  # y (N P Q, K) = x (N P Q, C) W^T
+    if _gemm_ready(x, weight, pad, pad_hi, groups, stride, (x.shape[1], k)):  # y = x W^T
         run_into(_nhwc(y).reshape(-1, k), _pixels(x, stride), _nhwc(weight).reshape(k, -1).t(),
                  None, bias, 1.0, 0.0, activation, 0.01, None, None)
         return
@@ -430,7 +439,7 @@ def _dgrad_into(dy, weight, dx, h, w, g, groups) -> None:
         depthwise.dgrad(_nhwc(dy), weight, rows, stride, pad, dilation,
                         lambda n, dtype: scratch(n, dtype, dy.device))
         return
-    if _gemm_ready(dy, weight, pad, pad_hi, groups):  # dx (N P Q, C) = dy (N P Q, K) W
+    if _gemm_ready(dy, weight, pad, pad_hi, groups, stride, (cg, k)):  # dx = dy W
         wk = _nhwc(weight).reshape(k, -1)
         if stride == (1, 1):
             run_into(rows.reshape(-1, cg), _pixels(dy, (1, 1)), wk, None, None, 1.0, 0.0, None,
@@ -495,7 +504,7 @@ def _wgrad_into(dy, x, dw, r, s, g, groups) -> None:
         depthwise.wgrad(_nhwc(_channels_last(dy, "dy")), _nhwc(x), dw, stride, pad, dilation,
                         lambda n: scratch(n, torch.float32, dy.device))
         return
-    if _gemm_ready(x, (r, s), pad, pad_hi, groups):  # dw (K, C) = dy^T (K, NPQ) x (NPQ, C)
+    if _gemm_ready(x, (r, s), pad, pad_hi, groups, stride, (c, k)):  # dw = dy^T x
         run_into(_nhwc(dw).reshape(k, c), _nhwc(dy).reshape(-1, k).t(), _pixels(x, stride),
                  None, None, 1.0, 0.0, None, 0.01, None, None)
         return
@@ -830,7 +839,8 @@ def reasons(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
     if p < 1 or q < 1:
         raise ArgumentError(f"{NAME}: the output would be {p} x {q}: the dilated filter is "
                             f"larger than the padded input")
-    if _is_gemm(weight, pad, pad_hi, groups) or depthwise.is_depthwise(c, weight.shape, groups):
+    if (_is_gemm(weight, pad, pad_hi, groups, stride, (c, weight.shape[0]))
+            or depthwise.is_depthwise(c, weight.shape, groups)):
         return []  # vitrail's GEMM and the depthwise kernels run every shape
 
     def packed(*shape: int) -> Tensor:  # an NHWC-indexed operand as the kernel gets it
