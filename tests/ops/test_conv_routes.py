@@ -312,3 +312,28 @@ def test_the_sum_of_partials_refuses_what_it_cannot_write():
         sum_partials(parts[:-1], dw, 2)
     with pytest.raises(ValueError, match="fp32 blocks"):
         sum_partials(parts.double(), dw, 2)
+
+
+def test_the_space_offers_the_narrow_tile_two_ctas_an_sm():
+    """Each kind's space: the wide and the narrow tile with as many stages as fit (the
+    heuristic's), and the narrow tile with configs.STAGES' few, whose shared memory (the
+    operation's estimate, and the 1 KiB the SM keeps a CTA) lets two CTAs share an SM; the
+    wide tile takes no stage count (one CTA an SM). A stage count is part of the kernel's name
+    (its own build); none leaves the kernels as they were."""
+    from vitrail.ops.conv import configs
+    from vitrail.tune import limits
+    lim = limits("90a")
+    for kind in ("fprop", "dgrad", "wgrad"):
+        space = configs.space(kind)
+        valid = {(c["tile"], c["stages"]) for c in space.valid(lim)}
+        few = max(configs.STAGES)
+        assert valid == {(configs.WIDE, 0), (configs.NARROW[kind], 0),
+                         (configs.NARROW[kind], few)}, kind
+        for k, c in ((32, 32), (512, 512)):
+            assert space.default(configs.Problem(kind, k, c, 9, 4096), lim)["stages"] == 0
+        narrow = configs.tile({"tile": configs.NARROW[kind]})
+        op = C2D.operation(kind, torch.bfloat16, tile=narrow, stages=few)
+        assert 2 * (op.smem_bytes(few) + 1024) <= lim.shared_per_sm, (kind, op.smem_bytes(few))
+        assert op.name.endswith(f"_s{few}_lincomb")
+        assert f"StageCount<{few}>" in op.emit()
+        assert "_s" not in C2D.operation(kind, torch.bfloat16, tile=narrow).name.split("c1x1")[1]

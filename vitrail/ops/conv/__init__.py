@@ -47,9 +47,10 @@ functorch transforms and double backward go through the custom ops.
 
 Kernel choice: the implicit-GEMM kernels are an op family (``FAMILY``, vitrail.op.OpFamily),
 a variant (configs.Variant: kind, dtype, epilogue, wgrad's partials, dgrad's phases) an Op whose
-space is its CTA tile (configs.space): the heuristic's 128x128x64, or a 64-wide side where the
-GEMM's side is at most 64 channels; PickBest times both (but for the phased dgrad, whose phase
-table a scratch copy cannot hold: the heuristic's).
+space is its CTA tile and pipeline stages (configs.space): the heuristic's 128x128x64, or a
+64-wide side where the GEMM's side is at most 64 channels, each with as many stages as fit;
+PickBest also times the narrow tile with few stages, two CTAs an SM (but not for the phased
+dgrad, whose phase table a scratch copy cannot hold: the heuristic's).
 """
 from __future__ import annotations
 
@@ -94,18 +95,20 @@ _OPS: dict[tuple, ConvOperation] = {}
 # ------------------------------------------------------------------------------- kernels
 def operation(kind: str, dtype: torch.dtype, bias: bool = False,
               activation: Optional[str] = None, partials: bool = False,
-              tile: tuple[int, int, int] = (128, 128, 64), phased: bool = False) -> ConvOperation:
-    """The ConvOperation of ``kind`` on ``dtype`` tensors with this epilogue and tile (built
-    once); partials: wgrad's chunked kernel, writing fp32 partial sums (wgrad_chunks); phased:
-    dgrad's stride phases in one launch."""
-    key = (kind, dtype, bias, activation, partials, tile, phased)
+              tile: tuple[int, int, int] = (128, 128, 64), phased: bool = False,
+              stages: int = 0) -> ConvOperation:
+    """The ConvOperation of ``kind`` on ``dtype`` tensors with this epilogue, tile and pipeline
+    stages (0: as many as fit; built once); partials: wgrad's chunked kernel, writing fp32
+    partial sums (wgrad_chunks); phased: dgrad's stride phases in one launch."""
+    key = (kind, dtype, bias, activation, partials, tile, phased, stages)
     op = _OPS.get(key)
     if op is None:
         el = ELEMENTS[dtype]
         out = "f32" if partials else el
         op = _OPS[key] = ConvOperation(
             kind, TensorDescription(el), TensorDescription(el), TensorDescription(out),
-            MathInstruction(el, el), TileDescription(tile, kernel_schedule="warpspecialized"),
+            MathInstruction(el, el),
+            TileDescription(tile, stages=stages, kernel_schedule="warpspecialized"),
             LinearCombination(out, bias="col" if bias else None, activation=activation),
             chunked=partials, phased=phased)
     return op
@@ -124,10 +127,10 @@ def kernel(kind: str, dtype: torch.dtype, k: int, c: int, *, bias: bool = False,
 
 
 def _operation(variant: Variant, config) -> ConvOperation:
-    """The ConvOperation of a variant of the family at a config (its tile)."""
+    """The ConvOperation of a variant of the family at a config (its tile and stages)."""
     kind, dtype, bias, activation, partials, phased = variant
     return operation(kind, dtype, bias, activation, partials=partials,
-                     tile=configs.tile(config), phased=phased)
+                     tile=configs.tile(config), phased=phased, stages=config["stages"])
 
 
 def _prepared(variant: Variant, config, a, b, d, bias, padding, stride, dilation, pad_hi,

@@ -4,16 +4,22 @@ take (the tuning space) and the heuristic's choice.
 A kind's GEMM (fprop: M = N P Q pixels, N = K, K = C R S; dgrad: M = N H W, N = C, K = K R S;
 wgrad: M = K, N = C R S, K = N P Q) runs 128x128x64 tiles, but a 64-wide side where the GEMM's
 side that the channels give is at most 64 (fprop's N = K, dgrad's N = C, wgrad's M = K), rather
-than half a tile of padding. PickBest may time both on a problem."""
+than half a tile of padding. PickBest may time both on a problem, and the narrow tile with few
+pipeline stages (STAGES)."""
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
 import torch
 
-from vitrail.tune import Space, bucket
+from vitrail.tune import Space, bucket, require
 
 WIDE, NARROW = "128x128x64", {"wgrad": "64x128x64", "fprop": "128x64x64", "dgrad": "128x64x64"}
+# Pipeline stages: 0 lets CUTLASS fill shared memory with them (one CTA an SM); 3 stages of the
+# narrow tile leave room for a second CTA on the SM (its registers allow two), whose mainloop
+# runs beside the other's prologue and epilogue: what a short reduction (a 1x1 filter, 64
+# channels) may need more than a deep pipeline. The wide tile's registers allow one CTA an SM.
+STAGES = (0, 3)
 
 
 class Variant(NamedTuple):
@@ -59,15 +65,20 @@ def tile(config) -> tuple[int, int, int]:
 def heuristic(kind: str):
     def choose(problem: Optional[Problem], lim) -> dict:
         if problem is None:  # precompile: the wide tile
-            return {"tile": WIDE}
+            return {"tile": WIDE, "stages": 0}
         side = problem.c if kind == "dgrad" else problem.k
-        return {"tile": NARROW[kind] if side <= 64 else WIDE}
+        return {"tile": NARROW[kind] if side <= 64 else WIDE, "stages": 0}
     return choose
 
 
 def space(kind: str) -> Space:
-    """A kind's tiles: the wide one and the one with a 64-wide channel side."""
-    return Space({"tile": [WIDE, NARROW[kind]]}, heuristic=heuristic(kind))
+    """A kind's tiles, the wide one and the one with a 64-wide channel side, and their pipeline
+    stages (STAGES; the wide tile's as many as fit)."""
+    return Space({"tile": [WIDE, NARROW[kind]], "stages": list(STAGES)},
+                 constraints=[require(lambda c, lim: c["tile"] != WIDE or not c["stages"],
+                                      "the wide tile runs one CTA an SM: its stages fill "
+                                      "shared memory")],
+                 heuristic=heuristic(kind))
 
 
 # what `vitrail precompile conv2d` builds: the plain bf16 kernels of each kind, ResNet's fused
