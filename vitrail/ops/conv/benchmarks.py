@@ -289,16 +289,17 @@ def summarize(rows: list[Row]) -> list[dict]:
 
 def summary_lines(summary: list[dict]) -> list[str]:
     """The summary as ``vitrail bench conv`` prints it after its table."""
-    lines = [f"  {'network':<10}{'kind':<17}{'layers':>6}{'geomean':>9}{'worst':>8}"
+    wide = max(map(len, NETWORKS)) + 2  # the network's column
+    lines = [f"  {'network':<{wide}}{'kind':<17}{'layers':>6}{'geomean':>9}{'worst':>8}"
              f"{'best':>8}{'>=1.0x':>8}{'network':>9}  worst layer; refused"]
     for e in summary:
         refused = "".join(f"; {what}: {', '.join(e[what])}" for what in ("refused", "failed")
                           if e[what])
         if not e["layers"]:
-            lines.append(f"  {e['network']:<10}{e['kind']:<17}{0:>6}  none ran{refused}")
+            lines.append(f"  {e['network']:<{wide}}{e['kind']:<17}{0:>6}  none ran{refused}")
             continue
-        lines.append(f"  {e['network']:<10}{e['kind']:<17}{e['layers']:>6}{e['geomean']:>8.2f}x"
-                     f"{e['worst']:>7.2f}x{e['best']:>7.2f}x"
+        lines.append(f"  {e['network']:<{wide}}{e['kind']:<17}{e['layers']:>6}"
+                     f"{e['geomean']:>8.2f}x{e['worst']:>7.2f}x{e['best']:>7.2f}x"
                      f"{str(e['at_or_above_1x']) + '/' + str(e['layers']):>8}"
                      f"{e['weighted']:>8.2f}x  {e['worst_layer']}{refused}")
     lines.append("  speedups over cuDNN (> 1x: vitrail faster); network: the layers taken "
@@ -310,21 +311,25 @@ def summary_lines(summary: list[dict]) -> list[str]:
 def operations(sms: int = 132) -> list:
     """The ConvOperations the rows run (bf16; in the cases' order, each once): the kernel
     vitrail.ops.conv.kernel gives each layer's kind, wgrad's chunked one where wgrad_chunks
-    splits its batch on a GPU of ``sms`` SMs, dgrad's phased one at a stride; none for the 1x1
-    layers (the GEMM's), the depthwise ones (NVRTC kernels of their own, built at the first
-    call in seconds) or refused ones."""
+    splits its batch on a GPU of ``sms`` SMs, dgrad's phased one where a stride leaves several
+    phases with taps (a strided 1x1's one phase runs the plain dgrad); none for the layers the
+    GEMM runs (1x1 unpadded at unit stride), the depthwise ones (NVRTC kernels of their own,
+    built at the first call in seconds) or refused ones."""
     import torch
 
-    from vitrail.ops.conv import kernel, wgrad_chunks
+    from vitrail.ops.conv import _dgrad_phases, kernel, wgrad_chunks
     ops = []
     for case in cases():
         lay = case.layer
-        if (lay.R, lay.S, lay.padding) == (1, 1, 0) or lay.groups > 1 or refusal(case):
+        if _runs_gemm(lay) or lay.groups > 1 or refusal(case):
             continue
         p, q = lay.out_hw()
         chunks = (wgrad_chunks(lay.K, lay.R * lay.S * lay.C, case.batch, p * q, sms)
                   if case.kernel == "wgrad" else 1)
-        phased = case.kernel == "dgrad" and lay.stride > 1  # its stride phases, one launch
+        two, pad = (lay.stride,) * 2, (lay.padding,) * 2
+        phased = case.kernel == "dgrad" and sum(  # its stride phases, one launch
+            all(ph.rows) for ph in _dgrad_phases((lay.H, lay.W), (p, q), (lay.R, lay.S), pad,
+                                                 pad, two, (1, 1))) > 1
         op = kernel(case.kernel, torch.bfloat16, lay.K, lay.C, bias=case.activation is not None,
                     activation=case.activation, chunks=chunks, phased=phased)
         if op not in ops:
@@ -332,10 +337,18 @@ def operations(sms: int = 132) -> list:
     return ops
 
 
+def _runs_gemm(lay: Layer) -> bool:
+    """Whether vitrail.ops.conv runs the layer as a GEMM over pixels."""
+    from vitrail.ops.conv import _is_gemm
+    pad = (lay.padding,) * 2
+    return _is_gemm((lay.R, lay.S), pad, pad, lay.groups, (lay.stride,) * 2, (lay.C, lay.K))
+
+
 def gemm_kernels(lim) -> list:
-    """(Op, config) of each GEMM kernel the 1x1 unpadded layers run (vitrail.ops.conv's GEMM
-    route: fprop x W^T, dgrad dy W, wgrad dy^T x), as the GEMM's selection chooses them for
-    their shapes (torch's matmul, where chosen, compiles nothing and is left out)."""
+    """(Op, config) of each GEMM kernel the layers run as GEMMs over pixels (1x1 unpadded at
+    unit stride: vitrail.ops.conv's GEMM route, fprop x W^T, dgrad dy W, wgrad dy^T x), as the
+    GEMM's selection chooses them for their shapes (torch's matmul, where chosen, compiles
+    nothing and is left out)."""
     from vitrail.gemm import LinearCombination
     from vitrail.gemm.ops.configs import Kind, Problem
     from vitrail.gemm.ops.launch import op_for
@@ -343,7 +356,7 @@ def gemm_kernels(lim) -> list:
     found = []
     for case in cases():
         lay = case.layer
-        if (lay.R, lay.S, lay.padding) != (1, 1, 0):
+        if not _runs_gemm(lay):
             continue
         p, q = lay.out_hw()
         pixels = case.batch * p * q
