@@ -31,11 +31,12 @@ def gemm_on_the_cpu(monkeypatch):
 
 
 @pytest.mark.parametrize("stride", [(1, 1), (2, 2), (3, 2)])
-@pytest.mark.parametrize("activation", [None, "relu"])
+@pytest.mark.parametrize("activation", [None, "relu", "gelu"])
 @pytest.mark.parametrize("path", ["custom op", "autograd.Function"])
 def test_a_1x1_convolution_is_a_gemm_over_pixels(gemm_on_the_cpu, stride, activation, path):
     """Through either autograd path: the custom op's (torch.compile, transforms) and the
-    Function an eager call that records gradients runs (straight to the plans)."""
+    Function an eager call that records gradients runs (straight to the plans); relu's
+    derivative from the output, gelu's from the convolution run again without it."""
     g = torch.Generator().manual_seed(sum(stride))
     n, c, h, w, k = 2, 5, 7, 6, 3
     x = torch.randn(n, c, h, w, generator=g, dtype=torch.float64).contiguous(
@@ -49,15 +50,17 @@ def test_a_1x1_convolution_is_a_gemm_over_pixels(gemm_on_the_cpu, stride, activa
         y = C2D._CONV2D(x, wt, b, (*stride, 0, 0, 0, 0, 1, 1), activation, 1)
     x2, w2, b2 = (t.detach().clone().requires_grad_(True) for t in (x, wt, b))
     want = F.conv2d(x2, w2, b2, stride)
-    want = want.relu() if activation == "relu" else want
+    want = {None: want, "relu": F.relu(want), "gelu": F.gelu(want)}[activation]
     assert y.shape == want.shape and y.is_contiguous(memory_format=torch.channels_last)
     torch.testing.assert_close(y, want)
     dy = torch.randn(want.shape, generator=g, dtype=torch.float64).contiguous(
         memory_format=torch.channels_last)
     y.backward(dy)
     want.backward(dy)
-    torch.testing.assert_close(x.grad, x2.grad, msg="dx")
-    torch.testing.assert_close(wt.grad, w2.grad, msg="dw")
+    # gelu's derivative is taken in fp32 (of z run again): fp32's tolerance for it
+    tol = dict(rtol=1e-5, atol=1e-5) if activation == "gelu" else {}
+    torch.testing.assert_close(x.grad, x2.grad, msg="dx", **tol)
+    torch.testing.assert_close(wt.grad, w2.grad, msg="dw", **tol)
     torch.testing.assert_close(b.grad, b2.grad, rtol=1e-5, atol=1e-5)  # summed in fp32
     assert x.grad.is_contiguous(memory_format=torch.channels_last)
     assert wt.grad.is_contiguous(memory_format=torch.channels_last)

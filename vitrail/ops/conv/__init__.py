@@ -683,22 +683,22 @@ def _gradients(x, weight, bias, y, grad, g, activation, groups, from_y, needs,
     where the activation's derivative is taken from it (from_y), else z is computed again
     without the activation. through_ops: by the custom ops (a traced backward, or a graph of
     the gradients: create_graph), else straight to the kernels' plans."""
-    stride, pad, pad_hi, dilation = (list(v) for v in _split(g))
+    geometry = [list(v) for v in _split(g)] if through_ops else None  # the custom ops' lists
     if activation is not None:
         if from_y:
             grad = activation_backward(grad, y, activation)
         else:  # z in fp32 for the derivative
-            z = (_conv2d(x, weight, bias, stride, pad, pad_hi, dilation, None, groups)
+            z = (_conv2d(x, weight, bias, *geometry, None, groups)
                  if through_ops else _fprop(x, weight, bias, *g, None, groups))
             grad = activation_backward(grad.float(), z.float(), activation).to(grad.dtype)
     dx = dw = db = None
     if needs[0]:
         h, w = x.shape[2:]
-        dx = (_conv2d_dgrad(grad, weight, [h, w], stride, pad, pad_hi, dilation, groups)
+        dx = (_conv2d_dgrad(grad, weight, [h, w], *geometry, groups)
               if through_ops else _dgrad(grad, weight, h, w, *g, groups))
     if needs[1]:
         r, s = weight.shape[2:]
-        dw = (_conv2d_wgrad(grad, x, [r, s], stride, pad, pad_hi, dilation, groups)
+        dw = (_conv2d_wgrad(grad, x, [r, s], *geometry, groups)
               if through_ops else _wgrad_of(grad, x, r, s, *g, groups))
     if bias is not None and needs[2]:
         db = grad.sum((0, 2, 3), dtype=torch.float32).to(bias.dtype)
