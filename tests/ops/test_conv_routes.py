@@ -215,23 +215,33 @@ def _unit_stride_dgrad(kind, a, wt, d, bias, act, pad, stride, dilation, pad_hi,
 
 def test_a_strided_dgrad_runs_one_unit_stride_dgrad_a_phase(monkeypatch):
     """dx of convolutions (strides 1 to 3, dilations 1 to 3, paddings 0 to 2, sizes down to 1,
-    filters 1x1 to 5x5) as the phases' unit-stride dgrads (one at unit stride), each run by the
-    kernel's contract in float64: equal to torch's dx."""
+    filters 1x1 to 5x5; and strided 1x1s of aligned channels, which the GEMM does not run) as
+    the phases' unit-stride dgrads (one at unit stride), each run by the kernel's contract in
+    float64, into a dx filled with NaN: equal to torch's dx, every pixel written."""
     monkeypatch.setattr(C2D, "_run", _unit_stride_dgrad)
     monkeypatch.setattr(C2D, "_require_hopper", lambda device: None)
+    new_dx = C2D._new_dx
+    monkeypatch.setattr(C2D, "_new_dx", lambda *a: tuple(t.fill_(float("nan"))
+                                                         for t in new_dx(*a)))
     g = torch.Generator().manual_seed(5)
     done = 0
-    for _ in range(400):
-        h, w = (int(v) for v in torch.randint(1, 14, (2,), generator=g))
-        r, s = (int(v) for v in torch.randint(1, 6, (2,), generator=g))
-        stride = tuple(int(v) for v in torch.randint(1, 4, (2,), generator=g))
-        dil = tuple(int(v) for v in torch.randint(1, 4, (2,), generator=g))
-        pad = tuple(int(v) for v in torch.randint(0, 3, (2,), generator=g))
+    ones = [(h, w, 1, 1, stride, (1, 1), (0, 0)) for h, w, stride in (
+        (7, 7, (2, 2)), (8, 5, (2, 3)), (1, 1, (2, 2)), (9, 4, (3, 1)), (2, 6, (1, 2)))]
+    for i in range(400 + len(ones)):
+        c = 8 if i >= 400 else 3  # the 1x1s: channels TMA reads, so not the GEMM's
+        if i >= 400:
+            h, w, r, s, stride, dil, pad = ones[i - 400]
+        else:
+            h, w = (int(v) for v in torch.randint(1, 14, (2,), generator=g))
+            r, s = (int(v) for v in torch.randint(1, 6, (2,), generator=g))
+            stride = tuple(int(v) for v in torch.randint(1, 4, (2,), generator=g))
+            dil = tuple(int(v) for v in torch.randint(1, 4, (2,), generator=g))
+            pad = tuple(int(v) for v in torch.randint(0, 3, (2,), generator=g))
         p, q = C2D._out_hw(h, w, r, s, pad, pad, stride, dil)
-        if p < 1 or q < 1 or (r, s, pad) == (1, 1, (0, 0)):
+        if p < 1 or q < 1 or C2D._is_gemm((r, s), pad, pad, 1, stride, (c, 2 * c)):
             continue
-        x = torch.randn(2, 3, h, w, generator=g, dtype=torch.float64).requires_grad_(True)
-        wt = torch.randn(4, 3, r, s, generator=g, dtype=torch.float64)
+        x = torch.randn(2, c, h, w, generator=g, dtype=torch.float64).requires_grad_(True)
+        wt = torch.randn(2 * c, c, r, s, generator=g, dtype=torch.float64)
         y = F.conv2d(x, wt, None, stride, pad, dil)
         dy = torch.randn(y.shape, generator=g, dtype=torch.float64)
         y.backward(dy)
@@ -241,7 +251,7 @@ def test_a_strided_dgrad_runs_one_unit_stride_dgrad_a_phase(monkeypatch):
         torch.testing.assert_close(dx, x.grad, msg=lambda m: f"{(h, w, r, s, stride, dil, pad)}"
                                    f": {m}")
         done += 1
-    assert done > 200
+    assert done > 200 + len(ones)
 
 
 def test_a_depthwise_thread_owns_the_widest_vector_every_view_allows():
