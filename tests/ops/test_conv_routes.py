@@ -72,11 +72,11 @@ def test_what_takes_the_gemm_route():
     8); reasons() says such a convolution runs, whatever its channel counts (3x3's need
     multiples of 8), and a strided 1x1 of aligned channels is the implicit-GEMM kernels'."""
     w1 = torch.empty(8, 4, 1, 1)
-    assert C2D._is_gemm(w1, (0, 0), (0, 0), 1)
-    assert not C2D._is_gemm(w1, (1, 0), (1, 0), 1)  # padded
-    assert not C2D._is_gemm(w1, (0, 0), (0, 0), 2)  # grouped
-    assert not C2D._is_gemm(torch.empty(8, 4, 3, 1), (0, 0), (0, 0), 1)
-    assert C2D._is_gemm([1, 1], [0, 0], [0, 0], 1)
+    assert C2D._is_gemm(w1, (0, 0), (0, 0), 1, (1, 1), (4, 8))
+    assert not C2D._is_gemm(w1, (1, 0), (1, 0), 1, (1, 1), (4, 8))  # padded
+    assert not C2D._is_gemm(w1, (0, 0), (0, 0), 2, (1, 1), (4, 8))  # grouped
+    assert not C2D._is_gemm(torch.empty(8, 4, 3, 1), (0, 0), (0, 0), 1, (1, 1), (4, 8))
+    assert C2D._is_gemm([1, 1], [0, 0], [0, 0], 1, [1, 1], (4, 8))
     assert not C2D._is_gemm(w1, (0, 0), (0, 0), 1, (2, 2), (16, 8))  # read in place
     assert not C2D._is_gemm(w1, (0, 0), (0, 0), 1, (1, 2), (16, 8))
     assert C2D._is_gemm(w1, (0, 0), (0, 0), 1, (2, 2), (12, 8))  # C not a multiple of 8

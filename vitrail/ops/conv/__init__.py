@@ -343,7 +343,7 @@ def _out_hw(h, w, r, s, pad, pad_hi, stride, dilation) -> tuple[int, int]:
     return p, q
 
 
-def _is_gemm(weight_or_rs, pad, pad_hi, groups: int, stride=(1, 1), channels=(0, 0)) -> bool:
+def _is_gemm(weight_or_rs, pad, pad_hi, groups: int, stride, channels) -> bool:
     """Whether the convolution is a GEMM over pixels: 1x1 filters, no padding, one group, and
     either unit stride (the pixels are the GEMM's rows as they lie) or channels (C, K) that the
     implicit-GEMM kernels cannot read (not multiples of 8: the GEMM's copies make them

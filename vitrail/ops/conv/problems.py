@@ -1,7 +1,7 @@
 """conv2d in ``vitrail tune`` and ``vitrail precompile``: precompile builds the family's default
 kernels (configs.DEFAULTS); a variant tunes from a shape (``vitrail tune conv2d.fprop.bf16
---shape NxCxHxWxKxR``: an R x R filter, stride 1, padding R // 2), its tiles timed on random
-operands laid out as conv2d's own calls lay them (NHWC views)."""
+--shape NxCxHxWxKxR``: an R x R filter, stride 1, padding R // 2), its configs (tile, stages)
+timed on random operands laid out as conv2d's own calls lay them (NHWC views)."""
 from __future__ import annotations
 
 import torch

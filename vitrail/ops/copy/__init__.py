@@ -7,8 +7,8 @@ where both sides allow, then the first that applies of:
   other stride and both pointers 16-byte aligned; 16-byte accesses on both sides, blocks
   transposed in registers;
 - the rows kernel: both sides' fastest dim is the same, of stride 1, rows apart (a slice, padded
-  rows), at least configs.ROWS_MIN_VECTORS vectors long; 16-byte vectors along each row where every row
-  starts 16-byte aligned on both sides, else one element per access;
+  rows), at least configs.ROWS_MIN_VECTORS vectors long; 16-byte vectors along each row where
+  every row starts 16-byte aligned on both sides, else one element per access;
 - the general tiled kernel: one element per access through shared memory, reading along the
   input's fastest dim and writing along the output's, so that any strides are coalesced.
 The route (which variant, problem and launch arguments) is configs.route's, of the copy's layout.
