@@ -83,16 +83,23 @@ def test_fprop_dgrad_wgrad_against_fp64(dtype, H, W, R, S, stride, padding, dila
     _close(w.grad, w64.grad, dtype, "dw")
 
 
+@pytest.mark.parametrize("config", ["wide", "narrow", "narrow, 3 stages"])
 @pytest.mark.parametrize("C, K", [(16, 24), (72, 136), (136, 64), (64, 200)])
-def test_narrow_and_wide_tiles(C, K):
-    """The tile kernel() gives each kind (a 64-wide side where the GEMM's side is at most 64
-    channels: fprop's K, dgrad's C, wgrad's K), each against fp64 through autograd."""
+def test_every_tile_and_stage_count(C, K, config, monkeypatch):
+    """Each config of the space (configs.space: the wide tile, the narrow one with a deep and with
+    a short pipeline), whatever the heuristic would take, runs every kernel of conv2d's forward
+    and backward (fprop with bias and relu, dgrad, wgrad) against fp64 through autograd."""
+    from vitrail.op import Op
     from vitrail.ops import conv2d
-    from vitrail.ops.conv import kernel
+    from vitrail.ops.conv import configs
     bf = torch.bfloat16
-    assert kernel("fprop", bf, K, C).tile.tile_shape[1] == (64 if K <= 64 else 128)
-    assert kernel("dgrad", bf, K, C).tile.tile_shape[1] == (64 if C <= 64 else 128)
-    assert kernel("wgrad", bf, K, C).tile.tile_shape[0] == (64 if K <= 64 else 128)
+    tile, _, stages = config.partition(", ")
+
+    def forced(self, problem_key, problem, args=()):
+        kind = self.name.split(".")[1]
+        return self.space.config(tile=configs.WIDE if tile == "wide" else configs.NARROW[kind],
+                                 stages=max(configs.STAGES) if stages else 0)
+    monkeypatch.setattr(Op, "config", forced)
     x, w = _tensors(3, C, 33, 7, K, 3, 3, bf, seed=9)
     b = torch.randn(K, device="cuda").to(bf)
     _against_fp64(lambda x, w, b: conv2d(x, w, b, padding=1, activation="relu"),
@@ -146,14 +153,16 @@ def test_one_kernel_serves_every_size():
     """Static config, dynamic shapes: every problem of a kind and tile class (here more than 64
     output channels) runs the one compiled kernel."""
     from vitrail.ops import conv2d
-    from vitrail.ops.conv import kernel
+    from vitrail.ops.conv import kernel, kernel_problem
     keys = set()
     for H, W, C, K in ((7, 7, 16, 96), (33, 1, 64, 80), (1, 33, 8, 128)):
         x, w = _tensors(1, C, H, W, K, 3, 3, torch.bfloat16)
         _close(conv2d(x, w, padding=1),
                torch.nn.functional.conv2d(x.double(), w.double(), padding=1), torch.bfloat16,
                f"C{C} K{K} {H}x{W}")
-        keys.add(kernel("fprop", torch.bfloat16, K, C).compile().key)
+        problem, _ = kernel_problem("fprop", 1, C, (H, W), K, (3, 3), (1, 1), (1, 1), (1, 1),
+                                    (1, 1))
+        keys.add(kernel("fprop", torch.bfloat16, problem).compile().key)
     assert len(keys) == 1
 
 

@@ -149,22 +149,25 @@ def test_the_benchmark_registers_as_conv():
 
 
 def test_the_no_gpu_build_list_is_what_the_rows_run():
-    """operations(): each kind's kernel once; narrow tiles for ResNet's 64-channel layer, the
-    chunked wgrad where a layer's dw is small against its batch, the one-pass wgrad where it
-    fills the GPU, the phased dgrad of the strided layers, each network's fused activation;
-    ConvNeXt's 2x2/2 downsamplers take kernels of these, and the depthwise layers none (their
-    kernels are NVRTC ones)."""
+    """operations(): each kind's kernel once; narrow tiles with a short pipeline for ResNet's
+    64-channel layers (the chunked wgrad's a deep one), the chunked wgrad where a layer's dw is
+    small against its batch, the one-pass wgrad where it fills the GPU, the phased dgrad of the
+    strided layers, each network's fused activation, narrow tiles with a deep pipeline for the
+    U-Net's 8x8 maps (whose wide tiles would fill half the GPU); ConvNeXt's 2x2/2 downsamplers
+    take kernels of these, and the depthwise layers none (their kernels are NVRTC ones)."""
     ops = bm.operations()
     names = [op.name for op in ops]
-    assert len(set(names)) == len(names) == 11
-    assert {(op.kind, op.tile.tile_shape[:2], op.chunked or op.phased, op.epilogue.activation)
-            for op in ops} == {
-        ("fprop", (128, 64), False, None), ("fprop", (128, 64), False, "relu"),
-        ("dgrad", (128, 64), False, None), ("wgrad", (64, 128), True, None),
-        ("fprop", (128, 128), False, None), ("fprop", (128, 128), False, "relu"),
-        ("fprop", (128, 128), False, "silu"), ("dgrad", (128, 128), False, None),
-        ("dgrad", (128, 128), True, None),
-        ("wgrad", (128, 128), True, None), ("wgrad", (128, 128), False, None)}
+    assert len(set(names)) == len(names) == 15
+    assert {(op.kind, op.tile.tile_shape[:2], op.tile.stages, op.chunked or op.phased,
+             op.epilogue.activation) for op in ops} == {
+        ("fprop", (128, 64), 3, False, None), ("fprop", (128, 64), 3, False, "relu"),
+        ("dgrad", (128, 64), 3, False, None), ("wgrad", (64, 128), 0, True, None),
+        ("fprop", (128, 128), 0, False, None), ("fprop", (128, 128), 0, False, "relu"),
+        ("fprop", (128, 128), 0, False, "silu"), ("dgrad", (128, 128), 0, False, None),
+        ("dgrad", (128, 128), 0, True, None),
+        ("wgrad", (128, 128), 0, True, None), ("wgrad", (128, 128), 0, False, None),
+        ("fprop", (128, 64), 0, False, None), ("fprop", (128, 64), 0, False, "silu"),
+        ("dgrad", (128, 64), 0, False, None), ("dgrad", (128, 64), 0, True, None)}
     assert all(op.math.element_a == "bf16" for op in ops)
 
 

@@ -166,10 +166,10 @@ def test_a_kernels_module_is_loaded_once_a_process(monkeypatch):
     ops = [C2D.FAMILY[v] for v in variants]
     monkeypatch.setattr(ops[0], "_modules", {})
     monkeypatch.setattr(ops[1], "_modules", {})
-    configs = [op.space.default(Problem(v.kind, 96, 32, 9, 4096), limits())
-               for op, v in zip(ops, variants)]
+    problems = [Problem(v.kind, 96, 32, 9, 65536) for v in variants]
+    configs = [op.space.default(p, limits()) for op, p in zip(ops, problems)]
     loaded = [op.module(c) for op, c in zip(ops + ops + ops, configs + configs + configs)]
-    want = [C2D.kernel(kind, torch.bfloat16, 96, 32) for kind in ("fprop", "dgrad")]
+    want = [C2D.kernel(p.kind, torch.bfloat16, p) for p in problems]
     assert calls == [op.name for op in want] and loaded[:2] == loaded[2:4] == loaded[4:]
     assert configs[1]["tile"] == "128x64x64" and configs[0]["tile"] == "128x128x64"
 
@@ -328,25 +328,48 @@ def test_the_sum_of_partials_refuses_what_it_cannot_write():
 
 
 def test_the_space_offers_the_narrow_tile_two_ctas_an_sm():
-    """Each kind's space: the wide and the narrow tile with as many stages as fit (the
-    heuristic's), and the narrow tile with configs.STAGES' few, whose shared memory (the
-    operation's estimate, and the 1 KiB the SM keeps a CTA) lets two CTAs share an SM; the
-    wide tile takes no stage count (one CTA an SM). A stage count is part of the kernel's name
-    (its own build); none leaves the kernels as they were."""
+    """Each kind's space: the wide and the narrow tile with as many stages as fit, and the
+    narrow tile with configs.STAGES' few, whose shared memory (the operation's estimate, and
+    the 1 KiB the SM keeps a CTA) lets two CTAs share an SM; the wide tile takes no stage count
+    (one CTA an SM). A stage count is part of the kernel's name (its own build); none leaves
+    the kernels as they were."""
+    from vitrail.device import target_limits
     from vitrail.ops.conv import configs
-    from vitrail.tune import limits
-    lim = limits("90a")
+    lim = target_limits("90a")
     for kind in ("fprop", "dgrad", "wgrad"):
         space = configs.space(kind)
         valid = {(c["tile"], c["stages"]) for c in space.valid(lim)}
         few = max(configs.STAGES)
         assert valid == {(configs.WIDE, 0), (configs.NARROW[kind], 0),
                          (configs.NARROW[kind], few)}, kind
-        for k, c in ((32, 32), (512, 512)):
-            assert space.default(configs.Problem(kind, k, c, 9, 4096), lim)["stages"] == 0
         narrow = configs.tile({"tile": configs.NARROW[kind]})
         op = C2D.operation(kind, torch.bfloat16, tile=narrow, stages=few)
         assert 2 * (op.smem_bytes(few) + 1024) <= lim.shared_per_sm, (kind, op.smem_bytes(few))
         assert op.name.endswith(f"_s{few}_lincomb")
         assert f"StageCount<{few}>" in op.emit()
         assert "_s" not in C2D.operation(kind, torch.bfloat16, tile=narrow).name.split("c1x1")[1]
+
+
+@pytest.mark.parametrize("kind, k, c, taps, pixels, tile, stages", [
+    # a channel side (fprop's K, dgrad's C, wgrad's K) of at most 64: the narrow tile, with few
+    # stages (two CTAs an SM) but for wgrad
+    ("fprop", 64, 256, 9, 128 * 56 * 56, "narrow", 3),
+    ("dgrad", 256, 64, 1, 128 * 56 * 56, "narrow", 3),
+    ("wgrad", 64, 64, 9, 128 * 56 * 56, "narrow", 0),
+    ("fprop", 256, 64, 9, 128 * 56 * 56, "wide", 0),
+    ("dgrad", 64, 256, 9, 128 * 56 * 56, "wide", 0),
+    # wide tiles that fill at most half of 132 SMs in one wave: the narrow tile, twice the CTAs
+    ("fprop", 2048, 2048, 9, 8 * 8 * 8, "narrow", 0),  # 4 x 16 wide tiles
+    ("dgrad", 2048, 2048, 9, 8 * 8 * 8, "narrow", 0),
+    ("fprop", 2048, 2048, 9, 8 * 8 * 9, "wide", 0),  # 5 x 16 = 80 wide tiles
+    ("dgrad", 2048, 4096, 9, 8 * 8 * 8, "wide", 0),  # 4 x 32
+    ("wgrad", 2048, 2048, 9, 8 * 8 * 8, "wide", 0),  # wgrad's chunks fill the SMs
+    ("fprop", 128, 128, 9, 128 * 28 * 28, "wide", 0)])
+def test_the_heuristics_tile(kind, k, c, taps, pixels, tile, stages):
+    """configs.heuristic on 132 SMs (the arch's default count where no GPU gives one)."""
+    from vitrail.device import target_limits
+    from vitrail.ops.conv import configs
+    want = {"tile": configs.WIDE if tile == "wide" else configs.NARROW[kind], "stages": stages}
+    problem = configs.Problem(kind, k, c, taps, pixels)
+    for lim in (target_limits("90a"), None):
+        assert dict(configs.space(kind).default(problem, lim)) == want

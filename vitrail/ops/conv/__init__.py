@@ -114,16 +114,34 @@ def operation(kind: str, dtype: torch.dtype, bias: bool = False,
     return op
 
 
-def kernel(kind: str, dtype: torch.dtype, k: int, c: int, *, bias: bool = False,
+def kernel(kind: str, dtype: torch.dtype, problem: Problem, *, bias: bool = False,
            activation: Optional[str] = None, chunks: int = 1,
            phased: bool = False) -> ConvOperation:
-    """The heuristic's kernel for ``kind`` on a group of k output and c input channels
-    (configs.heuristic: 128 x 128 tiles, but a 64-wide side where the GEMM's side is at most 64
-    channels); chunks > 1: wgrad's batch in chunks (wgrad_chunks); phased: a strided dgrad's
-    stride phases in one launch."""
+    """The heuristic's kernel (configs.heuristic) for ``kind`` on ``problem`` (kernel_problem:
+    what the call hands the heuristic); chunks > 1: wgrad's batch in chunks (wgrad_chunks);
+    phased: a strided dgrad's stride phases in one launch."""
     variant = Variant(kind, dtype, bias, activation, chunks > 1, phased)
-    return _operation(variant, FAMILY[variant].space.default(Problem(kind, k, c, 1, 1),
-                                                             limits()))
+    return _operation(variant, FAMILY[variant].space.default(problem, limits()))
+
+
+def kernel_problem(kind: str, n: int, c: int, hw: tuple[int, int], k: int,
+                   rs: tuple[int, int], pad, pad_hi, stride, dilation,
+                   groups: int = 1) -> tuple[Problem, bool]:
+    """The Problem a kind's kernel gets (what _run hands the heuristic) for N images of C x H x W
+    through K filters of R x S in ``groups`` groups, and whether the kind runs phased (a strided
+    dgrad whose stride phases with taps are more than one: one launch, the first phase's problem;
+    dgrad's pixels are a phase's, its taps those that reach it)."""
+    (h, w), (r, s) = hw, rs
+    p, q = _out_hw(h, w, r, s, pad, pad_hi, stride, dilation)
+    cg, kg = c // groups, k // groups
+    if kind != "dgrad":
+        return Problem(kind, kg, cg, r * s, n * p * q), False
+    active = [ph for ph in _dgrad_phases((h, w), (p, q), (r, s), pad, pad_hi, stride, dilation)
+              if all(ph.rows)]
+    if not active:  # no tap reaches dx (it is zeros): no launch
+        return Problem(kind, kg, cg, 0, 0), False
+    (th, tw), rows = active[0].taps, active[0].rows
+    return Problem(kind, kg, cg, len(th) * len(tw), n * rows[0] * rows[1]), len(active) > 1
 
 
 def _operation(variant: Variant, config) -> ConvOperation:
@@ -850,7 +868,9 @@ def reasons(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
         return torch.empty(shape, dtype=x.dtype, device="meta")
     cg, kg = c // groups, k // groups  # one group's channels: the first group's views
     with_bias = bias is not None and kind == "fprop"
-    op = kernel(kind, x.dtype, kg, cg, bias=with_bias,
+    problem, _ = kernel_problem(kind, n, c, (h, w), k, (r, s), pad, pad_hi, stride, dilation,
+                                groups)
+    op = kernel(kind, x.dtype, problem, bias=with_bias,
                 activation=activation if kind == "fprop" else None)
     bias_m = torch.empty((kg,), dtype=x.dtype, device="meta") if with_bias else None
     xs, ws = packed(n, h, w, c)[..., :cg], packed(kg, r, s, cg)
@@ -872,5 +892,5 @@ def reasons(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
     return op.can_implement(args)
 
 
-__all__ = ["conv2d", "kernel", "operation", "reasons", "reference", "wgrad_chunks"]
+__all__ = ["conv2d", "kernel", "kernel_problem", "operation", "reasons", "reference", "wgrad_chunks"]
 problems = importlib.import_module("vitrail.ops.conv.problems")  # vitrail tune's shapes

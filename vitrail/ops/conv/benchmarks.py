@@ -317,7 +317,7 @@ def operations(sms: int = 132) -> list:
     built at the first call in seconds) or refused ones."""
     import torch
 
-    from vitrail.ops.conv import _dgrad_phases, kernel, wgrad_chunks
+    from vitrail.ops.conv import kernel, kernel_problem, wgrad_chunks
     ops = []
     for case in cases():
         lay = case.layer
@@ -327,10 +327,9 @@ def operations(sms: int = 132) -> list:
         chunks = (wgrad_chunks(lay.K, lay.R * lay.S * lay.C, case.batch, p * q, sms)
                   if case.kernel == "wgrad" else 1)
         two, pad = (lay.stride,) * 2, (lay.padding,) * 2
-        phased = case.kernel == "dgrad" and sum(  # its stride phases, one launch
-            all(ph.rows) for ph in _dgrad_phases((lay.H, lay.W), (p, q), (lay.R, lay.S), pad,
-                                                 pad, two, (1, 1))) > 1
-        op = kernel(case.kernel, torch.bfloat16, lay.K, lay.C, bias=case.activation is not None,
+        problem, phased = kernel_problem(case.kernel, case.batch, lay.C, (lay.H, lay.W), lay.K,
+                                         (lay.R, lay.S), pad, pad, two, (1, 1))
+        op = kernel(case.kernel, torch.bfloat16, problem, bias=case.activation is not None,
                     activation=case.activation, chunks=chunks, phased=phased)
         if op not in ops:
             ops.append(op)

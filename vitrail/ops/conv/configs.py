@@ -1,24 +1,34 @@
-"""Configs of conv2d's implicit-GEMM kernels: the family's variants, the CTA tile each kind may
-take (the tuning space) and the heuristic's choice.
+"""Configs of conv2d's implicit-GEMM kernels: the family's variants, the CTA tile and pipeline
+stages each kind may take (the tuning space) and the heuristic's choice.
 
 A kind's GEMM (fprop: M = N P Q pixels, N = K, K = C R S; dgrad: M = N H W, N = C, K = K R S;
-wgrad: M = K, N = C R S, K = N P Q) runs 128x128x64 tiles, but a 64-wide side where the GEMM's
-side that the channels give is at most 64 (fprop's N = K, dgrad's N = C, wgrad's M = K), rather
-than half a tile of padding. PickBest may time both on a problem, and the narrow tile with few
-pipeline stages (STAGES)."""
+wgrad: M = K, N = C R S, K = N P Q) runs 128x128x64 tiles (WIDE) or tiles 64 wide on the side
+the channels give (NARROW: fprop's N = K, dgrad's N = C, wgrad's M = K), with as many pipeline
+stages as fit in shared memory (one CTA an SM) or few (STAGES: two CTAs an SM). The heuristic
+(fitted on a PickBest sweep of every tile on the dense layers of `vitrail bench conv` and
+small-channel layers held out of the fit, on the H200):
+
+- a channel side of at most 64: the narrow tile, not half a wide one of padding; for fprop and
+  dgrad with few stages, two CTAs an SM. wgrad keeps the deep pipeline: its batch chunks put
+  about one CTA on each SM, where few stages gained little on some layers and lost much on
+  others (a 1x1's);
+- fprop or dgrad whose wide tiles would fill at most half the SMs in one wave (few pixels,
+  e.g. 8x8 maps of a batch of 8): the narrow tile, twice the CTAs in that one wave;
+- else the wide tile.
+"""
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
 import torch
 
+from vitrail.device import DEFAULT_SM_COUNT
 from vitrail.tune import Space, bucket, require
 
 WIDE, NARROW = "128x128x64", {"wgrad": "64x128x64", "fprop": "128x64x64", "dgrad": "128x64x64"}
 # Pipeline stages: 0 lets CUTLASS fill shared memory with them (one CTA an SM); 3 stages of the
 # narrow tile leave room for a second CTA on the SM (its registers allow two), whose mainloop
-# runs beside the other's prologue and epilogue: what a short reduction (a 1x1 filter, 64
-# channels) may need more than a deep pipeline. The wide tile's registers allow one CTA an SM.
+# runs beside the other's prologue and epilogue. The wide tile's registers allow one CTA an SM.
 STAGES = (0, 3)
 
 
@@ -67,7 +77,13 @@ def heuristic(kind: str):
         if problem is None:  # precompile: the wide tile
             return {"tile": WIDE, "stages": 0}
         side = problem.c if kind == "dgrad" else problem.k
-        return {"tile": NARROW[kind] if side <= 64 else WIDE, "stages": 0}
+        if side <= 64:
+            return {"tile": NARROW[kind], "stages": 0 if kind == "wgrad" else max(STAGES)}
+        sms = (lim.sm_count if lim is not None else None) or DEFAULT_SM_COUNT
+        wide_tiles = -(-problem.pixels // 128) * -(-side // 128)
+        if kind != "wgrad" and 2 * wide_tiles <= sms:
+            return {"tile": NARROW[kind], "stages": 0}
+        return {"tile": WIDE, "stages": 0}
     return choose
 
 
