@@ -254,6 +254,40 @@ def test_a_strided_dgrad_runs_one_unit_stride_dgrad_a_phase(monkeypatch):
     assert done > 200 + len(ones)
 
 
+def test_kernel_problem_is_the_launchs(monkeypatch):
+    """kernel_problem (what the bench's build list and reasons() give the heuristic) is the
+    Problem of each launch _run makes, for each kind, unit and strided, grouped, and a strided
+    dgrad in one launch of its phases (every phase's pixels) or of its one phase."""
+    monkeypatch.setattr(C2D, "_require_hopper", lambda device: None)
+    monkeypatch.setattr(C2D, "sm_count", lambda index=None: 132)
+    monkeypatch.setattr(C2D, "sum_partials", lambda partials, dw, splits: None)
+    seen = []
+    monkeypatch.setattr(C2D, "_run", lambda kind, a, b, d, bias, act, pad, stride, dil, pad_hi,
+                        splits=1, phases=None: seen.append(
+                            (C2D._launch_problem(kind, a, b, d, phases), phases is not None)))
+    for n, c, h, w, k, r, s, stride, pad, groups in (
+            (2, 16, 9, 7, 24, 3, 3, 1, 1, 1), (3, 16, 11, 10, 32, 3, 3, 2, 1, 1),
+            (2, 32, 8, 8, 16, 3, 3, 2, 1, 2), (1, 8, 9, 9, 16, 1, 1, 2, 0, 1),
+            (2, 8, 12, 12, 8, 5, 3, 3, 2, 1)):
+        x = torch.randn(n, c, h, w).contiguous(memory_format=torch.channels_last)
+        wt = torch.randn(k, c // groups, r, s).contiguous(memory_format=torch.channels_last)
+        g = C2D._geometry((stride,) * 2, (pad,) * 2, (pad,) * 2, (1, 1))
+        (y,) = C2D._new_y(x, wt, None, g, None, groups)
+        calls = {"fprop": lambda: C2D._fprop_into(x, wt, None, y, g, None, groups),
+                 "dgrad": lambda: C2D._dgrad_into(y, wt, C2D._new_dx(y, wt, h, w, g, groups)[0],
+                                                  h, w, g, groups),
+                 "wgrad": lambda: C2D._wgrad_into(y, x, C2D._new_dw(y, x, r, s, g, groups)[0],
+                                                  r, s, g, groups)}
+        for kind, call in calls.items():
+            seen.clear()
+            call()
+            want = C2D.kernel_problem(kind, n, c, (h, w), k, (r, s), (pad,) * 2, (pad,) * 2,
+                                      (stride,) * 2, (1, 1), groups)
+            assert seen and all(got == want for got in seen), (kind, stride, seen, want)
+    assert C2D.kernel_problem("dgrad", 2, 8, (12, 12), 8, (5, 3), (2, 2), (2, 2), (3, 3),
+                              (1, 1))[0].pixels == 2 * 12 * 12  # 9 phases: every dx pixel
+
+
 def test_a_depthwise_thread_owns_the_widest_vector_every_view_allows():
     """8, 4 or 2 packed channels a thread where m = 1 and each view's pointer and pixel strides
     allow 16-, 8- or 4-byte loads; one channel otherwise (odd counts, m > 1, offsets)."""

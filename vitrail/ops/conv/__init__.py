@@ -129,8 +129,8 @@ def kernel_problem(kind: str, n: int, c: int, hw: tuple[int, int], k: int,
                    groups: int = 1) -> tuple[Problem, bool]:
     """The Problem a kind's kernel gets (what _run hands the heuristic) for N images of C x H x W
     through K filters of R x S in ``groups`` groups, and whether the kind runs phased (a strided
-    dgrad whose stride phases with taps are more than one: one launch, the first phase's problem;
-    dgrad's pixels are a phase's, its taps those that reach it)."""
+    dgrad whose stride phases with taps are more than one). A strided dgrad's pixels are those
+    of its launch (its phases' together), its taps the first phase's."""
     (h, w), (r, s) = hw, rs
     p, q = _out_hw(h, w, r, s, pad, pad_hi, stride, dilation)
     cg, kg = c // groups, k // groups
@@ -140,8 +140,8 @@ def kernel_problem(kind: str, n: int, c: int, hw: tuple[int, int], k: int,
               if all(ph.rows)]
     if not active:  # no tap reaches dx (it is zeros): no launch
         return Problem(kind, kg, cg, 0, 0), False
-    (th, tw), rows = active[0].taps, active[0].rows
-    return Problem(kind, kg, cg, len(th) * len(tw), n * rows[0] * rows[1]), len(active) > 1
+    (th, tw), pixels = active[0].taps, n * sum(ph.rows[0] * ph.rows[1] for ph in active)
+    return Problem(kind, kg, cg, len(th) * len(tw), pixels), len(active) > 1
 
 
 def _operation(variant: Variant, config) -> ConvOperation:
@@ -251,11 +251,7 @@ def _run(kind: str, a: Tensor, b: Tensor, d: Tensor, bias: Optional[Tensor],
     many chunks, d their fp32 partials; phases: dgrad's table of stride phases (a, b and d the
     first phase's views: _phase_table)."""
     _require_hopper(a.device)
-    k, c = (a.shape[3], b.shape[3]) if kind == "wgrad" else (b.shape[0], b.shape[3])
-    wgrad = kind == "wgrad"
-    taps = d.shape[1] * d.shape[2] if wgrad else b.shape[1] * b.shape[2]
-    pixels = a.shape[0] * a.shape[1] * a.shape[2] if wgrad else d.shape[0] * d.shape[1] * d.shape[2]
-    problem = Problem(kind, k, c, taps, pixels)
+    problem = _launch_problem(kind, a, b, d, phases)
     variant = Variant(kind, a.dtype, bias is not None, activation, splits > 1, phases is not None)
     family_op = FAMILY[variant]
     operands = (a, b, d, bias, padding, stride, dilation, pad_hi, splits, phases)
@@ -270,6 +266,19 @@ def _run(kind: str, a: Tensor, b: Tensor, d: Tensor, bias: Optional[Tensor],
     if any(t.numel() == 0 for t in (a, b, d)):
         return
     launch(op, family_op.module(config), args)  # checked above (op.run would check again)
+
+
+def _launch_problem(kind: str, a: Tensor, b: Tensor, d: Tensor,
+                    phases: Optional[Tensor]) -> Problem:
+    """The Problem of a launch on _run's views (kernel_problem gives it from the geometry): a
+    phased dgrad's pixels are every phase's (their rows in the table), its taps the first's."""
+    wgrad = kind == "wgrad"
+    k, c = (a.shape[3], b.shape[3]) if wgrad else (b.shape[0], b.shape[3])
+    taps = d.shape[1] * d.shape[2] if wgrad else b.shape[1] * b.shape[2]
+    pixels = a.shape[0] * a.shape[1] * a.shape[2] if wgrad else d.shape[0] * d.shape[1] * d.shape[2]
+    if phases is not None:
+        pixels = d.shape[0] * int((phases[:, 2] * phases[:, 3]).sum())
+    return Problem(kind, k, c, taps, pixels)
 
 
 def _require_hopper(device: torch.device) -> None:
@@ -892,5 +901,6 @@ def reasons(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
     return op.can_implement(args)
 
 
-__all__ = ["conv2d", "kernel", "kernel_problem", "operation", "reasons", "reference", "wgrad_chunks"]
+__all__ = ["conv2d", "kernel", "kernel_problem", "operation", "reasons", "reference",
+           "wgrad_chunks"]
 problems = importlib.import_module("vitrail.ops.conv.problems")  # vitrail tune's shapes

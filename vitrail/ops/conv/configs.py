@@ -13,7 +13,8 @@ small-channel layers held out of the fit, on the H200):
   about one CTA on each SM, where few stages gained little on some layers and lost much on
   others (a 1x1's);
 - fprop or dgrad whose wide tiles would fill at most half the SMs in one wave (few pixels,
-  e.g. 8x8 maps of a batch of 8): the narrow tile, twice the CTAs in that one wave;
+  e.g. 8x8 maps of a batch of 8; a strided dgrad's pixels are all its phases', one launch):
+  the narrow tile, twice the CTAs in that one wave;
 - else the wide tile.
 """
 from __future__ import annotations
