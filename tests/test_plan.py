@@ -509,3 +509,58 @@ def test_calls_that_record_gradients_run_from_cpp_with_a_cpp_autograd_node(modul
     y.sum().backward()
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         y.sum().backward()
+
+
+def test_a_rules_steps_run_the_backward_from_cpp(module, ext):
+    """A gradient rule with steps: where no graph of the gradients is asked for, the C++ node
+    calls each step's front table itself (its Python function only where the table misses,
+    which learns the step's key), never the rule's Python backward; with create_graph, the
+    Python backward runs. A step's result is the gradient of its input."""
+    from vitrail.plan import native
+    plans, calls, backwards = Plans("native-steps"), [], []
+
+    def general(x, out, a):
+        calls.append(a)
+        module.scale(out.data_ptr(), x.data_ptr(), x.numel(), a, stream=0)
+
+    class Scale(torch.autograd.Function):  # the Python path's autograd
+        @staticmethod
+        def forward(ctx, x, a):
+            ctx.a = a
+            return plans.run((signature(x), a), (x,), _outputs, general, (a,))[0]
+
+        @staticmethod
+        def backward(ctx, g):
+            return scale(g, ctx.a), None
+
+    def backward(g, a):
+        backwards.append(a)
+        return scale(g, a)
+
+    def rule(x, a=2.0):
+        return (backward, ((native.GRAD, 0), (native.VALUE, a)), (0,), "vitrail::ScaleBackward",
+                ((scale, ((native.ARG, 0), (native.VALUE, a)), 0),))
+
+    @native.front(plans, grad=rule)
+    def scale(x, a=2.0):
+        if torch.is_grad_enabled() and x.requires_grad:
+            return Scale.apply(x, a)
+        return plans.run((signature(x), a), (x,), _outputs, general, (a,))[0]
+
+    x = torch.randn(37, requires_grad=True)
+    torch.autograd.grad(scale(x, 3.0), x, torch.randn(37))  # learns the key that records
+    for k in range(4):  # the first backward through the steps learns the step's plain key
+        x, g = torch.randn(37, requires_grad=True), torch.randn(37)
+        y = scale(x, 3.0)
+        assert y.grad_fn.name() == "vitrail::ScaleBackward"
+        got, = torch.autograd.grad(y, x, g)
+        torch.testing.assert_close(got, 3.0 * g)
+        if k == 0:
+            learned = len(calls)
+    assert backwards == [] and len(calls) == learned  # the later ones ran from C++
+    y = scale(x, 3.0)
+    got, = torch.autograd.grad(y, x, g, create_graph=True)  # a graph: the Python backward
+    torch.testing.assert_close(got, 3.0 * g)
+    assert backwards == [3.0]
+    assert native._with_tables(rule(x, 3.0))[4][0][1] is scale.front.table
+    assert len(native._with_tables((backward, (), (0,), "n", ((len, (), 0),)))) == 4  # no table

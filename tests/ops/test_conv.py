@@ -345,8 +345,11 @@ def test_each_chunk_writes_its_own_partial():
     _close(d[-K:], nhwc(want), torch.float16, "replayed")
 
 
-@pytest.mark.parametrize("R, S, stride, padding, groups", [
-    (3, 3, 1, 1, 1), (3, 3, 2, 1, 2), (5, 3, 2, (2, 1), 1), (2, 2, 3, 0, 1), (1, 1, 2, 0, 1)])
+REPLAYED = [(3, 3, 1, 1, 1), (3, 3, 2, 1, 2), (5, 3, 2, (2, 1), 1), (2, 2, 3, 0, 1),
+            (1, 1, 2, 0, 1)]
+
+
+@pytest.mark.parametrize("R, S, stride, padding, groups", REPLAYED)
 def test_eager_calls_replay_their_plans(R, S, stride, padding, groups):
     """A signature's first call plans its launches (vitrail.plan); later calls on fresh data
     replay them: y, dx and dw equal the fp64 reference's at every call, eager (y through the
@@ -389,6 +392,35 @@ def test_eager_calls_replay_their_plans(R, S, stride, padding, groups):
     assert y is not native.MISS and y.grad_fn is not None
     planned = _dgrad.front.call(dy, w, H, W, stride, stride, *pad, *pad, 1, 1, groups)
     assert (planned is native.MISS) == (stride == 3), "dx: a plan where every pixel is written"
+
+
+@pytest.mark.parametrize("R, S, stride, padding, groups", REPLAYED)
+def test_a_backward_with_no_bias_makes_its_front_calls_from_cpp(R, S, stride, padding, groups):
+    """With no bias and no activation, the C++ autograd node of a planned call makes the dgrad
+    and wgrad front calls itself (the rule's steps): dx and dw against fp64 at each of three
+    calls on fresh data, for x alone, w alone and both requiring a gradient."""
+    from vitrail.ops import conv2d
+    from vitrail.plan import native
+    native.load(wait=True)
+    N, C, K, H, W = 2, 32, 48, 15, 13
+    pad = padding if isinstance(padding, tuple) else (padding, padding)
+    for seed in range(9):
+        needs = ((True, True), (True, False), (False, True))[seed % 3]
+        x, w = _tensors(N, C, H, W, K, R, S, torch.bfloat16, seed=seed)
+        w = w[:, :C // groups].contiguous(memory_format=torch.channels_last)
+        x, w = (t.detach().requires_grad_(need) for t, need in zip((x, w), needs))
+        x64, w64 = (t.detach().double().requires_grad_(need) for t, need in zip((x, w), needs))
+        y = conv2d(x, w, None, stride, padding, groups=groups)
+        if seed >= 3 and R > 1 and native.loaded() is not None:  # each key planned by now
+            assert y.grad_fn.name() == "vitrail::Conv2dBackward", y.grad_fn.name()
+        y64 = torch.nn.functional.conv2d(x64, w64, None, stride, pad, 1, groups)
+        g = torch.randn_like(y64).to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
+        y.backward(g)
+        y64.backward(g.double())
+        for t, t64, what in ((x, x64, "dx"), (w, w64, "dw")):
+            assert (t.grad is None) == (not t.requires_grad), what
+            if t.requires_grad:
+                _close(t.grad, t64.grad, torch.bfloat16, f"{what}, call {seed}")
 
 
 def test_compiles_under_torch_compile():

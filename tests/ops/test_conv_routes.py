@@ -288,6 +288,44 @@ def test_kernel_problem_is_the_launchs(monkeypatch):
                               (1, 1))[0].pixels == 2 * 12 * 12  # 9 phases: every dx pixel
 
 
+@pytest.mark.parametrize("bias, activation", [(False, None), (True, None), (False, "relu")])
+@pytest.mark.parametrize("needs", [(True, True), (True, False), (False, True)])
+def test_the_gradient_rules_steps_are_the_python_backwards_calls(monkeypatch, bias, activation,
+                                                                 needs):
+    """conv2d's C++ gradient rule: with no bias and no activation, its steps (what the C++
+    autograd node calls without Python) make the dgrad and wgrad front calls the rule's Python
+    backward makes, with its arguments, each step's result the gradient of its input; with a
+    bias or an activation, no steps (the Python backward runs)."""
+    from vitrail.plan.native import ARG, GRAD, INPUT, OUTPUT, VALUE
+    calls = []
+    for name in ("_dgrad", "_wgrad_of"):
+        monkeypatch.setattr(C2D, name, lambda *a, name=name: calls.append((name, a)) or
+                            torch.full((1,), float(len(calls))))
+    x = torch.randn(2, 16, 9, 7).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(24, 8, 3, 3).contiguous(memory_format=torch.channels_last)
+    x.requires_grad_(needs[0]), w.requires_grad_(needs[1])
+    b = torch.randn(24) if bias else None
+    rule = C2D._rule(x, w, b, 2, (1, 0), 1, 2, activation)
+    backward, spec, inputs, name = rule[:4]
+    assert name == "vitrail::Conv2dBackward" and inputs == ((0, 1, 2) if bias else (0, 1))
+    dy = torch.randn(2, 24, 5, 4).contiguous(memory_format=torch.channels_last)
+    given = {INPUT: lambda k: (x, w, b)[k], GRAD: lambda k: dy, OUTPUT: lambda k: None}
+    args = [v if kind == VALUE else given[kind](v) for kind, v in spec]
+    if bias or activation:
+        assert len(rule) == 4
+        return
+    with torch.no_grad():
+        want = backward(*args)
+    python_calls, calls[:] = list(calls), []
+    got = [None] * len(inputs)
+    for fn, fn_args, gradient in rule[4]:
+        got[gradient] = fn(*(args[v] if kind == ARG else v for kind, v in fn_args))
+    assert calls == python_calls and [c[0] for c in calls] == \
+        [n for n, need in zip(("_dgrad", "_wgrad_of"), needs) if need]
+    assert [None if t is None else t.item() for t in got] == \
+        [None if t is None else t.item() for t in want]
+
+
 def test_a_depthwise_thread_owns_the_widest_vector_every_view_allows():
     """8, 4 or 2 packed channels a thread where m = 1 and each view's pointer and pixel strides
     allow 16-, 8- or 4-byte loads; one channel otherwise (odd counts, m > 1, offsets)."""

@@ -14,8 +14,10 @@
 // A table given a gradient rule (set_grad) also answers calls that record gradients: the key
 // then holds which tensors require a gradient, the plan runs with grad mode off, and a C++
 // autograd node (GradNode) takes the outputs' history; its backward calls the rule's Python
-// function (a front function itself, so the backward's plan runs from C++ too). The rule's
-// arguments (saved outputs or inputs, output gradients, constants) are learned with the plan.
+// function (a front function itself, so the backward's plan runs from C++ too), or, where the
+// rule gives steps and no graph of the gradients is asked for, calls each step's front table
+// from C++ (its Python function only where the table misses). The rule's arguments (saved
+// outputs or inputs, output gradients, constants) are learned with the plan.
 //
 // What the key cannot vouch for returns MISS: a tensor that records a gradient where the table
 // has no rule (or one with a forward-mode gradient), a tensor subclass, an argument of another
@@ -119,21 +121,36 @@ struct Alloc {
 // differentiable input (a tensor, a tuple of them, None for none), where args are built from
 // the spec. Freed with the GIL, wherever the last node that uses it dies.
 struct GradRule {
-  enum Kind : int { OUTPUT = 0, INPUT = 1, GRAD = 2, VALUE = 3 };
+  enum Kind : int { OUTPUT = 0, INPUT = 1, GRAD = 2, VALUE = 3, ARG = 4 };
   struct Arg {
     int kind;
-    int index;                  // OUTPUT, GRAD: the output; INPUT: the argument position
+    int index;                  // OUTPUT, GRAD: the output; INPUT: the argument position;
+                                // ARG (a step's): the rule's argument
     PyObject* value = nullptr;  // VALUE
+  };
+  // A step of the backward without Python: fn's front table called on args (ARG or VALUE),
+  // its result the gradient of inputs[gradient]; fn itself where the table misses.
+  struct Step {
+    PyObject* fn = nullptr;
+    PyObject* table = nullptr;
+    std::vector<Arg> args;
+    int gradient = 0;
   };
   PyObject* backward = nullptr;
   std::vector<Arg> args;
   std::vector<int> inputs;      // the argument positions of the differentiable tensors
+  std::vector<Step> steps;      // none: the backward runs in Python
   std::string name;
   ~GradRule() {
     if (!Py_IsInitialized()) return;
     PyGILState_STATE gil = PyGILState_Ensure();
     Py_XDECREF(backward);
     for (Arg& a : args) Py_XDECREF(a.value);
+    for (Step& st : steps) {
+      Py_XDECREF(st.fn);
+      Py_XDECREF(st.table);
+      for (Arg& a : st.args) Py_XDECREF(a.value);
+    }
     PyGILState_Release(gil);
   }
 };
@@ -406,6 +423,35 @@ P self_pointer(N* node) {
   }
 }
 
+PyObject* table_call(Table* self, PyObject* const* args, Py_ssize_t n);
+
+constexpr size_t MAX_STEP_ARGS = 32;
+
+// The rule's steps on the backward's arguments (call): each step's table, or its function
+// where the table misses (it runs the Python path, and learns the key's plan), into out.
+void run_steps(const GradRule& rule, PyObject* call, torch::autograd::variable_list& out) {
+  PyObject* items[MAX_STEP_ARGS];
+  for (const GradRule::Step& st : rule.steps) {
+    const Py_ssize_t n = static_cast<Py_ssize_t>(st.args.size());
+    for (Py_ssize_t k = 0; k < n; ++k) {
+      const GradRule::Arg& a = st.args[k];
+      items[k] = a.kind == GradRule::ARG ? PyTuple_GET_ITEM(call, a.index) : a.value;
+    }
+    PyObject* r = table_call(reinterpret_cast<Table*>(st.table), items, n);
+    if (r == MISS) {
+      Py_DECREF(r);
+      r = PyObject_Vectorcall(st.fn, items, n, nullptr);
+    }
+    if (r == nullptr) throw_python_error();
+    if (!THPVariable_Check(r)) {
+      Py_DECREF(r);
+      throw std::runtime_error(rule.name + ": a backward step returned no tensor");
+    }
+    out[st.gradient] = THPVariable_Unpack(r);
+    Py_DECREF(r);
+  }
+}
+
 // The backward of one planned call: the rule's function on the saved tensors, the output
 // gradients and the values. Tensors are saved as torch saves its own (SavedVariable: an output
 // without a reference cycle, a version check, freed after backward, history kept for
@@ -443,6 +489,16 @@ struct GradNode : torch::autograd::Node {
         throw_python_error();
       }
       PyTuple_SET_ITEM(call, k, v);
+    }
+    if (!rule->steps.empty() && !c10::GradMode::is_enabled()) {
+      try {  // (create_graph: the Python backward builds the graph)
+        run_steps(*rule, call, out);
+      } catch (...) {
+        Py_DECREF(call);
+        throw;
+      }
+      Py_DECREF(call);
+      return out;
     }
     PyObject* r = PyObject_Call(rule->backward, call, nullptr);
     Py_DECREF(call);
@@ -683,11 +739,51 @@ bool each(PyObject* seq, F&& f) {
   return ok;
 }
 
-// grad: (backward, ((kind, index or value), ...), (differentiable argument positions), name)
+extern PyTypeObject TableType;
+
+// A step: (fn, its front's table, ((ARG, rule argument) or (VALUE, value), ...), gradient)
+bool read_step(PyObject* o, GradRule& rule) {
+  PyObject *fn, *table, *args;
+  int gradient;
+  if (!PyArg_ParseTuple(o, "OOOi", &fn, &table, &args, &gradient)) return false;
+  GradRule::Step st;
+  bool ok = PyCallable_Check(fn) && Py_TYPE(table) == &TableType && gradient >= 0 &&
+            gradient < static_cast<int>(rule.inputs.size());
+  if (ok) {
+    st.fn = Py_NewRef(fn);
+    st.table = Py_NewRef(table);
+    st.gradient = gradient;
+  }
+  ok = ok && each(args, [&](PyObject* a) {
+    int kind;
+    PyObject* v;
+    if (!PyArg_ParseTuple(a, "iO", &kind, &v)) return false;
+    GradRule::Arg arg{kind, 0, nullptr};
+    if (kind == GradRule::VALUE) {
+      arg.value = Py_NewRef(v);
+    } else if (kind == GradRule::ARG) {
+      arg.index = static_cast<int>(PyLong_AsLong(v));
+      if (PyErr_Occurred() || arg.index < 0 ||
+          arg.index >= static_cast<int>(rule.args.size())) {
+        return false;
+      }
+    } else {
+      return false;
+    }
+    st.args.push_back(arg);
+    return st.args.size() <= MAX_STEP_ARGS;
+  });
+  rule.steps.push_back(std::move(st));  // (freed with the rule, complete or not)
+  if (!ok && !PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a gradient rule's step");
+  return ok;
+}
+
+// grad: (backward, ((kind, index or value), ...), (differentiable argument positions), name,
+// steps=()); each step read_step's
 bool read_grad(PyObject* o, Plan& plan) {
-  PyObject *backward, *args, *inputs;
+  PyObject *backward, *args, *inputs, *steps = nullptr;
   const char* name;
-  if (!PyArg_ParseTuple(o, "OOOs", &backward, &args, &inputs, &name)) return false;
+  if (!PyArg_ParseTuple(o, "OOOs|O", &backward, &args, &inputs, &name, &steps)) return false;
   auto rule = std::make_shared<GradRule>();
   rule->backward = Py_NewRef(backward);
   rule->name = name;
@@ -716,6 +812,9 @@ bool read_grad(PyObject* o, Plan& plan) {
     return true;
   });
   if (!ok) return false;
+  if (steps != nullptr && !each(steps, [&](PyObject* st) { return read_step(st, *rule); })) {
+    return false;
+  }
   plan.grad = std::move(rule);
   return true;
 }

@@ -36,7 +36,7 @@ from vitrail import knobs
 
 log = logging.getLogger("vitrail.plan")
 
-__all__ = ["MISS", "front", "load", "loaded", "OUTPUT", "INPUT", "GRAD", "VALUE"]
+__all__ = ["MISS", "front", "load", "loaded", "OUTPUT", "INPUT", "GRAD", "VALUE", "ARG"]
 
 
 class _Miss:
@@ -206,8 +206,8 @@ def _stop() -> None:
 
 
 # The kinds of a gradient rule's arguments (hit.cpp's GradRule): a saved output or input, an
-# output's gradient, a value
-OUTPUT, INPUT, GRAD, VALUE = 0, 1, 2, 3
+# output's gradient, a value; and of a step's: the rule's argument (as its backward gets it)
+OUTPUT, INPUT, GRAD, VALUE, ARG = 0, 1, 2, 3, 4
 
 
 class Front:
@@ -243,6 +243,20 @@ def _no_table(*args):
     return MISS
 
 
+def _with_tables(rule: tuple | None) -> tuple | None:
+    """A gradient rule as hit.cpp reads it: each step with its front function's table (a step
+    whose function has none yet: no steps, the backward runs in Python)."""
+    if rule is None or len(rule) < 5:
+        return rule
+    steps = []
+    for fn, fn_args, gradient in rule[4]:
+        table = getattr(getattr(fn, "front", None), "table", None)
+        if table is None:
+            return rule[:4]
+        steps.append((fn, table, tuple(fn_args), gradient))
+    return (*rule[:4], tuple(steps))
+
+
 def _adopt(front: Front, seen: list, result, args: tuple, when) -> None:
     """Add the plan of the pending miss: what the Python path ran, described, or general."""
     table = front.table
@@ -259,7 +273,7 @@ def _adopt(front: Front, seen: list, result, args: tuple, when) -> None:
             description = describe(template, inputs, outputs, result, args) or ("general",)
     if description is not None:
         try:  # a call that records gradients: its rule too (none: the key keeps to Python)
-            grad = front.grad(*args) if table.pending_grad() else None
+            grad = _with_tables(front.grad(*args)) if table.pending_grad() else None
             table.add(description, grad)
         except Exception as e:  # a description the C++ side refuses: the key keeps to Python
             log.debug("vitrail: no C++ plan for a %s call: %s", front.name, e)
@@ -273,13 +287,17 @@ def front(plans, *, when: Callable[..., bool] | None = None,
     family's plans (``wrapper.front``). when(*args): whether a call may have a C++ plan at all
     (the others keep to Python: state the key cannot see).
 
-    grad(*args) -> (backward, args, inputs, name) or None: calls that record gradients get C++
-    plans too, where the function's Python path ran one plan whose outputs are its result and
-    grad gives that call's rule: ``backward(*args)`` returns the gradient of each argument
-    position in ``inputs`` (a tensor, a tuple, None for none), each of args being (OUTPUT, k),
-    (INPUT, position), (GRAD, k): output k's gradient, or (VALUE, value); name names the
-    autograd node. The backward must be linear in the output gradients (a zero one gives zero
-    gradients without a call) and may be a front function itself."""
+    grad(*args) -> (backward, args, inputs, name[, steps]) or None: calls that record gradients
+    get C++ plans too, where the function's Python path ran one plan whose outputs are its
+    result and grad gives that call's rule: ``backward(*args)`` returns the gradient of each
+    argument position in ``inputs`` (a tensor, a tuple, None for none), each of args being
+    (OUTPUT, k), (INPUT, position), (GRAD, k): output k's gradient, or (VALUE, value); name
+    names the autograd node. The backward must be linear in the output gradients (a zero one
+    gives zero gradients without a call) and may be a front function itself. steps: the same
+    backward as front-function calls, (fn, fn_args, gradient) each, fn_args being (ARG, j): the
+    backward's argument j, or (VALUE, value), its result the gradient of ``inputs[gradient]``
+    (those of no step: none); where no graph of the gradients is asked for, the C++ autograd
+    node calls each fn's table itself, no Python between (fn where the table misses)."""
     def wrap(fn):
         front = Front(plans, f"{fn.__module__}.{fn.__name__}", grad)
         params = list(inspect.signature(fn).parameters.values())

@@ -80,7 +80,7 @@ from vitrail.ops.conv.partials import sum_partials
 from vitrail.ops.common import (DISPATCH, EAGER, autograd_apply, call_mode, check_same_device,
                                 check_tensor)
 from vitrail.plan import Plans, keep, scratch, setup, signature
-from vitrail.plan.native import GRAD, INPUT, OUTPUT, VALUE, front
+from vitrail.plan.native import ARG, GRAD, INPUT, OUTPUT, VALUE, front
 from vitrail.tune import limits
 from vitrail.gemm.ops.reference import activation as _act
 from vitrail.gemm.ops.reference import activation_backward, grad_from_output
@@ -788,17 +788,28 @@ def _plan_grads(x, weight, bias, y, grad, g, activation, groups, from_y, needs) 
 def _rule(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, activation=None):
     """The gradient rule of conv2d's C++ plans (native.front's grad, given the front's
     arguments in order): the call's arguments passed its checks (a plan exists only for
-    those)."""
+    those). With no bias and no activation, its steps: dx and dw as the dgrad and wgrad front
+    calls _gradients makes, which the C++ node makes itself."""
     stride, dilation = _pair(stride, "stride"), _pair(dilation, "dilation")
     pad, pad_hi = _padding(padding, weight, stride, dilation)
     from_y = activation is not None and grad_from_output(activation)
     tensors = (x, weight, bias)
+    g = _geometry(stride, pad, pad_hi, dilation)
+    needs = tuple(t is not None and t.requires_grad for t in tensors)
     args = ((INPUT, 0), (INPUT, 1), (INPUT, 2) if bias is not None else (VALUE, None),
-            (OUTPUT, 0) if from_y else (VALUE, None), (GRAD, 0),
-            (VALUE, _geometry(stride, pad, pad_hi, dilation)), (VALUE, activation),
-            (VALUE, groups), (VALUE, from_y),
-            (VALUE, tuple(t is not None and t.requires_grad for t in tensors)))
-    return _plan_grads, args, (0, 1, 2) if bias is not None else (0, 1), "vitrail::Conv2dBackward"
+            (OUTPUT, 0) if from_y else (VALUE, None), (GRAD, 0), (VALUE, g),
+            (VALUE, activation), (VALUE, groups), (VALUE, from_y), (VALUE, needs))
+    inputs = (0, 1, 2) if bias is not None else (0, 1)
+    if bias is not None or activation is not None:
+        return _plan_grads, args, inputs, "vitrail::Conv2dBackward"
+    dy, x_arg, weight_arg = (ARG, 4), (ARG, 0), (ARG, 1)  # args' output gradient, x, weight
+    tail = (*((VALUE, v) for v in g), (VALUE, groups))
+    steps = []
+    if needs[0]:  # _dgrad(grad, weight, h, w, *g, groups)
+        steps.append((_dgrad, (dy, weight_arg, *((VALUE, v) for v in x.shape[2:]), *tail), 0))
+    if needs[1]:  # _wgrad_of(grad, x, r, s, *g, groups)
+        steps.append((_wgrad_of, (dy, x_arg, *((VALUE, v) for v in weight.shape[2:]), *tail), 1))
+    return _plan_grads, args, inputs, "vitrail::Conv2dBackward", tuple(steps)
 
 
 # -------------------------------------------------------------------------- public function
