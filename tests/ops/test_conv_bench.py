@@ -322,6 +322,15 @@ def test_precompile_builds_conv2d_defaults_and_a_variant_tunes_from_a_shape():
     assert shaped.op.space.default(shaped.problem, None)["tile"] == "128x64x64"  # C <= 64
     with pytest.raises(_Usage, match="NxCxHxWxKxR"):
         resolve_tune("conv2d.fprop.bf16", "8x8", None, False, registry)
+    # a wgrad that conv2d runs in batch chunks tunes the chunked kernel, not the one-pass one
+    with pytest.raises(_Usage, match=r"in \d+ chunks.*tune conv2d\.wgrad\.bf16\.partials"):
+        resolve_tune("conv2d.wgrad.bf16", "128x64x56x56x64x3", None, False, registry)
+    shaped, _ = resolve_tune("conv2d.wgrad.bf16.partials", "128x64x56x56x64x3", None, False,
+                             registry)
+    assert shaped.problem == configs.Problem("wgrad", 64, 64, 9, 128 * 56 * 56)
+    shaped, _ = resolve_tune("conv2d.wgrad.bf16", "64x1024x14x14x1024x3", None, False,
+                             registry)  # dw of 64 wide tiles, a batch of 64: one pass
+    assert shaped.problem == configs.Problem("wgrad", 1024, 1024, 9, 64 * 14 * 14)
 
 
 def test_a_depthwise_layer_runs_and_counts_its_groups_flops(monkeypatch):

@@ -26,6 +26,15 @@ def variant_problem(variant: Variant, op, shape: tuple[int, ...],
     pad = r // 2
     p, q = h + 2 * pad - r + 1, w + 2 * pad - r + 1
     kind, dt = variant.kind, variant.dtype
+    if kind == "wgrad" and not variant.partials:
+        from vitrail.device import target_limits, with_sm_count
+        from vitrail.ops.conv import wgrad_chunks
+        sms = with_sm_count(target_limits()).sm_count
+        chunks = wgrad_chunks(k, r * r * c, n, p * q, sms) if n > 1 else 1
+        if chunks > 1:  # the one-pass kernel would be timed on a problem conv2d never gives it
+            raise ValueError(
+                f"{variant.name}: conv2d runs this wgrad's batch in {chunks} chunks on "
+                f"{sms} SMs, in the chunked kernel: tune {variant.name}.partials")
     pixels = n * (h * w if kind == "dgrad" else p * q)
     problem = Problem(kind, k, c, r * r, pixels)
 
