@@ -309,11 +309,19 @@ def test_the_runs_summary_has_one_entry_per_kind():
 
 def test_precompile_builds_conv2d_defaults_and_a_variant_tunes_from_a_shape():
     from vitrail.cli import _Usage, _load_ops, _select_ops, resolve_tune
+    from vitrail.device import target_limits
     from vitrail.ops.conv import configs
     registry = _load_ops([])
     chosen = _select_ops(["conv2d"], registry, "precompile")
     assert {op.name for op in chosen} >= {v.name for v in configs.DEFAULTS}
     assert all(op.name.startswith("conv2d.") for op in chosen)
+    lim = target_limits("90a")  # each default variant: the heuristic's every branch
+    for v in configs.DEFAULTS:
+        narrow = configs.NARROW[v.kind]
+        want = [(configs.WIDE, 0), (narrow, 0)] if v.kind == "wgrad" else \
+            [(configs.WIDE, 0), (narrow, 3), (narrow, 0)]
+        got = [(c["tile"], c["stages"]) for c in registry[v.name].default_configs(lim)]
+        assert got == want, v.name
     with pytest.raises(_Usage, match="needs a variant.*PickBest.*precompile conv2d"):
         resolve_tune("conv2d", "8x8", None, False, registry)
     shaped, _ = resolve_tune("conv2d.dgrad.bf16", "32x64x56x56x64x3", None, False, registry)

@@ -177,8 +177,8 @@ def _variant(key: Variant) -> dict:
     def make_problem(shape: tuple[int, ...], dtype: str | None = None):
         return problems.variant_problem(key, FAMILY[key], shape, dtype)  # (imported at the end)
     return dict(name=key.name, space=configs.space(key.kind), kernel_source=KERNEL_SOURCE,
-                render=render, launch=run, examples=[None], make_problem=make_problem,
-                shape=problems.SHAPE)
+                render=render, launch=run, examples=configs.examples(key.kind),
+                make_problem=make_problem, shape=problems.SHAPE)
 
 
 # The implicit-GEMM kernels (configs.Variant), made on first use; the CLI knows the defaults

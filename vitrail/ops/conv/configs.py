@@ -98,8 +98,14 @@ def space(kind: str) -> Space:
                  heuristic=heuristic(kind))
 
 
-# what `vitrail precompile conv2d` builds: the plain bf16 kernels of each kind, ResNet's fused
-# relu and the U-Net's silu forward, and the chunked wgrad
+def examples(kind: str) -> list[Optional[Problem]]:
+    """The problems `vitrail precompile conv2d` builds a variant's kernels for: one a branch of
+    the heuristic (no problem: the wide tile; a 64-channel side; wide channels on few pixels)."""
+    return [None, Problem(kind, 64, 64, 9, 128 * 56 * 56), Problem(kind, 1024, 1024, 9, 8 * 8 * 8)]
+
+
+# the variants `vitrail precompile conv2d` builds (their examples' kernels): the plain bf16
+# kernels of each kind, ResNet's fused relu and the U-Net's silu forward, and the chunked wgrad
 DEFAULTS = (Variant("fprop", torch.bfloat16), Variant("dgrad", torch.bfloat16),
             Variant("wgrad", torch.bfloat16), Variant("wgrad", torch.bfloat16, partials=True),
             Variant("fprop", torch.bfloat16, True, "relu"),
