@@ -445,13 +445,12 @@ def test_one_tensor_passed_twice_is_its_own_cpp_key(module, ext):
     assert add.front.call(x[:8], x) is not native.MISS and view.data_ptr() == x.data_ptr()
 
 
-def test_calls_that_record_gradients_run_from_cpp_with_a_cpp_autograd_node(module, ext):
-    """A front with a gradient rule: a call that records gradients is a C++ plan of its own key
-    (which tensors require a gradient is in it), run with grad mode off, its output given a C++
-    autograd node whose backward calls the rule (here a front function itself); saved tensors
-    are checked for in-place changes, and a second backward without retain_graph refuses."""
+def _scale_front(module, name: str, rule):
+    """A front function scale(x, a) (x times a, the test module's host function standing in for
+    a kernel) with the gradient rule ``rule``, whose Python path under autograd is an
+    autograd.Function; and the list of the a of each call its Python path ran."""
     from vitrail.plan import native
-    plans, calls = Plans("native-test"), []
+    plans, calls = Plans(name), []
 
     def general(x, out, a):
         calls.append(a)
@@ -467,18 +466,28 @@ def test_calls_that_record_gradients_run_from_cpp_with_a_cpp_autograd_node(modul
         def backward(ctx, g):
             return scale(g.contiguous(), ctx.a), None
 
+    @native.front(plans, grad=rule)
+    def scale(x, a=2.0):
+        if torch.is_grad_enabled() and x.requires_grad:
+            return Scale.apply(x, a)
+        return plans.run((signature(x), a), (x,), _outputs, general, (a,))[0]
+    return scale, calls
+
+
+def test_calls_that_record_gradients_run_from_cpp_with_a_cpp_autograd_node(module, ext):
+    """A front with a gradient rule: a call that records gradients is a C++ plan of its own key
+    (which tensors require a gradient is in it), run with grad mode off, its output given a C++
+    autograd node whose backward calls the rule (here a front function itself); saved tensors
+    are checked for in-place changes, and a second backward without retain_graph refuses."""
+    from vitrail.plan import native
+
     def backward(y, g, a):  # y: the saved output (unused but for the version check)
         return scale(g.contiguous(), a)  # (sum's gradient is expanded: stride 0)
 
     def rule(x, a=2.0):
         return (backward, ((native.OUTPUT, 0), (native.GRAD, 0), (native.VALUE, a)), (0,),
                 "vitrail::ScaleBackward")
-
-    @native.front(plans, grad=rule)
-    def scale(x, a=2.0):
-        if torch.is_grad_enabled() and x.requires_grad:
-            return Scale.apply(x, a)
-        return plans.run((signature(x), a), (x,), _outputs, general, (a,))[0]
+    scale, calls = _scale_front(module, "native-test", rule)
 
     x = torch.randn(37, requires_grad=True)
     scale(x, 3.0).sum().backward()  # learns the grad key (and the backward's plain one)
@@ -517,21 +526,7 @@ def test_a_rules_steps_run_the_backward_from_cpp(module, ext):
     which learns the step's key), never the rule's Python backward; with create_graph, the
     Python backward runs. A step's result is the gradient of its input."""
     from vitrail.plan import native
-    plans, calls, backwards = Plans("native-steps"), [], []
-
-    def general(x, out, a):
-        calls.append(a)
-        module.scale(out.data_ptr(), x.data_ptr(), x.numel(), a, stream=0)
-
-    class Scale(torch.autograd.Function):  # the Python path's autograd
-        @staticmethod
-        def forward(ctx, x, a):
-            ctx.a = a
-            return plans.run((signature(x), a), (x,), _outputs, general, (a,))[0]
-
-        @staticmethod
-        def backward(ctx, g):
-            return scale(g, ctx.a), None
+    backwards = []
 
     def backward(g, a):
         backwards.append(a)
@@ -540,12 +535,7 @@ def test_a_rules_steps_run_the_backward_from_cpp(module, ext):
     def rule(x, a=2.0):
         return (backward, ((native.GRAD, 0), (native.VALUE, a)), (0,), "vitrail::ScaleBackward",
                 ((scale, ((native.ARG, 0), (native.VALUE, a)), 0),))
-
-    @native.front(plans, grad=rule)
-    def scale(x, a=2.0):
-        if torch.is_grad_enabled() and x.requires_grad:
-            return Scale.apply(x, a)
-        return plans.run((signature(x), a), (x,), _outputs, general, (a,))[0]
+    scale, calls = _scale_front(module, "native-steps", rule)
 
     x = torch.randn(37, requires_grad=True)
     torch.autograd.grad(scale(x, 3.0), x, torch.randn(37))  # learns the key that records
@@ -564,3 +554,12 @@ def test_a_rules_steps_run_the_backward_from_cpp(module, ext):
     assert backwards == [3.0]
     assert native._with_tables(rule(x, 3.0))[4][0][1] is scale.front.table
     assert len(native._with_tables((backward, (), (0,), "n", ((len, (), 0),)))) == 4  # no table
+
+    def bad(x, a=2.0):  # a step's argument naming no argument of the rule: refused, so the
+        return (*rule(x, a)[:4], ((bad_scale, ((native.ARG, 9), (native.VALUE, a)), 0),))
+    bad_scale, _ = _scale_front(module, "native-bad-steps", bad)  # key keeps to Python
+    for _ in range(2):
+        x = torch.randn(37, requires_grad=True)
+        y = bad_scale(x, 3.0)
+        assert y.grad_fn.name() != "vitrail::ScaleBackward"
+        torch.testing.assert_close(torch.autograd.grad(y, x, g)[0], 3.0 * g)

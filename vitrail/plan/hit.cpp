@@ -741,41 +741,52 @@ bool each(PyObject* seq, F&& f) {
 
 extern PyTypeObject TableType;
 
+// One (kind, index or value) of a rule's or a step's arguments, appended to out: a VALUE's
+// value, or an index below limit(kind) (0 for a kind not taken there).
+template <typename Limit>
+bool read_arg(PyObject* o, Limit&& limit, std::vector<GradRule::Arg>& out) {
+  int kind;
+  PyObject* v;
+  if (!PyArg_ParseTuple(o, "iO", &kind, &v)) return false;
+  GradRule::Arg arg{kind, 0, nullptr};
+  if (kind == GradRule::VALUE) {
+    arg.value = Py_NewRef(v);
+  } else {
+    arg.index = static_cast<int>(PyLong_AsLong(v));
+    if (PyErr_Occurred()) return false;
+    if (arg.index < 0 || arg.index >= limit(kind)) {
+      PyErr_SetString(PyExc_ValueError, "a gradient rule's argument names nothing it has");
+      return false;
+    }
+  }
+  out.push_back(arg);
+  return true;
+}
+
 // A step: (fn, its front's table, ((ARG, rule argument) or (VALUE, value), ...), gradient)
 bool read_step(PyObject* o, GradRule& rule) {
   PyObject *fn, *table, *args;
   int gradient;
   if (!PyArg_ParseTuple(o, "OOOi", &fn, &table, &args, &gradient)) return false;
-  GradRule::Step st;
-  bool ok = PyCallable_Check(fn) && Py_TYPE(table) == &TableType && gradient >= 0 &&
-            gradient < static_cast<int>(rule.inputs.size());
-  if (ok) {
-    st.fn = Py_NewRef(fn);
-    st.table = Py_NewRef(table);
-    st.gradient = gradient;
+  if (!PyCallable_Check(fn) || Py_TYPE(table) != &TableType || gradient < 0 ||
+      gradient >= static_cast<int>(rule.inputs.size())) {
+    PyErr_SetString(PyExc_ValueError, "a gradient rule's step: (front function, its table, "
+                                      "args, the index of an input's gradient)");
+    return false;
   }
-  ok = ok && each(args, [&](PyObject* a) {
-    int kind;
-    PyObject* v;
-    if (!PyArg_ParseTuple(a, "iO", &kind, &v)) return false;
-    GradRule::Arg arg{kind, 0, nullptr};
-    if (kind == GradRule::VALUE) {
-      arg.value = Py_NewRef(v);
-    } else if (kind == GradRule::ARG) {
-      arg.index = static_cast<int>(PyLong_AsLong(v));
-      if (PyErr_Occurred() || arg.index < 0 ||
-          arg.index >= static_cast<int>(rule.args.size())) {
-        return false;
-      }
-    } else {
+  GradRule::Step& st = rule.steps.emplace_back();  // (freed with the rule, complete or not)
+  st.fn = Py_NewRef(fn);
+  st.table = Py_NewRef(table);
+  st.gradient = gradient;
+  const int n = static_cast<int>(rule.args.size());
+  return each(args, [&](PyObject* a) {
+    if (st.args.size() == MAX_STEP_ARGS) {
+      PyErr_Format(PyExc_ValueError, "a gradient rule's step takes at most %d arguments",
+                   static_cast<int>(MAX_STEP_ARGS));
       return false;
     }
-    st.args.push_back(arg);
-    return st.args.size() <= MAX_STEP_ARGS;
+    return read_arg(a, [&](int kind) { return kind == GradRule::ARG ? n : 0; }, st.args);
   });
-  rule.steps.push_back(std::move(st));  // (freed with the rule, complete or not)
-  if (!ok && !PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a gradient rule's step");
-  return ok;
 }
 
 // grad: (backward, ((kind, index or value), ...), (differentiable argument positions), name,
@@ -791,25 +802,12 @@ bool read_grad(PyObject* o, Plan& plan) {
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "a gradient rule's backward");
     return false;
   }
-  int outputs = plan.result == -2 ? static_cast<int>(plan.outputs.size()) : 1;
-  bool ok = each(args, [&](PyObject* a) {
-    int kind;
-    PyObject* v;
-    if (!PyArg_ParseTuple(a, "iO", &kind, &v)) return false;
-    GradRule::Arg arg{kind, 0, nullptr};
-    if (kind == GradRule::VALUE) {
-      arg.value = Py_NewRef(v);
-    } else {
-      arg.index = static_cast<int>(PyLong_AsLong(v));
-      if (PyErr_Occurred()) return false;
-      const int limit = kind == GradRule::INPUT ? 1 << 30 : outputs;
-      if (kind < 0 || kind > GradRule::VALUE || arg.index < 0 || arg.index >= limit) {
-        PyErr_SetString(PyExc_ValueError, "a gradient rule's argument names no output");
-        return false;
-      }
-    }
-    rule->args.push_back(arg);
-    return true;
+  const int outputs = plan.result == -2 ? static_cast<int>(plan.outputs.size()) : 1;
+  const bool ok = each(args, [&](PyObject* a) {
+    return read_arg(a, [&](int kind) {
+      return kind == GradRule::INPUT ? 1 << 30
+             : kind == GradRule::OUTPUT || kind == GradRule::GRAD ? outputs : 0;
+    }, rule->args);
   });
   if (!ok) return false;
   if (steps != nullptr && !each(steps, [&](PyObject* st) { return read_step(st, *rule); })) {
