@@ -4,9 +4,9 @@ stages each kind may take (the tuning space) and the heuristic's choice.
 A kind's GEMM (fprop: M = N P Q pixels, N = K, K = C R S; dgrad: M = N H W, N = C, K = K R S;
 wgrad: M = K, N = C R S, K = N P Q) runs 128x128x64 tiles (WIDE) or tiles 64 wide on the side
 the channels give (NARROW: fprop's N = K, dgrad's N = C, wgrad's M = K), with as many pipeline
-stages as fit in shared memory (one CTA an SM) or few (STAGES: two CTAs an SM). The heuristic
-(fitted on a PickBest sweep of every tile on the dense layers of `vitrail bench conv` and
-small-channel layers held out of the fit, on the H200):
+stages as fit in shared memory (one CTA an SM) or few (STAGES: two CTAs an SM). The heuristic,
+chosen on a sweep of every config on the dense layers of `vitrail bench conv`, with
+small-channel layers held out (vitrail.ops.conv.sweep, on the H200):
 
 - a channel side of at most 64: the narrow tile, not half a wide one of padding; for fprop and
   dgrad with few stages, two CTAs an SM. wgrad keeps the deep pipeline: its batch chunks put
