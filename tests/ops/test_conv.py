@@ -397,8 +397,8 @@ def test_eager_calls_replay_their_plans(R, S, stride, padding, groups):
 @pytest.mark.parametrize("R, S, stride, padding, groups", REPLAYED)
 def test_a_backward_with_no_bias_makes_its_front_calls_from_cpp(R, S, stride, padding, groups):
     """With no bias and no activation, the C++ autograd node of a planned call makes the dgrad
-    and wgrad front calls itself (the rule's steps): dx and dw against fp64 at each of three
-    calls on fresh data, for x alone, w alone and both requiring a gradient."""
+    and wgrad front calls itself (the rule's steps): dx and dw against fp64 at three calls on
+    fresh data each for x alone, w alone and both requiring a gradient (nine in all)."""
     from vitrail.ops import conv2d
     from vitrail.plan import native
     native.load(wait=True)

@@ -199,6 +199,15 @@ class Case:
     def activation(self) -> str | None:
         return self.kind.split("+")[2] if "+" in self.kind else None
 
+    def chunks(self, sms: int) -> int:
+        """The batch chunks the implicit-GEMM wgrad runs the case in on a GPU of ``sms`` SMs
+        (vitrail.ops.conv.wgrad_chunks; 1 for the other kinds)."""
+        from vitrail.ops.conv import wgrad_chunks
+        if self.kernel != "wgrad":
+            return 1
+        lay, (p, q) = self.layer, self.layer.out_hw()
+        return wgrad_chunks(lay.K, lay.R * lay.S * lay.C // lay.groups, self.batch, p * q, sms)
+
     @property
     def flops(self) -> float:
         p, q = self.layer.out_hw()
@@ -317,15 +326,13 @@ def operations(sms: int = 132) -> list:
     built at the first call in seconds) or refused ones."""
     import torch
 
-    from vitrail.ops.conv import kernel, kernel_problem, wgrad_chunks
+    from vitrail.ops.conv import kernel, kernel_problem
     ops = []
     for case in cases():
         lay = case.layer
         if _runs_gemm(lay) or lay.groups > 1 or refusal(case):
             continue
-        p, q = lay.out_hw()
-        chunks = (wgrad_chunks(lay.K, lay.R * lay.S * lay.C, case.batch, p * q, sms)
-                  if case.kernel == "wgrad" else 1)
+        chunks = case.chunks(sms)
         two, pad = (lay.stride,) * 2, (lay.padding,) * 2
         problem, phased = kernel_problem(case.kernel, case.batch, lay.C, (lay.H, lay.W), lay.K,
                                          (lay.R, lay.S), pad, pad, two, (1, 1))

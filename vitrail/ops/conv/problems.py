@@ -30,7 +30,7 @@ def variant_problem(variant: Variant, op, shape: tuple[int, ...],
         from vitrail.device import target_limits, with_sm_count
         from vitrail.ops.conv import wgrad_chunks
         sms = with_sm_count(target_limits()).sm_count
-        chunks = wgrad_chunks(k, r * r * c, n, p * q, sms) if n > 1 else 1
+        chunks = wgrad_chunks(k, r * r * c, n, p * q, sms)  # (1 for one image)
         if chunks > 1:  # the one-pass kernel would be timed on a problem conv2d never gives it
             raise ValueError(
                 f"{variant.name}: conv2d runs this wgrad's batch in {chunks} chunks on "

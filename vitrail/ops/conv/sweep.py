@@ -75,21 +75,12 @@ def part(network: str) -> str:
 
 
 # ------------------------------------------------------------------------------------ timing
-def _chunks(case: bench.Case, sms: int) -> int:
-    """The batch chunks conv2d runs the case's wgrad in on a GPU of ``sms`` SMs."""
-    from vitrail.ops.conv import wgrad_chunks
-    lay, (p, q) = case.layer, case.layer.out_hw()
-    if case.batch == 1:
-        return 1
-    return wgrad_chunks(lay.K, lay.R * lay.S * lay.C, case.batch, p * q, sms)
-
-
 def _variant(case: bench.Case, sms: int):
     """The implicit-GEMM variant (configs.Variant) of the case's launch."""
     import torch
 
     from vitrail.ops.conv.configs import Variant
-    chunked = case.kind == "wgrad" and _chunks(case, sms) > 1
+    chunked = case.chunks(sms) > 1
     return Variant(case.kind, torch.bfloat16, partials=chunked)
 
 
@@ -113,7 +104,7 @@ def _operands(case: bench.Case, sms: int):
         a, b, d = _phase_views(ph, dy, w, _nhwc(_empty_nchw(x.shape, x)), stride)
         return variant, (a, b, d, None, ph.pad, one, ph.dilation, ph.pad_hi, 1, None)
     if variant.partials:
-        splits = _chunks(case, sms)
+        splits = case.chunks(sms)
         d = torch.empty(splits * lay.K, lay.R, lay.S, lay.C, device=x.device)
     else:
         splits, d = 1, _nhwc(_empty_nchw(w.shape, w))
