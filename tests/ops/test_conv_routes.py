@@ -257,14 +257,21 @@ def test_a_strided_dgrad_runs_one_unit_stride_dgrad_a_phase(monkeypatch):
 def test_kernel_problem_is_the_launchs(monkeypatch):
     """kernel_problem (what the bench's build list and reasons() give the heuristic) is the
     Problem of each launch _run makes, for each kind, unit and strided, grouped, and a strided
-    dgrad in one launch of its phases (every phase's pixels) or of its one phase."""
+    dgrad in one launch of its phases (every phase's pixels) or of its one phase, found with no
+    torch op a plan's record would refuse."""
     monkeypatch.setattr(C2D, "_require_hopper", lambda device: None)
     monkeypatch.setattr(C2D, "sm_count", lambda index=None: 132)
     monkeypatch.setattr(C2D, "sum_partials", lambda partials, dw, splits: None)
+    from vitrail.plan import Record, _Watch
     seen = []
-    monkeypatch.setattr(C2D, "_run", lambda kind, a, b, d, bias, act, pad, stride, dil, pad_hi,
-                        splits=1, phases=None: seen.append(
-                            (C2D._launch_problem(kind, a, b, d, phases), phases is not None)))
+
+    def run(kind, a, b, d, bias, act, pad, stride, dil, pad_hi, splits=1, phases=None):
+        record = Record()
+        with _Watch(record):  # a plan's record: reading the phase table runs no torch op
+            seen.append((C2D._launch_problem(kind, a, b, d, phases), phases is not None))
+        assert record.replayable, record.why
+
+    monkeypatch.setattr(C2D, "_run", run)
     for n, c, h, w, k, r, s, stride, pad, groups in (
             (2, 16, 9, 7, 24, 3, 3, 1, 1, 1), (3, 16, 11, 10, 32, 3, 3, 2, 1, 1),
             (2, 32, 8, 8, 16, 3, 3, 2, 1, 2), (1, 8, 9, 9, 16, 1, 1, 2, 0, 1),

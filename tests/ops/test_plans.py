@@ -75,6 +75,12 @@ def _cases():
                                        enumerate(((0, 50), (50, 120), (120, 200)))]),
          lambda: mats((200, 64), (3, 64, 48))() + (
              torch.tensor([50, 120, 200], device="cuda", dtype=torch.int32),), 0.05),
+        ("scaled_mm rowwise", lambda a, b, sa, sb: ops.scaled_mm(a, b, sa, sb),
+         lambda a, b, sa, sb: (a.float() @ b.float()) * sa * sb, lambda: (
+             (torch.randn(96, 128, device="cuda") * 0.5).to(torch.float8_e4m3fn),
+             (torch.randn(80, 128, device="cuda") * 0.5).to(torch.float8_e4m3fn).t(),
+             torch.rand(96, 1, device="cuda") + 0.5, torch.rand(1, 80, device="cuda") + 0.5),
+         0.05),
         ("conv2d bias relu", lambda x, w, b: ops.conv2d(x, w, b, padding=1, activation="relu"),
          lambda x, w, b: F.relu(F.conv2d(x.float(), w.float(), b.float(), padding=1)),
          lambda: tuple(t.contiguous(memory_format=torch.channels_last) for t in mats(
@@ -82,7 +88,7 @@ def _cases():
     ]
 
 
-CASES = 13
+CASES = 14
 
 
 @pytest.mark.parametrize("case", range(CASES))
@@ -305,7 +311,7 @@ def _double(*ts):
 
 @pytest.mark.parametrize("activation,clamp", [(None, None), ("relu", None), ("gelu", None),
                                               ("sigmoid", None), ("relu", (-0.5, 0.5))])
-def test_gemm_autograd_path_matches_fp64_and_the_custom_op(activation, clamp):
+def test_gemm_autograd_path_matches_fp64_and_the_custom_op(native, activation, clamp):
     """An eager call that records gradients runs the family's autograd.Function (not the custom
     op), then its C++ plan with vitrail's C++ autograd node: its gradients equal the custom
     op's and fp64 autograd's, through the output's derivative (relu, sigmoid) or z recomputed
@@ -350,7 +356,7 @@ def test_gemm_autograd_path_matches_fp64_and_the_custom_op(activation, clamp):
             _close(gw, want, 0.03 * want.abs().max().item())
 
 
-def test_autograd_paths_of_softmax_copy_and_sympow():
+def test_autograd_paths_of_softmax_copy_and_sympow(native):
     """softmax, log_softmax, copy (with a dtype change) and sympow record their gradients through
     their autograd.Functions on the eager path, equal to fp64 autograd; a second backward of
     softmax is refused, as through the custom op."""

@@ -276,8 +276,8 @@ def _launch_problem(kind: str, a: Tensor, b: Tensor, d: Tensor,
     k, c = (a.shape[3], b.shape[3]) if wgrad else (b.shape[0], b.shape[3])
     taps = d.shape[1] * d.shape[2] if wgrad else b.shape[1] * b.shape[2]
     pixels = a.shape[0] * a.shape[1] * a.shape[2] if wgrad else d.shape[0] * d.shape[1] * d.shape[2]
-    if phases is not None:
-        pixels = d.shape[0] * int((phases[:, 2] * phases[:, 3]).sum())
+    if phases is not None:  # read from the kept table: no op for a plan to repeat
+        pixels = d.shape[0] * sum(rows * cols for _, _, rows, cols, *_ in phases.tolist())
     return Problem(kind, k, c, taps, pixels)
 
 
