@@ -119,3 +119,14 @@ def test_two_runs_make_one_page_each_benchmark_from_its_own_run(tmp_path):
     assert "| commit | 201a38e |" in lines[runs_at[1]:]
     with pytest.raises(ValueError, match="3 commits for 2 runs"):
         pages.write(runs, tmp_path / "three", commit=["a", "b", "c"])
+
+
+
+def test_a_run_cut_short_says_what_it_did_not_run_and_what_failed():
+    whole = json.loads(RUN.read_text())
+    lines = pages.run_lines({**whole, "pending": ["softmax", "sympow"],
+                             "failed": {"copy": "RuntimeError: a | b"}}, "abc1234")
+    assert "| not run (the run was cut short) | softmax, sympow |" in lines
+    assert "| failed | copy: RuntimeError: a \\| b |" in lines  # the bar escaped
+    assert not any("not run" in line or "failed" in line
+                   for line in pages.run_lines(whole, "abc1234"))

@@ -94,3 +94,47 @@ def test_each_row_is_put_under_its_own_maths_roof(capsys):
                     and "vitrail" in line)
     pct = float(fp8_line.split("%")[0].split()[-1])
     assert pct == pytest.approx(100 * fp8[0].value / (2 * peaks["bf16_tflops"]), abs=0.6)
+
+
+def test_a_run_writes_its_json_after_each_benchmark_and_survives_a_failing_one(
+        monkeypatch, tmp_path, capsys):
+    """`vitrail bench` writes the run's JSON after every benchmark (a run cut short keeps what it
+    measured, and says what it had not run); a benchmark that raises is reported and costs the
+    others nothing; the run's exit status says one failed."""
+    import json
+
+    import torch
+
+    import vitrail.profile
+    registry = {}
+    seen = []
+
+    def written():
+        (path,) = tmp_path.glob("bench-*.json")
+        return json.loads(path.read_text())
+
+    def second():
+        doc = written()  # the first benchmark's rows are on disk before the second runs
+        seen.append((sorted(doc["results"]), doc["pending"]))
+        raise RuntimeError("no kernel for you")
+
+    def third():
+        seen.append((sorted(written()["results"]), written()["failed"]))
+        return [Row("c", "torch", 2.0, "ms", baseline=True), Row("c", "vitrail", 1.0, "ms")]
+
+    for name, run in (("first", lambda: [Row("c", "torch", 3.0, "ms", baseline=True),
+                                         Row("c", "vitrail", 1.5, "ms")]),
+                      ("second", second), ("third", third)):
+        registry[name] = Benchmark(name, name, run, lambda: None)
+    monkeypatch.setattr(bench, "load", lambda: registry)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(vitrail.profile, "peaks", lambda: PEAKS)
+    monkeypatch.setattr(bench, "_meta", lambda: {"device": "a GPU", "sms": 132})
+    assert bench.main([], out_dir=str(tmp_path)) == 1
+    assert seen == [(["first"], ["second", "third"]),
+                    (["first"], {"second": "RuntimeError: no kernel for you"})]
+    doc = written()
+    assert sorted(doc["results"]) == ["first", "third"] and "pending" not in doc
+    assert doc["failed"] == {"second": "RuntimeError: no kernel for you"}
+    assert [e["geomean"] for e in doc["summary"]["benchmarks"]["first"]] == [2.0]
+    assert "second failed: RuntimeError" in capsys.readouterr().out

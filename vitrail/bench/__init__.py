@@ -4,8 +4,9 @@ A benchmark registers a ``run()`` returning rows (one per implementation and cas
 ``build()`` that compiles its kernels without running them (``--compile-only``, and what
 ``vitrail bench`` does on a machine with no GPU). Rows carry the measured value, its unit,
 whether lower is better, and which row of the same case is the baseline; the runner prints the
-ratio to the baseline and writes everything, with the device's description, to JSON; the run
-ends in one summary (vitrail.bench.report), also the JSON's first key, and a PNG per benchmark.
+ratio to the baseline and writes everything, with the device's description, to JSON (after
+each benchmark, so that a run cut short keeps what it measured); the run ends in one summary
+(vitrail.bench.report), also the JSON's first key, and a PNG per benchmark.
 Rows, their speedups and their table are vitrail.bench.rows' (re-exported here).
 """
 from __future__ import annotations
@@ -109,18 +110,36 @@ def main(names: list[str], out_dir: str = "results", compile_only: bool = False,
         compile_only = True
     if compile_only:
         return _build(selected)
+    from vitrail.bench import report
     from vitrail.profile import peaks as measure_peaks
     peaks = measure_peaks()  # measured once per machine, then read from the cache
-    results = {}
-    for b in selected:
-        results[b.name] = b.run()
-        print_table(b, results[b.name], peaks)
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    meta = _meta()
+    stem = Path(out_dir) / f"bench-{time.strftime('%Y%m%d-%H%M%S')}"
+    results: dict[str, list[Row]] = {}
+    failed: dict[str, str] = {}
+    for i, b in enumerate(selected):
+        try:
+            results[b.name] = b.run()
+        except Exception as e:  # one benchmark failing does not cost the others' figures
+            failed[b.name] = f"{type(e).__name__}: {e}"
+            print(f"vitrail bench: {b.name} failed: {failed[b.name]}", flush=True)
+        else:
+            print_table(b, results[b.name], peaks)
+        report.write_json(results, peaks, {**meta, "failed": failed,
+                                           "pending": [p.name for p in selected[i + 1:]]}, stem)
+    report.write(results, {b.name: b.description for b in selected}, peaks,
+                 {**meta, "failed": failed} if failed else meta, stem)
+    for name, why in failed.items():
+        print(f"vitrail bench: {name} failed: {why}")
+    return 1 if failed else 0
+
+
+def _meta() -> dict:
+    """The run's GPU, versions and start time (every JSON of the run carries them)."""
+    import torch
+
     from vitrail import __version__
-    meta = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
             "cuda": torch.version.cuda, "python": platform.python_version(),
             "vitrail": __version__, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    from vitrail.bench import report
-    report.write(results, {b.name: b.description for b in selected}, peaks, meta,
-                 Path(out_dir) / f"bench-{time.strftime('%Y%m%d-%H%M%S')}")
-    return 0

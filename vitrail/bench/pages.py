@@ -64,6 +64,10 @@ def run_lines(doc: dict, commit: str | None) -> list[str]:
     if peaks:
         lines.append(f"| peaks measured in the run | copy {_num(peaks.get('copy_gbps'))} GB/s, "
                      f"bf16 matmul {_num(peaks.get('bf16_tflops'))} TFLOP/s |")
+    if doc.get("pending"):  # the JSON of a run cut short (vitrail.bench.main)
+        lines.append(f"| not run (the run was cut short) | {', '.join(doc['pending'])} |")
+    for name, why in (doc.get("failed") or {}).items():
+        lines.append(f"| failed | {name}: {_cell(why)} |")
     return lines
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
+from typing import Sequence
 
 from vitrail.bench.rows import Row, ratios, roofline_of
 from vitrail.profile.timing import geomean
@@ -94,19 +95,33 @@ def write(results: dict[str, list[Row]], titles: dict[str, str], peaks, meta: di
     """Plot each benchmark (and the summary) beside ``stem``, write ``stem``.json with the
     summary first, print the summary; returns the JSON's content."""
     stem.parent.mkdir(parents=True, exist_ok=True)
-    json_path = stem.with_suffix(".json")
-    summary = {**{k: meta[k] for k in ("device", "torch", "cuda", "python", "vitrail", "time")
-                  if meta.get(k)},
-               "benchmarks": summarize(results), "json": str(json_path), "plots": []}
+    plots = []
     for name, rows in results.items():
         png = stem.parent / f"{stem.name}-{name}.png"
         if _plot(lambda: _plot_bench(rows, png, f"{name} on {meta.get('device', '?')}: "
                                      f"{titles.get(name, '')}".rstrip(": "))):
-            summary["plots"].append(str(png))
+            plots.append(str(png))
     png = stem.parent / f"{stem.name}-summary.png"
-    if any(summary["benchmarks"].values()) and _plot(lambda: _plot_summary(
-            summary, png, f"vitrail against its baselines on {meta.get('device', '?')}")):
-        summary["plots"].append(str(png))
+    summary = summarize(results)
+    if any(summary.values()) and _plot(lambda: _plot_summary(
+            {"benchmarks": summary}, png,
+            f"vitrail against its baselines on {meta.get('device', '?')}")):
+        plots.append(str(png))
+    report = write_json(results, peaks, meta, stem, plots)
+    print("\n" + "\n".join(summary_lines(report["summary"], meta)), flush=True)
+    return report
+
+
+def write_json(results: dict[str, list[Row]], peaks, meta: dict, stem: Path,
+               plots: Sequence[str] = ()) -> dict:
+    """Write ``stem``.json (the summary first, then meta, peaks and every row with its ratios
+    and roofline) and return its content. ``vitrail bench`` writes it after each benchmark, so
+    a run cut short keeps what it measured (meta's ``pending`` names what it had not run)."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    json_path = stem.with_suffix(".json")
+    summary = {**{k: meta[k] for k in ("device", "torch", "cuda", "python", "vitrail", "time")
+                  if meta.get(k)},
+               "benchmarks": summarize(results), "json": str(json_path), "plots": list(plots)}
     report = {"summary": summary, **meta,
               "peaks": ({"copy_gbps": peaks["copy_gbps"], "bf16_tflops": peaks["bf16_tflops"]}
                         if isinstance(peaks, dict) else
@@ -114,8 +129,9 @@ def write(results: dict[str, list[Row]], titles: dict[str, str], peaks, meta: di
               "results": {name: [{**asdict(r), "speedup_over": vs,
                                   "roofline": roofline_of(r, peaks)} for r, vs in ratios(rows)]
                           for name, rows in results.items()}}
-    json_path.write_text(json.dumps(report, indent=1))
-    print("\n" + "\n".join(summary_lines(summary, meta)), flush=True)
+    tmp = json_path.with_name(json_path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1))
+    tmp.replace(json_path)  # a reader (or a run killed mid-write) never sees half a file
     return report
 
 
