@@ -268,7 +268,7 @@ def compile_all(jobs: list[tuple[Config, dict]], *, max_workers: int | None = No
         progress.done()
         return failures
     from concurrent.futures import ThreadPoolExecutor
-    env = _child_env()
+    env = child_env()
     jobs = [(config, kwargs) for config, kwargs in jobs if not _built(kwargs)]
     for _ in range(progress.total - len(jobs)):
         progress.step()  # already in the cache: no process started for them
@@ -311,7 +311,7 @@ def _built(kwargs: dict) -> bool:
         return False
 
 
-def _child_env() -> dict:
+def child_env() -> dict:
     """This process's environment, with its import path, so children import the same vitrail."""
     env = dict(os.environ)
     paths = [p for p in sys.path if p and os.path.isdir(p)]
