@@ -251,8 +251,8 @@ def _build_side_by_side() -> None:
 
 
 def build() -> None:
-    """The cases' kernels are those of the op families' own benchmarks and tests: built on the
-    first call of a run (host time is measured after warm-up)."""
+    """Nothing to build without a GPU: the cases' kernels are those the calls choose, built at
+    the start of a run (_build_side_by_side; host time is measured after warm-up)."""
 
 
 @register("host", "host µs per eager call of every public op, and small problems eager vs "
