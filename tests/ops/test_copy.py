@@ -13,6 +13,29 @@ pytestmark = pytest.mark.warm_cache
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
+@pytest.mark.parametrize("dtype", [None, torch.float16])
+def test_the_gradient_rules_step_is_the_python_backwards_call(monkeypatch, dtype):
+    """copy's C++ gradient rule: its one step (what the C++ autograd node calls without Python)
+    is the copy back to x's dtype that the rule's Python backward makes where no graph of the
+    gradients is asked for, with the same arguments; a copy into ``out`` has no rule."""
+    import importlib
+    from vitrail.plan.native import ARG, GRAD, VALUE
+    C = importlib.import_module("vitrail.ops.copy")
+    calls = []
+    monkeypatch.setattr(C, "_copy", lambda *a: calls.append(a) or torch.zeros(()))
+    x, dy = torch.randn(3, 5, dtype=torch.bfloat16), torch.randn(3, 5)
+    assert C._rule(x, out=torch.empty(3, 5), dtype=dtype) is None
+    backward, spec, inputs, name, steps = C._rule(x, dtype=dtype)
+    assert name == "vitrail::CopyBackward" and inputs == (0,)
+    args = [v if kind == VALUE else {GRAD: dy}[kind] for kind, v in spec]
+    with torch.no_grad():
+        backward(*args)
+    (fn, fn_args, gradient), = steps
+    assert gradient == 0 and fn is C._copy
+    fn(*(args[v] if kind == ARG else v for kind, v in fn_args))
+    assert calls == [(dy, torch.bfloat16)] * 2
+
+
 @pytest.mark.slow
 @requires_nvcc
 def test_compile_each_kernel(monkeypatch):

@@ -245,6 +245,33 @@ def test_packed_routing():
         assert -(-rows // run) >= min(rows // 128, 132 * configs.PACKED_CTAS_PER_SM) // 2
 
 
+@pytest.mark.parametrize("log", [False, True])
+@pytest.mark.parametrize("dim", [-1, 0, 1])
+def test_the_gradient_rules_step_is_the_python_backwards_call(monkeypatch, log, dim):
+    """softmax's and log_softmax's C++ gradient rule: its one step (what the C++ autograd node
+    calls without Python) is the backward kernel's front call that the rule's Python backward
+    makes where no graph of the gradients is asked for, with the same arguments (the dim
+    normalized), its result x's gradient."""
+    import importlib
+    from vitrail.plan.native import ARG, GRAD, OUTPUT, VALUE
+    S = importlib.import_module("vitrail.ops.softmax")
+    calls = []
+    monkeypatch.setattr(S, "_backward", lambda *a: calls.append(a) or torch.zeros(()))
+    x, y, dy = (torch.randn(3, 5) for _ in range(3))
+    rule = S._rule("vitrail.ops.log_softmax" if log else "vitrail.ops.softmax", log)(x, dim)
+    backward, spec, inputs, name, steps = rule
+    assert name == f"vitrail::{'Log' if log else ''}SoftmaxBackward" and inputs == (0,)
+    given = {OUTPUT: lambda k: y, GRAD: lambda k: dy}
+    args = [v if kind == VALUE else given[kind](v) for kind, v in spec]
+    with torch.no_grad():
+        backward(*args)
+    (fn, fn_args, gradient), = steps
+    assert gradient == 0 and fn is S._backward
+    fn(*(args[v] if kind == ARG else v for kind, v in fn_args))
+    assert len(calls) == 2 and calls[0] == calls[1] and calls[0][2] == dim % 2
+    assert calls[0][0] is y and calls[0][1] is dy and calls[0][3] is log
+
+
 def test_custom_ops_normalize_dim(monkeypatch):
     """CPU: torch.ops.vitrail.softmax_fwd/_bwd with dim=-1 write their result in place, as with
     the last dim's index (once a transposed copy, 1.16-1.22x slower); a dim out of range is an

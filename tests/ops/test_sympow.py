@@ -31,6 +31,27 @@ configs = importlib.import_module("vitrail.ops.sympow.configs")
 F64 = torch.float64
 
 
+def test_the_gradient_rules_step_is_the_python_backwards_call(monkeypatch):
+    """sympow's C++ gradient rule: its one step (what the C++ autograd node calls without
+    Python) is the backward kernel's front call that the rule's Python backward makes where no
+    graph of the gradients is asked for, with the same arguments; no rule off the last dim."""
+    from vitrail.plan.native import ARG, GRAD, INPUT, VALUE
+    S = importlib.import_module("vitrail.ops.sympow")
+    calls = []
+    monkeypatch.setattr(S, "_sympow_bwd", lambda *a: calls.append(a) or torch.zeros(()))
+    x, dz = torch.randn(2, 5, 64), torch.randn(2, 5, 2304)
+    assert S._sympow_rule(x, 2, 8, dim=1) is None
+    backward, spec, inputs, name, steps = S._sympow_rule(x, 2, 8, -1, False)
+    assert name == "vitrail::SympowBackward" and inputs == (0,)
+    args = [v if kind == VALUE else {INPUT: x, GRAD: dz}[kind] for kind, v in spec]
+    with torch.no_grad():
+        backward(*args)
+    (fn, fn_args, gradient), = steps
+    assert gradient == 0 and fn is S._sympow_bwd
+    fn(*(args[v] if kind == ARG else v for kind, v in fn_args))
+    assert calls == [(x, dz, 2, 8, False)] * 2
+
+
 # ------------------------------------------------------------------ CPU: the math
 def test_order_matches_the_definition():
     x = torch.randn(3, 4, dtype=F64)

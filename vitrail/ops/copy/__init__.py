@@ -212,6 +212,7 @@ def _grad(ctx, dy):
 torch.library.register_autograd("vitrail::copy", _grad, setup_context=_setup)
 
 
+@front(PLANS)  # the GRAD path's copies, and the C++ plans' backward step, run from C++ too
 def _copy(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x into a new contiguous tensor of dtype, through the signature's plan."""
     return PLANS.run((signature(x), dtype), (x,), _new, _into, (dtype,))[0]
@@ -241,11 +242,13 @@ def _gradient(dy: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _rule(x: torch.Tensor, out: torch.Tensor | None = None,
           dtype: torch.dtype | None = None) -> tuple | None:
-    """The gradient rule of copy's C++ plans (none into ``out``: autograd refuses that write)."""
+    """The gradient rule of copy's C++ plans (none into ``out``: autograd refuses that write);
+    its one step, the copy back (_copy's front call), which the C++ node makes itself."""
     if out is not None:
         return None
+    step = (_copy, ((native.ARG, 0), (native.ARG, 1)), 0)  # _gradient's arguments
     return (_gradient, ((native.GRAD, 0), (native.VALUE, x.dtype)), (0,),
-            "vitrail::CopyBackward")
+            "vitrail::CopyBackward", (step,))
 
 
 _COPY = autograd_apply(_Copy)

@@ -27,7 +27,7 @@ from vitrail.device import ctype, gpu_limits, sm_count, target_limits, vector
 from vitrail.jit.errors import LaunchError
 from vitrail.op import Op, OpFamily
 from vitrail.plan import GENERAL, Plans, keep, scratch, signature
-from vitrail.plan.native import GRAD, OUTPUT, VALUE, front
+from vitrail.plan.native import ARG, GRAD, OUTPUT, VALUE, front
 from vitrail.ops.common import (DISPATCH, EAGER, FLOATS, autograd_apply, call_mode, check_dim,
                                 check_tensor, persistent)
 from vitrail.ops.softmax import configs
@@ -468,11 +468,13 @@ def _gradient(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool) -> torch.T
 
 
 def _rule(name: str, log: bool):
-    """The gradient rule of the public function's C++ plans: x's gradient from y, dy."""
+    """The gradient rule of the public function's C++ plans: x's gradient from y, dy; its one
+    step, the backward kernel's front call (_backward), which the C++ node makes itself."""
     def rule(x: torch.Tensor, dim: int = -1) -> tuple:
         d = check_dim(name, dim, x.dim())  # the call passed it: the dim normalized
+        step = (_backward, ((ARG, 0), (ARG, 1), (ARG, 2), (ARG, 3)), 0)  # _gradient's args
         return (_gradient, ((OUTPUT, 0), (GRAD, 0), (VALUE, d), (VALUE, log)), (0,),
-                f"vitrail::{'Log' if log else ''}SoftmaxBackward")
+                f"vitrail::{'Log' if log else ''}SoftmaxBackward", (step,))
     return rule
 
 

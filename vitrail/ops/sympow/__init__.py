@@ -544,24 +544,33 @@ class _Sympow(torch.autograd.Function):
         return _sympow_gradient(x, dz, *ctx.args), None, None, None
 
 
+@front(PLANS)  # the C++ plans' backward step runs from C++ too
+def _sympow_bwd(x: torch.Tensor, dz: torch.Tensor, power: int, d_tile: int,
+                dc: bool) -> torch.Tensor:
+    """x's gradient from dz through the signature's plan (checked operands)."""
+    return _sympow_bwd_impl(x, dz, power, d_tile, dc)
+
+
 def _sympow_gradient(x: torch.Tensor, dz: torch.Tensor, power: int, d_tile: int,
                      dc: bool) -> torch.Tensor:
     """x's gradient (the GRAD path's backward, the C++ plans' too: vitrail.plan.native)."""
     if torch.is_grad_enabled():  # create_graph: the custom op refuses a second backward
         return torch.ops.vitrail.sympow_bwd(x, dz, power, d_tile, dc)
-    return _sympow_bwd_impl(x, dz, power, d_tile, dc)
+    return _sympow_bwd(x, dz, power, d_tile, dc)
 
 
 def _sympow_rule(x: torch.Tensor, power: int, d_tile: int = 1, dim: int = -1,
                  duplicate_correction: bool = True) -> tuple | None:
     """The gradient rule of sympow's C++ plans, where the expansion is along the last dim (the
-    result is then the plan's output)."""
+    result is then the plan's output); its one step, the backward kernel's front call
+    (_sympow_bwd), which the C++ node makes itself."""
     if dim not in (-1, x.dim() - 1):
         return None
+    step = (_sympow_bwd, tuple((native.ARG, j) for j in range(5)), 0)  # _sympow_gradient's
     return (_sympow_gradient, ((native.INPUT, 0), (native.GRAD, 0), (native.VALUE, power),
                                (native.VALUE, d_tile),
                                (native.VALUE, bool(duplicate_correction))), (0,),
-            "vitrail::SympowBackward")
+            "vitrail::SympowBackward", (step,))
 
 
 class _SympowMma(torch.autograd.Function):
