@@ -100,14 +100,15 @@ def test_a_run_writes_its_json_after_each_benchmark_and_survives_a_failing_one(
         monkeypatch, tmp_path, capsys):
     """`vitrail bench` writes the run's JSON after every benchmark (a run cut short keeps what it
     measured, and says what it had not run); a benchmark that raises is reported and costs the
-    others nothing; the run's exit status says one failed."""
+    others nothing; the run's exit status says one failed; each benchmark builds right before
+    it runs."""
     import json
 
     import torch
 
     import vitrail.profile
     registry = {}
-    seen = []
+    seen, built = [], []
 
     def written():
         (path,) = tmp_path.glob("bench-*.json")
@@ -125,7 +126,8 @@ def test_a_run_writes_its_json_after_each_benchmark_and_survives_a_failing_one(
     for name, run in (("first", lambda: [Row("c", "torch", 3.0, "ms", baseline=True),
                                          Row("c", "vitrail", 1.5, "ms")]),
                       ("second", second), ("third", third)):
-        registry[name] = Benchmark(name, name, run, lambda: None)
+        registry[name] = Benchmark(name, name, lambda run=run, name=name: (
+            built.append(f"ran {name}"), run())[1], lambda name=name: built.append(name))
     monkeypatch.setattr(bench, "load", lambda: registry)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(vitrail.profile, "peaks", lambda: PEAKS)
@@ -138,3 +140,5 @@ def test_a_run_writes_its_json_after_each_benchmark_and_survives_a_failing_one(
     assert doc["failed"] == {"second": "RuntimeError: no kernel for you"}
     assert [e["geomean"] for e in doc["summary"]["benchmarks"]["first"]] == [2.0]
     assert "second failed: RuntimeError" in capsys.readouterr().out
+    # each benchmark's kernels are built (side by side) just before it runs
+    assert built == [w for n in ("first", "second", "third") for w in (n, f"ran {n}")]

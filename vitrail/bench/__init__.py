@@ -1,7 +1,8 @@
 """The benchmark registry behind ``vitrail bench``.
 
 A benchmark registers a ``run()`` returning rows (one per implementation and case) and a
-``build()`` that compiles its kernels without running them (``--compile-only``, and what
+``build()`` that compiles its kernels without running them: before its run (so that a cold
+cache's builds run side by side, not between timings), and alone with ``--compile-only`` (what
 ``vitrail bench`` does on a machine with no GPU). Rows carry the measured value, its unit,
 whether lower is better, and which row of the same case is the baseline; the runner prints the
 ratio to the baseline and writes everything, with the device's description, to JSON (after
@@ -119,6 +120,7 @@ def main(names: list[str], out_dir: str = "results", compile_only: bool = False,
     failed: dict[str, str] = {}
     for i, b in enumerate(selected):
         try:
+            b.build()  # its kernels side by side before any timing (a cold cache's builds)
             results[b.name] = b.run()
         except Exception as e:  # one benchmark failing does not cost the others' figures
             failed[b.name] = f"{type(e).__name__}: {e}"

@@ -92,7 +92,6 @@ def run() -> list[Row]:
     import torch.nn.functional as F
 
     from vitrail.gemm.ops import bmm, gemm, grouped_mm, mm, scaled_mm
-    build()
     rows = []
     for dtype in (torch.bfloat16, torch.float16):
         dn = str(dtype).removeprefix("torch.")
@@ -160,7 +159,6 @@ def run_sweep() -> list[Row]:
     import torch
 
     from vitrail.gemm.ops import sweep
-    build_sweep()
     rows = []
     for dtype in (torch.bfloat16, torch.float16):
         dn = str(dtype).removeprefix("torch.")

@@ -478,7 +478,6 @@ def time_case(case: Case) -> list[Row]:
           by_name=True)  # (not in a bare `vitrail bench` until the op's GPU tests all pass)
 def run() -> list[Row]:
     import torch
-    build()
     rows: list[Row] = []
     bench_was = torch.backends.cudnn.benchmark
     torch.backends.cudnn.benchmark = True  # cuDNN picks its fastest algorithm per shape

@@ -24,7 +24,6 @@ def run() -> list[Row]:
     import torch
 
     import vitrail.ops as ops
-    build()  # a cold cache's kernels side by side, before any timing
     ceiling = copy_gbps()
     print(f"  copy bandwidth this run: {ceiling:.0f} GB/s")
     rows = []

@@ -33,7 +33,6 @@ def run() -> list[Row]:
 
     import vitrail.ops as ops
     from vitrail.ops.softmax import softmax_bwd
-    build()  # a cold cache's kernels side by side, before any timing
     ceiling = copy_gbps()
     print(f"  copy bandwidth this run: {ceiling:.0f} GB/s")
     rows = []
