@@ -8,6 +8,7 @@ build on the GPU machine, in tests/ops/test_conv.py, and in `vitrail bench conv
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,6 +40,9 @@ def test_compile_representative_convolutions(monkeypatch):
         kernel = [r for name, r in res.items()
                   if "ConvUniversal" in name or "vitrail_conv_chunks" in name]
         assert kernel and not any(r.spills or r.stack for r in kernel), res
+        # the chunked wgrad's middle chunks: chunk 0's parameters with their TMA descriptors'
+        # addresses replaced (the driver's entry point looked up by name)
+        assert (b"cuTensorMapReplaceAddress" in Path(mod.path).read_bytes()) == op.chunked
         run = mod.function("vitrail_conv")  # the entry point loads and checks (no GPU needed)
         # A, B, C, D, bias; N H W C K R S; padding, stride, dilation; x, w, y and C strides;
         # alpha, beta, slope, lo, hi; splits, phases; workspace, its bytes, SM count

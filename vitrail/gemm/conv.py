@@ -358,6 +358,39 @@ vitrail_conv_chunks(const __grid_constant__ ChunkParams params) {
   GemmKernel op;
   op(params.chunk[blockIdx.z], smem);
 }
+
+// A chunk of chunk 0's sizes has chunk 0's parameters but for the global addresses of its three
+// TMA descriptors (A: dy, B: x, D: dw; each encoded from its tensor's first element): a copy and
+// three cuTensorMapReplaceAddress calls instead of three descriptor encodings. False where the
+// driver lacks the call or refuses an address (the caller then builds the chunk's parameters).
+using ReplaceAddress = CUresult (*)(CUtensorMap*, void*);
+
+ReplaceAddress replace_address() {
+  static const ReplaceAddress fn = [] {
+    void* pfn = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapReplaceAddress", &pfn, 12000,
+                                         cudaEnableDefault, &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess)
+      return static_cast<ReplaceAddress>(nullptr);
+    return reinterpret_cast<ReplaceAddress>(pfn);
+  }();
+  return fn;
+}
+
+template <class Copy>
+CUtensorMap* descriptor(Copy& copy) {
+  return reinterpret_cast<CUtensorMap*>(const_cast<void*>(
+      static_cast<const void*>(copy.get_tma_descriptor())));
+}
+
+bool readdressed(typename GemmKernel::Params& p, const void* a, const void* b, void* d) {
+  const ReplaceAddress replace = replace_address();
+  return replace != nullptr &&
+         replace(descriptor(p.mainloop.tma_load_a), const_cast<void*>(a)) == CUDA_SUCCESS &&
+         replace(descriptor(p.mainloop.tma_load_b), const_cast<void*>(b)) == CUDA_SUCCESS &&
+         replace(descriptor(p.epilogue.tma_store_d), d) == CUDA_SUCCESS;
+}
 """
 _RUN_CHUNKS = r"""  // chunks of ceil(n / splits) images, none empty
   if (splits < 1 || splits > kMaxChunks || phases != nullptr) return -9;
@@ -366,14 +399,20 @@ _RUN_CHUNKS = r"""  // chunks of ceil(n / splits) images, none empty
 @BIND@
   ChunkParams params;
   for (int i = 0; i < splits; ++i) {
-    ProblemShape problem = make_problem(i + 1 < splits ? chunk : n - i * chunk, h, w, c, k, r,
-                                        s, pad_h, pad_w, pad_h_hi, pad_w_hi, stride_h, stride_w,
-                                        dilation_h, dilation_w, act, flt, out);
+    const int images_i = i + 1 < splits ? chunk : n - i * chunk;
     const int64_t images = static_cast<int64_t>(i) * chunk;
-    auto args = make_arguments(static_cast<const ElementA*>(A) + images * out_n,
-                               static_cast<const ElementB*>(B) + images * act_n, C,
-                               static_cast<ElementD*>(D) + i * k * flt_k, bias, problem, flt,
-                               cs, alpha, beta, slope, lo, hi, sm_count);
+    const ElementA* a = static_cast<const ElementA*>(A) + images * out_n;
+    const ElementB* b = static_cast<const ElementB*>(B) + images * act_n;
+    ElementD* d = static_cast<ElementD*>(D) + i * k * flt_k;
+    if (i > 0 && images_i == chunk) {  // chunk 0's sizes: its parameters, other addresses
+      params.chunk[i] = params.chunk[0];
+      if (readdressed(params.chunk[i], a, b, d)) continue;
+    }
+    ProblemShape problem = make_problem(images_i, h, w, c, k, r, s, pad_h, pad_w, pad_h_hi,
+                                        pad_w_hi, stride_h, stride_w, dilation_h, dilation_w,
+                                        act, flt, out);
+    auto args = make_arguments(a, b, C, d, bias, problem, flt, cs, alpha, beta, slope, lo, hi,
+                               sm_count);
     if (!GemmKernel::can_implement(args)) return -6;
     if (static_cast<int64_t>(GemmKernel::get_workspace_size(args)) > workspace_bytes) return -4;
     params.chunk[i] = GemmKernel::to_underlying_arguments(args, workspace);
