@@ -101,11 +101,11 @@ def smem_bytes(d: int, dtype: torch.dtype = torch.bfloat16, dv: Optional[int] = 
 
 def source(dtype: torch.dtype, d: int, causal: bool, pingpong: bool = True, local: bool = False,
            softcap: bool = False, varlen: bool = False, dv: Optional[int] = None,
-           persistent: bool = True) -> str:
+           persistent: bool = True, paged: bool = False) -> str:
     dv = d if dv is None else dv
     config = {"D": d, "DV": dv, "BM": BM, "BN": block_n(d, dv), "STAGES": STAGES}
-    flags = {"CAUSAL": causal, "LOCAL": local, "SOFTCAP": softcap, "VARLEN": varlen,
-             "PINGPONG": pingpong, "PERSISTENT": persistent}
+    flags = {"CAUSAL": causal, "LOCAL": local, "SOFTCAP": softcap, "VARLEN": varlen or paged,
+             "PAGED": paged, "PINGPONG": pingpong, "PERSISTENT": persistent}
     # P V is one wgmma Dv wide per 16 keys; Dv of 80, 112, 160... is among CuTe's extended
     # shapes (their headers cost compile time, so only where needed)
     extended = dv not in STOCK_MMA_N
@@ -122,25 +122,27 @@ SIGNATURE = ("void* o, float* lse, const vitrail::TensorMap mapQ, const vitrail:
              "const vitrail::TensorMap mapV, int seqlen_q, int seqlen_k, int heads, "
              "int heads_kv, float scale_log2, int causal_offset, int local_offset, float softcap, "
              "float softcap_pre, const int* cu_q, const int* cu_k, int total_q, int bottom_right, "
-             "int row_blocks, int tiles, int* tile_counter")
+             "const int* kv_lens, const int* table, int table_stride, int page, int splits, "
+             "int chunk_keys, int row_blocks, int tiles, int* tile_counter")
 
 
 def kernel(dtype: torch.dtype, d: int, causal: bool, pingpong: bool = True, local: bool = False,
            softcap: bool = False, varlen: bool = False, dv: Optional[int] = None,
-           persistent: bool = True):
+           persistent: bool = True, paged: bool = False):
     """The compiled forward (pingpong=False: the warpgroups in lockstep; persistent=False: a CTA
     per tile; both kept to measure the defaults against, which the op always runs). causal:
     keys right of the diagonal (shifted by a window's right size) masked; local: keys left of a
     window masked; softcap: the scores capped with tanh; varlen: sequences packed along the
-    rows; dv: v's head dim (default d). Launch it with :func:`launch`."""
+    rows; paged: varlen's query rows over a KV cache (kvcache.py); dv: v's head dim (default
+    d). Launch it with :func:`launch`."""
     dv = d if dv is None else dv
-    key = (dtype, d, dv, causal, pingpong, local, softcap, varlen, persistent)
+    key = (dtype, d, dv, causal, pingpong, local, softcap, varlen or paged, persistent, paged)
     k = _KERNELS.get(key)
     if k is None:
         from vitrail import jit
         # CuTe's constexpr helpers carry no __device__: NVRTC needs -default-device
         module = jit.compile(source(dtype, d, causal, pingpong, local, softcap, varlen, dv,
-                                    persistent),
+                                    persistent, paged),
                              name="attention_fwd",
                              backend="nvrtc", include_dirs=[HERE], flags=["-default-device"])
         k = _KERNELS[key] = module.kernel("attention_fwd", SIGNATURE)
@@ -150,11 +152,14 @@ def kernel(dtype: torch.dtype, d: int, causal: bool, pingpong: bool = True, loca
 def launch(fwd, o: Tensor, lse: Tensor, q4: Tensor, k4: Tensor, v4: Tensor, seqlen_q: int,
            seqlen_k: int, batch: int, scale: float, causal_offset: int, local_offset: int,
            softcap: float, cu_q: Optional[Tensor] = None, cu_k: Optional[Tensor] = None,
-           bottom_right: bool = False, persistent: bool = True) -> None:
+           bottom_right: bool = False, persistent: bool = True,
+           paged: Optional[tuple] = None) -> None:
     """Run a forward kernel (:func:`kernel`'s, built with the same persistent) over q4, k4 and v4
     as (batch, seqlen, heads, head dim) tensors TMA can read (varlen: one batch of every row,
-    seqlen_q the longest sequence's rows, cu_q and cu_k the offsets): a CTA per tile, or per
-    SM with a tile counter (zeroed here: a fill on the stream, captured with a graph's)."""
+    seqlen_q the longest sequence's rows, cu_q and cu_k the offsets; paged: k4 and v4 the cache,
+    its pages or its batch entries as the batch, and paged = (kv_lens, table or None,
+    table_stride, page, splits, chunk_keys), the kernel's PAGED parameters): a CTA per tile, or
+    per SM with a tile counter (zeroed here: a fill on the stream, captured with a graph's)."""
     h, hk, d, dv = q4.shape[2], k4.shape[2], q4.shape[3], v4.shape[3]
     row_blocks = -(-seqlen_q // BM)
     if persistent:
@@ -164,13 +169,15 @@ def launch(fwd, o: Tensor, lse: Tensor, q4: Tensor, k4: Tensor, v4: Tensor, seql
         counter, grid = None, (row_blocks, h, batch)
     bn = block_n(d, dv)
     varlen = cu_q is not None
+    kv_lens, table, table_stride, page, splits, chunk_keys = paged or (None, None, 0, 0, 1, 0)
+    box = min(page, bn) if table is not None else bn  # a box of keys in one page
     with torch.cuda.device(q4.device):
         fwd[grid, THREADS](
-            o, lse, _map(q4, BM), _map(k4, bn), _map(v4, bn), seqlen_q, seqlen_k, h, hk,
+            o, lse, _map(q4, BM), _map(k4, box), _map(v4, box), seqlen_q, seqlen_k, h, hk,
             (1.0 if softcap > 0 else scale) * math.log2(math.e), causal_offset, local_offset,
             softcap, scale / softcap if softcap > 0 else 0.0, cu_q, cu_k,
-            q4.shape[1] if varlen else 0, int(bottom_right), row_blocks, row_blocks * h * batch,
-            counter,
+            q4.shape[1] if varlen else 0, int(bottom_right), kv_lens, table, table_stride,
+            page, splits, chunk_keys, row_blocks, row_blocks * h * batch, counter,
             shared_mem=smem_bytes(d, q4.dtype, dv))
 
 
