@@ -232,3 +232,15 @@ def test_a_decoding_loop_in_a_cuda_graph_and_under_torch_compile():
     compiled = torch.compile(lambda *a: K.attention_kvcache(*a), fullgraph=True)
     torch.testing.assert_close(compiled(q, k, v, seqlens, table),
                                K.attention_kvcache(q, k, v, seqlens, table))
+
+
+def test_the_benchmarks_pages_hold_the_keys_where_their_table_says():
+    """attention.decode's kvcache rows read the case's own keys: page i of entry e in the pool
+    at table[e, i] (a shuffled pool), so its GB/s are those of the same problem."""
+    from vitrail.ops.attention import benchmarks
+    x = torch.randn(3, 64, 2, 8)
+    pool, table = benchmarks._paged(x, 16), benchmarks._table(3, 4, "cpu")
+    assert pool.shape == (12, 16, 2, 8) and sorted(table.flatten().tolist()) == list(range(12))
+    assert table.tolist() != sorted(table.flatten().tolist())  # shuffled
+    gathered = torch.stack([_entry_keys(pool, [64] * 3, table, e) for e in range(3)])
+    assert torch.equal(gathered, x)
