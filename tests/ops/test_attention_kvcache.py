@@ -38,6 +38,14 @@ def test_the_paged_forward_compiles_for_sm90a(d, causal, options):
     assert "C7515" not in log and "serialized" not in log, log
 
 
+def _cpu_tensors_pass(monkeypatch):
+    """The device checks pass CPU tensors (the decomposition runs on the CPU); the others
+    stay."""
+    for module in (A, K):
+        monkeypatch.setattr(module, "check_tensor", lambda *a, **kw: None)
+        monkeypatch.setattr(module, "check_same_device", lambda *a, **kw: None)
+
+
 def _entry_keys(cache, lens, table, e, upto=None):
     """Entry e's cached rows (its first lens[e], or upto of them) as a (keys, Hkv, D) tensor."""
     n = lens[e] if upto is None else upto
@@ -115,8 +123,7 @@ def test_the_call_over_a_cache_is_the_reference(monkeypatch, b, sq, h, hk, d, dv
     _paged_on_the_cpu) against the fp64 reference over each entry's gathered keys, both
     bottom-right aligned."""
     monkeypatch.setattr(K, "_kvcache_fwd", _paged_on_the_cpu)
-    monkeypatch.setattr(K, "check_tensor", lambda *a, **kw: None)  # CPU tensors
-    monkeypatch.setattr(K, "check_same_device", lambda *a, **kw: None)
+    _cpu_tensors_pass(monkeypatch)
     gen = torch.Generator().manual_seed(capacity)
     k, v, table = _cache(b, capacity, hk, d, dv, page, lens, gen)
     q = torch.randn(b, sq, h, d, generator=gen).to(torch.bfloat16)
@@ -134,12 +141,11 @@ def test_refusals_name_the_argument(monkeypatch):
     q = torch.randn(2, 1, 4, 64).to(torch.bfloat16)
     with pytest.raises(Exception, match="q must be on a CUDA device"):
         K.attention_kvcache(q, q, q, 1)
-    monkeypatch.setattr(K, "check_tensor", lambda *a, **kw: None)
-    monkeypatch.setattr(K, "check_same_device", lambda *a, **kw: None)
+    _cpu_tensors_pass(monkeypatch)
     cache = torch.zeros(2, 256, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(ArgumentError, match="k_cache's batch"):
         K.attention_kvcache(q, cache[:1], cache[:1], 1)
-    with pytest.raises(ArgumentError, match="multiple of the caches'"):
+    with pytest.raises(ArgumentError, match="multiple of k_cache's and v_cache's"):
         K.attention_kvcache(q, cache[:, :, :1].expand(2, 256, 3, 64),
                             cache[:, :, :1].expand(2, 256, 3, 64), 1)
     with pytest.raises(ArgumentError, match="v_cache .* does not match k_cache"):

@@ -395,36 +395,47 @@ def _check_options(causal: bool, window, softcap) -> None:
                             f"{softcap!r}")
 
 
+def check_qkv(op: str, q: Tensor, k: Tensor, v: Tensor, k_name: str = "k", v_name: str = "v",
+              dims: str = "batch, seqlen and heads") -> None:
+    """What every attention call asks of q (.., .., H, D), k (.., .., Hkv, D) and v (.., ..,
+    Hkv, Dv): 4-D CUDA tensors of one supported dtype and device, k and v alike but for the head
+    dim, H a multiple of Hkv, head dims supported; an error naming the tensor otherwise."""
+    for name, t in (("q", q), (k_name, k), (v_name, v)):
+        check_tensor(op, name, t, dtypes=DTYPES, ndim=4)
+    check_same_device(op, **{"q": q, k_name: k, v_name: v})
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ArgumentError(f"{op}: q, {k_name} and {v_name} must have one dtype, got {q.dtype}, "
+                            f"{k.dtype} and {v.dtype}")
+    h, d, hk, dk, dv = q.shape[2], q.shape[3], k.shape[2], k.shape[3], v.shape[3]
+    if v.shape[:3] != k.shape[:3]:
+        raise ArgumentError(f"{op}: {v_name} {tuple(v.shape)} does not match {k_name} "
+                            f"{tuple(k.shape)}: {dims} (dims 0 to 2) must agree (the head dim "
+                            f"may differ)")
+    if dk != d:
+        raise ArgumentError(f"{op}: {k_name}'s head_dim (dim 3) must be q's {d}, got {dk} "
+                            f"({k_name} {tuple(k.shape)}, q {tuple(q.shape)}); {v_name}'s may "
+                            f"differ")
+    if hk < 1 or h % hk:
+        raise ArgumentError(f"{op}: q's heads ({h}) must be a multiple of {k_name}'s and "
+                            f"{v_name}'s ({hk})")
+    for name, n in ((f"q's and {k_name}'s", d), (f"{v_name}'s", dv)):
+        if n not in HEAD_DIMS:
+            raise NotImplementedError(f"{op}: {name} head_dim {n} is not supported; "
+                                      f"supported: a multiple of 16 from {HEAD_DIMS[0]} to "
+                                      f"{HEAD_DIMS[-1]}")
+
+
 def _check(q: Tensor, k: Tensor, v: Tensor, scale, alignment: str, causal: bool = False,
            window=None, softcap=None) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(NAME, name, t, dtypes=DTYPES, ndim=4)
-    check_same_device(NAME, q=q, k=k, v=v)
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ArgumentError(f"{NAME}: q, k and v must have one dtype, got {q.dtype}, {k.dtype} "
-                            f"and {v.dtype}")
-    (b, _, h, d), (bk, _, hk, dk), dv = q.shape, k.shape, v.shape[3]
-    if v.shape[:3] != k.shape[:3]:
-        raise ArgumentError(f"{NAME}: v {tuple(v.shape)} does not match k {tuple(k.shape)}: "
-                            f"batch, seqlen and heads (dims 0 to 2) must agree (the head dim "
-                            f"may differ)")
+    check_qkv(NAME, q, k, v)
+    b, h, bk = q.shape[0], q.shape[2], k.shape[0]
     if bk != b:
         raise ArgumentError(f"{NAME}: k {tuple(k.shape)} does not match q {tuple(q.shape)}: "
                             f"batch (dim 0) must agree")
-    if dk != d:
-        raise ArgumentError(f"{NAME}: k's head_dim (dim 3) must be q's {d}, got {dk} (k "
-                            f"{tuple(k.shape)}, q {tuple(q.shape)}); v's may differ")
-    if hk < 1 or h % hk:
-        raise ArgumentError(f"{NAME}: q's heads ({h}) must be a multiple of k's and v's ({hk})")
     if h > MAX_GRID_YZ or b > MAX_GRID_YZ:
         raise ArgumentError(f"{NAME}: at most {MAX_GRID_YZ} heads and {MAX_GRID_YZ} batch "
                             f"entries in one call (the launch grid's y and z), got {h} heads and "
                             f"batch {b}; split the call along the batch")
-    for name, n in (("q's and k's", d), ("v's", dv)):
-        if n not in HEAD_DIMS:
-            raise NotImplementedError(f"{NAME}: {name} head_dim {n} is not supported; "
-                                      f"supported: a multiple of 16 from {HEAD_DIMS[0]} to "
-                                      f"{HEAD_DIMS[-1]}")
     if alignment not in ALIGNMENTS:
         raise ArgumentError(f"{NAME}: alignment must be one of {', '.join(ALIGNMENTS)}, got "
                             f"{alignment!r}")

@@ -23,13 +23,11 @@ from torch import Tensor
 from vitrail.device import sm_count, target_limits
 from vitrail.jit.errors import ArgumentError
 from vitrail.ops.attention import (BM, DECODE_MIN_KEYS, MAX_GRID_YZ, _check_options, _mask,
-                                   _split_combine, _split_offsets, _tma_ready, block_n, kernel,
-                                   launch, persistent_for, splits_for)
+                                   _split_combine, _split_offsets, _tma_ready, block_n,
+                                   check_qkv, kernel, launch, persistent_for, splits_for)
 from vitrail.ops.common import check_same_device, check_tensor
 
 NAME = "vitrail.ops.attention_kvcache"
-DTYPES = (torch.bfloat16, torch.float16)
-HEAD_DIMS = tuple(range(16, 257, 16))
 
 
 def attention_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens,
@@ -96,28 +94,12 @@ def attention_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens
 
 def _check(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Optional[Tensor], scale):
     """(b, sq, h, d, hk, dv, page, capacity), or an ArgumentError naming what is wrong."""
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        check_tensor(NAME, name, t, dtypes=DTYPES, ndim=4)
-    check_same_device(NAME, q=q, k_cache=k_cache, v_cache=v_cache)
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise ArgumentError(f"{NAME}: q, k_cache and v_cache must have one dtype, got "
-                            f"{q.dtype}, {k_cache.dtype} and {v_cache.dtype}")
-    (b, sq, h, d), (nk, page, hk, dk), dv = q.shape, k_cache.shape, v_cache.shape[3]
-    if v_cache.shape[:3] != k_cache.shape[:3]:
-        raise ArgumentError(f"{NAME}: v_cache {tuple(v_cache.shape)} does not match k_cache "
-                            f"{tuple(k_cache.shape)}: dims 0 to 2 must agree (the head dim may "
-                            f"differ)")
-    if dk != d:
-        raise ArgumentError(f"{NAME}: k_cache's head_dim (dim 3) must be q's {d}, got {dk}")
-    if hk < 1 or h % hk:
-        raise ArgumentError(f"{NAME}: q's heads ({h}) must be a multiple of the caches' ({hk})")
+    check_qkv(NAME, q, k_cache, v_cache, "k_cache", "v_cache",
+              dims="pages (or batch), rows and heads")
+    (b, sq, h, d), (nk, page, hk, _), dv = q.shape, k_cache.shape, v_cache.shape[3]
     if h > MAX_GRID_YZ or b > MAX_GRID_YZ:
         raise ArgumentError(f"{NAME}: at most {MAX_GRID_YZ} heads and batch entries a call, got "
                             f"{h} heads and batch {b}")
-    for name, n in (("q's and k_cache's", d), ("v_cache's", dv)):
-        if n not in HEAD_DIMS:
-            raise NotImplementedError(f"{NAME}: {name} head_dim {n} is not supported; "
-                                      f"supported: a multiple of 16 from 16 to 256")
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
         raise ArgumentError(f"{NAME}: scale must be a finite number or None, got {scale!r}")
     if page < 1:
