@@ -58,20 +58,22 @@ def _entry_keys(cache, lens, table, e, upto=None):
 
 def _paged_on_the_cpu(q, k_cache, v_cache, lens, table, cu_q, rows, splits, chunk, scale,
                       causal, causal_offset, local, local_offset, softcap):
-    """The PAGED kernel's meaning: sequence z is chunk z % splits of entry z / splits, its keys
-    [c chunk, min((c + 1) chunk, len)) of the entry's cache, masks bottom-right within the
-    sequence; o in q's dtype, lse fp32 (fp64 reference underneath)."""
+    """The PAGED kernel's meaning: sequence z is chunk z % splits of entry z / splits, its rows
+    q's of the entry (q (batch, rows, heads, d)), its keys [c chunk, min((c + 1) chunk, len)) of
+    the entry's cache, masks bottom-right within the sequence; o and lse packed by sequence, o in
+    q's dtype, lse fp32 (fp64 reference underneath)."""
     cq = cu_q.tolist()
     lengths = lens.tolist()
     capacity = k_cache.shape[1] * (table.shape[1] if table is not None else 1)
     # the kernel's preconditions: whole blocks of keys a chunk, chunks over the capacity
     assert chunk % A.block_n(q.shape[2], v_cache.shape[3]) == 0
     assert (splits - 1) * chunk < capacity <= splits * chunk
-    o = q.new_zeros(q.shape[:2] + v_cache.shape[3:])
-    lse = torch.full((q.shape[1], q.shape[0]), -math.inf)
+    total = (len(cq) - 1) * rows
+    o = q.new_zeros((total, q.shape[2], v_cache.shape[3]))
+    lse = torch.full((q.shape[2], total), -math.inf)
     window = (-local_offset if local else None, causal_offset if causal else None)
     for z, (q0, q1) in enumerate(zip(cq, cq[1:])):
-        assert q1 - q0 == rows
+        assert q1 - q0 == rows == q.shape[1]
         e, c = divmod(z, splits)
         n = min(lengths[e], capacity)
         k0, k1 = c * chunk, min((c + 1) * chunk, n)
@@ -79,7 +81,7 @@ def _paged_on_the_cpu(q, k_cache, v_cache, lens, table, cu_q, rows, splits, chun
             continue
         k = _entry_keys(k_cache, lengths, table, e, n)[k0:k1]
         v = _entry_keys(v_cache, lengths, table, e, n)[k0:k1]
-        oz, lz = A.reference(*(t[None].double() for t in (q[q0:q1], k, v)), scale=scale,
+        oz, lz = A.reference(*(t[None].double() for t in (q[e], k, v)), scale=scale,
                              softcap=softcap or None, alignment="bottom_right",
                              window=window if window != (None, None) else None)
         o[q0:q1], lse[:, q0:q1] = oz[0].to(q.dtype), lz[0].float()

@@ -156,8 +156,9 @@ def launch(fwd, o: Tensor, lse: Tensor, q4: Tensor, k4: Tensor, v4: Tensor, seql
            paged: Optional[tuple] = None) -> None:
     """Run a forward kernel (:func:`kernel`'s, built with the same persistent) over q4, k4 and v4
     as (batch, seqlen, heads, head dim) tensors TMA can read (varlen: one batch of every row,
-    seqlen_q the longest sequence's rows, cu_q and cu_k the offsets; paged: k4 and v4 the cache,
-    its pages or its batch entries as the batch, and paged = (kv_lens, table or None,
+    seqlen_q the longest sequence's rows, cu_q and cu_k the offsets, o packed; paged: q4 (batch,
+    rows, heads, D), k4 and v4 the cache, its pages or its batch entries as the batch, and
+    paged = (kv_lens, table or None,
     table_stride, page, splits, chunk_keys), the kernel's PAGED parameters): a CTA per tile, or
     per SM with a tile counter (zeroed here: a fill on the stream, captured with a graph's)."""
     h, hk, d, dv = q4.shape[2], k4.shape[2], q4.shape[3], v4.shape[3]
@@ -176,7 +177,7 @@ def launch(fwd, o: Tensor, lse: Tensor, q4: Tensor, k4: Tensor, v4: Tensor, seql
             o, lse, _map(q4, BM), _map(k4, box), _map(v4, box), seqlen_q, seqlen_k, h, hk,
             (1.0 if softcap > 0 else scale) * math.log2(math.e), causal_offset, local_offset,
             softcap, scale / softcap if softcap > 0 else 0.0, cu_q, cu_k,
-            q4.shape[1] if varlen else 0, int(bottom_right), kv_lens, table, table_stride,
+            o.shape[0] if varlen else 0, int(bottom_right), kv_lens, table, table_stride,
             page, splits, chunk_keys, row_blocks, row_blocks * h * batch, counter,
             shared_mem=smem_bytes(d, q4.dtype, dv))
 

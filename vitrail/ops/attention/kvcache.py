@@ -77,11 +77,14 @@ def attention_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens
     if unmasked:
         upper = local = False
     cu_q = _split_offsets(b, n, rows, capacity, chunk, q.device)[0]
-    if n == 1 and g == 1:
-        qs = q.reshape(b * sq, h, d)
-    else:  # each chunk a copy of its entry's rows; a GQA group's heads packed into rows
-        packed = q.view(b, sq, heads, g, d).transpose(2, 3)  # (b, sq, g, heads, d)
-        qs = packed.unsqueeze(1).expand(b, n, sq, g, heads, d).reshape(b * n * rows, heads, d)
+    # q as (b, rows, heads, d), each chunk reading its entry's rows; a GQA group's heads packed
+    # into rows (row s g + j of KV head kv is head kv g + j's row s): in place at one row
+    if g == 1:
+        qs = q
+    elif sq == 1:
+        qs = q[:, 0].unflatten(1, (heads, g)).transpose(1, 2)
+    else:
+        qs = q.unflatten(2, (heads, g)).transpose(2, 3).reshape(b, rows, heads, d)
     part, part_lse = _kvcache_fwd(qs, k_cache, v_cache, lens, block_table, cu_q, rows, n, chunk,
                                   scale, upper, hi, local, lo, float(softcap or 0.0))
     if n == 1 and g == 1:
@@ -147,11 +150,13 @@ def _kvcache_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Ten
                  block_table: Optional[Tensor], cu_q: Tensor, rows: int, splits: int,
                  chunk_keys: int, scale: float, causal: bool, causal_offset: int, local: bool,
                  local_offset: int, softcap: float) -> tuple[Tensor, Tensor]:
-    """The PAGED forward: q (sequences rows, heads, D) packed as cu_q says, sequence z chunk z %
-    splits (chunk_keys keys) of entry z / splits; o (total, heads, Dv), lse (heads, total)."""
-    tq, heads, d = q.shape
+    """The PAGED forward: q (batch, rows, heads, D); sequence z is chunk z % splits (chunk_keys
+    keys) of entry z / splits, its rows q's of the entry; o (sequences rows, heads, Dv) and lse
+    (heads, sequences rows) packed by sequence (cu_q)."""
+    _, _, heads, d = q.shape
     dv = v_cache.shape[3]
     sequences = cu_q.shape[0] - 1
+    tq = sequences * rows
     o = q.new_empty((tq, heads, dv))
     lse = q.new_empty((heads, tq), dtype=torch.float32)
     if tq == 0:
@@ -159,8 +164,7 @@ def _kvcache_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Ten
     if torch.cuda.get_device_capability(q.device) != (9, 0):
         raise NotImplementedError(f"{NAME}: the kernel is sm_90a (Hopper); "
                                   f"{torch.cuda.get_device_name(q.device)} is not one")
-    q4 = _tma_ready(q.unsqueeze(0))
-    k4, v4 = _tma_ready(k_cache), _tma_ready(v_cache)
+    q4, k4, v4 = _tma_ready(q), _tma_ready(k_cache), _tma_ready(v_cache)
     page = k_cache.shape[1]
     table_stride = 0 if block_table is None else block_table.stride(0)
     persistent = persistent_for(chunk_keys, -(-rows // BM) * heads * sequences,
@@ -175,7 +179,7 @@ def _kvcache_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Ten
 @_kvcache_fwd.register_fake
 def _kvcache_fwd_fake(q, k_cache, v_cache, cache_seqlens, block_table, cu_q, rows, splits,
                       chunk_keys, scale, causal, causal_offset, local, local_offset, softcap):
-    tq, heads, _ = q.shape
+    tq, heads = (cu_q.shape[0] - 1) * rows, q.shape[2]
     return (q.new_empty((tq, heads, v_cache.shape[3])),
             q.new_empty((heads, tq), dtype=torch.float32))
 

@@ -16,13 +16,14 @@
 // (total, heads, D or DV), lse (heads, total_q)); blockIdx.z is the sequence, cu_q / cu_k its rows'
 // and keys' start (cumulative lengths, batch + 1 of them); keys past its end are masked like
 // keys past seqlen_k.
-// PAGED (with VARLEN's packed query rows): the keys and values are a KV cache, (pages, page,
-// heads, D or DV) with a block table, or (batch, capacity, heads, D or DV) without (TMA maps over
-// its own dims: a page is a batch of the map); sequence z is chunk z % splits (chunk_keys keys
-// each) of batch entry z / splits, whose kv_lens[entry] keys are its table row's pages in order
-// (or its batch entry's first rows). Rows of a page past the entry's keys may hold anything
-// (NaN): the last block's are zeroed in shared memory before P V (a masked key's P is 0, and
-// 0 * NaN is NaN).
+// PAGED (VARLEN's packed outputs): the keys and values are a KV cache, (pages, page, heads, D or
+// DV) with a block table, or (batch, capacity, heads, D or DV) without (TMA maps over its own
+// dims: a page is a batch of the map); sequence z is chunk z % splits (chunk_keys keys each) of
+// batch entry z / splits, whose kv_lens[entry] keys are its table row's pages in order (or its
+// batch entry's first rows). q is (batch, rows, heads, D): every chunk of an entry reads the
+// entry's rows; o and lse are packed by sequence as VARLEN's (cu_q). Rows of a page past the
+// entry's keys may hold anything (NaN): the last block's are zeroed in shared memory before P V
+// (a masked key's P is 0, and 0 * NaN is NaN).
 // Fragment -> slab: O / sum, converted to T, and the log-sum-exp, stored where they land.
 // PERSISTENT: a CTA per SM takes tiles (a block of query rows of one head) one after another
 // from a counter; its producer loads the next tile's Q as soon as the consumers' last Q K^T of
@@ -56,7 +57,7 @@ constexpr int kThreads = 128 + QK::kThreads;
 constexpr int kProducerRegisters = PERSISTENT ? 48 : 40;
 constexpr int kConsumerRegisters = PERSISTENT ? 224 : 232;
 static_assert(128 * kProducerRegisters + QK::kThreads * kConsumerRegisters <= 168 * kThreads);
-static_assert(VARLEN || !PAGED, "attention: PAGED takes VARLEN's packed query rows");
+static_assert(VARLEN || !PAGED, "attention: PAGED takes VARLEN's packed outputs");
 constexpr float kInf = cuda::std::numeric_limits<float>::infinity();
 // Of each 8 columns of a row, how many exponentials go to the FMA pipe (attention_math::
 // exp2_fma) in a block with no mask: at small head dims the products are short and the SFU's
@@ -250,9 +251,12 @@ __device__ void forward(const Params& base, int row_blocks, int total, int* coun
         const int tma_batch = VARLEN ? 0 : tile.batch;
         const int head_kv = int(unsigned(tile.head) / unsigned(base.heads / base.heads_kv));
         vitrail::Bulk::expect(q_full, kBytesQ);
+        // PAGED: the entry's own rows of q (batch, rows, heads, D), which its chunks share
+        const int q_row = PAGED ? tile.m0 : tile.q_start + tile.m0;
+        const int q_batch = PAGED ? tile.entry : tma_batch;
         for (int c = 0; c < kChunks; ++c)  // Q's kChunk-wide slices of D, BM rows each
-          vitrail::Tma::load(&sQ(0, c * kChunk, 0), mapQ, q_full, c * kChunk,
-                             tile.q_start + tile.m0, tile.head, tma_batch);
+          vitrail::Tma::load(&sQ(0, c * kChunk, 0), mapQ, q_full, c * kChunk, q_row, tile.head,
+                             q_batch);
         for (int j = tile_start(tile), blocks = tile_blocks(tile); j < blocks; ++j, w.advance()) {
           pipe.acquire(w);
           pipe.expect(w, kBytesKV);
