@@ -214,6 +214,14 @@ def _small_cases():
     xt = torch.randn(2048, 2048, device=dev, dtype=bf).t()
     cases.append(("copy transpose bf16 2048^2", {
         "vitrail": lambda xt=xt: ops.copy(xt), "torch": lambda xt=xt: xt.contiguous()}))
+    # a decoding step: one query row a sequence over 4096 cached keys, GQA 32/8 (split-KV and
+    # the group's heads packed); torch: SDPA's choice, in its (batch, heads, seqlen, dim) layout
+    q = torch.randn(8, 1, 32, 128, device=dev, dtype=bf)
+    k, v = (torch.randn(8, 4096, 8, 128, device=dev, dtype=bf) for _ in "kv")
+    cases.append(("attention decode bf16 B8 Sk4096 H32/8 D128", {
+        "vitrail": lambda: ops.attention(q, k, v),
+        "torch": lambda: F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True)}))
     return cases
 
 
