@@ -313,7 +313,9 @@ def test_a_small_dw_runs_the_batch_in_chunks(N, C, K, H, W, stride, groups, dtyp
 def test_each_chunk_writes_its_own_partial():
     """The chunked wgrad kernel at every chunk count of a batch of 5 (chunks of 5, 3, 2, 1
     images, the last shorter): into partials filled with NaN, each chunk's rows equal the fp64
-    weight gradient of its own images; and the launch replays from a CUDA graph."""
+    weight gradient of its own images; the chunks of chunk 0's size after it took its
+    parameters with their descriptors' addresses replaced (0 + 0 + 1 + 4 of them); and the
+    launch replays from a CUDA graph."""
     from vitrail.gemm import ConvArguments
     from vitrail.ops.conv import operation
     N, C, K, H, W = 5, 16, 24, 33, 7
@@ -322,6 +324,8 @@ def test_each_chunk_writes_its_own_partial():
         memory_format=torch.channels_last)
     nhwc = (lambda t: t.permute(0, 2, 3, 1))
     op = operation("wgrad", torch.bfloat16, partials=True)
+    readdressed = op.compile().function("vitrail_conv_readdressed")
+    before = readdressed()
     for splits in (1, 2, 3, 5):
         chunk = -(-N // splits)
         d = torch.full((splits * K, 3, 3, C), float("nan"), device="cuda")
@@ -335,6 +339,7 @@ def test_each_chunk_writes_its_own_partial():
             want = torch.nn.grad.conv2d_weight(x[rows].double(), (K, C, 3, 3),
                                                dy[rows].double(), padding=1)
             _close(d[i * K:(i + 1) * K], nhwc(want), torch.float16, f"chunk {i} of {splits}")
+    assert readdressed() - before == 5  # every address 16-byte aligned: the driver took them
     d.fill_(float("nan"))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
