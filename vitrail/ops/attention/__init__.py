@@ -62,7 +62,7 @@ PERSISTENT_MAX_KEYS = 4096
 def persistent_for(seqlen_k: int, tiles: int, sms: int) -> bool:
     """Whether the forward of `tiles` tiles over seqlen_k keys (varlen: the longest sequence's)
     runs the persistent grid: not where every tile has an SM of its own (the grid would be the
-    same, plus the counter's fill)."""
+    same, plus the counters' atomics)."""
     return seqlen_k <= PERSISTENT_MAX_KEYS and tiles > sms
 
 MAX_GRID_YZ = 65535  # heads on the grid's y, batch on its z
@@ -149,6 +149,24 @@ def kernel(dtype: torch.dtype, d: int, causal: bool, pingpong: bool = True, loca
     return k
 
 
+_COUNTERS: dict[tuple[int, int], Tensor] = {}
+
+
+def tile_counters(device: torch.device) -> Tensor:
+    """The persistent forward's two int32 counters for a launch on device's current stream:
+    kept per (device, stream), as the kernel leaves them zero at its end (launches on one stream
+    run one after another). While a CUDA graph is being captured, a fresh pair (zeroed by a
+    captured fill, owned by the graph): a graph may replay on another stream beside that
+    stream's eager launches."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(2, dtype=torch.int32, device=device)
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    found = _COUNTERS.get(key)
+    if found is None:
+        found = _COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    return found
+
+
 def launch(fwd, o: Tensor, lse: Tensor, q4: Tensor, k4: Tensor, v4: Tensor, seqlen_q: int,
            seqlen_k: int, batch: int, scale: float, causal_offset: int, local_offset: int,
            softcap: float, cu_q: Optional[Tensor] = None, cu_k: Optional[Tensor] = None,
@@ -158,13 +176,13 @@ def launch(fwd, o: Tensor, lse: Tensor, q4: Tensor, k4: Tensor, v4: Tensor, seql
     as (batch, seqlen, heads, head dim) tensors TMA can read (varlen: one batch of every row,
     seqlen_q the longest sequence's rows, cu_q and cu_k the offsets, o packed; paged: q4 (batch,
     rows, heads, D), k4 and v4 the cache, its pages or its batch entries as the batch, and
-    paged = (kv_lens, table or None,
-    table_stride, page, splits, chunk_keys), the kernel's PAGED parameters): a CTA per tile, or
-    per SM with a tile counter (zeroed here: a fill on the stream, captured with a graph's)."""
+    paged = (kv_lens, table or None, table_stride, page, splits, chunk_keys), the kernel's PAGED
+    parameters): a CTA per tile, or per SM with tile counters (tile_counters: zero at the
+    launch, and zero again at its end)."""
     h, hk, d, dv = q4.shape[2], k4.shape[2], q4.shape[3], v4.shape[3]
     row_blocks = -(-seqlen_q // BM)
     if persistent:
-        counter = torch.zeros(1, dtype=torch.int32, device=q4.device)
+        counter = tile_counters(q4.device)
         grid = (min(row_blocks * h * batch, sm_count(q4.device.index)), 1, 1)
     else:
         counter, grid = None, (row_blocks, h, batch)

@@ -194,9 +194,11 @@ __device__ int tile_start(const Tile& t) {
 }
 
 // The CTA's tiles. One per CTA (grid row_blocks x heads x batch), or PERSISTENT: a CTA per SM
-// takes blockIdx.x first, then the next untaken one from a counter in global memory (zero at
-// the launch; tile gridDim.x + the count), so a CTA's producer loads the next tile's Q, K and V
-// while its consumers finish the last one and store it.
+// takes blockIdx.x first, then the next untaken one from a counter in global memory (tile
+// gridDim.x + the count), so a CTA's producer loads the next tile's Q, K and V while its
+// consumers finish the last one and store it. counter[0] is that count and counter[1] the CTAs
+// done taking tiles: both zero at the launch, and the last CTA done sets them to zero again
+// (done_with_tiles), so the next launch needs no fill.
 __device__ int first_tile() {
   return PERSISTENT ? int(blockIdx.x)
                     : int(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
@@ -204,10 +206,18 @@ __device__ int first_tile() {
 __device__ int next_tile(int* counter, int total) {
   return PERSISTENT ? int(gridDim.x) + atomicAdd(counter, 1) : total;
 }
+__device__ void done_with_tiles(int* counter) {
+  if (!PERSISTENT) return;
+  __threadfence();  // this CTA's last atomicAdd on counter[0] before its count on counter[1]
+  if (atomicAdd(counter + 1, 1) == int(gridDim.x) - 1) {  // every CTA is past its last tile
+    counter[0] = 0;
+    counter[1] = 0;
+  }
+}
 
 // p: the launch's lengths (VARLEN: the longest sequence's rows as seqlen_q); total: row_blocks
 // x p.heads x batch tiles (a kernel parameter, read where needed);
-// counter: PERSISTENT's tile counter.
+// counter: PERSISTENT's two counters (next_tile, done_with_tiles).
 __device__ void forward(const Params& base, int row_blocks, int total, int* counter,
                         const vitrail::TensorMap& mapQ, const vitrail::TensorMap& mapK,
                         const vitrail::TensorMap& mapV) {
@@ -245,6 +255,7 @@ __device__ void forward(const Params& base, int row_blocks, int total, int* coun
         scheduled[i & 1] = ti < total ? ti : -1;
         if (ti >= total) {  // the consumers' last phase: no tile
           vitrail::Bulk::arrive(q_full);
+          done_with_tiles(counter);
           break;
         }
         asm volatile("" ::: "memory");  // the tile's index before the phase's arrival
