@@ -621,6 +621,28 @@ def test_the_ping_pong_changes_no_bit(d, causal):
 
 
 @needs_hopper
+def test_the_persistent_counters_are_left_zero_and_kept_per_stream():
+    """The persistent forward's tile counters: kept per stream and left zero by each launch (no
+    fill per call), so back-to-back launches agree; another stream gets its own pair."""
+    q, k, v = _qkv(4, 1024, 1024, 16, 16, 128, torch.bfloat16)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert A.persistent_for(1024, 8 * 16 * 4, sms)  # 512 tiles on the persistent grid
+    first = A.attention(q, k, v)
+    counters = A.tile_counters(q.device)
+    torch.cuda.synchronize()
+    assert counters.tolist() == [0, 0]
+    for _ in range(3):
+        assert torch.equal(A.attention(q, k, v), first)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        other = A.attention(q, k, v)
+        assert A.tile_counters(q.device) is not counters
+    torch.cuda.synchronize()
+    assert torch.equal(other, first) and counters.tolist() == [0, 0]
+
+
+@needs_hopper
 @pytest.mark.parametrize("d,causal,extra", [
     (64, True, {}), (128, False, {}), (96, True, {"window": (300, 0), "softcap": 30.0}),
     (256, False, {})])

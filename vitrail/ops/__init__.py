@@ -13,13 +13,13 @@ import pkgutil
 import sys
 import types
 
-# public name -> the op family that defines it
+# public name -> the op family (or the family's module) that defines it
 _EXPORTS = {
     "copy": "copy",
     "softmax": "softmax", "log_softmax": "softmax",
     "mm": "gemm", "bmm": "gemm", "gemm": "gemm", "scaled_mm": "gemm", "grouped_mm": "gemm",
     "conv2d": "conv",
-    "attention": "attention", "attention_varlen": "attention",
+    "attention": "attention", "attention_varlen": "attention", "attention_kvcache": "attention.kvcache",
     "sympow": "sympow", "sympow_mma": "sympow", "mma_sympow_bwd": "sympow",
 }
 __all__ = list(_EXPORTS)

@@ -222,6 +222,12 @@ def _small_cases():
         "vitrail": lambda: ops.attention(q, k, v),
         "torch": lambda: F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True)}))
+    # the same step over the keys as a KV cache with its lengths on the device (unpaged)
+    lens = torch.full((8,), 4096, device=dev, dtype=torch.int32)
+    cases.append(("attention_kvcache decode bf16 B8 Sk4096 H32/8 D128", {
+        "vitrail": lambda: ops.attention_kvcache(q, k, v, lens),
+        "torch": lambda: F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True)}))
     return cases
 
 

@@ -62,7 +62,7 @@ PERSISTENT_MAX_KEYS = 4096
 def persistent_for(seqlen_k: int, tiles: int, sms: int) -> bool:
     """Whether the forward of `tiles` tiles over seqlen_k keys (varlen: the longest sequence's)
     runs the persistent grid: not where every tile has an SM of its own (the grid would be the
-    same, plus the counter's fill)."""
+    same, plus the counters' atomics)."""
     return seqlen_k <= PERSISTENT_MAX_KEYS and tiles > sms
 
 MAX_GRID_YZ = 65535  # heads on the grid's y, batch on its z
@@ -101,11 +101,11 @@ def smem_bytes(d: int, dtype: torch.dtype = torch.bfloat16, dv: Optional[int] = 
 
 def source(dtype: torch.dtype, d: int, causal: bool, pingpong: bool = True, local: bool = False,
            softcap: bool = False, varlen: bool = False, dv: Optional[int] = None,
-           persistent: bool = True) -> str:
+           persistent: bool = True, paged: bool = False) -> str:
     dv = d if dv is None else dv
     config = {"D": d, "DV": dv, "BM": BM, "BN": block_n(d, dv), "STAGES": STAGES}
-    flags = {"CAUSAL": causal, "LOCAL": local, "SOFTCAP": softcap, "VARLEN": varlen,
-             "PINGPONG": pingpong, "PERSISTENT": persistent}
+    flags = {"CAUSAL": causal, "LOCAL": local, "SOFTCAP": softcap, "VARLEN": varlen or paged,
+             "PAGED": paged, "PINGPONG": pingpong, "PERSISTENT": persistent}
     # P V is one wgmma Dv wide per 16 keys; Dv of 80, 112, 160... is among CuTe's extended
     # shapes (their headers cost compile time, so only where needed)
     extended = dv not in STOCK_MMA_N
@@ -122,55 +122,81 @@ SIGNATURE = ("void* o, float* lse, const vitrail::TensorMap mapQ, const vitrail:
              "const vitrail::TensorMap mapV, int seqlen_q, int seqlen_k, int heads, "
              "int heads_kv, float scale_log2, int causal_offset, int local_offset, float softcap, "
              "float softcap_pre, const int* cu_q, const int* cu_k, int total_q, int bottom_right, "
-             "int row_blocks, int tiles, int* tile_counter")
+             "const int* kv_lens, const int* table, int table_stride, int page, int splits, "
+             "int chunk_keys, int row_blocks, int tiles, int* tile_counter")
 
 
 def kernel(dtype: torch.dtype, d: int, causal: bool, pingpong: bool = True, local: bool = False,
            softcap: bool = False, varlen: bool = False, dv: Optional[int] = None,
-           persistent: bool = True):
+           persistent: bool = True, paged: bool = False):
     """The compiled forward (pingpong=False: the warpgroups in lockstep; persistent=False: a CTA
     per tile; both kept to measure the defaults against, which the op always runs). causal:
     keys right of the diagonal (shifted by a window's right size) masked; local: keys left of a
     window masked; softcap: the scores capped with tanh; varlen: sequences packed along the
-    rows; dv: v's head dim (default d). Launch it with :func:`launch`."""
+    rows; paged: varlen's query rows over a KV cache (kvcache.py); dv: v's head dim (default
+    d). Launch it with :func:`launch`."""
     dv = d if dv is None else dv
-    key = (dtype, d, dv, causal, pingpong, local, softcap, varlen, persistent)
+    key = (dtype, d, dv, causal, pingpong, local, softcap, varlen or paged, persistent, paged)
     k = _KERNELS.get(key)
     if k is None:
         from vitrail import jit
         # CuTe's constexpr helpers carry no __device__: NVRTC needs -default-device
         module = jit.compile(source(dtype, d, causal, pingpong, local, softcap, varlen, dv,
-                                    persistent),
+                                    persistent, paged),
                              name="attention_fwd",
                              backend="nvrtc", include_dirs=[HERE], flags=["-default-device"])
         k = _KERNELS[key] = module.kernel("attention_fwd", SIGNATURE)
     return k
 
 
+_COUNTERS: dict[tuple[int, int], Tensor] = {}
+
+
+def tile_counters(device: torch.device) -> Tensor:
+    """The persistent forward's two int32 counters for a launch on device's current stream:
+    kept per (device, stream), as the kernel leaves them zero at its end (launches on one stream
+    run one after another). While a CUDA graph is being captured, a fresh pair (zeroed by a
+    captured fill, owned by the graph): a graph may replay on another stream beside that
+    stream's eager launches."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(2, dtype=torch.int32, device=device)
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    found = _COUNTERS.get(key)
+    if found is None:
+        found = _COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    return found
+
+
 def launch(fwd, o: Tensor, lse: Tensor, q4: Tensor, k4: Tensor, v4: Tensor, seqlen_q: int,
            seqlen_k: int, batch: int, scale: float, causal_offset: int, local_offset: int,
            softcap: float, cu_q: Optional[Tensor] = None, cu_k: Optional[Tensor] = None,
-           bottom_right: bool = False, persistent: bool = True) -> None:
+           bottom_right: bool = False, persistent: bool = True,
+           paged: Optional[tuple] = None) -> None:
     """Run a forward kernel (:func:`kernel`'s, built with the same persistent) over q4, k4 and v4
     as (batch, seqlen, heads, head dim) tensors TMA can read (varlen: one batch of every row,
-    seqlen_q the longest sequence's rows, cu_q and cu_k the offsets): a CTA per tile, or per
-    SM with a tile counter (zeroed here: a fill on the stream, captured with a graph's)."""
+    seqlen_q the longest sequence's rows, cu_q and cu_k the offsets, o packed; paged: q4 (batch,
+    rows, heads, D), k4 and v4 the cache, its pages or its batch entries as the batch, and
+    paged = (kv_lens, table or None, table_stride, page, splits, chunk_keys), the kernel's PAGED
+    parameters): a CTA per tile, or per SM with tile counters (tile_counters: zero at the
+    launch, and zero again at its end)."""
     h, hk, d, dv = q4.shape[2], k4.shape[2], q4.shape[3], v4.shape[3]
     row_blocks = -(-seqlen_q // BM)
     if persistent:
-        counter = torch.zeros(1, dtype=torch.int32, device=q4.device)
+        counter = tile_counters(q4.device)
         grid = (min(row_blocks * h * batch, sm_count(q4.device.index)), 1, 1)
     else:
         counter, grid = None, (row_blocks, h, batch)
     bn = block_n(d, dv)
     varlen = cu_q is not None
+    kv_lens, table, table_stride, page, splits, chunk_keys = paged or (None, None, 0, 0, 1, 0)
+    box = min(page, bn) if table is not None else bn  # a box of keys in one page
     with torch.cuda.device(q4.device):
         fwd[grid, THREADS](
-            o, lse, _map(q4, BM), _map(k4, bn), _map(v4, bn), seqlen_q, seqlen_k, h, hk,
+            o, lse, _map(q4, BM), _map(k4, box), _map(v4, box), seqlen_q, seqlen_k, h, hk,
             (1.0 if softcap > 0 else scale) * math.log2(math.e), causal_offset, local_offset,
             softcap, scale / softcap if softcap > 0 else 0.0, cu_q, cu_k,
-            q4.shape[1] if varlen else 0, int(bottom_right), row_blocks, row_blocks * h * batch,
-            counter,
+            o.shape[0] if varlen else 0, int(bottom_right), kv_lens, table, table_stride,
+            page, splits, chunk_keys, row_blocks, row_blocks * h * batch, counter,
             shared_mem=smem_bytes(d, q4.dtype, dv))
 
 
@@ -388,36 +414,47 @@ def _check_options(causal: bool, window, softcap) -> None:
                             f"{softcap!r}")
 
 
+def check_qkv(op: str, q: Tensor, k: Tensor, v: Tensor, k_name: str = "k", v_name: str = "v",
+              dims: str = "batch, seqlen and heads") -> None:
+    """What every attention call asks of q (.., .., H, D), k (.., .., Hkv, D) and v (.., ..,
+    Hkv, Dv): 4-D CUDA tensors of one supported dtype and device, k and v alike but for the head
+    dim, H a multiple of Hkv, head dims supported; an error naming the tensor otherwise."""
+    for name, t in (("q", q), (k_name, k), (v_name, v)):
+        check_tensor(op, name, t, dtypes=DTYPES, ndim=4)
+    check_same_device(op, **{"q": q, k_name: k, v_name: v})
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ArgumentError(f"{op}: q, {k_name} and {v_name} must have one dtype, got {q.dtype}, "
+                            f"{k.dtype} and {v.dtype}")
+    h, d, hk, dk, dv = q.shape[2], q.shape[3], k.shape[2], k.shape[3], v.shape[3]
+    if v.shape[:3] != k.shape[:3]:
+        raise ArgumentError(f"{op}: {v_name} {tuple(v.shape)} does not match {k_name} "
+                            f"{tuple(k.shape)}: {dims} (dims 0 to 2) must agree (the head dim "
+                            f"may differ)")
+    if dk != d:
+        raise ArgumentError(f"{op}: {k_name}'s head_dim (dim 3) must be q's {d}, got {dk} "
+                            f"({k_name} {tuple(k.shape)}, q {tuple(q.shape)}); {v_name}'s may "
+                            f"differ")
+    if hk < 1 or h % hk:
+        raise ArgumentError(f"{op}: q's heads ({h}) must be a multiple of {k_name}'s and "
+                            f"{v_name}'s ({hk})")
+    for name, n in ((f"q's and {k_name}'s", d), (f"{v_name}'s", dv)):
+        if n not in HEAD_DIMS:
+            raise NotImplementedError(f"{op}: {name} head_dim {n} is not supported; "
+                                      f"supported: a multiple of 16 from {HEAD_DIMS[0]} to "
+                                      f"{HEAD_DIMS[-1]}")
+
+
 def _check(q: Tensor, k: Tensor, v: Tensor, scale, alignment: str, causal: bool = False,
            window=None, softcap=None) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(NAME, name, t, dtypes=DTYPES, ndim=4)
-    check_same_device(NAME, q=q, k=k, v=v)
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ArgumentError(f"{NAME}: q, k and v must have one dtype, got {q.dtype}, {k.dtype} "
-                            f"and {v.dtype}")
-    (b, _, h, d), (bk, _, hk, dk), dv = q.shape, k.shape, v.shape[3]
-    if v.shape[:3] != k.shape[:3]:
-        raise ArgumentError(f"{NAME}: v {tuple(v.shape)} does not match k {tuple(k.shape)}: "
-                            f"batch, seqlen and heads (dims 0 to 2) must agree (the head dim "
-                            f"may differ)")
+    check_qkv(NAME, q, k, v)
+    b, h, bk = q.shape[0], q.shape[2], k.shape[0]
     if bk != b:
         raise ArgumentError(f"{NAME}: k {tuple(k.shape)} does not match q {tuple(q.shape)}: "
                             f"batch (dim 0) must agree")
-    if dk != d:
-        raise ArgumentError(f"{NAME}: k's head_dim (dim 3) must be q's {d}, got {dk} (k "
-                            f"{tuple(k.shape)}, q {tuple(q.shape)}); v's may differ")
-    if hk < 1 or h % hk:
-        raise ArgumentError(f"{NAME}: q's heads ({h}) must be a multiple of k's and v's ({hk})")
     if h > MAX_GRID_YZ or b > MAX_GRID_YZ:
         raise ArgumentError(f"{NAME}: at most {MAX_GRID_YZ} heads and {MAX_GRID_YZ} batch "
                             f"entries in one call (the launch grid's y and z), got {h} heads and "
                             f"batch {b}; split the call along the batch")
-    for name, n in (("q's and k's", d), ("v's", dv)):
-        if n not in HEAD_DIMS:
-            raise NotImplementedError(f"{NAME}: {name} head_dim {n} is not supported; "
-                                      f"supported: a multiple of 16 from {HEAD_DIMS[0]} to "
-                                      f"{HEAD_DIMS[-1]}")
     if alignment not in ALIGNMENTS:
         raise ArgumentError(f"{NAME}: alignment must be one of {', '.join(ALIGNMENTS)}, got "
                             f"{alignment!r}")

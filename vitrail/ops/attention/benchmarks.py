@@ -140,11 +140,12 @@ DECODE_CASES = [(b, sk, h, hk, d)
                 for sk in (2048, 8192, 32768, 131072)
                 for b in (1, 4, 16) if b * sk <= 1 << 19]
 DECODE_SPLITS = (1, 2, 4, 8, 16, 32, 64)
+DECODE_PAGES = (16, 256)  # attention_kvcache's page sizes: vLLM's, and one past a block of keys
 
 
 def build_decode() -> None:
-    """The kernels decoding takes: the one-pass forward at each case's keys and the varlen
-    forward at each split's chunk size (persistent or not), in parallel."""
+    """The kernels decoding takes: the one-pass forward at each case's keys, the varlen forward
+    at each split's chunk size and the kvcache's paged one (persistent or not), in parallel."""
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
@@ -154,6 +155,8 @@ def build_decode() -> None:
                 for p in (False, True)}
     jobs = [lambda d=d, var=var, p=p: kernel(torch.bfloat16, d, False, varlen=var, persistent=p)
             for d, var, p in sorted(variants)]
+    jobs += [lambda d=d, p=p: kernel(torch.bfloat16, d, False, persistent=p, paged=True)
+             for d, p in sorted({(d, p) for d, _, p in variants})]
     jobs += [lambda d=d: combine_kernel(torch.bfloat16, d)
              for d in sorted({c[4] for c in DECODE_CASES})]
     with ThreadPoolExecutor(max(1, min(8, len(jobs)))) as pool:
@@ -164,23 +167,48 @@ def build_decode() -> None:
           "vs torch SDPA (cuDNN, flash), bf16", build_decode, by_name=True)
 def run_decode() -> list[Row]:
     """GB/s over the bytes a decoding step must read (K and V once, q and o): vitrail's own
-    choice of split and each fixed num_splits, against SDPA's backends (GQA through
+    choice of split and each fixed num_splits, attention_kvcache over the same keys as an
+    unpaged cache and in shuffled pages (DECODE_PAGES), against SDPA's backends (GQA through
     enable_gqa) in the same run."""
     import torch
     from torch.nn.attention import SDPBackend
 
     from vitrail.ops.attention import attention
+    from vitrail.ops.attention.kvcache import attention_kvcache
     cudnn, flash = _sdpa(SDPBackend.CUDNN_ATTENTION), _sdpa(SDPBackend.FLASH_ATTENTION)
     rows = []
     for b, sk, h, hk, d in DECODE_CASES:
         q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+        lens = torch.full((b,), sk, dtype=torch.int32, device="cuda")
         case = f"B{b} Sk{sk} H{h}/{hk} D{d}"
         nbytes = 2.0 * (2 * b * sk * hk * d + 2 * b * h * d)
         fns = {"vitrail": lambda: attention(q, k, v)}
         fns |= {f"vitrail splits {n}": lambda n=n: attention(q, k, v, num_splits=n)
                 for n in DECODE_SPLITS if sk // n >= 128}
+        fns["vitrail kvcache"] = lambda: attention_kvcache(q, k, v, lens)
+        for page in DECODE_PAGES:
+            kp, vp, table = _paged(k, page), _paged(v, page), _table(b, sk // page, q.device)
+            fns[f"vitrail kvcache, pages of {page}"] = (
+                lambda kp=kp, vp=vp, table=table: attention_kvcache(q, kp, vp, lens, table))
         fns |= {"SDPA cuDNN": lambda: cudnn(q, k, v, False),
                 "SDPA flash": lambda: flash(q, k, v, False)}
         rows += _timed(case, fns, nbytes, f"H{h}/{hk} D{d}", unit="GB/s")
     return rows
+
+
+def _table(b: int, pages: int, device="cuda"):
+    """A block table (b, pages) over a pool of b * pages pages in a random order (a fixed
+    seed): entry e's page i is pool page perm[e pages + i]."""
+    import torch
+    perm = torch.randperm(b * pages, generator=torch.Generator().manual_seed(b * pages))
+    return perm.view(b, pages).to(device=device, dtype=torch.int32)
+
+
+def _paged(x, page: int):
+    """x (b, sk, heads, d) as _table(b, sk // page)'s pool of pages (pages, page, heads, d)."""
+    import torch
+    b, sk, h, d = x.shape
+    pool = torch.empty(b * sk // page, page, h, d, device=x.device, dtype=x.dtype)
+    pool[_table(b, sk // page, x.device).flatten().long()] = x.reshape(-1, page, h, d)
+    return pool

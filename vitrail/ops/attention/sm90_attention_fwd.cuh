@@ -16,6 +16,14 @@
 // (total, heads, D or DV), lse (heads, total_q)); blockIdx.z is the sequence, cu_q / cu_k its rows'
 // and keys' start (cumulative lengths, batch + 1 of them); keys past its end are masked like
 // keys past seqlen_k.
+// PAGED (VARLEN's packed outputs): the keys and values are a KV cache, (pages, page, heads, D or
+// DV) with a block table, or (batch, capacity, heads, D or DV) without (TMA maps over its own
+// dims: a page is a batch of the map); sequence z is chunk z % splits (chunk_keys keys each) of
+// batch entry z / splits, whose kv_lens[entry] keys are its table row's pages in order (or its
+// batch entry's first rows). q is (batch, rows, heads, D): every chunk of an entry reads the
+// entry's rows; o and lse are packed by sequence as VARLEN's (cu_q). Rows of a page past the
+// entry's keys may hold anything (NaN): the last block's are zeroed in shared memory before P V
+// (a masked key's P is 0, and 0 * NaN is NaN).
 // Fragment -> slab: O / sum, converted to T, and the log-sum-exp, stored where they land.
 // PERSISTENT: a CTA per SM takes tiles (a block of query rows of one head) one after another
 // from a counter; its producer loads the next tile's Q as soon as the consumers' last Q K^T of
@@ -23,7 +31,7 @@
 // epilogue overlap the neighbouring tiles' work (else one CTA per tile).
 //
 // Config (constexpr before the include): T, D (q's and k's head dim), DV (v's and o's), BM
-// (query rows), BN (keys per block), STAGES, CAUSAL, LOCAL, SOFTCAP, VARLEN, PINGPONG,
+// (query rows), BN (keys per block), STAGES, CAUSAL, LOCAL, SOFTCAP, VARLEN, PAGED, PINGPONG,
 // PERSISTENT (bool).
 // Layouts: q, k (batch, seqlen, heads, D), v, o (batch, seqlen, heads, DV), the head dim
 // contiguous; TMA maps over (head dim, seqlen, heads, batch) made by the Python side
@@ -49,6 +57,7 @@ constexpr int kThreads = 128 + QK::kThreads;
 constexpr int kProducerRegisters = PERSISTENT ? 48 : 40;
 constexpr int kConsumerRegisters = PERSISTENT ? 224 : 232;
 static_assert(128 * kProducerRegisters + QK::kThreads * kConsumerRegisters <= 168 * kThreads);
+static_assert(VARLEN || !PAGED, "attention: PAGED takes VARLEN's packed outputs");
 constexpr float kInf = cuda::std::numeric_limits<float>::infinity();
 // Of each 8 columns of a row, how many exponentials go to the FMA pipe (attention_math::
 // exp2_fma) in a block with no mask: at small head dims the products are short and the SFU's
@@ -85,7 +94,27 @@ struct Params {
   const int* cu_k;   // VARLEN: the sequences' first keys
   int total_q;       // VARLEN: q's rows in all (lse's row stride)
   int bottom_right;  // VARLEN: the offsets above are relative to seqlen_k - seqlen_q
+  const int* kv_lens;  // PAGED: each batch entry's keys
+  const int* table;    // PAGED: each entry's pages (table_stride ints a row), or null: entry e's
+  int table_stride;    //   keys are the first kv_lens[e] rows of the cache's batch entry e
+  int page;            // PAGED: rows a page with a table (a multiple of BN, or of 8 dividing
+                       //   BN: then a block is BN / page loads), else the capacity
+  int splits;          // PAGED: sequence z is chunk z % splits of entry z / splits
+  int chunk_keys;      // PAGED: keys a chunk (a multiple of BN)
 };
+
+// PAGED: where the TMA box of an entry's keys from key on (min(page, BN) rows, in one page) is in
+// the cache's map (row, batch): its page's rows and the page from the table, or without one the
+// entry's own batch. A box past the entry's keys reads its last page (its table row may end
+// there): those keys are masked, and V's rows zeroed.
+__device__ void cache_at(const Params& p, int entry, int kv_len, int key, int& row, int& batch) {
+  if (p.table == nullptr) {
+    row = key, batch = entry;
+    return;
+  }
+  row = key % p.page;
+  batch = p.table[entry * p.table_stride + min(key, kv_len - 1) / p.page];
+}
 
 // The blocks of keys a query block sees: all, or those up to the causal diagonal.
 __device__ int kv_blocks(const Params& p, int m0) {
@@ -119,6 +148,7 @@ __device__ int first_full_block(const Params& p, int m0) {
 struct Tile {
   Params p;
   int m0, head, batch, q_start, k_start;
+  int entry, kv_len;  // PAGED: the batch entry and its keys (k_start: the chunk's first)
 };
 
 // Tile ti of the launch's row_blocks x heads x batch: the row block fastest, so the CTAs that
@@ -137,9 +167,17 @@ __device__ bool tile_of(const Params& base, int row_blocks, int ti, Tile& tile) 
   if constexpr (VARLEN) {  // the sequence's lengths, and the offsets from them
     Params& p = tile.p;
     tile.q_start = base.cu_q[tile.batch];
-    tile.k_start = base.cu_k[tile.batch];
     p.seqlen_q = base.cu_q[tile.batch + 1] - tile.q_start;
-    p.seqlen_k = base.cu_k[tile.batch + 1] - tile.k_start;
+    if constexpr (PAGED) {  // lengths past the cache's capacity are cut to it
+      tile.entry = int(unsigned(tile.batch) / unsigned(base.splits));
+      const int capacity = base.table ? base.table_stride * base.page : base.page;
+      tile.kv_len = min(base.kv_lens[tile.entry], capacity);
+      tile.k_start = (tile.batch - tile.entry * base.splits) * base.chunk_keys;
+      p.seqlen_k = max(0, min(base.chunk_keys, tile.kv_len - tile.k_start));
+    } else {
+      tile.k_start = base.cu_k[tile.batch];
+      p.seqlen_k = base.cu_k[tile.batch + 1] - tile.k_start;
+    }
     if (base.bottom_right) {
       p.causal_offset += p.seqlen_k - p.seqlen_q;
       p.local_offset += p.seqlen_k - p.seqlen_q;
@@ -156,9 +194,11 @@ __device__ int tile_start(const Tile& t) {
 }
 
 // The CTA's tiles. One per CTA (grid row_blocks x heads x batch), or PERSISTENT: a CTA per SM
-// takes blockIdx.x first, then the next untaken one from a counter in global memory (zero at
-// the launch; tile gridDim.x + the count), so a CTA's producer loads the next tile's Q, K and V
-// while its consumers finish the last one and store it.
+// takes blockIdx.x first, then the next untaken one from a counter in global memory (tile
+// gridDim.x + the count), so a CTA's producer loads the next tile's Q, K and V while its
+// consumers finish the last one and store it. counter[0] is that count and counter[1] the CTAs
+// done taking tiles: both zero at the launch, and the last CTA done sets them to zero again
+// (done_with_tiles), so the next launch needs no fill.
 __device__ int first_tile() {
   return PERSISTENT ? int(blockIdx.x)
                     : int(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
@@ -166,10 +206,18 @@ __device__ int first_tile() {
 __device__ int next_tile(int* counter, int total) {
   return PERSISTENT ? int(gridDim.x) + atomicAdd(counter, 1) : total;
 }
+__device__ void done_with_tiles(int* counter) {
+  if (!PERSISTENT) return;
+  __threadfence();  // this CTA's last atomicAdd on counter[0] before its count on counter[1]
+  if (atomicAdd(counter + 1, 1) == int(gridDim.x) - 1) {  // every CTA is past its last tile
+    counter[0] = 0;
+    counter[1] = 0;
+  }
+}
 
 // p: the launch's lengths (VARLEN: the longest sequence's rows as seqlen_q); total: row_blocks
 // x p.heads x batch tiles (a kernel parameter, read where needed);
-// counter: PERSISTENT's tile counter.
+// counter: PERSISTENT's two counters (next_tile, done_with_tiles).
 __device__ void forward(const Params& base, int row_blocks, int total, int* counter,
                         const vitrail::TensorMap& mapQ, const vitrail::TensorMap& mapK,
                         const vitrail::TensorMap& mapV) {
@@ -207,27 +255,38 @@ __device__ void forward(const Params& base, int row_blocks, int total, int* coun
         scheduled[i & 1] = ti < total ? ti : -1;
         if (ti >= total) {  // the consumers' last phase: no tile
           vitrail::Bulk::arrive(q_full);
+          done_with_tiles(counter);
           break;
         }
         asm volatile("" ::: "memory");  // the tile's index before the phase's arrival
         const int tma_batch = VARLEN ? 0 : tile.batch;
         const int head_kv = int(unsigned(tile.head) / unsigned(base.heads / base.heads_kv));
         vitrail::Bulk::expect(q_full, kBytesQ);
+        // PAGED: the entry's own rows of q (batch, rows, heads, D), which its chunks share
+        const int q_row = PAGED ? tile.m0 : tile.q_start + tile.m0;
+        const int q_batch = PAGED ? tile.entry : tma_batch;
         for (int c = 0; c < kChunks; ++c)  // Q's kChunk-wide slices of D, BM rows each
-          vitrail::Tma::load(&sQ(0, c * kChunk, 0), mapQ, q_full, c * kChunk,
-                             tile.q_start + tile.m0, tile.head, tma_batch);
+          vitrail::Tma::load(&sQ(0, c * kChunk, 0), mapQ, q_full, c * kChunk, q_row, tile.head,
+                             q_batch);
         for (int j = tile_start(tile), blocks = tile_blocks(tile); j < blocks; ++j, w.advance()) {
           pipe.acquire(w);
           pipe.expect(w, kBytesKV);
           auto k = sK(w.index);
           auto v = sV(w.index);
-          for (int c = 0; c < cute::max(kChunks, kChunksV); ++c) {
-            if (c < kChunks)
-              vitrail::Tma::load(&k(0, c * kChunk, 0), mapK, pipe.full(w), c * kChunk,
-                                 tile.k_start + j * BN, head_kv, tma_batch);
-            if (c < kChunksV)
-              vitrail::Tma::load(&v(c * kChunkV, 0, 0), mapV, pipe.full(w), c * kChunkV,
-                                 tile.k_start + j * BN, head_kv, tma_batch);
+          // boxes of BN rows, or PAGED with a table's pages shorter than BN, a page each
+          const int box = PAGED && base.table != nullptr ? min(base.page, BN) : BN;
+          for (int r = 0; r < BN; r += box) {
+            const int key = tile.k_start + j * BN + r;
+            int row = key, kv_batch = tma_batch;
+            if constexpr (PAGED) cache_at(base, tile.entry, tile.kv_len, key, row, kv_batch);
+            for (int c = 0; c < cute::max(kChunks, kChunksV); ++c) {
+              if (c < kChunks)
+                vitrail::Tma::load(&k(r, c * kChunk, 0), mapK, pipe.full(w), c * kChunk, row,
+                                   head_kv, kv_batch);
+              if (c < kChunksV)
+                vitrail::Tma::load(&v(c * kChunkV, r, 0), mapV, pipe.full(w), c * kChunkV, row,
+                                   head_kv, kv_batch);
+            }
           }
         }
       }
@@ -252,6 +311,7 @@ __device__ void forward(const Params& base, int row_blocks, int total, int* coun
   // + w), then lets the other go; warpgroup 0 goes first. Both run every block of every tile,
   // so the turns carry across tiles. The last arrival is never waited on.
   constexpr int kTurn = 1;
+  constexpr int kZeroed = 3;  // PAGED: a warpgroup's zeros in a block of V are written
   const int wg = t / 128;
   if (PINGPONG && wg == 1) vitrail::named_barrier_arrive(kTurn, QK::kThreads);
 
@@ -280,6 +340,18 @@ __device__ void forward(const Params& base, int row_blocks, int total, int* coun
     // block's first wgmma.
     auto block = [&](int j, auto masked) {
       pipe.wait(rd);
+      if constexpr (PAGED && decltype(masked)::value) {
+        // V's rows past the entry's keys to 0 (each warpgroup writes the same zeros, then
+        // fences its writes for wgmma's reads and waits for its own threads)
+        const int keys = tile.kv_len - (tile.k_start + j * BN);
+        if (keys < BN) {
+          auto vt = sV(rd.index);
+          for (int i = t % 128; i < (BN - keys) * DV; i += 128)
+            vt(i % DV, keys + i / DV, 0) = PV::T(0.f);
+          vitrail::fence_tile_writes();
+          vitrail::named_barrier_sync(kZeroed + wg, 128);
+        }
+      }
       if (PINGPONG) vitrail::named_barrier_sync(kTurn + wg, QK::kThreads);
       QK::zero(s);
       qk.mma(sQ(cute::_, cute::_, 0), sK(rd.index)(cute::_, cute::_, 0), s);
@@ -379,8 +451,11 @@ attention_fwd(T* o, float* lse, const __grid_constant__ vitrail::TensorMap mapQ,
               const __grid_constant__ vitrail::TensorMap mapV, int seqlen_q, int seqlen_k,
               int heads, int heads_kv, float scale_log2, int causal_offset, int local_offset,
               float softcap, float softcap_pre, const int* cu_q, const int* cu_k, int total_q,
-              int bottom_right, int row_blocks, int tiles, int* tile_counter) {
+              int bottom_right, const int* kv_lens, const int* table, int table_stride,
+              int page, int splits, int chunk_keys, int row_blocks, int tiles,
+              int* tile_counter) {
   attention::forward({o, lse, seqlen_q, seqlen_k, heads, heads_kv, scale_log2, causal_offset,
-                      local_offset, softcap, softcap_pre, cu_q, cu_k, total_q, bottom_right},
+                      local_offset, softcap, softcap_pre, cu_q, cu_k, total_q, bottom_right,
+                      kv_lens, table, table_stride, page, splits, chunk_keys},
                      row_blocks, tiles, tile_counter, mapQ, mapK, mapV);
 }
