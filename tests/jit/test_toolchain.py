@@ -7,6 +7,7 @@ anything is written.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import textwrap
@@ -16,6 +17,7 @@ import pytest
 
 import vitrail.jit as jit
 from vitrail.jit import toolchain
+from vitrail.jit.cache import KernelCache
 from vitrail.jit.toolchain import Arch, Nvrtc
 from vitrail.jit.errors import ToolchainError
 
@@ -499,12 +501,14 @@ def test_a_warm_process_learns_what_its_nvcc_is_without_running_it(tmp_path, mon
 
 
 class _FakeNvml:
-    """NVML's calls that _machine_capability makes, on made-up GPUs."""
+    """NVML's calls that _machine_capability makes, on made-up GPUs (named GPU0, GPU1, ...,
+    or all ``name``)."""
 
-    def __init__(self, caps, init=0):
-        self.caps, self.init, self.shut = caps, init, False
+    def __init__(self, caps, init=0, name=None):
+        self.caps, self.init, self.name, self.shut, self.inits = caps, init, name, False, 0
 
     def nvmlInit_v2(self):
+        self.inits += 1
         return self.init
 
     def nvmlShutdown(self):
@@ -524,13 +528,25 @@ class _FakeNvml:
         return 0
 
     def nvmlDeviceGetName(self, handle, name, size):
-        name.value = f"GPU{handle.value - 1}".encode()
+        name.value = (self.name or f"GPU{handle.value - 1}").encode()
         return 0
 
 
-def test_the_machines_one_capability_is_read_without_starting_cuda(monkeypatch):
+def _proc_gpus(root: Path, *models: str) -> Path:
+    """A made-up /proc/driver/nvidia/gpus: a folder a GPU, its model in its information."""
+    for i, model in enumerate(models):
+        bus = root / f"0000:{i:02x}:00.0"
+        bus.mkdir(parents=True)
+        (bus / "information").write_text(
+            f"Model: \t\t {model}\nIRQ:             42\nGPU UUID:        GPU-{i}\n")
+    return root
+
+
+def test_the_machines_one_capability_is_read_without_starting_cuda(tmp_path, monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    read = toolchain._machine_capability.__wrapped__
+    cache = KernelCache(tmp_path / "c")
+    read = functools.partial(toolchain._machine_capability.__wrapped__,
+                             gpus=tmp_path / "no-proc-files", cache=cache)
     nvml = _FakeNvml([(9, 0), (9, 0)])
     assert read(lambda: nvml) == (9, 0, "GPU0") and nvml.shut
     assert read(lambda: _FakeNvml([(9, 0), (8, 0)])) is None  # GPUs that differ: CUDA decides
@@ -540,8 +556,63 @@ def test_the_machines_one_capability_is_read_without_starting_cuda(monkeypatch):
     def missing():
         raise OSError("libnvidia-ml.so.1: cannot open shared object file")
     assert read(missing) is None
+    assert not (cache.root / "tools.json").exists()  # no /proc model: nothing remembered
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # its picks are CUDA's to read
     assert read(lambda: _FakeNvml([(9, 0)])) is None
+
+
+def test_a_gpu_models_capability_is_remembered_and_nvml_not_asked_again(tmp_path, monkeypatch):
+    """NVML's answer for the model every GPU's /proc file names is kept in tools.json; a new
+    process (the memo of this one cleared) reads it and opens no NVML. An answer for another
+    model, another count, or GPUs that differ is not kept, nor read back for another model."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    read = toolchain._machine_capability.__wrapped__
+    cache = KernelCache(tmp_path / "c")
+    h200 = _proc_gpus(tmp_path / "h200", "NVIDIA H200", "NVIDIA H200")
+    nvml = _FakeNvml([(9, 0), (9, 0)], name="NVIDIA H200")
+    assert read(lambda: nvml, gpus=h200, cache=cache) == (9, 0, "NVIDIA H200")
+    assert nvml.inits == 1
+
+    def no_nvml():
+        raise AssertionError("NVML was opened for a remembered model")
+    assert read(no_nvml, gpus=h200, cache=cache) == (9, 0, "NVIDIA H200")
+
+    b200 = _proc_gpus(tmp_path / "b200", "NVIDIA B200")
+    assert read(lambda: _FakeNvml([(10, 0)], name="NVIDIA B200"), gpus=b200,
+                cache=cache) == (10, 0, "NVIDIA B200")
+    assert read(no_nvml, gpus=b200, cache=cache) == (10, 0, "NVIDIA B200")
+    known = json.loads((cache.root / "tools.json").read_text())
+    assert sorted(json.loads(v) for v in known.values()) == [[9, 0, "NVIDIA H200"],
+                                                            [10, 0, "NVIDIA B200"]]
+
+    # not kept: NVML names another model than /proc, counts other GPUs, or the models differ
+    cases = [(_proc_gpus(tmp_path / "a", "NVIDIA A100"), _FakeNvml([(8, 0)], name="A100 SXM")),
+             (_proc_gpus(tmp_path / "b", "NVIDIA L4"), _FakeNvml([(8, 9)] * 2, name="NVIDIA L4")),
+             (_proc_gpus(tmp_path / "m", "NVIDIA H100", "NVIDIA L4"),
+              _FakeNvml([(9, 0), (8, 9)], name="NVIDIA H100"))]
+    for gpus, fake in cases:
+        first = read(lambda: fake, gpus=gpus, cache=cache)
+        assert read(lambda: fake, gpus=gpus, cache=cache) == first and fake.inits == 2
+    assert len(json.loads((cache.root / "tools.json").read_text())) == 2
+
+    # a damaged entry is not believed: NVML answers, and its answer is what counts
+    known = {k: json.dumps([7, "x", "NVIDIA H200"]) for k in known}
+    (cache.root / "tools.json").write_text(json.dumps(known))
+    nvml = _FakeNvml([(9, 0), (9, 0)], name="NVIDIA H200")
+    assert read(lambda: nvml, gpus=h200, cache=cache) == (9, 0, "NVIDIA H200")
+    assert nvml.inits == 1
+
+
+def test_the_proc_files_give_each_gpus_model_or_nothing(tmp_path):
+    assert toolchain._gpu_models(tmp_path / "missing") is None
+    (tmp_path / "none").mkdir()
+    assert toolchain._gpu_models(tmp_path / "none") is None  # the driver lists no GPU
+    two = _proc_gpus(tmp_path / "two", "NVIDIA H100 80GB HBM3", "NVIDIA H100 80GB HBM3")
+    assert toolchain._gpu_models(two) == ["NVIDIA H100 80GB HBM3"] * 2
+    blank = _proc_gpus(tmp_path / "blank", "")
+    assert toolchain._gpu_models(blank) is None
+    (two / "0000:07:00.0").mkdir()  # a GPU folder without its information file
+    assert toolchain._gpu_models(two) is None
 
 
 def test_the_capability_comes_from_nvml_only_before_cuda_starts(monkeypatch):

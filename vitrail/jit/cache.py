@@ -9,7 +9,8 @@ Layout under :func:`cache_dir` (all paths relative, so a copied cache still hits
     v1/tmp/<key>.<pid>.*   private build directories, renamed into kernels/ when complete
     v1/failed/<name>-<key> the source and log of a failed compile, for reproduction
     v1/index.sqlite        name, size, compile seconds, created, last used (see index.py)
-    v1/tools.json          compilers' --version per binary (path, size, mtime; extension.py)
+    v1/tools.json          compilers' --version per binary (path, size, mtime; extension.py),
+                           a GPU model's compute capability (toolchain.py)
 
 A key hashes everything that decides the artifact: the source, the content of every header it
 includes (found by scanning #include lines over the include path, so a header edit invalidates

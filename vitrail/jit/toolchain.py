@@ -8,8 +8,9 @@
 - The driver: its CUDA version (``cuDriverGetVersion``); cubins from an NVRTC of a newer major
   version than the driver's do not load, and vitrail says so before it launches anything.
 - The target arch: ``VITRAIL_ARCH``, else the current GPU (``sm_90a`` on Hopper, so wgmma and
-  TMA are usable; read through NVML before CUDA starts, where every GPU is alike), else the
-  highest entry of ``TORCH_CUDA_ARCH_LIST``.
+  TMA are usable; read through NVML before CUDA starts, where every GPU is alike, and
+  remembered per GPU model across processes), else the highest entry of
+  ``TORCH_CUDA_ARCH_LIST``.
 - CUTLASS/CuTe headers: ``CUTLASS_PATH``, else the installed ``nvidia-cutlass`` package.
 
 Every lookup is memoized per environment (changing a variable re-runs it) and raises
@@ -148,15 +149,63 @@ def _device_capability(device: int | None) -> tuple[int, int, str] | None:
         return None
 
 
+GPUS = Path("/proc/driver/nvidia/gpus")  # a folder a GPU, its model in <bus>/information
+
+
 @functools.lru_cache(maxsize=1)
-def _machine_capability(open_nvml: Callable[[], object] | None = None
-                        ) -> tuple[int, int, str] | None:
-    """The compute capability (and name) that every GPU of this machine shares, read through
-    NVML in a few ms, or None (NVML missing or failing, GPUs that differ, CUDA_VISIBLE_DEVICES
-    set). CUDA's own query starts the driver first, which takes a fresh process about 0.2 s
-    that a warm load of an extension need not pay before the program's first CUDA call."""
+def _machine_capability(open_nvml: Callable[[], object] | None = None, gpus: Path = GPUS,
+                        cache=None) -> tuple[int, int, str] | None:
+    """The compute capability (and name) that every GPU of this machine shares, or None (NVML
+    missing or failing, GPUs that differ, CUDA_VISIBLE_DEVICES set). CUDA's own query starts
+    the driver first, which takes a fresh process about 0.2 s that a warm load of an extension
+    need not pay before the program's first CUDA call; NVML's takes some 20 ms. So where the
+    driver's /proc files name one model for every GPU, NVML's answer for that model is
+    remembered in the cache's tools.json (``cache``: a KernelCache, default this user's), and a
+    later process reads the model there and NVML not at all. Only an answer NVML gave for that
+    very model and GPU count is remembered: a model's capability never changes."""
     if "CUDA_VISIBLE_DEVICES" in os.environ:  # its picks and order are CUDA's to read
         return None
+    models = _gpu_models(gpus)
+    if not models or len(set(models)) != 1:
+        found = _nvml_capability(open_nvml)
+        return found and found[:3]
+    asked: list = []
+
+    def ask() -> str | None:
+        found = _nvml_capability(open_nvml)
+        asked.append(found)
+        if found is None or found[2] != models[0] or found[3] != len(models):
+            return None
+        return json.dumps(found[:3])
+
+    text = _shared_answer(json.dumps(["GPU capability", models[0]]), ask, cache)
+    try:
+        major, minor, name = json.loads(text) if text else (None, None, None)
+        if type(major) is int and type(minor) is int and name == models[0]:
+            return major, minor, name
+    except (TypeError, ValueError):
+        pass
+    found = asked[0] if asked else _nvml_capability(open_nvml)
+    return found and found[:3]
+
+
+def _gpu_models(gpus: Path) -> list[str] | None:
+    """Each GPU's model as the driver's /proc files name it (no library is loaded, the driver
+    is not asked), or None where there are none."""
+    try:
+        buses = sorted(os.listdir(gpus))
+        infos = [(gpus / bus / "information").read_text(errors="replace") for bus in buses]
+    except OSError:
+        return None
+    models = [re.search(r"^Model:[ \t]*(.*?)[ \t]*$", info, re.M) for info in infos]
+    if not models or not all(m and m.group(1) for m in models):
+        return None
+    return [m.group(1) for m in models]
+
+
+def _nvml_capability(open_nvml: Callable[[], object] | None
+                     ) -> tuple[int, int, str, int] | None:
+    """The capability, name and count of this machine's GPUs through NVML, where all alike."""
     import ctypes
     try:
         nvml = open_nvml() if open_nvml else ctypes.CDLL("libnvidia-ml.so.1")
@@ -181,7 +230,7 @@ def _machine_capability(open_nvml: Callable[[], object] | None = None
         if len(found) != 1:
             return None
         (major, minor), = found
-        return major, minor, name.value.decode(errors="replace")
+        return major, minor, name.value.decode(errors="replace"), count.value
     finally:
         nvml.nvmlShutdown()
 
@@ -322,7 +371,6 @@ def remembered(cmd: list[str], tool: str, run: Callable[[], str], cache=None,
     process runs no compiler to learn what it is. A script (a wrapper) is asked again in every
     process: what it runs may change under it. files: others whose size and mtime the answer
     depends on too (nvcc.profile)."""
-    from vitrail.jit.cache import KernelCache
     real = os.path.realpath(shutil.which(cmd[0]) or cmd[0])
     try:
         st = os.stat(real)
@@ -338,26 +386,35 @@ def remembered(cmd: list[str], tool: str, run: Callable[[], str], cache=None,
     if script:
         _REMEMBERED[sig] = out = run()
         return out
+    _REMEMBERED[sig] = out = _shared_answer(sig, run, cache)
+    return out
+
+
+def _shared_answer(sig: str, run: Callable[[], str | None], cache=None) -> str | None:
+    """The answer remembered under sig in the cache's tools.json (``cache``: a KernelCache,
+    default this user's), else run()'s, remembered there unless it is None. Without a cache to
+    remember it in, run() answers in every process."""
+    from vitrail.jit.cache import KernelCache
     try:
         cache = cache or KernelCache()
-    except (OSError, CacheError):  # no cache to remember it in: asked in every process
-        _REMEMBERED[sig] = out = run()
-        return out
+    except (OSError, CacheError):
+        return run()
     path = cache.root / "tools.json"
     known = _read_json(path)
     if isinstance(known.get(sig), str):
-        _REMEMBERED[sig] = known[sig]
         return known[sig]
-    _REMEMBERED[sig] = out = run()
+    out = run()
+    if out is None:
+        return None
     try:
-        with cache.lock("tools.json", "the compilers' identities"):  # writers merge, in turn
+        with cache.lock("tools.json", "the tools' identities"):  # writers merge, in turn
             known = _read_json(path)
             known[sig] = out
             tmp = path.with_name(f"tools.json.{os.getpid()}.{threading.get_ident()}")
             tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
             os.replace(tmp, path)
     except (OSError, CacheError):
-        pass  # not remembered: the next process asks the tool again
+        pass  # not remembered: the next process asks again
     return out
 
 
