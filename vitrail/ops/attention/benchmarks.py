@@ -134,11 +134,13 @@ def run_backward() -> list[Row]:
 
 
 # decoding: one query row per (batch entry, head) against a long KV cache, no mask (what
-# split-KV is for); GQA with 4 query heads a KV head, and MHA; tokens a batch at most 2^19
+# split-KV is for); GQA with 4 query heads a KV head, and MHA; tokens a batch at most 2^19, and
+# a serving batch of 32 at 8k and 64k keys (GQA, D 128)
 DECODE_CASES = [(b, sk, h, hk, d)
                 for h, hk, d in ((32, 8, 128), (16, 16, 128), (32, 8, 64))
                 for sk in (2048, 8192, 32768, 131072)
                 for b in (1, 4, 16) if b * sk <= 1 << 19]
+DECODE_CASES += [(32, sk, 32, 8, 128) for sk in (8192, 65536)]
 DECODE_SPLITS = (1, 2, 4, 8, 16, 32, 64)
 DECODE_PAGES = (16, 256)  # attention_kvcache's page sizes: vLLM's, and one past a block of keys
 
