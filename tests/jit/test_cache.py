@@ -740,6 +740,29 @@ def test_the_index_lists_entries_and_forgets_removed_ones():
 
 
 @needs_nvrtc
+def test_a_disk_hit_writes_no_index_and_sync_reads_its_use(cache_dir, monkeypatch):
+    """A warm load marks its entry used by the directory's mtime, not an index transaction;
+    sync() carries the mark into last_used, and lists an entry the index never saw (a copied
+    cache) with it."""
+    from vitrail.jit import database
+    a = nvrtc(name="alpha")
+    (cache_dir / "v1" / "index.sqlite").unlink()  # as a cache copied without its index
+    long_ago = time.time() - 3600
+    os.utime(a.dir, (long_ago, long_ago))
+    row, = Index(KernelCache()).sync()
+    assert row["key"] == a.key and row["last_used"] == max(row["created"], long_ago)
+
+    def no_index(*args, **kwargs):
+        raise AssertionError("a disk hit opened the index")
+    with monkeypatch.context() as m:
+        m.setattr(database, "connect", no_index)
+        assert nvrtc(name="alpha").how == "disk"
+    row, = Index(KernelCache()).sync()
+    assert row["last_used"] == a.dir.stat().st_mtime > long_ago + 3000
+    Index.touch(a.dir / "gone")  # an entry it cannot mark (removed, read-only): no error
+
+
+@needs_nvrtc
 def test_a_corrupt_index_breaks_neither_compile_nor_sync(cache_dir):
     a = nvrtc(name="alpha")
     index = cache_dir / "v1" / "index.sqlite"

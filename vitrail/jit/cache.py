@@ -8,7 +8,8 @@ Layout under :func:`cache_dir` (all paths relative, so a copied cache still hits
     v1/locks/<key>.lock    flock'd while a process builds <key>; holds the holder's pid
     v1/tmp/<key>.<pid>.*   private build directories, renamed into kernels/ when complete
     v1/failed/<name>-<key> the source and log of a failed compile, for reproduction
-    v1/index.sqlite        name, size, compile seconds, created, last used (see index.py)
+    v1/index.sqlite        name, size, compile seconds, created, last used (see index.py; a
+                           load marks a use by its entry's mtime, which sync() reads in)
     v1/tools.json          compilers' --version per binary (path, size, mtime; extension.py),
                            a GPU model's compute capability (toolchain.py)
 

@@ -143,7 +143,7 @@ def cached_build(key: str, name: str, backend: str, builder: Callable[[Path], di
     if how != "disk":
         index.record(key, entry.meta, dir_size(entry.dir))
     else:
-        index.touch(key, entry.meta, entry.dir)
+        index.touch(entry.dir)
     return entry, how
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 import sqlite3
 import time
@@ -55,17 +56,16 @@ class Index:
                     (key, meta.get("name"), meta.get("backend"), meta.get("arch"), size,
                      meta.get("compile_seconds"), meta.get("created", now), now))
 
-    def touch(self, key: str, meta: dict, dir: Path) -> None:
-        """Mark key used now; insert it if the index does not know it (e.g. a copied cache)."""
+    @staticmethod
+    def touch(dir: Path) -> None:
+        """Mark an entry used now: its directory's mtime, one system call, where an index write
+        (a connection and a transaction) took longer than the rest of a warm load. sync()
+        reads it back into last_used, and inserts an entry the index does not know (a copied
+        cache)."""
         try:
-            with self._db() as db:
-                cur = db.execute("UPDATE kernels SET last_used=? WHERE key=?", (time.time(), key))
-                known = cur.rowcount > 0
-        except (OSError, sqlite3.Error) as e:
-            log.debug("vitrail: cache index update skipped: %s", e)
-            return
-        if not known:
-            self.record(key, meta, dir_size(dir))
+            os.utime(dir)
+        except OSError as e:  # a read-only cache: its uses are not recorded
+            log.debug("vitrail: cache use not recorded: %s", e)
 
     def sync(self) -> list[dict]:
         """Reconcile with the disk; returns one dict per published entry, oldest use first."""
@@ -83,16 +83,22 @@ class Index:
             for key in rows.keys() - on_disk.keys():
                 db.execute("DELETE FROM kernels WHERE key=?", (key,))
                 del rows[key]
-            for key in on_disk.keys() - rows.keys():
-                d, meta = on_disk[key]
-                created = meta.get("created", d.stat().st_mtime)
-                row = dict(key=key, name=meta.get("name", "?"), backend=meta.get("backend", "?"),
-                           arch=meta.get("arch", "?"), size=dir_size(d),
-                           compile_seconds=meta.get("compile_seconds"), created=created,
-                           last_used=created)
-                db.execute("INSERT OR REPLACE INTO kernels VALUES (?,?,?,?,?,?,?,?)",
-                           tuple(row[c] for c in COLUMNS))
-                rows[key] = row
+            for key, (d, meta) in on_disk.items():
+                with contextlib.suppress(OSError):
+                    used = d.stat().st_mtime  # touch()'s mark, or the entry's publication
+                    row = rows.get(key)
+                    if row is None:
+                        created = meta.get("created", used)
+                        row = rows[key] = dict(
+                            key=key, name=meta.get("name", "?"),
+                            backend=meta.get("backend", "?"), arch=meta.get("arch", "?"),
+                            size=dir_size(d), compile_seconds=meta.get("compile_seconds"),
+                            created=created, last_used=max(created, used))
+                        db.execute("INSERT OR REPLACE INTO kernels VALUES (?,?,?,?,?,?,?,?)",
+                                   tuple(row[c] for c in COLUMNS))
+                    elif used > (row["last_used"] or 0):
+                        row["last_used"] = used
+                        db.execute("UPDATE kernels SET last_used=? WHERE key=?", (used, key))
         return sorted(rows.values(), key=lambda r: (r["last_used"] or 0, r["key"]))
 
     def typical_seconds(self, name: str, backend: str) -> float | None:

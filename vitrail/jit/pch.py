@@ -160,7 +160,7 @@ def find(pch: Spec, cache: KernelCache) -> Entry | None:
                   "missing" if size is None else "truncated")
         discard(entry, cache)
         return None
-    Index(cache).touch(pch.key, entry.meta, entry.dir)
+    Index.touch(entry.dir)
     return entry
 
 
