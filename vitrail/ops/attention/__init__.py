@@ -40,7 +40,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from vitrail.device import ctype, sm_count, target_limits
+from vitrail.device import ctype, is_hopper, sm_count, target_limits
 from vitrail.jit.errors import ArgumentError
 from vitrail.jit.tma import tensor_map
 from vitrail.ops.attention.backward import attention_backward
@@ -502,7 +502,7 @@ def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
         o.zero_()
         lse.fill_(-math.inf)
         return o, lse
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
+    if not is_hopper(q.device):
         raise NotImplementedError(f"{NAME}: the kernel is sm_90a (Hopper); "
                                   f"{torch.cuda.get_device_name(q.device)} is not one: use "
                                   f"torch.nn.functional.scaled_dot_product_attention there")
@@ -538,7 +538,7 @@ def fused_backward_runs(q: Tensor, k: Tensor, v: Tensor) -> bool:
     128 and v's head dim the same, something to compute); else torch's matmuls (backward.py)."""
     return (q.is_cuda and q.shape[3] in BWD_HEAD_DIMS and v.shape[3] == q.shape[3] and
             min(q.numel(), k.numel()) > 0 and
-            torch.cuda.get_device_capability(q.device) == (9, 0))
+            is_hopper(q.device))
 
 
 @_attention_bwd.register_fake
@@ -608,13 +608,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         long = sk >= DECODE_MIN_KEYS
         pack = long and h > hk and sq * (h // hk) <= BM
         heads, rows = (hk, sq * (h // hk)) if pack else (h, sq)
-        if num_splits is not None:
-            splits = num_splits
-        elif long and rows <= BM:  # decoding: one tile of rows a head, many keys
-            sms = sm_count(q.device.index) if q.is_cuda else target_limits().sm_count  # (tests)
-            splits = splits_for(b * heads, sk, block_n(d, v.shape[3]), sms)
-        else:  # a copy of many rows a chunk and their combination would cost more than gained
-            splits = 1
+        splits = decode_splits(num_splits, b * heads, rows, sk, block_n(d, v.shape[3]),
+                               q.device)
         splits = min(splits, sk, MAX_GRID_YZ // b)
         if pack or splits > 1:
             o, lse = _split_keys(q, k, v, splits, pack, scale, softcap, deterministic)
@@ -641,6 +636,20 @@ SPLIT_CTA_BLOCKS = 2
 SPLIT_BANDWIDTH_SMS = 0.8
 MAX_SPLITS = 64
 SPLIT_MIN_BLOCKS = 2  # blocks of keys a chunk holds at least
+
+
+def decode_splits(num_splits: Optional[int], tiles: int, rows: int, keys: int, bn: int,
+                  device: torch.device) -> int:
+    """The chunks a pass of `tiles` CTAs of `rows` query rows each over `keys` keys is cut into:
+    num_splits where given; where decoding (one tile of rows a head, DECODE_MIN_KEYS keys or
+    more) splits_for's choice for this GPU; else 1 (a copy of many rows a chunk and their
+    combination would cost more than it gains)."""
+    if num_splits is not None:
+        return num_splits
+    if keys >= DECODE_MIN_KEYS and rows <= BM:
+        sms = sm_count(device.index) if device.type == "cuda" else target_limits().sm_count
+        return splits_for(tiles, keys, bn, sms)
+    return 1
 
 
 def splits_for(tiles: int, keys: int, bn: int, sms: int) -> int:
@@ -859,7 +868,7 @@ def _attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
         o.zero_()
         lse.fill_(-math.inf)
         return o, lse
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
+    if not is_hopper(q.device):
         raise NotImplementedError(f"{NAME}: the kernel is sm_90a (Hopper); "
                                   f"{torch.cuda.get_device_name(q.device)} is not one")
     q4, k4, v4 = (_tma_ready(t.unsqueeze(0)) for t in (q, k, v))  # one "batch" of all rows

@@ -20,11 +20,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from vitrail.device import sm_count, target_limits
+from vitrail.device import is_hopper, sm_count
 from vitrail.jit.errors import ArgumentError
-from vitrail.ops.attention import (BM, DECODE_MIN_KEYS, MAX_GRID_YZ, _check_options, _mask,
-                                   _split_combine, _split_offsets, _tma_ready, block_n,
-                                   check_qkv, kernel, launch, persistent_for, splits_for)
+from vitrail.ops.attention import (BM, MAX_GRID_YZ, _check_options, _mask, _split_combine,
+                                   _split_offsets, _tma_ready, block_n, check_qkv,
+                                   decode_splits, kernel, launch, persistent_for)
 from vitrail.ops.common import check_same_device, check_tensor
 
 NAME = "vitrail.ops.attention_kvcache"
@@ -62,15 +62,7 @@ def attention_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens
     pack = unmasked and h > hk and sq * (h // hk) <= BM
     g = h // hk if pack else 1
     heads, rows = h // g, sq * g
-    if not unmasked:
-        splits = 1
-    elif num_splits is not None:
-        splits = num_splits
-    elif capacity >= DECODE_MIN_KEYS and rows <= BM:
-        sms = sm_count(q.device.index) if q.is_cuda else target_limits().sm_count
-        splits = splits_for(b * heads, capacity, bn, sms)
-    else:
-        splits = 1
+    splits = decode_splits(num_splits, b * heads, rows, capacity, bn, q.device) if unmasked else 1
     splits = max(1, min(splits, -(-capacity // bn), MAX_GRID_YZ // max(b, 1)))
     chunk = -(-(-(-capacity // splits)) // bn) * bn  # keys a chunk: whole blocks
     n = -(-capacity // chunk)  # chunks, none past the capacity
@@ -161,7 +153,7 @@ def _kvcache_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Ten
     lse = q.new_empty((heads, tq), dtype=torch.float32)
     if tq == 0:
         return o, lse
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
+    if not is_hopper(q.device):
         raise NotImplementedError(f"{NAME}: the kernel is sm_90a (Hopper); "
                                   f"{torch.cuda.get_device_name(q.device)} is not one")
     q4, k4, v4 = _tma_ready(q), _tma_ready(k_cache), _tma_ready(v_cache)
