@@ -14,6 +14,7 @@ import torch
 
 from tests.conftest import has_gpu
 from vitrail.jit.errors import ArgumentError
+from vitrail.plan import GENERAL
 
 A = importlib.import_module("vitrail.ops.attention")
 HOPPER = has_gpu() and torch.cuda.get_device_capability() == (9, 0)
@@ -898,27 +899,59 @@ def _varlen_on_the_cpu(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, causal_
     (2, 1, 8, 2, 1500, 16, 32, None, {}), (1, 50, 4, 2, 1100, 16, 16, 2, {})])
 def test_split_keys_combine_the_chunks_like_one_pass(monkeypatch, b, sq, h, hk, sk, d, dv,
                                                      splits, extra):
-    """No mask: each batch entry's keys in chunks, each a sequence of the varlen kernel (here
-    its fp64 reference on the CPU), combined by their log-sum-exps: o and lse as one pass over
-    all keys (GQA's heads packed into the rows, one chunk or several, the default; rows too many
-    to pack; Dv != D, softcap, more splits than keys,
-    decoding's one row with a bottom-right causal mask, which hides no key)."""
+    """No mask, gradients recorded: each batch entry's keys in chunks, each a sequence of the
+    varlen kernel (here its fp64 reference on the CPU), combined by their log-sum-exps: o and
+    lse as one pass over all keys (GQA's heads packed into the rows, one chunk or several, the
+    default; rows too many to pack; Dv != D, softcap, more splits than keys, decoding's one row
+    with a bottom-right causal mask, which hides no key)."""
     monkeypatch.setattr(A, "_attention_varlen_fwd", _varlen_on_the_cpu)
     calls, split_keys = [], A._split_keys
     monkeypatch.setattr(A, "_split_keys", lambda *a: calls.append(a) or split_keys(*a))
     monkeypatch.setattr(A, "_check", lambda *a: None)  # CPU tensors (the checks: tests above)
     g = torch.Generator().manual_seed(sk)
-    q = torch.randn(b, sq, h, d, generator=g).to(torch.bfloat16)
+    q = torch.randn(b, sq, h, d, generator=g).to(torch.bfloat16).requires_grad_()
     k = torch.randn(b, sk, hk, d, generator=g).to(torch.bfloat16)
     v = torch.randn(b, sk, hk, dv, generator=g).to(torch.bfloat16)
     o, lse = A.attention(q, k, v, num_splits=splits, return_lse=True, **extra)
-    ro, rlse = A.reference(q.double(), k.double(), v.double(), **extra)
+    ro, rlse = A.reference(q.detach().double(), k.double(), v.double(), **extra)
     assert o.shape == ro.shape and o.dtype == q.dtype and lse.shape == (b, h, sq)
-    torch.testing.assert_close(o.double(), ro, rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(lse.double(), rlse, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(o.detach().double(), ro, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(lse.detach().double(), rlse, rtol=1e-5, atol=1e-5)
     pack = h > hk and sq * h // hk <= A.BM and sk >= A.DECODE_MIN_KEYS
     split = splits > 1 if splits else True  # the default, by splits_for: 1 to 4 tiles
     assert [c[4] for c in calls] == ([pack] if pack or split else [])
+
+
+@pytest.mark.parametrize("b,sq,h,hk,sk,d,dv,splits,extra", [
+    (2, 1, 8, 2, 1500, 16, 32, None, {}), (1, 3, 2, 2, 5000, 16, 48, 7, {"softcap": 5.0}),
+    (2, 1, 4, 2, 3000, 32, 32, 4, {"causal": True, "alignment": "bottom_right"}),
+    (1, 50, 4, 2, 1100, 16, 16, 2, {}), (2, 3, 6, 2, 1100, 16, 16, 1, {}),
+    (3, 1, 2, 1, 300, 16, 16, 2, {"scale": 0.3}), (2, 1, 4, 4, 2000, 16, 16, 3, "bhsd")])
+def test_decoding_without_gradients_runs_the_paged_forward(monkeypatch, b, sq, h, hk, sk, d,
+                                                           dv, splits, extra):
+    """No mask and no gradient: k and v read in place as a cache whose entries hold all their
+    keys (the PAGED kernel, here its fp64 meaning on the CPU), GQA's heads packed, the keys in
+    chunks of whole blocks, combined (the combination's reference on the CPU): o and lse as the
+    reference's; K and V in SDPA's layout (batch 2) split too, with no copy. A plan's general
+    path (the eager call records its signature's plan)."""
+    from tests.ops.test_attention_kvcache import _paged_run_on_the_cpu
+    monkeypatch.setattr(A, "_paged_run", _paged_run_on_the_cpu)
+    monkeypatch.setattr(A, "_fwd_into", lambda *a: pytest.fail("one pass, not the route"))
+    monkeypatch.setattr(A, "_split_keys", lambda *a: pytest.fail("q's rows copied"))
+    monkeypatch.setattr(A, "_check", lambda *a: None)  # CPU tensors (the checks: tests above)
+    layout, extra = (extra, {}) if extra == "bhsd" else ("bshd", extra)
+    g = torch.Generator().manual_seed(sk)
+    q = torch.randn(b, sq, h, d, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(b, hk, sk, n, generator=g).to(torch.bfloat16).transpose(1, 2)
+            if layout == "bhsd" else
+            torch.randn(b, sk, hk, n, generator=g).to(torch.bfloat16) for n in (d, dv))
+    for _ in range(2):  # the call that records the plan, and one after it (general again here)
+        o, lse = A.attention(q, k, v, num_splits=splits, return_lse=True, **extra)
+        ro, rlse = A.reference(q.double(), k.double(), v.double(), **extra)
+        assert o.shape == ro.shape and o.dtype == q.dtype and lse.shape == (b, h, sq)
+        torch.testing.assert_close(o.double(), ro, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(lse.double(), rlse, rtol=1e-5, atol=1e-5)
+        assert A.attention(q, k, v, num_splits=splits, **extra).equal(o)
 
 
 def test_the_combination_of_chunks_against_its_formula():
@@ -975,15 +1008,16 @@ def test_num_splits_is_checked_and_a_masked_call_takes_one_pass(monkeypatch):
         with pytest.raises(ArgumentError, match="num_splits must be None or an integer >= 1"):
             A.attention(q, k, v, num_splits=bad)
     passes = []
-    monkeypatch.setattr(A, "_attention_fwd", lambda *a: passes.append(a) or (None, None))
+    monkeypatch.setattr(A, "_fwd_into", lambda *a: passes.append(a))
     monkeypatch.setattr(A, "_split_keys", lambda *a: pytest.fail("split a masked call"))
+    monkeypatch.setattr(A, "paged_into", lambda *a: pytest.fail("split a masked call"))
     for kw in ({"causal": True}, {"causal": True, "alignment": "bottom_right"},
                {"window": (8, 0)}):
         A.attention(q, k, v, num_splits=4, **kw)  # two rows: the diagonal hides keys
     assert len(passes) == 3
-    # K and V whose (batch, seqlen) rows the varlen kernel cannot read without a copy (SDPA's
-    # layout, batch 2): one pass, not a copy of the keys
-    kt = torch.randn(2, 2, 64, 16, dtype=torch.bfloat16).transpose(1, 2)
+    # with gradients, K and V whose (batch, seqlen) rows the varlen kernel cannot read without a
+    # copy (SDPA's layout, batch 2): one pass, not a copy of the keys
+    kt = torch.randn(2, 2, 64, 16, dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
     A.attention(torch.randn(2, 1, 4, 16, dtype=torch.bfloat16), kt, kt, num_splits=4)
     assert len(passes) == 4
     # by default, fewer keys than DECODE_MIN_KEYS, or a head's rows more than a tile: one pass,
@@ -1013,6 +1047,11 @@ def test_split_keys_on_the_gpu(b, sq, h, hk, sk, d, splits, extra):
     torch.testing.assert_close(o.double(), ro, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(o.float(), one.float(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(lse.double(), rlse, rtol=1e-4, atol=1e-4)
+    with torch.no_grad():  # the PAGED forward over k and v in place (its plan's general path),
+        for _ in range(2):  # then the plan
+            o2, lse2 = A.attention(q, k, v, num_splits=splits, return_lse=True, **extra)
+            torch.testing.assert_close(o2.double(), ro, rtol=2e-2, atol=2e-2)
+            torch.testing.assert_close(lse2.double(), rlse, rtol=1e-4, atol=1e-4)
     go = torch.randn(o.shape, device="cuda", generator=g, dtype=o.dtype)
     got = torch.autograd.grad(o, (q, k, v), go)
     want = torch.autograd.grad(ro, (q, k, v), go.double())
@@ -1040,6 +1079,44 @@ def test_decoding_under_torch_compile_and_a_cuda_graph():
     q.copy_(torch.randn(q.shape, device="cuda", generator=gen))
     graph.replay()
     torch.testing.assert_close(out, A.attention(q, k, v), rtol=0, atol=0)
+
+
+def _plans(plans) -> int:
+    """The plans (not GENERAL) a family holds."""
+    return sum(p is not GENERAL for p in plans._plans.values())
+
+
+@needs_hopper
+@pytest.mark.parametrize("case", ["one pass", "decoding", "decoding sdpa layout", "gqa lse"])
+def test_an_eager_call_runs_its_plan_after_the_first(case):
+    """An eager call without gradients records its signature's plan (no torch op but the
+    outputs' and scratch allocations, nothing made per call), and the next call of the signature
+    runs it: the same bits, the outputs new tensors, on new inputs too."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    b, sq, h, hk, sk, d = {"one pass": (2, 300, 4, 2, 700, 64),
+                           "decoding": (4, 1, 32, 8, 5000, 128),
+                           "decoding sdpa layout": (2, 1, 8, 8, 3000, 64),
+                           "gqa lse": (1, 2, 16, 2, 9000, 128)}[case]
+    q = torch.randn(b, sq, h, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+    k, v = (torch.randn(b, hk, sk, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+            .transpose(1, 2) if "sdpa" in case else
+            torch.randn(b, sk, hk, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+            for _ in range(2))
+    kw = {"return_lse": True} if "lse" in case else {"causal": case == "one pass"}
+    before = _plans(A.PLANS)
+    first = A.attention(q, k, v, **kw)
+    assert _plans(A.PLANS) == before + 1, A.PLANS
+    again = A.attention(q, k, v, **kw)
+    for x, y in zip(*((first, again) if "lse" in case else ((first,), (again,)))):
+        assert torch.equal(x, y) and x.data_ptr() != y.data_ptr()
+    q2 = torch.randn_like(q)
+    want = A.reference(q2.double(), k.double(), v.double(), causal=case == "one pass")
+    got = A.attention(q2, k, v, **kw)
+    got = got if "lse" in case else (got, None)
+    torch.testing.assert_close(got[0].double(), want[0], rtol=2e-2, atol=2e-2)
+    if got[1] is not None:
+        torch.testing.assert_close(got[1].double(), want[1], rtol=1e-4, atol=1e-4)
+    assert _plans(A.PLANS) == before + 1
 
 
 @needs_hopper

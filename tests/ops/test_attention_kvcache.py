@@ -15,6 +15,7 @@ import torch
 
 from tests.conftest import has_gpu
 from vitrail.jit.errors import ArgumentError
+from vitrail.ops.common import DISPATCH
 
 A = importlib.import_module("vitrail.ops.attention")
 K = importlib.import_module("vitrail.ops.attention.kvcache")
@@ -88,6 +89,24 @@ def _paged_on_the_cpu(q, k_cache, v_cache, lens, table, cu_q, rows, splits, chun
     return o, lse
 
 
+def _paged_run_on_the_cpu(*args):
+    """_paged_run (the kernel into o and lse) by _paged_on_the_cpu."""
+    *call, o, lse = args
+    o_ref, lse_ref = _paged_on_the_cpu(*call)
+    o.copy_(o_ref)
+    lse.copy_(lse_ref)
+
+
+def _on_the_cpu(monkeypatch, path):
+    """The kernel replaced by its meaning on the path a call takes: "eager" (paged_into, a
+    plan's general path) or "dispatch" (the custom ops torch.compile traces)."""
+    monkeypatch.setattr(A, "_paged_run", _paged_run_on_the_cpu)
+    monkeypatch.setattr(A, "_paged_fwd", _paged_on_the_cpu)
+    if path == "dispatch":
+        monkeypatch.setattr(K, "call_mode", lambda *t: DISPATCH)
+    _cpu_tensors_pass(monkeypatch)
+
+
 def _cache(b, capacity, hk, d, dv, page, lens, gen, fill=0.0):
     """(k_cache, v_cache, table): unpaged (b, capacity, ...) where page is None, else pages of
     `page` rows in a shuffled pool with a spare, each entry's table row over capacity keys;
@@ -119,13 +138,13 @@ def _cache(b, capacity, hk, d, dv, page, lens, gen, fill=0.0):
     (1, 4, 2, 2, 16, 16, 512, 256, [333], {"window": (40, 0), "softcap": 7.0}),
     (2, 1, 2, 2, 16, 16, 1100, 128, [1100, 1099], {"causal": True, "scale": 0.2}),
     (1, 2, 4, 2, 16, 32, 4096, 128, [4000], {"num_splits": 1})])
+@pytest.mark.parametrize("path", ["eager", "dispatch"])
 def test_the_call_over_a_cache_is_the_reference(monkeypatch, b, sq, h, hk, d, dv, capacity,
-                                                page, lens, extra):
+                                                page, lens, extra, path):
     """The decomposition on the CPU: attention_kvcache (the kernel replaced by its meaning,
     _paged_on_the_cpu) against the fp64 reference over each entry's gathered keys, both
-    bottom-right aligned."""
-    monkeypatch.setattr(K, "_kvcache_fwd", _paged_on_the_cpu)
-    _cpu_tensors_pass(monkeypatch)
+    bottom-right aligned; eagerly (paged_into) and through the custom ops (paged_dispatch)."""
+    _on_the_cpu(monkeypatch, path)
     gen = torch.Generator().manual_seed(capacity)
     k, v, table = _cache(b, capacity, hk, d, dv, page, lens, gen)
     q = torch.randn(b, sq, h, d, generator=gen).to(torch.bfloat16)
@@ -240,6 +259,38 @@ def test_a_decoding_loop_in_a_cuda_graph_and_under_torch_compile():
     compiled = torch.compile(lambda *a: K.attention_kvcache(*a), fullgraph=True)
     torch.testing.assert_close(compiled(q, k, v, seqlens, table),
                                K.attention_kvcache(q, k, v, seqlens, table))
+
+
+@needs_hopper
+@pytest.mark.parametrize("page,lens,extra", [
+    (16, [100, 4000, 2048, 1], {}), (None, [4096, 3, 0, 17], {"return_lse": True}),
+    (64, [300, 1, 64, 65], {"causal": True, "num_splits": 1, "return_lse": True})])
+def test_a_decoding_step_runs_its_plan(page, lens, extra):
+    """A step with the lengths on the device records its plan once; later steps of the same
+    signature run it (new lengths) with the values of the reference; an int
+    length takes the general path every call. One chunk unpacked (num_splits=1, MHA): lse in
+    the kernel's layout, (B, H, Sq) strided."""
+    from vitrail.plan import GENERAL
+    q, k, v, seqlens, table = _gpu_case(4, 1 if not extra.get("causal") else 3, 16,
+                                        4 if page != 64 else 16, 128, 128, 4096, page, lens)
+    plans = lambda: sum(p is not GENERAL for p in A.PLANS._plans.values())  # noqa: E731
+    before = plans()
+    for step in range(3):
+        got = K.attention_kvcache(q, k, v, seqlens, table, **extra)
+        assert plans() == before + 1
+        want = K.reference_kvcache(q, k, v, seqlens, table, causal=extra.get("causal", False))
+        got = got if isinstance(got, tuple) else (got, None)
+        torch.testing.assert_close(got[0].double(), want[0], rtol=2e-2, atol=2e-2)
+        if got[1] is not None:
+            finite = want[1].isfinite()
+            torch.testing.assert_close(got[1].double()[finite], want[1][finite], rtol=1e-4,
+                                       atol=1e-4)
+        seqlens.sub_(1).clamp_(min=0)  # shorter: rows the entries hold (no NaN)
+    int_len = K.attention_kvcache(q, k, v, 5, table, **extra)
+    assert plans() == before + 1
+    got = int_len if isinstance(int_len, tuple) else (int_len,)
+    want = K.reference_kvcache(q, k, v, 5, table, causal=extra.get("causal", False))
+    torch.testing.assert_close(got[0].double(), want[0], rtol=2e-2, atol=2e-2)
 
 
 def test_the_benchmarks_pages_hold_the_keys_where_their_table_says():

@@ -44,7 +44,10 @@ from vitrail.device import ctype, is_hopper, sm_count, target_limits
 from vitrail.jit.errors import ArgumentError
 from vitrail.jit.tma import tensor_map
 from vitrail.ops.attention.backward import attention_backward
-from vitrail.ops.common import check_same_device, check_tensor
+from vitrail.ops.common import EAGER, call_mode, check_same_device, check_tensor
+from vitrail.ops.common import persistent as made_aside
+from vitrail.plan import GENERAL, Plans, keep, scratch, setup, signature
+from vitrail.plan.native import front
 
 HERE = Path(__file__).resolve().parent
 NAME = "vitrail.ops.attention"
@@ -163,7 +166,10 @@ def tile_counters(device: torch.device) -> Tensor:
     key = (device.index, torch.cuda.current_stream(device).cuda_stream)
     found = _COUNTERS.get(key)
     if found is None:
-        found = _COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
+        with setup():  # kept: no reason to refuse a plan of the call
+            found = _COUNTERS[key] = made_aside(
+                lambda: torch.zeros(2, dtype=torch.int32, device=device), device)
+    keep(found)  # a plan passes them as constants (plans hold on their own stream only)
     return found
 
 
@@ -492,16 +498,26 @@ def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
     """causal: key j visible to row i where j <= i + causal_offset; local: where
     j >= i + local_offset; softcap > 0: scores capped to softcap * tanh(s * scale / softcap);
     deterministic: for the backward only (its kernels without atomics)."""
+    b, sq, h, _ = q.shape
+    o = q.new_empty((b, sq, h, v.shape[3]))
+    lse = q.new_empty((b, h, sq), dtype=torch.float32)
+    _fwd_into(q, k, v, o, lse, scale, causal, causal_offset, local, local_offset, softcap)
+    return o, lse
+
+
+def _fwd_into(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: float,
+              causal: bool, causal_offset: int, local: bool, local_offset: int,
+              softcap: float) -> None:
+    """_attention_fwd's o (B, Sq, H, Dv) and lse (B, H, Sq), both contiguous, filled: one
+    pass of the forward kernel."""
     b, sq, h, d = q.shape
     sk, dv = k.shape[1], v.shape[3]
-    o = q.new_empty((b, sq, h, dv))
-    lse = q.new_empty((b, h, sq), dtype=torch.float32)
     if o.numel() == 0:
-        return o, lse
+        return
     if sk == 0:
         o.zero_()
         lse.fill_(-math.inf)
-        return o, lse
+        return
     if not is_hopper(q.device):
         raise NotImplementedError(f"{NAME}: the kernel is sm_90a (Hopper); "
                                   f"{torch.cuda.get_device_name(q.device)} is not one: use "
@@ -511,7 +527,6 @@ def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
     launch(kernel(q.dtype, d, causal, local=local, softcap=softcap > 0, dv=dv,
                   persistent=persistent), o, lse, q, k, v, sq, sk, b, scale, causal_offset,
            local_offset, softcap, persistent=persistent)
-    return o, lse
 
 
 @_attention_fwd.register_fake
@@ -581,6 +596,62 @@ def _mask(sq: int, sk: int, causal: bool, alignment: str, window) -> tuple[bool,
             offset - left if left is not None else 0)
 
 
+# Plans (vitrail.plan): an eager call's route, kernels and launch arguments, fixed at the first
+# call of its signature (attention's and attention_kvcache's)
+PLANS = Plans("attention")
+
+
+def frozen(window):
+    """window as a key holds it (a list becomes a tuple)."""
+    return tuple(window) if type(window) is list else window
+
+
+def _outputs(q: Tensor, dv: int, return_lse: bool, lse_by_head: bool = False) -> tuple:
+    """(o,) or (o, lse): o (B, Sq, H, Dv) and lse (B, H, Sq) fp32, new; lse_by_head: lse's
+    storage (H, B, Sq), the layout the PAGED kernel writes unpacked and unsplit."""
+    b, sq, h, _ = q.shape
+    o = q.new_empty((b, sq, h, dv))
+    if not return_lse:
+        return (o,)
+    if lse_by_head:
+        return o, q.new_empty((h, b, sq), dtype=torch.float32).permute(1, 0, 2)
+    return o, q.new_empty((b, h, sq), dtype=torch.float32)
+
+
+def _scratch_lse(q: Tensor, by_head: bool = False) -> Tensor:
+    """An lse the call does not return, laid out as _outputs' (a plan allocates it each call)."""
+    b, sq, h, _ = q.shape
+    lse = scratch(b * h * sq, torch.float32, q.device)
+    return lse.view(h, b, sq).permute(1, 0, 2) if by_head else lse.view(b, h, sq)
+
+
+def _one_pass(q, k, v, o, lse, scale, causal, causal_offset, local, local_offset, softcap):
+    """A plan's general path: one pass of the forward into o (and lse, or a scratch one)."""
+    lse = _scratch_lse(q) if lse is None else lse
+    _fwd_into(q, k, v, o, lse, scale, causal, causal_offset, local, local_offset, softcap)
+
+
+def _decoding(q, k, v, o, lse, g, n, chunk, scale, softcap):
+    """A plan's general path: decoding's route (paged_into over k and v as an unpaged cache
+    every entry of which holds all its keys)."""
+    b, sk = k.shape[0], k.shape[1]
+    paged_into(q, k, v, full_lengths(b, sk, q.device), None, sk, o, lse, g, n, chunk, scale,
+               False, 0, False, 0, softcap)
+
+
+def generals(run):
+    """{outputs: general} of a route run(q, k, v, o, lse or None, *params) for Plans.run, which
+    passes general(*inputs, *outputs, *params): one output (o) or two (o, lse)."""
+    return {1: lambda a, b, c, o, *params: run(a, b, c, o, None, *params),
+            2: lambda a, b, c, o, lse, *params: run(a, b, c, o, lse, *params)}
+
+
+_ONE_PASS, _DECODING = generals(_one_pass), generals(_decoding)
+_OUTPUTS = {1: lambda q, k, v, *_: _outputs(q, v.shape[3], False),
+            2: lambda q, k, v, *_: _outputs(q, v.shape[3], True)}
+
+
+@front(PLANS)
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
               scale: Optional[float] = None, alignment: str = "top_left",
               window: Optional[tuple[Optional[int], Optional[int]]] = None,
@@ -589,33 +660,67 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     """softmax(q k^T * scale) v per batch and head (see the module docstring); deterministic:
     the backward's kernels without atomics (the same gradient bits on every run); num_splits:
     where no key is masked, each batch entry's keys in that many chunks computed side by side
-    and combined (split-KV, for decoding: few query rows, many keys; see _split_keys); None
-    chooses where a head's query rows fit one tile and there are DECODE_MIN_KEYS keys or more
-    (splits_for), else one pass; 1 never splits."""
+    and combined (split-KV, for decoding: few query rows, many keys); None chooses where a
+    head's query rows fit one tile and there are DECODE_MIN_KEYS keys or more (splits_for),
+    else one pass; 1 never splits. Where no gradient is recorded, decoding runs the PAGED
+    forward over k and v as a cache (paged_into), else _split_keys; an eager call without
+    gradients runs its signature's plan (vitrail.plan; an lse it returns may be strided)."""
+    mode = call_mode(q, k, v)
+    if mode == EAGER:
+        key = (signature(q), signature(k), signature(v), causal, scale, alignment,
+               frozen(window), softcap, return_lse, num_splits)
+        hit = PLANS.get(key)
+        if hit is not None and hit is not GENERAL:  # a signature that passed the checks
+            out = hit(q, k, v)
+            return out if return_lse else out[0]
     _check(q, k, v, scale, alignment, causal, window, softcap)
     if num_splits is not None and not (isinstance(num_splits, int) and
                                        not isinstance(num_splits, bool) and num_splits >= 1):
         raise ArgumentError(f"{NAME}: num_splits must be None or an integer >= 1, got "
                             f"{num_splits!r}")
     b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
+    sk, hk, dv = k.shape[1], k.shape[2], v.shape[3]
     scale = d ** -0.5 if scale is None else float(scale)
     mask = _mask(sq, sk, bool(causal), alignment, window)
     upper, hi, local, _ = mask
     softcap, deterministic = float(softcap or 0.0), bool(deterministic)
-    if (b * sq > 0 and sk > 0 and not local and (not upper or hi >= sk - 1) and  # no key masked
-            _rows_of_one_stride(k) and _rows_of_one_stride(v)):
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    route = None  # one pass
+    if b * sq > 0 and sk > 0 and not local and (not upper or hi >= sk - 1):  # no key masked
         long = sk >= DECODE_MIN_KEYS
         pack = long and h > hk and sq * (h // hk) <= BM
-        heads, rows = (hk, sq * (h // hk)) if pack else (h, sq)
-        splits = decode_splits(num_splits, b * heads, rows, sk, block_n(d, v.shape[3]),
-                               q.device)
-        splits = min(splits, sk, MAX_GRID_YZ // b)
-        if pack or splits > 1:
-            o, lse = _split_keys(q, k, v, splits, pack, scale, softcap, deterministic)
-            return (o, lse) if return_lse else o
-    o, lse = _attention_fwd(q, k, v, scale, *mask, softcap, deterministic)
+        if not grad:  # the PAGED forward over k and v, their rows where they are
+            g, n, size = decode_route(b, sq, h, hk, sk, block_n(d, dv), pack, True, num_splits,
+                                      q.device)
+            route = (g, n, size) if g > 1 or n > 1 else None
+        elif _rows_of_one_stride(k) and _rows_of_one_stride(v):
+            heads, rows = (hk, sq * (h // hk)) if pack else (h, sq)
+            splits = decode_splits(num_splits, b * heads, rows, sk, block_n(d, dv), q.device)
+            splits = min(splits, sk, MAX_GRID_YZ // b)
+            if pack or splits > 1:
+                o, lse = _split_keys(q, k, v, splits, pack, scale, softcap, deterministic)
+                return (o, lse) if return_lse else o
+    if mode == EAGER:
+        params = (*route, scale, softcap) if route else (scale, *mask, softcap)
+        n_out = 2 if return_lse else 1
+        general = (_DECODING if route else _ONE_PASS)[n_out]
+        out = on_device(q, PLANS.run, key, (q, k, v), _OUTPUTS[n_out], general, params)
+        return out if return_lse else out[0]
+    if route:
+        o, lse = paged_dispatch(q, k, v, full_lengths(b, sk, q.device), None, sk, *route,
+                                scale, False, 0, False, 0, softcap)
+    else:
+        o, lse = _attention_fwd(q, k, v, scale, *mask, softcap, deterministic)
     return (o, lse) if return_lse else o
+
+
+def on_device(t: Tensor, fn, *args):
+    """fn(*args) with t's device current (a plan's key holds the current device, and its
+    launches go to it)."""
+    if t.is_cuda and t.get_device() != torch.cuda.current_device():
+        with torch.cuda.device(t.device):
+            return fn(*args)
+    return fn(*args)
 
 
 def _rows_of_one_stride(t: Tensor) -> bool:
@@ -709,13 +814,158 @@ def _split_offsets(b: int, n: int, sq: int, sk: int, size: int,
     compiling = torch.compiler.is_compiling()
     found = None if compiling else _SPLIT_OFFSETS.get(key)
     if found is None:
-        i = torch.arange(b * n + 1, dtype=torch.int32, device=device)  # chunk c of entry e:
-        found = (i * sq, (i // n) * sk + (i % n) * size)  # i = e n + c; i = b n: the end
+        with setup():  # kept: no reason to refuse a plan of the call
+            i = torch.arange(b * n + 1, dtype=torch.int32, device=device)  # chunk c of entry e:
+            found = (i * sq, (i // n) * sk + (i % n) * size)  # i = e n + c; i = b n: the end
         if not compiling:
             if len(_SPLIT_OFFSETS) > 64:
                 _SPLIT_OFFSETS.clear()
             _SPLIT_OFFSETS[key] = found
+    keep(*found)  # a plan holds them
     return found
+
+
+# ------------------------------------------------------------------ decoding over a KV cache
+# The PAGED forward (attention_kvcache's, and attention's decoding where no gradient is recorded):
+# query rows over each batch entry's cached keys, cut into chunks side by side and combined.
+
+def decode_route(b: int, sq: int, h: int, hk: int, capacity: int, bn: int, pack: bool,
+                 unmasked: bool, num_splits: Optional[int],
+                 device: torch.device) -> tuple[int, int, int]:
+    """(group, chunks, chunk_keys) of the PAGED forward over caches of `capacity` keys: a GQA
+    group's query heads packed into one tile's rows where pack (group 1 otherwise); where no key
+    is masked, each entry's keys in chunks of whole blocks of bn keys (decode_splits' count, at
+    most one a block and MAX_GRID_YZ sequences), else one chunk."""
+    g = h // hk if pack else 1
+    splits = decode_splits(num_splits, b * (h // g), sq * g, capacity, bn, device) \
+        if unmasked else 1
+    splits = max(1, min(splits, -(-capacity // bn), MAX_GRID_YZ // max(b, 1)))
+    size = -(-(-(-capacity // splits)) // bn) * bn  # keys a chunk: whole blocks
+    return g, -(-capacity // size), size  # chunks, none past the capacity
+
+
+def _packed_rows(q: Tensor, g: int) -> Tensor:
+    """q (B, Sq, H, D) as (B, Sq g, H / g, D): a GQA group's heads packed into rows (row s g + j
+    of KV head kv is head kv g + j's row s); a view where Sq is 1 or g is 1."""
+    if g == 1:
+        return q
+    b, sq, h, d = q.shape
+    if sq == 1:
+        return q[:, 0].unflatten(1, (h // g, g)).transpose(1, 2)
+    return q.unflatten(2, (h // g, g)).transpose(2, 3).reshape(b, sq * g, h // g, d)
+
+
+_FULL_LENGTHS: dict[tuple, Tensor] = {}
+
+
+def full_lengths(b: int, sk: int, device: torch.device) -> Tensor:
+    """int32 (b,) of sk each: the lengths of caches that hold all their keys (attention's k and
+    v), kept per (b, sk, device) so that a plan passes them as constants."""
+    if torch.compiler.is_compiling():
+        return torch.full((b,), sk, dtype=torch.int32, device=device)
+    key = (b, sk, device)
+    found = _FULL_LENGTHS.get(key)
+    if found is None:
+        with setup():
+            found = torch.full((b,), sk, dtype=torch.int32, device=device)
+        if len(_FULL_LENGTHS) > 64:
+            _FULL_LENGTHS.clear()
+        _FULL_LENGTHS[key] = found
+    keep(found)
+    return found
+
+
+def paged_into(q: Tensor, k_cache: Tensor, v_cache: Tensor, lens: Tensor,
+               table: Optional[Tensor], capacity: int, o: Tensor, lse: Optional[Tensor], g: int,
+               n: int, size: int, scale: float, causal: bool, causal_offset: int, local: bool,
+               local_offset: int, softcap: float) -> None:
+    """o (B, Sq, H, Dv), contiguous, and lse (B, H, Sq; None: not returned) of q over the caches
+    (attention_kvcache's arguments; lens int32 on the device) by decode_route's (g, n, size):
+    with one chunk and no packing the kernel writes o in place and lse in its own layout (lse's
+    storage (H, B, Sq), as _outputs(lse_by_head=True)); else the chunks' partial results
+    (scratch) combined into o and lse (B, H, Sq) contiguous."""
+    b, sq, h, d = q.shape
+    dv = v_cache.shape[3]
+    if o.numel() == 0:
+        return
+    one = n == 1 and g == 1
+    lse = _scratch_lse(q, by_head=one) if lse is None else lse
+    rows = sq * g
+    cu_q = _split_offsets(b, n, rows, capacity, size, q.device)[0]
+    run = (_packed_rows(q, g), k_cache, v_cache, lens, table, cu_q, rows, n, size, scale, causal,
+           causal_offset, local, local_offset, softcap)
+    if one:
+        _paged_run(*run, o.view(b * sq, h, dv), lse.permute(1, 0, 2).view(h, b * sq))
+        return
+    tq, heads = n * b * rows, h // g
+    part = scratch(tq * heads * dv, q.dtype, q.device).view(tq, heads, dv)
+    part_lse = scratch(heads * tq, torch.float32, q.device).view(heads, tq)
+    _paged_run(*run, part, part_lse)
+    _combine_into(part, part_lse, o, lse, b, n, sq, g)
+
+
+def paged_dispatch(q: Tensor, k_cache: Tensor, v_cache: Tensor, lens: Tensor,
+                   table: Optional[Tensor], capacity: int, g: int, n: int, size: int,
+                   scale: float, causal: bool, causal_offset: int, local: bool,
+                   local_offset: int, softcap: float) -> tuple[Tensor, Tensor]:
+    """paged_into's (o, lse contiguous) through the custom ops (torch.compile traces them)."""
+    b, sq, h, _ = q.shape
+    cu_q = _split_offsets(b, n, sq * g, capacity, size, q.device)[0]
+    part, part_lse = _paged_fwd(_packed_rows(q, g), k_cache, v_cache, lens, table, cu_q, sq * g,
+                                n, size, scale, causal, causal_offset, local, local_offset,
+                                softcap)
+    if n == 1 and g == 1:
+        return (part.view(b, sq, h, part.shape[2]),
+                part_lse.view(h, b, sq).transpose(0, 1).contiguous())
+    return _split_combine(part, part_lse, b, n, sq, g)
+
+
+@torch.library.custom_op("vitrail::attention_kvcache_fwd", mutates_args=())
+def _paged_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
+               block_table: Optional[Tensor], cu_q: Tensor, rows: int, splits: int,
+               chunk_keys: int, scale: float, causal: bool, causal_offset: int, local: bool,
+               local_offset: int, softcap: float) -> tuple[Tensor, Tensor]:
+    """The PAGED forward: q (batch, rows, heads, D); sequence z is chunk z % splits (chunk_keys
+    keys) of entry z / splits, its rows q's of the entry; o (sequences rows, heads, Dv) and lse
+    (heads, sequences rows) packed by sequence (cu_q)."""
+    tq, heads = (cu_q.shape[0] - 1) * rows, q.shape[2]
+    o = q.new_empty((tq, heads, v_cache.shape[3]))
+    lse = q.new_empty((heads, tq), dtype=torch.float32)
+    _paged_run(q, k_cache, v_cache, cache_seqlens, block_table, cu_q, rows, splits, chunk_keys,
+               scale, causal, causal_offset, local, local_offset, softcap, o, lse)
+    return o, lse
+
+
+@_paged_fwd.register_fake
+def _paged_fwd_fake(q, k_cache, v_cache, cache_seqlens, block_table, cu_q, rows, splits,
+                    chunk_keys, scale, causal, causal_offset, local, local_offset, softcap):
+    tq, heads = (cu_q.shape[0] - 1) * rows, q.shape[2]
+    return (q.new_empty((tq, heads, v_cache.shape[3])),
+            q.new_empty((heads, tq), dtype=torch.float32))
+
+
+def _paged_run(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
+               block_table: Optional[Tensor], cu_q: Tensor, rows: int, splits: int,
+               chunk_keys: int, scale: float, causal: bool, causal_offset: int, local: bool,
+               local_offset: int, softcap: float, o: Tensor, lse: Tensor) -> None:
+    """_paged_fwd's o and lse (their views) filled by the kernel."""
+    _, _, heads, d = q.shape
+    dv = v_cache.shape[3]
+    sequences = cu_q.shape[0] - 1
+    if sequences * rows == 0:
+        return
+    if not is_hopper(q.device):
+        raise NotImplementedError(f"{NAME}: the kernel is sm_90a (Hopper); "
+                                  f"{torch.cuda.get_device_name(q.device)} is not one")
+    q4, k4, v4 = _tma_ready(q), _tma_ready(k_cache), _tma_ready(v_cache)
+    page = k_cache.shape[1]
+    table_stride = 0 if block_table is None else block_table.stride(0)
+    persistent = persistent_for(chunk_keys, -(-rows // BM) * heads * sequences,
+                                sm_count(q.device.index))
+    launch(kernel(q.dtype, d, causal, local=local, softcap=softcap > 0, dv=dv,
+                  persistent=persistent, paged=True), o, lse, q4, k4, v4, rows, 0, sequences,
+           scale, causal_offset, local_offset, softcap, cu_q, None, True, persistent,
+           (cache_seqlens, block_table, table_stride, page, splits, chunk_keys))
 
 
 def combine_reference(part: Tensor, part_lse: Tensor, batch: int, splits: int, seqlen_q: int,
@@ -764,17 +1014,29 @@ def _split_combine(part: Tensor, part_lse: Tensor, batch: int, splits: int, seql
     if not part.is_cuda:
         o, lse = combine_reference(part, part_lse, batch, splits, seqlen_q, group)
         return o, lse
-    hk, dv = part.shape[1], part.shape[2]
-    h = hk * group
+    h, dv = part.shape[1] * group, part.shape[2]
     o = part.new_empty((batch, seqlen_q, h, dv))
     lse = part_lse.new_empty((batch, h, seqlen_q))
+    _combine_into(part, part_lse, o, lse, batch, splits, seqlen_q, group)
+    return o, lse
+
+
+def _combine_into(part: Tensor, part_lse: Tensor, o: Tensor, lse: Tensor, batch: int,
+                  splits: int, seqlen_q: int, group: int) -> None:
+    """_split_combine's o (batch, seqlen_q, H, Dv) and lse (batch, H, seqlen_q), contiguous,
+    filled by the combine kernel (combine_reference's values copied on the CPU)."""
+    if not part.is_cuda:
+        o_ref, lse_ref = combine_reference(part, part_lse, batch, splits, seqlen_q, group)
+        o.copy_(o_ref)
+        lse.copy_(lse_ref)
+        return
+    h, dv = part.shape[1] * group, part.shape[2]
     rows = batch * seqlen_q * h
     if rows:
         per_block = 128 // (dv // 8)
         with torch.cuda.device(part.device):
             combine_kernel(part.dtype, dv)[(-(-rows // per_block), 1, 1), per_block * (dv // 8)](
                 o, lse, part, part_lse, batch, splits, seqlen_q, h, group)
-    return o, lse
 
 
 @_split_combine.register_fake

@@ -20,16 +20,24 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from vitrail.device import is_hopper, sm_count
 from vitrail.jit.errors import ArgumentError
-from vitrail.ops.attention import (BM, MAX_GRID_YZ, _check_options, _mask, _split_combine,
-                                   _split_offsets, _tma_ready, block_n, check_qkv,
-                                   decode_splits, kernel, launch, persistent_for)
-from vitrail.ops.common import check_same_device, check_tensor
+from vitrail.ops.attention import (BM, MAX_GRID_YZ, PLANS, _check_options, _mask, _outputs,
+                                   block_n, check_qkv, decode_route, frozen, on_device,
+                                   paged_dispatch, paged_into)
+from vitrail.ops.common import EAGER, call_mode, check_same_device, check_tensor
+from vitrail.plan import GENERAL, signature
+from vitrail.plan.native import front
 
 NAME = "vitrail.ops.attention_kvcache"
 
 
+def _lengths_on_device(q, k_cache, v_cache, cache_seqlens, *args, **kwargs) -> bool:
+    """Whether a call may have a C++ plan: its lengths a tensor (an int is in the key, new at
+    every decoding step, and each call makes its tensor)."""
+    return isinstance(cache_seqlens, Tensor)
+
+
+@front(PLANS, when=_lengths_on_device)
 def attention_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens,
                       block_table: Optional[Tensor] = None, *, causal: bool = False,
                       scale: Optional[float] = None,
@@ -37,7 +45,8 @@ def attention_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens
                       softcap: Optional[float] = None, return_lse: bool = False,
                       num_splits: Optional[int] = None):
     """softmax(q k^T * scale) v of q (B, Sq, H, D) over each batch entry's cached keys and values
-    (see the module docstring); o (B, Sq, H, Dv) and, with return_lse, lse (B, H, Sq) fp32.
+    (see the module docstring); o (B, Sq, H, Dv) and, with return_lse, lse (B, H, Sq) fp32
+    (strided where the call is one chunk without packing).
 
     k_cache (B, capacity, Hkv, D) and v_cache (B, capacity, Hkv, Dv), or with block_table (B,
     max pages) int32: (pages, page, Hkv, D) and (pages, page, Hkv, Dv), page a multiple of 8
@@ -46,7 +55,18 @@ def attention_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens
     Hkv; bf16 or fp16; D and Dv multiples of 16 to 256; the head dim contiguous. causal, window
     and softcap as attention's (aligned bottom-right). num_splits: where no key is masked, each
     entry's keys in that many chunks computed side by side and combined (None: chosen from the
-    capacity, as attention's decoding path does; 1: none). No gradient: a forward for decoding."""
+    capacity, as attention's decoding path does; 1: none). No gradient: a forward for decoding.
+    An eager call with its lengths a tensor runs its signature's plan (vitrail.plan)."""
+    on_gpu = isinstance(cache_seqlens, Tensor)
+    mode = call_mode(q, k_cache, v_cache, block_table, cache_seqlens if on_gpu else None)
+    if mode == EAGER and on_gpu:
+        key = ("kvcache", signature(q), signature(k_cache), signature(v_cache),
+               signature(cache_seqlens), None if block_table is None else signature(block_table),
+               causal, scale, frozen(window), softcap, return_lse, num_splits)
+        hit = PLANS.get(key)
+        if hit is not None and hit is not GENERAL:  # a signature that passed the checks
+            out = hit(q, k_cache, v_cache, cache_seqlens, block_table)
+            return out if return_lse else out[0]
     b, sq, h, d, hk, dv, page, capacity = _check(q, k_cache, v_cache, block_table, scale)
     lens = _lengths(cache_seqlens, b, q.device)
     _check_options(causal, window, softcap)
@@ -58,33 +78,34 @@ def attention_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens
     # offsets from the bottom-right diagonal: the kernel adds each sequence's len - Sq
     upper, hi, local, lo = _mask(sq, sq, bool(causal), "top_left", window)
     unmasked = not local and (not upper or hi >= sq - 1)  # every row sees every cached key
-    bn = block_n(d, dv)
-    pack = unmasked and h > hk and sq * (h // hk) <= BM
-    g = h // hk if pack else 1
-    heads, rows = h // g, sq * g
-    splits = decode_splits(num_splits, b * heads, rows, capacity, bn, q.device) if unmasked else 1
-    splits = max(1, min(splits, -(-capacity // bn), MAX_GRID_YZ // max(b, 1)))
-    chunk = -(-(-(-capacity // splits)) // bn) * bn  # keys a chunk: whole blocks
-    n = -(-capacity // chunk)  # chunks, none past the capacity
     if unmasked:
         upper = local = False
-    cu_q = _split_offsets(b, n, rows, capacity, chunk, q.device)[0]
-    # q as (b, rows, heads, d), each chunk reading its entry's rows; a GQA group's heads packed
-    # into rows (row s g + j of KV head kv is head kv g + j's row s): in place at one row
-    if g == 1:
-        qs = q
-    elif sq == 1:
-        qs = q[:, 0].unflatten(1, (heads, g)).transpose(1, 2)
+    pack = unmasked and h > hk and sq * (h // hk) <= BM
+    route = decode_route(b, sq, h, hk, capacity, block_n(d, dv), pack, unmasked, num_splits,
+                         q.device)
+    mask = (upper, hi, local, lo)
+    if mode != EAGER:
+        o, lse = paged_dispatch(q, k_cache, v_cache, lens, block_table, capacity, *route, scale,
+                                *mask, float(softcap or 0.0))
+        return (o, lse) if return_lse else o
+    params = (capacity, *route, scale, *mask, float(softcap or 0.0))
+    by_head = route[0] == 1 and route[1] == 1  # the kernel's lse layout
+    if not on_gpu:  # the lengths made here: no plan
+        out = _outputs(q, dv, return_lse, by_head)
+        on_device(q, _GENERAL[return_lse], q, k_cache, v_cache, lens, block_table, *out, *params)
     else:
-        qs = q.unflatten(2, (heads, g)).transpose(2, 3).reshape(b, rows, heads, d)
-    part, part_lse = _kvcache_fwd(qs, k_cache, v_cache, lens, block_table, cu_q, rows, n, chunk,
-                                  scale, upper, hi, local, lo, float(softcap or 0.0))
-    if n == 1 and g == 1:
-        o = part.view(b, sq, h, dv)
-        lse = part_lse.view(h, b, sq).transpose(0, 1).contiguous()
-    else:
-        o, lse = _split_combine(part, part_lse, b, n, sq, g)
-    return (o, lse) if return_lse else o
+        out = on_device(q, PLANS.run, key, (q, k_cache, v_cache, lens, block_table),
+                        _OUTPUTS[return_lse, by_head], _GENERAL[return_lse], params)
+    return out if return_lse else out[0]
+
+
+# a plan's general path and its outputs (Plans.run's general(*inputs, *outputs, *params))
+_GENERAL = {False: lambda q, k, v, lens, table, o, *params: paged_into(
+                q, k, v, lens, table, params[0], o, None, *params[1:]),
+            True: lambda q, k, v, lens, table, o, lse, *params: paged_into(
+                q, k, v, lens, table, params[0], o, lse, *params[1:])}
+_OUTPUTS = {(r, by_head): (lambda q, k, v, *_, r=r, by_head=by_head: _outputs(
+    q, v.shape[3], r, by_head)) for r in (False, True) for by_head in (False, True)}
 
 
 def _check(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Optional[Tensor], scale):
@@ -135,45 +156,6 @@ def _lengths(cache_seqlens, b: int, device: torch.device) -> Tensor:
         raise ArgumentError(f"{NAME}: cache_seqlens must be ({b},) on {device}, got "
                             f"{tuple(cache_seqlens.shape)} on {cache_seqlens.device}")
     return cache_seqlens.contiguous()
-
-
-@torch.library.custom_op("vitrail::attention_kvcache_fwd", mutates_args=())
-def _kvcache_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
-                 block_table: Optional[Tensor], cu_q: Tensor, rows: int, splits: int,
-                 chunk_keys: int, scale: float, causal: bool, causal_offset: int, local: bool,
-                 local_offset: int, softcap: float) -> tuple[Tensor, Tensor]:
-    """The PAGED forward: q (batch, rows, heads, D); sequence z is chunk z % splits (chunk_keys
-    keys) of entry z / splits, its rows q's of the entry; o (sequences rows, heads, Dv) and lse
-    (heads, sequences rows) packed by sequence (cu_q)."""
-    _, _, heads, d = q.shape
-    dv = v_cache.shape[3]
-    sequences = cu_q.shape[0] - 1
-    tq = sequences * rows
-    o = q.new_empty((tq, heads, dv))
-    lse = q.new_empty((heads, tq), dtype=torch.float32)
-    if tq == 0:
-        return o, lse
-    if not is_hopper(q.device):
-        raise NotImplementedError(f"{NAME}: the kernel is sm_90a (Hopper); "
-                                  f"{torch.cuda.get_device_name(q.device)} is not one")
-    q4, k4, v4 = _tma_ready(q), _tma_ready(k_cache), _tma_ready(v_cache)
-    page = k_cache.shape[1]
-    table_stride = 0 if block_table is None else block_table.stride(0)
-    persistent = persistent_for(chunk_keys, -(-rows // BM) * heads * sequences,
-                                sm_count(q.device.index))
-    launch(kernel(q.dtype, d, causal, local=local, softcap=softcap > 0, dv=dv,
-                  persistent=persistent, paged=True), o, lse, q4, k4, v4, rows, 0, sequences,
-           scale, causal_offset, local_offset, softcap, cu_q, None, True, persistent,
-           (cache_seqlens, block_table, table_stride, page, splits, chunk_keys))
-    return o, lse
-
-
-@_kvcache_fwd.register_fake
-def _kvcache_fwd_fake(q, k_cache, v_cache, cache_seqlens, block_table, cu_q, rows, splits,
-                      chunk_keys, scale, causal, causal_offset, local, local_offset, softcap):
-    tq, heads = (cu_q.shape[0] - 1) * rows, q.shape[2]
-    return (q.new_empty((tq, heads, v_cache.shape[3])),
-            q.new_empty((heads, tq), dtype=torch.float32))
 
 
 def reference_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens,
