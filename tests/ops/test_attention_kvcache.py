@@ -286,6 +286,9 @@ def test_a_decoding_step_runs_its_plan(page, lens, extra):
             torch.testing.assert_close(got[1].double()[finite], want[1][finite], rtol=1e-4,
                                        atol=1e-4)
         seqlens.sub_(1).clamp_(min=0)  # shorter: rows the entries hold (no NaN)
+    for e in range(len(lens)):  # every entry's first 5 rows keys (the first page holds them)
+        row = (e,) if table is None else (int(table[e, 0]),)
+        k[row][:5], v[row][:5] = torch.randn_like(k[row][:5]), torch.randn_like(v[row][:5])
     int_len = K.attention_kvcache(q, k, v, 5, table, **extra)
     assert plans() == before + 1
     got = int_len if isinstance(int_len, tuple) else (int_len,)
