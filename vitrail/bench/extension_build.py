@@ -1,8 +1,8 @@
 """Building torch extensions: vitrail.jit's load_inline and load beside torch's, in the same run.
 
     python -m vitrail.bench.extension_build [--cases small,large,small_cuda,large_cuda]
-                                            [--warm N] [--no-killed]
-                                            [--out FILE.json]
+                                            [--impls torch,vitrail,vitrail+pch]
+                                            [--warm N] [--no-killed] [--out FILE.json]
 
 Two cpp-only extensions: ``small``, one function on ``torch::Tensor`` bound by ``functions=``
 (``load_inline``); ``large``, five functions in one .cpp file and their bindings in another
@@ -258,7 +258,10 @@ def _killed(impl: str, case: str, name: str, source: str, env: dict, after: floa
 
 
 def measure(warm: int = 5, killed: bool = True, kill_after: float = 5.0, limit: float = 60.0,
-            cases=CPP_CASES) -> dict:
+            cases=CPP_CASES, impls=tuple(IMPLS), on_row=None) -> dict:
+    """The report of the cases built by impls (some of IMPLS, in IMPLS' order);
+    on_row(case, impl, row, report) after each row, the report so far (its rows yet to come
+    under "pending"): a run cut short keeps the rows it measured."""
     import torch
     cuda = [c for c in cases if c.endswith("_cuda")]
     if cuda and not torch.cuda.is_available():
@@ -266,13 +269,19 @@ def measure(warm: int = 5, killed: bool = True, kill_after: float = 5.0, limit: 
                            f"need a GPU, and torch {torch.__version__} sees none")
     results: dict[str, dict] = {}
     pch_s = None
+    todo = [(impl, case) for impl in IMPLS if impl in impls for case in cases]
+
+    def report() -> dict:
+        return {"results": results, "pch_build_s": pch_s, "torch": torch.__version__,
+                "cpus": os.cpu_count(), "python": sys.version.split()[0],
+                "time": time.strftime("%Y-%m-%d %H:%M"), "pending": [list(t) for t in todo]}
     with tempfile.TemporaryDirectory(prefix="vitrail-ext-bench-") as name:
         tmp = Path(name)
         env = {k: v for k, v in os.environ.items() if not k.startswith("VITRAIL_")}
         env.update(VITRAIL_CACHE_DIR=f"{tmp}/vitrail", TORCH_EXTENSIONS_DIR=f"{tmp}/torch",
                    PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]),
                                                env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-        for impl in IMPLS:
+        for impl in (i for i in IMPLS if i in impls):
             if impl == "vitrail+pch":
                 out = subprocess.run([sys.executable, "-c", PCH_CHILD], env=env, text=True,
                                      capture_output=True, check=True)
@@ -292,9 +301,10 @@ def measure(warm: int = 5, killed: bool = True, kill_after: float = 5.0, limit: 
                     label = f"bench_killed_{case}_{uuid.uuid4().hex[:8]}"
                     row["after_sigkill"] = _killed(impl, case, label, _source(case, tmp / "src"),
                                                    env, kill_after, limit, tmp)
-    return {"results": results, "pch_build_s": pch_s, "torch": torch.__version__,
-            "cpus": os.cpu_count(), "python": sys.version.split()[0],
-            "time": time.strftime("%Y-%m-%d %H:%M")}
+                todo.remove((impl, case))
+                if on_row is not None:
+                    on_row(case, impl, row, report())
+    return report()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -305,24 +315,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-killed", action="store_true", help="skip the SIGKILL case")
     parser.add_argument("--limit", type=float, default=60.0,
                         help="seconds a load after a killed build may take")
-    parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--impls", default=",".join(IMPLS),
+                        help=f"some of {', '.join(IMPLS)} (default: all; torch's rows are the "
+                             "baseline of the ratios)")
+    parser.add_argument("--out", help="write the results as JSON here (after every row)")
     args = parser.parse_args(argv)
     cases = [c for c in args.cases.split(",") if c]
     if not cases or set(cases) - set(CASES):
         parser.error(f"--cases: expected some of {', '.join(CASES)}")
-    report = measure(args.warm, not args.no_killed, limit=args.limit, cases=cases)
+    impls = [i for i in args.impls.split(",") if i]
+    if not impls or set(impls) - set(IMPLS):
+        parser.error(f"--impls: expected some of {', '.join(IMPLS)}")
+
+    def on_row(case: str, impl: str, row: dict, report: dict) -> None:
+        print(f"{case} {impl}: " + ", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=1))
+    report = measure(args.warm, not args.no_killed, limit=args.limit, cases=cases, impls=impls,
+                     on_row=on_row)
     print(f"torch {report['torch']}, Python {report['python']}, {report['cpus']} CPUs; "
           f"the PCH's one-time build: {report['pch_build_s']} s")
     for case, rows in report["results"].items():
-        base = rows["torch"]
+        base = rows.get("torch")
         print(f"\n{case}\n{'':<13}{'cold s':>8}{'cold+pch s':>12}{'x torch':>9}{'warm ms':>9}"
               f"{'x torch':>9}{'import ms':>11}  after SIGKILL")
         for impl, r in rows.items():
             with_pch = r.get("cold_with_pch_build_s")
+            ratio = (lambda k: f"{r[k] / base[k]:>9.2f}") if base else (lambda k: f"{'-':>9}")
             print(f"{impl:<13}{r['cold_s']:>8.2f}"
                   f"{with_pch if with_pch is not None else '-':>12}"
-                  f"{r['cold_s'] / base['cold_s']:>9.2f}{r['warm_ms']:>9.2f}"
-                  f"{r['warm_ms'] / base['warm_ms']:>9.2f}{r['import_ms']:>11.1f}  "
+                  f"{ratio('cold_s')}{r['warm_ms']:>9.2f}"
+                  f"{ratio('warm_ms')}{r['import_ms']:>11.1f}  "
                   f"{r.get('after_sigkill', '-')}")
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
