@@ -998,6 +998,23 @@ def test_splits_for():
     assert A.splits_for(8, 6 * bn, bn, sms) == 6 // A.SPLIT_MIN_BLOCKS
 
 
+def test_unhashable_options_get_their_refusal_not_a_type_error(monkeypatch):
+    """An eager call looks its plan up by its options before the checks: an option no key can
+    hold is still refused by name."""
+    K = importlib.import_module("vitrail.ops.attention.kvcache")
+    for module in (A, K):  # CPU tensors pass the device checks
+        monkeypatch.setattr(module, "check_tensor", lambda *a, **kw: None)
+        monkeypatch.setattr(module, "check_same_device", lambda *a, **kw: None)
+    q = torch.randn(1, 1, 2, 16, dtype=torch.bfloat16)
+    k = torch.randn(1, 8, 2, 16, dtype=torch.bfloat16)
+    with pytest.raises(ArgumentError, match="window must be"):
+        A.attention(q, k, k, window=[[4], 0])
+    with pytest.raises(ArgumentError, match="num_splits must be"):
+        A.attention(q, k, k, num_splits=[2])
+    with pytest.raises(ArgumentError, match="window must be"):
+        K.attention_kvcache(q, k, k, torch.tensor([8], dtype=torch.int32), window=[[4], 0])
+
+
 def test_num_splits_is_checked_and_a_masked_call_takes_one_pass(monkeypatch):
     """Where a key is masked, K and V would need a copy, or (by default) the keys are few or the
     rows many, the call is one pass."""

@@ -606,6 +606,15 @@ def frozen(window):
     return tuple(window) if type(window) is list else window
 
 
+def planned(key: tuple):
+    """PLANS' plan of key, GENERAL or None; None where an option cannot be hashed (the checks
+    refuse it)."""
+    try:
+        return PLANS.get(key)
+    except TypeError:
+        return None
+
+
 def _outputs(q: Tensor, dv: int, return_lse: bool, lse_by_head: bool = False) -> tuple:
     """(o,) or (o, lse): o (B, Sq, H, Dv) and lse (B, H, Sq) fp32, new; lse_by_head: lse's
     storage (H, B, Sq), the layout the PAGED kernel writes unpacked and unsplit."""
@@ -669,7 +678,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     if mode == EAGER:
         key = (signature(q), signature(k), signature(v), causal, scale, alignment,
                frozen(window), softcap, return_lse, num_splits)
-        hit = PLANS.get(key)
+        hit = planned(key)
         if hit is not None and hit is not GENERAL:  # a signature that passed the checks
             out = hit(q, k, v)
             return out if return_lse else out[0]

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from vitrail.jit.errors import ArgumentError
 from vitrail.ops.attention import (BM, MAX_GRID_YZ, PLANS, _check_options, _mask, _outputs,
-                                   block_n, check_qkv, decode_route, frozen, on_device,
+                                   block_n, check_qkv, decode_route, frozen, on_device, planned,
                                    paged_dispatch, paged_into)
 from vitrail.ops.common import EAGER, call_mode, check_same_device, check_tensor
 from vitrail.plan import GENERAL, signature
@@ -63,7 +63,7 @@ def attention_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens
         key = ("kvcache", signature(q), signature(k_cache), signature(v_cache),
                signature(cache_seqlens), None if block_table is None else signature(block_table),
                causal, scale, frozen(window), softcap, return_lse, num_splits)
-        hit = PLANS.get(key)
+        hit = planned(key)
         if hit is not None and hit is not GENERAL:  # a signature that passed the checks
             out = hit(q, k_cache, v_cache, cache_seqlens, block_table)
             return out if return_lse else out[0]
