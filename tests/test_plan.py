@@ -178,6 +178,31 @@ def test_plans_are_bounded_and_cleared(module):
     assert len(plans) == 0
 
 
+def test_a_key_seen_once_is_not_recorded_with_record_from_2(module):
+    """record_from=2: a key's first call runs the general path unrecorded (a signature seen once,
+    as a decoding loop's growing keys, pays no recording), its second records the plan, its
+    third runs it; the count is bounded and cleared."""
+    plans, calls = Plans("test", capacity=8, record_from=2), []
+
+    def general(x, out, a):
+        calls.append(a)
+        module.scale(out.data_ptr(), x.data_ptr(), x.numel(), a, stream=0)
+
+    for i in range(3):
+        x = torch.randn(37)
+        y, = plans.run(_key(x, 2.0), (x,), _outputs, general, (2.0,))
+        torch.testing.assert_close(y, 2 * x)
+        assert len(calls) == min(i + 1, 2) and len(plans) == (i >= 1), i
+    assert plans.get(_key(x, 2.0)) not in (None, GENERAL)
+    for n in range(1, 20):  # keys seen once: none recorded, the count bounded
+        x = torch.randn(n)
+        torch.testing.assert_close(plans.run(_key(x, 5.0), (x,), _outputs, general, (5.0,))[0],
+                                   5 * x)
+    assert len(plans) == 1 and len(plans._seen) <= 8
+    plans.clear()
+    assert len(plans) == 0 and not plans._seen
+
+
 def test_aliased_inputs_replay_only_while_aliased_and_views_replay_at_their_offsets(module):
     """A plan recorded from inputs that are one tensor (mm(a, a)) runs while they still are;
     another call of its signature (two tensors) takes the general path, never the first input
@@ -299,6 +324,23 @@ def test_front_functions_run_their_plans_from_cpp(module, ext):
     assert len(front.table) == 6
     plans.clear()
     assert len(front.table) == 0
+
+
+def test_a_cpp_key_learns_at_the_call_that_records_its_plan(module, ext):
+    """With record_from=2, the first call's unrecorded general path teaches the C++ table
+    nothing (the key stays pending); the second records the plan and the table learns it; the
+    third runs from C++."""
+    plans, calls = Plans("native-test-2", record_from=2), []
+    scale = _front_op(module, plans, calls)
+    table = scale.front.table
+    for i in range(3):
+        x = torch.randn(41)
+        torch.testing.assert_close(scale(x, 3.0), 3 * x)
+        assert len(table) == (i >= 1) and len(calls) == min(i + 1, 2), i
+    plans._plans.clear()  # only the C++ table can skip the general path now
+    x = torch.randn(41)
+    torch.testing.assert_close(scale(x, 3.0), 3 * x)
+    assert len(calls) == 2
 
 
 def test_tuples_and_lists_of_ints_are_keyed_by_value(module, ext):

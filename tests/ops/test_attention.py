@@ -1107,9 +1107,10 @@ def _plans(plans) -> int:
 @pytest.mark.parametrize("case", ["one pass", "decoding", "decoding sdpa layout", "gqa lse",
                                   "gqa rows"])
 def test_an_eager_call_runs_its_plan_after_the_first(case):
-    """An eager call without gradients records its signature's plan (no torch op but the
-    outputs' and scratch allocations, nothing made per call), and the next call of the signature
-    runs it: the same bits, the outputs new tensors, on new inputs too."""
+    """An eager call without gradients records its signature's plan at the signature's second
+    call (no torch op but the outputs' and scratch allocations, nothing made per call; the first
+    runs unrecorded), and the next call runs it: the same bits, the outputs new tensors, on new
+    inputs too."""
     gen = torch.Generator(device="cuda").manual_seed(7)
     b, sq, h, hk, sk, d = {"one pass": (2, 300, 4, 2, 700, 64),
                            "decoding": (4, 1, 32, 8, 5000, 128),
@@ -1124,10 +1125,13 @@ def test_an_eager_call_runs_its_plan_after_the_first(case):
     kw = {"return_lse": True} if "lse" in case else {"causal": case == "one pass"}
     before = _plans(A.PLANS)
     first = A.attention(q, k, v, **kw)
+    assert _plans(A.PLANS) == before, A.PLANS  # seen once: not recorded
+    recorded = A.attention(q, k, v, **kw)
     assert _plans(A.PLANS) == before + 1, A.PLANS
     again = A.attention(q, k, v, **kw)
-    for x, y in zip(*((first, again) if "lse" in case else ((first,), (again,)))):
-        assert torch.equal(x, y) and x.data_ptr() != y.data_ptr()
+    for x, y, z in zip(*((first, recorded, again) if "lse" in case else
+                         ((first,), (recorded,), (again,)))):
+        assert torch.equal(x, y) and torch.equal(x, z) and x.data_ptr() != z.data_ptr()
     q2 = torch.randn_like(q)
     want = A.reference(q2.double(), k.double(), v.double(), causal=case == "one pass")
     got = A.attention(q2, k, v, **kw)

@@ -266,8 +266,8 @@ def test_a_decoding_loop_in_a_cuda_graph_and_under_torch_compile():
     (16, [100, 4000, 2048, 1], {}), (None, [4096, 3, 0, 17], {"return_lse": True}),
     (64, [300, 1, 64, 65], {"causal": True, "num_splits": 1, "return_lse": True})])
 def test_a_decoding_step_runs_its_plan(page, lens, extra):
-    """A step with the lengths on the device records its plan once; later steps of the same
-    signature run it (new lengths) with the values of the reference; an int
+    """A step with the lengths on the device records its plan once, at its signature's second
+    call; later steps run it (new lengths) with the values of the reference; an int
     length takes the general path every call. One chunk unpacked (num_splits=1, MHA): lse in
     the kernel's layout, (B, H, Sq) strided."""
     from vitrail.plan import GENERAL
@@ -277,7 +277,7 @@ def test_a_decoding_step_runs_its_plan(page, lens, extra):
     before = plans()
     for step in range(3):
         got = K.attention_kvcache(q, k, v, seqlens, table, **extra)
-        assert plans() == before + 1
+        assert plans() == before + (step >= 1)  # recorded at the second call
         want = K.reference_kvcache(q, k, v, seqlens, table, causal=extra.get("causal", False))
         got = got if isinstance(got, tuple) else (got, None)
         torch.testing.assert_close(got[0].double(), want[0], rtol=2e-2, atol=2e-2)

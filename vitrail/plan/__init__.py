@@ -165,11 +165,14 @@ class _Watch(TorchDispatchMode):
 
 class Plans:
     """One op family's plans: key -> plan (a function of the inputs returning the outputs) or
-    GENERAL."""
+    GENERAL. record_from: the call of a key that records its plan (2: the second; the first runs
+    the general path unrecorded, so that signatures seen once, such as a decoding loop's growing
+    keys, never pay a recording)."""
 
-    def __init__(self, family: str, capacity: int = 4096):
-        self.family, self.capacity = family, capacity
+    def __init__(self, family: str, capacity: int = 4096, record_from: int = 1):
+        self.family, self.capacity, self.record_from = family, capacity, record_from
         self._plans: dict[tuple, Any] = {}
+        self._seen: dict[tuple, int] = {}  # keys called fewer than record_from times
         self._lock = threading.Lock()
         self.fronts: list[native.Front] = []  # the C++ tables of its front functions
         _ALL.append(self)
@@ -200,6 +203,12 @@ class Plans:
             if not nested and native.LEARNING[0]:
                 native.saw(GENERAL, inputs, outputs)
             return outputs
+        if self.record_from > 1 and self._too_soon(full):
+            outputs = make_outputs(*inputs, *params)
+            general(*inputs, *outputs, *params)
+            if native.LEARNING[0]:
+                native.saw(None, inputs, outputs)  # nothing stored: a C++ key learns next time
+            return outputs
         plan, outputs = _recorded(inputs, make_outputs, general, params, self.family)
         if plan is not None:
             self._store(full, plan)
@@ -208,6 +217,18 @@ class Plans:
         if native.LEARNING[0]:
             native.saw(plan, inputs, outputs)
         return outputs
+
+    def _too_soon(self, key: tuple) -> bool:
+        """Whether this call of key comes before record_from (counted here; bounded)."""
+        with self._lock:
+            n = self._seen.get(key, 0) + 1
+            if n >= self.record_from:
+                self._seen.pop(key, None)
+                return False
+            if len(self._seen) >= self.capacity:
+                self._seen.clear()
+            self._seen[key] = n
+            return True
 
     def put(self, key: tuple, plan) -> None:
         """Store a plan written by hand for key (e.g. a library call that the general path
@@ -226,6 +247,7 @@ class Plans:
     def clear(self) -> None:
         with self._lock:
             self._plans.clear()
+            self._seen.clear()
             for front in self.fronts:
                 front.clear()
 
@@ -428,10 +450,24 @@ def _python_plan(steps, n_inputs: int, n_outputs: int, record: Record, guards, m
         same = " and ".join(f"{group[0]}.data_ptr() == {n}.data_ptr()" for n in group[1:])
         lines.insert(1, f"    if not ({same}):\n        return unplanned({names})")
     source = "\n".join(lines)
-    exec(compile(source, f"<vitrail plan {family}>", "exec"), scope)
+    exec(_code(source, family), scope)
     plan = scope["plan"]
     plan.source = source
     return plan
+
+
+_CODE: dict[tuple[str, str], Any] = {}
+
+
+def _code(source: str, family: str):
+    """source compiled, kept per text: a family's signatures share a few plan texts (their
+    values are in the scope), and compile() took a third of a recording."""
+    code = _CODE.get((source, family))
+    if code is None:
+        if len(_CODE) >= 1024:
+            _CODE.clear()
+        code = _CODE[source, family] = compile(source, f"<vitrail plan {family}>", "exec")
+    return code
 
 
 def _native_template(steps, inputs: tuple, outputs: tuple, record: Record, failed):

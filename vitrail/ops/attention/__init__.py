@@ -597,9 +597,10 @@ def _mask(sq: int, sk: int, causal: bool, alignment: str, window) -> tuple[bool,
             offset - left if left is not None else 0)
 
 
-# Plans (vitrail.plan): an eager call's route, kernels and launch arguments, fixed at the first
-# call of its signature (attention's and attention_kvcache's)
-PLANS = Plans("attention")
+# Plans (vitrail.plan): an eager call's route, kernels and launch arguments, fixed at the second
+# call of its signature (attention's and attention_kvcache's): a decoding loop over keys that grow
+# is a new signature every step, which would pay a recording each time
+PLANS = Plans("attention", record_from=2)
 
 
 def frozen(window):
