@@ -133,6 +133,7 @@ def load_extension(name: str, path) -> object:
 _INTS = {"b": "int8_t", "B": "uint8_t", "h": "int16_t", "H": "uint16_t", "i": "int32_t",
          "I": "uint32_t", "q": "int64_t", "Q": "uint64_t"}
 _callers: dict[str, object] = {}  # caller source -> its extension module, or None
+_by_prototype: dict[object, object] = {}  # prototype -> _callers' answer for its source
 
 
 def _c_value(p) -> tuple[str, str] | None:
@@ -239,21 +240,24 @@ def packed_caller(proto) -> int | None:
 
 
 def _caller_module(proto):
+    found = _by_prototype.get(proto, _callers)  # (a plan's recording asks once per signature)
+    if found is not _callers:
+        return found
     body = caller_source(proto)
     if body is None:
         return None
-    if body in _callers:
-        return _callers[body]
-    with _lock:
-        if body not in _callers:
-            name = "vitrail_call_" + hashlib.sha256(body.encode()).hexdigest()[:16]
-            source = body + _MODULE.replace("@NAME@", name)
-            try:
-                _callers[body] = c_extension(source, name)
-            except Exception as e:  # any failure: ctypes calls, say why once
-                log.info("vitrail: calling %s through ctypes (no C caller: %s)", proto.name,
-                         str(e).splitlines()[0] if str(e) else type(e).__name__)
-                _callers[body] = None
+    if body not in _callers:
+        with _lock:
+            if body not in _callers:
+                name = "vitrail_call_" + hashlib.sha256(body.encode()).hexdigest()[:16]
+                source = body + _MODULE.replace("@NAME@", name)
+                try:
+                    _callers[body] = c_extension(source, name)
+                except Exception as e:  # any failure: ctypes calls, say why once
+                    log.info("vitrail: calling %s through ctypes (no C caller: %s)", proto.name,
+                             str(e).splitlines()[0] if str(e) else type(e).__name__)
+                    _callers[body] = None
+    _by_prototype[proto] = _callers[body]
     return _callers[body]
 
 

@@ -153,6 +153,19 @@ def _host_cases():
     cases.append(("conv2d bias relu bf16 8x64x28x28 3x3", {
         "vitrail": lambda: ops.conv2d(cx, cw, cb, padding=1, activation="relu"),
         "torch": lambda: F.relu(F.conv2d(cx, cw, cb, padding=1))}))
+    # attention on a decoding step too small for the GPU to hide the host: one query row over
+    # 256 keys, GQA 8/2, D 64; torch: SDPA in its (batch, heads, seqlen, dim) layout
+    aq = torch.randn(1, 1, 8, 64, device=dev, dtype=bf)
+    ak, av = (torch.randn(1, 256, 2, 64, device=dev, dtype=bf) for _ in "kv")
+    alens = torch.full((1,), 256, device=dev, dtype=torch.int32)
+
+    def sdpa():
+        return F.scaled_dot_product_attention(aq.transpose(1, 2), ak.transpose(1, 2),
+                                              av.transpose(1, 2), enable_gqa=True)
+    cases.append(("attention bf16 B1 Sq1 Sk256 H8/2 D64", {
+        "vitrail": lambda: ops.attention(aq, ak, av), "torch": sdpa}))
+    cases.append(("attention_kvcache bf16 B1 Sq1 Sk256 H8/2 D64", {
+        "vitrail": lambda: ops.attention_kvcache(aq, ak, av, alens), "torch": sdpa}))
     grouped = {"vitrail": lambda: ops.grouped_mm(ga, gw, ends)}
     if hasattr(torch, "_grouped_mm"):
         wt = gw.transpose(-1, -2).contiguous().transpose(-1, -2)

@@ -28,7 +28,9 @@ batch compiles nothing. Where no key is masked (decoding: few query rows, many k
 of each batch entry are split into chunks computed side by side and combined where one pass
 would leave SMs idle (split-KV; ``num_splits=n`` sets the chunks, 1 none), and a GQA group's
 query heads share their K and V's reads (packed into one tile's rows), from DECODE_MIN_KEYS keys:
-_split_keys.
+without gradients through attention_kvcache's PAGED forward over k and v in place (paged_into),
+with them through the varlen kernel and its backward (_split_keys). An eager call without
+gradients replays its signature's plan from the signature's second call (vitrail.plan).
 """
 from __future__ import annotations
 
