@@ -1104,7 +1104,8 @@ def _plans(plans) -> int:
 
 
 @needs_hopper
-@pytest.mark.parametrize("case", ["one pass", "decoding", "decoding sdpa layout", "gqa lse"])
+@pytest.mark.parametrize("case", ["one pass", "decoding", "decoding sdpa layout", "gqa lse",
+                                  "gqa rows"])
 def test_an_eager_call_records_its_plan_at_its_second_call_and_runs_it_after(case):
     """An eager call without gradients records its signature's plan at the signature's second
     call (no torch op but the outputs' and scratch allocations, nothing made per call; the first
@@ -1114,7 +1115,8 @@ def test_an_eager_call_records_its_plan_at_its_second_call_and_runs_it_after(cas
     b, sq, h, hk, sk, d = {"one pass": (2, 300, 4, 2, 700, 64),
                            "decoding": (4, 1, 32, 8, 5000, 128),
                            "decoding sdpa layout": (2, 1, 8, 8, 3000, 64),
-                           "gqa lse": (2, 1, 16, 2, 9000, 128)}[case]
+                           "gqa lse": (2, 1, 16, 2, 9000, 128),
+                           "gqa rows": (2, 3, 16, 2, 9000, 128)}[case]  # q's rows copied
     q = torch.randn(b, sq, h, d, device="cuda", generator=gen, dtype=torch.bfloat16)
     k, v = (torch.randn(b, hk, sk, d, device="cuda", generator=gen, dtype=torch.bfloat16)
             .transpose(1, 2) if "sdpa" in case else

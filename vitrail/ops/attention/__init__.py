@@ -48,6 +48,7 @@ from vitrail.jit.tma import tensor_map
 from vitrail.ops.attention.backward import attention_backward
 from vitrail.ops.common import EAGER, call_mode, check_same_device, check_tensor
 from vitrail.ops.common import persistent as made_aside
+from vitrail.ops.copy import copy
 from vitrail.plan import GENERAL, Plans, keep, scratch, setup, signature
 from vitrail.plan.native import front
 
@@ -857,15 +858,22 @@ def decode_route(b: int, sq: int, h: int, hk: int, capacity: int, bn: int, pack:
     return g, -(-capacity // size), size  # chunks, none past the capacity
 
 
-def _packed_rows(q: Tensor, g: int) -> Tensor:
+def _packed_rows(q: Tensor, g: int, planned: bool = False) -> Tensor:
     """q (B, Sq, H, D) as (B, Sq g, H / g, D): a GQA group's heads packed into rows (row s g + j
-    of KV head kv is head kv g + j's row s); a view where Sq is 1 or g is 1."""
+    of KV head kv is head kv g + j's row s); a view where Sq is 1 or g is 1, else a copy: where
+    planned (a plan's general path, on a GPU), by vitrail's copy into a scratch buffer, launches
+    a plan repeats; else by torch (which torch.compile traces)."""
     if g == 1:
         return q
     b, sq, h, d = q.shape
     if sq == 1:
         return q[:, 0].unflatten(1, (h // g, g)).transpose(1, 2)
-    return q.unflatten(2, (h // g, g)).transpose(2, 3).reshape(b, sq * g, h // g, d)
+    grouped = q.unflatten(2, (h // g, g)).transpose(2, 3)  # (B, Sq, g, H / g, D)
+    if not (planned and q.is_cuda):
+        return grouped.reshape(b, sq * g, h // g, d)
+    packed = scratch(q.numel(), q.dtype, q.device).view(grouped.shape)
+    copy(grouped, out=packed)
+    return packed.view(b, sq * g, h // g, d)
 
 
 _FULL_LENGTHS: dict[tuple, Tensor] = {}
@@ -905,8 +913,8 @@ def paged_into(q: Tensor, k_cache: Tensor, v_cache: Tensor, lens: Tensor,
     lse = _scratch_lse(q, by_head=one) if lse is None else lse
     rows = sq * g
     cu_q = _split_offsets(b, n, rows, capacity, size, q.device)[0]
-    run = (_packed_rows(q, g), k_cache, v_cache, lens, table, cu_q, rows, n, size, scale, causal,
-           causal_offset, local, local_offset, softcap)
+    run = (_packed_rows(q, g, planned=True), k_cache, v_cache, lens, table, cu_q, rows, n, size,
+           scale, causal, causal_offset, local, local_offset, softcap)
     if one:
         _paged_run(*run, o.view(b * sq, h, dv), lse.permute(1, 0, 2).view(h, b * sq))
         return
