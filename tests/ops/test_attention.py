@@ -1105,7 +1105,7 @@ def _plans(plans) -> int:
 
 @needs_hopper
 @pytest.mark.parametrize("case", ["one pass", "decoding", "decoding sdpa layout", "gqa lse"])
-def test_an_eager_call_runs_its_plan_after_the_first(case):
+def test_an_eager_call_records_its_plan_at_its_second_call_and_runs_it_after(case):
     """An eager call without gradients records its signature's plan at the signature's second
     call (no torch op but the outputs' and scratch allocations, nothing made per call; the first
     runs unrecorded), and the next call runs it: the same bits, the outputs new tensors, on new
