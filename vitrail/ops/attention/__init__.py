@@ -651,16 +651,16 @@ def _decoding(q, k, v, o, lse, g, n, chunk, scale, softcap):
                False, 0, False, 0, softcap)
 
 
-def generals(run):
-    """{outputs: general} of a route run(q, k, v, o, lse or None, *params) for Plans.run, which
+def generals(run, inputs: int = 3) -> dict:
+    """{outputs: general} of a route run(*inputs, o, lse or None, *params) for Plans.run, which
     passes general(*inputs, *outputs, *params): one output (o) or two (o, lse)."""
-    return {1: lambda a, b, c, o, *params: run(a, b, c, o, None, *params),
-            2: lambda a, b, c, o, lse, *params: run(a, b, c, o, lse, *params)}
+    return {1: lambda *a: run(*a[:inputs + 1], None, *a[inputs + 1:]), 2: run}
 
 
 _ONE_PASS, _DECODING = generals(_one_pass), generals(_decoding)
-_OUTPUTS = {1: lambda q, k, v, *_: _outputs(q, v.shape[3], False),
-            2: lambda q, k, v, *_: _outputs(q, v.shape[3], True)}
+# Plans.run's make_outputs(q, k, v, ...) by (return_lse, lse_by_head): o, and the lse returned
+PLAN_OUTPUTS = {(r, by_head): (lambda q, k, v, *_, r=r, by_head=by_head: _outputs(
+    q, v.shape[3], r, by_head)) for r in (False, True) for by_head in (False, True)}
 
 
 @front(PLANS)
@@ -716,7 +716,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         params = (*route, scale, softcap) if route else (scale, *mask, softcap)
         n_out = 2 if return_lse else 1
         general = (_DECODING if route else _ONE_PASS)[n_out]
-        out = on_device(q, PLANS.run, key, (q, k, v), _OUTPUTS[n_out], general, params)
+        out = on_device(q, PLANS.run, key, (q, k, v), PLAN_OUTPUTS[return_lse, False], general,
+                        params)
         return out if return_lse else out[0]
     if route:
         o, lse = paged_dispatch(q, k, v, full_lengths(b, sk, q.device), None, sk, *route,

@@ -21,9 +21,9 @@ import torch
 from torch import Tensor
 
 from vitrail.jit.errors import ArgumentError
-from vitrail.ops.attention import (BM, MAX_GRID_YZ, PLANS, _check_options, _mask, _outputs,
-                                   block_n, check_qkv, decode_route, frozen, on_device, planned,
-                                   paged_dispatch, paged_into)
+from vitrail.ops.attention import (BM, MAX_GRID_YZ, PLAN_OUTPUTS, PLANS, _check_options, _mask,
+                                   _outputs, block_n, check_qkv, decode_route, frozen, generals,
+                                   on_device, paged_dispatch, paged_into, planned)
 from vitrail.ops.common import EAGER, call_mode, check_same_device, check_tensor
 from vitrail.plan import GENERAL, signature
 from vitrail.plan.native import front
@@ -90,22 +90,22 @@ def attention_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens
         return (o, lse) if return_lse else o
     params = (capacity, *route, scale, *mask, float(softcap or 0.0))
     by_head = route[0] == 1 and route[1] == 1  # the kernel's lse layout
+    general = _GENERAL[2 if return_lse else 1]
     if not on_gpu:  # the lengths made here: no plan
         out = _outputs(q, dv, return_lse, by_head)
-        on_device(q, _GENERAL[return_lse], q, k_cache, v_cache, lens, block_table, *out, *params)
+        on_device(q, general, q, k_cache, v_cache, lens, block_table, *out, *params)
     else:
         out = on_device(q, PLANS.run, key, (q, k_cache, v_cache, lens, block_table),
-                        _OUTPUTS[return_lse, by_head], _GENERAL[return_lse], params)
+                        PLAN_OUTPUTS[return_lse, by_head], general, params)
     return out if return_lse else out[0]
 
 
-# a plan's general path and its outputs (Plans.run's general(*inputs, *outputs, *params))
-_GENERAL = {False: lambda q, k, v, lens, table, o, *params: paged_into(
-                q, k, v, lens, table, params[0], o, None, *params[1:]),
-            True: lambda q, k, v, lens, table, o, lse, *params: paged_into(
-                q, k, v, lens, table, params[0], o, lse, *params[1:])}
-_OUTPUTS = {(r, by_head): (lambda q, k, v, *_, r=r, by_head=by_head: _outputs(
-    q, v.shape[3], r, by_head)) for r in (False, True) for by_head in (False, True)}
+def _paged(q, k_cache, v_cache, lens, table, o, lse, capacity, *route):
+    """A plan's general path: paged_into (the capacity first of the params)."""
+    paged_into(q, k_cache, v_cache, lens, table, capacity, o, lse, *route)
+
+
+_GENERAL = generals(_paged, inputs=5)
 
 
 def _check(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Optional[Tensor], scale):
