@@ -246,36 +246,52 @@ __device__ void forward(const Params& base, int row_blocks, int total, int* coun
 
   if (threadIdx.x / 128 == 0) {  // producer: slab -> tile
     vitrail::warpgroup_registers_down<kProducerRegisters>();
-    if (threadIdx.x == 0) {
+    // One thread schedules and loads; PAGED with pages shorter than a block (box < BN), the
+    // first warp's lanes load a box each (its page read from the table and its loads issued
+    // side by side, not one box after another), lane 0 scheduling for them.
+    const int lane = threadIdx.x % 32;
+    const bool boxes = PAGED && base.table != nullptr && base.page < BN;
+    if (threadIdx.x == 0 || (boxes && threadIdx.x < 32)) {
       auto w = vitrail::PipeState<STAGES>::producer();
       Tile tile;
-      for (int i = 0, ti = first_tile();; ++i, ti = next_tile(counter, total)) {
-        while (ti < total && !tile_of(base, row_blocks, ti, tile)) ti = next_tile(counter, total);
+      const unsigned lanes = boxes ? 0xffffffffu : 1u;
+      auto next = [&] {  // lane 0's next tile, for every lane
+        const int n = lane == 0 ? next_tile(counter, total) : 0;
+        return boxes ? __shfl_sync(lanes, n, 0) : n;
+      };
+      for (int i = 0, ti = first_tile();; ++i, ti = next()) {
+        while (ti < total && !tile_of(base, row_blocks, ti, tile)) ti = next();
         if (i > 0) vitrail::Bulk::wait(q_empty, (i - 1) & 1);  // sQ is free again
-        scheduled[i & 1] = ti < total ? ti : -1;
+        if (lane == 0) scheduled[i & 1] = ti < total ? ti : -1;
         if (ti >= total) {  // the consumers' last phase: no tile
-          vitrail::Bulk::arrive(q_full);
-          done_with_tiles(counter);
+          if (lane == 0) {
+            vitrail::Bulk::arrive(q_full);
+            done_with_tiles(counter);
+          }
           break;
         }
         asm volatile("" ::: "memory");  // the tile's index before the phase's arrival
         const int tma_batch = VARLEN ? 0 : tile.batch;
         const int head_kv = int(unsigned(tile.head) / unsigned(base.heads / base.heads_kv));
-        vitrail::Bulk::expect(q_full, kBytesQ);
         // PAGED: the entry's own rows of q (batch, rows, heads, D), which its chunks share
         const int q_row = PAGED ? tile.m0 : tile.q_start + tile.m0;
         const int q_batch = PAGED ? tile.entry : tma_batch;
-        for (int c = 0; c < kChunks; ++c)  // Q's kChunk-wide slices of D, BM rows each
-          vitrail::Tma::load(&sQ(0, c * kChunk, 0), mapQ, q_full, c * kChunk, q_row, tile.head,
-                             q_batch);
+        if (lane == 0) {
+          vitrail::Bulk::expect(q_full, kBytesQ);
+          for (int c = 0; c < kChunks; ++c)  // Q's kChunk-wide slices of D, BM rows each
+            vitrail::Tma::load(&sQ(0, c * kChunk, 0), mapQ, q_full, c * kChunk, q_row,
+                               tile.head, q_batch);
+        }
         for (int j = tile_start(tile), blocks = tile_blocks(tile); j < blocks; ++j, w.advance()) {
           pipe.acquire(w);
-          pipe.expect(w, kBytesKV);
+          if (lane == 0) pipe.expect(w, kBytesKV);
+          if (boxes) __syncwarp();  // the stage's bytes expected before any lane's loads
           auto k = sK(w.index);
           auto v = sV(w.index);
-          // boxes of BN rows, or PAGED with a table's pages shorter than BN, a page each
-          const int box = PAGED && base.table != nullptr ? min(base.page, BN) : BN;
-          for (int r = 0; r < BN; r += box) {
+          // boxes of BN rows, or PAGED with a table's pages shorter than BN, a page each (a
+          // lane each)
+          const int box = boxes ? base.page : BN;
+          for (int r = boxes ? lane * box : 0; r < BN; r += boxes ? 32 * box : box) {
             const int key = tile.k_start + j * BN + r;
             int row = key, kv_batch = tma_batch;
             if constexpr (PAGED) cache_at(base, tile.entry, tile.kv_len, key, row, kv_batch);
