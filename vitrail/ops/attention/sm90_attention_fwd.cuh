@@ -248,16 +248,18 @@ __device__ void forward(const Params& base, int row_blocks, int total, int* coun
     vitrail::warpgroup_registers_down<kProducerRegisters>();
     // One thread schedules and loads; PAGED with pages shorter than a block (box < BN), the
     // first warp's lanes load a box each (its page read from the table and its loads issued
-    // side by side, not one box after another), lane 0 scheduling for them.
-    const int lane = threadIdx.x % 32;
-    const bool boxes = PAGED && base.table != nullptr && base.page < BN;
-    if (threadIdx.x == 0 || (boxes && threadIdx.x < 32)) {
+    // side by side, not one box after another), lane 0 scheduling for them. Each way is its
+    // own instantiation, so one thread's loop carries none of the lanes' work.
+    auto produce = [&](auto lanes) {
+      constexpr bool kLanes = decltype(lanes)::value;
+      const int lane = kLanes ? int(threadIdx.x % 32) : 0;
       auto w = vitrail::PipeState<STAGES>::producer();
       Tile tile;
-      const unsigned lanes = boxes ? 0xffffffffu : 1u;
       auto next = [&] {  // lane 0's next tile, for every lane
-        const int n = lane == 0 ? next_tile(counter, total) : 0;
-        return boxes ? __shfl_sync(lanes, n, 0) : n;
+        if constexpr (kLanes)
+          return __shfl_sync(0xffffffffu, lane == 0 ? next_tile(counter, total) : 0, 0);
+        else
+          return next_tile(counter, total);
       };
       for (int i = 0, ti = first_tile();; ++i, ti = next()) {
         while (ti < total && !tile_of(base, row_blocks, ti, tile)) ti = next();
@@ -285,13 +287,12 @@ __device__ void forward(const Params& base, int row_blocks, int total, int* coun
         for (int j = tile_start(tile), blocks = tile_blocks(tile); j < blocks; ++j, w.advance()) {
           pipe.acquire(w);
           if (lane == 0) pipe.expect(w, kBytesKV);
-          if (boxes) __syncwarp();  // the stage's bytes expected before any lane's loads
+          if constexpr (kLanes) __syncwarp();  // the stage's bytes expected before any loads
           auto k = sK(w.index);
           auto v = sV(w.index);
-          // boxes of BN rows, or PAGED with a table's pages shorter than BN, a page each (a
-          // lane each)
-          const int box = boxes ? base.page : BN;
-          for (int r = boxes ? lane * box : 0; r < BN; r += boxes ? 32 * box : box) {
+          // boxes of BN rows, or with the lanes a page each, lane l's pages l, l + 32, ...
+          const int box = kLanes ? base.page : BN;
+          for (int r = lane * box; r < BN; r += (kLanes ? 32 : 1) * box) {
             const int key = tile.k_start + j * BN + r;
             int row = key, kv_batch = tma_batch;
             if constexpr (PAGED) cache_at(base, tile.entry, tile.kv_len, key, row, kv_batch);
@@ -306,7 +307,14 @@ __device__ void forward(const Params& base, int row_blocks, int total, int* coun
           }
         }
       }
+    };
+    if constexpr (PAGED) {
+      if (base.table != nullptr && base.page < BN) {
+        if (threadIdx.x < 32) produce(cute::true_type{});
+        return;
+      }
     }
+    if (threadIdx.x == 0) produce(cute::false_type{});
     return;
   }
 
