@@ -296,3 +296,16 @@ def test_a_compiler_printing_bytes_that_are_not_utf8_fails_cleanly(tmp_path):
     assert "bad \ufffd\ufffd bytes" in failed.value.log
     ok = "import sys; sys.stdout.buffer.write(b'fine \\x83\\n')"
     assert run_compiler([sys.executable, "-c", ok], tmp_path, "fake-cc") == "fine \ufffd\n"
+
+
+def test_a_build_whose_directory_is_removed_under_it_says_so():
+    """The compiler fails because its build directory went (the cache deleted meanwhile): the
+    error says that, not a FileNotFoundError from saving the failed build's log."""
+    from vitrail.jit.compiler import BuildFailed, cached_build
+
+    def builder(build):
+        shutil.rmtree(build)
+        raise BuildFailed("Fatal error: can't create keep/k.o: No such file or directory",
+                          "nvcc -o kernel.so k.cu", "nvcc")
+    with pytest.raises(jit.CacheError, match="'gone'.*was removed while nvcc ran"):
+        cached_build("0" * 64, "gone", "nvcc", builder)

@@ -30,7 +30,7 @@ from vitrail import __version__, knobs
 from vitrail.jit import shared, toolchain
 from vitrail.jit.cache import (LAYOUT, META, Entry, KernelCache, dir_size, header_closure,
                                 make_key, safe_name)
-from vitrail.jit.errors import CompileError, ToolchainError
+from vitrail.jit.errors import CacheError, CompileError, ToolchainError
 from vitrail.jit.index import Index
 from vitrail.jit.ptxas import parse_ptxas
 
@@ -129,6 +129,11 @@ def cached_build(key: str, name: str, backend: str, builder: Callable[[Path], di
                     meta = builder(build)
                     entry = cache.publish(key, build, meta, read_artifact=read_artifact)
                 except BuildFailed as failed:
+                    if not build.is_dir():  # the failure's cause, not the compiler's errors
+                        raise CacheError(
+                            f"vitrail: the build directory of '{name}' ({build}) was removed "
+                            f"while {failed.tool or backend} ran: was the cache at {cache.root} "
+                            f"cleared or deleted meanwhile?") from None
                     (build / "build.log").write_text(f"$ {failed.command}\n{failed.log}")
                     saved = cache.save_failure(name, key, build)
                     raise CompileError(name, failed.tool or backend,
