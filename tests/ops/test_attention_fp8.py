@@ -109,7 +109,8 @@ def test_values_match_the_reference(b, sq, h, hk, sk, d, dv, options):
 @requires_gpu
 def test_fp8_against_bf16_on_the_same_values():
     """The same e4m3 values through the bf16 forward (exact in bf16): the FP8 forward's o is as
-    close to it as P's rounding allows, and its lse equal within fp32's rounding."""
+    close to it as P's rounding allows, and its lse within 1e-3 (e4m3 wgmma sums its products
+    at less than fp32's precision: 2e-4 measured on the H200)."""
     gen = torch.Generator(device="cuda").manual_seed(3)
     q, k, v = (_e4m3(2, 512, 8, 128, gen=gen) for _ in range(3))
     o8, lse8 = fp8.attention_fp8(q, k, v, causal=True, return_lse=True)
@@ -117,4 +118,4 @@ def test_fp8_against_bf16_on_the_same_values():
                              causal=True, return_lse=True)
     rms = (o8.float() - o16.float()).pow(2).mean().sqrt() / o16.float().pow(2).mean().sqrt()
     assert rms < 0.04, rms
-    torch.testing.assert_close(lse8, lse16, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lse8, lse16, rtol=1e-3, atol=1e-3)

@@ -21,7 +21,7 @@ with atomics (its rounding, so dq's last bits, vary from run to run); ``determin
 ``torch.use_deterministic_algorithms(True)``) runs two kernels without atomics (dQ over the
 keys, dK and dV over the query rows: the same bits every run, S and dP computed twice).
 ``attention_varlen`` takes sequences of their own lengths packed along the rows
-(FlashAttention's cu_seqlens).
+(FlashAttention's cu_seqlens); ``attention_fp8`` (fp8.py) the FP8 (e4m3) forward.
 
 Kernels compile with NVRTC in seconds, one per (dtype, D, Dv, causal); a new sequence length or
 batch compiles nothing. Where no key is masked (decoding: few query rows, many keys), the keys
