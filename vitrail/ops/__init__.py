@@ -20,6 +20,7 @@ _EXPORTS = {
     "mm": "gemm", "bmm": "gemm", "gemm": "gemm", "scaled_mm": "gemm", "grouped_mm": "gemm",
     "conv2d": "conv",
     "attention": "attention", "attention_varlen": "attention", "attention_kvcache": "attention.kvcache",
+    "attention_fp8": "attention.fp8",
     "sympow": "sympow", "sympow_mma": "sympow", "mma_sympow_bwd": "sympow",
 }
 __all__ = list(_EXPORTS)

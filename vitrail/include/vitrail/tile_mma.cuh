@@ -20,12 +20,14 @@
 //   (`wait<N>(acc, a)` fences it too), or the compiler may reuse its registers early.
 // - TileMMA80<T, M, N, K, Warps> (sm_80+): mma.sync over the same kind of tiles; operands move
 //   from shared memory to registers with ldmatrix. Synchronous.
-// T: __nv_bfloat16 or __half (or CuTe's bfloat16_t / half_t); accumulators are fp32.
+// T: __nv_bfloat16 or __half (or CuTe's bfloat16_t / half_t), or for TileMMA __nv_fp8_e4m3 /
+// __nv_fp8_e5m2 (both operands K-major, K a multiple of 32); accumulators are fp32.
 //
 // NVRTC: compile with -default-device (CuTe's constexpr helpers carry no __device__).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_atom.hpp>
@@ -43,6 +45,8 @@ namespace vitrail {
 template <class T> struct CuteType { using type = T; };
 template <> struct CuteType<__nv_bfloat16> { using type = cute::bfloat16_t; };
 template <> struct CuteType<__half> { using type = cute::half_t; };
+template <> struct CuteType<__nv_fp8_e4m3> { using type = cute::float_e4m3_t; };
+template <> struct CuteType<__nv_fp8_e5m2> { using type = cute::float_e5m2_t; };
 template <class T> using cute_t = typename CuteType<T>::type;
 
 // Which extent of an operand tile is contiguous in shared memory: K (a row of A or of B^T) or
@@ -93,7 +97,8 @@ struct TileMMA {
   using T = cute_t<T_>;
   static constexpr int kThreads = 128 * WarpGroups;
   static_assert(M % (64 * WarpGroups) == 0, "TileMMA: M must be a multiple of 64 x WarpGroups");
-  static_assert(K % 16 == 0, "TileMMA: K must be a multiple of 16");
+  static_assert(K * int(sizeof(T)) % 32 == 0,
+                "TileMMA: K must be a multiple of 16 (of 32 for 8-bit T)");
   // One wgmma instruction: 64 rows of a warpgroup, as much of N as one instruction takes.
   using AtomShape = cute::Shape<cute::_64, cute::Int<N>, cute::Int<K>>;
   using OpSS = decltype(cute::SM90::GMMA::ss_op_selector<T, T, float, AtomShape,
@@ -187,8 +192,41 @@ struct TileMMA {
   // thread, (pairs of columns, rows r / r + 8, 8-column blocks), two 8-column blocks to a
   // k-step of 16. The fragment owns its registers (a view of a local array would dangle once
   // this returns, and the compiler may then drop the conversion and the product reading it).
+  // 8-bit T: a k-step of 32 reads, in each thread, keys 4q .. 4q + 3 and 16 + 4q .. 19 + 4q
+  // (q = thread % 4) of rows r and r + 8, where the accumulators hold columns 2q, 2q + 1, 8 + 2q,
+  // 9 + 2q and those plus 16: the fragment takes them as they lie, so A's k-th column is P's
+  // column key_of(k) = 16 (k / 16) + 8 (k % 4 / 2) + 2 (k % 16 / 4) + k % 2 of each 32, and the
+  // next product's B must hold its rows in that order (attention's FP8 V^T).
   template <class Acc>
   __device__ static auto as_a(Acc const& acc) {
+    using namespace cute;
+    auto l = acc.layout();  // ((2, 2, N / 8), MMA_M, MMA_N)
+    if constexpr (sizeof(T) == 1) {
+      static_assert(decltype(size<2>(l))::value == 1 && decltype(size<0, 2>(l))::value % 4 == 0,
+                    "TileMMA::as_a: 8-bit A takes one atom's N, a multiple of 32");
+      constexpr int kMmaM = decltype(size<1>(l))::value;
+      constexpr int kSteps = decltype(size<0, 2>(l))::value / 4;  // k-steps of 32
+      // ALayout_64x32's values: 4 consecutive k, rows r / r + 8, k and k + 16
+      auto a = make_tensor<T>(Shape<Shape<_4, _2, _2>, Int<kMmaM>, Int<kSteps>>{});
+      CUTE_UNROLL
+      for (int m = 0; m < kMmaM; ++m) {
+        CUTE_UNROLL
+        for (int ks = 0; ks < kSteps; ++ks) {
+          CUTE_UNROLL
+          for (int i = 0; i < 16; ++i) {  // (4 k, row half, k half)
+            const int j = i % 4, half = i / 4 % 2, kh = i / 8;
+            a(make_coord(make_coord(j, half, kh), m, ks)) =
+                T(acc(make_coord(make_coord(j % 2, half, 4 * ks + 2 * kh + j / 2), m, 0)));
+          }
+        }
+      }
+      return a;
+    } else {
+      return as_a_16(acc);
+    }
+  }
+  template <class Acc>
+  __device__ static auto as_a_16(Acc const& acc) {
     using namespace cute;
     auto l = acc.layout();  // ((2, 2, N / 8), MMA_M, MMA_N)
     auto blocks = logical_divide(get<0, 2>(l), Int<2>{});  // (2, N / 16)

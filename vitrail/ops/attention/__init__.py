@@ -21,7 +21,7 @@ with atomics (its rounding, so dq's last bits, vary from run to run); ``determin
 ``torch.use_deterministic_algorithms(True)``) runs two kernels without atomics (dQ over the
 keys, dK and dV over the query rows: the same bits every run, S and dP computed twice).
 ``attention_varlen`` takes sequences of their own lengths packed along the rows
-(FlashAttention's cu_seqlens).
+(FlashAttention's cu_seqlens); ``attention_fp8`` (fp8.py) the FP8 (e4m3) forward.
 
 Kernels compile with NVRTC in seconds, one per (dtype, D, Dv, causal); a new sequence length or
 batch compiles nothing. Where no key is masked (decoding: few query rows, many keys), the keys
@@ -83,11 +83,11 @@ def block_n(d: int, dv: Optional[int] = None) -> int:
     return 128 if dv <= 128 and _smem(d, dv, 128, 2) <= SMEM_LIMIT else 64
 
 
-def chunk(d: int) -> int:
-    """A head dim's slice in one TMA box: the widest of 64, 32 and 16 elements that divides d,
-    rows of 128, 64 or 32 bytes, the swizzle of the kernel's shared-memory tiles (tile_mma's
+def chunk(d: int, size: int = 2) -> int:
+    """A head dim's slice in one TMA box, in elements of size bytes: the widest of 128-, 64- and
+    32-byte rows that divides d's, the swizzle of the kernel's shared-memory tiles (tile_mma's
     SmemTile picks its atom by the same rule)."""
-    return next(c for c in (64, 32, 16) if d % c == 0)
+    return next(c for c in (128, 64, 32) if d * size % c == 0) // size
 
 
 # wgmma widths (N) CuTe's selectors take without CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
@@ -107,17 +107,22 @@ def smem_bytes(d: int, dtype: torch.dtype = torch.bfloat16, dv: Optional[int] = 
 
 def source(dtype: torch.dtype, d: int, causal: bool, pingpong: bool = True, local: bool = False,
            softcap: bool = False, varlen: bool = False, dv: Optional[int] = None,
-           persistent: bool = True, paged: bool = False) -> str:
+           persistent: bool = True, paged: bool = False,
+           out_dtype: Optional[torch.dtype] = None) -> str:
+    """The forward's instantiation; an 8-bit dtype (e4m3) is the FP8 forward, its output
+    out_dtype (bf16 or fp16; else o is q's dtype)."""
     dv = d if dv is None else dv
+    fp8 = dtype.itemsize == 1
     config = {"D": d, "DV": dv, "BM": BM, "BN": block_n(d, dv), "STAGES": STAGES}
     flags = {"CAUSAL": causal, "LOCAL": local, "SOFTCAP": softcap, "VARLEN": varlen or paged,
-             "PAGED": paged, "PINGPONG": pingpong, "PERSISTENT": persistent}
+             "PAGED": paged, "PINGPONG": pingpong, "PERSISTENT": persistent, "FP8": fp8}
     # P V is one wgmma Dv wide per 16 keys; Dv of 80, 112, 160... is among CuTe's extended
     # shapes (their headers cost compile time, so only where needed)
     extended = dv not in STOCK_MMA_N
     return (("#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED\n" if extended else "") +
-            "#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
-            f"using T = {ctype(dtype)};\n" +
+            "#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n" +
+            ("#include <cuda_fp8.h>\n" if fp8 else "") +
+            f"using T = {ctype(dtype)};\nusing TO = {ctype(out_dtype or dtype)};\n" +
             "".join(f"constexpr int {k} = {v};\n" for k, v in config.items()) +
             "".join(f"constexpr bool {k} = {'true' if v else 'false'};\n"
                     for k, v in flags.items()) +
@@ -129,26 +134,30 @@ SIGNATURE = ("void* o, float* lse, const vitrail::TensorMap mapQ, const vitrail:
              "int heads_kv, float scale_log2, int causal_offset, int local_offset, float softcap, "
              "float softcap_pre, const int* cu_q, const int* cu_k, int total_q, int bottom_right, "
              "const int* kv_lens, const int* table, int table_stride, int page, int splits, "
-             "int chunk_keys, int row_blocks, int tiles, int* tile_counter")
+             "int chunk_keys, int row_blocks, int tiles, int* tile_counter, "
+             "const float* descale")
 
 
 def kernel(dtype: torch.dtype, d: int, causal: bool, pingpong: bool = True, local: bool = False,
            softcap: bool = False, varlen: bool = False, dv: Optional[int] = None,
-           persistent: bool = True, paged: bool = False):
+           persistent: bool = True, paged: bool = False,
+           out_dtype: Optional[torch.dtype] = None):
     """The compiled forward (pingpong=False: the warpgroups in lockstep; persistent=False: a CTA
     per tile; both kept to measure the defaults against, which the op always runs). causal:
     keys right of the diagonal (shifted by a window's right size) masked; local: keys left of a
     window masked; softcap: the scores capped with tanh; varlen: sequences packed along the
     rows; paged: varlen's query rows over a KV cache (kvcache.py); dv: v's head dim (default
-    d). Launch it with :func:`launch`."""
+    d); an 8-bit dtype: the FP8 forward (fp8.py), o of out_dtype. Launch it with
+    :func:`launch`."""
     dv = d if dv is None else dv
-    key = (dtype, d, dv, causal, pingpong, local, softcap, varlen or paged, persistent, paged)
+    key = (dtype, d, dv, causal, pingpong, local, softcap, varlen or paged, persistent, paged,
+           out_dtype)
     k = _KERNELS.get(key)
     if k is None:
         from vitrail import jit
         # CuTe's constexpr helpers carry no __device__: NVRTC needs -default-device
         module = jit.compile(source(dtype, d, causal, pingpong, local, softcap, varlen, dv,
-                                    persistent, paged),
+                                    persistent, paged, out_dtype),
                              name="attention_fwd",
                              backend="nvrtc", include_dirs=[HERE], flags=["-default-device"])
         k = _KERNELS[key] = module.kernel("attention_fwd", SIGNATURE)
@@ -180,15 +189,17 @@ def launch(fwd, o: Tensor, lse: Tensor, q4: Tensor, k4: Tensor, v4: Tensor, seql
            seqlen_k: int, batch: int, scale: float, causal_offset: int, local_offset: int,
            softcap: float, cu_q: Optional[Tensor] = None, cu_k: Optional[Tensor] = None,
            bottom_right: bool = False, persistent: bool = True,
-           paged: Optional[tuple] = None) -> None:
+           paged: Optional[tuple] = None, descale: Optional[Tensor] = None) -> None:
     """Run a forward kernel (:func:`kernel`'s, built with the same persistent) over q4, k4 and v4
     as (batch, seqlen, heads, head dim) tensors TMA can read (varlen: one batch of every row,
     seqlen_q the longest sequence's rows, cu_q and cu_k the offsets, o packed; paged: q4 (batch,
     rows, heads, D), k4 and v4 the cache, its pages or its batch entries as the batch, and
     paged = (kv_lens, table or None, table_stride, page, splits, chunk_keys), the kernel's PAGED
     parameters): a CTA per tile, or per SM with tile counters (tile_counters: zero at the
-    launch, and zero again at its end)."""
-    h, hk, d, dv = q4.shape[2], k4.shape[2], q4.shape[3], v4.shape[3]
+    launch, and zero again at its end). FP8 (descale: the kernel's descales, fp32): v4 is V^T,
+    (batch, DV, heads, keys) with the keys contiguous (fp8.transposed_v)."""
+    h, hk, d = q4.shape[2], k4.shape[2], q4.shape[3]
+    dv = v4.shape[3] if descale is None else v4.shape[1]
     row_blocks = -(-seqlen_q // BM)
     if persistent:
         counter = tile_counters(q4.device)
@@ -199,13 +210,14 @@ def launch(fwd, o: Tensor, lse: Tensor, q4: Tensor, k4: Tensor, v4: Tensor, seql
     varlen = cu_q is not None
     kv_lens, table, table_stride, page, splits, chunk_keys = paged or (None, None, 0, 0, 1, 0)
     box = min(page, bn) if table is not None else bn  # a box of keys in one page
+    map_v = _map(v4, box) if descale is None else _map(v4, dv, width=bn)
     with torch.cuda.device(q4.device):
         fwd[grid, THREADS](
-            o, lse, _map(q4, BM), _map(k4, box), _map(v4, box), seqlen_q, seqlen_k, h, hk,
+            o, lse, _map(q4, BM), _map(k4, box), map_v, seqlen_q, seqlen_k, h, hk,
             (1.0 if softcap > 0 else scale) * math.log2(math.e), causal_offset, local_offset,
             softcap, scale / softcap if softcap > 0 else 0.0, cu_q, cu_k,
             o.shape[0] if varlen else 0, int(bottom_right), kv_lens, table, table_stride,
-            page, splits, chunk_keys, row_blocks, row_blocks * h * batch, counter,
+            page, splits, chunk_keys, row_blocks, row_blocks * h * batch, counter, descale,
             shared_mem=smem_bytes(d, q4.dtype, dv))
 
 
@@ -482,14 +494,14 @@ def _tma_ready(t: Tensor) -> Tensor:
     return t if ok else t.contiguous()
 
 
-def _map(t: Tensor, rows: int) -> bytes:
-    """A TMA map over t's (D, seqlen, heads, batch) with boxes of chunk(D) x rows, swizzled as
-    the kernels' tiles (chunk(D) elements a row)."""
+def _map(t: Tensor, rows: int, width: Optional[int] = None) -> bytes:
+    """A TMA map over t's (D, seqlen, heads, batch) with boxes of chunk(D) (or width) x rows,
+    swizzled as the kernels' tiles (a box's width a row)."""
     b, s, h, d = t.shape
     strides = [t.stride(1), t.stride(2), t.stride(0)]
     packed = [d, s * d, s * h * d]  # size-1 dims: any stride is legal; TMA checks them all
     strides = [st if n > 1 else p for st, n, p in zip(strides, (s, h, b), packed)]
-    c = chunk(d)
+    c = chunk(d, t.element_size()) if width is None else width
     return tensor_map(t, dims=(d, s, h, b), strides=strides, box=(c, rows, 1, 1),
                       swizzle=c * t.element_size())
 

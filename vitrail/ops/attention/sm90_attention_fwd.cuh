@@ -24,15 +24,22 @@
 // entry's rows; o and lse are packed by sequence as VARLEN's (cu_q). Rows of a page past the
 // entry's keys may hold anything (NaN): the last block's are zeroed in shared memory before P V
 // (a masked key's P is 0, and 0 * NaN is NaN).
-// Fragment -> slab: O / sum, converted to T, and the log-sum-exp, stored where they land.
+// FP8 (T e4m3, TO the output's type): Q K^T and P V by e4m3 wgmma, which reads both operands
+// K-major: v arrives transposed, (batch, heads, DV, keys) with the keys contiguous, and within
+// each 32 keys in the order that makes P's accumulators, converted to e4m3, the A operand's
+// registers as they lie (TileMMA::as_a: each 32-column group of P holds its columns 2q, 2q + 1,
+// 8 + 2q, 9 + 2q in the registers wgmma reads as keys 4q .. 4q + 3; the pass that transposes v
+// orders its keys so, vitrail.ops.attention.fp8). The descales (descale: q's per query head,
+// then k's and v's per key head) multiply the scores' scale and O.
+// Fragment -> slab: O / sum, converted to TO, and the log-sum-exp, stored where they land.
 // PERSISTENT: a CTA per SM takes tiles (a block of query rows of one head) one after another
 // from a counter; its producer loads the next tile's Q as soon as the consumers' last Q K^T of
 // the tile is done, and its keys and values as the ring frees, so a tile's start and its
 // epilogue overlap the neighbouring tiles' work (else one CTA per tile).
 //
-// Config (constexpr before the include): T, D (q's and k's head dim), DV (v's and o's), BM
-// (query rows), BN (keys per block), STAGES, CAUSAL, LOCAL, SOFTCAP, VARLEN, PAGED, PINGPONG,
-// PERSISTENT (bool).
+// Config (constexpr before the include): T (q's, k's and v's type), TO (o's), D (q's and k's
+// head dim), DV (v's and o's), BM (query rows), BN (keys per block), STAGES, CAUSAL, LOCAL,
+// SOFTCAP, VARLEN, PAGED, PINGPONG, PERSISTENT, FP8 (bool).
 // Layouts: q, k (batch, seqlen, heads, D), v, o (batch, seqlen, heads, DV), the head dim
 // contiguous; TMA maps over (head dim, seqlen, heads, batch) made by the Python side
 // (vitrail.ops.attention); lse (batch, heads, seqlen_q) fp32.
@@ -48,7 +55,9 @@
 namespace attention {
 
 using QK = vitrail::TileMMA<T, BM, BN, D, 2>;                                    // S = Q K^T
-using PV = vitrail::TileMMA<T, BM, DV, BN, 2, vitrail::Major::K, vitrail::Major::MN>;  // O += P V
+// O += P V: V's tile (keys, DV) with DV contiguous, or FP8 V^T's (DV, keys) with keys contiguous
+using PV = vitrail::TileMMA<T, BM, DV, BN, 2, vitrail::Major::K,
+                            FP8 ? vitrail::Major::K : vitrail::Major::MN>;
 constexpr int kThreads = 128 + QK::kThreads;
 // setmaxnreg: the producer's registers go to the consumers, within the 168 a thread of the CTA
 // has at launch (65536 / 384, rounded down to a multiple of 8). PERSISTENT's producer loop over
@@ -58,6 +67,8 @@ constexpr int kProducerRegisters = PERSISTENT ? 48 : 40;
 constexpr int kConsumerRegisters = PERSISTENT ? 224 : 232;
 static_assert(128 * kProducerRegisters + QK::kThreads * kConsumerRegisters <= 168 * kThreads);
 static_assert(VARLEN || !PAGED, "attention: PAGED takes VARLEN's packed outputs");
+static_assert(!FP8 || (!VARLEN && D % 32 == 0 && BN % 32 == 0),
+              "attention: FP8 takes dense batches, D a multiple of 32 and blocks of 32 keys");
 constexpr float kInf = cuda::std::numeric_limits<float>::infinity();
 // Of each 8 columns of a row, how many exponentials go to the FMA pipe (attention_math::
 // exp2_fma) in a block with no mask: at small head dims the products are short and the SFU's
@@ -66,14 +77,19 @@ constexpr int kPolyOf8 = D <= 64 ? 2 : 0;
 static_assert(D % 16 == 0 && D >= 16 && D <= 256, "attention: D must be a multiple of 16 to 256");
 static_assert(DV % 16 == 0 && DV >= 16 && DV <= 256,
               "attention: DV must be a multiple of 16 to 256");
-// A TMA box is a slice of the head dim as wide as the tiles' swizzle atom: the widest of 64, 32
-// and 16 elements (128-, 64- or 32-byte rows) that divides it (vitrail.ops.attention.chunk).
-constexpr int chunk(int d) { return d % 64 == 0 ? 64 : d % 32 == 0 ? 32 : 16; }
+// A TMA box is a slice of the head dim as wide as the tiles' swizzle atom: the widest of 128-,
+// 64- and 32-byte rows that divides it (vitrail.ops.attention.chunk).
+constexpr int chunk(int d) {
+  constexpr int e = int(sizeof(T));
+  return d * e % 128 == 0 ? 128 / e : d * e % 64 == 0 ? 64 / e : 32 / e;
+}
 constexpr int kChunk = chunk(D), kChunks = D / kChunk;       // Q and K
-constexpr int kChunkV = chunk(DV), kChunksV = DV / kChunkV;  // V
+// V: slices of DV (FP8: V^T's rows are keys, a block's BN of them one slice)
+constexpr int kChunkV = FP8 ? BN : chunk(DV), kChunksV = FP8 ? 1 : DV / kChunkV;
 template <int Extent>
 using Atom = decltype(vitrail::detail::smem_atom<QK::T, vitrail::Major::K, Extent>());
-static_assert(cute::is_same_v<Atom<D>, Atom<kChunk>> && cute::is_same_v<Atom<DV>, Atom<kChunkV>>,
+static_assert(cute::is_same_v<Atom<D>, Atom<kChunk>> &&
+                  cute::is_same_v<Atom<FP8 ? BN : DV>, Atom<kChunkV>>,
               "attention: a chunk is not the atom's width");
 constexpr int kBytesQ = QK::kBytesA<>;
 constexpr int kBytesKV = QK::kBytesB<> + PV::kBytesB<>;  // one stage: a block of K and of V
@@ -82,7 +98,7 @@ constexpr int kSmemBytes = 1024 + kBytesQ + STAGES * kBytesKV +
                            int(sizeof(typename vitrail::Pipeline<STAGES>::Storage)) + 24;
 
 struct Params {
-  T* o;
+  TO* o;
   float* lse;
   int seqlen_q, seqlen_k, heads, heads_kv;
   float scale_log2;  // softmax scale * log2(e) (SOFTCAP: log2(e), the scale is in softcap_pre)
@@ -101,6 +117,7 @@ struct Params {
                        //   BN: then a block is BN / page loads), else the capacity
   int splits;          // PAGED: sequence z is chunk z % splits of entry z / splits
   int chunk_keys;      // PAGED: keys a chunk (a multiple of BN)
+  const float* descale;  // FP8: q's per query head, then k's and v's per key head
 };
 
 // PAGED: where the TMA box of an entry's keys from key on (min(page, BN) rows, in one page) is in
@@ -300,9 +317,14 @@ __device__ void forward(const Params& base, int row_blocks, int total, int* coun
               if (c < kChunks)
                 vitrail::Tma::load(&k(r, c * kChunk, 0), mapK, pipe.full(w), c * kChunk, row,
                                    head_kv, kv_batch);
-              if (c < kChunksV)
+              if constexpr (FP8) {  // V^T's block: (BN keys, DV rows) of (keys, DV, heads)
+                if (c == 0)
+                  vitrail::Tma::load(&v(0, 0, 0), mapV, pipe.full(w), row, 0, head_kv,
+                                     kv_batch);
+              } else if (c < kChunksV) {
                 vitrail::Tma::load(&v(c * kChunkV, r, 0), mapV, pipe.full(w), c * kChunkV, row,
                                    head_kv, kv_batch);
+              }
             }
           }
         }
@@ -346,6 +368,14 @@ __device__ void forward(const Params& base, int row_blocks, int total, int* coun
     if (ti < 0) break;
     Tile tile;
     tile_of(base, row_blocks, ti, tile);
+    float descale_v = 1.f;
+    if constexpr (FP8) {  // the scores' scale times q's and k's descales; O's times v's
+      const int head_kv = int(unsigned(tile.head) / unsigned(base.heads / base.heads_kv));
+      const float qk = base.descale[tile.head] * base.descale[base.heads + head_kv];
+      if constexpr (SOFTCAP) tile.p.softcap_pre *= qk;
+      else tile.p.scale_log2 *= qk;
+      descale_v = base.descale[base.heads + base.heads_kv + head_kv];
+    }
     const Params& p = tile.p;
     const int m0 = tile.m0, head = tile.head, batch = tile.batch;
     const int blocks = tile_blocks(tile), start = tile_start(tile);
@@ -446,15 +476,17 @@ __device__ void forward(const Params& base, int row_blocks, int total, int* coun
       const float sum = vitrail::quad_reduce(row_sum[r], [](float a, float b) { return a + b; });
       const int row = m0 + cute::get<0>(o_where(r, 0));
       if (row >= p.seqlen_q) continue;
-      const float inv = sum > 0.f ? 1.f / sum : 0.f;  // a fully masked row: O = 0, lse = -inf
+      // a fully masked row: O = 0, lse = -inf
+      const float inv = sum > 0.f ? descale_v / sum : 0.f;
       const long long o_row =
           VARLEN ? (long long)tile.q_start + row : (long long)(batch * p.seqlen_q + row);
-      T* out = p.o + (o_row * p.heads + head) * DV;
+      TO* out = p.o + (o_row * p.heads + head) * DV;
       CUTE_UNROLL
       for (int c = 0; c < cute::size<1>(o_rows); c += 2) {
-        using T2 = cute::conditional_t<cute::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+        using T2 = cute::conditional_t<cute::is_same_v<TO, __half>, __half2, __nv_bfloat162>;
         const int col = cute::get<1>(o_where(r, c));
-        *reinterpret_cast<T2*>(out + col) = T2(T(o_rows(r, c) * inv), T(o_rows(r, c + 1) * inv));
+        *reinterpret_cast<T2*>(out + col) =
+            T2(TO(o_rows(r, c) * inv), TO(o_rows(r, c + 1) * inv));
       }
       if (t % 4 == 0) {
         const float lse = sum > 0.f ? row_max[r] * (p.scale_log2 / 1.4426950408889634f) +
@@ -470,16 +502,16 @@ __device__ void forward(const Params& base, int row_blocks, int total, int* coun
 }  // namespace attention
 
 extern "C" __global__ void __launch_bounds__(attention::kThreads, 1)
-attention_fwd(T* o, float* lse, const __grid_constant__ vitrail::TensorMap mapQ,
+attention_fwd(TO* o, float* lse, const __grid_constant__ vitrail::TensorMap mapQ,
               const __grid_constant__ vitrail::TensorMap mapK,
               const __grid_constant__ vitrail::TensorMap mapV, int seqlen_q, int seqlen_k,
               int heads, int heads_kv, float scale_log2, int causal_offset, int local_offset,
               float softcap, float softcap_pre, const int* cu_q, const int* cu_k, int total_q,
               int bottom_right, const int* kv_lens, const int* table, int table_stride,
               int page, int splits, int chunk_keys, int row_blocks, int tiles,
-              int* tile_counter) {
+              int* tile_counter, const float* descale) {
   attention::forward({o, lse, seqlen_q, seqlen_k, heads, heads_kv, scale_log2, causal_offset,
                       local_offset, softcap, softcap_pre, cu_q, cu_k, total_q, bottom_right,
-                      kv_lens, table, table_stride, page, splits, chunk_keys},
+                      kv_lens, table, table_stride, page, splits, chunk_keys, descale},
                      row_blocks, tiles, tile_counter, mapQ, mapK, mapV);
 }

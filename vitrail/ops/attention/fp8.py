@@ -1,0 +1,151 @@
+"""The FP8 (e4m3) forward of attention: q, k and v in float8_e4m3fn with their descales, o in
+bf16 (or fp16), on the forward kernel's FP8 instantiation (sm90_attention_fwd.cuh).
+
+    o = attention_fp8(q8, k8, v8, causal=True, descale_q=sq, descale_k=sk, descale_v=sv)
+
+Each of q, k and v is its real values divided by its descale: a number (per tensor) or a
+tensor of one per head (q's H, k's and v's Hkv). Scores are q k^T * descale_q * descale_k *
+scale; O is P v * descale_v, with P (in [0, 1]) rounded to e4m3 for the tensor cores, as
+FlashAttention-3's FP8 forward does. No gradient: an inference forward.
+
+e4m3 wgmma reads both operands K-major, so the pass before the kernel writes v transposed,
+(batch, Hkv, Dv, keys) with the keys padded to a block and, within each 32, in the order in
+which P's accumulators lie in the registers the product reads (TileMMA::as_a's key_of): the
+kernel then converts P in place, with no shuffle.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+from vitrail.device import is_hopper, sm_count
+from vitrail.jit.errors import ArgumentError
+from vitrail.ops.attention import (ALIGNMENTS, BM, MAX_GRID_YZ, _check_options, _mask,
+                                   _tma_ready, block_n, kernel, launch, persistent_for)
+from vitrail.ops.attention import reference as _reference
+from vitrail.ops.common import check_same_device, check_tensor
+
+NAME = "vitrail.ops.attention_fp8"
+DTYPES = (torch.float8_e4m3fn,)
+OUT_DTYPES = (torch.bfloat16, torch.float16)
+HEAD_DIMS = tuple(range(32, 257, 32))  # e4m3 wgmma's k-step is 32
+Descale = Union[None, float, Tensor]
+
+
+def key_order(keys: int) -> Tensor:
+    """The key each position of a 32-key group of V^T holds (keys a multiple of 32): position
+    16 h + 4 q + 2 i + j holds key 16 h + 8 i + 2 q + j (TileMMA::as_a for 8-bit A)."""
+    pos = torch.arange(keys)
+    g, r = pos // 32, pos % 32
+    h, q, i, j = r // 16, r % 16 // 4, r % 4 // 2, r % 2
+    return 32 * g + 16 * h + 8 * i + 2 * q + j
+
+
+def transposed_v(v: Tensor, keys: int) -> Tensor:
+    """v (B, Sk, Hkv, Dv) as the kernel reads it: (B, Dv, Hkv, keys) over storage (B, Hkv, Dv,
+    keys), keys >= Sk a multiple of 32 (zeros past Sk), each 32 in key_order's order."""
+    b, sk, hk, dv = v.shape
+    padded = v.new_zeros((b, keys, hk, dv))
+    padded[:, :sk] = v
+    # (B, groups, h, i, q, j, Hkv, Dv) in the keys' order -> (B, Hkv, Dv, groups, h, q, i, j)
+    groups = padded.view(b, keys // 32, 2, 2, 4, 2, hk, dv)
+    vt = groups.permute(0, 6, 7, 1, 2, 4, 3, 5).reshape(b, hk, dv, keys)
+    return vt.permute(0, 2, 1, 3)
+
+
+def _descales(name: str, value: Descale, heads: int, device: torch.device) -> Tensor:
+    """A descale as the kernel reads it: one fp32 per head."""
+    if value is None:
+        return torch.ones(heads, dtype=torch.float32, device=device)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not (math.isfinite(value) and value > 0):
+            raise ArgumentError(f"{NAME}: {name} must be positive and finite, got {value!r}")
+        return torch.full((heads,), float(value), dtype=torch.float32, device=device)
+    if not isinstance(value, Tensor):
+        raise ArgumentError(f"{NAME}: {name} must be None, a number or a tensor, got "
+                            f"{type(value).__name__}")
+    if value.numel() not in (1, heads) or value.dim() > 1:
+        raise ArgumentError(f"{NAME}: {name} must hold one value (per tensor) or one per head "
+                            f"({heads}), got shape {tuple(value.shape)}")
+    if not value.is_floating_point() or value.device != device:
+        raise ArgumentError(f"{NAME}: {name} must be a floating tensor on {device}, got "
+                            f"{value.dtype} on {value.device}")
+    return value.reshape(-1).float().expand(heads).contiguous()
+
+
+def attention_fp8(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
+                  scale: Optional[float] = None, alignment: str = "top_left",
+                  window: Optional[tuple[Optional[int], Optional[int]]] = None,
+                  softcap: Optional[float] = None, descale_q: Descale = None,
+                  descale_k: Descale = None, descale_v: Descale = None,
+                  return_lse: bool = False, out_dtype: torch.dtype = torch.bfloat16):
+    """softmax(q k^T * scale) v per batch and head from e4m3 q (B, Sq, H, D), k (B, Sk, Hkv,
+    D) and v (B, Sk, Hkv, Dv), D and Dv multiples of 32 to 256; o (B, Sq, H, Dv) of out_dtype;
+    causal, alignment, window and softcap as attention's (see the module docstring for the
+    descales)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(NAME, name, t, dtypes=DTYPES, ndim=4)
+    check_same_device(NAME, q=q, k=k, v=v)
+    if out_dtype not in OUT_DTYPES:
+        raise ArgumentError(f"{NAME}: out_dtype must be torch.bfloat16 or torch.float16, got "
+                            f"{out_dtype}")
+    b, sq, h, d = q.shape
+    sk, hk, dv = k.shape[1], k.shape[2], v.shape[3]
+    if k.shape[0] != b or v.shape[:3] != k.shape[:3] or k.shape[3] != d:
+        raise ArgumentError(f"{NAME}: q {tuple(q.shape)}, k {tuple(k.shape)} and v "
+                            f"{tuple(v.shape)} must agree: batch, k's and v's keys and heads, "
+                            f"q's and k's head dim")
+    if hk < 1 or h % hk:
+        raise ArgumentError(f"{NAME}: q's heads ({h}) must be a multiple of k's and v's ({hk})")
+    for name, n in (("q's and k's", d), ("v's", dv)):
+        if n not in HEAD_DIMS:
+            raise NotImplementedError(f"{NAME}: {name} head_dim {n} is not supported; "
+                                      f"supported: a multiple of 32 from 32 to 256")
+    if alignment not in ALIGNMENTS:
+        raise ArgumentError(f"{NAME}: alignment must be one of {', '.join(ALIGNMENTS)}, got "
+                            f"{alignment!r}")
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+        raise ArgumentError(f"{NAME}: scale must be a finite number or None, got {scale!r}")
+    _check_options(causal, window, softcap)
+    if h > MAX_GRID_YZ or b > MAX_GRID_YZ:
+        raise ArgumentError(f"{NAME}: at most {MAX_GRID_YZ} heads and batch entries a call, "
+                            f"got {h} heads and batch {b}")
+    descale = torch.cat([_descales("descale_q", descale_q, h, q.device),
+                         _descales("descale_k", descale_k, hk, q.device),
+                         _descales("descale_v", descale_v, hk, q.device)])
+    scale = d ** -0.5 if scale is None else float(scale)
+    upper, hi, local, lo = _mask(sq, sk, bool(causal), alignment, window)
+    softcap = float(softcap or 0.0)
+    o = q.new_empty((b, sq, h, dv), dtype=out_dtype)
+    lse = q.new_empty((b, h, sq), dtype=torch.float32)
+    if o.numel() and sk == 0:
+        o.zero_()
+        lse.fill_(-math.inf)
+    elif o.numel():
+        if not is_hopper(q.device):
+            raise NotImplementedError(f"{NAME}: the kernel is sm_90a (Hopper); "
+                                      f"{torch.cuda.get_device_name(q.device)} is not one")
+        bn = block_n(d, dv)
+        vt = transposed_v(v, -(-sk // bn) * bn)
+        q, k = _tma_ready(q), _tma_ready(k)
+        persistent = persistent_for(sk, -(-sq // BM) * h * b, sm_count(q.device.index))
+        fwd = kernel(q.dtype, d, upper, local=local, softcap=softcap > 0, dv=dv,
+                       persistent=persistent, out_dtype=out_dtype)
+        launch(fwd, o, lse, q, k, vt, sq, sk, b, scale, hi, lo, softcap,
+                 persistent=persistent, descale=descale)
+    return (o, lse) if return_lse else o
+
+
+def reference(q: Tensor, k: Tensor, v: Tensor, *, descale_q: Descale = None,
+              descale_k: Descale = None, descale_v: Descale = None, **options):
+    """attention_fp8's result in fp64 from the same e4m3 values and descales (attention's
+    reference on the descaled tensors); P is not rounded to e4m3 here."""
+    def real(t, d, heads):
+        scales = _descales("descale", d, heads, t.device).double().view(1, 1, heads, 1)
+        return t.double() * scales
+    h, hk = q.shape[2], k.shape[2]
+    return _reference(real(q, descale_q, h), real(k, descale_k, hk), real(v, descale_v, hk),
+                       **options)
