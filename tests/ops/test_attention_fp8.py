@@ -24,7 +24,7 @@ def test_v_transposed_holds_each_key_where_the_product_reads_it():
     assert order[16:20].tolist() == [16, 17, 24, 25] and order[32] == 32
     b, sk, hk, dv = 2, 45, 3, 32
     v = torch.randn(b, sk, hk, dv).to(E4M3)
-    vt = fp8.transposed_v(v, 64)
+    vt = fp8.transposed_v_reference(v, 64)
     assert vt.shape == (b, dv, hk, 64) and vt.stride(3) == 1
     want = torch.zeros(b, 64, hk, dv)
     want[:, :sk] = v.float()
@@ -67,6 +67,36 @@ def test_the_fp8_forward_compiles_for_sm90a():
     assert res["spill_stores"] == 0 and res["stack"] == 0, res
     log = (entry.dir / "build.log").read_text()
     assert "C7515" not in log and "serialized" not in log, log
+
+
+@requires_nvrtc
+def test_the_v_transpose_kernel_compiles():
+    from vitrail.jit import compiler
+    for dv in (64, 256):
+        source = f"constexpr int DV = {dv};\n#include \"smxx_attention_fp8_vt.cuh\"\n"
+        entry, _ = compiler.build_entry(source, name="attention_fp8_vt", backend="nvrtc",
+                                        arch="90a", include_dirs=[A.HERE])
+        res = entry.meta["resources"]["attention_fp8_vt"]
+        assert res["spill_stores"] == 0 and res["stack"] == 0, res
+
+
+@requires_gpu
+@pytest.mark.parametrize("b,sk,hk,dv,keys,strided", [(2, 45, 3, 32, 64, False),
+                                                     (1, 4097, 8, 128, 4224, False),
+                                                     (3, 300, 2, 256, 320, True),
+                                                     (2, 128, 1, 96, 128, True)])
+def test_the_v_transpose_kernel_matches_the_reference(b, sk, hk, dv, keys, strided):
+    """The pass's kernel against torch's copies, to the bit: odd key counts, padding, heads of
+    SDPA's layout (v a transposed view) and a head dim slice."""
+    gen = torch.Generator(device="cuda").manual_seed(sk)
+    if strided:  # (b, hk, sk, dv + 32) storage: v's keys strided, its head dim a slice
+        v = _e4m3(b, hk, sk, dv + 32, gen=gen).transpose(1, 2)[..., :dv]
+    else:
+        v = _e4m3(b, sk, hk, dv, gen=gen)
+    got = fp8.transposed_v(v, keys)
+    want = fp8.transposed_v_reference(v, keys)
+    assert got.shape == want.shape == (b, dv, hk, keys)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 def _e4m3(*shape, gen, scale=1.0):

@@ -23,7 +23,8 @@ from torch import Tensor
 
 from vitrail.device import is_hopper, sm_count
 from vitrail.jit.errors import ArgumentError
-from vitrail.ops.attention import (ALIGNMENTS, BM, MAX_GRID_YZ, _check_options, _mask,
+from vitrail.ops.attention import _KERNELS as A_KERNELS
+from vitrail.ops.attention import (ALIGNMENTS, BM, HERE, MAX_GRID_YZ, _check_options, _mask,
                                    _tma_ready, block_n, kernel, launch, persistent_for)
 from vitrail.ops.attention import reference as _reference
 from vitrail.ops.common import check_same_device, check_tensor
@@ -44,9 +45,46 @@ def key_order(keys: int) -> Tensor:
     return 32 * g + 16 * h + 8 * i + 2 * q + j
 
 
+VT_SIGNATURE = ("void* vt, const void* v, int keys, int padded, int heads, long long stride_b, "
+                "long long stride_s, long long stride_h")
+VT_KEYS, VT_THREADS = 64, 256  # smxx_attention_fp8_vt.cuh's keys and threads a CTA
+
+
+def vt_kernel(dv: int):
+    """The compiled smxx_attention_fp8_vt.cuh for v's head dim."""
+    key = ("fp8_vt", dv)
+    k = A_KERNELS.get(key)
+    if k is None:
+        from vitrail import jit
+        module = jit.compile(f"constexpr int DV = {dv};\n#include \"smxx_attention_fp8_vt.cuh\"\n",
+                             name="attention_fp8_vt", backend="nvrtc", include_dirs=[HERE])
+        k = A_KERNELS[key] = module.kernel("attention_fp8_vt", VT_SIGNATURE)
+    return k
+
+
 def transposed_v(v: Tensor, keys: int) -> Tensor:
     """v (B, Sk, Hkv, Dv) as the kernel reads it: (B, Dv, Hkv, keys) over storage (B, Hkv, Dv,
-    keys), keys >= Sk a multiple of 32 (zeros past Sk), each 32 in key_order's order."""
+    keys), keys >= Sk a multiple of VT_KEYS (zeros past Sk), each 32 in key_order's order: one
+    pass of smxx_attention_fp8_vt.cuh (off the GPU: transposed_v_reference)."""
+    if v.device.type != "cuda":
+        return transposed_v_reference(v, keys)
+    b, sk, hk, dv = v.shape
+    if keys % VT_KEYS or keys < sk:
+        raise ValueError(f"transposed_v: keys must be a multiple of {VT_KEYS} and at least "
+                         f"{sk}, got {keys}")
+    if not (v.stride(3) == 1 and v.data_ptr() % 4 == 0 and
+            all(st % 4 == 0 for st in v.stride()[:3])):
+        v = v.contiguous()
+    vt = torch.empty((b, hk, dv, keys), dtype=v.dtype, device=v.device)
+    if vt.numel():
+        with torch.cuda.device(v.device):
+            vt_kernel(dv)[(keys // VT_KEYS, b * hk, 1), VT_THREADS](
+                vt, v, sk, keys, hk, v.stride(0), v.stride(1), v.stride(2))
+    return vt.permute(0, 2, 1, 3)
+
+
+def transposed_v_reference(v: Tensor, keys: int) -> Tensor:
+    """transposed_v by torch's copies (keys a multiple of 32)."""
     b, sk, hk, dv = v.shape
     padded = v.new_zeros((b, keys, hk, dv))
     padded[:, :sk] = v
