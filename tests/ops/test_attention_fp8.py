@@ -149,3 +149,22 @@ def test_fp8_against_bf16_on_the_same_values():
     rms = (o8.float() - o16.float()).pow(2).mean().sqrt() / o16.float().pow(2).mean().sqrt()
     assert rms < 0.04, rms
     torch.testing.assert_close(lse8, lse16, rtol=1e-3, atol=1e-3)
+
+
+@requires_gpu
+def test_opcheck_and_torch_compile():
+    """The custom op passes torch.library.opcheck (its fake impl against the real one), and a
+    compiled function with no graph break gives the eager result's bits."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = (_e4m3(2, 200, 4, 64, gen=gen) for _ in range(3))
+    descale = torch.rand(8, device="cuda", generator=gen) + 0.5
+    torch.library.opcheck(torch.ops.vitrail.attention_fp8_fwd.default,
+                          (q, k, v, descale, 0.125, True, 0, False, 0, 0.0, torch.bfloat16))
+
+    def fn(q, k, v):
+        return fp8.attention_fp8(q, k, v, causal=True, descale_k=0.5, return_lse=True)
+    eager = fn(q, k, v)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True)(q, k, v)
+    for x, y in zip(eager, compiled):
+        assert torch.equal(x, y)

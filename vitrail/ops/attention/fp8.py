@@ -6,7 +6,8 @@ bf16 (or fp16), on the forward kernel's FP8 instantiation (sm90_attention_fwd.cu
 Each of q, k and v is its real values divided by its descale: a number (per tensor) or a
 tensor of one per head (q's H, k's and v's Hkv). Scores are q k^T * descale_q * descale_k *
 scale; O is P v * descale_v, with P (in [0, 1]) rounded to e4m3 for the tensor cores, as
-FlashAttention-3's FP8 forward does. No gradient: an inference forward.
+FlashAttention-3's FP8 forward does. No gradient: an inference forward, a custom op
+(vitrail::attention_fp8_fwd) with a fake impl, so torch.compile traces it.
 
 e4m3 wgmma reads both operands K-major, so the pass before the kernel writes v transposed,
 (batch, Hkv, Dv, keys) with the keys padded to a block and, within each 32, in the order in
@@ -155,8 +156,19 @@ def attention_fp8(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
                          _descales("descale_k", descale_k, hk, q.device),
                          _descales("descale_v", descale_v, hk, q.device)])
     scale = d ** -0.5 if scale is None else float(scale)
-    upper, hi, local, lo = _mask(sq, sk, bool(causal), alignment, window)
-    softcap = float(softcap or 0.0)
+    mask = _mask(sq, sk, bool(causal), alignment, window)
+    o, lse = _fp8_fwd(q, k, v, descale, scale, *mask, float(softcap or 0.0), out_dtype)
+    return (o, lse) if return_lse else o
+
+
+@torch.library.custom_op("vitrail::attention_fp8_fwd", mutates_args=())
+def _fp8_fwd(q: Tensor, k: Tensor, v: Tensor, descale: Tensor, scale: float, causal: bool,
+             causal_offset: int, local: bool, local_offset: int, softcap: float,
+             out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(o, lse) of checked e4m3 q, k and v: the V^T pass, then the forward's FP8 kernel
+    (descale: the kernel's fp32 descales; the mask as attention's _mask gives it)."""
+    b, sq, h, d = q.shape
+    sk, dv = k.shape[1], v.shape[3]
     o = q.new_empty((b, sq, h, dv), dtype=out_dtype)
     lse = q.new_empty((b, h, sq), dtype=torch.float32)
     if o.numel() and sk == 0:
@@ -170,11 +182,19 @@ def attention_fp8(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         vt = transposed_v(v, -(-sk // bn) * bn)
         q, k = _tma_ready(q), _tma_ready(k)
         persistent = persistent_for(sk, -(-sq // BM) * h * b, sm_count(q.device.index))
-        fwd = kernel(q.dtype, d, upper, local=local, softcap=softcap > 0, dv=dv,
-                       persistent=persistent, out_dtype=out_dtype)
-        launch(fwd, o, lse, q, k, vt, sq, sk, b, scale, hi, lo, softcap,
-                 persistent=persistent, descale=descale)
-    return (o, lse) if return_lse else o
+        fwd = kernel(q.dtype, d, causal, local=local, softcap=softcap > 0, dv=dv,
+                     persistent=persistent, out_dtype=out_dtype)
+        launch(fwd, o, lse, q, k, vt, sq, sk, b, scale, causal_offset, local_offset, softcap,
+               persistent=persistent, descale=descale)
+    return o, lse
+
+
+@_fp8_fwd.register_fake
+def _fp8_fwd_fake(q, k, v, descale, scale, causal, causal_offset, local, local_offset, softcap,
+                  out_dtype):
+    b, sq, h, _ = q.shape
+    return (q.new_empty((b, sq, h, v.shape[3]), dtype=out_dtype),
+            q.new_empty((b, h, sq), dtype=torch.float32))
 
 
 def reference(q: Tensor, k: Tensor, v: Tensor, *, descale_q: Descale = None,
