@@ -33,3 +33,18 @@ requires_nvrtc = pytest.mark.skipif(not has_tool(jit.toolchain.nvrtc),
                                     reason="needs NVRTC (cuda-bindings)")
 
 
+
+
+def assert_builds_clean(source: str, name: str, kernels: list[str], **build) -> dict:
+    """source built for sm_90a with NVRTC (build: build_entry's include_dirs, flags): each of
+    kernels with no spill and no stack, and no wgmma serialized (ptxas's C7515); returns the
+    build's resources."""
+    from vitrail.jit import compiler
+    entry, _ = compiler.build_entry(source, name=name, backend="nvrtc", arch="90a", **build)
+    res = entry.meta["resources"]
+    for kernel in kernels:
+        assert kernel in res, res
+        assert res[kernel]["spill_stores"] == 0 and res[kernel]["stack"] == 0, res[kernel]
+    log = (entry.dir / "build.log").read_text()
+    assert "C7515" not in log and "serialized" not in log, log  # wgmma serialized
+    return res

@@ -7,7 +7,7 @@ import importlib
 import pytest
 import torch
 
-from tests.conftest import requires_gpu, requires_nvrtc
+from tests.conftest import assert_builds_clean, requires_gpu, requires_nvrtc
 from vitrail.jit.errors import ArgumentError
 from vitrail.ops.attention import fp8
 
@@ -59,14 +59,8 @@ def test_bad_input_is_refused_by_name():
 def test_the_fp8_forward_compiles_for_sm90a():
     """e4m3 Q K^T and P V (V^T K-major, P converted in its registers): no spills, no wgmma
     serialized."""
-    from vitrail.jit import compiler
-    source = A.source(E4M3, 128, True, out_dtype=torch.bfloat16)
-    entry, _ = compiler.build_entry(source, name="attention_fwd", backend="nvrtc", arch="90a",
-                                    include_dirs=[A.HERE], flags=["-default-device"])
-    res = entry.meta["resources"]["attention_fwd"]
-    assert res["spill_stores"] == 0 and res["stack"] == 0, res
-    log = (entry.dir / "build.log").read_text()
-    assert "C7515" not in log and "serialized" not in log, log
+    assert_builds_clean(A.source(E4M3, 128, True, out_dtype=torch.bfloat16), "attention_fwd",
+                        ["attention_fwd"], include_dirs=[A.HERE], flags=["-default-device"])
 
 
 @requires_nvrtc

@@ -472,15 +472,22 @@ def _check(q: Tensor, k: Tensor, v: Tensor, scale, alignment: str, causal: bool 
     if bk != b:
         raise ArgumentError(f"{NAME}: k {tuple(k.shape)} does not match q {tuple(q.shape)}: "
                             f"batch (dim 0) must agree")
+    check_call(NAME, b, h, scale, alignment, causal, window, softcap)
+
+
+def check_call(op: str, b: int, h: int, scale, alignment: str, causal: bool, window,
+               softcap) -> None:
+    """What a forward's launch and options ask (the grid's y and z; the alignment, the scale,
+    the window and the softcap): an error naming the argument."""
     if h > MAX_GRID_YZ or b > MAX_GRID_YZ:
-        raise ArgumentError(f"{NAME}: at most {MAX_GRID_YZ} heads and {MAX_GRID_YZ} batch "
+        raise ArgumentError(f"{op}: at most {MAX_GRID_YZ} heads and {MAX_GRID_YZ} batch "
                             f"entries in one call (the launch grid's y and z), got {h} heads and "
                             f"batch {b}; split the call along the batch")
     if alignment not in ALIGNMENTS:
-        raise ArgumentError(f"{NAME}: alignment must be one of {', '.join(ALIGNMENTS)}, got "
+        raise ArgumentError(f"{op}: alignment must be one of {', '.join(ALIGNMENTS)}, got "
                             f"{alignment!r}")
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
-        raise ArgumentError(f"{NAME}: scale must be a finite number or None, got {scale!r}")
+        raise ArgumentError(f"{op}: scale must be a finite number or None, got {scale!r}")
     _check_options(causal, window, softcap)
 
 

@@ -25,8 +25,8 @@ from torch import Tensor
 from vitrail.device import is_hopper, sm_count
 from vitrail.jit.errors import ArgumentError
 from vitrail.ops.attention import _KERNELS as A_KERNELS
-from vitrail.ops.attention import (ALIGNMENTS, BM, HERE, MAX_GRID_YZ, _check_options, _mask,
-                                   _tma_ready, block_n, kernel, launch, persistent_for)
+from vitrail.ops.attention import (BM, HERE, _mask, _tma_ready, block_n, check_call, kernel,
+                                   launch, persistent_for)
 from vitrail.ops.attention import reference as _reference
 from vitrail.ops.common import check_same_device, check_tensor
 
@@ -143,15 +143,7 @@ def attention_fp8(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         if n not in HEAD_DIMS:
             raise NotImplementedError(f"{NAME}: {name} head_dim {n} is not supported; "
                                       f"supported: a multiple of 32 from 32 to 256")
-    if alignment not in ALIGNMENTS:
-        raise ArgumentError(f"{NAME}: alignment must be one of {', '.join(ALIGNMENTS)}, got "
-                            f"{alignment!r}")
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
-        raise ArgumentError(f"{NAME}: scale must be a finite number or None, got {scale!r}")
-    _check_options(causal, window, softcap)
-    if h > MAX_GRID_YZ or b > MAX_GRID_YZ:
-        raise ArgumentError(f"{NAME}: at most {MAX_GRID_YZ} heads and batch entries a call, "
-                            f"got {h} heads and batch {b}")
+    check_call(NAME, b, h, scale, alignment, causal, window, softcap)
     descale = torch.cat([_descales("descale_q", descale_q, h, q.device),
                          _descales("descale_k", descale_k, hk, q.device),
                          _descales("descale_v", descale_v, hk, q.device)])
