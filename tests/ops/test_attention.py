@@ -153,8 +153,8 @@ def test_head_dim_refusals_name_the_tensor(monkeypatch):
 
     def x(*shape):
         return torch.empty(shape, dtype=torch.bfloat16)
-    A._check(x(2, 9, 4, 192), x(2, 7, 2, 192), x(2, 7, 2, 128), None, "top_left")
-    A._check(x(1, 9, 4, 96), x(1, 7, 4, 96), x(1, 7, 4, 32), None, "top_left")
+    A.check_call(x(2, 9, 4, 192), x(2, 7, 2, 192), x(2, 7, 2, 128), None, "top_left")
+    A.check_call(x(1, 9, 4, 96), x(1, 7, 4, 96), x(1, 7, 4, 32), None, "top_left")
     for q, k, v, error, match in (
             ((2, 9, 4, 192), (2, 7, 2, 128), (2, 7, 2, 128), ArgumentError,
              r"k's head_dim \(dim 3\) must be q's 192, got 128"),
@@ -165,7 +165,7 @@ def test_head_dim_refusals_name_the_tensor(monkeypatch):
             ((2, 9, 4, 264), (2, 7, 2, 264), (2, 7, 2, 64), NotImplementedError,
              "q's and k's head_dim 264 is not supported")):
         with pytest.raises(error, match=match):
-            A._check(x(*q), x(*k), x(*v), None, "top_left")
+            A.check_call(x(*q), x(*k), x(*v), None, "top_left")
     cu = torch.tensor([0, 9], dtype=torch.int32)
     with pytest.raises(ArgumentError, match="k's head_dim"):
         A.attention_varlen(x(9, 4, 64), x(9, 2, 32), x(9, 2, 64), cu, cu, 9, 9)
@@ -900,7 +900,7 @@ def test_split_keys_combine_the_chunks_like_one_pass(monkeypatch, b, sq, h, hk, 
     monkeypatch.setattr(A, "_attention_varlen_fwd", _varlen_on_the_cpu)
     calls, split_keys = [], A._split_keys
     monkeypatch.setattr(A, "_split_keys", lambda *a: calls.append(a) or split_keys(*a))
-    monkeypatch.setattr(A, "_check", lambda *a: None)  # CPU tensors (the checks: tests above)
+    monkeypatch.setattr(A, "check_call", lambda *a: None)  # CPU tensors (the checks: tests above)
     g = torch.Generator().manual_seed(sk)
     q = torch.randn(b, sq, h, d, generator=g).to(torch.bfloat16).requires_grad_()
     k = torch.randn(b, sk, hk, d, generator=g).to(torch.bfloat16)
@@ -931,7 +931,7 @@ def test_decoding_without_gradients_runs_the_paged_forward(monkeypatch, b, sq, h
     monkeypatch.setattr(A, "_paged_run", _paged_run_on_the_cpu)
     monkeypatch.setattr(A, "_fwd_into", lambda *a: pytest.fail("one pass, not the route"))
     monkeypatch.setattr(A, "_split_keys", lambda *a: pytest.fail("q's rows copied"))
-    monkeypatch.setattr(A, "_check", lambda *a: None)  # CPU tensors (the checks: tests above)
+    monkeypatch.setattr(A, "check_call", lambda *a: None)  # CPU tensors (the checks: tests above)
     layout, extra = (extra, {}) if extra == "bhsd" else ("bshd", extra)
     g = torch.Generator().manual_seed(sk)
     q = torch.randn(b, sq, h, d, generator=g).to(torch.bfloat16)
@@ -1011,7 +1011,7 @@ def test_unhashable_options_get_their_refusal_not_a_type_error(monkeypatch):
 def test_num_splits_is_checked_and_a_masked_call_takes_one_pass(monkeypatch):
     """Where a key is masked, K and V would need a copy, or (by default) the keys are few or the
     rows many, the call is one pass."""
-    monkeypatch.setattr(A, "_check", lambda *a: None)  # CPU tensors
+    monkeypatch.setattr(A, "check_call", lambda *a: None)  # CPU tensors
     q = torch.randn(1, 2, 2, 16, dtype=torch.bfloat16)
     k = v = torch.randn(1, 64, 2, 16, dtype=torch.bfloat16)
     for bad in (0, -1, 2.0, True, "4"):

@@ -150,6 +150,7 @@ def kernel(dtype: torch.dtype, d: int, causal: bool, pingpong: bool = True, loca
     d); an 8-bit dtype: the FP8 forward (fp8.py), o of out_dtype. Launch it with
     :func:`launch`."""
     dv = d if dv is None else dv
+    out_dtype = out_dtype or dtype
     key = (dtype, d, dv, causal, pingpong, local, softcap, varlen or paged, persistent, paged,
            out_dtype)
     k = _KERNELS.get(key)
@@ -436,12 +437,14 @@ def _check_options(causal: bool, window, softcap) -> None:
 
 
 def check_qkv(op: str, q: Tensor, k: Tensor, v: Tensor, k_name: str = "k", v_name: str = "v",
-              dims: str = "batch, seqlen and heads") -> None:
+              dims: str = "batch, seqlen and heads", dtypes: tuple = DTYPES,
+              head_dims: tuple = HEAD_DIMS) -> None:
     """What every attention call asks of q (.., .., H, D), k (.., .., Hkv, D) and v (.., ..,
-    Hkv, Dv): 4-D CUDA tensors of one supported dtype and device, k and v alike but for the head
-    dim, H a multiple of Hkv, head dims supported; an error naming the tensor otherwise."""
+    Hkv, Dv): 4-D CUDA tensors of one of dtypes and one device, k and v alike but for the head
+    dim, H a multiple of Hkv, head dims among head_dims (an arithmetic range); an error naming
+    the tensor otherwise."""
     for name, t in (("q", q), (k_name, k), (v_name, v)):
-        check_tensor(op, name, t, dtypes=DTYPES, ndim=4)
+        check_tensor(op, name, t, dtypes=dtypes, ndim=4)
     check_same_device(op, **{"q": q, k_name: k, v_name: v})
     if not (q.dtype == k.dtype == v.dtype):
         raise ArgumentError(f"{op}: q, {k_name} and {v_name} must have one dtype, got {q.dtype}, "
@@ -459,26 +462,22 @@ def check_qkv(op: str, q: Tensor, k: Tensor, v: Tensor, k_name: str = "k", v_nam
         raise ArgumentError(f"{op}: q's heads ({h}) must be a multiple of {k_name}'s and "
                             f"{v_name}'s ({hk})")
     for name, n in ((f"q's and {k_name}'s", d), (f"{v_name}'s", dv)):
-        if n not in HEAD_DIMS:
+        if n not in head_dims:
             raise NotImplementedError(f"{op}: {name} head_dim {n} is not supported; "
-                                      f"supported: a multiple of 16 from {HEAD_DIMS[0]} to "
-                                      f"{HEAD_DIMS[-1]}")
+                                      f"supported: a multiple of {head_dims[1] - head_dims[0]} "
+                                      f"from {head_dims[0]} to {head_dims[-1]}")
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor, scale, alignment: str, causal: bool = False,
-           window=None, softcap=None) -> None:
-    check_qkv(NAME, q, k, v)
+def check_call(q: Tensor, k: Tensor, v: Tensor, scale, alignment: str, causal: bool = False,
+               window=None, softcap=None, op: str = NAME, dtypes: tuple = DTYPES,
+               head_dims: tuple = HEAD_DIMS) -> None:
+    """What a dense forward's call asks (check_qkv's tensors, one batch, the grid's y and z, the
+    alignment, the scale, the window and the softcap): an error naming the argument."""
+    check_qkv(op, q, k, v, dtypes=dtypes, head_dims=head_dims)
     b, h, bk = q.shape[0], q.shape[2], k.shape[0]
     if bk != b:
-        raise ArgumentError(f"{NAME}: k {tuple(k.shape)} does not match q {tuple(q.shape)}: "
+        raise ArgumentError(f"{op}: k {tuple(k.shape)} does not match q {tuple(q.shape)}: "
                             f"batch (dim 0) must agree")
-    check_call(NAME, b, h, scale, alignment, causal, window, softcap)
-
-
-def check_call(op: str, b: int, h: int, scale, alignment: str, causal: bool, window,
-               softcap) -> None:
-    """What a forward's launch and options ask (the grid's y and z; the alignment, the scale,
-    the window and the softcap): an error naming the argument."""
     if h > MAX_GRID_YZ or b > MAX_GRID_YZ:
         raise ArgumentError(f"{op}: at most {MAX_GRID_YZ} heads and {MAX_GRID_YZ} batch "
                             f"entries in one call (the launch grid's y and z), got {h} heads and "
@@ -529,11 +528,12 @@ def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
 
 def _fwd_into(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: float,
               causal: bool, causal_offset: int, local: bool, local_offset: int,
-              softcap: float) -> None:
+              softcap: float, descale: Optional[Tensor] = None) -> None:
     """_attention_fwd's o (B, Sq, H, Dv) and lse (B, H, Sq), both contiguous, filled: one
-    pass of the forward kernel."""
+    pass of the forward kernel. FP8 (descale: the kernel's descales; fp8.py): v is V^T as
+    launch takes it, and o's dtype the output's."""
     b, sq, h, d = q.shape
-    sk, dv = k.shape[1], v.shape[3]
+    sk, dv = k.shape[1], o.shape[3]
     if o.numel() == 0:
         return
     if sk == 0:
@@ -544,11 +544,12 @@ def _fwd_into(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: fl
         raise NotImplementedError(f"{NAME}: the kernel is sm_90a (Hopper); "
                                   f"{torch.cuda.get_device_name(q.device)} is not one: use "
                                   f"torch.nn.functional.scaled_dot_product_attention there")
-    q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
+    q, k = _tma_ready(q), _tma_ready(k)
+    v = _tma_ready(v) if descale is None else v
     persistent = persistent_for(sk, -(-sq // BM) * h * b, sm_count(q.device.index))
     launch(kernel(q.dtype, d, causal, local=local, softcap=softcap > 0, dv=dv,
-                  persistent=persistent), o, lse, q, k, v, sq, sk, b, scale, causal_offset,
-           local_offset, softcap, persistent=persistent)
+                  persistent=persistent, out_dtype=o.dtype), o, lse, q, k, v, sq, sk, b, scale,
+           causal_offset, local_offset, softcap, persistent=persistent, descale=descale)
 
 
 @_attention_fwd.register_fake
@@ -705,7 +706,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         if hit is not None and hit is not GENERAL:  # a signature that passed the checks
             out = hit(q, k, v)
             return out if return_lse else out[0]
-    _check(q, k, v, scale, alignment, causal, window, softcap)
+    check_call(q, k, v, scale, alignment, causal, window, softcap)
     if num_splits is not None and not (isinstance(num_splits, int) and
                                        not isinstance(num_splits, bool) and num_splits >= 1):
         raise ArgumentError(f"{NAME}: num_splits must be None or an integer >= 1, got "
@@ -1283,7 +1284,7 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
         raise ArgumentError(f"{NAME}: cu_seqlens_q and cu_seqlens_k must hold one offset per "
                             f"sequence each, got {cu_seqlens_q.shape[0]} and "
                             f"{cu_seqlens_k.shape[0]}")
-    _check(q[None], k[None], v[None], scale, alignment, causal, window, softcap)
+    check_call(q[None], k[None], v[None], scale, alignment, causal, window, softcap)
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if not isinstance(m, int) or isinstance(m, bool) or m < 0:
             raise ArgumentError(f"{NAME}: {name} must be an int >= 0, got {m!r}")

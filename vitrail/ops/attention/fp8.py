@@ -22,13 +22,10 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from vitrail.device import is_hopper, sm_count
 from vitrail.jit.errors import ArgumentError
 from vitrail.ops.attention import _KERNELS as A_KERNELS
-from vitrail.ops.attention import (BM, HERE, _mask, _tma_ready, block_n, check_call, kernel,
-                                   launch, persistent_for)
+from vitrail.ops.attention import HERE, _fwd_into, _mask, block_n, check_call
 from vitrail.ops.attention import reference as _reference
-from vitrail.ops.common import check_same_device, check_tensor
 
 NAME = "vitrail.ops.attention_fp8"
 DTYPES = (torch.float8_e4m3fn,)
@@ -125,25 +122,13 @@ def attention_fp8(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     D) and v (B, Sk, Hkv, Dv), D and Dv multiples of 32 to 256; o (B, Sq, H, Dv) of out_dtype;
     causal, alignment, window and softcap as attention's (see the module docstring for the
     descales)."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(NAME, name, t, dtypes=DTYPES, ndim=4)
-    check_same_device(NAME, q=q, k=k, v=v)
+    check_call(q, k, v, scale, alignment, causal, window, softcap, op=NAME, dtypes=DTYPES,
+               head_dims=HEAD_DIMS)
     if out_dtype not in OUT_DTYPES:
         raise ArgumentError(f"{NAME}: out_dtype must be torch.bfloat16 or torch.float16, got "
                             f"{out_dtype}")
     b, sq, h, d = q.shape
-    sk, hk, dv = k.shape[1], k.shape[2], v.shape[3]
-    if k.shape[0] != b or v.shape[:3] != k.shape[:3] or k.shape[3] != d:
-        raise ArgumentError(f"{NAME}: q {tuple(q.shape)}, k {tuple(k.shape)} and v "
-                            f"{tuple(v.shape)} must agree: batch, k's and v's keys and heads, "
-                            f"q's and k's head dim")
-    if hk < 1 or h % hk:
-        raise ArgumentError(f"{NAME}: q's heads ({h}) must be a multiple of k's and v's ({hk})")
-    for name, n in (("q's and k's", d), ("v's", dv)):
-        if n not in HEAD_DIMS:
-            raise NotImplementedError(f"{NAME}: {name} head_dim {n} is not supported; "
-                                      f"supported: a multiple of 32 from 32 to 256")
-    check_call(NAME, b, h, scale, alignment, causal, window, softcap)
+    sk, hk = k.shape[1], k.shape[2]
     descale = torch.cat([_descales("descale_q", descale_q, h, q.device),
                          _descales("descale_k", descale_k, hk, q.device),
                          _descales("descale_v", descale_v, hk, q.device)])
@@ -163,21 +148,10 @@ def _fp8_fwd(q: Tensor, k: Tensor, v: Tensor, descale: Tensor, scale: float, cau
     sk, dv = k.shape[1], v.shape[3]
     o = q.new_empty((b, sq, h, dv), dtype=out_dtype)
     lse = q.new_empty((b, h, sq), dtype=torch.float32)
-    if o.numel() and sk == 0:
-        o.zero_()
-        lse.fill_(-math.inf)
-    elif o.numel():
-        if not is_hopper(q.device):
-            raise NotImplementedError(f"{NAME}: the kernel is sm_90a (Hopper); "
-                                      f"{torch.cuda.get_device_name(q.device)} is not one")
-        bn = block_n(d, dv)
-        vt = transposed_v(v, -(-sk // bn) * bn)
-        q, k = _tma_ready(q), _tma_ready(k)
-        persistent = persistent_for(sk, -(-sq // BM) * h * b, sm_count(q.device.index))
-        fwd = kernel(q.dtype, d, causal, local=local, softcap=softcap > 0, dv=dv,
-                     persistent=persistent, out_dtype=out_dtype)
-        launch(fwd, o, lse, q, k, vt, sq, sk, b, scale, causal_offset, local_offset, softcap,
-               persistent=persistent, descale=descale)
+    bn = block_n(d, dv)
+    vt = transposed_v(v, -(-sk // bn) * bn) if o.numel() and sk else v  # else no launch
+    _fwd_into(q, k, vt, o, lse, scale, causal, causal_offset, local, local_offset, softcap,
+              descale=descale)
     return o, lse
 
 
