@@ -45,7 +45,7 @@ def key_order(keys: int) -> Tensor:
 
 VT_SIGNATURE = ("void* vt, const void* v, int keys, int padded, int heads, long long stride_b, "
                 "long long stride_s, long long stride_h")
-VT_KEYS, VT_THREADS = 64, 256  # smxx_attention_fp8_vt.cuh's keys and threads a CTA
+VT_KEYS, VT_THREADS = 32, 128  # smxx_attention_fp8_vt.cuh's keys a thread, threads a CTA
 
 
 def vt_kernel(dv: int):
@@ -76,8 +76,9 @@ def transposed_v(v: Tensor, keys: int) -> Tensor:
     vt = torch.empty((b, hk, dv, keys), dtype=v.dtype, device=v.device)
     if vt.numel():
         with torch.cuda.device(v.device):
-            vt_kernel(dv)[(keys // VT_KEYS, b * hk, 1), VT_THREADS](
-                vt, v, sk, keys, hk, v.stride(0), v.stride(1), v.stride(2))
+            threads = keys // VT_KEYS * (dv // 4)  # a 4-byte column of 32 keys each
+            vt_kernel(dv)[(-(-threads // VT_THREADS), b * hk, 1), VT_THREADS](
+                vt, v.data_ptr(), sk, keys, hk, v.stride(0), v.stride(1), v.stride(2))
     return vt.permute(0, 2, 1, 3)
 
 
