@@ -146,6 +146,23 @@ def test_fp8_against_bf16_on_the_same_values():
 
 
 @requires_gpu
+def test_number_descales_are_each_their_own():
+    """Descales given as numbers (kept on the GPU once per set of values, not made a call):
+    each call gets its own; a power of two scales o exactly and the lse by its log."""
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v = (_e4m3(1, 130, 4, 64, gen=gen) for _ in range(3))
+    o, lse = fp8.attention_fp8(q, k, v, return_lse=True)
+    for _ in range(2):  # the second time from the cache
+        o2, _ = fp8.attention_fp8(q, k, v, descale_v=2.0, return_lse=True)
+        assert torch.equal(o2, 2 * o)
+        o3, lse3 = fp8.attention_fp8(q, k, v, descale_q=2.0, descale_k=0.5, return_lse=True)
+        assert torch.equal(o3, o) and torch.equal(lse3, lse)
+    _, lse4 = fp8.attention_fp8(q, k, v, descale_q=2.0, return_lse=True)
+    want, want_lse = fp8.reference(q, k, v, descale_q=2.0)
+    torch.testing.assert_close(lse4.double(), want_lse, rtol=1e-3, atol=1e-3)
+
+
+@requires_gpu
 def test_opcheck_and_torch_compile():
     """The custom op passes torch.library.opcheck (its fake impl against the real one), and a
     compiled function with no graph break gives the eager result's bits."""

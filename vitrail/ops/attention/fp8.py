@@ -16,6 +16,7 @@ kernel then converts P in place, with no shuffle.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Union
 
@@ -45,7 +46,7 @@ def key_order(keys: int) -> Tensor:
 
 VT_SIGNATURE = ("void* vt, const void* v, int keys, int padded, int heads, long long stride_b, "
                 "long long stride_s, long long stride_h")
-VT_KEYS, VT_THREADS = 32, 128  # smxx_attention_fp8_vt.cuh's keys a thread, threads a CTA
+VT_KEYS, VT_WARPS = 32, 4  # smxx_attention_fp8_vt.cuh: keys padded to 32, warps a CTA
 
 
 def vt_kernel(dv: int):
@@ -76,8 +77,8 @@ def transposed_v(v: Tensor, keys: int) -> Tensor:
     vt = torch.empty((b, hk, dv, keys), dtype=v.dtype, device=v.device)
     if vt.numel():
         with torch.cuda.device(v.device):
-            threads = keys // VT_KEYS * (dv // 4)  # a 4-byte column of 32 keys each
-            vt_kernel(dv)[(-(-threads // VT_THREADS), b * hk, 1), VT_THREADS](
+            warps = -(-keys // 64) * (dv // 32)  # 64 keys by 32 bytes each
+            vt_kernel(dv)[(-(-warps // VT_WARPS), b * hk, 1), 32 * VT_WARPS](
                 vt, v.data_ptr(), sk, keys, hk, v.stride(0), v.stride(1), v.stride(2))
     return vt.permute(0, 2, 1, 3)
 
@@ -91,6 +92,25 @@ def transposed_v_reference(v: Tensor, keys: int) -> Tensor:
     groups = padded.view(b, keys // 32, 2, 2, 4, 2, hk, dv)
     vt = groups.permute(0, 6, 7, 1, 2, 4, 3, 5).reshape(b, hk, dv, keys)
     return vt.permute(0, 2, 1, 3)
+
+
+def _number(name: str, value: Descale, heads: int) -> bool:
+    """Whether a descale is None or a number (checked: positive and finite)."""
+    if value is None:
+        return True
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not (math.isfinite(value) and value > 0):
+            raise ArgumentError(f"{NAME}: {name} must be positive and finite, got {value!r}")
+        return True
+    return False
+
+
+@functools.lru_cache(maxsize=64)
+def _constant_descales(values: tuple, h: int, hk: int, device: torch.device) -> Tensor:
+    """The kernel's descales for None or numbers, made once (not a fill and a cat a call)."""
+    ones = (1.0 if x is None else float(x) for x in values)
+    return torch.cat([torch.full((n,), x, dtype=torch.float32, device=device)
+                      for n, x in zip((h, hk, hk), ones)])
 
 
 def _descales(name: str, value: Descale, heads: int, device: torch.device) -> Tensor:
@@ -130,9 +150,12 @@ def attention_fp8(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
                             f"{out_dtype}")
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    descale = torch.cat([_descales("descale_q", descale_q, h, q.device),
-                         _descales("descale_k", descale_k, hk, q.device),
-                         _descales("descale_v", descale_v, hk, q.device)])
+    named = (("descale_q", descale_q, h), ("descale_k", descale_k, hk),
+             ("descale_v", descale_v, hk))
+    if all(_number(*x) for x in named) and not torch.compiler.is_compiling():
+        descale = _constant_descales(tuple(x[1] for x in named), h, hk, q.device)
+    else:
+        descale = torch.cat([_descales(*x, q.device) for x in named])
     scale = d ** -0.5 if scale is None else float(scale)
     mask = _mask(sq, sk, bool(causal), alignment, window)
     o, lse = _fp8_fwd(q, k, v, descale, scale, *mask, float(softcap or 0.0), out_dtype)
