@@ -24,7 +24,7 @@ def test_v_transposed_holds_each_key_where_the_product_reads_it():
     assert order[16:20].tolist() == [16, 17, 24, 25] and order[32] == 32
     b, sk, hk, dv = 2, 45, 3, 32
     v = torch.randn(b, sk, hk, dv).to(E4M3)
-    vt = fp8.transposed_v(v, 64)
+    vt = fp8.transposed_v_reference(v, 64)
     assert vt.shape == (b, dv, hk, 64) and vt.stride(3) == 1
     want = torch.zeros(b, 64, hk, dv)
     want[:, :sk] = v.float()
@@ -61,6 +61,36 @@ def test_the_fp8_forward_compiles_for_sm90a():
     serialized."""
     assert_builds_clean(A.source(E4M3, 128, True, out_dtype=torch.bfloat16), "attention_fwd",
                         ["attention_fwd"], include_dirs=[A.HERE], flags=["-default-device"])
+
+
+@requires_nvrtc
+def test_the_v_transpose_kernel_compiles():
+    from vitrail.jit import compiler
+    for dv in (64, 256):
+        source = f"constexpr int DV = {dv};\n#include \"smxx_attention_fp8_vt.cuh\"\n"
+        entry, _ = compiler.build_entry(source, name="attention_fp8_vt", backend="nvrtc",
+                                        arch="90a", include_dirs=[A.HERE])
+        res = entry.meta["resources"]["attention_fp8_vt"]
+        assert res["spill_stores"] == 0 and res["stack"] == 0, res
+
+
+@requires_gpu
+@pytest.mark.parametrize("b,sk,hk,dv,keys,strided", [(2, 45, 3, 32, 64, False),
+                                                     (1, 4097, 8, 128, 4224, False),
+                                                     (3, 300, 2, 256, 320, True),
+                                                     (2, 128, 1, 96, 128, True)])
+def test_the_v_transpose_kernel_matches_the_reference(b, sk, hk, dv, keys, strided):
+    """The pass's kernel against torch's copies, to the bit: odd key counts, padding, heads of
+    SDPA's layout (v a transposed view) and a head dim slice."""
+    gen = torch.Generator(device="cuda").manual_seed(sk)
+    if strided:  # (b, hk, sk, dv + 32) storage: v's keys strided, its head dim a slice
+        v = _e4m3(b, hk, sk, dv + 32, gen=gen).transpose(1, 2)[..., :dv]
+    else:
+        v = _e4m3(b, sk, hk, dv, gen=gen)
+    got = fp8.transposed_v(v, keys)
+    want = fp8.transposed_v_reference(v, keys)
+    assert got.shape == want.shape == (b, dv, hk, keys)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 def _e4m3(*shape, gen, scale=1.0):
@@ -113,3 +143,42 @@ def test_fp8_against_bf16_on_the_same_values():
     rms = (o8.float() - o16.float()).pow(2).mean().sqrt() / o16.float().pow(2).mean().sqrt()
     assert rms < 0.04, rms
     torch.testing.assert_close(lse8, lse16, rtol=1e-3, atol=1e-3)
+
+
+@requires_gpu
+def test_number_descales_are_each_their_own():
+    """Descales given as numbers (kept on the GPU once per set of values, not made a call):
+    each call gets its own; a power of two scales o exactly and the lse by its log."""
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v = (_e4m3(1, 130, 4, 64, gen=gen) for _ in range(3))
+    o, lse = fp8.attention_fp8(q, k, v, return_lse=True)
+    for _ in range(2):  # the second time from the cache
+        o2, _ = fp8.attention_fp8(q, k, v, descale_v=2.0, return_lse=True)
+        assert torch.equal(o2, 2 * o)
+        o3, lse3 = fp8.attention_fp8(q, k, v, descale_q=2.0, descale_k=0.5, return_lse=True)
+        assert torch.equal(o3, o) and torch.equal(lse3, lse)
+    _, lse4 = fp8.attention_fp8(q, k, v, descale_q=2.0, return_lse=True)
+    want, want_lse = fp8.reference(q, k, v, descale_q=2.0)
+    torch.testing.assert_close(lse4.double(), want_lse, rtol=1e-3, atol=1e-3)
+
+
+@requires_gpu
+def test_opcheck_and_torch_compile():
+    """The custom op passes torch.library.opcheck (its fake impl against the real one), and a
+    compiled function with no graph break gives the eager result's bits."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = (_e4m3(2, 200, 4, 64, gen=gen) for _ in range(3))
+    descale = torch.rand(8, device="cuda", generator=gen) + 0.5
+    # not test_schema: torch's schema check compares inputs by allclose, which e4m3 lacks
+    torch.library.opcheck(torch.ops.vitrail.attention_fp8_fwd.default,
+                          (q, k, v, descale, 0.125, True, 0, False, 0, 0.0, torch.bfloat16),
+                          test_utils=("test_faketensor", "test_autograd_registration",
+                                      "test_aot_dispatch_dynamic"))
+
+    def fn(q, k, v):
+        return fp8.attention_fp8(q, k, v, causal=True, descale_k=0.5, return_lse=True)
+    eager = fn(q, k, v)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True)(q, k, v)
+    for x, y in zip(eager, compiled):
+        assert torch.equal(x, y)

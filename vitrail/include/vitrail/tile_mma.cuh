@@ -206,17 +206,25 @@ struct TileMMA {
                     "TileMMA::as_a: 8-bit A takes one atom's N, a multiple of 32");
       constexpr int kMmaM = decltype(size<1>(l))::value;
       constexpr int kSteps = decltype(size<0, 2>(l))::value / 4;  // k-steps of 32
-      // ALayout_64x32's values: 4 consecutive k, rows r / r + 8, k and k + 16
+      // ALayout_64x32's values: 4 consecutive k (one register), rows r / r + 8, k and k + 16;
+      // each register two conversions of a column pair (an 8-column block's), low bytes first
       auto a = make_tensor<T>(Shape<Shape<_4, _2, _2>, Int<kMmaM>, Int<kSteps>>{});
+      auto regs = recast<uint32_t>(a);  // ((1, 2, 2), MMA_M, k-steps)
+      constexpr auto kind = cute::is_same_v<T, cute::float_e4m3_t> ? __NV_E4M3 : __NV_E5M2;
+      auto pair = [&](int half, int block, int m) {  // columns 2q, 2q + 1 of an 8-column block
+        const float2 x = make_float2(acc(make_coord(make_coord(0, half, block), m, 0)),
+                                     acc(make_coord(make_coord(1, half, block), m, 0)));
+        return uint32_t(__nv_cvt_float2_to_fp8x2(x, __NV_SATFINITE, kind));
+      };
       CUTE_UNROLL
       for (int m = 0; m < kMmaM; ++m) {
         CUTE_UNROLL
         for (int ks = 0; ks < kSteps; ++ks) {
           CUTE_UNROLL
-          for (int i = 0; i < 16; ++i) {  // (4 k, row half, k half)
-            const int j = i % 4, half = i / 4 % 2, kh = i / 8;
-            a(make_coord(make_coord(j, half, kh), m, ks)) =
-                T(acc(make_coord(make_coord(j % 2, half, 4 * ks + 2 * kh + j / 2), m, 0)));
+          for (int i = 0; i < 4; ++i) {  // (row half, k half)
+            const int half = i % 2, kh = i / 2, block = 4 * ks + 2 * kh;
+            regs(make_coord(make_coord(0, half, kh), m, ks)) =
+                pair(half, block, m) | (pair(half, block + 1, m) << 16);
           }
         }
       }

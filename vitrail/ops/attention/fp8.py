@@ -6,7 +6,8 @@ bf16 (or fp16), on the forward kernel's FP8 instantiation (sm90_attention_fwd.cu
 Each of q, k and v is its real values divided by its descale: a number (per tensor) or a
 tensor of one per head (q's H, k's and v's Hkv). Scores are q k^T * descale_q * descale_k *
 scale; O is P v * descale_v, with P (in [0, 1]) rounded to e4m3 for the tensor cores, as
-FlashAttention-3's FP8 forward does. No gradient: an inference forward.
+FlashAttention-3's FP8 forward does. No gradient: an inference forward, a custom op
+(vitrail::attention_fp8_fwd) with a fake impl, so torch.compile traces it.
 
 e4m3 wgmma reads both operands K-major, so the pass before the kernel writes v transposed,
 (batch, Hkv, Dv, keys) with the keys padded to a block and, within each 32, in the order in
@@ -15,6 +16,7 @@ kernel then converts P in place, with no shuffle.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Union
 
@@ -22,7 +24,8 @@ import torch
 from torch import Tensor
 
 from vitrail.jit.errors import ArgumentError
-from vitrail.ops.attention import _fwd_into, _mask, block_n, check_call
+from vitrail.ops.attention import _KERNELS as A_KERNELS
+from vitrail.ops.attention import HERE, _fwd_into, _mask, block_n, check_call
 from vitrail.ops.attention import reference as _reference
 
 NAME = "vitrail.ops.attention_fp8"
@@ -41,9 +44,47 @@ def key_order(keys: int) -> Tensor:
     return 32 * g + 16 * h + 8 * i + 2 * q + j
 
 
+VT_SIGNATURE = ("void* vt, const void* v, int keys, int padded, int heads, long long stride_b, "
+                "long long stride_s, long long stride_h")
+VT_KEYS, VT_WARPS = 32, 4  # smxx_attention_fp8_vt.cuh: keys padded to 32, warps a CTA
+
+
+def vt_kernel(dv: int):
+    """The compiled smxx_attention_fp8_vt.cuh for v's head dim."""
+    key = ("fp8_vt", dv)
+    k = A_KERNELS.get(key)
+    if k is None:
+        from vitrail import jit
+        module = jit.compile(f"constexpr int DV = {dv};\n#include \"smxx_attention_fp8_vt.cuh\"\n",
+                             name="attention_fp8_vt", backend="nvrtc", include_dirs=[HERE])
+        k = A_KERNELS[key] = module.kernel("attention_fp8_vt", VT_SIGNATURE)
+    return k
+
+
 def transposed_v(v: Tensor, keys: int) -> Tensor:
     """v (B, Sk, Hkv, Dv) as the kernel reads it: (B, Dv, Hkv, keys) over storage (B, Hkv, Dv,
-    keys), keys >= Sk a multiple of 32 (zeros past Sk), each 32 in key_order's order."""
+    keys), keys >= Sk a multiple of VT_KEYS (zeros past Sk), each 32 in key_order's order: one
+    pass of smxx_attention_fp8_vt.cuh (off the GPU: transposed_v_reference)."""
+    if v.device.type != "cuda":
+        return transposed_v_reference(v, keys)
+    b, sk, hk, dv = v.shape
+    if keys % VT_KEYS or keys < sk:
+        raise ValueError(f"transposed_v: keys must be a multiple of {VT_KEYS} and at least "
+                         f"{sk}, got {keys}")
+    if not (v.stride(3) == 1 and v.data_ptr() % 4 == 0 and
+            all(st % 4 == 0 for st in v.stride()[:3])):
+        v = v.contiguous()
+    vt = torch.empty((b, hk, dv, keys), dtype=v.dtype, device=v.device)
+    if vt.numel():
+        with torch.cuda.device(v.device):
+            warps = -(-keys // 64) * (dv // 32)  # 64 keys by 32 bytes each
+            vt_kernel(dv)[(-(-warps // VT_WARPS), b * hk, 1), 32 * VT_WARPS](
+                vt, v.data_ptr(), sk, keys, hk, v.stride(0), v.stride(1), v.stride(2))
+    return vt.permute(0, 2, 1, 3)
+
+
+def transposed_v_reference(v: Tensor, keys: int) -> Tensor:
+    """transposed_v by torch's copies (keys a multiple of 32)."""
     b, sk, hk, dv = v.shape
     padded = v.new_zeros((b, keys, hk, dv))
     padded[:, :sk] = v
@@ -51,6 +92,25 @@ def transposed_v(v: Tensor, keys: int) -> Tensor:
     groups = padded.view(b, keys // 32, 2, 2, 4, 2, hk, dv)
     vt = groups.permute(0, 6, 7, 1, 2, 4, 3, 5).reshape(b, hk, dv, keys)
     return vt.permute(0, 2, 1, 3)
+
+
+def _number(name: str, value: Descale, heads: int) -> bool:
+    """Whether a descale is None or a number (checked: positive and finite)."""
+    if value is None:
+        return True
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not (math.isfinite(value) and value > 0):
+            raise ArgumentError(f"{NAME}: {name} must be positive and finite, got {value!r}")
+        return True
+    return False
+
+
+@functools.lru_cache(maxsize=64)
+def _constant_descales(values: tuple, h: int, hk: int, device: torch.device) -> Tensor:
+    """The kernel's descales for None or numbers, made once (not a fill and a cat a call)."""
+    ones = (1.0 if x is None else float(x) for x in values)
+    return torch.cat([torch.full((n,), x, dtype=torch.float32, device=device)
+                      for n, x in zip((h, hk, hk), ones)])
 
 
 def _descales(name: str, value: Descale, heads: int, device: torch.device) -> Tensor:
@@ -89,18 +149,42 @@ def attention_fp8(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         raise ArgumentError(f"{NAME}: out_dtype must be torch.bfloat16 or torch.float16, got "
                             f"{out_dtype}")
     b, sq, h, d = q.shape
-    sk, hk, dv = k.shape[1], k.shape[2], v.shape[3]
-    descale = torch.cat([_descales("descale_q", descale_q, h, q.device),
-                         _descales("descale_k", descale_k, hk, q.device),
-                         _descales("descale_v", descale_v, hk, q.device)])
+    sk, hk = k.shape[1], k.shape[2]
+    named = (("descale_q", descale_q, h), ("descale_k", descale_k, hk),
+             ("descale_v", descale_v, hk))
+    if all(_number(*x) for x in named) and not torch.compiler.is_compiling():
+        descale = _constant_descales(tuple(x[1] for x in named), h, hk, q.device)
+    else:
+        descale = torch.cat([_descales(*x, q.device) for x in named])
     scale = d ** -0.5 if scale is None else float(scale)
+    mask = _mask(sq, sk, bool(causal), alignment, window)
+    o, lse = _fp8_fwd(q, k, v, descale, scale, *mask, float(softcap or 0.0), out_dtype)
+    return (o, lse) if return_lse else o
+
+
+@torch.library.custom_op("vitrail::attention_fp8_fwd", mutates_args=())
+def _fp8_fwd(q: Tensor, k: Tensor, v: Tensor, descale: Tensor, scale: float, causal: bool,
+             causal_offset: int, local: bool, local_offset: int, softcap: float,
+             out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(o, lse) of checked e4m3 q, k and v: the V^T pass, then the forward's FP8 kernel
+    (descale: the kernel's fp32 descales; the mask as attention's _mask gives it)."""
+    b, sq, h, d = q.shape
+    sk, dv = k.shape[1], v.shape[3]
     o = q.new_empty((b, sq, h, dv), dtype=out_dtype)
     lse = q.new_empty((b, h, sq), dtype=torch.float32)
     bn = block_n(d, dv)
     vt = transposed_v(v, -(-sk // bn) * bn) if o.numel() and sk else v  # else no launch
-    _fwd_into(q, k, vt, o, lse, scale, *_mask(sq, sk, bool(causal), alignment, window),
-              float(softcap or 0.0), descale=descale)
-    return (o, lse) if return_lse else o
+    _fwd_into(q, k, vt, o, lse, scale, causal, causal_offset, local, local_offset, softcap,
+              descale=descale)
+    return o, lse
+
+
+@_fp8_fwd.register_fake
+def _fp8_fwd_fake(q, k, v, descale, scale, causal, causal_offset, local, local_offset, softcap,
+                  out_dtype):
+    b, sq, h, _ = q.shape
+    return (q.new_empty((b, sq, h, v.shape[3]), dtype=out_dtype),
+            q.new_empty((b, h, sq), dtype=torch.float32))
 
 
 def reference(q: Tensor, k: Tensor, v: Tensor, *, descale_q: Descale = None,
