@@ -3,7 +3,8 @@ top to bottom, once). Read from the source with ``ast``: every import statement 
 inside functions and ``if TYPE_CHECKING:`` blocks too (a function-local import hides a loop, it
 does not remove it); imports made by name at run time (``importlib.import_module``: the lazy
 names of vitrail, vitrail.jit and vitrail.ops, the registries' plug-ins) are not statements and
-are not seen.
+are not seen. Nor does a module take another's private names (one underscore): what it needs
+is public there.
 
 Layers, low to high; a module may import its own layer and those below:
 
@@ -49,9 +50,9 @@ LAYERS = [
 
 # Circles known and kept, each with its reason; a new one fails.
 KNOWN_CIRCLES = {
-    # problems.py (vitrail tune's shapes) drives the family's private entry points and the
-    # package asks it for a variant's problem; untangling them means moving code in sympow's
-    # modules, which another branch is changing now.
+    # problems.py (vitrail tune's shapes) drives the family's entry points (sympow_into,
+    # mma_impl, mma_bwd_impl, under CAPTURE) and the package asks it for a variant's problem;
+    # untangling them means moving code in sympow's modules.
     frozenset({"vitrail.ops.sympow", "vitrail.ops.sympow.problems"}),
 }
 
@@ -66,20 +67,24 @@ def _modules() -> dict[str, Path]:
     return found
 
 
+def _prefix(module: str, path: Path, node: ast.ImportFrom) -> str:
+    """The module a `from ... import` statement names, a relative one resolved."""
+    if not node.level:
+        return node.module or ""
+    base = module.split(".")  # relative: from the package the module is in
+    if path.name != "__init__.py":
+        base = base[:-1]
+    base = base[:len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def _targets(module: str, path: Path, node: ast.AST, modules: dict) -> list[str]:
     """The vitrail modules an import statement loads (the deepest one each name resolves to)."""
     names = []
     if isinstance(node, ast.Import):
         names = [a.name for a in node.names]
     else:
-        if node.level:  # relative: from the package the module is in
-            base = module.split(".")
-            if path.name != "__init__.py":
-                base = base[:-1]
-            base = base[:len(base) - (node.level - 1)]
-            prefix = ".".join(base + ([node.module] if node.module else []))
-        else:
-            prefix = node.module or ""
+        prefix = _prefix(module, path, node)
         for a in node.names:  # `from package import submodule` loads the submodule
             full = f"{prefix}.{a.name}"
             names.append(full if full in modules else prefix)
@@ -179,3 +184,76 @@ def test_the_check_sees_function_level_and_relative_imports(tmp_path):
             for t in _targets("vitrail.jit.kernel", modules["vitrail.jit.kernel"], node, modules)]
     assert seen == ["vitrail.jit.compiler", "vitrail.jit.module"]
     assert _circles({"a": {"b": 1}, "b": {"a": 2}, "c": {}}) == [{"a", "b"}]
+
+
+# Private names one module takes from another, each with its reason; a new one fails.
+KNOWN_PRIVATE: set[tuple[str, str, str]] = set()
+
+
+def _private_uses(module: str, path: Path, modules: dict) -> set[tuple[str, str, str]]:
+    """(module, the other module, name) for each private name (one underscore) this module
+    imports from another vitrail module or reads off one it holds (imported as a module, or
+    by importlib.import_module with a literal name)."""
+    tree = ast.parse(path.read_text(), str(path))
+    held: dict[str, str] = {}  # local name -> the vitrail module it is
+    found = set()
+
+    def private(name: str) -> bool:
+        return name.startswith("_") and not name.startswith("__")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name in modules:
+                    held[a.asname or a.name] = a.name
+        elif isinstance(node, ast.ImportFrom):
+            prefix = _prefix(module, path, node)
+            owner = prefix
+            while owner and owner not in modules:
+                owner = owner.rpartition(".")[0]
+            for a in node.names:
+                full = f"{prefix}.{a.name}"
+                if full in modules:
+                    held[a.asname or a.name] = full
+                elif private(a.name) and owner and owner != module:
+                    found.add((module, owner, a.name))
+        elif (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+              and getattr(node.value.func, "attr", "") == "import_module"
+              and node.value.args and isinstance(node.value.args[0], ast.Constant)
+              and node.value.args[0].value in modules):
+            for t in node.targets:
+                if isinstance(t, ast.Name):
+                    held[t.id] = node.value.args[0].value
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and private(node.attr)
+                and isinstance(node.value, ast.Name) and node.value.id in held
+                and held[node.value.id] != module):
+            found.add((module, held[node.value.id], node.attr))
+    return found
+
+
+def test_no_module_takes_another_modules_private_names():
+    """A name one module needs from another is public there (no underscore): a private one is
+    the other module's to change."""
+    modules = _modules()
+    found = set().union(*(_private_uses(m, p, modules) for m, p in modules.items()))
+    new = sorted(found - KNOWN_PRIVATE)
+    assert not new, "private names taken across modules:\n" + "\n".join(
+        f"{a} takes {b}.{n}" for a, b, n in new)
+    assert not KNOWN_PRIVATE - found, f"gone, drop them: {sorted(KNOWN_PRIVATE - found)}"
+
+
+def test_the_private_name_check_sees_each_way_in(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("import importlib\nimport vitrail.jit.compiler as c\n"
+                    "from vitrail.jit import module, _x\n"
+                    "pkg = importlib.import_module('vitrail.jit')\n"
+                    "def f():\n    return c._a, module._b, pkg._c, pkg.__name__, c.public\n")
+    modules = {"vitrail.jit": PACKAGE / "jit" / "__init__.py",
+               "vitrail.jit.compiler": PACKAGE / "jit" / "compiler.py",
+               "vitrail.jit.module": PACKAGE / "jit" / "module.py",
+               "vitrail.jit.kernel": PACKAGE / "jit" / "kernel.py"}
+    assert _private_uses("vitrail.jit.kernel", path, modules) == {
+        ("vitrail.jit.kernel", "vitrail.jit", "_x"),
+        ("vitrail.jit.kernel", "vitrail.jit.compiler", "_a"),
+        ("vitrail.jit.kernel", "vitrail.jit.module", "_b"),
+        ("vitrail.jit.kernel", "vitrail.jit", "_c")}

@@ -223,12 +223,12 @@ def test_refusals_name_the_argument():
         A.attention(q, q, q)
     for bad in ((1,), (-1, 2), (1.5, 2), "left"):
         with pytest.raises(ArgumentError, match="window must be"):
-            A._check_options(False, bad, None)
+            A.check_options(False, bad, None)
     with pytest.raises(ArgumentError, match="causal=True is a window's right size of 0"):
-        A._check_options(True, (4, 2), None)
+        A.check_options(True, (4, 2), None)
     for bad in (0, -1.0, math.inf, "1"):
         with pytest.raises(ArgumentError, match="softcap must be"):
-            A._check_options(False, None, bad)
+            A.check_options(False, None, bad)
     if not has_gpu():
         return
     q = q.cuda()
@@ -398,7 +398,7 @@ def test_the_backward_algebra_on_the_cpu(monkeypatch, dtype, b, sq, sk, h, hk, d
     glse = torch.where(lse.isfinite(), glse, 0).float()
     want = _reference_grads(q, k, v, go, glse, **kw)
     monkeypatch.setattr(backward, "TILE_ELEMENTS", 5 * b * h * sk)
-    mask = A._mask(sq, sk, causal, alignment, extra.get("window"))
+    mask = A.kernel_mask(sq, sk, causal, alignment, extra.get("window"))
     got = backward.attention_backward(go.to(dtype), glse, q.to(dtype), k.to(dtype), v.to(dtype),
                                       o.to(dtype), lse.float(), d ** -0.5, *mask,
                                       extra.get("softcap", 0.0))
@@ -501,7 +501,7 @@ def test_the_fused_backward_is_deterministic_and_agrees_with_the_matmul_path(d, 
     o, lse = A.attention(q, k, v, causal=causal, alignment="bottom_right", return_lse=True,
                          **extra)
     go = torch.randn_like(o)
-    mask = A._mask(777, 901, causal, "bottom_right", extra.get("window"))
+    mask = A.kernel_mask(777, 901, causal, "bottom_right", extra.get("window"))
     args = (go, None, q, k, v, o, lse, d ** -0.5, *mask, extra.get("softcap", 0.0))
     assert A.fused_backward_runs(q, k, v)
     first = torch.ops.vitrail.attention_bwd(*args, True)
@@ -542,7 +542,7 @@ def test_the_fast_backward_against_the_reference_and_the_deterministic_one(
     _check_grads(q, k, v, with_lse=True, **kw)
     o, lse = A.attention(q, k, v, return_lse=True, **kw)
     go = torch.randn_like(o)
-    mask = A._mask(sq, sk, causal, alignment, extra.get("window"))
+    mask = A.kernel_mask(sq, sk, causal, alignment, extra.get("window"))
     args = (go, None, q, k, v, o, lse, d ** -0.5, *mask, extra.get("softcap", 0.0))
     fast = torch.ops.vitrail.attention_bwd(*args)
     slow = torch.ops.vitrail.attention_bwd(*args, True)
@@ -651,7 +651,7 @@ def test_the_persistent_grid_changes_no_bit(d, causal, extra):
     q, k, v = _qkv(3, 1500, 1700, 8, 2, d, torch.bfloat16, seed=6)
     kw = dict(causal=causal, alignment="bottom_right", **extra)
     o, lse = A.attention(q, k, v, return_lse=True, **kw)
-    upper, hi, local, lo = A._mask(1500, 1700, causal, "bottom_right", extra.get("window"))
+    upper, hi, local, lo = A.kernel_mask(1500, 1700, causal, "bottom_right", extra.get("window"))
     softcap = float(extra.get("softcap", 0.0))
     lockstep = A.kernel(q.dtype, d, upper, local=local, softcap=softcap > 0, persistent=False)
     o2, lse2 = torch.empty_like(o), torch.empty_like(lse)
@@ -661,7 +661,7 @@ def test_the_persistent_grid_changes_no_bit(d, causal, extra):
     lq, lk = [700, 0, 1, 1500, 129], [900, 3, 0, 1700, 128]
     q, k, v, cq, ck = _varlen_inputs(lq, lk, 8, 2, d, torch.bfloat16, seed=7)
     o, lse = A.attention_varlen(q, k, v, cq, ck, max(lq), max(lk), return_lse=True, **kw)
-    upper, hi, local, lo = A._mask(0, 0, causal, "top_left", extra.get("window"))
+    upper, hi, local, lo = A.kernel_mask(0, 0, causal, "top_left", extra.get("window"))
     lockstep = A.kernel(q.dtype, d, upper, local=local, softcap=softcap > 0, varlen=True,
                         persistent=False)
     o2, lse2 = torch.empty_like(o), torch.empty_like(lse)
@@ -706,7 +706,7 @@ def test_varlen_backward_on_the_cpu(causal, alignment, extra, dv):
     go, glse = torch.randn(o.shape, generator=g), torch.randn(lse.shape, generator=g)
     glse = torch.where(lse.isfinite(), glse, 0)
     ((o * go).sum() + (torch.where(lse.isfinite(), lse, 0) * glse).sum()).backward()
-    upper, hi, local, lo = A._mask(0, 0, causal, "top_left", extra.get("window"))
+    upper, hi, local, lo = A.kernel_mask(0, 0, causal, "top_left", extra.get("window"))
     got = torch.ops.vitrail.attention_varlen_bwd(
         go, glse.float(), q.detach(), k.detach(), v.detach(), o.detach(), lse.detach().float(),
         cq, ck, max(lq), max(lk), 16 ** -0.5, upper, hi, local, lo, extra.get("softcap", 0.0),
@@ -814,7 +814,7 @@ def test_the_fused_varlen_backward_matches_the_sequence_by_sequence_one(d, causa
     gen = torch.Generator(device="cuda").manual_seed(1)
     go = torch.randn(o.shape, device="cuda", generator=gen).to(o.dtype)
     glse = torch.where(lse.isfinite(), torch.randn(lse.shape, device="cuda", generator=gen), 0)
-    upper, hi, local, lo = A._mask(0, 0, causal, "top_left", extra.get("window"))
+    upper, hi, local, lo = A.kernel_mask(0, 0, causal, "top_left", extra.get("window"))
     args = (go, glse, q, k, v, o, lse, cq, ck)
     opts = (d ** -0.5, upper, hi, local, lo, float(extra.get("softcap", 0.0)),
             alignment == "bottom_right")
@@ -929,7 +929,7 @@ def test_decoding_without_gradients_runs_the_paged_forward(monkeypatch, b, sq, h
     path (the eager call records its signature's plan)."""
     from tests.ops.test_attention_kvcache import _paged_run_on_the_cpu
     monkeypatch.setattr(A, "_paged_run", _paged_run_on_the_cpu)
-    monkeypatch.setattr(A, "_fwd_into", lambda *a: pytest.fail("one pass, not the route"))
+    monkeypatch.setattr(A, "fwd_into", lambda *a: pytest.fail("one pass, not the route"))
     monkeypatch.setattr(A, "_split_keys", lambda *a: pytest.fail("q's rows copied"))
     monkeypatch.setattr(A, "check_call", lambda *a: None)  # CPU tensors (the checks: tests above)
     layout, extra = (extra, {}) if extra == "bhsd" else ("bshd", extra)
@@ -1018,7 +1018,7 @@ def test_num_splits_is_checked_and_a_masked_call_takes_one_pass(monkeypatch):
         with pytest.raises(ArgumentError, match="num_splits must be None or an integer >= 1"):
             A.attention(q, k, v, num_splits=bad)
     passes = []
-    monkeypatch.setattr(A, "_fwd_into", lambda *a: passes.append(a))
+    monkeypatch.setattr(A, "fwd_into", lambda *a: passes.append(a))
     monkeypatch.setattr(A, "_split_keys", lambda *a: pytest.fail("split a masked call"))
     monkeypatch.setattr(A, "paged_into", lambda *a: pytest.fail("split a masked call"))
     for kw in ({"causal": True}, {"causal": True, "alignment": "bottom_right"},

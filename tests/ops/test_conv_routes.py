@@ -72,16 +72,16 @@ def test_what_takes_the_gemm_route():
     8); reasons() says such a convolution runs, whatever its channel counts (3x3's need
     multiples of 8), and a strided 1x1 of aligned channels is the implicit-GEMM kernels'."""
     w1 = torch.empty(8, 4, 1, 1)
-    assert C2D._is_gemm(w1, (0, 0), (0, 0), 1, (1, 1), (4, 8))
-    assert not C2D._is_gemm(w1, (1, 0), (1, 0), 1, (1, 1), (4, 8))  # padded
-    assert not C2D._is_gemm(w1, (0, 0), (0, 0), 2, (1, 1), (4, 8))  # grouped
-    assert not C2D._is_gemm(torch.empty(8, 4, 3, 1), (0, 0), (0, 0), 1, (1, 1), (4, 8))
-    assert C2D._is_gemm([1, 1], [0, 0], [0, 0], 1, [1, 1], (4, 8))
-    assert not C2D._is_gemm(w1, (0, 0), (0, 0), 1, (2, 2), (16, 8))  # read in place
-    assert not C2D._is_gemm(w1, (0, 0), (0, 0), 1, (1, 2), (16, 8))
-    assert C2D._is_gemm(w1, (0, 0), (0, 0), 1, (2, 2), (12, 8))  # C not a multiple of 8
-    assert C2D._is_gemm(w1, (0, 0), (0, 0), 1, (2, 2), (16, 20))  # nor K
-    assert C2D._is_gemm(w1, (0, 0), (0, 0), 1, (1, 1), (12, 20))
+    assert C2D.is_gemm(w1, (0, 0), (0, 0), 1, (1, 1), (4, 8))
+    assert not C2D.is_gemm(w1, (1, 0), (1, 0), 1, (1, 1), (4, 8))  # padded
+    assert not C2D.is_gemm(w1, (0, 0), (0, 0), 2, (1, 1), (4, 8))  # grouped
+    assert not C2D.is_gemm(torch.empty(8, 4, 3, 1), (0, 0), (0, 0), 1, (1, 1), (4, 8))
+    assert C2D.is_gemm([1, 1], [0, 0], [0, 0], 1, [1, 1], (4, 8))
+    assert not C2D.is_gemm(w1, (0, 0), (0, 0), 1, (2, 2), (16, 8))  # read in place
+    assert not C2D.is_gemm(w1, (0, 0), (0, 0), 1, (1, 2), (16, 8))
+    assert C2D.is_gemm(w1, (0, 0), (0, 0), 1, (2, 2), (12, 8))  # C not a multiple of 8
+    assert C2D.is_gemm(w1, (0, 0), (0, 0), 1, (2, 2), (16, 20))  # nor K
+    assert C2D.is_gemm(w1, (0, 0), (0, 0), 1, (1, 1), (12, 20))
     x = torch.empty(2, 12, 9, 9, dtype=torch.bfloat16, device="meta")
     assert C2D.reasons(x, torch.empty(20, 12, 1, 1, dtype=torch.bfloat16, device="meta"),
                        stride=2) == []
@@ -238,7 +238,7 @@ def test_a_strided_dgrad_runs_one_unit_stride_dgrad_a_phase(monkeypatch):
             dil = tuple(int(v) for v in torch.randint(1, 4, (2,), generator=g))
             pad = tuple(int(v) for v in torch.randint(0, 3, (2,), generator=g))
         p, q = C2D._out_hw(h, w, r, s, pad, pad, stride, dil)
-        if p < 1 or q < 1 or C2D._is_gemm((r, s), pad, pad, 1, stride, (c, 2 * c)):
+        if p < 1 or q < 1 or C2D.is_gemm((r, s), pad, pad, 1, stride, (c, 2 * c)):
             continue
         x = torch.randn(2, c, h, w, generator=g, dtype=torch.float64).requires_grad_(True)
         wt = torch.randn(2 * c, c, r, s, generator=g, dtype=torch.float64)
@@ -268,7 +268,7 @@ def test_kernel_problem_is_the_launchs(monkeypatch):
     def run(kind, a, b, d, bias, act, pad, stride, dil, pad_hi, splits=1, phases=None):
         record = Record()
         with _Watch(record):  # a plan's record: reading the phase table runs no torch op
-            seen.append((C2D._launch_problem(kind, a, b, d, phases), phases is not None))
+            seen.append((C2D.launch_problem(kind, a, b, d, phases), phases is not None))
         assert record.replayable, record.why
 
     monkeypatch.setattr(C2D, "_run", run)

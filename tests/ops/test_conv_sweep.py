@@ -20,7 +20,7 @@ def test_the_cases_are_the_launches_a_scratch_copy_can_time():
     cases = sweep.cases()
     names = {c.name for c in cases}
     assert len(names) == len(cases)
-    assert all(not bm._runs_gemm(c.layer) and c.layer.groups == 1 for c in cases)
+    assert all(not bm.runs_gemm(c.layer) and c.layer.groups == 1 for c in cases)
     assert {c.network for c in cases} == {"resnet50", "unet", "convnext_t", "small32", "small8"}
     assert "resnet50 layer2.0.conv2 C128 56x56 K128 3x3/2 dgrad" not in names  # four phases
     assert "resnet50 layer2.0.conv2 C128 56x56 K128 3x3/2 fprop" in names

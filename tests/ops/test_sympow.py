@@ -365,7 +365,7 @@ def test_kernels_build_for_sm90a_without_spills(dtype, power, d_tile):
     kinds = ["elementwise", "mma"] + (["mma90"] if configs.wgmma_supports(dtype, power, d_tile)
                                       else [])
     for kind in kinds:
-        op = S._op(kind, dtype, power, d_tile)
+        op = S.variant_op(kind, dtype, power, d_tile)
         config = op.space.default({"vec": 8 if dtype != torch.float32 else 4}, _lim())
         res = op.module(config).resources()
         assert res and all(r.spill_stores == 0 and r.stack == 0 for r in res.values()), res
@@ -427,7 +427,7 @@ def test_wgmma_variants_are_the_configs_and_the_heuristic_keeps_the_measured_one
                                                       "DEFER": True}
     assert len(configs.MMA90.valid(lim)) == 8
     assert dict(configs.MMA.default(None, lim)) == {"THREADS": configs.MMA_THREADS}
-    op = S._op("mma90", torch.bfloat16, 2, 8)
+    op = S.variant_op("mma90", torch.bfloat16, 2, 8)
     assert op.space is configs.MMA90
     sources = {op.render(c)["source"] for c in configs.MMA90.valid(lim)}
     assert sources == {S.SOURCES["mma90"]}  # one build serves every variant
@@ -469,7 +469,7 @@ def test_new_wgmma_variants_build_for_sm90a():
     at p 2) and mma_sympow_bwd_k_wg2 (2 CTAs of 256: at most 128) build without spills, beside
     the kernels they may replace. Where cuobjdump is at hand: HGMMA in their SASS, TMA loads in
     the TMA mainloop's, and no wgmma kernel writes a register an in-flight wgmma reads."""
-    op = S._op("mma90", torch.bfloat16, 2, 8)
+    op = S.variant_op("mma90", torch.bfloat16, 2, 8)
     mod = op.module(op.space.default({"vec": 8}, _lim()))
     res = mod.resources()
     for name, most in [("sympow_mma_m_wg3", 80), ("sympow_mma_m_tma3", 80),
@@ -680,14 +680,14 @@ def test_sympow_mma_and_its_backward(dtype, expand_dim, power, d, d_tile):
     a, b = _operands(expand_dim, power, d, d_tile, dtype)
     scale = 0.75
     rows = a.shape[1] if expand_dim == -1 else sympow_dim(d, power, d_tile)
-    c = S._mma_impl(a, b, expand_dim, power, d_tile, scale, True,
+    c = S.mma_impl(a, b, expand_dim, power, d_tile, scale, True,
                     out=_nan((a.shape[0], rows, b.shape[-1]), dtype))
     ref = sympow_mma_reference(a, b, expand_dim, power, d_tile, scale)
     unfused = (sympow_reference(a, power, d_tile, expand_dim).to(dtype) * scale) @ b
     _close(c, ref, unfused, f"sympow_mma {expand_dim} p={power} d={d} t={d_tile}")
     g = torch.randn_like(c)
     bt = b.transpose(1, 2)
-    got = S._mma_bwd_impl(g, bt, a, expand_dim, power, d_tile, scale, True,
+    got = S.mma_bwd_impl(g, bt, a, expand_dim, power, d_tile, scale, True,
                           out=_nan(a.shape, dtype))
     want = mma_sympow_bwd_reference(g, bt, a, expand_dim, power, d_tile, scale)
     # the unfused path in dtype: a @ b rounded to dtype (torch.bmm), then sympow's backward
@@ -725,7 +725,7 @@ def test_sympow_mma_on_wgmma(dtype, expand_dim, power, d, d_tile, P, M, N, K, or
     a, b = _operands(expand_dim, power, d, d_tile, dtype, P=P, M=M, N=N, K=K)
     scale = 0.75
     rows = M if expand_dim == -1 else sympow_dim(d, power, d_tile)
-    c = S._mma_impl(a, b, expand_dim, power, d_tile, scale, True, out=_nan((P, rows, N), dtype),
+    c = S.mma_impl(a, b, expand_dim, power, d_tile, scale, True, out=_nan((P, rows, N), dtype),
                     order=order, wgs=wgs, tma=tma)
     ref = sympow_mma_reference(a, b, expand_dim, power, d_tile, scale)
     unfused = (sympow_reference(a, power, d_tile, expand_dim).to(dtype) * scale) @ b
@@ -751,17 +751,17 @@ def test_tma_mainloops_are_bitwise_the_cp_async_ones(dtype, power, d, d_tile, P,
     a, b = _operands(expand_dim, power, d, d_tile, dtype, P=P, M=K, N=N, K=K)
     rows = K if expand_dim == -1 else sympow_dim(d, power, d_tile)
     if expand_dim == -1:
-        got = S._mma_impl(a, b, expand_dim, power, d_tile, 0.75, True,
+        got = S.mma_impl(a, b, expand_dim, power, d_tile, 0.75, True,
                           out=_nan((P, rows, N), dtype), tma=True)
-        want = S._mma_impl(a, b, expand_dim, power, d_tile, 0.75, True, tma=False)
+        want = S.mma_impl(a, b, expand_dim, power, d_tile, 0.75, True, tma=False)
     else:
         short = K - 24
         assert configs.state_tma(K, 3) and not configs.state_tma(short, 3)
         a[..., short:] = 0
         b[:, short:] = 0
-        got = S._mma_impl(a, b, expand_dim, power, d_tile, 0.75, True,
+        got = S.mma_impl(a, b, expand_dim, power, d_tile, 0.75, True,
                           out=_nan((P, rows, N), dtype), wgs=3)
-        want = S._mma_impl(a[..., :short], b[:, :short], expand_dim, power, d_tile, 0.75, True,
+        want = S.mma_impl(a[..., :short], b[:, :short], expand_dim, power, d_tile, 0.75, True,
                            wgs=3)
     assert not got.isnan().any(), "TMA mainloop: unwritten outputs"
     assert torch.equal(got, want), (got.float() - want.float()).abs().max().item()
@@ -786,7 +786,7 @@ def test_mma_sympow_bwd_on_wgmma(dtype, power, d, d_tile, P, M, N, order, defer)
     scale = 0.75
     g = torch.randn(P, M, N, device="cuda", dtype=dtype)
     bt = b.transpose(1, 2)
-    got = S._mma_bwd_impl(g, bt, a, -1, power, d_tile, scale, True, out=_nan(a.shape, dtype),
+    got = S.mma_bwd_impl(g, bt, a, -1, power, d_tile, scale, True, out=_nan(a.shape, dtype),
                           order=order, defer=defer)
     want = mma_sympow_bwd_reference(g, bt, a, -1, power, d_tile, scale)
     eye = torch.eye(bt.shape[-1], device="cuda", dtype=dtype).expand(P, -1, -1)
@@ -811,7 +811,7 @@ def test_wgmma_kernels_with_many_problems(order):
         a, b = _operands(expand_dim, power, d, d_tile, dtype, P=P, M=M if expand_dim == -1 else 5,
                          N=N, K=K)
         rows = a.shape[1] if expand_dim == -1 else D
-        c = S._mma_impl(a, b, expand_dim, power, d_tile, scale, True,
+        c = S.mma_impl(a, b, expand_dim, power, d_tile, scale, True,
                         out=_nan((P, rows, N), dtype), order=order, wgs=wgs)
         ap, bp = a[pick], b[pick]
         ref = sympow_mma_reference(ap, bp, expand_dim, power, d_tile, scale)
@@ -823,7 +823,7 @@ def test_wgmma_kernels_with_many_problems(order):
     g = torch.randn(P, M, N, device="cuda", dtype=dtype)
     bt = b.transpose(1, 2)
     for defer in (False, True):
-        got = S._mma_bwd_impl(g, bt, a, -1, power, d_tile, scale, True, out=_nan(a.shape, dtype),
+        got = S.mma_bwd_impl(g, bt, a, -1, power, d_tile, scale, True, out=_nan(a.shape, dtype),
                               order=order, defer=defer)
         want = mma_sympow_bwd_reference(g[pick], bt[pick], a[pick], -1, power, d_tile, scale)
         eye = torch.eye(D, device="cuda", dtype=dtype).expand(len(pick), -1, -1)

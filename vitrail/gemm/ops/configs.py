@@ -113,7 +113,7 @@ def heuristic(kind: Kind):
             if problem is None:
                 return model.CANDIDATES[0]
             return model.choose(problem.M, problem.N, problem.K, problem.L,
-                                torch_ok=kind.plain and model._torch_allowed)
+                                torch_ok=kind.plain and model.torch_allowed)
         tk = 32 if bits == 32 else 128  # TF32, FP8
         big = model.make_config(f"128x{128 if bits == 32 else 256}x{tk}", "2x1", "cooperative",
                             "persistent")

@@ -38,8 +38,8 @@ ELEMENTS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "tf32",
 OUT_ELEMENTS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 # test hooks, set only by vitrail.gemm.ops.testing's context managers: outputs start as NaN;
 # a list: run records (kind, problem, operands) into it and launches nothing
-_poison = False
-_record: Optional[list] = None
+poisoned = False
+recording: Optional[list] = None
 
 
 def forget_choices() -> None:
@@ -197,15 +197,15 @@ def eager(a, b, c, bias, alpha, beta, activation, slope, clamp_min, clamp_max, o
     """``run`` of a plain eager call (vitrail.ops.common.plain_eager) through its plan. check():
     the public function's checks, run on a miss (a hit's signature passed them before)."""
     key = (signature(a), signature(b), _sig(c), _sig(bias), _sig(scale_a), _sig(scale_b), alpha,
-           beta, activation, slope, clamp_min, clamp_max, out_dtype, fast_accum, _poison,
+           beta, activation, slope, clamp_min, clamp_max, out_dtype, fast_accum, poisoned,
            a.dtype is torch.float32 and torch.get_float32_matmul_precision())
     hit = PLANS.get(key)
-    if hit is not None and hit is not GENERAL and _record is None:
+    if hit is not None and hit is not GENERAL and recording is None:
         return hit(a, b, c, bias, scale_a, scale_b)[0]
     if check is not None:
         check()
     out_dtype = out_dtype or a.dtype
-    if _record is not None:
+    if recording is not None:
         return run(a, b, c, bias, alpha, beta, activation, slope, clamp_min, clamp_max, out_dtype,
                    scale_a=scale_a, scale_b=scale_b, fast_accum=fast_accum)
     _ROUTE.torch = False
@@ -230,7 +230,7 @@ _torch_plan.native = {"kind": "matmul", "used": (0, 1)}  # the C++ hit path call
 def native_ok(a, *_) -> bool:
     """Whether a front function's call may have a C++ plan: its key does not see the fp32
     matmul precision (which picks the route of fp32 calls) or the tests' poisoning."""
-    return a.dtype is not torch.float32 and not _poison
+    return a.dtype is not torch.float32 and not poisoned
 
 
 def run_into(d: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor],
@@ -247,7 +247,7 @@ def run_into(d: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: Optional[torc
         return
     use_c = c is not None and beta != 0
     if (K != 0 and a.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
-            and is_hopper(a.device) and _record is None):
+            and is_hopper(a.device) and recording is None):
         from vitrail.gemm.ops import accurate  # 3xTF32: fp32-level error
         d.copy_(accurate.run(a, b, c if use_c else None, bias, alpha, beta, activation, slope,
                              clamp_min, clamp_max, out_dtype))
@@ -288,7 +288,7 @@ def run_into(d: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: Optional[torc
     out = d  # what the kernel writes: d itself, or a buffer of 16-byte rows copied into d
     if n_pad != N:
         d = torch.empty(*shape[:-1], n_pad, dtype=out_dtype, device=a.device)[..., :N]
-    if _poison:
+    if poisoned:
         d.fill_(float("nan"))
     c_t = None
     if use_c:
@@ -317,8 +317,8 @@ def run_into(d: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: Optional[torc
     hi = float("inf") if clamp_max is None else float(clamp_max)
     sa = None if scale_a is None else scale_a.reshape(-1).contiguous()
     sb = None if scale_b is None else scale_b.reshape(-1).contiguous()
-    if _record is not None:
-        _record.append((kind, problem, (a_t, b_t, c_t, d, bias_t, sa, sb)))
+    if recording is not None:
+        recording.append((kind, problem, (a_t, b_t, c_t, d, bias_t, sa, sb)))
         out.zero_()
         return
     op = op_for(kind)

@@ -32,7 +32,7 @@ TORCH = "torch"
 NEIGHBOURS = 3
 FAR = 1.5  # octaves: a problem this far from every measured shape runs torch where it may
 TABLE = Path(__file__).with_name("selection_h100.json")
-_torch_allowed = True  # False: always a vitrail kernel (only inside testing.kernels_only)
+torch_allowed = True  # False: always a vitrail kernel (only inside testing.kernels_only)
 
 
 def make_config(tile: str, cluster: str, schedule: str, scheduler: str,

@@ -19,12 +19,12 @@ from vitrail.gemm.ops import launch, model
 @contextlib.contextmanager
 def poisoned() -> Iterator[None]:
     """Every GEMM output is filled with NaN before its kernel runs (plans keyed apart)."""
-    before = launch._poison
-    launch._poison = True
+    before = launch.poisoned
+    launch.poisoned = True
     try:
         yield
     finally:
-        launch._poison = before
+        launch.poisoned = before
 
 
 @contextlib.contextmanager
@@ -32,13 +32,13 @@ def kernels_only(on: bool = True) -> Iterator[None]:
     """on: every GEMM runs a vitrail kernel, never torch's matmul (the selection's torch route
     off); False: the selection's routes, inside an outer kernels_only. The configs and plans
     chosen before are forgotten on entry and on exit."""
-    before = model._torch_allowed
-    model._torch_allowed = not on
+    before = model.torch_allowed
+    model.torch_allowed = not on
     launch.forget_choices()
     try:
         yield
     finally:
-        model._torch_allowed = before
+        model.torch_allowed = before
         launch.forget_choices()
 
 
@@ -46,10 +46,10 @@ def kernels_only(on: bool = True) -> Iterator[None]:
 def recording() -> Iterator[list]:
     """launch.run records (kind, problem, prepared operands) into the list it yields and zeroes
     the output instead of launching: the host-side preparation runs without a GPU."""
-    before = launch._record
+    before = launch.recording
     found: list = []
-    launch._record = found
+    launch.recording = found
     try:
         yield found
     finally:
-        launch._record = before
+        launch.recording = before

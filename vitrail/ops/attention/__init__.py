@@ -73,7 +73,7 @@ def persistent_for(seqlen_k: int, tiles: int, sms: int) -> bool:
 
 MAX_GRID_YZ = 65535  # heads on the grid's y, batch on its z
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory a CTA may take on Hopper
-_KERNELS: dict[tuple, object] = {}
+KERNELS: dict[tuple, object] = {}
 
 
 def block_n(d: int, dv: Optional[int] = None) -> int:
@@ -153,7 +153,7 @@ def kernel(dtype: torch.dtype, d: int, causal: bool, pingpong: bool = True, loca
     out_dtype = out_dtype or dtype
     key = (dtype, d, dv, causal, pingpong, local, softcap, varlen or paged, persistent, paged,
            out_dtype)
-    k = _KERNELS.get(key)
+    k = KERNELS.get(key)
     if k is None:
         from vitrail import jit
         # CuTe's constexpr helpers carry no __device__: NVRTC needs -default-device
@@ -161,7 +161,7 @@ def kernel(dtype: torch.dtype, d: int, causal: bool, pingpong: bool = True, loca
                                     persistent, paged, out_dtype),
                              name="attention_fwd",
                              backend="nvrtc", include_dirs=[HERE], flags=["-default-device"])
-        k = _KERNELS[key] = module.kernel("attention_fwd", SIGNATURE)
+        k = KERNELS[key] = module.kernel("attention_fwd", SIGNATURE)
     return k
 
 
@@ -274,13 +274,13 @@ def bwd_kernels(dtype: torch.dtype, d: int, causal: bool, local: bool = False,
                 softcap: bool = False, varlen: bool = False, deterministic: bool = False) -> dict:
     """The compiled backward: {name: kernel} for bwd_kernel_names(deterministic)."""
     key = ("bwd", dtype, d, causal, local, softcap, varlen, deterministic)
-    k = _KERNELS.get(key)
+    k = KERNELS.get(key)
     if k is None:
         from vitrail import jit
         module = jit.compile(bwd_source(dtype, d, causal, local, softcap, varlen, deterministic),
                              name="attention_bwd",
                              backend="nvrtc", include_dirs=[HERE], flags=["-default-device"])
-        k = _KERNELS[key] = {name: module.kernel(name, BWD_SIGNATURES[name])
+        k = KERNELS[key] = {name: module.kernel(name, BWD_SIGNATURES[name])
                              for name in bwd_kernel_names(deterministic)}
     return k
 
@@ -418,7 +418,7 @@ def fused_varlen_backward(grad_o: Tensor, grad_lse: Optional[Tensor], q: Tensor,
     return dq, dk, dv
 
 
-def _check_options(causal: bool, window, softcap) -> None:
+def check_options(causal: bool, window, softcap) -> None:
     """The window and the softcap: ArgumentError naming the one that is wrong."""
     if window is not None:
         if not (isinstance(window, (tuple, list)) and len(window) == 2 and
@@ -487,7 +487,7 @@ def check_call(q: Tensor, k: Tensor, v: Tensor, scale, alignment: str, causal: b
                             f"{alignment!r}")
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
         raise ArgumentError(f"{op}: scale must be a finite number or None, got {scale!r}")
-    _check_options(causal, window, softcap)
+    check_options(causal, window, softcap)
 
 
 def _tma_ready(t: Tensor) -> Tensor:
@@ -522,11 +522,11 @@ def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
     b, sq, h, _ = q.shape
     o = q.new_empty((b, sq, h, v.shape[3]))
     lse = q.new_empty((b, h, sq), dtype=torch.float32)
-    _fwd_into(q, k, v, o, lse, scale, causal, causal_offset, local, local_offset, softcap)
+    fwd_into(q, k, v, o, lse, scale, causal, causal_offset, local, local_offset, softcap)
     return o, lse
 
 
-def _fwd_into(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: float,
+def fwd_into(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: float,
               causal: bool, causal_offset: int, local: bool, local_offset: int,
               softcap: float, descale: Optional[Tensor] = None) -> None:
     """_attention_fwd's o (B, Sq, H, Dv) and lse (B, H, Sq), both contiguous, filled: one
@@ -609,7 +609,8 @@ def _setup(ctx, inputs, output):
 _attention_fwd.register_autograd(_backward, setup_context=_setup)
 
 
-def _mask(sq: int, sk: int, causal: bool, alignment: str, window) -> tuple[bool, int, bool, int]:
+def kernel_mask(sq: int, sk: int, causal: bool, alignment: str,
+                window) -> tuple[bool, int, bool, int]:
     """(causal, causal_offset, local, local_offset) of the kernels: key j visible to query i
     where j <= i + causal_offset (if causal) and j >= i + local_offset (if local)."""
     offset = 0 if alignment == "top_left" else sk - sq
@@ -639,7 +640,7 @@ def planned(key: tuple):
         return None
 
 
-def _outputs(q: Tensor, dv: int, return_lse: bool, lse_by_head: bool = False) -> tuple:
+def new_outputs(q: Tensor, dv: int, return_lse: bool, lse_by_head: bool = False) -> tuple:
     """(o,) or (o, lse): o (B, Sq, H, Dv) and lse (B, H, Sq) fp32, new; lse_by_head: lse's
     storage (H, B, Sq), the layout the PAGED kernel writes unpacked and unsplit."""
     b, sq, h, _ = q.shape
@@ -652,7 +653,7 @@ def _outputs(q: Tensor, dv: int, return_lse: bool, lse_by_head: bool = False) ->
 
 
 def _scratch_lse(q: Tensor, by_head: bool = False) -> Tensor:
-    """An lse the call does not return, laid out as _outputs' (a plan allocates it each call)."""
+    """An lse the call does not return, laid out as new_outputs' (a plan allocates it each call)."""
     b, sq, h, _ = q.shape
     lse = scratch(b * h * sq, torch.float32, q.device)
     return lse.view(h, b, sq).permute(1, 0, 2) if by_head else lse.view(b, h, sq)
@@ -661,7 +662,7 @@ def _scratch_lse(q: Tensor, by_head: bool = False) -> Tensor:
 def _one_pass(q, k, v, o, lse, scale, causal, causal_offset, local, local_offset, softcap):
     """A plan's general path: one pass of the forward into o (and lse, or a scratch one)."""
     lse = _scratch_lse(q) if lse is None else lse
-    _fwd_into(q, k, v, o, lse, scale, causal, causal_offset, local, local_offset, softcap)
+    fwd_into(q, k, v, o, lse, scale, causal, causal_offset, local, local_offset, softcap)
 
 
 def _decoding(q, k, v, o, lse, g, n, chunk, scale, softcap):
@@ -680,7 +681,7 @@ def generals(run, inputs: int = 3) -> dict:
 
 _ONE_PASS, _DECODING = generals(_one_pass), generals(_decoding)
 # Plans.run's make_outputs(q, k, v, ...) by (return_lse, lse_by_head): o, and the lse returned
-PLAN_OUTPUTS = {(r, by_head): (lambda q, k, v, *_, r=r, by_head=by_head: _outputs(
+PLAN_OUTPUTS = {(r, by_head): (lambda q, k, v, *_, r=r, by_head=by_head: new_outputs(
     q, v.shape[3], r, by_head)) for r in (False, True) for by_head in (False, True)}
 
 
@@ -714,7 +715,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     b, sq, h, d = q.shape
     sk, hk, dv = k.shape[1], k.shape[2], v.shape[3]
     scale = d ** -0.5 if scale is None else float(scale)
-    mask = _mask(sq, sk, bool(causal), alignment, window)
+    mask = kernel_mask(sq, sk, bool(causal), alignment, window)
     upper, hi, local, _ = mask
     softcap, deterministic = float(softcap or 0.0), bool(deterministic)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
@@ -923,7 +924,7 @@ def paged_into(q: Tensor, k_cache: Tensor, v_cache: Tensor, lens: Tensor,
     """o (B, Sq, H, Dv), contiguous, and lse (B, H, Sq; None: not returned) of q over the caches
     (attention_kvcache's arguments; lens int32 on the device) by decode_route's (g, n, size):
     with one chunk and no packing the kernel writes o in place and lse in its own layout (lse's
-    storage (H, B, Sq), as _outputs(lse_by_head=True)); else the chunks' partial results
+    storage (H, B, Sq), as new_outputs(lse_by_head=True)); else the chunks' partial results
     (scratch) combined into o and lse (B, H, Sq) contiguous."""
     b, sq, h, d = q.shape
     dv = v_cache.shape[3]
@@ -1039,12 +1040,12 @@ def combine_source(dtype: torch.dtype, dv: int) -> str:
 def combine_kernel(dtype: torch.dtype, dv: int):
     """The compiled smxx_attention_combine.cuh for a dtype and v head dim."""
     key = ("combine", dtype, dv)
-    k = _KERNELS.get(key)
+    k = KERNELS.get(key)
     if k is None:
         from vitrail import jit
         module = jit.compile(combine_source(dtype, dv), name="attention_split_combine",
                              backend="nvrtc", include_dirs=[HERE])
-        k = _KERNELS[key] = module.kernel("attention_split_combine", COMBINE_SIGNATURE)
+        k = KERNELS[key] = module.kernel("attention_split_combine", COMBINE_SIGNATURE)
     return k
 
 
@@ -1122,7 +1123,7 @@ def reference(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
     if softcap:
         s = softcap * torch.tanh(s / softcap)
-    upper, hi, local, lo = _mask(sq, sk, causal, alignment, window)
+    upper, hi, local, lo = kernel_mask(sq, sk, causal, alignment, window)
     i = torch.arange(sq, device=q.device)[:, None]
     j = torch.arange(sk, device=q.device)[None, :]
     if upper:
@@ -1293,7 +1294,8 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
         _lengths(cu_seqlens_k, k.shape[0], max_seqlen_k, "k")
     d = q.shape[2]
     scale = d ** -0.5 if scale is None else float(scale)
-    upper, hi, local, lo = _mask(0, 0, bool(causal), "top_left", window)  # offsets sans Sk - Sq
+    # offsets sans Sk - Sq
+    upper, hi, local, lo = kernel_mask(0, 0, bool(causal), "top_left", window)
     o, lse = _attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                    max_seqlen_k, scale, upper, hi, local, lo,
                                    float(softcap or 0.0), alignment == "bottom_right",

@@ -24,8 +24,8 @@ import torch
 from torch import Tensor
 
 from vitrail.jit.errors import ArgumentError
-from vitrail.ops.attention import _KERNELS as A_KERNELS
-from vitrail.ops.attention import HERE, _fwd_into, _mask, block_n, check_call
+from vitrail.ops.attention import KERNELS as A_KERNELS
+from vitrail.ops.attention import HERE, fwd_into, kernel_mask, block_n, check_call
 from vitrail.ops.attention import reference as _reference
 
 NAME = "vitrail.ops.attention_fp8"
@@ -157,7 +157,7 @@ def attention_fp8(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     else:
         descale = torch.cat([_descales(*x, q.device) for x in named])
     scale = d ** -0.5 if scale is None else float(scale)
-    mask = _mask(sq, sk, bool(causal), alignment, window)
+    mask = kernel_mask(sq, sk, bool(causal), alignment, window)
     o, lse = _fp8_fwd(q, k, v, descale, scale, *mask, float(softcap or 0.0), out_dtype)
     return (o, lse) if return_lse else o
 
@@ -167,14 +167,14 @@ def _fp8_fwd(q: Tensor, k: Tensor, v: Tensor, descale: Tensor, scale: float, cau
              causal_offset: int, local: bool, local_offset: int, softcap: float,
              out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """(o, lse) of checked e4m3 q, k and v: the V^T pass, then the forward's FP8 kernel
-    (descale: the kernel's fp32 descales; the mask as attention's _mask gives it)."""
+    (descale: the kernel's fp32 descales; the mask as attention's kernel_mask gives it)."""
     b, sq, h, d = q.shape
     sk, dv = k.shape[1], v.shape[3]
     o = q.new_empty((b, sq, h, dv), dtype=out_dtype)
     lse = q.new_empty((b, h, sq), dtype=torch.float32)
     bn = block_n(d, dv)
     vt = transposed_v(v, -(-sk // bn) * bn) if o.numel() and sk else v  # else no launch
-    _fwd_into(q, k, vt, o, lse, scale, causal, causal_offset, local, local_offset, softcap,
+    fwd_into(q, k, vt, o, lse, scale, causal, causal_offset, local, local_offset, softcap,
               descale=descale)
     return o, lse
 

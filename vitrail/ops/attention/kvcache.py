@@ -21,8 +21,8 @@ import torch
 from torch import Tensor
 
 from vitrail.jit.errors import ArgumentError
-from vitrail.ops.attention import (BM, MAX_GRID_YZ, PLAN_OUTPUTS, PLANS, _check_options, _mask,
-                                   _outputs, block_n, check_qkv, decode_route, frozen, generals,
+from vitrail.ops.attention import (BM, MAX_GRID_YZ, PLAN_OUTPUTS, PLANS, check_options, kernel_mask,
+                                   new_outputs, block_n, check_qkv, decode_route, frozen, generals,
                                    on_device, paged_dispatch, paged_into, planned)
 from vitrail.ops.common import EAGER, call_mode, check_same_device, check_tensor
 from vitrail.plan import GENERAL, signature
@@ -69,14 +69,14 @@ def attention_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens
             return out if return_lse else out[0]
     b, sq, h, d, hk, dv, page, capacity = _check(q, k_cache, v_cache, block_table, scale)
     lens = _lengths(cache_seqlens, b, q.device)
-    _check_options(causal, window, softcap)
+    check_options(causal, window, softcap)
     if num_splits is not None and not (isinstance(num_splits, int) and
                                        not isinstance(num_splits, bool) and num_splits >= 1):
         raise ArgumentError(f"{NAME}: num_splits must be None or an integer >= 1, got "
                             f"{num_splits!r}")
     scale = d ** -0.5 if scale is None else float(scale)
     # offsets from the bottom-right diagonal: the kernel adds each sequence's len - Sq
-    upper, hi, local, lo = _mask(sq, sq, bool(causal), "top_left", window)
+    upper, hi, local, lo = kernel_mask(sq, sq, bool(causal), "top_left", window)
     unmasked = not local and (not upper or hi >= sq - 1)  # every row sees every cached key
     if unmasked:
         upper = local = False
@@ -92,7 +92,7 @@ def attention_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens
     by_head = route[0] == 1 and route[1] == 1  # the kernel's lse layout
     general = _GENERAL[2 if return_lse else 1]
     if not on_gpu:  # the lengths made here: no plan
-        out = _outputs(q, dv, return_lse, by_head)
+        out = new_outputs(q, dv, return_lse, by_head)
         on_device(q, general, q, k_cache, v_cache, lens, block_table, *out, *params)
     else:
         out = on_device(q, PLANS.run, key, (q, k_cache, v_cache, lens, block_table),

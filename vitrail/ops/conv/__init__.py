@@ -24,7 +24,7 @@ dilation or filters beyond the TMA im2col limits (conv_arguments.reasons). Input
 channels-last are copied to channels-last first (a one-time warning says so). CUTLASS's sm90
 dgrad runs at unit stride only, so a strided convolution's dx runs as stride_h * stride_w
 unit-stride dgrads, one a phase (the pixels at (i, j) + stride * (a, b), written in place),
-each with the filter taps that reach its pixels: the convolution's own work (_dgrad_phases),
+each with the filter taps that reach its pixels: the convolution's own work (dgrad_phases),
 all in one launch (the phased dgrad kernel, from a table of the phases: _phase_table).
 
 1x1 convolutions without padding (one group) at unit stride are GEMMs over pixels and run
@@ -136,7 +136,7 @@ def kernel_problem(kind: str, n: int, c: int, hw: tuple[int, int], k: int,
     cg, kg = c // groups, k // groups
     if kind != "dgrad":
         return Problem(kind, kg, cg, r * s, n * p * q), False
-    active = [ph for ph in _dgrad_phases((h, w), (p, q), (r, s), pad, pad_hi, stride, dilation)
+    active = [ph for ph in dgrad_phases((h, w), (p, q), (r, s), pad, pad_hi, stride, dilation)
               if all(ph.rows)]
     if not active:  # no tap reaches dx (it is zeros): no launch
         return Problem(kind, kg, cg, 0, 0), False
@@ -151,7 +151,7 @@ def _operation(variant: Variant, config) -> ConvOperation:
                      tile=configs.tile(config), phased=phased, stages=config["stages"])
 
 
-def _prepared(variant: Variant, config, a, b, d, bias, padding, stride, dilation, pad_hi,
+def prepared_operation(variant: Variant, config, a, b, d, bias, padding, stride, dilation, pad_hi,
               splits, phases) -> tuple[ConvOperation, ConvArguments, list[str]]:
     """The operation of a variant's config, its arguments on these operands, and the reasons it
     cannot run them (none: it can)."""
@@ -169,7 +169,7 @@ def _variant(key: Variant) -> dict:
         return _operation(key, config).compile_kwargs()
 
     def run(module, config, *operands) -> None:
-        op, args, why = _prepared(key, config, *operands)
+        op, args, why = prepared_operation(key, config, *operands)
         if why:
             raise LaunchError(_refused(key.kind, why))
         launch(op, module, args)
@@ -218,7 +218,7 @@ def wgrad_chunks(k: int, rsc: int, batch: int, pixels: int, sms: int) -> int:
     return next(s for s in counts if time(s) <= 1.03 * best)
 
 
-def _nhwc(t: Tensor) -> Tensor:
+def nhwc(t: Tensor) -> Tensor:
     """A (N, C, H, W) tensor's NHWC view (no copy)."""
     return t.permute(0, 2, 3, 1)
 
@@ -228,7 +228,7 @@ def _channels_last(t: Tensor, name: str) -> Tensor:
     expanded tensor (stride 0 along a dimension of more than one element) is copied too, as TMA
     takes no zero stride."""
     expanded = any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape))
-    if (_nhwc(t).stride(3) == 1 or t.shape[1] == 1) and not expanded:
+    if (nhwc(t).stride(3) == 1 or t.shape[1] == 1) and not expanded:
         return t
     why = "is expanded (a stride of 0)" if expanded else "is not channels-last in memory"
     warn_once(f"conv2d:{name}:{expanded}", f"{NAME}: {name} {why}; it is copied to "
@@ -237,7 +237,7 @@ def _channels_last(t: Tensor, name: str) -> Tensor:
     return t.contiguous(memory_format=torch.channels_last)
 
 
-def _empty_nchw(shape: Sequence[int], like: Tensor) -> Tensor:
+def empty_nchw(shape: Sequence[int], like: Tensor) -> Tensor:
     """A new (N, C, H, W) tensor in channels_last memory."""
     n, c, h, w = shape
     return like.new_empty((n, h, w, c)).permute(0, 3, 1, 2)
@@ -251,7 +251,7 @@ def _run(kind: str, a: Tensor, b: Tensor, d: Tensor, bias: Optional[Tensor],
     many chunks, d their fp32 partials; phases: dgrad's table of stride phases (a, b and d the
     first phase's views: _phase_table)."""
     _require_hopper(a.device)
-    problem = _launch_problem(kind, a, b, d, phases)
+    problem = launch_problem(kind, a, b, d, phases)
     variant = Variant(kind, a.dtype, bias is not None, activation, splits > 1, phases is not None)
     family_op = FAMILY[variant]
     operands = (a, b, d, bias, padding, stride, dilation, pad_hi, splits, phases)
@@ -260,7 +260,7 @@ def _run(kind: str, a: Tensor, b: Tensor, d: Tensor, bias: Optional[Tensor],
     else:  # the phase table's offsets reach past the first phase's views, which is all a
         # scratch copy would hold: PickBest cannot time it, the heuristic chooses
         config = family_op.space.default(problem, limits())
-    op, args, why = _prepared(variant, config, *operands)
+    op, args, why = prepared_operation(variant, config, *operands)
     if why:
         raise NotImplementedError(_refused(kind, why))
     if any(t.numel() == 0 for t in (a, b, d)):
@@ -268,7 +268,7 @@ def _run(kind: str, a: Tensor, b: Tensor, d: Tensor, bias: Optional[Tensor],
     launch(op, family_op.module(config), args)  # checked above (op.run would check again)
 
 
-def _launch_problem(kind: str, a: Tensor, b: Tensor, d: Tensor,
+def launch_problem(kind: str, a: Tensor, b: Tensor, d: Tensor,
                     phases: Optional[Tensor]) -> Problem:
     """The Problem of a launch on _run's views (kernel_problem gives it from the geometry): a
     phased dgrad's pixels are every phase's (their rows in the table), its taps the first's."""
@@ -370,7 +370,7 @@ def _out_hw(h, w, r, s, pad, pad_hi, stride, dilation) -> tuple[int, int]:
     return p, q
 
 
-def _is_gemm(weight_or_rs, pad, pad_hi, groups: int, stride, channels) -> bool:
+def is_gemm(weight_or_rs, pad, pad_hi, groups: int, stride, channels) -> bool:
     """Whether the convolution is a GEMM over pixels: 1x1 filters, no padding, one group, and
     either unit stride (the pixels are the GEMM's rows as they lie) or channels (C, K) that the
     implicit-GEMM kernels cannot read (not multiples of 8: the GEMM's copies make them
@@ -386,8 +386,8 @@ def _is_gemm(weight_or_rs, pad, pad_hi, groups: int, stride, channels) -> bool:
 
 
 def _gemm_ready(t: Tensor, weight_or_rs, pad, pad_hi, groups: int, stride, channels) -> bool:
-    """_is_gemm, on a Hopper GPU (else refused, as the kernels are)."""
-    if not _is_gemm(weight_or_rs, pad, pad_hi, groups, stride, channels):
+    """is_gemm, on a Hopper GPU (else refused, as the kernels are)."""
+    if not is_gemm(weight_or_rs, pad, pad_hi, groups, stride, channels):
         return False
     _require_hopper(t.device)
     return True
@@ -396,7 +396,7 @@ def _gemm_ready(t: Tensor, weight_or_rs, pad, pad_hi, groups: int, stride, chann
 def _pixels(t: Tensor, stride) -> Tensor:
     """A channels-last (N, C, H, W) tensor's pixels as rows: (N H' W', C), the pixels a stride
     keeps (a copy where it skips some; else a view)."""
-    t = _nhwc(t)
+    t = nhwc(t)
     if tuple(stride) != (1, 1):
         t = t[:, ::stride[0], ::stride[1]].contiguous()
     return t.reshape(-1, t.shape[3])
@@ -428,7 +428,7 @@ def _new_y(x, weight, bias, g, activation, groups) -> tuple[Tensor]:
     n, _, h, w = x.shape
     k, _, r, s = weight.shape
     stride, pad, pad_hi, dilation = _split(g)
-    return (_empty_nchw((n, k, *_out_hw(h, w, r, s, pad, pad_hi, stride, dilation)), x),)
+    return (empty_nchw((n, k, *_out_hw(h, w, r, s, pad, pad_hi, stride, dilation)), x),)
 
 
 def _fprop_into(x, weight, bias, y, g, activation, groups) -> None:
@@ -439,21 +439,21 @@ def _fprop_into(x, weight, bias, y, g, activation, groups) -> None:
     k = weight.shape[0]
     if depthwise.is_depthwise(x.shape[1], weight.shape, groups):
         _require_hopper(x.device)
-        depthwise.fprop(_nhwc(x), weight, bias, _nhwc(y), stride, pad, dilation, activation,
+        depthwise.fprop(nhwc(x), weight, bias, nhwc(y), stride, pad, dilation, activation,
                         lambda n, dtype: scratch(n, dtype, x.device))
         return
     if _gemm_ready(x, weight, pad, pad_hi, groups, stride, (x.shape[1], k)):  # y = x W^T
-        run_into(_nhwc(y).reshape(-1, k), _pixels(x, stride), _nhwc(weight).reshape(k, -1).t(),
+        run_into(nhwc(y).reshape(-1, k), _pixels(x, stride), nhwc(weight).reshape(k, -1).t(),
                  None, bias, 1.0, 0.0, activation, 0.01, None, None)
         return
     biases = bias.chunk(groups) if bias is not None else [None] * groups
-    for xg, wg, yg, bg in zip(_nhwc(x).chunk(groups, 3), _nhwc(weight).chunk(groups, 0),
-                              _nhwc(y).chunk(groups, 3), biases):  # a group's channels
+    for xg, wg, yg, bg in zip(nhwc(x).chunk(groups, 3), nhwc(weight).chunk(groups, 0),
+                              nhwc(y).chunk(groups, 3), biases):  # a group's channels
         _run("fprop", xg, wg, yg, bg, activation, pad, stride, dilation, pad_hi)
 
 
 def _new_dx(dy, weight, h, w, g, groups) -> tuple[Tensor]:
-    return (_empty_nchw((dy.shape[0], weight.shape[1] * groups, h, w), dy),)
+    return (empty_nchw((dy.shape[0], weight.shape[1] * groups, h, w), dy),)
 
 
 def _dgrad_into(dy, weight, dx, h, w, g, groups) -> None:
@@ -463,14 +463,14 @@ def _dgrad_into(dy, weight, dx, h, w, g, groups) -> None:
     stride, pad, pad_hi, dilation = _split(g)
     n, k, p, q = dy.shape
     _, cg, r, s = weight.shape
-    rows = _nhwc(dx)
+    rows = nhwc(dx)
     if depthwise.is_depthwise(dx.shape[1], weight.shape, groups):  # every pixel written
         _require_hopper(dy.device)
-        depthwise.dgrad(_nhwc(dy), weight, rows, stride, pad, dilation,
+        depthwise.dgrad(nhwc(dy), weight, rows, stride, pad, dilation,
                         lambda n, dtype: scratch(n, dtype, dy.device))
         return
     if _gemm_ready(dy, weight, pad, pad_hi, groups, stride, (cg, k)):  # dx = dy W
-        wk = _nhwc(weight).reshape(k, -1)
+        wk = nhwc(weight).reshape(k, -1)
         if stride == (1, 1):
             run_into(rows.reshape(-1, cg), _pixels(dy, (1, 1)), wk, None, None, 1.0, 0.0, None,
                      0.01, None, None)
@@ -478,11 +478,11 @@ def _dgrad_into(dy, weight, dx, h, w, g, groups) -> None:
         dx.zero_()  # the pixels no output read
         rows[:, ::stride[0], ::stride[1]] = mm(_pixels(dy, (1, 1)), wk).view(n, p, q, cg)
         return
-    phases = _dgrad_phases((h, w), (p, q), (r, s), pad, pad_hi, stride, dilation)
+    phases = dgrad_phases((h, w), (p, q), (r, s), pad, pad_hi, stride, dilation)
     if not all(ph.rows == ph.extent or not all(ph.extent) for ph in phases):
         dx.zero_()  # pixels that no filter tap reaches
     active = [ph for ph in phases if all(ph.rows)]
-    views = [_phase_views(ph, dy, weight, rows, stride) for ph in active]
+    views = [phase_views(ph, dy, weight, rows, stride) for ph in active]
     table = None
     if len(active) > 1:  # every phase in one launch, from the first one's views
         table = _phase_table(active, views)
@@ -493,18 +493,18 @@ def _dgrad_into(dy, weight, dx, h, w, g, groups) -> None:
                  phases=table)
 
 
-def _phase_views(ph: "_Phase", dy: Tensor, weight: Tensor, rows: Tensor, stride) -> tuple:
+def phase_views(ph: "_Phase", dy: Tensor, weight: Tensor, rows: Tensor, stride) -> tuple:
     """A stride phase's dy, filter taps and dx pixels: NHWC-indexed views."""
     (th, tw), (sh, sw), (kh, kw) = ph.taps, stride, ph.skip
-    a = _nhwc(dy)[:, :ph.dy[0], :ph.dy[1]]
-    wt = _nhwc(weight)[:, th.start:th.stop:th.step, tw.start:tw.stop:tw.step]  # its taps
+    a = nhwc(dy)[:, :ph.dy[0], :ph.dy[1]]
+    wt = nhwc(weight)[:, th.start:th.stop:th.step, tw.start:tw.stop:tw.step]  # its taps
     d = rows[:, ph.phase[0] + kh * sh::sh, ph.phase[1] + kw * sw::sw]
     return a, wt, d[:, :ph.rows[0], :ph.rows[1]]
 
 
 def _phase_table(active: list["_Phase"], views: list[tuple]) -> Tensor:
     """The phased dgrad's table (conv_arguments.PHASE_VALUES a phase) of the phases with pixels
-    to write (their views: _phase_views): each one's filter and dx offsets from the first one's
+    to write (their views: phase_views): each one's filter and dx offsets from the first one's
     views, in elements (the views share their strides: the step of the taps and of the pixels
     is every phase's), its pixels, taps and padding. A CPU tensor that a plan keeps
     (vitrail.plan.keep): the same for every call of a signature."""
@@ -521,7 +521,7 @@ def _phase_table(active: list["_Phase"], views: list[tuple]) -> Tensor:
 
 
 def _new_dw(dy, x, r, s, g, groups) -> tuple[Tensor]:
-    return (_empty_nchw((dy.shape[1], x.shape[1] // groups, r, s), x),)
+    return (empty_nchw((dy.shape[1], x.shape[1] // groups, r, s), x),)
 
 
 def _wgrad_into(dy, x, dw, r, s, g, groups) -> None:
@@ -531,15 +531,15 @@ def _wgrad_into(dy, x, dw, r, s, g, groups) -> None:
     k, c = dy.shape[1], x.shape[1]
     if depthwise.is_depthwise(c, dw.shape, groups):
         _require_hopper(x.device)
-        depthwise.wgrad(_nhwc(_channels_last(dy, "dy")), _nhwc(x), dw, stride, pad, dilation,
+        depthwise.wgrad(nhwc(_channels_last(dy, "dy")), nhwc(x), dw, stride, pad, dilation,
                         lambda n: scratch(n, torch.float32, dy.device))
         return
     if _gemm_ready(x, (r, s), pad, pad_hi, groups, stride, (c, k)):  # dw = dy^T x
-        run_into(_nhwc(dw).reshape(k, c), _nhwc(dy).reshape(-1, k).t(), _pixels(x, stride),
+        run_into(nhwc(dw).reshape(k, c), nhwc(dy).reshape(-1, k).t(), _pixels(x, stride),
                  None, None, 1.0, 0.0, None, 0.01, None, None)
         return
-    for dyg, xg, dwg in zip(_nhwc(dy).chunk(groups, 3), _nhwc(x).chunk(groups, 3),
-                            _nhwc(dw).chunk(groups, 0)):
+    for dyg, xg, dwg in zip(nhwc(dy).chunk(groups, 3), nhwc(x).chunk(groups, 3),
+                            nhwc(dw).chunk(groups, 0)):
         _wgrad(dyg.contiguous(), xg, dwg, pad, stride, dilation,
                pad_hi)  # wgrad reads dy packed (NPQK): a copy a group (none for one)
 
@@ -589,7 +589,7 @@ def _conv2d_fake(x, weight, bias, stride, pad, pad_hi, dilation, activation, gro
     n, _, h, w = x.shape
     k, _, r, s = weight.shape
     p, q = _out_hw(h, w, r, s, pad, pad_hi, stride, dilation)
-    return _empty_nchw((n, k, p, q), x)
+    return empty_nchw((n, k, p, q), x)
 
 
 @torch.library.custom_op("vitrail::conv2d_dgrad", mutates_args=())
@@ -648,7 +648,7 @@ def _phase_1d(size: int, out: int, taps: int, pad: int, stride: int, dilation: i
     return extent, skip, rows, tap, dil, pad_lo, max(0, pad_hi), used
 
 
-def _dgrad_phases(size, out, taps, pad, pad_hi, stride, dilation) -> list[_Phase]:
+def dgrad_phases(size, out, taps, pad, pad_hi, stride, dilation) -> list[_Phase]:
     """dx of a strided convolution as stride_h * stride_w unit-stride dgrads (one a phase: the
     pixels at (i, j) + stride * (a, b)), each of the taps that reach its pixels: the same work
     as the convolution's, where dy spread out with zeros would cost stride_h * stride_w times
@@ -670,7 +670,7 @@ def _dgrad_phases(size, out, taps, pad, pad_hi, stride, dilation) -> list[_Phase
 
 @_conv2d_dgrad.register_fake
 def _conv2d_dgrad_fake(dy, weight, input_hw, stride, pad, pad_hi, dilation, groups=1):
-    return _empty_nchw((dy.shape[0], weight.shape[1] * groups, *input_hw), dy)
+    return empty_nchw((dy.shape[0], weight.shape[1] * groups, *input_hw), dy)
 
 
 @torch.library.custom_op("vitrail::conv2d_wgrad", mutates_args=())
@@ -700,7 +700,7 @@ def _wgrad(dy: Tensor, x: Tensor, dw: Tensor, pad, stride, dilation, pad_hi) -> 
 
 @_conv2d_wgrad.register_fake
 def _conv2d_wgrad_fake(dy, x, filter_rs, stride, pad, pad_hi, dilation, groups=1):
-    return _empty_nchw((dy.shape[1], x.shape[1] // groups, *filter_rs), x)
+    return empty_nchw((dy.shape[1], x.shape[1] // groups, *filter_rs), x)
 
 
 # ---------------------------------------------------------------------------------- autograd
@@ -880,7 +880,7 @@ def reasons(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
     if p < 1 or q < 1:
         raise ArgumentError(f"{NAME}: the output would be {p} x {q}: the dilated filter is "
                             f"larger than the padded input")
-    if (_is_gemm(weight, pad, pad_hi, groups, stride, (c, weight.shape[0]))
+    if (is_gemm(weight, pad, pad_hi, groups, stride, (c, weight.shape[0]))
             or depthwise.is_depthwise(c, weight.shape, groups)):
         return []  # vitrail's GEMM and the depthwise kernels run every shape
 
@@ -896,7 +896,7 @@ def reasons(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
     xs, ws = packed(n, h, w, c)[..., :cg], packed(kg, r, s, cg)
     if kind == "dgrad":  # one unit-stride dgrad a phase, on its taps' view of the filter
         why: list[str] = []
-        for ph in _dgrad_phases((h, w), (p, q), (r, s), pad, pad_hi, stride, dilation):
+        for ph in dgrad_phases((h, w), (p, q), (r, s), pad, pad_hi, stride, dilation):
             if all(ph.rows):
                 (th, tw) = ph.taps
                 problem = Conv2dProblem(n, *ph.rows, cg, kg, len(th), len(tw), ph.pad, (1, 1),

@@ -330,7 +330,7 @@ def operations(sms: int = 132) -> list:
     ops = []
     for case in cases():
         lay = case.layer
-        if _runs_gemm(lay) or lay.groups > 1 or refusal(case):
+        if runs_gemm(lay) or lay.groups > 1 or refusal(case):
             continue
         chunks = case.chunks(sms)
         two, pad = (lay.stride,) * 2, (lay.padding,) * 2
@@ -343,11 +343,11 @@ def operations(sms: int = 132) -> list:
     return ops
 
 
-def _runs_gemm(lay: Layer) -> bool:
+def runs_gemm(lay: Layer) -> bool:
     """Whether vitrail.ops.conv runs the layer as a GEMM over pixels."""
-    from vitrail.ops.conv import _is_gemm
+    from vitrail.ops.conv import is_gemm
     pad = (lay.padding,) * 2
-    return _is_gemm((lay.R, lay.S), pad, pad, lay.groups, (lay.stride,) * 2, (lay.C, lay.K))
+    return is_gemm((lay.R, lay.S), pad, pad, lay.groups, (lay.stride,) * 2, (lay.C, lay.K))
 
 
 def gemm_kernels(lim) -> list:
@@ -362,7 +362,7 @@ def gemm_kernels(lim) -> list:
     found = []
     for case in cases():
         lay = case.layer
-        if not _runs_gemm(lay):
+        if not runs_gemm(lay):
             continue
         p, q = lay.out_hw()
         pixels = case.batch * p * q
@@ -397,7 +397,7 @@ def build() -> None:
 
 
 # -------------------------------------------------------------------------------------- run
-def _tensors(case: Case):
+def case_tensors(case: Case):
     """x, w, dy (channels_last bf16) and the fused rows' bias, on the GPU."""
     import torch
     lay, bf = case.layer, torch.bfloat16
@@ -417,7 +417,7 @@ def _calls(case: Case):
     import torch.nn.functional as F
 
     from vitrail.ops.conv import conv2d
-    x, w, dy, bias = _tensors(case)
+    x, w, dy, bias = case_tensors(case)
     lay = case.layer
     s, pad, one, g = [lay.stride] * 2, [lay.padding] * 2, [1, 1], lay.groups
     back = torch.ops.aten.convolution_backward

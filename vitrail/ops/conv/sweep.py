@@ -51,7 +51,7 @@ def _timed(case: bench.Case) -> bool:
     """Whether the sweep times the case: one implicit-GEMM launch that a scratch copy can time."""
     from vitrail.ops.conv import kernel_problem
     lay = case.layer
-    if bench._runs_gemm(lay) or lay.groups > 1 or bench.refusal(case):
+    if bench.runs_gemm(lay) or lay.groups > 1 or bench.refusal(case):
         return False
     if case.kind != "dgrad":
         return True
@@ -90,25 +90,25 @@ def _operands(case: bench.Case, sms: int):
     dgrad: its one stride phase's; wgrad: its batch chunks' fp32 partials)."""
     import torch
 
-    from vitrail.ops.conv import _dgrad_phases, _empty_nchw, _nhwc, _phase_views
-    x, w, dy, _ = bench._tensors(case)
+    from vitrail.ops.conv import dgrad_phases, empty_nchw, nhwc, phase_views
+    x, w, dy, _ = bench.case_tensors(case)
     lay, (p, q) = case.layer, case.layer.out_hw()
     pad, stride, one = (lay.padding,) * 2, (lay.stride,) * 2, (1, 1)
     variant = _variant(case, sms)
     if case.kind == "fprop":
-        d = _nhwc(_empty_nchw((case.batch, lay.K, p, q), x))
-        return variant, (_nhwc(x), _nhwc(w), d, None, pad, stride, one, pad, 1, None)
+        d = nhwc(empty_nchw((case.batch, lay.K, p, q), x))
+        return variant, (nhwc(x), nhwc(w), d, None, pad, stride, one, pad, 1, None)
     if case.kind == "dgrad":
-        (ph,) = [ph for ph in _dgrad_phases((lay.H, lay.W), (p, q), (lay.R, lay.S), pad, pad,
+        (ph,) = [ph for ph in dgrad_phases((lay.H, lay.W), (p, q), (lay.R, lay.S), pad, pad,
                                             stride, one) if all(ph.rows)]
-        a, b, d = _phase_views(ph, dy, w, _nhwc(_empty_nchw(x.shape, x)), stride)
+        a, b, d = phase_views(ph, dy, w, nhwc(empty_nchw(x.shape, x)), stride)
         return variant, (a, b, d, None, ph.pad, one, ph.dilation, ph.pad_hi, 1, None)
     if variant.partials:
         splits = case.chunks(sms)
         d = torch.empty(splits * lay.K, lay.R, lay.S, lay.C, device=x.device)
     else:
-        splits, d = 1, _nhwc(_empty_nchw(w.shape, w))
-    return variant, (_nhwc(dy).contiguous(), _nhwc(x), d, None, pad, stride, one, pad, splits,
+        splits, d = 1, nhwc(empty_nchw(w.shape, w))
+    return variant, (nhwc(dy).contiguous(), nhwc(x), d, None, pad, stride, one, pad, splits,
                      None)
 
 
@@ -119,7 +119,7 @@ def time_configs(only: list[bench.Case] | None = None, log=sys.stderr) -> Iterat
     import torch
 
     from vitrail.gemm.conv_arguments import launch
-    from vitrail.ops.conv import FAMILY, _launch_problem, _prepared
+    from vitrail.ops.conv import FAMILY, launch_problem, prepared_operation
     from vitrail.profile import compare
     from vitrail.tune import compile_all, limits
     lim = limits()
@@ -135,14 +135,14 @@ def time_configs(only: list[bench.Case] | None = None, log=sys.stderr) -> Iterat
         valid = family_op.space.valid(lim)
         calls, errors = {}, {}
         for config in valid:
-            op, args, why = _prepared(variant, config, *operands)
+            op, args, why = prepared_operation(variant, config, *operands)
             if why:
                 errors[config.label] = "; ".join(why)
                 continue
             calls[config.label] = (lambda op=op, module=family_op.module(config), args=args:
                                    launch(op, module, args))
         times = {k: t.median for k, t in compare(calls).items()} if calls else {}
-        problem = _launch_problem(case.kind, *operands[:3], None)
+        problem = launch_problem(case.kind, *operands[:3], None)
         row = {"case": case.name, "network": case.network, "kind": case.kind,
                "problem": problem._asdict(), "sms": lim.sm_count,
                "ms": {c.label: times.get(c.label) for c in valid}, "errors": errors}

@@ -72,7 +72,7 @@ _EXAMPLES = (("elementwise", torch.bfloat16, 2, 8), ("mma", torch.bfloat16, 2, 8
 FAMILY = OpFamily("sympow", _variant, listed=_EXAMPLES)
 
 
-def _op(kind: str, dtype: torch.dtype, power: int, d_tile: int) -> Op:
+def variant_op(kind: str, dtype: torch.dtype, power: int, d_tile: int) -> Op:
     return FAMILY[kind, dtype, power, d_tile]
 
 
@@ -98,7 +98,7 @@ CAPTURE: contextvars.ContextVar[list | None] = contextvars.ContextVar("vitrail_s
 
 
 def _run(kind, dtype, power, d_tile, vec, kernel, grid, smem, *args) -> None:
-    op = _op(kind, dtype, power, d_tile)
+    op = variant_op(kind, dtype, power, d_tile)
     found = CAPTURE.get()
     if found is not None:
         found.append((op, f"vec={vec}", {"vec": vec}, (kernel, grid, smem, *args)))
@@ -137,12 +137,12 @@ def _sympow_impl(x: torch.Tensor, power: int, d_tile: int, dc: bool,
             return hit(x)[0]
     D = configs.check_support("sympow", x.shape[-1], power, d_tile)
     if out is not None:
-        _sympow_into(x, out, power, d_tile, dc, D)
+        sympow_into(x, out, power, d_tile, dc, D)
         return out
-    return PLANS.run(key, (x,), _new_z, _sympow_into, (power, d_tile, dc, D))[0]
+    return PLANS.run(key, (x,), _new_z, sympow_into, (power, d_tile, dc, D))[0]
 
 
-def _sympow_into(x: torch.Tensor, z: torch.Tensor, power: int, d_tile: int, dc: bool,
+def sympow_into(x: torch.Tensor, z: torch.Tensor, power: int, d_tile: int, dc: bool,
                  D: int) -> None:
     d = x.shape[-1]
     x = x.contiguous()
@@ -257,7 +257,7 @@ def _new_mma(a, b, expand_dim, power, d_tile, scale, dc) -> tuple[torch.Tensor]:
 
 
 def _mma_into(a, b, out, expand_dim, power, d_tile, scale, dc) -> None:
-    _mma_impl(a, b, expand_dim, power, d_tile, scale, dc, out=out)
+    mma_impl(a, b, expand_dim, power, d_tile, scale, dc, out=out)
 
 
 def _mma_planned(a, b, expand_dim, power, d_tile, scale, dc) -> torch.Tensor:
@@ -272,10 +272,10 @@ def _new_like_c(a, b, c, *_) -> tuple[torch.Tensor]:
 
 
 def _mma_bwd_into(a, b, c, out, expand_dim, power, d_tile, scale, dc) -> None:
-    _mma_bwd_impl(a, b, c, expand_dim, power, d_tile, scale, dc, out=out)
+    mma_bwd_impl(a, b, c, expand_dim, power, d_tile, scale, dc, out=out)
 
 
-def _mma_impl(a: torch.Tensor, b: torch.Tensor, expand_dim: int, power: int, d_tile: int,
+def mma_impl(a: torch.Tensor, b: torch.Tensor, expand_dim: int, power: int, d_tile: int,
               scale: float, dc: bool, out: torch.Tensor | None = None,
               wgmma: bool | None = None, order: str | None = None,
               wgs: int | None = None, tma: bool | None = None) -> torch.Tensor:
@@ -386,7 +386,7 @@ def _mma90_impl(a, b, expand_dim, power, d_tile, d, D, scale, dc, out, order=Non
     return c
 
 
-def _mma_bwd_impl(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, expand_dim: int,
+def mma_bwd_impl(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, expand_dim: int,
                   power: int, d_tile: int, scale: float, dc: bool,
                   out: torch.Tensor | None = None, wgmma: bool | None = None,
                   order: str | None = None, defer: bool | None = None) -> torch.Tensor:
@@ -463,7 +463,7 @@ def _(x, dz, power, d_tile, duplicate_correction):
 @torch.library.custom_op("vitrail::sympow_mma", mutates_args=())
 def _sympow_mma_op(a: torch.Tensor, b: torch.Tensor, expand_dim: int, power: int, d_tile: int,
                    scale_a: float, duplicate_correction: bool) -> torch.Tensor:
-    return _mma_impl(a, b, expand_dim, power, d_tile, scale_a, duplicate_correction)
+    return mma_impl(a, b, expand_dim, power, d_tile, scale_a, duplicate_correction)
 
 
 @_sympow_mma_op.register_fake
@@ -476,7 +476,7 @@ def _(a, b, expand_dim, power, d_tile, scale_a, duplicate_correction):
 def _mma_sympow_bwd_op(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, expand_dim: int,
                        power: int, d_tile: int, scale_a: float,
                        duplicate_correction: bool) -> torch.Tensor:
-    return _mma_bwd_impl(a, b, c, expand_dim, power, d_tile, scale_a, duplicate_correction)
+    return mma_bwd_impl(a, b, c, expand_dim, power, d_tile, scale_a, duplicate_correction)
 
 
 @_mma_sympow_bwd_op.register_fake
@@ -594,8 +594,8 @@ def _mma_gradients(a, b, dc_out, expand_dim, power, d_tile, scale, dc, needs=(Tr
     if torch.is_grad_enabled():  # create_graph: through the custom ops
         return _mma_pair(a, b, dc_out, (expand_dim, power, d_tile, scale, dc), needs,
                          torch.ops.vitrail.sympow_mma, torch.ops.vitrail.mma_sympow_bwd)
-    return _mma_pair(a, b, dc_out, (expand_dim, power, d_tile, scale, dc), needs, _mma_impl,
-                     _mma_bwd_impl)
+    return _mma_pair(a, b, dc_out, (expand_dim, power, d_tile, scale, dc), needs, mma_impl,
+                     mma_bwd_impl)
 
 
 def _mma_rule(a: torch.Tensor, b: torch.Tensor, expand_dim: int, power: int, d_tile: int = 1,

@@ -26,7 +26,7 @@ def build() -> None:
     if lim.arch.major == 9 and lim.arch.suffix == "a":
         kinds.append(("mma90", 2, 8))
     for kind, p, t in kinds:
-        op = S._op(kind, torch.bfloat16, p, t)
+        op = S.variant_op(kind, torch.bfloat16, p, t)
         op.module(op.space.default({"vec": 8}, lim))
 
 
@@ -103,7 +103,7 @@ def run() -> list[Row]:
         flops=flops, baseline=True)
     add(case, "vitrail fused", _time(lambda: S.sympow_mma(a, b, -1, p, t)), flops=flops)
     add(case, "vitrail fused sm80 mma.sync",
-        _time(lambda: S._mma_impl(a, b, -1, p, t, 1.0, True, wgmma=False)), flops=flops)
+        _time(lambda: S.mma_impl(a, b, -1, p, t, 1.0, True, wgmma=False)), flops=flops)
     # state side: a [P, d, K] expands M
     ak = torch.randn(P, d, M, device="cuda", dtype=bf)
     bk = (torch.randn(P, M, N, device="cuda") / 64).to(bf)
@@ -112,7 +112,7 @@ def run() -> list[Row]:
         _time(lambda: torch.bmm(S.sympow(ak, p, t, dim=-2), bk)), flops=flops, baseline=True)
     add(case, "vitrail fused", _time(lambda: S.sympow_mma(ak, bk, -2, p, t)), flops=flops)
     add(case, "vitrail fused sm80 mma.sync",
-        _time(lambda: S._mma_impl(ak, bk, -2, p, t, 1.0, True, wgmma=False)), flops=flops)
+        _time(lambda: S.mma_impl(ak, bk, -2, p, t, 1.0, True, wgmma=False)), flops=flops)
     # mma_sympow_bwd, query side: c = a [P, M, d], grad [P, M, N], b^T [P, N, D]
     g = torch.randn(P, M, N, device="cuda", dtype=bf)
     bt = b.transpose(1, 2).contiguous()
@@ -122,7 +122,7 @@ def run() -> list[Row]:
         flops=flops, baseline=True)
     add(case, "vitrail fused", _time(lambda: S.mma_sympow_bwd(g, bt, a, -1, p, t)), flops=flops)
     add(case, "vitrail fused sm80 mma.sync",
-        _time(lambda: S._mma_bwd_impl(g, bt, a, -1, p, t, 1.0, True, wgmma=False)), flops=flops)
+        _time(lambda: S.mma_bwd_impl(g, bt, a, -1, p, t, 1.0, True, wgmma=False)), flops=flops)
     # state side: c = ak [P, d, K], grad [P, D, N], bk^T [P, N, K]
     gs = torch.randn(P, D, N, device="cuda", dtype=bf)
     bkt = bk.transpose(1, 2).contiguous()

@@ -12,7 +12,7 @@ import torch
 
 from vitrail.jit.errors import ArgumentError
 from vitrail.op import Shaped, family
-from vitrail.ops.sympow import FAMILY, _op, configs
+from vitrail.ops.sympow import FAMILY, variant_op, configs
 
 # the package module itself: vitrail.ops's attribute "sympow" is the public function
 _pkg = importlib.import_module("vitrail.ops.sympow")
@@ -50,16 +50,16 @@ def _call(name: str, dims: tuple, dtype: torch.dtype, wgmma: bool | None = None)
     try:
         if name == "sympow":
             x = torch.randn(rows, d, device=dev, dtype=dtype)
-            _pkg._sympow_into(x, x.new_empty(rows, D), power, d_tile, True, D)
+            _pkg.sympow_into(x, x.new_empty(rows, D), power, d_tile, True, D)
         elif name == "sympow_mma":
             a = torch.randn(1, rows, d, device=dev, dtype=dtype)
             b = torch.randn(1, D, n, device=dev, dtype=dtype)
-            _pkg._mma_impl(a, b, -1, power, d_tile, 1.0, True, wgmma=wgmma)
+            _pkg.mma_impl(a, b, -1, power, d_tile, 1.0, True, wgmma=wgmma)
         else:
             c = torch.randn(1, rows, d, device=dev, dtype=dtype)
             a = torch.randn(1, rows, n, device=dev, dtype=dtype)
             b = torch.randn(1, n, D, device=dev, dtype=dtype)
-            _pkg._mma_bwd_impl(a, b, c, -1, power, d_tile, 1.0, True)
+            _pkg.mma_bwd_impl(a, b, c, -1, power, d_tile, 1.0, True)
     finally:
         _pkg.CAPTURE.reset(token)
     return found
@@ -70,13 +70,13 @@ def _predict(name: str, dims: tuple, dtype: torch.dtype) -> tuple:
     _, n, d, power, d_tile = dims
     if name == "sympow":
         vec = configs.vector_width(dtype, d_tile ** power)  # fresh allocations are aligned
-        return _op("elementwise", dtype, power, d_tile), f"vec={vec}", {"vec": vec}
+        return variant_op("elementwise", dtype, power, d_tile), f"vec={vec}", {"vec": vec}
     from vitrail.tune import limits
     arch = limits().arch
     wgmma = configs.wgmma_supports(dtype, power, d_tile) and (arch.major, arch.suffix) == (9, "a")
     if name == "mma_sympow_bwd":
         wgmma = wgmma and configs.wgmma_bwd_fits(d, -(-n // 8) * 8)
-    return _op("mma90" if wgmma else "mma", dtype, power, d_tile), "vec=0", {"vec": 0}
+    return variant_op("mma90" if wgmma else "mma", dtype, power, d_tile), "vec=0", {"vec": 0}
 
 
 def _shaped(name: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> Shaped:
