@@ -182,3 +182,27 @@ def test_opcheck_and_torch_compile():
     compiled = torch.compile(fn, fullgraph=True)(q, k, v)
     for x, y in zip(eager, compiled):
         assert torch.equal(x, y)
+
+
+def test_the_benchmark_times_fp8_against_bf16_on_the_grid(monkeypatch):
+    """`vitrail bench attention.fp8`: the forward's grid; the FP8 row's math is fp8 (its roof
+    twice bf16's), and its ratios are against vitrail's bf16 forward and cuDNN."""
+    import types
+
+    from vitrail import profile
+    from vitrail.ops import load_benchmarks
+    from vitrail.ops.attention import benchmarks as b
+    entry = load_benchmarks()["attention.fp8"]
+    assert entry.run is b.run_fp8 and entry.build is b.build_fp8 and entry.by_name
+    monkeypatch.setattr(profile, "compare",
+                        lambda fns: {impl: types.SimpleNamespace(median=2.0) for impl in fns})
+    rows = b._timed("c", {"vitrail fp8": lambda: None, "vitrail bf16": lambda: None,
+                          "SDPA cuDNN": lambda: None}, 4e9, "D128",
+                    math={"vitrail fp8": "fp8"}, baselines={"vitrail bf16", "SDPA cuDNN"})
+    by = {r.impl: r for r in rows}
+    assert by["vitrail fp8"].math == "fp8" and not by["vitrail fp8"].baseline
+    assert by["vitrail bf16"].math == "bf16" and by["vitrail bf16"].baseline
+    assert by["SDPA cuDNN"].baseline and by["vitrail fp8"].value == 2.0  # 4 GFLOP in 2 ms
+    plain = b._timed("c", {"vitrail": lambda: None, "SDPA flash": lambda: None}, 4e9, "D128")
+    assert [(r.impl, r.baseline, r.math) for r in plain] == [
+        ("vitrail", False, "bf16"), ("SDPA flash", True, "bf16")]

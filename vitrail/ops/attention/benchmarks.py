@@ -1,8 +1,10 @@
-"""`vitrail bench attention` (the forward) and `vitrail bench attention.backward` (forward and
-backward): against torch SDPA's cuDNN and flash backends in the same run, bf16, (batch, seqlen,
-heads, head_dim) tensors, TFLOP/s counting only the visible scores (a causal problem does half
-the work). Both run when named."""
+"""`vitrail bench attention` (the forward), `vitrail bench attention.backward` (forward and
+backward) and `vitrail bench attention.fp8` (the FP8 forward): against torch SDPA's cuDNN and
+flash backends in the same run, bf16, (batch, seqlen, heads, head_dim) tensors, TFLOP/s
+counting only the visible scores (a causal problem does half the work). All run when named."""
 from __future__ import annotations
+
+from typing import Optional
 
 from vitrail.bench import Row, register
 
@@ -57,10 +59,12 @@ def _sdpa(backend):
     return run
 
 
-def _timed(case: str, fns: dict, work: float, group: str, unit: str = "TFLOP/s") -> list[Row]:
-    """Rows of the implementations of one case, timed together: TFLOP/s for work FLOPs, or GB/s
-    for work bytes; an implementation that refuses the case is reported, not fatal (SDPA's
-    backends refuse some)."""
+def _timed(case: str, fns: dict, work: float, group: str, unit: str = "TFLOP/s",
+           math: Optional[dict] = None, baselines: Optional[set] = None) -> list[Row]:
+    """Rows of the implementations of one case, timed together: TFLOP/s for work FLOPs (math:
+    an implementation's math where not bf16), or GB/s for work bytes; the baselines are the
+    implementations not named vitrail unless given. An implementation that refuses the case is
+    reported, not fatal (SDPA's backends refuse some)."""
     from vitrail.profile import compare
     ok = {}
     for impl, fn in fns.items():
@@ -70,10 +74,13 @@ def _timed(case: str, fns: dict, work: float, group: str, unit: str = "TFLOP/s")
         except Exception as e:
             print(f"  {case} {impl}: {type(e).__name__}: {str(e)[:200]}")
     per_ms = 1e9 if unit == "TFLOP/s" else 1e6
+    math = math or {}
     return [Row(case=case, impl=impl, value=work / t.median / per_ms, unit=unit,
-                lower_is_better=False, baseline=not impl.startswith("vitrail"), ms=t.median,
-                **({"flops": work, "math": "bf16"} if unit == "TFLOP/s" else {"bytes": work}),
-                group=group)
+                lower_is_better=False, ms=t.median, group=group,
+                baseline=(impl in baselines if baselines is not None
+                          else not impl.startswith("vitrail")),
+                **({"flops": work, "math": math.get(impl, "bf16")} if unit == "TFLOP/s"
+                   else {"bytes": work}))
             for impl, t in (compare(ok) if ok else {}).items()]
 
 
@@ -94,6 +101,49 @@ def run() -> list[Row]:
                "SDPA cuDNN": lambda: cudnn(q, k, v, causal),
                "SDPA flash": lambda: flash(q, k, v, causal)}
         rows += _timed(case, fns, flops(b, s, h, d, dv, causal), f"D{d}")
+    return rows
+
+
+def build_fp8() -> None:
+    """Compile the FP8 forward's kernels and V^T passes of the grid, and the bf16 ones beside."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from vitrail.ops.attention import BM, fp8, kernel, persistent_for
+    from vitrail.device import target_limits
+    sms = target_limits().sm_count
+    variants = sorted({(d, dv, causal, persistent_for(s, -(-s // BM) * h * b, sms))
+                       for b, s, h, d, dv, causal in CASES})
+    jobs = [lambda d=d, dv=dv, c=c, p=p, dt=dt: kernel(dt, d, c, dv=dv, persistent=p,
+                                                      out_dtype=torch.bfloat16)
+            for d, dv, c, p in variants for dt in (torch.float8_e4m3fn, torch.bfloat16)]
+    jobs += [lambda dv=dv: fp8.vt_kernel(dv) for dv in sorted({dv for _, dv, _, _ in variants})]
+    with ThreadPoolExecutor(max(1, min(8, len(jobs)))) as pool:
+        list(pool.map(lambda job: job(), jobs))
+
+
+@register("attention.fp8", "vitrail.ops.attention_fp8 (e4m3 q, k, v; its V^T pass included) vs "
+          "the bf16 forward (vitrail's, SDPA cuDNN) on the same values", build_fp8, by_name=True)
+def run_fp8() -> list[Row]:
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    from vitrail.ops.attention import attention
+    from vitrail.ops.attention.fp8 import attention_fp8
+    cudnn = _sdpa(SDPBackend.CUDNN_ATTENTION)
+    rows = []
+    for b, s, h, d, dv, causal in CASES:
+        q, k, v = (torch.randn(b, s, h, e, device="cuda", dtype=torch.bfloat16)
+                   for e in (d, d, dv))
+        q8, k8, v8 = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
+        q, k, v = (x.to(torch.bfloat16) for x in (q8, k8, v8))  # the same values in bf16
+        fns = {"vitrail fp8": lambda: attention_fp8(q8, k8, v8, causal=causal),
+               "vitrail bf16": lambda: attention(q, k, v, causal=causal),
+               "SDPA cuDNN": lambda: cudnn(q, k, v, causal)}
+        rows += _timed(_name(b, s, h, d, dv, causal), fns, flops(b, s, h, d, dv, causal),
+                       f"D{d}", math={"vitrail fp8": "fp8"},
+                       baselines={"vitrail bf16", "SDPA cuDNN"})
     return rows
 
 
