@@ -681,14 +681,14 @@ def test_sympow_mma_and_its_backward(dtype, expand_dim, power, d, d_tile):
     scale = 0.75
     rows = a.shape[1] if expand_dim == -1 else sympow_dim(d, power, d_tile)
     c = S.mma_impl(a, b, expand_dim, power, d_tile, scale, True,
-                    out=_nan((a.shape[0], rows, b.shape[-1]), dtype))
+                   out=_nan((a.shape[0], rows, b.shape[-1]), dtype))
     ref = sympow_mma_reference(a, b, expand_dim, power, d_tile, scale)
     unfused = (sympow_reference(a, power, d_tile, expand_dim).to(dtype) * scale) @ b
     _close(c, ref, unfused, f"sympow_mma {expand_dim} p={power} d={d} t={d_tile}")
     g = torch.randn_like(c)
     bt = b.transpose(1, 2)
     got = S.mma_bwd_impl(g, bt, a, expand_dim, power, d_tile, scale, True,
-                          out=_nan(a.shape, dtype))
+                         out=_nan(a.shape, dtype))
     want = mma_sympow_bwd_reference(g, bt, a, expand_dim, power, d_tile, scale)
     # the unfused path in dtype: a @ b rounded to dtype (torch.bmm), then sympow's backward
     eye = torch.eye(bt.shape[-1], device="cuda", dtype=dtype).expand(a.shape[0], -1, -1)
@@ -726,7 +726,7 @@ def test_sympow_mma_on_wgmma(dtype, expand_dim, power, d, d_tile, P, M, N, K, or
     scale = 0.75
     rows = M if expand_dim == -1 else sympow_dim(d, power, d_tile)
     c = S.mma_impl(a, b, expand_dim, power, d_tile, scale, True, out=_nan((P, rows, N), dtype),
-                    order=order, wgs=wgs, tma=tma)
+                   order=order, wgs=wgs, tma=tma)
     ref = sympow_mma_reference(a, b, expand_dim, power, d_tile, scale)
     unfused = (sympow_reference(a, power, d_tile, expand_dim).to(dtype) * scale) @ b
     _close(c, ref, unfused, f"sympow_mma wgmma {expand_dim} p={power} d={d} t={d_tile}")
@@ -752,7 +752,7 @@ def test_tma_mainloops_are_bitwise_the_cp_async_ones(dtype, power, d, d_tile, P,
     rows = K if expand_dim == -1 else sympow_dim(d, power, d_tile)
     if expand_dim == -1:
         got = S.mma_impl(a, b, expand_dim, power, d_tile, 0.75, True,
-                          out=_nan((P, rows, N), dtype), tma=True)
+                         out=_nan((P, rows, N), dtype), tma=True)
         want = S.mma_impl(a, b, expand_dim, power, d_tile, 0.75, True, tma=False)
     else:
         short = K - 24
@@ -760,9 +760,9 @@ def test_tma_mainloops_are_bitwise_the_cp_async_ones(dtype, power, d, d_tile, P,
         a[..., short:] = 0
         b[:, short:] = 0
         got = S.mma_impl(a, b, expand_dim, power, d_tile, 0.75, True,
-                          out=_nan((P, rows, N), dtype), wgs=3)
+                         out=_nan((P, rows, N), dtype), wgs=3)
         want = S.mma_impl(a[..., :short], b[:, :short], expand_dim, power, d_tile, 0.75, True,
-                           wgs=3)
+                          wgs=3)
     assert not got.isnan().any(), "TMA mainloop: unwritten outputs"
     assert torch.equal(got, want), (got.float() - want.float()).abs().max().item()
 
@@ -787,7 +787,7 @@ def test_mma_sympow_bwd_on_wgmma(dtype, power, d, d_tile, P, M, N, order, defer)
     g = torch.randn(P, M, N, device="cuda", dtype=dtype)
     bt = b.transpose(1, 2)
     got = S.mma_bwd_impl(g, bt, a, -1, power, d_tile, scale, True, out=_nan(a.shape, dtype),
-                          order=order, defer=defer)
+                         order=order, defer=defer)
     want = mma_sympow_bwd_reference(g, bt, a, -1, power, d_tile, scale)
     eye = torch.eye(bt.shape[-1], device="cuda", dtype=dtype).expand(P, -1, -1)
     base = mma_sympow_bwd_reference(g @ bt, eye, a, -1, power, d_tile, scale).to(dtype)
@@ -812,7 +812,7 @@ def test_wgmma_kernels_with_many_problems(order):
                          N=N, K=K)
         rows = a.shape[1] if expand_dim == -1 else D
         c = S.mma_impl(a, b, expand_dim, power, d_tile, scale, True,
-                        out=_nan((P, rows, N), dtype), order=order, wgs=wgs)
+                       out=_nan((P, rows, N), dtype), order=order, wgs=wgs)
         ap, bp = a[pick], b[pick]
         ref = sympow_mma_reference(ap, bp, expand_dim, power, d_tile, scale)
         unfused = (sympow_reference(ap, power, d_tile, expand_dim).to(dtype) * scale) @ bp
@@ -824,7 +824,7 @@ def test_wgmma_kernels_with_many_problems(order):
     bt = b.transpose(1, 2)
     for defer in (False, True):
         got = S.mma_bwd_impl(g, bt, a, -1, power, d_tile, scale, True, out=_nan(a.shape, dtype),
-                              order=order, defer=defer)
+                             order=order, defer=defer)
         want = mma_sympow_bwd_reference(g[pick], bt[pick], a[pick], -1, power, d_tile, scale)
         eye = torch.eye(D, device="cuda", dtype=dtype).expand(len(pick), -1, -1)
         base = mma_sympow_bwd_reference(g[pick] @ bt[pick], eye, a[pick], -1, power, d_tile,

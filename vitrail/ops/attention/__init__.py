@@ -527,8 +527,8 @@ def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
 
 
 def fwd_into(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: float,
-              causal: bool, causal_offset: int, local: bool, local_offset: int,
-              softcap: float, descale: Optional[Tensor] = None) -> None:
+             causal: bool, causal_offset: int, local: bool, local_offset: int,
+             softcap: float, descale: Optional[Tensor] = None) -> None:
     """_attention_fwd's o (B, Sq, H, Dv) and lse (B, H, Sq), both contiguous, filled: one
     pass of the forward kernel. FP8 (descale: the kernel's descales; fp8.py): v is V^T as
     launch takes it, and o's dtype the output's."""

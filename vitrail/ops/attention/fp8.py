@@ -94,7 +94,7 @@ def transposed_v_reference(v: Tensor, keys: int) -> Tensor:
     return vt.permute(0, 2, 1, 3)
 
 
-def _number(name: str, value: Descale, heads: int) -> bool:
+def _number(name: str, value: Descale) -> bool:
     """Whether a descale is None or a number (checked: positive and finite)."""
     if value is None:
         return True
@@ -115,12 +115,9 @@ def _constant_descales(values: tuple, h: int, hk: int, device: torch.device) -> 
 
 def _descales(name: str, value: Descale, heads: int, device: torch.device) -> Tensor:
     """A descale as the kernel reads it: one fp32 per head."""
-    if value is None:
-        return torch.ones(heads, dtype=torch.float32, device=device)
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if not (math.isfinite(value) and value > 0):
-            raise ArgumentError(f"{NAME}: {name} must be positive and finite, got {value!r}")
-        return torch.full((heads,), float(value), dtype=torch.float32, device=device)
+    if _number(name, value):
+        return torch.full((heads,), 1.0 if value is None else float(value), dtype=torch.float32,
+                          device=device)
     if not isinstance(value, Tensor):
         raise ArgumentError(f"{NAME}: {name} must be None, a number or a tensor, got "
                             f"{type(value).__name__}")
@@ -152,7 +149,7 @@ def attention_fp8(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     sk, hk = k.shape[1], k.shape[2]
     named = (("descale_q", descale_q, h), ("descale_k", descale_k, hk),
              ("descale_v", descale_v, hk))
-    if all(_number(*x) for x in named) and not torch.compiler.is_compiling():
+    if all(_number(n, x) for n, x, _ in named) and not torch.compiler.is_compiling():
         descale = _constant_descales(tuple(x[1] for x in named), h, hk, q.device)
     else:
         descale = torch.cat([_descales(*x, q.device) for x in named])
@@ -175,7 +172,7 @@ def _fp8_fwd(q: Tensor, k: Tensor, v: Tensor, descale: Tensor, scale: float, cau
     bn = block_n(d, dv)
     vt = transposed_v(v, -(-sk // bn) * bn) if o.numel() and sk else v  # else no launch
     fwd_into(q, k, vt, o, lse, scale, causal, causal_offset, local, local_offset, softcap,
-              descale=descale)
+             descale=descale)
     return o, lse
 
 

@@ -152,7 +152,7 @@ def _operation(variant: Variant, config) -> ConvOperation:
 
 
 def prepared_operation(variant: Variant, config, a, b, d, bias, padding, stride, dilation, pad_hi,
-              splits, phases) -> tuple[ConvOperation, ConvArguments, list[str]]:
+                       splits, phases) -> tuple[ConvOperation, ConvArguments, list[str]]:
     """The operation of a variant's config, its arguments on these operands, and the reasons it
     cannot run them (none: it can)."""
     op = _operation(variant, config)
@@ -269,7 +269,7 @@ def _run(kind: str, a: Tensor, b: Tensor, d: Tensor, bias: Optional[Tensor],
 
 
 def launch_problem(kind: str, a: Tensor, b: Tensor, d: Tensor,
-                    phases: Optional[Tensor]) -> Problem:
+                   phases: Optional[Tensor]) -> Problem:
     """The Problem of a launch on _run's views (kernel_problem gives it from the geometry): a
     phased dgrad's pixels are every phase's (their rows in the table), its taps the first's."""
     wgrad = kind == "wgrad"

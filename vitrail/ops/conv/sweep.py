@@ -100,7 +100,7 @@ def _operands(case: bench.Case, sms: int):
         return variant, (nhwc(x), nhwc(w), d, None, pad, stride, one, pad, 1, None)
     if case.kind == "dgrad":
         (ph,) = [ph for ph in dgrad_phases((lay.H, lay.W), (p, q), (lay.R, lay.S), pad, pad,
-                                            stride, one) if all(ph.rows)]
+                                           stride, one) if all(ph.rows)]
         a, b, d = phase_views(ph, dy, w, nhwc(empty_nchw(x.shape, x)), stride)
         return variant, (a, b, d, None, ph.pad, one, ph.dilation, ph.pad_hi, 1, None)
     if variant.partials:

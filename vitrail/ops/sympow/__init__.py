@@ -143,7 +143,7 @@ def _sympow_impl(x: torch.Tensor, power: int, d_tile: int, dc: bool,
 
 
 def sympow_into(x: torch.Tensor, z: torch.Tensor, power: int, d_tile: int, dc: bool,
-                 D: int) -> None:
+                D: int) -> None:
     d = x.shape[-1]
     x = x.contiguous()
     rows = x.numel() // d if d else 0
@@ -276,9 +276,9 @@ def _mma_bwd_into(a, b, c, out, expand_dim, power, d_tile, scale, dc) -> None:
 
 
 def mma_impl(a: torch.Tensor, b: torch.Tensor, expand_dim: int, power: int, d_tile: int,
-              scale: float, dc: bool, out: torch.Tensor | None = None,
-              wgmma: bool | None = None, order: str | None = None,
-              wgs: int | None = None, tma: bool | None = None) -> torch.Tensor:
+             scale: float, dc: bool, out: torch.Tensor | None = None,
+             wgmma: bool | None = None, order: str | None = None,
+             wgs: int | None = None, tma: bool | None = None) -> torch.Tensor:
     """a [P, M, d] (expand_dim -1) or [P, d, K] (-2), b [P, K', N] -> [P, M', N].
     wgmma: None picks sm90_sympow_mma.cuh where it applies (configs.wgmma_applies); False forces
     the sm80 kernels (for comparisons). order, tma: the wgmma kernels' launch order and the
@@ -387,9 +387,9 @@ def _mma90_impl(a, b, expand_dim, power, d_tile, d, D, scale, dc, out, order=Non
 
 
 def mma_bwd_impl(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, expand_dim: int,
-                  power: int, d_tile: int, scale: float, dc: bool,
-                  out: torch.Tensor | None = None, wgmma: bool | None = None,
-                  order: str | None = None, defer: bool | None = None) -> torch.Tensor:
+                 power: int, d_tile: int, scale: float, dc: bool,
+                 out: torch.Tensor | None = None, wgmma: bool | None = None,
+                 order: str | None = None, defer: bool | None = None) -> torch.Tensor:
     """c [P, M, d] (-1) or [P, d, K] (-2); a @ b has c's expanded shape. wgmma: None takes
     mma_sympow_bwd_k_wg for expand K where it applies (configs.wgmma_bwd_fits); False forces
     the sm80 kernels; order, defer: the wgmma kernel's launch order, and whether it keeps
