@@ -163,6 +163,28 @@ def test_number_descales_are_each_their_own():
 
 
 @requires_gpu
+def test_number_descales_first_seen_in_a_captured_graph():
+    """A set of number descales first met while a CUDA graph is captured is made in the graph
+    (its fills run at each replay), not kept: an eager call after it gets its own."""
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    q, k, v = (_e4m3(1, 70, 2, 64, gen=gen) for _ in range(3))
+    want = fp8.attention_fp8(q, k, v, descale_q=0.375, descale_v=1.5)  # cached from here on
+    fp8._constant_descales.cache_clear()
+    fp8.attention_fp8(q, k, v, descale_q=0.375, descale_v=1.5)  # warm-up before the capture
+    fp8._constant_descales.cache_clear()
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        out = fp8.attention_fp8(q, k, v, descale_q=0.375, descale_v=1.5)
+    torch.cuda.current_stream().wait_stream(stream)
+    # before any replay: a descale tensor kept from the capture would hold what was never filled
+    assert torch.equal(fp8.attention_fp8(q, k, v, descale_q=0.375, descale_v=1.5), want)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+
+
+@requires_gpu
 def test_opcheck_and_torch_compile():
     """The custom op passes torch.library.opcheck (its fake impl against the real one), and a
     compiled function with no graph break gives the eager result's bits."""

@@ -149,7 +149,9 @@ def attention_fp8(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     sk, hk = k.shape[1], k.shape[2]
     named = (("descale_q", descale_q, h), ("descale_k", descale_k, hk),
              ("descale_v", descale_v, hk))
-    if all(_number(n, x) for n, x, _ in named) and not torch.compiler.is_compiling():
+    # kept from call to call, so not made while a graph is captured (its fills would not run)
+    if (all(_number(n, x) for n, x, _ in named) and not torch.compiler.is_compiling()
+            and not torch.cuda.is_current_stream_capturing()):
         descale = _constant_descales(tuple(x[1] for x in named), h, hk, q.device)
     else:
         descale = torch.cat([_descales(*x, q.device) for x in named])
