@@ -33,8 +33,6 @@ requires_nvrtc = pytest.mark.skipif(not has_tool(jit.toolchain.nvrtc),
                                     reason="needs NVRTC (cuda-bindings)")
 
 
-
-
 def assert_builds_clean(source: str, name: str, kernels: list[str], **build) -> dict:
     """source built for sm_90a with NVRTC (build: build_entry's include_dirs, flags): each of
     kernels with no spill and no stack, and no wgmma serialized (ptxas's C7515); returns the

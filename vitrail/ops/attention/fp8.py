@@ -24,9 +24,8 @@ import torch
 from torch import Tensor
 
 from vitrail.jit.errors import ArgumentError
-from vitrail.ops.attention import KERNELS as A_KERNELS
-from vitrail.ops.attention import HERE, fwd_into, kernel_mask, block_n, check_call
-from vitrail.ops.attention import reference as _reference
+from vitrail.ops.attention import KERNELS as A_KERNELS, HERE, block_n, check_call, fwd_into
+from vitrail.ops.attention import kernel_mask, reference as _reference
 
 NAME = "vitrail.ops.attention_fp8"
 DTYPES = (torch.float8_e4m3fn,)

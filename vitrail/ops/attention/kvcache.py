@@ -21,9 +21,9 @@ import torch
 from torch import Tensor
 
 from vitrail.jit.errors import ArgumentError
-from vitrail.ops.attention import (BM, MAX_GRID_YZ, PLAN_OUTPUTS, PLANS, check_options, kernel_mask,
-                                   new_outputs, block_n, check_qkv, decode_route, frozen, generals,
-                                   on_device, paged_dispatch, paged_into, planned)
+from vitrail.ops.attention import (BM, MAX_GRID_YZ, PLAN_OUTPUTS, PLANS, block_n, check_options,
+                                   check_qkv, decode_route, frozen, generals, kernel_mask,
+                                   new_outputs, on_device, paged_dispatch, paged_into, planned)
 from vitrail.ops.common import EAGER, call_mode, check_same_device, check_tensor
 from vitrail.plan import GENERAL, signature
 from vitrail.plan.native import front
