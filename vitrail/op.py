@@ -21,6 +21,7 @@ run for that shape); each Op makes its own problem from a shape (``Op.make_probl
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import re
 import threading
@@ -228,6 +229,10 @@ class OpFamily:
             far, and ``listed`` the ones it always knows.
         listed: keys the CLI knows even where ``keys`` is None (precompile's defaults).
         register: whether the CLI knows the family (``vitrail tune``, ``precompile``).
+
+    How a variant makes its problem from a shape (``Op.make_problem``) comes from the family's
+    ``problems`` module, which ``set_problems`` registers when it loads (``vitrail.ops.load_all``
+    loads them): it drives the family's entry points, so the family does not import it.
     """
 
     def __init__(self, name: str, make: Callable[[Any], dict], *,
@@ -235,6 +240,7 @@ class OpFamily:
                  register: bool = True):
         self.name, self._make, self._keys, self._listed = name, make, keys, tuple(listed)
         self._variants: dict[Any, Op] = {}
+        self._variant_problem: Callable[..., Shaped] | None = None
         self._lock = threading.Lock()
         if register:
             OP_FAMILIES[name] = self
@@ -246,7 +252,21 @@ class OpFamily:
                 op = self._variants.get(key)
                 if op is None:
                     op = self._variants[key] = Op(**self._make(key), register=False)
+                    self._give_problems(key, op)
         return op
+
+    def set_problems(self, variant_problem: Callable[..., Shaped]) -> None:
+        """Register variant_problem(key, shape, dtype=None) -> ``Shaped`` (ValueError where the
+        shape does not fit the variant) as every variant's ``make_problem``, those made so far
+        included."""
+        with self._lock:
+            self._variant_problem = variant_problem
+            for key, op in self._variants.items():
+                self._give_problems(key, op)
+
+    def _give_problems(self, key: Any, op: Op) -> None:
+        if self._variant_problem is not None and op.make_problem is None:
+            op.make_problem = functools.partial(self._variant_problem, key)
 
     def keys(self) -> list:
         """The variants' keys the CLI can name: every one, or (keys None) the listed ones and

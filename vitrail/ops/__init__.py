@@ -2,8 +2,9 @@
 
 One folder per op family (DESIGN.md): ``__init__.py`` (public function, custom op, autograd),
 ``sm90_<op>.cuh`` (the kernel), ``configs.py`` (space and heuristic), ``reference.py`` (plain
-torch), ``benchmarks.py`` (its ``vitrail bench`` entries). Names load on first use, so
-``import vitrail.ops`` compiles and imports nothing.
+torch), ``benchmarks.py`` (its ``vitrail bench`` entries), ``problems.py`` (how ``vitrail tune``
+makes its problems from a shape; ``load_all`` loads it, the family does not import it). Names
+load on first use, so ``import vitrail.ops`` compiles and imports nothing.
 """
 from __future__ import annotations
 
@@ -61,9 +62,13 @@ def families() -> list[str]:
 
 
 def load_all() -> None:
-    """Import every op family, registering its Ops (vitrail.op.REGISTRY) and custom ops."""
+    """Import every op family, registering its Ops (vitrail.op.REGISTRY) and custom ops, and its
+    ``problems.py`` where it has one: how ``vitrail tune`` makes its problems from a shape (the
+    family does not import it, since it drives the family's entry points)."""
     for family in families():
-        importlib.import_module(f"vitrail.ops.{family}")
+        importlib.import_module(f"{__name__}.{family}")
+        if importlib.util.find_spec(f"{__name__}.{family}.problems") is not None:
+            importlib.import_module(f"{__name__}.{family}.problems")
 
 
 def load_benchmarks() -> dict:

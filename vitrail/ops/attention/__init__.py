@@ -34,7 +34,6 @@ gradients replays its signature's plan from the signature's second call (vitrail
 """
 from __future__ import annotations
 
-import importlib
 import math
 from pathlib import Path
 from typing import Optional
@@ -1317,5 +1316,3 @@ def reference_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
 
 
 __all__ = ["attention", "attention_varlen", "reference", "reference_varlen"]
-
-importlib.import_module("vitrail.ops.attention.problems")  # vitrail tune and precompile say why not

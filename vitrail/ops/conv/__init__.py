@@ -54,7 +54,6 @@ dgrad, whose phase table a scratch copy cannot hold: the heuristic's).
 """
 from __future__ import annotations
 
-import importlib
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -173,12 +172,9 @@ def _variant(key: Variant) -> dict:
         if why:
             raise LaunchError(_refused(key.kind, why))
         launch(op, module, args)
-
-    def make_problem(shape: tuple[int, ...], dtype: str | None = None):
-        return problems.variant_problem(key, FAMILY[key], shape, dtype)  # (imported at the end)
     return dict(name=key.name, space=configs.space(key.kind), kernel_source=KERNEL_SOURCE,
                 render=render, launch=run, examples=configs.examples(key.kind),
-                make_problem=make_problem, shape=problems.SHAPE)
+                shape=configs.SHAPE)  # make_problem: problems.py's (vitrail.ops.load_all)
 
 
 # The implicit-GEMM kernels (configs.Variant), made on first use; the CLI knows the defaults
@@ -914,4 +910,3 @@ def reasons(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
 
 __all__ = ["conv2d", "kernel", "kernel_problem", "operation", "reasons", "reference",
            "wgrad_chunks"]
-problems = importlib.import_module("vitrail.ops.conv.problems")  # vitrail tune's shapes

@@ -31,6 +31,8 @@ WIDE, NARROW = "128x128x64", {"wgrad": "64x128x64", "fprop": "128x64x64", "dgrad
 # narrow tile leave room for a second CTA on the SM (its registers allow two), whose mainloop
 # runs beside the other's prologue and epilogue. The wide tile's registers allow one CTA an SM.
 STAGES = (0, 3)
+# the dims of `vitrail tune conv2d.<kind>.<dtype> --shape` (problems.py makes the problem)
+SHAPE = "NxCxHxWxKxR"
 
 
 class Variant(NamedTuple):

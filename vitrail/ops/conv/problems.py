@@ -7,12 +7,11 @@ from __future__ import annotations
 import torch
 
 from vitrail.op import Shaped, family
-from vitrail.ops.conv.configs import Problem, Variant, problem_key
+from vitrail.ops.conv import FAMILY, wgrad_chunks
+from vitrail.ops.conv.configs import SHAPE, Problem, Variant, problem_key
 
-SHAPE = "NxCxHxWxKxR"
 
-
-def variant_problem(variant: Variant, op, shape: tuple[int, ...],
+def variant_problem(variant: Variant, shape: tuple[int, ...],
                     dtype: str | None = None) -> Shaped:
     """The problem of N images of C x H x W through K filters of R x R (stride 1, padding
     R // 2) on a variant; ValueError for what the variant cannot tune from a shape."""
@@ -28,7 +27,6 @@ def variant_problem(variant: Variant, op, shape: tuple[int, ...],
     kind, dt = variant.kind, variant.dtype
     if kind == "wgrad" and not variant.partials:
         from vitrail.device import target_limits, with_sm_count
-        from vitrail.ops.conv import wgrad_chunks
         sms = with_sm_count(target_limits()).sm_count
         chunks = wgrad_chunks(k, r * r * c, n, p * q, sms)  # (1 for one image)
         if chunks > 1:  # the one-pass kernel would be timed on a problem conv2d never gives it
@@ -40,7 +38,6 @@ def variant_problem(variant: Variant, op, shape: tuple[int, ...],
 
     def args() -> tuple:
         from vitrail.device import sm_count
-        from vitrail.ops.conv import wgrad_chunks
 
         def nhwc(*dims: int) -> torch.Tensor:
             return (torch.randn(*dims, device="cuda") / 8).to(dt)
@@ -57,7 +54,7 @@ def variant_problem(variant: Variant, op, shape: tuple[int, ...],
                 splits = max(2, wgrad_chunks(k, r * r * c, n, p * q, sm_count()))
                 d = torch.empty(splits * k, r, r, c, device="cuda")
         return (a, b, d, bias, (pad, pad), (1, 1), (1, 1), (pad, pad), splits, None)
-    return Shaped(op, problem_key(problem), problem, args)
+    return Shaped(FAMILY[variant], problem_key(problem), problem, args)
 
 
 family("conv2d", "", "", (), None,
@@ -65,3 +62,4 @@ family("conv2d", "", "", (), None,
                f"(`vitrail tune conv2d.fprop.bf16 --shape {SHAPE}`; `vitrail tune --list`), or "
                "call conv2d under vitrail.settings(policy=vitrail.PickBest) to time its tiles on "
                "your problems; `vitrail precompile conv2d` builds its default kernels")
+FAMILY.set_problems(variant_problem)

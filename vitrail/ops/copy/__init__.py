@@ -16,8 +16,6 @@ Order: kernels and the family's variants, custom ops, autograd, the public funct
 """
 from __future__ import annotations
 
-import functools
-import importlib
 from pathlib import Path
 from typing import Any
 
@@ -109,11 +107,7 @@ def _variant(key: Variant) -> dict:
     entry, space, launch = _KINDS[key.path]
     return dict(name=key.name, space=space, kernel_source=KERNEL,
                 render=_render(entry, key.src, key.dst, key.v or None), launch=launch,
-                make_problem=functools.partial(_variant_problem, key), shape="ROWS[xCOLS[xLD]]")
-
-
-def _variant_problem(key: Variant, shape: tuple[int, ...], dtype: str | None = None):
-    return problems.variant_problem(key, shape, dtype)  # (imported at the end)
+                shape="ROWS[xCOLS[xLD]]")  # make_problem: problems.py's (vitrail.ops.load_all)
 
 
 FAMILY = OpFamily("copy", _variant, keys=lambda: configs.variants(FLOATS))
@@ -286,4 +280,3 @@ def copy(x: torch.Tensor, *, out: torch.Tensor | None = None,
 
 
 __all__ = ["copy", "copy_op", "copy_out_op", "route", "FAMILY", "Variant"]
-problems = importlib.import_module("vitrail.ops.copy.problems")  # vitrail tune's shapes

@@ -70,3 +70,4 @@ def variant_problem(variant: Variant, shape: tuple[int, ...],
 
 family("copy", SHAPE, _DOC, DTYPES + tuple(f"{a}:{b}" for a in DTYPES for b in DTYPES if a != b),
        _resolve)
+FAMILY.set_problems(variant_problem)

@@ -16,7 +16,6 @@ gradients are recorded (vitrail.ops.common.call_mode); what compiles or traces g
 """
 from __future__ import annotations
 
-import importlib
 import functools
 import math
 from pathlib import Path
@@ -253,11 +252,7 @@ def _variant(key: Variant) -> dict:
                 render=_render(kind if registers else path, dtype, v, log, mode, window),
                 launch=_LAUNCHERS[path](v, key.arrays, log, window),
                 examples=[4096] if registers and v > 1 and not window else [],
-                make_problem=functools.partial(_variant_problem, key), shape="ROWSxCOLS")
-
-
-def _variant_problem(key: Variant, shape: tuple[int, ...], dtype: str | None = None):
-    return problems.variant_problem(key, shape, dtype)  # (imported at the end)
+                shape="ROWSxCOLS")  # make_problem: problems.py's (vitrail.ops.load_all)
 
 
 FAMILY = OpFamily("softmax", _variant, keys=lambda: configs.variants(FLOATS))
@@ -514,5 +509,3 @@ def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 __all__ = ["softmax", "log_softmax", "softmax_fwd", "softmax_bwd", "FAMILY", "Variant",
            "LaunchError", "route", "route_contiguous"]
-
-problems = importlib.import_module("vitrail.ops.softmax.problems")  # vitrail tune's shapes

@@ -53,3 +53,4 @@ def _family(log: bool):
 for _log, _name in ((False, "softmax"), (True, "log_softmax")):
     family(_name, SHAPE, f"{_name} along the last dim of a contiguous ROWS x COLS tensor (the "
            f"forward; --backward: the backward)", DTYPES, _family(_log), backward=True)
+FAMILY.set_problems(variant_problem)

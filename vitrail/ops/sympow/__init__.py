@@ -61,8 +61,7 @@ def _variant(key: tuple) -> dict:
     space = {"elementwise": configs.ELEMENTWISE, "mma90": configs.MMA90}.get(kind, configs.MMA)
     return dict(name=name, space=space, kernel_source=source, render=render, launch=_launch,
                 examples=[{"vec": 8}] if kind == "elementwise" else [None],
-                make_problem=lambda shape, dtype=None: _shape_problem(key, shape),
-                shape="ROWSxD" if kind == "elementwise" else "MxNxD")
+                shape="ROWSxD" if kind == "elementwise" else "MxNxD")  # make_problem: problems.py
 
 
 _EXAMPLES = (("elementwise", torch.bfloat16, 2, 8), ("mma", torch.bfloat16, 2, 8),
@@ -74,10 +73,6 @@ FAMILY = OpFamily("sympow", _variant, listed=_EXAMPLES)
 
 def variant_op(kind: str, dtype: torch.dtype, power: int, d_tile: int) -> Op:
     return FAMILY[kind, dtype, power, d_tile]
-
-
-def _shape_problem(key: tuple, shape: tuple):
-    return problems.variant_problem(key, shape)  # (imported at the end)
 
 
 _THREADS = {"sympow_mma_m_wg3": 384, "sympow_mma_m_tma3": 384}  # kernels of other than 256 threads
@@ -682,8 +677,8 @@ def sympow_mma(a: torch.Tensor, b: torch.Tensor, expand_dim: int, power: int, d_
     D = configs.check_support(op, d, power, d_tile)
     want = D if ed == -1 else a3.shape[2]
     if b.shape[-2] != want:
-        raise ArgumentError(f"{op}: b must have {want} rows ({'D = sympow_dim(d)' if ed == -1 else 'K, as a has columns'}), "
-                            f"got shape {tuple(b.shape)}")
+        why = "D = sympow_dim(d)" if ed == -1 else "K, as a has columns"
+        raise ArgumentError(f"{op}: b must have {want} rows ({why}), got shape {tuple(b.shape)}")
     b3 = _as3(b)
     dc = bool(duplicate_correction)
     mode = call_mode(a, b)
@@ -729,5 +724,3 @@ def mma_sympow_bwd(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, expand_dim
         out = torch.ops.vitrail.mma_sympow_bwd(a3, b3, c3, ed, power, d_tile, float(scale_a),
                                                dc)
     return out if c.dim() == 3 else out.reshape(c.shape)
-
-from vitrail.ops.sympow import problems  # noqa: E402  (vitrail tune's shapes)

@@ -120,3 +120,4 @@ def variant_problem(key: tuple, shape: tuple[int, ...], dtype: str | None = None
 for _name in SHAPES:
     family(_name, SHAPES[_name], DOCS[_name], DTYPES, _family(_name),
            variants=("sympow.elementwise",) if _name == "sympow" else ("sympow.mma",))
+FAMILY.set_problems(variant_problem)
