@@ -71,9 +71,10 @@ static_assert(!FP8 || (!VARLEN && D % 32 == 0 && BN % 32 == 0),
               "attention: FP8 takes dense batches, D a multiple of 32 and blocks of 32 keys");
 constexpr float kInf = cuda::std::numeric_limits<float>::infinity();
 // Of each 8 columns of a row, how many exponentials go to the FMA pipe (attention_math::
-// exp2_fma) in a block with no mask: at small head dims the products are short and the SFU's
-// exp2 is what the tensor cores wait on.
-constexpr int kPolyOf8 = D <= 64 ? 2 : 0;
+// exp2_fma) in a block with no mask: at small head dims the bf16 products are short and the
+// SFU's exp2 is what the tensor cores wait on. FP8's softmax is the longer path already (its
+// conversions), so more FMA work slows it (docs/perf-notes.md).
+constexpr int kPolyOf8 = !FP8 && D <= 64 ? 2 : 0;
 static_assert(D % 16 == 0 && D >= 16 && D <= 256, "attention: D must be a multiple of 16 to 256");
 static_assert(DV % 16 == 0 && DV >= 16 && DV <= 256,
               "attention: DV must be a multiple of 16 to 256");
