@@ -1,14 +1,16 @@
 """The README and docs/ as a reader follows them: every relative link leads to a file of the
 repository (and an #anchor to a heading of it), every page is reached from the README and listed
 in the site's nav (mkdocs.yml), the tutorial's snippets are the examples' code and compile (those
-that need no GPU run), every knob is documented, and the docs links in code comments lead
-somewhere."""
+that need no GPU run here, the README's and the tutorial's others on a GPU), every knob is
+documented, and the docs links in code comments lead somewhere."""
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import requires_gpu
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
@@ -105,6 +107,35 @@ def test_the_tutorials_snippets_that_need_no_gpu_run(index):
         exec(compile(code, f"docs/tutorial.md snippet {index}", "exec"), {"__name__": "snippet"})
     except ToolchainError as e:  # a snippet that compiles a kernel needs nvcc
         pytest.skip(f"no toolchain: {e}")
+
+
+def _gpu_snippets() -> list[tuple[str, int]]:
+    """(page, index) of the README's and the tutorial's Python snippets that need a GPU and are
+    not quotes of a file (those run in the examples' own tests)."""
+    out = []
+    for page in (REPO / "README.md", TUTORIAL):
+        for i, (lang, code, no_gpu) in enumerate(_snippets(page)):
+            quote = re.match(r"# (?:examples|vitrail|tests)/\S+\n", code)
+            if lang == "python" and not no_gpu and not quote:
+                out.append((str(page.relative_to(REPO)), i))
+    return out
+
+
+@requires_gpu
+@pytest.mark.parametrize("page,index", _gpu_snippets())
+def test_the_snippets_that_need_a_gpu_run_on_it(page, index, tmp_path, monkeypatch):
+    """Each runs as written, with the names the README takes as the reader's own given: x (a
+    bf16 matrix), y (a tensor like it), my_op (an op of x) and model (a function of x)."""
+    import torch
+
+    import vitrail.ops as ops
+    monkeypatch.chdir(tmp_path)  # what a snippet writes (a trace) lands here
+    x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    given = {"__name__": "snippet", "x": x, "y": torch.empty_like(x),
+             "my_op": lambda t: ops.softmax(t, dim=-1), "model": lambda t: t * 2}
+    _, code, _ = _snippets(REPO / page)[index]
+    exec(compile(code, f"{page} snippet {index}", "exec"), given)
+    torch.cuda.synchronize()
 
 
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(REPO)) for p in PAGES])
