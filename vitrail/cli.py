@@ -135,11 +135,17 @@ def _tune(args: argparse.Namespace) -> int:
         return _tune_grid(args)
     if what == "ls":
         records = store.records(args.op)
+        rows = []
         for r in records:
             best = min((t["ms"] for t in r.timings if t.get("ms") is not None), default=None)
             shown = f"{best * 1e3:.1f} us" if best is not None else "-"
-            print(f"{r.key.op:<24}{r.key.gpu:<26}{r.key.problem[:40]:<42}{r.config.label:<36}"
-                  f"{shown:>10}")
+            rows.append((r.key.op, r.key.gpu, r.key.problem, r.config.label, shown))
+        if rows:  # columns as wide as their longest entry (op names and problems run long)
+            rows.insert(0, ("op", "gpu", "problem", "config", "best"))
+            widths = [max(len(row[i]) for row in rows) for i in range(5)]
+            for row in rows:
+                print("  ".join(f"{c:<{w}}" for c, w in zip(row[:4], widths))
+                      + f"  {row[4]:>{widths[4]}}")
         print(f"{len(records)} records in {store.path}")
         return 0
     registry = _load_ops(args.module)

@@ -310,7 +310,14 @@ def test_imports_name_known_ops_and_configs_of_their_space(tmp_path, capsys, mon
     timings = [{"config": {"B": 1}, "ms": 1.5, "error": None, "device": 1, "raw_ms": 1.4}]
     path.write_text(_export([{**GOOD, "op": unbuilt, "timings": timings}]))
     assert cli.main(["tune", "import", str(path)]) == 0
-    assert cli.main(["tune", "ls"]) == 0 and "2 records" in capsys.readouterr().out
+    assert cli.main(["tune", "ls"]) == 0
+    out = capsys.readouterr().out
+    assert "2 records" in out
+    lines = out.splitlines()  # a header, then columns as wide as their longest entry
+    header, *rows = lines[next(i for i, x in enumerate(lines) if x.startswith("op ")):-1]
+    starts = [header.index(c) for c in ("gpu", "problem", "config", "best")]
+    assert [r[:len(unbuilt) + 2] for r in rows].count(f"{unbuilt}  ") == 1
+    assert all(r[s - 2:s] == "  " and r[s] != " " for r in rows for s in starts[:3])
     for bad in ({"device": "x"}, {"raw_ms": float("inf")}):
         path.write_text(_export([{**GOOD, "op": unbuilt, "problem": "q",
                                   "timings": [{**timings[0], **bad}]}]))
