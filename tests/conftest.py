@@ -33,6 +33,13 @@ requires_nvrtc = pytest.mark.skipif(not has_tool(jit.toolchain.nvrtc),
                                     reason="needs NVRTC (cuda-bindings)")
 
 
+def smem_check(launch_bytes: int, kernel: str = "attention") -> str:
+    """Source to append to a kernel's: it fails to compile unless the shared memory the launch
+    gives (launch_bytes, from Python) is what the kernel lays out (its namespace's kSmemBytes)."""
+    return (f"\nstatic_assert({kernel}::kSmemBytes == {launch_bytes}, \"the launch's shared "
+            f"memory is not the kernel's layout\");\n")
+
+
 def assert_builds_clean(source: str, name: str, kernels: list[str], **build) -> dict:
     """source built for sm_90a with NVRTC (build: build_entry's include_dirs, flags): each of
     kernels with no spill and no stack, and no wgmma serialized (ptxas's C7515); returns the

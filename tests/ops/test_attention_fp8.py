@@ -7,7 +7,8 @@ import importlib
 import pytest
 import torch
 
-from tests.conftest import assert_builds_clean, requires_gpu, requires_nvrtc
+from tests.conftest import (assert_builds_clean, requires_gpu, requires_nvrtc,
+                            smem_check)
 from vitrail.jit.errors import ArgumentError
 from vitrail.ops.attention import fp8
 
@@ -60,7 +61,9 @@ def test_bad_input_is_refused_by_name():
 def test_the_fp8_forward_compiles_for_sm90a(d):
     """e4m3 Q K^T and P V (V^T K-major, P converted in its registers): no spills, no wgmma
     serialized (at D 64 too, whose softmax differs in the bf16 kernel)."""
-    assert_builds_clean(A.source(E4M3, d, True, out_dtype=torch.bfloat16), "attention_fwd",
+    source = (A.source(E4M3, d, True, out_dtype=torch.bfloat16)
+              + smem_check(A.smem_bytes(d, E4M3)))
+    assert_builds_clean(source, "attention_fwd",
                         ["attention_fwd"], include_dirs=[A.HERE], flags=["-default-device"])
 
 
