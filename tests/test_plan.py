@@ -140,6 +140,33 @@ def test_what_a_plan_cannot_repeat_takes_the_general_path(module):
     assert calls == ["copy", "copy", "foreign", "foreign", "stream", "stream"]
 
 
+def test_a_call_that_ran_a_stand_in_makes_no_plan(module):
+    """plan.provisional(): a call that ran a stand-in (torch's ops while a kernel builds) stores
+    nothing for its key, neither a plan nor GENERAL (its torch ops would have made it GENERAL);
+    the key's next call records again, and what it ran then becomes the plan."""
+    plans, calls, building = Plans("test"), [], [True]
+
+    def general(x, out):
+        calls.append("stand-in" if building[0] else "kernel")
+        if building[0]:
+            plan.provisional()
+            torch.mul(x, 2.0, out=out)
+        else:
+            module.scale(out.data_ptr(), x.data_ptr(), x.numel(), 2.0, stream=0)
+
+    for _ in range(2):
+        x = torch.randn(8)
+        torch.testing.assert_close(plans.run(_key(x), (x,), _outputs, general)[0], 2 * x)
+        assert plans.get(_key(x)) is None
+    building[0] = False
+    for _ in range(2):
+        x = torch.randn(8)
+        torch.testing.assert_close(plans.run(_key(x), (x,), _outputs, general)[0], 2 * x)
+    assert calls == ["stand-in", "stand-in", "kernel"]  # then the kernel's plan
+    assert plans.get(_key(x)) not in (None, GENERAL)
+    plan.provisional()  # outside a recording: nothing to mark
+
+
 def test_a_planned_call_raises_the_entry_points_error(module):
     plans = Plans("test")
     n = [4]

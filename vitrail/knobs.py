@@ -136,6 +136,13 @@ POLICY = _knob(
     "one) or PickBest (on a store miss, compile the candidates in parallel, time them, keep the "
     "fastest). Read once per process; vitrail.settings(policy=...) overrides it in a scope, "
     "vitrail.tune.set_defaults for the process.")
+BUILD_BEHIND = _knob(
+    "VITRAIL_BUILD_BEHIND", False, _bool,
+    "1: a GEMM call whose config is not built yet runs torch's own sequence (matmul, then the "
+    "epilogue's ops) while the config compiles in a background thread; the calls after the build "
+    "run the kernel (the first calls' results are torch's, not the kernel's bits). 0: the call "
+    "waits for the build. Read once per process; vitrail.settings(build_behind=...) overrides it "
+    "in a scope.")
 TUNE_WORKERS = _knob(
     "VITRAIL_TUNE_WORKERS", 0.0, _float,
     "Processes compiling candidate configs in parallel (PickBest, precompile). 0: as many as "

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import logging
 import re
 import threading
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from vitrail.tune.settings import PickBest, current, current_policy
 from vitrail.tune.space import Config, Limits, Space, limits
 from vitrail.tune.tuner import Tunable, compile_all, pick
 
+log = logging.getLogger("vitrail.op")
 REGISTRY: dict[str, "Op"] = {}  # Ops made outside a family (register=True), by name
 OP_FAMILIES: dict[str, "OpFamily"] = {}
 
@@ -135,6 +137,7 @@ class Op:
                                hashlib.sha256(kernel_source.encode()).hexdigest()[:16])
         self._configs: dict[tuple, Config] = {}
         self._modules: dict[Config, Any] = {}
+        self._behind: dict[Config, BaseException | None] = {}  # built in the background
         self._lock = threading.Lock()
         if register:
             REGISTRY[name] = self
@@ -173,6 +176,51 @@ class Op:
             from vitrail import jit
             mod = self._modules[config] = None if kwargs is None else jit.compile(**kwargs)
         return mod
+
+    def ready(self, config: Config) -> bool:
+        """Whether a call of config would not wait for a compiler: its module is loaded, it
+        compiles nothing, or it is in the cache (then loaded now). A build in the background
+        (``build_behind``) is not ready until it has landed."""
+        if config in self._modules:
+            return True
+        if config in self._behind:
+            return False
+        kwargs = self.render(config)
+        if kwargs is None:
+            return True
+        from vitrail.jit.compiler import is_built
+        if not is_built(**kwargs):
+            return False
+        self.module(config)  # from the cache: a load, no compiler
+        return True
+
+    def build_behind(self, config: Config) -> None:
+        """Build config in a background thread, once (a caller runs a stand-in meanwhile and
+        asks ``ready`` again at its next call); a failed build is raised here at the next call
+        that asks for it, as a waiting call would have raised it."""
+        with self._lock:
+            if config in self._modules:
+                return
+            if config in self._behind:
+                error = self._behind[config]
+                if error is not None:
+                    raise error
+                return
+            self._behind[config] = None
+        log.info("vitrail: %s: building %s in the background; calls run the stand-in until "
+                 "it lands", self.name, dict(config))
+        threading.Thread(target=self._build_behind, args=(config,), daemon=True,
+                         name=f"vitrail-build-{self.name}").start()
+
+    def _build_behind(self, config: Config) -> None:
+        try:
+            self.module(config)
+        except BaseException as e:  # kept for the next call of config to raise
+            with self._lock:
+                self._behind[config] = e
+            return
+        with self._lock:
+            self._behind.pop(config, None)
 
     def __call__(self, problem_key: str, problem: Any, *args: Any) -> None:
         config = self.config(problem_key, problem, args)

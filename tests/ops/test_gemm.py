@@ -132,6 +132,46 @@ def prepared_reasons(kind, problem, tensors):
     return op.can_implement(args)
 
 
+def test_a_config_not_built_runs_torchs_ops_while_it_builds_behind(monkeypatch):
+    """settings(build_behind=True): a call whose config is not ready asks for its build in the
+    background and computes D by torch's ops (one matmul when plain, else the reference's
+    sequence), marking its recording provisional; without the setting, or once the config is
+    ready, the kernel runs. On CPU tensors: the host side, the kernel never launched."""
+    import vitrail
+    from vitrail.gemm.ops import launch, operands, testing
+    from vitrail.gemm.ops.reference import gemm_reference
+    from vitrail.op import Op
+    monkeypatch.setattr(launch, "is_hopper", lambda device: True)
+    monkeypatch.setattr(operands, "_WARNED", set())
+    asked, ran, ready = [], [], [False]
+    monkeypatch.setattr(Op, "ready", lambda self, config: ready[0])
+    monkeypatch.setattr(Op, "build_behind", lambda self, config: asked.append(self.name))
+    monkeypatch.setattr(Op, "__call__", lambda self, *args: ran.append(self.name))
+    marked = []
+    monkeypatch.setattr(launch, "provisional", lambda: marked.append(True))
+    bf = torch.bfloat16
+    a, b = torch.randn(96, 64, dtype=bf), torch.randn(64, 40, dtype=bf)
+    bias = torch.randn(40, dtype=bf)
+    plain = (None, None, 1.0, 0.0, None, 0.01, None, None)
+    fused = (None, bias, 1.0, 0.0, "gelu", 0.01, None, None)
+    with testing.kernels_only():
+        with vitrail.settings(build_behind=True):
+            out = launch.run(a, b, *plain, bf)
+            torch.testing.assert_close(out, torch.mm(a, b), rtol=0, atol=0)  # torch's matmul
+            out = launch.run(a, b, *fused, bf)
+            want = gemm_reference(a, b, bias=bias, activation_name="gelu", out_dtype=bf,
+                                  compute_dtype=torch.float32)
+            torch.testing.assert_close(out, want, rtol=0, atol=0)
+            assert len(asked) == 2 and len(marked) == 2 and ran == []
+            assert asked[0] != asked[1]  # each kind's config builds
+            ready[0] = True
+            launch.run(a, b, *plain, bf)
+        assert len(ran) == 1 and len(asked) == 2
+        ready[0] = False
+        launch.run(a, b, *plain, bf)  # the setting off: the call waits for its kernel
+        assert len(ran) == 2 and len(asked) == 2 and len(marked) == 2
+
+
 def test_preparation_layouts_and_copies(record):
     from vitrail.gemm.ops.launch import run
     bf = torch.bfloat16
@@ -239,6 +279,47 @@ def test_selection_routes():
     assert routes == {"vitrail", "torch"}
     # a torch-route signature calls torch directly from its plan
     assert any(plan is launch._torch_plan for plan in launch.PLANS._plans.values())
+
+
+@requires_gpu
+def test_a_cold_config_runs_torch_while_it_builds_behind(monkeypatch, tmp_path):
+    """settings(build_behind=True), a config in no cache (a fresh one): the first calls run
+    torch's ops and return at once; the build lands in the background, and the calls after it
+    run the kernel, through the general path and then its plan."""
+    import threading
+    import time
+
+    import vitrail
+    from vitrail import jit
+    from vitrail.gemm.ops import testing
+    from vitrail.gemm.ops.reference import gemm_reference
+    monkeypatch.setenv("VITRAIL_CACHE_DIR", str(tmp_path / "cache"))
+    jit.clear_memory_cache()
+    ops = family()
+    f16 = torch.float16
+    a, w, bias = rand(1000, 520, dtype=f16), rand(264, 520, dtype=f16), rand(264, dtype=f16)
+    kw = dict(bias=bias, activation="hardswish", clamp_max=2.5)  # a kind no other test builds
+    ref = gemm_reference(a.double(), w.double().t(), bias=bias.double(),
+                         activation_name="hardswish", clamp_max=2.5)
+    torch_out = gemm_reference(a, w.t(), bias=bias, activation_name="hardswish", clamp_max=2.5,
+                               out_dtype=f16, compute_dtype=torch.float32)
+    from vitrail.gemm.ops import launch
+    from vitrail.plan import GENERAL
+    with testing.kernels_only(), vitrail.settings(build_behind=True):
+        start = time.perf_counter()
+        for _ in range(3):
+            assert_matches(ops.gemm(a, w.t(), **kw), ref, torch_out, f16)
+        waited = time.perf_counter() - start
+        builds = [t for t in threading.enumerate() if t.name.startswith("vitrail-build-")]
+        assert builds and waited < 20, waited  # no call waited for nvcc (30-70 s a config)
+        assert len(launch.PLANS) == 0  # the stand-in's calls stored no plan
+        for thread in builds:
+            thread.join(900)
+        assert list((tmp_path / "cache").rglob("*.so"))  # the build landed in the cache
+        for _ in range(3):  # the kernel: the general path, then its plan
+            assert_matches(ops.gemm(a, w.t(), **kw), ref, torch_out, f16)
+        plans = list(launch.PLANS._plans.values())
+        assert len(plans) == 1 and plans[0] not in (GENERAL, launch._torch_plan)
 
 
 @requires_gpu

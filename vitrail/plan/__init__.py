@@ -44,7 +44,7 @@ from vitrail.plan import native
 from vitrail.tune.settings import current_policy, on_change
 
 __all__ = ["Plans", "GENERAL", "signature", "scratch", "keep", "setup", "clear_all",
-           "recording"]
+           "recording", "provisional"]
 
 GENERAL = "general"  # a key whose calls take the general path (what they do cannot be replayed)
 _ALL: list["Plans"] = []
@@ -73,6 +73,15 @@ def signature(t: torch.Tensor) -> tuple:
 def recording() -> "Record | None":
     """The record of this thread's plan miss, or None (the launch paths' hook)."""
     return getattr(_state, "record", None)
+
+
+def provisional() -> None:
+    """The call being recorded (if one is) makes no plan for its key: it ran a stand-in (a
+    library's function while its kernel builds in the background) that the key's later calls
+    will not run. The key records again at its next call."""
+    record = recording()
+    if record is not None:
+        record.provisional = True
 
 
 def keep(*tensors: torch.Tensor) -> None:
@@ -106,6 +115,7 @@ class Record:
         self.paused = 0  # inside plan.setup()
         self.replayable = True
         self.why = ""
+        self.provisional = False  # it ran a stand-in: no plan, neither replayed nor GENERAL
 
     def add(self, kind: str, target, values, extra) -> None:
         """An entry point called with C values (pointers as ints, the stream as a handle), or a
@@ -319,6 +329,8 @@ def _compile(record: Record, inputs: tuple, outputs: tuple, make_outputs, genera
     tensor passed twice (mm(a, a), one scale for both operands) give a plan that runs while they
     still are one; another call of the key runs the general path. The plan's ``native`` is its
     description for the C++ hit path (native.describe), or None."""
+    if record.provisional:
+        return None
     if not record.replayable or not record.launches:
         return GENERAL
     named = [(f"i{k}", t) for k, t in enumerate(inputs)] + \

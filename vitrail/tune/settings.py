@@ -52,6 +52,9 @@ class Settings:
     # GPUs PickBest times candidates on: "current", "all" (every local GPU of the arguments'
     # model, candidates shared among them) or a tuple of device indices
     devices: str | tuple[int, ...] = "current"
+    # an op with a stand-in (the GEMM: torch's matmul) runs it while a config it has not built
+    # compiles in the background, instead of waiting (Op.ready, Op.build_behind)
+    build_behind: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, Policy):
@@ -61,6 +64,8 @@ class Settings:
             raise ValueError(f"max_workers={self.max_workers}: expected a positive number")
         if self.max_configs < 1:
             raise ValueError(f"max_configs={self.max_configs}: expected a positive number")
+        if not isinstance(self.build_behind, bool):
+            raise TypeError(f"build_behind={self.build_behind!r}: expected True or False")
         object.__setattr__(self, "devices", parse_devices(self.devices))
 
 
@@ -100,15 +105,18 @@ def _from_env() -> Settings:
     if _env is None:
         _env = _parse_env(os.environ.get(knobs.POLICY.name),
                           os.environ.get(knobs.TUNE_WORKERS.name),
-                          os.environ.get(knobs.TUNE_DEVICES.name))
+                          os.environ.get(knobs.TUNE_DEVICES.name),
+                          os.environ.get(knobs.BUILD_BEHIND.name))
     return _env
 
 
-def _parse_env(policy: str | None, workers: str | None, devices: str | None) -> Settings:
+def _parse_env(policy: str | None, workers: str | None, devices: str | None,
+               build_behind: str | None = None) -> Settings:
     return Settings(policy=policy_named(knobs.POLICY.value(policy), "VITRAIL_POLICY"),
                     max_workers=int(knobs.TUNE_WORKERS.value(workers)) or None,
                     devices=parse_devices(knobs.TUNE_DEVICES.value(devices),
-                                          "VITRAIL_TUNE_DEVICES"))
+                                          "VITRAIL_TUNE_DEVICES"),
+                    build_behind=knobs.BUILD_BEHIND.value(build_behind))
 
 
 def current() -> Settings:

@@ -26,12 +26,13 @@ from vitrail.gemm import arguments as gargs
 from vitrail.gemm.arguments import round_up as _round_up
 from vitrail.gemm.epilogue import ACTIVATION_FUNCTOR
 from vitrail.op import Op, OpFamily, Shaped
-from vitrail.plan import GENERAL, Plans, native, signature
+from vitrail.plan import GENERAL, Plans, native, provisional, signature
 from vitrail.gemm.ops import configs, model
 from vitrail.gemm.ops.configs import Kind, Problem
 from vitrail.gemm.ops.operands import aligned, warn_once
 from vitrail.gemm.ops.reference import gemm_reference
 from vitrail.tune import bucket
+from vitrail.tune.settings import current
 
 ELEMENTS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "tf32",
             torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
@@ -227,6 +228,27 @@ def _torch_plan(a, b, *rest) -> tuple[torch.Tensor]:
 _torch_plan.native = {"kind": "matmul", "used": (0, 1)}  # the C++ hit path calls at::matmul
 
 
+def _torch_sequence(d, a, b, c, bias, alpha, beta, activation, slope, clamp_min, clamp_max,
+                    scale_a, scale_b, matmul: bool = True) -> None:
+    """d = what the kernel computes, by torch's ops: the reference's sequence (fp32 products of
+    8- and 16-bit operands), or with matmul, one matmul for a plain product in its own dtype
+    (cuBLAS, the speed the model compares the kernels with)."""
+    plain = (matmul and c is None and bias is None and activation is None and clamp_min is None
+             and clamp_max is None and scale_a is None and scale_b is None
+             and a.dtype == b.dtype == d.dtype and a.dtype not in _FP8)
+    if plain:
+        torch_matmul(a, b, alpha, d)
+        return
+    compute = torch.float32 if a.dtype in (*_FP8, torch.float16, torch.bfloat16) else a.dtype
+    d.copy_(gemm_reference(a, b, c, alpha=alpha, beta=beta, bias=bias, activation_name=activation,
+                           slope=slope, clamp_min=clamp_min, clamp_max=clamp_max,
+                           scale_a=scale_a, scale_b=scale_b, out_dtype=d.dtype,
+                           compute_dtype=compute))
+
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def native_ok(a, *_) -> bool:
     """Whether a front function's call may have a C++ plan: its key does not see the fp32
     matmul precision (which picks the route of fp32 calls) or the tests' poisoning."""
@@ -257,13 +279,8 @@ def run_into(d: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: Optional[torc
             why = (f"{torch.cuda.get_device_name(a.device)} is not a Hopper GPU (the kernels "
                    f"are sm_90a)")
             warn_once(f"torch:{why}", f"vitrail.ops.gemm runs torch's matmul here: {why}")
-        compute = torch.float32 if a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) \
-            else a.dtype
-        d.copy_(gemm_reference(a, b, c if use_c else None, alpha=alpha, beta=beta, bias=bias,
-                               activation_name=activation, slope=slope, clamp_min=clamp_min,
-                               clamp_max=clamp_max, scale_a=scale_a, scale_b=scale_b,
-                               out_dtype=out_dtype, compute_dtype=torch.float32
-                               if compute in (torch.float16, torch.bfloat16) else compute))
+        _torch_sequence(d, a, b, c if use_c else None, bias, alpha, beta, activation, slope,
+                        clamp_min, clamp_max, scale_a, scale_b, matmul=False)
         return
 
     # a batch of A against one B: fold the batch into M (no copy of B per batch)
@@ -324,9 +341,16 @@ def run_into(d: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: Optional[torc
     op = op_for(kind)
     args = (a_t, b_t, c_t, d, bias_t, sa, sb, float(alpha), float(beta), float(slope), lo, hi,
             splits)
-    if op.config(key, problem, args)["backend"] == model.TORCH:  # measured faster: cuBLAS
+    config = op.config(key, problem, args)
+    if config["backend"] == model.TORCH:  # measured faster: cuBLAS
         _ROUTE.torch = True
         torch_matmul(a, b, alpha, out)
+        return
+    if current().build_behind and not op.ready(config):  # torch's ops while it compiles
+        op.build_behind(config)
+        provisional()  # this call's recording is not its signature's plan
+        _torch_sequence(out, a, b, c if use_c else None, bias, alpha, beta, activation, slope,
+                        clamp_min, clamp_max, scale_a, scale_b)
         return
     op(key, problem, *args)
     if out is not d:
