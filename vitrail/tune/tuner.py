@@ -52,7 +52,7 @@ def pick(tunable: Tunable, problem_key: str, problem: Any, *,
     """The config to use for one problem under the current settings.
 
     ``run(config, args)`` compiles (through the cache) and launches config on args; PickBest
-    calls it on scratch copies, through ``timer`` (default: vitrail.profile.bench's median).
+    calls it on scratch copies, through ``timer`` (default: vitrail.profile.measure's median).
     """
     s = settings or current()
     lim = lim or limits()
@@ -234,8 +234,8 @@ def _device_scope(device: int | None):
 
 
 def _default_timer(fn: Callable[[], None]) -> float:
-    from vitrail.profile import bench
-    return bench(fn).median
+    from vitrail.profile import measure
+    return measure(fn).median
 
 
 def _refuse_capture(name: str) -> None:
