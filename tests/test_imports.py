@@ -11,7 +11,7 @@ Layers, low to high; a module may import its own layer and those below:
 
   base     vitrail (the package: version, logging), vitrail.knobs
   jit      compile, cache, load and call CUDA C++
-  profile  timing (profile.timing: the function bench), peaks, roofline, traces, plots; the tuner
+  profile  timing (profile.timing: the function measure), peaks, roofline, traces, plots; the tuner
            times through it
   tune     config spaces, settings, the tuning store, the tuner
   op       vitrail.op: an Op binds a config space to kernels and launches

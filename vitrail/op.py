@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import re
 import threading
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from typing import Any, Callable, Iterable
 from vitrail.jit.errors import LaunchError
 from vitrail.tune.settings import PickBest, current, current_policy
 from vitrail.tune.space import Config, Limits, Space, limits
-from vitrail.tune.tuner import Tunable, compile_all, pick
+from vitrail.tune.tuner import Tunable, compile_all, pick, source_hash
 
 REGISTRY: dict[str, "Op"] = {}  # Ops made outside a family (register=True), by name
 OP_FAMILIES: dict[str, "OpFamily"] = {}
@@ -131,8 +130,7 @@ class Op:
         self.name, self.space, self.render, self.launch = name, space, render, launch
         self.examples = list(examples)
         self.make_problem, self.shape = make_problem, shape
-        self.tunable = Tunable(name, space, render,
-                               hashlib.sha256(kernel_source.encode()).hexdigest()[:16])
+        self.tunable = Tunable(name, space, render, source_hash(kernel_source))
         self._configs: dict[tuple, Config] = {}
         self._modules: dict[Config, Any] = {}
         self._lock = threading.Lock()

@@ -1,4 +1,4 @@
-"""bench, peaks and trace on a real GPU (an H100 for the ranges below). Skipped where no GPU is
+"""measure, peaks and trace on a real GPU (an H100 for the ranges below). Skipped where no GPU is
 visible; run on an H100 before the profiling toolkit is called done."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.conftest import requires_gpu
-from vitrail.profile import bench, peaks, roofline, trace
+from vitrail.profile import measure, peaks, roofline, trace
 
 pytestmark = [requires_gpu, pytest.mark.gpu]
 peaks_mod = importlib.import_module("vitrail.profile.peaks")
@@ -18,7 +18,7 @@ peaks_mod = importlib.import_module("vitrail.profile.peaks")
 def test_a_copy_has_a_plausible_bandwidth():
     src = torch.randn(64 << 20, device="cuda")  # 256 MiB
     dst = torch.empty_like(src)
-    t = bench(lambda: dst.copy_(src), warmup=5, rep=30)
+    t = measure(lambda: dst.copy_(src), warmup=5, rep=30)
     gbps = 2 * src.numel() * 4 / (t.median * 1e-3) / 1e9
     assert gbps > 100, f"{gbps:.0f} GB/s for a 256 MiB copy: {t}"
     assert t.min <= t.median <= t.max and t.min > 0
@@ -29,15 +29,15 @@ def test_a_copy_has_a_plausible_bandwidth():
 def test_flushing_the_l2_makes_a_small_repeated_read_no_faster():
     x = torch.randn(2 << 20, device="cuda")  # 8 MiB: fits in the L2 when not flushed
     out = torch.empty((), device="cuda")
-    cached = bench(lambda: torch.sum(x, dim=0, out=out), flush_l2=False)
-    flushed = bench(lambda: torch.sum(x, dim=0, out=out), flush_l2=True)
+    cached = measure(lambda: torch.sum(x, dim=0, out=out), flush_l2=False)
+    flushed = measure(lambda: torch.sum(x, dim=0, out=out), flush_l2=True)
     assert flushed.median >= 0.9 * cached.median, f"flushed {flushed}, cached {cached}"
 
 
 def test_bench_on_an_explicit_device_and_with_one_rep():
     x = torch.randn(1 << 20, device="cuda:0")
     for device in (0, "cuda:0", torch.device("cuda", 0)):
-        t = bench(lambda: x.mul_(1.0), warmup=0, rep=1, device=device)
+        t = measure(lambda: x.mul_(1.0), warmup=0, rep=1, device=device)
         assert t.rep == 1 and t.median > 0 and t.spread == 0.0
 
 
@@ -57,7 +57,7 @@ def test_peaks_are_plausible_and_measured_once(cache_dir, monkeypatch):
 def test_a_large_copy_reaches_most_of_the_measured_bandwidth():
     src = torch.randn(128 << 20, device="cuda")  # 512 MiB
     dst = torch.empty_like(src)
-    t = bench(lambda: dst.copy_(src), warmup=5, rep=30, flush_l2=False)
+    t = measure(lambda: dst.copy_(src), warmup=5, rep=30, flush_l2=False)
     r = roofline(bytes=2 * src.numel() * 4, ms=t.median, peaks=peaks())
     assert r.bound == "memory" and 50 < r.pct_memory < 120, r
 

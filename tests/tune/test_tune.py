@@ -607,3 +607,17 @@ class _FakeDevice:
 
     def __exit__(self, *exc):
         self.here.device = None
+
+
+def test_a_kernels_source_hash_is_of_its_code_not_its_comments():
+    """Records stay with a kernel whose comments or spacing change (the docs move figures out of
+    kernels' comments); a change of code, a string literal's included, is a new kernel."""
+    from vitrail.tune.tuner import source_hash
+    base = 'int x = 1;  // one\n/* two\n lines */ asm("mov.u32 %0, 1; // kept");'
+    same = 'int x = 1;\n\n  asm("mov.u32 %0, 1; // kept");   /* moved */'
+    assert source_hash(base) == source_hash(same)
+    for other in ('int x = 2; asm("mov.u32 %0, 1; // kept");',
+                  'int x = 1; asm("mov.u32 %0, 2; // kept");',
+                  "int x = 1; asm(\"mov.u32 %0, 1;\");"):
+        assert source_hash(other) != source_hash(base), other
+    assert len(source_hash(base)) == 16

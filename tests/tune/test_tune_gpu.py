@@ -26,7 +26,7 @@ def fresh_op():
 
 
 def test_pick_best_picks_the_fastest_config_and_leaves_user_tensors_alone():
-    from vitrail.profile import bench
+    from vitrail.profile import measure
     x = torch.randn(N, device="cuda")
     y = torch.full_like(x, float("nan"))
     x_before = x.clone()
@@ -38,7 +38,7 @@ def test_pick_best_picks_the_fastest_config_and_leaves_user_tensors_alone():
     by_hand = {}
     for config in OP.space.valid(lim):
         module = OP.module(config)
-        by_hand[config] = bench(lambda: OP.launch(module, config, y, x, 3.0)).median
+        by_hand[config] = measure(lambda: OP.launch(module, config, y, x, 3.0)).median
     fastest = min(by_hand.values())
     assert by_hand[chosen] <= 1.15 * fastest, (chosen, by_hand[chosen], fastest)
     slowest = max(by_hand.values())
@@ -89,7 +89,7 @@ def test_a_second_process_benchmarks_nothing():
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_pick_best_spreads_timing_over_the_local_gpus():
-    from vitrail.profile import bench
+    from vitrail.profile import measure
     x = torch.randn(N, device="cuda:0")
     y = torch.full_like(x, float("nan"))
     x_before = x.clone()
@@ -104,7 +104,7 @@ def test_pick_best_spreads_timing_over_the_local_gpus():
     by_hand = {}
     for config in OP.space.valid(lim):
         module = OP.module(config)
-        by_hand[config] = bench(lambda: OP.launch(module, config, y, x, 3.0)).median
+        by_hand[config] = measure(lambda: OP.launch(module, config, y, x, 3.0)).median
     assert by_hand[chosen] <= 1.15 * min(by_hand.values()), (chosen, by_hand[chosen])
     OP(key, N, y, x, 3.0)
     torch.testing.assert_close(y, 3.0 * x)

@@ -9,21 +9,21 @@ def copy_gbps(nbytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth now (bytes read + written), the ceiling of this run."""
     import torch
 
-    from vitrail.profile import bench
+    from vitrail.profile import measure
     a = torch.empty(nbytes // 4, device="cuda")
     b = torch.empty_like(a)
-    t = bench(lambda: b.copy_(a), rep=30)
+    t = measure(lambda: b.copy_(a), rep=30)
     return 2 * nbytes / t.median / 1e6
 
 
 def rows_for(case: str, impls: dict, nbytes: float, ceiling: float, group: str = "") -> list[Row]:
     """A row per implementation of case (timed; one that fails is reported and left out): GB/s
     for nbytes moved, torch eager the baseline, and its percentage of the ceiling (copy GB/s)."""
-    from vitrail.profile import bench
+    from vitrail.profile import measure
     out = []
     for impl, fn in impls.items():
         try:
-            ms = bench(fn, rep=50).median
+            ms = measure(fn, rep=50).median
         except Exception as e:  # torch.compile may refuse a case: report, keep going
             print(f"  {case} {impl}: {type(e).__name__}: {str(e)[:120]}")
             continue

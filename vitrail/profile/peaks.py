@@ -3,7 +3,7 @@
 Datasheet numbers are not what a GPU reaches (clocks, power limits, the PCIe or SXM variant), so
 vitrail measures its own: the bandwidth of a 1 GiB device-to-device copy (bytes read + written)
 and the throughput of an 8192^3 bf16 ``torch.matmul`` on random data (zeros draw less power and
-run faster than real data), both timed with :func:`vitrail.profile.bench`. The result is cached in
+run faster than real data), both timed with :func:`vitrail.profile.measure`. The result is cached in
 ``peaks.json`` under the vitrail cache directory, keyed by GPU name, SM count and torch version,
 so it is measured once per machine; ``peaks(refresh=True)`` measures again.
 """
@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from vitrail.profile.timing import bench, cuda_device
+from vitrail.profile.timing import cuda_device, measure
 
 log = logging.getLogger("vitrail.profile")
 
@@ -147,7 +147,7 @@ def _copy_gbps(dev: Any) -> float:
     import torch
     src = torch.empty(COPY_BYTES // 4, dtype=torch.float32, device=dev).uniform_()
     dst = torch.empty_like(src)
-    t = bench(lambda: dst.copy_(src), warmup=5, rep=50, flush_l2=False)  # 1 GiB: no L2 hits
+    t = measure(lambda: dst.copy_(src), warmup=5, rep=50, flush_l2=False)  # 1 GiB: no L2 hits
     return 2 * COPY_BYTES / (t.median * 1e-3) / 1e9
 
 
@@ -157,5 +157,5 @@ def _matmul_tflops(dev: Any) -> float:
     a = torch.randn(n, n, dtype=torch.bfloat16, device=dev)
     b = torch.randn(n, n, dtype=torch.bfloat16, device=dev)
     c = torch.empty(n, n, dtype=torch.bfloat16, device=dev)
-    t = bench(lambda: torch.matmul(a, b, out=c), warmup=10, rep=50, flush_l2=False)
+    t = measure(lambda: torch.matmul(a, b, out=c), warmup=10, rep=50, flush_l2=False)
     return 2 * n ** 3 / (t.median * 1e-3) / 1e12

@@ -6,7 +6,7 @@ roofline. ``pct_roofline`` is that bound over the measured time, i.e. the percen
 attainable performance ``min(peak_flops, intensity * peak_bandwidth)`` reached; it equals
 ``max(pct_compute, pct_memory)``. ``bound`` names the term that sets the bound. Pure Python: the
 FLOP and byte counts come from the caller (the minimal traffic of the problem, not what a
-particular kernel happens to move), the milliseconds from :func:`vitrail.profile.bench`.
+particular kernel happens to move), the milliseconds from :func:`vitrail.profile.measure`.
 """
 from __future__ import annotations
 

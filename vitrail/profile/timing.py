@@ -1,6 +1,6 @@
 """Time a GPU function once, right, for everyone: CUDA events, warm-up, a flushed L2.
 
-Every benchmark, tuner and test in vitrail times GPU work through :func:`bench`, so they all
+Every benchmark, tuner and test in vitrail times GPU work through :func:`measure`, so they all
 measure the same thing the same way: ``warmup`` untimed calls, then ``rep`` calls each between a
 pair of CUDA events recorded on the current stream, with the L2 cache flushed before each timed
 call (outside the events) so a kernel never reads its inputs from a cache that a real model
@@ -93,7 +93,7 @@ def timing_from_samples(samples_ms: Sequence[float]) -> Timing:
                   rep=len(samples))
 
 
-def bench(fn: Callable[[], Any], *, warmup: int = 25, rep: int = 100, flush_l2: bool = True,
+def measure(fn: Callable[[], Any], *, warmup: int = 25, rep: int = 100, flush_l2: bool = True,
           device: Any = None) -> Timing:
     """Time ``fn()`` on the GPU: ``warmup`` untimed calls (a count, not milliseconds), then
     ``rep`` calls, each between two CUDA events on the current stream of ``device``.
@@ -108,7 +108,7 @@ def bench(fn: Callable[[], Any], *, warmup: int = 25, rep: int = 100, flush_l2: 
     warmup = check_count("warmup", warmup, minimum=0)
     rep = check_count("rep", rep, minimum=1)
     import torch
-    dev = cuda_device(device, "bench")
+    dev = cuda_device(device, "measure")
     with torch.cuda.device(dev):
         flush = _flush_buffer(dev) if flush_l2 else None
         began = time.perf_counter()
@@ -140,7 +140,7 @@ def compare(fns: Mapping[str, Callable[[], Any]], *, rounds: int = 5, rep: int =
     Here every function first runs for at least ``warmup_s`` seconds
     (synchronized: modules loaded, clocks up), then the functions are timed in ``rounds``
     interleaved rounds, the order rotated each round, ``rep // rounds`` calls each (as
-    :func:`bench`); each Timing holds all of its function's samples.
+    :func:`measure`); each Timing holds all of its function's samples.
     """
     if not isinstance(fns, Mapping) or not fns:
         raise TypeError(f"fns: expected a non-empty mapping of name -> callable, got {fns!r:.80}")
@@ -166,7 +166,7 @@ def compare(fns: Mapping[str, Callable[[], Any]], *, rounds: int = 5, rep: int =
     samples: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            t = bench(fns[name], warmup=2, rep=per_round, flush_l2=flush_l2, device=dev)
+            t = measure(fns[name], warmup=2, rep=per_round, flush_l2=flush_l2, device=dev)
             samples[name].extend(t.samples)
     return {name: timing_from_samples(samples[name]) for name in names}
 

@@ -8,9 +8,11 @@ is reported; the record goes to the tuning store, so no process tunes that probl
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
+import re
 import sys
 import time
 from concurrent.futures import as_completed
@@ -37,12 +39,26 @@ class Tunable:
 
     ``render(config)`` returns the keyword arguments of ``vitrail.jit.compile`` for one config
     (they travel to compile processes, so they must be picklable); ``source_hash`` identifies
-    the kernel's code, so a new kernel version does not reuse old timings.
+    the kernel's code (``source_hash(kernel_source)``), so a new kernel version does not reuse
+    old timings.
     """
     name: str
     space: Space
     render: Callable[[Config], dict]
     source_hash: str
+
+
+# C and C++ comments, and the string and character literals they may not start inside
+_COMMENT_OR_LITERAL = re.compile(r'//[^\n]*|/\*.*?\*/|("(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\')',
+                                 re.S)
+
+
+def source_hash(kernel_source: str) -> str:
+    """The tuning store's name of a kernel's code: a hash of its source without its comments,
+    its spacing collapsed, so that editing a comment or a line's layout keeps the timings of
+    the code that did not change (a change of code is tuned afresh)."""
+    code = _COMMENT_OR_LITERAL.sub(lambda m: m.group(1) or " ", kernel_source)
+    return hashlib.sha256(" ".join(code.split()).encode()).hexdigest()[:16]
 
 
 def pick(tunable: Tunable, problem_key: str, problem: Any, *,
@@ -52,7 +68,7 @@ def pick(tunable: Tunable, problem_key: str, problem: Any, *,
     """The config to use for one problem under the current settings.
 
     ``run(config, args)`` compiles (through the cache) and launches config on args; PickBest
-    calls it on scratch copies, through ``timer`` (default: vitrail.profile.bench's median).
+    calls it on scratch copies, through ``timer`` (default: vitrail.profile.measure's median).
     """
     s = settings or current()
     lim = lim or limits()
@@ -234,8 +250,8 @@ def _device_scope(device: int | None):
 
 
 def _default_timer(fn: Callable[[], None]) -> float:
-    from vitrail.profile import bench
-    return bench(fn).median
+    from vitrail.profile import measure
+    return measure(fn).median
 
 
 def _refuse_capture(name: str) -> None:

@@ -24,11 +24,11 @@ import math
 import sys
 from typing import Iterator
 
-from vitrail.ops.conv import benchmarks as bench
+from vitrail.ops.conv import benchmarks
 from vitrail.ops.conv.configs import Problem
 
 FIT = ("resnet50", "unet")
-L = bench.Layer
+L = benchmarks.Layer
 HELD_OUT = {  # network: (batch, layers)
     "small32": (32, [L("c32", 32, 112, 112, 32, 3, 3, 1, 1),
                      L("c64k32", 64, 112, 112, 32, 3, 3, 1, 1),
@@ -47,11 +47,11 @@ HELD_OUT = {  # network: (batch, layers)
 }
 
 
-def _timed(case: bench.Case) -> bool:
+def _timed(case: benchmarks.Case) -> bool:
     """Whether the sweep times the case: one implicit-GEMM launch that a scratch copy can time."""
     from vitrail.ops.conv import kernel_problem
     lay = case.layer
-    if bench.runs_gemm(lay) or lay.groups > 1 or bench.refusal(case):
+    if benchmarks.runs_gemm(lay) or lay.groups > 1 or benchmarks.refusal(case):
         return False
     if case.kind != "dgrad":
         return True
@@ -61,11 +61,11 @@ def _timed(case: bench.Case) -> bool:
     return not phased
 
 
-def cases() -> list[bench.Case]:
+def cases() -> list[benchmarks.Case]:
     """The sweep's cases: the benchmark's dense ones, then HELD_OUT's (fprop, dgrad, wgrad)."""
-    found = [c for c in bench.cases() if c.kind in bench.KINDS]
-    found += [bench.Case(network, lay, batch, kind) for network, (batch, layers) in
-              HELD_OUT.items() for lay in layers for kind in bench.KINDS]
+    found = [c for c in benchmarks.cases() if c.kind in benchmarks.KINDS]
+    found += [benchmarks.Case(network, lay, batch, kind) for network, (batch, layers) in
+              HELD_OUT.items() for lay in layers for kind in benchmarks.KINDS]
     return [c for c in found if _timed(c)]
 
 
@@ -75,7 +75,7 @@ def part(network: str) -> str:
 
 
 # ------------------------------------------------------------------------------------ timing
-def _variant(case: bench.Case, sms: int):
+def _variant(case: benchmarks.Case, sms: int):
     """The implicit-GEMM variant (configs.Variant) of the case's launch."""
     import torch
 
@@ -84,14 +84,14 @@ def _variant(case: bench.Case, sms: int):
     return Variant(case.kind, torch.bfloat16, partials=chunked)
 
 
-def _operands(case: bench.Case, sms: int):
+def _operands(case: benchmarks.Case, sms: int):
     """(variant, the _run operands a, b, d, bias, padding, stride, dilation, pad_hi, splits,
     phases) of the case's one launch, on new tensors, as conv2d hands them over (NHWC views;
     dgrad: its one stride phase's; wgrad: its batch chunks' fp32 partials)."""
     import torch
 
     from vitrail.ops.conv import dgrad_phases, empty_nchw, nhwc, phase_views
-    x, w, dy, _ = bench.case_tensors(case)
+    x, w, dy, _ = benchmarks.case_tensors(case)
     lay, (p, q) = case.layer, case.layer.out_hw()
     pad, stride, one = (lay.padding,) * 2, (lay.stride,) * 2, (1, 1)
     variant = _variant(case, sms)
@@ -112,7 +112,7 @@ def _operands(case: bench.Case, sms: int):
                      None)
 
 
-def time_configs(only: list[bench.Case] | None = None, log=sys.stderr) -> Iterator[dict]:
+def time_configs(only: list[benchmarks.Case] | None = None, log=sys.stderr) -> Iterator[dict]:
     """A row per case (``only``: those cases): its problem, the GPU's SM count, and each
     config's median ms (None where the config cannot run it: ``errors`` says why). Every
     config's kernel is built first, in parallel."""

@@ -51,7 +51,7 @@ constexpr float kLn2 = 0.6931471805599453f;
 // and two predicated multiplies an element), which flushes them to zero here instead. Every other
 // result has exp2f's bits (every output of 13 shapes on an H100 matched); an output is a
 // probability, or a term of a sum of at least 1, so a difference under 1.2e-38 is lost in it.
-// It saved 2-6% of the time of bf16 rows in shared memory and on the split path (H100).
+// It is faster on the shared-memory and split paths (docs/perf-notes.md, softmax).
 __device__ __forceinline__ float exp_of(float d) {
   float r;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d * kLog2e));
@@ -75,8 +75,8 @@ __device__ __forceinline__ float output_of(T a, T b, float m, float scale) {
 // Window: whether a kernel serves rows that may start off a vector boundary. Kernels without it
 // (every row starts on one: the launch checks) keep the plain predicated loads and stores and
 // their registers (a windowed register kernel took 168 registers against 128 when every vector
-// could be a row's first: 1 CTA per SM instead of 2, bf16 65536 x 512 forward 78% of a
-// same-bytes copy against 94%); windowed kernels treat only the vector at window column 0 as one.
+// could be a row's first: 1 CTA per SM instead of 2, and slower: docs/perf-notes.md, softmax);
+// windowed kernels treat only the vector at window column 0 as one.
 // A row's head: the offset of its first element within its 16-byte vector, in elements (0
 // without windows). The row's window starts head elements before it.
 template <int V, bool Window, class T>
@@ -144,9 +144,9 @@ constexpr int min_ctas_per_sm() {
 // 16 CTAs per SM, 2048 threads x 64 bytes in flight (16-bit types keep fp32 copies and need ~70).
 template <class T, int V> inline constexpr int kWords = (V * int(sizeof(T)) + 3) / 4;
 // Rows spread over a warp or more in CTAs of 256 threads: 3 CTAs per SM (<= 85 registers). bf16
-// rows of 4096 ran 88 registers unbounded, so 2 CTAs per SM and 78% of the copy bandwidth on an
-// H100; bounded, 79 registers and no spill (rows of 8192: 80). Narrower rows (TPR 32: 2048 bf16)
-// spill under that bound, so they stay unbounded.
+// rows of 4096 ran 88 registers unbounded, so 2 CTAs per SM (slower: docs/perf-notes.md,
+// softmax); bounded, 79 registers and no spill (rows of 8192: 80). Narrower rows (TPR 32: 2048
+// bf16) spill under that bound, so they stay unbounded.
 template <class T, int V, int TPR, int Threads, int Iters, int Cluster>
 constexpr int fwd_min_ctas() {
   if (sizeof(T) == 4 && V > 1 && Threads == 128 && Iters <= 4 && Cluster == 1) return 16;
@@ -437,9 +437,8 @@ chunk_apply(T* __restrict__ out, const MaxSum* __restrict__ stats, const T* __re
 // `groups` partials (one warp, in the same order in every CTA: every CTA of a row gets the same
 // bits; it broadcasts through shared memory), and writes its slice from what it holds. (Every warp
 // combining them itself had all the grid's warps read the same few L2 lines at once after the
-// barrier: with 1-2 rows of 132-264 CTAs, 2-4k warps x 5 loads on 17 lines. On an H100, % of a
-// same-bytes copy, bf16 forward 2 x 1M 41 -> 58, 1 x 4M 46 -> 67, 1 x 16M 66 -> 80; backward 2 x 1M
-// 58 -> 73; 16 x 262144 unchanged.)
+// barrier: with 1-2 rows of 132-264 CTAs, 2-4k warps x 5 loads on 17 lines; docs/perf-notes.md,
+// softmax, has the gain.)
 // Modes and numerics as the chunked path's (add_stats, CombineMaxSum, output_of).
 template <class T, int V, int Mode, bool IsLog, int Threads, int Iters, int U, int Ctas,
           bool Window>

@@ -37,8 +37,8 @@ def _torch_sympow(x, power, d_tile):
 
 
 def _time(fn) -> float:
-    from vitrail.profile import bench
-    return bench(fn, warmup=5, rep=20).median
+    from vitrail.profile import measure
+    return measure(fn, warmup=5, rep=20).median
 
 
 @register("sympow", "sympow, sympow_mma, mma_sympow_bwd vs the unfused torch paths", build)

@@ -24,7 +24,7 @@ static_assert(BLOCK % VEC == 0, "VEC must divide TILE^POW");
 // chunk, and with it its groups' table entries, coefficients and x offsets, are fixed for the
 // whole kernel; each row costs only the x loads, the products and one 16-byte store. (One
 // thread per (row, chunk), with the division and the table lookups redone for every output
-// vector, took 185 instructions a vector at p=4 d_tile=4: issue-bound below 80% of copy.)
+// vector, took 185 instructions a vector at p=4 d_tile=4 and was issue-bound: docs/perf-notes.md.)
 // A group (one tuple, leading digits fixed) is TILE features that share the product of their
 // leading factors; a vector holds VEC / TILE whole groups, or lies inside one (VEC <= TILE).
 constexpr int FWD_GROUPS = VEC > TILE ? VEC / TILE : 1;
