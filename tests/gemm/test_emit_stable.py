@@ -83,11 +83,11 @@ def test_the_emitted_source_and_its_cache_key_are_unchanged(case):
 
 def test_the_gemm_ops_tuning_key_is_unchanged():
     """An Op's tuning-store key hashes its kernel's template: timings stay valid across a
-    refactor only while it is the same text."""
+    refactor only while it is the same code (comments and spacing aside: tuner.source_hash)."""
     from vitrail.gemm.ops.configs import Kind
     from vitrail.gemm.ops.launch import op_for
     op = op_for(Kind("bf16", "bf16", "row", "row", E("bf16")))
     assert op.tunable.source_hash == STORED_TUNING_KEY
 
 
-STORED_TUNING_KEY = "b99a4fba015c4df3"
+STORED_TUNING_KEY = "a8bf900c6b97895b"  # since the hash leaves comments and spacing out

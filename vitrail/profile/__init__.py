@@ -1,8 +1,9 @@
 """Timing and profiling done once, right, for everyone: benchmarks, the tuner and tests use it.
 
 - :func:`measure` times a GPU function with CUDA events after warm-up, the L2 flushed before
-  each call, and returns a :class:`Timing` (median, min, max, mean, spread, samples) in milliseconds;
-  :func:`compare` times several implementations in interleaved rounds (clock drift falls on all).
+  each call, and returns a :class:`Timing` (median, min, max, mean, spread, samples) in
+  milliseconds; :func:`compare` times several implementations in interleaved rounds (clock
+  drift falls on all).
 - :func:`peaks` measures (once per machine, then cached) the GPU's copy bandwidth and bf16
   matmul throughput; :func:`roofline` turns FLOPs, bytes and milliseconds into TFLOP/s, GB/s
   and percentages of those peaks.
