@@ -105,11 +105,15 @@ def _number(name: str, value: Descale) -> bool:
 
 
 @functools.lru_cache(maxsize=64)
-def _constant_descales(values: tuple, h: int, hk: int, device: torch.device) -> Tensor:
-    """The kernel's descales for None or numbers, made once (not a fill and a cat a call)."""
-    ones = (1.0 if x is None else float(x) for x in values)
-    return torch.cat([torch.full((n,), x, dtype=torch.float32, device=device)
-                      for n, x in zip((h, hk, hk), ones)])
+def _constant_descales(named: tuple, device: torch.device) -> Tensor:
+    """The kernel's descales of (name, None or a number, heads) triples, made once (not three
+    fills and a cat a call)."""
+    return _all_descales(named, device)
+
+
+def _all_descales(named, device: torch.device) -> Tensor:
+    """q's, k's and v's descales, one fp32 per head each, in the kernel's order."""
+    return torch.cat([_descales(name, value, heads, device) for name, value, heads in named])
 
 
 def _descales(name: str, value: Descale, heads: int, device: torch.device) -> Tensor:
@@ -151,9 +155,9 @@ def attention_fp8(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     # kept from call to call, so not made while a graph is captured (its fills would not run)
     if (all(_number(n, x) for n, x, _ in named) and not torch.compiler.is_compiling()
             and not torch.cuda.is_current_stream_capturing()):
-        descale = _constant_descales(tuple(x[1] for x in named), h, hk, q.device)
+        descale = _constant_descales(named, q.device)
     else:
-        descale = torch.cat([_descales(*x, q.device) for x in named])
+        descale = _all_descales(named, q.device)
     scale = d ** -0.5 if scale is None else float(scale)
     mask = kernel_mask(sq, sk, bool(causal), alignment, window)
     o, lse = _fp8_fwd(q, k, v, descale, scale, *mask, float(softcap or 0.0), out_dtype)
