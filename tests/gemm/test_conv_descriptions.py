@@ -30,11 +30,22 @@ def test_refusals_say_what_to_change(change, says):
         _op(**change)
 
 
-def test_only_16_bit_operands():
+def test_16_bit_operands_or_tf32_for_fprop():
     t = TensorDescription("tf32")
-    with pytest.raises(ValueError, match="bf16 or fp16"):
-        ConvOperation("fprop", t, t, TensorDescription("f32"), MathInstruction("tf32", "tf32"),
-                      default_tile(), LinearCombination("f32"))
+    op = ConvOperation("fprop", t, t, TensorDescription("f32"), MathInstruction("tf32", "tf32"),
+                       default_tile(), LinearCombination("f32"))
+    source = op.emit()
+    assert "using ElementA = float;" in source and "using ElementD = float;" in source
+    assert "conv2d_fprop_tf32_f32_" in op.name
+    for kind, which in (("dgrad", "filter is"), ("wgrad", "operands are")):
+        with pytest.raises(ValueError, match=f"K-major, and {kind}'s {which} not"):
+            ConvOperation(kind, t, t, TensorDescription("f32"),
+                          MathInstruction("tf32", "tf32"), default_tile(),
+                          LinearCombination("f32"))
+    e = TensorDescription("e4m3")
+    with pytest.raises(ValueError, match="bf16 or fp16 operands"):
+        ConvOperation("fprop", e, e, TensorDescription("bf16"), MathInstruction("e4m3", "e4m3"),
+                      default_tile(), LinearCombination("bf16"))
 
 
 def test_one_warpgroup_tiles():

@@ -185,6 +185,29 @@ def test_gemm_level_arguments_fprop_with_residual():
     _close(args.output, want, torch.bfloat16, "y + 0.5 c")
 
 
+@pytest.mark.parametrize("stride", [1, 2])
+def test_gemm_level_tf32_fprop_with_bias_and_relu(stride):
+    """vitrail.gemm: fp32 tensors through TF32's wgmma (fprop, whose operands are K-major),
+    y = relu(conv(x, w) + bias) in fp32, against fp64 at TF32's precision (10-bit mantissa,
+    like fp16's)."""
+    from vitrail.gemm import (ConvArguments, ConvOperation, LinearCombination, MathInstruction,
+                              TensorDescription, TileDescription)
+    f32, tf32 = TensorDescription("f32"), TensorDescription("tf32")
+    op = ConvOperation("fprop", tf32, tf32, f32, MathInstruction("tf32", "tf32"),
+                       TileDescription((128, 128, 32), kernel_schedule="warpspecialized"),
+                       LinearCombination("f32", bias="col", activation="relu"))
+    x, w = _tensors(2, 20, 33, 7, 36, 3, 3, torch.float32, seed=4)
+    b = torch.randn(36, device="cuda")
+    args = ConvArguments.from_tensors(op, x.permute(0, 2, 3, 1), w.permute(0, 2, 3, 1),
+                                      bias=b, padding=1, stride=stride)
+    assert op.can_implement(args) == []
+    op.run(args)
+    want = torch.relu(torch.nn.functional.conv2d(x.double(), w.double(), b.double(), padding=1,
+                                                 stride=stride)).permute(0, 2, 3, 1)
+    assert args.output.dtype == torch.float32 and args.output.shape == want.shape
+    _close(args.output, want, torch.float16, f"tf32 fprop, stride {stride}")
+
+
 def test_refusals_are_not_implemented_errors():
     from vitrail.ops import conv2d
     x, w = _tensors(1, 12, 8, 8, 16, 3, 3, torch.bfloat16)

@@ -19,8 +19,10 @@ descriptors on the host from the problem shape at each launch (the mainloop coll
 What CUTLASS's sm90 kernels take, and so ``ConvOperation`` emits: the non-persistent
 warp-specialized schedule (one producer warpgroup, one consumer warpgroup, one CTA per output
 tile: ``TileDescription(kernel_schedule='warpspecialized')``; CUTLASS refuses its persistent
-schedules for conv), bf16/fp16 operands with fp32 accumulation (TF32, FP8 and int8 exist in
-CUTLASS and are not emitted here yet), no groups, 2-D only. The runtime checks
+schedules for conv), bf16/fp16 operands with fp32 accumulation, and fp32 operands as TF32 for
+fprop (TF32's wgmma reads both operands K-major: fprop's x and w are, dgrad's w and wgrad's
+operands are not; FP8 and int8 exist in CUTLASS and are not emitted here yet), no groups, 2-D
+only. The runtime checks
 (``can_implement``) follow the collective's own: 16-byte aligned channels and strides, padding
 and filter extents within the TMA im2col limits, dgrad at unit stride (CUTLASS's tests run its
 sm90 dgrad at stride 1 only), wgrad on packed dy and dw.
@@ -45,7 +47,7 @@ from vitrail.gemm.epilogue import LinearCombination
 from vitrail.gemm.operation import Buildable
 
 CONV_KINDS = ("fprop", "dgrad", "wgrad")
-CONV_ELEMENTS = ("bf16", "f16")
+CONV_ELEMENTS = ("bf16", "f16", "tf32")  # tf32: fprop only (both operands K-major)
 
 
 def default_tile() -> TileDescription:
@@ -85,8 +87,14 @@ class ConvOperation(Buildable):
         a, b = self.math.element_a, self.math.element_b
         if a not in CONV_ELEMENTS or b != a:
             raise ValueError(f"ConvOperation: math elements {a}/{b}: the convolutions are "
-                             f"emitted for bf16 or fp16 operands (one type for both) with fp32 "
-                             f"accumulation; tf32, FP8 and int8 are not implemented yet")
+                             f"emitted for bf16 or fp16 operands (one type for both), or tf32 "
+                             f"(fp32 in memory) for fprop, with fp32 accumulation; FP8 and "
+                             f"int8 are not implemented yet")
+        if a == "tf32" and self.kind != "fprop":
+            raise ValueError(f"ConvOperation: {self.kind} with tf32: TF32's wgmma reads both "
+                             f"operands K-major, and {self.kind}'s "
+                             f"{'filter is' if self.kind == 'dgrad' else 'operands are'} not "
+                             f"(CUTLASS's table: fprop only); run {self.kind} in bf16 or fp16")
         for name, desc, elem in (("A", self.A, a), ("B", self.B, b)):
             if desc.element != elem:
                 raise ValueError(f"ConvOperation: {name}.element={desc.element} does not match "
