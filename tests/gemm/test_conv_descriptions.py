@@ -37,6 +37,12 @@ def test_16_bit_operands_or_tf32_for_fprop():
     source = op.emit()
     assert "using ElementA = float;" in source and "using ElementD = float;" in source
     assert "conv2d_fprop_tf32_f32_" in op.name
+    p = Conv2dProblem(2, 8, 8, 16, 32, 3, 3, pad=(1, 1))
+    f32 = dict(dtype=torch.float32)  # TF32's operands are fp32 tensors
+    x, w, y = _nhwc(2, 8, 8, 16, **f32), _nhwc(32, 3, 3, 16, **f32), _nhwc(2, 8, 8, 32, **f32)
+    assert op.can_implement(_args("fprop", p, x, w, y)) == []
+    why = op.can_implement(_args("fprop", p, x.bfloat16(), w, y))
+    assert any("A has dtype bf16, the operation takes f32" in r for r in why), why
     for kind, which in (("dgrad", "filter is"), ("wgrad", "operands are")):
         with pytest.raises(ValueError, match=f"K-major, and {kind}'s {which} not"):
             ConvOperation(kind, t, t, TensorDescription("f32"),

@@ -276,8 +276,9 @@ def _packed(t: torch.Tensor) -> bool:
 def _tensor_reasons(name: str, t: Optional[torch.Tensor], dtype: str) -> list[str]:
     if t is None:
         return [f"{name} is missing"]
-    if dtype_name(t) != dtype:
-        return [f"{name} has dtype {dtype_name(t)}, the operation takes {dtype}"]
+    mem = "f32" if dtype == "tf32" else dtype  # TF32's operands are fp32 in memory
+    if dtype_name(t) != mem:
+        return [f"{name} has dtype {dtype_name(t)}, the operation takes {mem}"]
     why = []
     align = 128 // bits(dtype)
     if t.stride(3) != 1 and t.shape[3] > 1:
