@@ -208,6 +208,51 @@ def test_gemm_level_tf32_fprop_with_bias_and_relu(stride):
     _close(args.output, want, torch.float16, f"tf32 fprop, stride {stride}")
 
 
+FP32_GEOMETRY = [  # (R, S, stride, padding, dilation, groups): the kernel, a stride's, an even
+    # filter's 'same' (asymmetric: torch's backward of a padded x), dilation, two groups, a 1x1
+    (3, 3, 1, 1, 1, 1), (3, 3, 2, 1, 1, 1), (2, 4, 1, "same", 1, 1), (3, 3, 1, 2, 2, 2),
+    (1, 1, 1, 0, 1, 1)]
+
+
+@pytest.mark.parametrize("R, S, stride, padding, dilation, groups", FP32_GEOMETRY)
+def test_fp32_runs_as_tf32_against_fp64(R, S, stride, padding, dilation, groups):
+    """fp32 tensors: the forward through TF32's kernel (bias and silu fused), dx and dw through
+    torch's backward (a 1x1's through vitrail's GEMM), against fp64 at TF32's precision (10-bit
+    mantissas, as fp16's); three calls on fresh data (the second and third replay the plan)."""
+    from vitrail.ops import conv2d
+    from vitrail.ops.conv import reference
+    N, C, H, W, K = 2, 32, 17, 11, 48
+    for seed in range(3):
+        x, w = _tensors(N, C, H, W, K, R, S, torch.float32, seed=seed)
+        w = w[:, :C // groups].contiguous(memory_format=torch.channels_last)
+        b = torch.randn(K, device="cuda")
+        x, w, b = (t.requires_grad_(True) for t in (x, w, b))
+        y = conv2d(x, w, b, stride, padding, dilation, groups, activation="silu")
+        assert y.dtype == torch.float32
+        x64, w64, b64 = (t.detach().double().requires_grad_(True) for t in (x, w, b))
+        y64 = reference(x64, w64, b64, stride, padding, dilation, groups, activation="silu")
+        _close(y, y64, torch.float16, f"y, call {seed}")
+        g = torch.randn_like(y64).float().contiguous(memory_format=torch.channels_last)
+        y.backward(g)
+        y64.backward(g.double())
+        for got, want, what in ((x.grad, x64.grad, "dx"), (w.grad, w64.grad, "dw"),
+                                (b.grad, b64.grad, "dbias")):
+            _close(got, want, torch.float16, f"{what}, call {seed}")
+
+
+def test_fp32_with_tf32_off_is_refused(monkeypatch):
+    """torch.backends.cudnn.allow_tf32 off asks for full fp32 products, which the kernels do
+    not compute: refused, also for a signature that ran before (fp32 calls keep to Python,
+    where the check runs)."""
+    from vitrail.ops import conv2d
+    x, w = _tensors(1, 16, 8, 8, 16, 3, 3, torch.float32, seed=5)
+    _close(conv2d(x, w, padding=1), torch.nn.functional.conv2d(x.double(), w.double(),
+                                                               padding=1), torch.float16, "y")
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    with pytest.raises(NotImplementedError, match="allow_tf32 is False"):
+        conv2d(x, w, padding=1)
+
+
 def test_refusals_are_not_implemented_errors():
     from vitrail.ops import conv2d
     x, w = _tensors(1, 12, 8, 8, 16, 3, 3, torch.bfloat16)

@@ -16,15 +16,15 @@ C2D = importlib.import_module("vitrail.ops.conv")
 
 @pytest.fixture
 def gemm_on_the_cpu(monkeypatch):
-    """The GEMM's run_into and mm as torch computes them; the GEMM route taken on the CPU."""
+    """The GEMM's run_into as torch computes it; the GEMM route taken on the CPU."""
     from vitrail.gemm.ops.reference import activation as act
     runs = []
 
-    def run_into(d, a, b, c, bias, alpha, beta, activation, *rest):
+    def run_into(d, a, b, c, bias, alpha, beta, activation, *rest, tf32):
+        assert tf32  # a convolution's fp32 is TF32's (torch.backends.cudnn.allow_tf32)
         runs.append("mm" if bias is None and activation is None else "gemm")
         d.copy_(act(a @ b + (0 if bias is None else bias), activation))
     monkeypatch.setattr(C2D, "run_into", run_into)
-    monkeypatch.setattr(C2D, "mm", lambda a, b: runs.append("mm") or a @ b)
     monkeypatch.setattr(C2D, "_require_hopper", lambda device: None)
     monkeypatch.setattr(C2D, "_run", lambda *a: pytest.fail("an implicit-GEMM kernel ran"))
     return runs
@@ -276,8 +276,9 @@ def test_kernel_problem_is_the_launchs(monkeypatch):
             (2, 16, 9, 7, 24, 3, 3, 1, 1, 1), (3, 16, 11, 10, 32, 3, 3, 2, 1, 1),
             (2, 32, 8, 8, 16, 3, 3, 2, 1, 2), (1, 8, 9, 9, 16, 1, 1, 2, 0, 1),
             (2, 8, 12, 12, 8, 5, 3, 3, 2, 1)):
-        x = torch.randn(n, c, h, w).contiguous(memory_format=torch.channels_last)
-        wt = torch.randn(k, c // groups, r, s).contiguous(memory_format=torch.channels_last)
+        bf, cl = torch.bfloat16, torch.channels_last  # (fp32's dgrad and wgrad: torch's)
+        x = torch.randn(n, c, h, w, dtype=bf).contiguous(memory_format=cl)
+        wt = torch.randn(k, c // groups, r, s, dtype=bf).contiguous(memory_format=cl)
         g = C2D._geometry((stride,) * 2, (pad,) * 2, (pad,) * 2, (1, 1))
         (y,) = C2D._new_y(x, wt, None, g, None, groups)
         calls = {"fprop": lambda: C2D._fprop_into(x, wt, None, y, g, None, groups),
@@ -452,3 +453,59 @@ def test_the_heuristics_tile(kind, k, c, taps, pixels, tile, stages):
     problem = configs.Problem(kind, k, c, taps, pixels)
     for lim in (target_limits("90a"), None):
         assert dict(configs.space(kind).default(problem, lim)) == want
+
+
+def test_fp32_runs_as_tf32_with_tiles_of_the_same_bytes():
+    """fp32's kernels are TF32's: fp32 in memory, D fp32, a tile K of 32 (128 bytes a row, as
+    bf16's 64), so that the narrow tile's few stages still let two CTAs share an SM; the
+    variant is named so."""
+    from vitrail.device import target_limits
+    from vitrail.ops.conv.configs import Variant
+    op = C2D.operation("fprop", torch.float32, bias=True, activation="silu",
+                       tile=(128, 64, 64), stages=3)
+    assert op.name.startswith("conv2d_fprop_tf32_f32_128x64x32_")
+    assert Variant("fprop", torch.float32, True, "silu").name == "conv2d.fprop.tf32.bias.silu"
+    assert 2 * (op.smem_bytes(3) + 1024) <= target_limits("90a").shared_per_sm
+
+
+def _meta(*shape, dtype=torch.float32):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def test_fp32_reasons_and_refusals(monkeypatch):
+    """fp32's fprop is judged as the TF32 kernel gets it (4 channels a 16-byte vector); its
+    dgrad and wgrad run torch's backward (no reason); depthwise fp32 and fp32 with TF32 off
+    are refused, saying what to use."""
+    x, w = _meta(4, 32, 9, 9), _meta(48, 32, 3, 3)
+    for kind in ("fprop", "dgrad", "wgrad"):
+        assert C2D.reasons(x, w, _meta(48), 2, 1, activation="gelu", kind=kind) == []
+    depthwise = C2D.reasons(_meta(4, 32, 9, 9), _meta(32, 1, 3, 3), groups=32)
+    assert len(depthwise) == 1 and "bf16/fp16 only" in depthwise[0], depthwise
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    off = C2D.reasons(x, w)
+    assert len(off) == 1 and "allow_tf32 is False" in off[0], off
+    assert "torch.nn.functional.conv2d" in off[0]
+
+
+@pytest.mark.parametrize("R, S, stride, padding, dilation, groups", [
+    (3, 3, 1, (1, 1), 1, 1), (3, 3, 2, (1, 1), 1, 2), (4, 2, 1, "same", 1, 1),
+    (2, 4, 1, "same", 2, 2), (5, 3, 3, (2, 0), (1, 2), 1)])
+def test_the_fp32_backward_is_torchs_of_the_same_padding(R, S, stride, padding, dilation,
+                                                         groups):
+    """fp32's dx and dw by torch's convolution backward (_torch_dgrad, _torch_wgrad), with the
+    geometry conv2d hands over: an even filter's 'same' padding pads more below than above,
+    which torch's backward takes as x padded at its high side. In float64 against autograd
+    through torch's conv2d of the same arguments."""
+    g = torch.Generator().manual_seed(R * 10 + S)
+    x = torch.randn(2, 8, 11, 9, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(6, 8 // groups, R, S, dtype=torch.float64, generator=g, requires_grad=True)
+    y = F.conv2d(x, w, None, stride, padding, dilation, groups)
+    dy = torch.randn(y.shape, dtype=torch.float64, generator=g)
+    y.backward(dy)
+    st, dil = C2D._pair(stride, "stride"), C2D._pair(dilation, "dilation")
+    geometry = C2D._geometry(st, *C2D._padding(padding, w, st, dil), dil)
+    dx, dw = torch.empty_like(x), torch.empty_like(w)
+    C2D._torch_dgrad(dx, dy, w.detach(), geometry, groups)
+    C2D._torch_wgrad(dw, dy, x.detach(), geometry, groups)
+    torch.testing.assert_close(dx, x.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dw, w.grad, rtol=1e-12, atol=1e-12)

@@ -259,8 +259,10 @@ def run_into(d: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: Optional[torc
              bias: Optional[torch.Tensor], alpha: float, beta: float, activation: Optional[str],
              slope: float, clamp_min: Optional[float], clamp_max: Optional[float], *,
              scale_a: Optional[torch.Tensor] = None, scale_b: Optional[torch.Tensor] = None,
-             fast_accum: bool = False, splits: int = 1) -> None:
-    """``run`` into d: a new contiguous tensor of D's shape (out_shape) and dtype."""
+             fast_accum: bool = False, splits: int = 1, tf32: bool = False) -> None:
+    """``run`` into d: a new contiguous tensor of D's shape (out_shape) and dtype. tf32: fp32
+    operands run as TF32 whatever torch's fp32 matmul precision (conv2d's fp32, which follows
+    torch.backends.cudnn.allow_tf32 as torch's convolutions do)."""
     out_dtype = d.dtype
     M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
     shape = tuple(d.shape)
@@ -269,7 +271,7 @@ def run_into(d: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: Optional[torc
         return
     use_c = c is not None and beta != 0
     if (K != 0 and a.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
-            and is_hopper(a.device) and recording is None):
+            and not tf32 and is_hopper(a.device) and recording is None):
         from vitrail.gemm.ops import accurate  # 3xTF32: fp32-level error
         d.copy_(accurate.run(a, b, c if use_c else None, bias, alpha, beta, activation, slope,
                              clamp_min, clamp_max, out_dtype))

@@ -4,7 +4,8 @@
         = act(torch.nn.functional.conv2d(x, weight, bias, stride, padding, dilation, groups))
 
 x (N, C, H, W) and weight (K, C, R, S) are read channels-last (NHWC, KRSC in memory: tensors
-in torch.channels_last); the result is (N, K, P, Q) in channels_last. bf16 or fp16, fp32
+in torch.channels_last); the result is (N, K, P, Q) in channels_last. bf16 or fp16, or fp32
+run as TF32 (as torch runs it with torch.backends.cudnn.allow_tf32, its default); fp32
 accumulation, the bias and the activation fused in the kernel's epilogue. Custom ops in the
 ``vitrail`` namespace (torch.library: ``conv2d``, ``conv2d_dgrad``, ``conv2d_wgrad``) with fake
 implementations (torch.compile, meta tensors) and autograd: dx by the dgrad kernel, dw by the
@@ -18,27 +19,34 @@ convolutions (a group an input channel, any multiplier K / C) run direct kernels
 them).
 
 What is refused (NotImplementedError, saying why and what is supported), never computed another
-way: GPUs other than Hopper (the kernels are sm_90a), dtypes other than bf16/fp16, channel
-counts per group (C / groups, K / groups) that are not multiples of 8 (but depthwise), padding,
-dilation or filters beyond the TMA im2col limits (conv_arguments.reasons). Inputs that are not
-channels-last are copied to channels-last first (a one-time warning says so). CUTLASS's sm90
-dgrad runs at unit stride only, so a strided convolution's dx runs as stride_h * stride_w
-unit-stride dgrads, one a phase (the pixels at (i, j) + stride * (a, b), written in place),
-each with the filter taps that reach its pixels: the convolution's own work (dgrad_phases),
-all in one launch (the phased dgrad kernel, from a table of the phases: _phase_table).
+way: GPUs other than Hopper (the kernels are sm_90a), dtypes other than bf16/fp16/fp32, fp32
+with torch.backends.cudnn.allow_tf32 off (full fp32 products: torch's), fp32 depthwise
+convolutions, channel counts per group (C / groups, K / groups) that are not multiples of 8 (but
+depthwise), padding, dilation or filters beyond the TMA im2col limits (conv_arguments.reasons).
+Inputs that are not channels-last are copied to channels-last first (a one-time warning says
+so). CUTLASS's sm90 dgrad runs at unit stride only, so a strided convolution's dx runs as
+stride_h * stride_w unit-stride dgrads, one a phase (the pixels at (i, j) + stride * (a, b),
+written in place), each with the filter taps that reach its pixels: the convolution's own work
+(dgrad_phases), all in one launch (the phased dgrad kernel, from a table of the phases:
+_phase_table).
 
 1x1 convolutions without padding (one group) at unit stride are GEMMs over pixels and run
-vitrail's GEMM (vitrail.ops.gemm and mm, with their selection: split-K, stream-K and torch's own
+vitrail's GEMM (vitrail.ops.gemm, with its selection: split-K, stream-K and torch's own
 matmul among its candidates): fprop y = x W^T with the bias and activation in its epilogue,
-dgrad dx = dy W, wgrad dw = dy^T x. Their channel counts need not be multiples of 8 (the GEMM
-copies what TMA cannot read, with a one-time warning). A strided one runs the implicit-GEMM
-kernels, which read the pixels the stride keeps in place (its dx: one stride phase, the others
-zeros); only where its channels are not multiples of 8 does it run the GEMM, on a copy of the
-kept pixels of x, with dx scattered into zeros.
+dgrad dx = dy W, wgrad dw = dy^T x (fp32 as TF32 there too, whatever torch's fp32 matmul
+precision: a convolution's follows torch.backends.cudnn.allow_tf32). Their channel counts need
+not be multiples of 8 (the GEMM copies what TMA cannot read, with a one-time warning). A
+strided one runs the implicit-GEMM kernels, which read the pixels the stride keeps in place
+(its dx: one stride phase, the others zeros); only where its channels are not multiples of 8
+does it run the GEMM, on a copy of the kept pixels of x, with dx scattered into zeros.
 
 wgrad's GEMM runs over the batch's pixels (its K is N*P*Q), so a small dw (K x R*S*C: a few
 128x128 tiles) would leave most SMs idle: the batch then runs in chunks of whole images in one
 launch (wgrad_chunks: as many as fill the idle SMs), each chunk's dw summed in fp32 into dw.
+
+fp32's dgrad and wgrad (but a 1x1's, vitrail's GEMM) run torch's convolution backward
+(torch.nn.grad; cuDNN, TF32 as torch.backends.cudnn.allow_tf32 says): TF32's wgmma reads both
+operands K-major, and dgrad's filter and wgrad's dy and x are not (ConvOperation refuses them).
 
 Eager calls replay plans (vitrail.plan): a signature's first call of conv2d, its dgrad or its
 wgrad checks, routes and launches; later calls repeat the launches on the new tensors, from one
@@ -68,7 +76,6 @@ from vitrail.gemm import (Conv2dProblem, ConvArguments, ConvOperation, LinearCom
 from vitrail.gemm.conv import KERNEL_SOURCE
 from vitrail.gemm.conv_arguments import MAX_CHUNKS, launch
 from vitrail.gemm.epilogue import ACTIVATIONS
-from vitrail.gemm.ops import mm
 from vitrail.gemm.ops.launch import run_into
 from vitrail.gemm.ops.operands import warn_once
 from vitrail.jit.errors import ArgumentError, LaunchError
@@ -85,9 +92,9 @@ from vitrail.gemm.ops.reference import activation as _act
 from vitrail.gemm.ops.reference import activation_backward, grad_from_output
 
 NAME = "vitrail.ops.conv2d"
-DTYPES = (torch.bfloat16, torch.float16)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _CHANNEL_VECTOR = 8  # channels in TMA's 16-byte vector (bf16, fp16): the kernels' C, K unit
-ELEMENTS = {torch.bfloat16: "bf16", torch.float16: "f16"}
+ELEMENTS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "tf32"}
 _OPS: dict[tuple, ConvOperation] = {}
 
 
@@ -98,16 +105,18 @@ def operation(kind: str, dtype: torch.dtype, bias: bool = False,
               stages: int = 0) -> ConvOperation:
     """The ConvOperation of ``kind`` on ``dtype`` tensors with this epilogue, tile and pipeline
     stages (0: as many as fit; built once); partials: wgrad's chunked kernel, writing fp32
-    partial sums (wgrad_chunks); phased: dgrad's stride phases in one launch."""
+    partial sums (wgrad_chunks); phased: dgrad's stride phases in one launch. The tile's K is
+    in 16-bit elements (128 bytes at 64): fp32's (TF32) takes half as many."""
     key = (kind, dtype, bias, activation, partials, tile, phased, stages)
     op = _OPS.get(key)
     if op is None:
         el = ELEMENTS[dtype]
-        out = "f32" if partials else el
+        out = "f32" if partials or el == "tf32" else el
+        shape = (tile[0], tile[1], tile[2] * 2 // dtype.itemsize)
         op = _OPS[key] = ConvOperation(
             kind, TensorDescription(el), TensorDescription(el), TensorDescription(out),
             MathInstruction(el, el),
-            TileDescription(tile, stages=stages, kernel_schedule="warpspecialized"),
+            TileDescription(shape, stages=stages, kernel_schedule="warpspecialized"),
             LinearCombination(out, bias="col" if bias else None, activation=activation),
             chunked=partials, phased=phased)
     return op
@@ -285,11 +294,21 @@ def _require_hopper(device: torch.device) -> None:
             f"torch.nn.functional.conv2d there")
 
 
+def _require_tf32(dtype: torch.dtype) -> None:
+    """fp32 runs as TF32, as torch's convolutions do unless torch.backends.cudnn.allow_tf32 is
+    off: then refused."""
+    if dtype is torch.float32 and not torch.backends.cudnn.allow_tf32:
+        raise NotImplementedError(
+            f"{NAME}: fp32 runs as TF32 (10-bit mantissas, as torch runs it by default), and "
+            f"torch.backends.cudnn.allow_tf32 is False: use torch.nn.functional.conv2d for full "
+            f"fp32 products, or allow TF32")
+
+
 def _refused(kind: str, why: list[str]) -> str:
     """The NotImplementedError's message of a problem the kernel of ``kind`` cannot run."""
-    return (f"{NAME} ({kind}): not supported: " + "; ".join(why) + ". Supported: bf16/fp16, "
-            "C / groups and K / groups multiples of 8, padding <= 256 and dilated filters under "
-            "255 pixels")
+    return (f"{NAME} ({kind}): not supported: " + "; ".join(why) + ". Supported: bf16/fp16 "
+            "(fp32 as TF32), C / groups and K / groups multiples of 8, padding <= 256 and "
+            "dilated filters under 255 pixels")
 
 
 # -------------------------------------------------------------------------------- checks
@@ -330,6 +349,7 @@ def _check(x, weight, bias, stride, dilation, groups, activation, cuda: bool = T
     if weight.dtype != x.dtype:
         raise ArgumentError(f"{NAME}: x and weight must have one dtype, got {x.dtype} and "
                             f"{weight.dtype}")
+    _require_tf32(x.dtype)
     if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
         raise ArgumentError(f"{NAME}: groups must be a positive int, got {groups!r}")
     c, k = x.shape[1], weight.shape[0]
@@ -347,6 +367,10 @@ def _check(x, weight, bias, stride, dilation, groups, activation, cuda: bool = T
             f"channels a group; the implicit-GEMM kernels run groups of multiples of 8 "
             f"(16 bytes of channels for TMA), the depthwise kernels groups of one input "
             f"channel: use torch.nn.functional.conv2d for this one")
+    if x.dtype is torch.float32 and depthwise.is_depthwise(c, weight.shape, groups):
+        raise NotImplementedError(
+            f"{NAME}: groups={groups} is depthwise, whose kernels are bf16/fp16 only: use "
+            f"torch.nn.functional.conv2d for fp32 ones")
     if bias is not None:
         check_tensor(NAME, "bias", bias, dtypes=(x.dtype,), ndim=1, cuda=cuda)
         if bias.shape[0] != weight.shape[0]:
@@ -420,6 +444,17 @@ def _sig(t: Optional[Tensor]):
     return None if t is None else signature(t)
 
 
+def _fp32_route(t: Tensor) -> Optional[bool]:
+    """What of torch's settings routes an fp32 call (part of its plan's key): whether TF32 is
+    allowed (else the call is refused)."""
+    return torch.backends.cudnn.allow_tf32 if t.dtype is torch.float32 else None
+
+
+def _native_ok(t: Tensor, *_) -> bool:
+    """Whether a front's call may have a C++ plan: its key cannot see _fp32_route's setting."""
+    return t.dtype is not torch.float32
+
+
 def _new_y(x, weight, bias, g, activation, groups) -> tuple[Tensor]:
     n, _, h, w = x.shape
     k, _, r, s = weight.shape
@@ -429,6 +464,7 @@ def _new_y(x, weight, bias, g, activation, groups) -> tuple[Tensor]:
 
 def _fprop_into(x, weight, bias, y, g, activation, groups) -> None:
     """y = act(conv2d(x, weight) + bias)."""
+    _require_tf32(x.dtype)  # (a call through the custom op skips conv2d's checks)
     x = _channels_last(x, "x")
     weight = _channels_last(weight, "weight")
     stride, pad, pad_hi, dilation = _split(g)
@@ -440,7 +476,7 @@ def _fprop_into(x, weight, bias, y, g, activation, groups) -> None:
         return
     if _gemm_ready(x, weight, pad, pad_hi, groups, stride, (x.shape[1], k)):  # y = x W^T
         run_into(nhwc(y).reshape(-1, k), _pixels(x, stride), nhwc(weight).reshape(k, -1).t(),
-                 None, bias, 1.0, 0.0, activation, 0.01, None, None)
+                 None, bias, 1.0, 0.0, activation, 0.01, None, None, tf32=True)
         return
     biases = bias.chunk(groups) if bias is not None else [None] * groups
     for xg, wg, yg, bg in zip(nhwc(x).chunk(groups, 3), nhwc(weight).chunk(groups, 0),
@@ -469,10 +505,16 @@ def _dgrad_into(dy, weight, dx, h, w, g, groups) -> None:
         wk = nhwc(weight).reshape(k, -1)
         if stride == (1, 1):
             run_into(rows.reshape(-1, cg), _pixels(dy, (1, 1)), wk, None, None, 1.0, 0.0, None,
-                     0.01, None, None)
+                     0.01, None, None, tf32=True)
             return
-        dx.zero_()  # the pixels no output read
-        rows[:, ::stride[0], ::stride[1]] = mm(_pixels(dy, (1, 1)), wk).view(n, p, q, cg)
+        kept = dy.new_empty((n * p * q, cg))  # the pixels the stride kept, scattered into zeros
+        run_into(kept, _pixels(dy, (1, 1)), wk, None, None, 1.0, 0.0, None, 0.01, None, None,
+                 tf32=True)
+        dx.zero_()
+        rows[:, ::stride[0], ::stride[1]] = kept.view(n, p, q, cg)
+        return
+    if dy.dtype is torch.float32:  # TF32 cannot read the filter (K, R, S, C) along K
+        _torch_dgrad(dx, dy, weight, g, groups)
         return
     phases = dgrad_phases((h, w), (p, q), (r, s), pad, pad_hi, stride, dilation)
     if not all(ph.rows == ph.extent or not all(ph.extent) for ph in phases):
@@ -487,6 +529,36 @@ def _dgrad_into(dy, weight, dx, h, w, g, groups) -> None:
         for ag, wg, dg in zip(a.chunk(groups, 3), wt.chunk(groups, 0), d.chunk(groups, 3)):
             _run("dgrad", ag, wg, dg, None, None, ph.pad, (1, 1), ph.dilation, ph.pad_hi,
                  phases=table)
+
+
+def _high_padding(g) -> list[int]:
+    """The rows and columns to pad x with at its bottom and right, so that torch's convolution
+    backward (which pads both sides alike) runs an asymmetric padding ('same' of an even
+    filter): pad_hi - pad."""
+    _, pad, pad_hi, _ = _split(g)
+    extra = [hi - lo for lo, hi in zip(pad, pad_hi)]
+    if min(extra) < 0:
+        raise AssertionError(f"{NAME}: padding {pad} over {pad_hi}: more below than above")
+    return extra
+
+
+def _torch_dgrad(dx: Tensor, dy: Tensor, weight: Tensor, g, groups: int) -> None:
+    """dx of conv2d by torch's convolution backward (fp32's, which TF32 cannot run): that of x
+    padded by _high_padding, the padding's pixels left out."""
+    stride, pad, _, dilation = _split(g)
+    (eh, ew), (n, c, h, w) = _high_padding(g), dx.shape
+    got = torch.nn.grad.conv2d_input((n, c, h + eh, w + ew), weight, dy, stride, pad, dilation,
+                                     groups)
+    dx.copy_(got[:, :, :h, :w])
+
+
+def _torch_wgrad(dw: Tensor, dy: Tensor, x: Tensor, g, groups: int) -> None:
+    """dw of conv2d by torch's convolution backward (fp32's, which TF32 cannot run), on x
+    padded by _high_padding."""
+    stride, pad, _, dilation = _split(g)
+    eh, ew = _high_padding(g)
+    x = torch.nn.functional.pad(x, (0, ew, 0, eh)) if eh or ew else x
+    dw.copy_(torch.nn.grad.conv2d_weight(x, dw.shape, dy, stride, pad, dilation, groups))
 
 
 def phase_views(ph: "_Phase", dy: Tensor, weight: Tensor, rows: Tensor, stride) -> tuple:
@@ -532,7 +604,10 @@ def _wgrad_into(dy, x, dw, r, s, g, groups) -> None:
         return
     if _gemm_ready(x, (r, s), pad, pad_hi, groups, stride, (c, k)):  # dw = dy^T x
         run_into(nhwc(dw).reshape(k, c), nhwc(dy).reshape(-1, k).t(), _pixels(x, stride),
-                 None, None, 1.0, 0.0, None, 0.01, None, None)
+                 None, None, 1.0, 0.0, None, 0.01, None, None, tf32=True)
+        return
+    if x.dtype is torch.float32:  # TF32 cannot read dy and x along their pixels
+        _torch_wgrad(dw, dy, x, g, groups)
         return
     for dyg, xg, dwg in zip(nhwc(dy).chunk(groups, 3), nhwc(x).chunk(groups, 3),
                             nhwc(dw).chunk(groups, 0)):
@@ -540,7 +615,7 @@ def _wgrad_into(dy, x, dw, r, s, g, groups) -> None:
                pad_hi)  # wgrad reads dy packed (NPQK): a copy a group (none for one)
 
 
-@front(PLANS)
+@front(PLANS, when=_native_ok)
 def _fprop(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride_h: int, stride_w: int,
            pad_h: int, pad_w: int, pad_h_hi: int, pad_w_hi: int, dilation_h: int,
            dilation_w: int, activation: Optional[str], groups: int) -> Tensor:
@@ -548,27 +623,28 @@ def _fprop(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride_h: int, str
     take: the geometry as ints)."""
     g = (stride_h, stride_w, pad_h, pad_w, pad_h_hi, pad_w_hi, dilation_h, dilation_w)
     return PLANS.run(("fprop", signature(x), signature(weight), _sig(bias), g, activation,
-                      groups), (x, weight, bias), _new_y, _fprop_into, (g, activation, groups))[0]
+                      groups, _fp32_route(x)), (x, weight, bias), _new_y, _fprop_into,
+                     (g, activation, groups))[0]
 
 
-@front(PLANS)
+@front(PLANS, when=_native_ok)
 def _dgrad(dy: Tensor, weight: Tensor, h: int, w: int, stride_h: int, stride_w: int, pad_h: int,
            pad_w: int, pad_h_hi: int, pad_w_hi: int, dilation_h: int, dilation_w: int,
            groups: int) -> Tensor:
     """conv2d's dx (x of h x w pixels) through its plan."""
     g = (stride_h, stride_w, pad_h, pad_w, pad_h_hi, pad_w_hi, dilation_h, dilation_w)
-    return PLANS.run(("dgrad", signature(dy), signature(weight), h, w, g, groups), (dy, weight),
-                     _new_dx, _dgrad_into, (h, w, g, groups))[0]
+    return PLANS.run(("dgrad", signature(dy), signature(weight), h, w, g, groups,
+                      _fp32_route(dy)), (dy, weight), _new_dx, _dgrad_into, (h, w, g, groups))[0]
 
 
-@front(PLANS)
+@front(PLANS, when=_native_ok)
 def _wgrad_of(dy: Tensor, x: Tensor, r: int, s: int, stride_h: int, stride_w: int, pad_h: int,
               pad_w: int, pad_h_hi: int, pad_w_hi: int, dilation_h: int, dilation_w: int,
               groups: int) -> Tensor:
     """conv2d's dw (an r x s filter) through its plan."""
     g = (stride_h, stride_w, pad_h, pad_w, pad_h_hi, pad_w_hi, dilation_h, dilation_w)
-    return PLANS.run(("wgrad", signature(dy), signature(x), r, s, g, groups), (dy, x), _new_dw,
-                     _wgrad_into, (r, s, g, groups))[0]
+    return PLANS.run(("wgrad", signature(dy), signature(x), r, s, g, groups, _fp32_route(x)),
+                     (dy, x), _new_dw, _wgrad_into, (r, s, g, groups))[0]
 
 
 # ------------------------------------------------------------------------------ custom ops
@@ -809,7 +885,7 @@ def _rule(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, activ
 
 
 # -------------------------------------------------------------------------- public function
-@front(PLANS, grad=_rule)
+@front(PLANS, when=_native_ok, grad=_rule)
 def conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
            stride: Union[int, Sequence[int]] = 1, padding: Union[int, Sequence[int], str] = 0,
            dilation: Union[int, Sequence[int]] = 1, groups: int = 1, *,
@@ -817,7 +893,8 @@ def conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
     """act(torch.nn.functional.conv2d(x, weight, bias, stride, padding, dilation, groups)) in
     one kernel (channels-last; see the module docstring for what is supported).
 
-    x (N, C, H, W), weight (K, C / groups, R, S), bias (K,) or None, all bf16 or all fp16;
+    x (N, C, H, W), weight (K, C / groups, R, S), bias (K,) or None, all bf16, all fp16 or all
+    fp32 (run as TF32);
     stride, padding (also 'valid' or 'same') and dilation an int or a pair; groups dividing C
     and K into multiples of 8 channels (one kernel launch a group); activation None
     or one of relu, leaky_relu (slope 0.01), gelu, gelu_tanh, silu, sigmoid, tanh, hardswish.
@@ -877,8 +954,9 @@ def reasons(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
         raise ArgumentError(f"{NAME}: the output would be {p} x {q}: the dilated filter is "
                             f"larger than the padded input")
     if (is_gemm(weight, pad, pad_hi, groups, stride, (c, weight.shape[0]))
-            or depthwise.is_depthwise(c, weight.shape, groups)):
-        return []  # vitrail's GEMM and the depthwise kernels run every shape
+            or depthwise.is_depthwise(c, weight.shape, groups)
+            or (x.dtype is torch.float32 and kind != "fprop")):
+        return []  # vitrail's GEMM, the depthwise kernels and fp32's torch backward run all
 
     def packed(*shape: int) -> Tensor:  # an NHWC-indexed operand as the kernel gets it
         return torch.empty(shape, dtype=x.dtype, device="meta")

@@ -48,8 +48,8 @@ class Variant(NamedTuple):
 
     @property
     def name(self) -> str:
-        """conv2d.fprop.bf16.bias.relu, conv2d.wgrad.f16.partials, ..."""
-        dtype = {torch.bfloat16: "bf16", torch.float16: "f16"}[self.dtype]
+        """conv2d.fprop.bf16.bias.relu, conv2d.wgrad.f16.partials, conv2d.fprop.tf32, ..."""
+        dtype = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "tf32"}[self.dtype]
         parts = [self.kind, dtype, "bias" if self.bias else "", self.activation or "",
                  "partials" if self.partials else "", "phased" if self.phased else ""]
         return "conv2d." + ".".join(p for p in parts if p)
