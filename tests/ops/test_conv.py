@@ -253,11 +253,37 @@ def test_fp32_with_tf32_off_is_refused(monkeypatch):
         conv2d(x, w, padding=1)
 
 
+@pytest.mark.parametrize("C, K, R, stride, padding, dtype", [
+    (3, 64, 7, 2, 3, torch.bfloat16), (3, 24, 4, 4, 0, torch.float16), (4, 40, 3, 1, 1,
+    torch.bfloat16), (40, 4, 3, 1, 1, torch.bfloat16), (12, 20, 3, 2, 1, torch.bfloat16),
+    (3, 16, 3, 1, 1, torch.float32)])
+def test_channels_short_of_a_vector_run_zero_padded(C, K, R, stride, padding, dtype):
+    """One group of C or K not a multiple of 8 (ResNet's 7x7/2 stem, ConvNeXt's 4x4/4 one, a
+    U-Net's 4-channel conv_in and conv_out, odd counts at stride 2, fp32's TF32): the kernels
+    on zero-padded channels; y with a bias and silu, dx and dw against fp64 through autograd,
+    three calls each on new values."""
+    from vitrail.ops import conv2d
+    from vitrail.ops.conv import reference
+    for seed in range(3):
+        x, w = _tensors(2, C, 19, 13, K, R, R, dtype, seed=seed)
+        b = torch.randn(K, device="cuda").to(dtype)
+        x, w, b = (t.requires_grad_(True) for t in (x, w, b))
+        y = conv2d(x, w, b, stride, padding, activation="silu")
+        x64, w64, b64 = (t.detach().double().requires_grad_(True) for t in (x, w, b))
+        y64 = reference(x64, w64, b64, stride, padding, activation="silu")
+        assert y.shape == y64.shape and y.is_contiguous(memory_format=torch.channels_last)
+        tol = torch.float16 if dtype is torch.float32 else dtype  # TF32: fp16's mantissa
+        _close(y, y64, tol, f"y, call {seed}")
+        g = torch.randn_like(y64).to(dtype).contiguous(memory_format=torch.channels_last)
+        y.backward(g)
+        y64.backward(g.double())
+        for got, want, what in ((x.grad, x64.grad, "dx"), (w.grad, w64.grad, "dw"),
+                                (b.grad, b64.grad, "dbias")):
+            _close(got, want, tol, f"{what}, call {seed}")
+
+
 def test_refusals_are_not_implemented_errors():
     from vitrail.ops import conv2d
-    x, w = _tensors(1, 12, 8, 8, 16, 3, 3, torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="not a multiple of 8"):
-        conv2d(x, w, padding=1)
     x, w = _tensors(1, 16, 8, 8, 16, 3, 3, torch.bfloat16)
     with pytest.raises(NotImplementedError, match="groups of one input channel"):
         conv2d(x, w[:, :2].contiguous(memory_format=torch.channels_last), groups=8)

@@ -69,8 +69,9 @@ def test_a_1x1_convolution_is_a_gemm_over_pixels(gemm_on_the_cpu, stride, activa
 
 def test_what_takes_the_gemm_route():
     """1x1, unpadded, one group, and unit stride or channels TMA cannot read (not multiples of
-    8); reasons() says such a convolution runs, whatever its channel counts (3x3's need
-    multiples of 8), and a strided 1x1 of aligned channels is the implicit-GEMM kernels'."""
+    8); reasons() says such a convolution runs, whatever its channel counts (as a 3x3's of one
+    group, on zero-padded channels), and a strided 1x1 of aligned channels is the implicit-GEMM
+    kernels'."""
     w1 = torch.empty(8, 4, 1, 1)
     assert C2D.is_gemm(w1, (0, 0), (0, 0), 1, (1, 1), (4, 8))
     assert not C2D.is_gemm(w1, (1, 0), (1, 0), 1, (1, 1), (4, 8))  # padded
@@ -86,7 +87,7 @@ def test_what_takes_the_gemm_route():
     assert C2D.reasons(x, torch.empty(20, 12, 1, 1, dtype=torch.bfloat16, device="meta"),
                        stride=2) == []
     assert C2D.reasons(x, torch.empty(20, 12, 3, 3, dtype=torch.bfloat16, device="meta"),
-                       padding=1) != []
+                       padding=1) == []  # the kernels, on 16 and 24 channels
     x16 = torch.empty(2, 16, 9, 9, dtype=torch.bfloat16, device="meta")
     w16 = torch.empty(24, 16, 1, 1, dtype=torch.bfloat16, device="meta")
     for kind in ("fprop", "dgrad", "wgrad"):  # the kernels' own checks, which pass
@@ -509,3 +510,67 @@ def test_the_fp32_backward_is_torchs_of_the_same_padding(R, S, stride, padding, 
     C2D._torch_wgrad(dw, dy, x.detach(), geometry, groups)
     torch.testing.assert_close(dx, x.grad, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(dw, w.grad, rtol=1e-12, atol=1e-12)
+
+
+def _kernels_by_torch(kind, a, b, d, bias, activation, pad, stride, dilation, pad_hi, splits=1,
+                      phases=None):
+    """C2D._run as torch computes it (float64 on the CPU), on the NHWC-indexed views the
+    kernels get; the channels must be whole 16-byte vectors, as the kernels' TMA loads need."""
+    from vitrail.gemm.ops.reference import activation as act
+    assert splits == 1 and phases is None
+    assert all(t.shape[3] % 8 == 0 for t in (a, b, d)), [t.shape for t in (a, b, d)]
+    nchw = [t.permute(0, 3, 1, 2) for t in (a, b, d)]
+    high = [hi - lo for lo, hi in zip(pad, pad_hi)]
+    if kind == "fprop":
+        x = F.pad(nchw[0], (0, high[1], 0, high[0]))
+        y = F.conv2d(x, nchw[1], bias, stride, pad, dilation)
+        nchw[2].copy_(act(y, activation))
+    elif kind == "dgrad":
+        n, c, h, w = nchw[2].shape
+        dx = torch.nn.grad.conv2d_input((n, c, h + high[0], w + high[1]), nchw[1], nchw[0],
+                                        stride, pad, dilation)
+        nchw[2].copy_(dx[:, :, :h, :w])
+    else:
+        x = F.pad(nchw[1], (0, high[1], 0, high[0]))
+        nchw[2].copy_(torch.nn.grad.conv2d_weight(x, nchw[2].shape, nchw[0], stride, pad,
+                                                  dilation))
+
+
+@pytest.mark.parametrize("C, K, R, stride, padding, activation", [
+    (3, 64, 7, 2, 3, None), (3, 96, 4, 4, 0, "relu"), (4, 16, 3, 1, 1, "silu"),
+    (32, 4, 3, 1, 1, "silu"), (12, 20, 3, 1, "same", None), (5, 3, 2, 1, "same", "gelu")])
+def test_channels_short_of_a_vector_run_zero_padded(monkeypatch, C, K, R, stride, padding,
+                                                    activation):
+    """One group whose C or K is not a multiple of 8 (an image network's 3-channel stem, a
+    4-channel latent in or out): each kind runs on operands zero-padded to whole 16-byte
+    vectors (what the kernels get: asserted), the extra channels of its output left out; y
+    (with a bias and an activation), dx and dw as torch's, in float64 through autograd. Unit
+    stride for dx (a strided one takes stride phases, which this stand-in does not run)."""
+    monkeypatch.setattr(C2D, "_run", _kernels_by_torch)
+    monkeypatch.setattr(C2D, "_require_hopper", lambda device: None)
+    monkeypatch.setattr(C2D, "sm_count", lambda index: 132)
+    monkeypatch.setattr(C2D, "wgrad_chunks", lambda *shape: 1)  # (chunks: not this test's)
+    g = torch.Generator().manual_seed(C * K + R)
+    cl, f64 = torch.channels_last, torch.float64
+    x = torch.randn(2, C, 13, 11, dtype=f64, generator=g).contiguous(memory_format=cl)
+    w = torch.randn(K, C, R, R, dtype=f64, generator=g).contiguous(memory_format=cl)
+    b = torch.randn(K, dtype=f64, generator=g)
+    st, dil = C2D._pair(stride, "stride"), (1, 1)
+    geometry = C2D._geometry(st, *C2D._padding(padding, w, st, dil), dil)
+    (y,) = C2D._new_y(x, w, b, geometry, activation, 1)
+    C2D._fprop_into(x, w, b, y, geometry, activation, 1)
+    x64, w64, b64 = (t.detach().clone().requires_grad_(True) for t in (x, w, b))
+    from vitrail.gemm.ops.reference import activation as act
+    want = act(F.conv2d(x64, w64, b64, stride, padding), activation)
+    torch.testing.assert_close(y, want, rtol=1e-12, atol=1e-12)
+    dy = torch.randn(want.shape, dtype=f64, generator=g).contiguous(memory_format=cl)
+    want.backward(dy)
+    if activation is None:  # the kernels' dgrad and wgrad take the activation's derivative
+        # applied first (_gradients): here dy is that
+        (dw,) = C2D._new_dw(dy, x, R, R, geometry, 1)
+        C2D._wgrad_into(dy, x, dw, R, R, geometry, 1)
+        torch.testing.assert_close(dw, w64.grad, rtol=1e-12, atol=1e-12)
+        if st == (1, 1):
+            (dx,) = C2D._new_dx(dy, w, 13, 11, geometry, 1)
+            C2D._dgrad_into(dy, w, dx, 13, 11, geometry, 1)
+            torch.testing.assert_close(dx, x64.grad, rtol=1e-12, atol=1e-12)

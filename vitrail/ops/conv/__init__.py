@@ -21,8 +21,11 @@ them).
 What is refused (NotImplementedError, saying why and what is supported), never computed another
 way: GPUs other than Hopper (the kernels are sm_90a), dtypes other than bf16/fp16/fp32, fp32
 with torch.backends.cudnn.allow_tf32 off (full fp32 products: torch's), fp32 depthwise
-convolutions, channel counts per group (C / groups, K / groups) that are not multiples of 8 (but
-depthwise), padding, dilation or filters beyond the TMA im2col limits (conv_arguments.reasons).
+convolutions, channel counts per group (C / groups, K / groups) that are not multiples of 8 in
+more than one group (but depthwise), padding, dilation or filters beyond the TMA im2col limits
+(conv_arguments.reasons). A convolution of one group whose C or K is not a multiple of 8 (the
+3-channel stem of an image network) runs on copies of its operands with zero channels appended
+up to whole 16-byte vectors (_zero_padded), its outputs' extra channels left out.
 Inputs that are not channels-last are copied to channels-last first (a one-time warning says
 so). CUTLASS's sm90 dgrad runs at unit stride only, so a strided convolution's dx runs as
 stride_h * stride_w unit-stride dgrads, one a phase (the pixels at (i, j) + stride * (a, b),
@@ -136,11 +139,12 @@ def kernel_problem(kind: str, n: int, c: int, hw: tuple[int, int], k: int,
                    rs: tuple[int, int], pad, pad_hi, stride, dilation,
                    groups: int = 1) -> tuple[Problem, bool]:
     """The Problem a kind's kernel gets (what _run hands the heuristic) for N images of C x H x W
-    through K filters of R x S in ``groups`` groups, and whether the kind runs phased (a strided
+    through K filters of R x S in ``groups`` groups (channels as kernel_channels), and whether the kind runs phased (a strided
     dgrad whose stride phases with taps are more than one). A strided dgrad's pixels are those
     of its launch (its phases' together), its taps the first phase's."""
     (h, w), (r, s) = hw, rs
     p, q = _out_hw(h, w, r, s, pad, pad_hi, stride, dilation)
+    c, k = kernel_channels(c, k, groups)
     cg, kg = c // groups, k // groups
     if kind != "dgrad":
         return Problem(kind, kg, cg, r * s, n * p * q), False
@@ -422,6 +426,44 @@ def _pixels(t: Tensor, stride) -> Tensor:
     return t.reshape(-1, t.shape[3])
 
 
+def _unaligned(*channels: int) -> bool:
+    """Whether a channel count is not a whole number of TMA's 16-byte vectors (8 channels)."""
+    return any(n % _CHANNEL_VECTOR for n in channels)
+
+
+def _aligned(n: int) -> int:
+    """n channels rounded up to whole 16-byte vectors."""
+    return -(-n // _CHANNEL_VECTOR) * _CHANNEL_VECTOR
+
+
+def kernel_channels(c: int, k: int, groups: int = 1) -> tuple[int, int]:
+    """The input and output channels (C, K) the implicit-GEMM kernels get for a convolution of
+    c and k channels: one group's zero-padded to whole 16-byte vectors (_zero_padded), a
+    group's own where there are several (whose counts _check requires to be whole vectors)."""
+    return (_aligned(c), _aligned(k)) if groups == 1 else (c, k)
+
+
+def _zero_padded(t: Tensor, sizes: tuple[int, ...]) -> Tensor:
+    """t (channels-last (N, C, H, W) or (K, C, R, S), or a bias) with zeros appended along its
+    channel dimensions to ``sizes``: C for an activation, (K, C) for a filter, (K,) for a bias;
+    t itself where it has them. A convolution whose channels are not whole 16-byte vectors runs
+    on such copies: the zero channels add nothing to the products, and the padded outputs'
+    extra channels are left out."""
+    shape = list(t.shape)
+    if t.dim() == 1:
+        shape[0] = sizes[0]
+    elif len(sizes) == 1:
+        shape[1] = sizes[0]
+    else:
+        shape[0], shape[1] = sizes
+    if shape == list(t.shape):
+        return t
+    layout = {} if t.dim() == 1 else {"memory_format": torch.channels_last}
+    out = torch.empty(shape, dtype=t.dtype, device=t.device, **layout).zero_()
+    out[tuple(slice(0, n) for n in t.shape)] = t
+    return out
+
+
 # ------------------------------------------------------------- each kind's work, and its plan
 # A call's general path (vitrail.plan): it checks operands, routes and launches the kernels on
 # views of the inputs and of a new output. Where that is all it does (channels-last operands,
@@ -478,6 +520,13 @@ def _fprop_into(x, weight, bias, y, g, activation, groups) -> None:
         run_into(nhwc(y).reshape(-1, k), _pixels(x, stride), nhwc(weight).reshape(k, -1).t(),
                  None, bias, 1.0, 0.0, activation, 0.01, None, None, tf32=True)
         return
+    if _unaligned(x.shape[1], k):  # one group (_check): run on zero-padded channels
+        cp, kp = kernel_channels(x.shape[1], k)
+        yp = empty_nchw((y.shape[0], kp, *y.shape[2:]), y)
+        _fprop_into(_zero_padded(x, (cp,)), _zero_padded(weight, (kp, cp)),
+                    None if bias is None else _zero_padded(bias, (kp,)), yp, g, activation, 1)
+        y.copy_(yp[:, :k])
+        return
     biases = bias.chunk(groups) if bias is not None else [None] * groups
     for xg, wg, yg, bg in zip(nhwc(x).chunk(groups, 3), nhwc(weight).chunk(groups, 0),
                               nhwc(y).chunk(groups, 3), biases):  # a group's channels
@@ -515,6 +564,12 @@ def _dgrad_into(dy, weight, dx, h, w, g, groups) -> None:
         return
     if dy.dtype is torch.float32:  # TF32 cannot read the filter (K, R, S, C) along K
         _torch_dgrad(dx, dy, weight, g, groups)
+        return
+    if _unaligned(cg, k):  # one group (_check): run on zero-padded channels
+        cp, kp = kernel_channels(cg, k)
+        dxp = empty_nchw((n, cp, h, w), dx)
+        _dgrad_into(_zero_padded(dy, (kp,)), _zero_padded(weight, (kp, cp)), dxp, h, w, g, 1)
+        dx.copy_(dxp[:, :cg])
         return
     phases = dgrad_phases((h, w), (p, q), (r, s), pad, pad_hi, stride, dilation)
     if not all(ph.rows == ph.extent or not all(ph.extent) for ph in phases):
@@ -608,6 +663,12 @@ def _wgrad_into(dy, x, dw, r, s, g, groups) -> None:
         return
     if x.dtype is torch.float32:  # TF32 cannot read dy and x along their pixels
         _torch_wgrad(dw, dy, x, g, groups)
+        return
+    if _unaligned(c, k):  # one group (_check): run on zero-padded channels
+        cp, kp = kernel_channels(c, k)
+        dwp = empty_nchw((kp, cp, r, s), dw)
+        _wgrad_into(_zero_padded(dy, (kp,)), _zero_padded(x, (cp,)), dwp, r, s, g, 1)
+        dw.copy_(dwp[:k, :c])
         return
     for dyg, xg, dwg in zip(nhwc(dy).chunk(groups, 3), nhwc(x).chunk(groups, 3),
                             nhwc(dw).chunk(groups, 0)):
@@ -895,8 +956,9 @@ def conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
 
     x (N, C, H, W), weight (K, C / groups, R, S), bias (K,) or None, all bf16, all fp16 or all
     fp32 (run as TF32);
-    stride, padding (also 'valid' or 'same') and dilation an int or a pair; groups dividing C
-    and K into multiples of 8 channels (one kernel launch a group); activation None
+    stride, padding (also 'valid' or 'same') and dilation an int or a pair; any C and K for one
+    group (zero-padded to multiples of 8 where they are not), groups dividing C and K into
+    multiples of 8 channels (one kernel launch a group), or depthwise; activation None
     or one of relu, leaky_relu (slope 0.01), gelu, gelu_tanh, silu, sigmoid, tanh, hardswish.
     Returns (N, K, P, Q) in torch.channels_last."""
     stride = _pair(stride, "stride")
@@ -934,10 +996,10 @@ def reasons(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
     """Why conv2d's kernel of ``kind`` (fprop: the call itself; dgrad: its dx; wgrad: its dw)
     would refuse the convolution of x by weight; [] when it would run it. Nothing is compiled
     or run, and x, weight and bias may be meta tensors: only their shapes and dtypes count. The
-    kernel's operands are judged as the op hands them over (channels-last and packed; a strided
-    dgrad phase by phase), so a strided view's own strides are not; nor is the
-    GPU (the kernels are Hopper's). Arguments torch would reject raise ArgumentError, as
-    conv2d's do."""
+    kernel's operands are judged as the op hands them over (channels-last and packed, channels
+    zero-padded to 16-byte vectors; a strided dgrad phase by phase), so a strided view's own
+    strides are not; nor is the GPU (the kernels are Hopper's). Arguments torch would reject
+    raise ArgumentError, as conv2d's do."""
     if kind not in ("fprop", "dgrad", "wgrad"):
         raise ArgumentError(f"{NAME}: kind must be fprop, dgrad or wgrad, got {kind!r}")
     stride = _pair(stride, "stride")
@@ -960,6 +1022,7 @@ def reasons(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
 
     def packed(*shape: int) -> Tensor:  # an NHWC-indexed operand as the kernel gets it
         return torch.empty(shape, dtype=x.dtype, device="meta")
+    c, k = kernel_channels(c, k, groups)  # zero-padded to 16-byte vectors
     cg, kg = c // groups, k // groups  # one group's channels: the first group's views
     with_bias = bias is not None and kind == "fprop"
     problem, _ = kernel_problem(kind, n, c, (h, w), k, (r, s), pad, pad_hi, stride, dilation,
@@ -986,5 +1049,5 @@ def reasons(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
     return op.can_implement(args)
 
 
-__all__ = ["conv2d", "kernel", "kernel_problem", "operation", "reasons", "reference",
-           "wgrad_chunks"]
+__all__ = ["conv2d", "kernel", "kernel_channels", "kernel_problem", "operation", "reasons",
+           "reference", "wgrad_chunks"]

@@ -15,13 +15,13 @@ are the convolution's own, 2 N P Q K (C / groups) R S, for every kind (a strided
 filter larger than 1x1 runs stride_h * stride_w unit-stride dgrads, one a stride phase, which
 together do that work).
 
-A layer the op refuses (the 3-channel stems of ResNet-50 and ConvNeXt-T, the U-Net's 4-channel
-conv_in and conv_out: TMA reads 16-byte channel vectors, C and K must be multiples of 8 in
-bf16) is a row
-of value 0 whose ``extra["refused"]`` says why, decided by vitrail.ops.conv.reasons on meta
-tensors, beside cuDNN's row; it enters no speedup. The run ends with a table per network and
-kind: the geometric mean of vitrail's speedups over cuDNN, the worst and best layer, and the
-speedup of the network's convolutions taken together (each layer's time times its count).
+A layer the op refuses is a row of value 0 whose ``extra["refused"]`` says why, decided by
+vitrail.ops.conv.reasons on meta tensors, beside cuDNN's row; it enters no speedup (none is: the
+3-channel stems of ResNet-50 and ConvNeXt-T and the U-Net's 4-channel conv_in and conv_out run
+on channels zero-padded to 8, as TMA reads 16-byte channel vectors). The run ends with a table
+per network and kind: the geometric mean of vitrail's speedups over cuDNN, the worst and best
+layer, and the speedup of the network's convolutions taken together (each layer's time times its
+count).
 
 ``build()`` compiles the conv kernels the rows run (``operations()``: fprop, dgrad, wgrad, wgrad
 in batch chunks, fprop+bias+relu, fprop+bias+silu, in bf16, at the tiles the layers' channels
@@ -71,7 +71,7 @@ L = Layer
 # convolutions, 23 geometries; the name is the first convolution of each geometry (a stage's
 # first conv3 has the geometry of its downsample in layer1, of its blocks' conv3 after that).
 RESNET50 = [
-    L("conv1", 3, 224, 224, 64, 7, 7, 2, 3),  # C=3: refused (16-byte channel rule)
+    L("conv1", 3, 224, 224, 64, 7, 7, 2, 3),  # C=3: zero-padded to 8
     L("layer1.0.conv1", 64, 56, 56, 64, 1, 1, 1, 0),
     L("layer1.0.conv2", 64, 56, 56, 64, 3, 3, 1, 1, count=3),
     L("layer1.0.conv3", 64, 56, 56, 256, 1, 1, 1, 0, count=4),  # and layer1.0.downsample
@@ -101,11 +101,11 @@ RESNET50 = [
 # at a 64x64 latent: its 66 convolutions, 31 geometries. Included: conv_in (4 channels in),
 # each ResNet block's two 3x3 convs and its 1x1 shortcut where its channels change, the three
 # stride-2 downsamplers, the three upsamplers' 3x3 convs (after the nearest 2x upsampling),
-# conv_out (4 channels out). conv_in (C=4) and conv_out (K=4) are refused by the 16-byte channel
-# rule and listed as refused rows. Not included: the transformer blocks' proj_in / proj_out
+# conv_out (4 channels out). conv_in (C=4) and conv_out (K=4) run on channels zero-padded to 8
+# (TMA's 16-byte vectors). Not included: the transformer blocks' proj_in / proj_out
 # (1x1 convs in SD 1.x, linear layers in SD 2.x: GEMMs, `vitrail bench gemm`'s subject).
 UNET = [
-    L("conv_in", 4, 64, 64, 320, 3, 3, 1, 1),  # C=4: refused (16-byte channel rule)
+    L("conv_in", 4, 64, 64, 320, 3, 3, 1, 1),  # C=4: zero-padded to 8
     L("down0.res0.conv1", 320, 64, 64, 320, 3, 3, 1, 1, count=7),  # and up3's conv2s
     L("down0.downsample", 320, 64, 64, 320, 3, 3, 2, 1),
     L("down1.res0.conv1", 320, 32, 32, 640, 3, 3, 1, 1),
@@ -135,14 +135,14 @@ UNET = [
     L("up3.res1.conv1", 640, 64, 64, 320, 3, 3, 1, 1, count=2),
     L("up3.res0.shortcut", 960, 64, 64, 320, 1, 1, 1, 0),
     L("up3.res1.shortcut", 640, 64, 64, 320, 1, 1, 1, 0, count=2),
-    L("conv_out", 320, 64, 64, 4, 3, 3, 1, 1),  # K=4: refused (16-byte channel rule)
+    L("conv_out", 320, 64, 64, 4, 3, 3, 1, 1),  # K=4: zero-padded to 8
 ]
 
 # torchvision's ConvNeXt-T at 224x224: its 22 convolutions, 8 geometries: the 4x4/4 stem (3
-# channels in: refused), each stage's depthwise 7x7s (3, 3, 9, 3 blocks) and the 2x2/2
+# channels in: zero-padded to 8), each stage's depthwise 7x7s (3, 3, 9, 3 blocks) and the 2x2/2
 # downsamplers between stages. (Each block's two pointwise layers are linear layers: GEMMs.)
 CONVNEXT_T = [
-    L("stem", 3, 224, 224, 96, 4, 4, 4, 0),  # C=3: refused (16-byte channel rule)
+    L("stem", 3, 224, 224, 96, 4, 4, 4, 0),  # C=3: zero-padded to 8
     L("stage0.dwconv", 96, 56, 56, 96, 7, 7, 1, 3, count=3, groups=96),
     L("down1", 96, 56, 56, 192, 2, 2, 2, 0),
     L("stage1.dwconv", 192, 28, 28, 192, 7, 7, 1, 3, count=3, groups=192),
@@ -201,12 +201,14 @@ class Case:
 
     def chunks(self, sms: int) -> int:
         """The batch chunks the implicit-GEMM wgrad runs the case in on a GPU of ``sms`` SMs
-        (vitrail.ops.conv.wgrad_chunks; 1 for the other kinds)."""
-        from vitrail.ops.conv import wgrad_chunks
+        (vitrail.ops.conv.wgrad_chunks, on the channels the kernel gets; 1 for the other
+        kinds)."""
+        from vitrail.ops.conv import kernel_channels, wgrad_chunks
         if self.kernel != "wgrad":
             return 1
         lay, (p, q) = self.layer, self.layer.out_hw()
-        return wgrad_chunks(lay.K, lay.R * lay.S * lay.C // lay.groups, self.batch, p * q, sms)
+        c, k = kernel_channels(lay.C, lay.K, lay.groups)
+        return wgrad_chunks(k, lay.R * lay.S * c // lay.groups, self.batch, p * q, sms)
 
     @property
     def flops(self) -> float:
