@@ -139,9 +139,10 @@ def kernel_problem(kind: str, n: int, c: int, hw: tuple[int, int], k: int,
                    rs: tuple[int, int], pad, pad_hi, stride, dilation,
                    groups: int = 1) -> tuple[Problem, bool]:
     """The Problem a kind's kernel gets (what _run hands the heuristic) for N images of C x H x W
-    through K filters of R x S in ``groups`` groups (channels as kernel_channels), and whether the kind runs phased (a strided
-    dgrad whose stride phases with taps are more than one). A strided dgrad's pixels are those
-    of its launch (its phases' together), its taps the first phase's."""
+    through K filters of R x S in ``groups`` groups (channels as kernel_channels), and whether
+    the kind runs phased (a strided dgrad whose stride phases with taps are more than one). A
+    strided dgrad's pixels are those of its launch (its phases' together), its taps the first
+    phase's."""
     (h, w), (r, s) = hw, rs
     p, q = _out_hw(h, w, r, s, pad, pad_hi, stride, dilation)
     c, k = kernel_channels(c, k, groups)
