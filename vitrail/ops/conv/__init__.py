@@ -76,6 +76,7 @@ from torch import Tensor
 from vitrail.device import is_hopper, sm_count
 from vitrail.gemm import (Conv2dProblem, ConvArguments, ConvOperation, LinearCombination,
                           MathInstruction, TensorDescription, TileDescription)
+from vitrail.gemm.arguments import round_up
 from vitrail.gemm.conv import KERNEL_SOURCE
 from vitrail.gemm.conv_arguments import MAX_CHUNKS, launch
 from vitrail.gemm.epilogue import ACTIVATIONS
@@ -395,6 +396,11 @@ def _out_hw(h, w, r, s, pad, pad_hi, stride, dilation) -> tuple[int, int]:
     return p, q
 
 
+def _unaligned(*channels: int) -> bool:
+    """Whether a channel count is not a whole number of TMA's 16-byte vectors (8 channels)."""
+    return any(n % _CHANNEL_VECTOR for n in channels)
+
+
 def is_gemm(weight_or_rs, pad, pad_hi, groups: int, stride, channels) -> bool:
     """Whether the convolution is a GEMM over pixels: 1x1 filters, no padding, one group, and
     either unit stride (the pixels are the GEMM's rows as they lie) or channels (C, K) that the
@@ -407,7 +413,7 @@ def is_gemm(weight_or_rs, pad, pad_hi, groups: int, stride, channels) -> bool:
           else tuple(weight_or_rs))
     if rs != (1, 1) or groups != 1 or any(pad) or any(pad_hi):
         return False
-    return tuple(stride) == (1, 1) or any(n % _CHANNEL_VECTOR for n in channels)
+    return tuple(stride) == (1, 1) or _unaligned(*channels)
 
 
 def _gemm_ready(t: Tensor, weight_or_rs, pad, pad_hi, groups: int, stride, channels) -> bool:
@@ -427,21 +433,13 @@ def _pixels(t: Tensor, stride) -> Tensor:
     return t.reshape(-1, t.shape[3])
 
 
-def _unaligned(*channels: int) -> bool:
-    """Whether a channel count is not a whole number of TMA's 16-byte vectors (8 channels)."""
-    return any(n % _CHANNEL_VECTOR for n in channels)
-
-
-def _aligned(n: int) -> int:
-    """n channels rounded up to whole 16-byte vectors."""
-    return -(-n // _CHANNEL_VECTOR) * _CHANNEL_VECTOR
-
-
 def kernel_channels(c: int, k: int, groups: int = 1) -> tuple[int, int]:
     """The input and output channels (C, K) the implicit-GEMM kernels get for a convolution of
     c and k channels: one group's zero-padded to whole 16-byte vectors (_zero_padded), a
     group's own where there are several (whose counts _check requires to be whole vectors)."""
-    return (_aligned(c), _aligned(k)) if groups == 1 else (c, k)
+    if groups > 1:
+        return c, k
+    return round_up(c, _CHANNEL_VECTOR), round_up(k, _CHANNEL_VECTOR)
 
 
 def _zero_padded(t: Tensor, sizes: tuple[int, ...]) -> Tensor:
