@@ -104,16 +104,14 @@ def _number(name: str, value: Descale) -> bool:
     return False
 
 
-@functools.lru_cache(maxsize=64)
-def _constant_descales(named: tuple, device: torch.device) -> Tensor:
-    """The kernel's descales of (name, None or a number, heads) triples, made once (not three
-    fills and a cat a call)."""
-    return _all_descales(named, device)
-
-
 def _all_descales(named, device: torch.device) -> Tensor:
-    """q's, k's and v's descales, one fp32 per head each, in the kernel's order."""
+    """q's, k's and v's descales of (name, value, heads) triples, one fp32 per head each, in the
+    kernel's order."""
     return torch.cat([_descales(name, value, heads, device) for name, value, heads in named])
+
+
+# the descales of None or numbers, made once (not three fills and a cat a call)
+_constant_descales = functools.lru_cache(maxsize=64)(_all_descales)
 
 
 def _descales(name: str, value: Descale, heads: int, device: torch.device) -> Tensor:

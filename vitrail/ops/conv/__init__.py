@@ -77,6 +77,7 @@ from torch import Tensor
 from vitrail.device import is_hopper, sm_count
 from vitrail.gemm import (Conv2dProblem, ConvArguments, ConvOperation, LinearCombination,
                           MathInstruction, TensorDescription, TileDescription)
+from vitrail.gemm.arguments import round_up
 from vitrail.gemm.conv import KERNEL_SOURCE
 from vitrail.gemm.conv_arguments import MAX_CHUNKS, launch
 from vitrail.gemm.epilogue import ACTIVATIONS
@@ -396,6 +397,11 @@ def _out_hw(h, w, r, s, pad, pad_hi, stride, dilation) -> tuple[int, int]:
     return p, q
 
 
+def _unaligned(*channels: int) -> bool:
+    """Whether a channel count is not a whole number of TMA's 16-byte vectors (8 channels)."""
+    return any(n % _CHANNEL_VECTOR for n in channels)
+
+
 def is_gemm(weight_or_rs, pad, pad_hi, groups: int, stride, channels) -> bool:
     """Whether the convolution is a GEMM over pixels: 1x1 filters, no padding, one group, and
     either unit stride (the pixels are the GEMM's rows as they lie) or channels (C, K) that the
@@ -408,7 +414,7 @@ def is_gemm(weight_or_rs, pad, pad_hi, groups: int, stride, channels) -> bool:
           else tuple(weight_or_rs))
     if rs != (1, 1) or groups != 1 or any(pad) or any(pad_hi):
         return False
-    return tuple(stride) == (1, 1) or any(n % _CHANNEL_VECTOR for n in channels)
+    return tuple(stride) == (1, 1) or _unaligned(*channels)
 
 
 def _gemm_ready(t: Tensor, weight_or_rs, pad, pad_hi, groups: int, stride, channels) -> bool:
@@ -453,7 +459,7 @@ def _patches(x: Tensor, rs, g) -> Tensor:
     windows = xs.unfold(1, span[0], stride[0]).unfold(2, span[1], stride[1])  # N P Q C R' S'
     windows = windows[..., ::dilation[0], ::dilation[1]].permute(0, 1, 2, 4, 5, 3)
     p, q, cols = windows.shape[1], windows.shape[2], r * s * c
-    rows = x.new_empty((n * p * q, _aligned(cols)))[:, :cols]
+    rows = x.new_empty((n * p * q, round_up(cols, _CHANNEL_VECTOR)))[:, :cols]
     rows.view(n, p, q, r, s, c).copy_(windows)
     return rows
 
@@ -462,26 +468,18 @@ def _filter_rows(weight: Tensor) -> Tensor:
     """The filter (K, C, R, S) as the rows of a matrix, (K, R S C), in a buffer whose rows are
     whole 16-byte vectors long (_patches' columns, in the same order)."""
     k, cols = weight.shape[0], weight[0].numel()
-    rows = weight.new_empty((k, _aligned(cols)))[:, :cols]
+    rows = weight.new_empty((k, round_up(cols, _CHANNEL_VECTOR)))[:, :cols]
     rows.view(k, *nhwc(weight).shape[1:]).copy_(nhwc(weight))
     return rows
-
-
-def _unaligned(*channels: int) -> bool:
-    """Whether a channel count is not a whole number of TMA's 16-byte vectors (8 channels)."""
-    return any(n % _CHANNEL_VECTOR for n in channels)
-
-
-def _aligned(n: int) -> int:
-    """n channels rounded up to whole 16-byte vectors."""
-    return -(-n // _CHANNEL_VECTOR) * _CHANNEL_VECTOR
 
 
 def kernel_channels(c: int, k: int, groups: int = 1) -> tuple[int, int]:
     """The input and output channels (C, K) the implicit-GEMM kernels get for a convolution of
     c and k channels: one group's zero-padded to whole 16-byte vectors (_zero_padded), a
     group's own where there are several (whose counts _check requires to be whole vectors)."""
-    return (_aligned(c), _aligned(k)) if groups == 1 else (c, k)
+    if groups > 1:
+        return c, k
+    return round_up(c, _CHANNEL_VECTOR), round_up(k, _CHANNEL_VECTOR)
 
 
 def _zero_padded(t: Tensor, sizes: tuple[int, ...]) -> Tensor:
@@ -713,7 +711,7 @@ def _wgrad_into(dy, x, dw, r, s, g, groups) -> None:
         return
     if runs_patches("wgrad", c, (r, s), pad, pad_hi, groups, stride):  # dw = dy^T X
         _require_hopper(x.device)
-        rows = dw.new_empty((k, _aligned(r * s * c)))[:, :r * s * c]
+        rows = dw.new_empty((k, round_up(r * s * c, _CHANNEL_VECTOR)))[:, :r * s * c]
         dy_rows = nhwc(_channels_last(dy, "dy")).reshape(-1, k)
         run_into(rows, dy_rows.t(), _patches(x, (r, s), g), None, None, 1.0, 0.0, None, 0.01,
                  None, None, tf32=True)
