@@ -260,8 +260,9 @@ def test_fp32_with_tf32_off_is_refused(monkeypatch):
 def test_channels_short_of_a_vector_run_zero_padded(C, K, R, stride, padding, dtype):
     """One group of C or K not a multiple of 8 (ResNet's 7x7/2 stem, ConvNeXt's 4x4/4 one, a
     U-Net's 4-channel conv_in and conv_out, odd counts at stride 2, fp32's TF32): the kernels
-    on zero-padded channels; y with a bias and silu, dx and dw against fp64 through autograd,
-    three calls each on new values."""
+    on zero-padded channels, or, for fewer than 8 input channels, fprop and wgrad as GEMMs over
+    x's patches; y with a bias and silu, dx and dw against fp64 through autograd, three calls
+    each on new values."""
     from vitrail.ops import conv2d
     from vitrail.ops.conv import reference
     for seed in range(3):

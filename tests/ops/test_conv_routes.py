@@ -537,16 +537,21 @@ def _kernels_by_torch(kind, a, b, d, bias, activation, pad, stride, dilation, pa
 
 
 @pytest.mark.parametrize("C, K, R, stride, padding, activation", [
-    (3, 64, 7, 2, 3, None), (3, 96, 4, 4, 0, "relu"), (4, 16, 3, 1, 1, "silu"),
-    (32, 4, 3, 1, 1, "silu"), (12, 20, 3, 1, "same", None), (5, 3, 2, 1, "same", "gelu")])
+    (11, 64, 7, 2, 3, None), (9, 96, 4, 4, 0, "relu"), (12, 16, 3, 1, 1, "silu"),
+    (32, 4, 3, 1, 1, "silu"), (12, 20, 3, 1, "same", None), (13, 3, 2, 1, "same", "gelu"),
+    (3, 20, 3, 1, 1, None)])  # (fewer than 8: fprop and wgrad run over patches, dgrad padded)
 def test_channels_short_of_a_vector_run_zero_padded(monkeypatch, C, K, R, stride, padding,
                                                     activation):
-    """One group whose C or K is not a multiple of 8 (an image network's 3-channel stem, a
-    4-channel latent in or out): each kind runs on operands zero-padded to whole 16-byte
-    vectors (what the kernels get: asserted), the extra channels of its output left out; y
+    """One group whose C or K is not a multiple of 8 (odd counts, a 4-channel latent out):
+    each kind runs on operands zero-padded to whole 16-byte vectors (what the kernels get:
+    asserted), the extra channels of its output left out (fewer than 8 input channels: fprop
+    and wgrad over x's patches, a GEMM, by torch here too, dgrad padded); y
     (with a bias and an activation), dx and dw as torch's, in float64 through autograd. Unit
     stride for dx (a strided one takes stride phases, which this stand-in does not run)."""
+    from vitrail.gemm.ops.reference import activation as act
     monkeypatch.setattr(C2D, "_run", _kernels_by_torch)
+    monkeypatch.setattr(C2D, "run_into", lambda d, a, b, c, bias, alpha, beta, activation, *_,
+                        **kw: d.copy_(act(a @ b + (0 if bias is None else bias), activation)))
     monkeypatch.setattr(C2D, "_require_hopper", lambda device: None)
     monkeypatch.setattr(C2D, "sm_count", lambda index: 132)
     monkeypatch.setattr(C2D, "wgrad_chunks", lambda *shape: 1)  # (chunks: not this test's)
@@ -560,7 +565,6 @@ def test_channels_short_of_a_vector_run_zero_padded(monkeypatch, C, K, R, stride
     (y,) = C2D._new_y(x, w, b, geometry, activation, 1)
     C2D._fprop_into(x, w, b, y, geometry, activation, 1)
     x64, w64, b64 = (t.detach().clone().requires_grad_(True) for t in (x, w, b))
-    from vitrail.gemm.ops.reference import activation as act
     want = act(F.conv2d(x64, w64, b64, stride, padding), activation)
     torch.testing.assert_close(y, want, rtol=1e-12, atol=1e-12)
     dy = torch.randn(want.shape, dtype=f64, generator=g).contiguous(memory_format=cl)
@@ -574,3 +578,48 @@ def test_channels_short_of_a_vector_run_zero_padded(monkeypatch, C, K, R, stride
             (dx,) = C2D._new_dx(dy, w, 13, 11, geometry, 1)
             C2D._dgrad_into(dy, w, dx, 13, 11, geometry, 1)
             torch.testing.assert_close(dx, x64.grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("C, K, R, S, stride, padding, dilation, activation", [
+    (3, 64, 7, 7, 2, 3, 1, "relu"), (3, 96, 4, 4, 4, 0, 1, None), (2, 16, 3, 3, 1, "same", 2,
+    "gelu"), (4, 24, 2, 4, 1, "same", 1, None), (7, 8, 3, 5, (2, 1), (1, 2), (2, 1), "silu")])
+def test_a_stem_is_a_gemm_over_its_patches(gemm_on_the_cpu, monkeypatch, C, K, R, S, stride,
+                                           padding, dilation, activation):
+    """Fewer than 8 input channels (an image's 3), one group: fprop is x's patches (N P Q x R S C,
+    zeros in the padding, an even filter's 'same' padding one more at the end) times the
+    filter, wgrad dy^T times the patches, each a GEMM whose operands' rows are whole 16-byte
+    vectors (none copied by the GEMM); through the custom op and its autograd, y, dw and the
+    bias's gradient in float64 against torch's (x takes no gradient: an image's)."""
+    fixture_run = C2D.run_into
+
+    def run_into(d, a, b, *rest, **kw):  # every operand's leading stride: whole vectors
+        for t in (d, a, b):
+            assert max(t.stride()) % 8 == 0 and min(t.stride()) == 1, t.stride()
+        fixture_run(d, a, b, *rest, **kw)
+    monkeypatch.setattr(C2D, "run_into", run_into)
+    g = torch.Generator().manual_seed(C * R * S)
+    cl, f64 = torch.channels_last, torch.float64
+    x = torch.randn(2, C, 15, 12, dtype=f64, generator=g).contiguous(memory_format=cl)
+    w = torch.randn(K, C, R, S, dtype=f64, generator=g).contiguous(memory_format=cl)
+    b = torch.randn(K, dtype=f64, generator=g)
+    w, b = w.requires_grad_(True), b.requires_grad_(True)
+    st, dil = C2D._pair(stride, "stride"), C2D._pair(dilation, "dilation")
+    pad, pad_hi = C2D._padding(padding, w, st, dil)
+    for kind in ("fprop", "wgrad"):
+        assert C2D.runs_patches(kind, C, w, pad, pad_hi, 1, st)
+    assert not C2D.runs_patches("dgrad", C, w, pad, pad_hi, 1, st)
+    y = C2D._conv2d(x, w, b, list(st), list(pad), list(pad_hi), list(dil), activation)
+    w2, b2 = (t.detach().clone().requires_grad_(True) for t in (w, b))
+    from vitrail.gemm.ops.reference import activation as act
+    want = act(F.conv2d(x, w2, b2, stride, padding, dilation), activation)
+    assert y.shape == want.shape and y.is_contiguous(memory_format=cl)
+    torch.testing.assert_close(y, want)
+    dy = torch.randn(want.shape, generator=g, dtype=f64).contiguous(memory_format=cl)
+    y.backward(dy)
+    want.backward(dy)
+    tol = dict(rtol=1e-5, atol=1e-5) if activation in ("gelu", "silu") else {}  # z in fp32
+    torch.testing.assert_close(w.grad, w2.grad, msg="dw", **tol)
+    torch.testing.assert_close(b.grad, b2.grad, rtol=1e-5, atol=1e-5)
+    assert w.grad.is_contiguous(memory_format=cl)
+    again = ["gemm"] if activation in ("gelu", "silu") else []  # z again, for the derivative
+    assert gemm_on_the_cpu == ["gemm", *again, "mm"]  # y (with the bias), dw: no kernel ran

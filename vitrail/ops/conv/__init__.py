@@ -25,7 +25,8 @@ convolutions, channel counts per group (C / groups, K / groups) that are not mul
 more than one group (but depthwise), padding, dilation or filters beyond the TMA im2col limits
 (conv_arguments.reasons). A convolution of one group whose C or K is not a multiple of 8 (the
 3-channel stem of an image network) runs on copies of its operands with zero channels appended
-up to whole 16-byte vectors (_zero_padded), its outputs' extra channels left out.
+up to whole 16-byte vectors (_zero_padded), its outputs' extra channels left out; but with
+fewer than 8 input channels, fprop and wgrad run as GEMMs over x's patches (runs_patches).
 Inputs that are not channels-last are copied to channels-last first (a one-time warning says
 so). CUTLASS's sm90 dgrad runs at unit stride only, so a strided convolution's dx runs as
 stride_h * stride_w unit-stride dgrads, one a phase (the pixels at (i, j) + stride * (a, b),
@@ -433,6 +434,45 @@ def _pixels(t: Tensor, stride) -> Tensor:
     return t.reshape(-1, t.shape[3])
 
 
+def runs_patches(kind: str, c: int, weight_or_rs, pad, pad_hi, groups: int, stride) -> bool:
+    """Whether the kind (fprop or wgrad) runs as a GEMM over x's patches: one group of fewer
+    input channels than one 16-byte vector (an image's 3), not a GEMM over pixels already
+    (is_gemm). The implicit-GEMM kernels read a tap's channels 64 at a time, so 3 of them
+    would cost 21 times the products; the patches (N P Q x R S C, copied once: _patches) are
+    a GEMM's operand on whole tiles instead. dgrad runs the kernels on zero-padded channels."""
+    rs = (tuple(weight_or_rs.shape[2:]) if isinstance(weight_or_rs, Tensor)
+          else tuple(weight_or_rs))
+    return (kind in ("fprop", "wgrad") and groups == 1 and c < _CHANNEL_VECTOR
+            and not is_gemm(rs, pad, pad_hi, groups, stride, (c, _CHANNEL_VECTOR)))
+
+
+def _patches(x: Tensor, rs, g) -> Tensor:
+    """x's patches as the rows of a matrix: (N P Q, R S C), row j the R x S x C pixels output
+    pixel j reads (zeros in the padding), copied into a buffer whose rows are whole 16-byte
+    vectors long (a GEMM's TMA reads it as it lies; the columns past R S C are not part of the
+    view)."""
+    stride, pad, pad_hi, dilation = _split(g)
+    (r, s), xs = rs, nhwc(x)
+    n, c = xs.shape[0], xs.shape[3]
+    xs = torch.nn.functional.pad(xs, (0, 0, pad[1], pad_hi[1], pad[0], pad_hi[0]))
+    span = [d * (t - 1) + 1 for d, t in zip(dilation, (r, s))]
+    windows = xs.unfold(1, span[0], stride[0]).unfold(2, span[1], stride[1])  # N P Q C R' S'
+    windows = windows[..., ::dilation[0], ::dilation[1]].permute(0, 1, 2, 4, 5, 3)
+    p, q, cols = windows.shape[1], windows.shape[2], r * s * c
+    rows = x.new_empty((n * p * q, round_up(cols, _CHANNEL_VECTOR)))[:, :cols]
+    rows.view(n, p, q, r, s, c).copy_(windows)
+    return rows
+
+
+def _filter_rows(weight: Tensor) -> Tensor:
+    """The filter (K, C, R, S) as the rows of a matrix, (K, R S C), in a buffer whose rows are
+    whole 16-byte vectors long (_patches' columns, in the same order)."""
+    k, cols = weight.shape[0], weight[0].numel()
+    rows = weight.new_empty((k, round_up(cols, _CHANNEL_VECTOR)))[:, :cols]
+    rows.view(k, *nhwc(weight).shape[1:]).copy_(nhwc(weight))
+    return rows
+
+
 def kernel_channels(c: int, k: int, groups: int = 1) -> tuple[int, int]:
     """The input and output channels (C, K) the implicit-GEMM kernels get for a convolution of
     c and k channels: one group's zero-padded to whole 16-byte vectors (_zero_padded), a
@@ -518,6 +558,12 @@ def _fprop_into(x, weight, bias, y, g, activation, groups) -> None:
     if _gemm_ready(x, weight, pad, pad_hi, groups, stride, (x.shape[1], k)):  # y = x W^T
         run_into(nhwc(y).reshape(-1, k), _pixels(x, stride), nhwc(weight).reshape(k, -1).t(),
                  None, bias, 1.0, 0.0, activation, 0.01, None, None, tf32=True)
+        return
+    if runs_patches("fprop", x.shape[1], weight, pad, pad_hi, groups, stride):  # y = X W^T
+        _require_hopper(x.device)
+        run_into(nhwc(y).reshape(-1, k), _patches(x, weight.shape[2:], g),
+                 _filter_rows(weight).t(), None, bias, 1.0, 0.0, activation, 0.01, None, None,
+                 tf32=True)
         return
     if _unaligned(x.shape[1], k):  # one group (_check): run on zero-padded channels
         cp, kp = kernel_channels(x.shape[1], k)
@@ -662,6 +708,14 @@ def _wgrad_into(dy, x, dw, r, s, g, groups) -> None:
         return
     if x.dtype is torch.float32:  # TF32 cannot read dy and x along their pixels
         _torch_wgrad(dw, dy, x, g, groups)
+        return
+    if runs_patches("wgrad", c, (r, s), pad, pad_hi, groups, stride):  # dw = dy^T X
+        _require_hopper(x.device)
+        rows = dw.new_empty((k, round_up(r * s * c, _CHANNEL_VECTOR)))[:, :r * s * c]
+        dy_rows = nhwc(_channels_last(dy, "dy")).reshape(-1, k)
+        run_into(rows, dy_rows.t(), _patches(x, (r, s), g), None, None, 1.0, 0.0, None, 0.01,
+                 None, None, tf32=True)
+        nhwc(dw).copy_(rows.view(k, r, s, c))
         return
     if _unaligned(c, k):  # one group (_check): run on zero-padded channels
         cp, kp = kernel_channels(c, k)
@@ -1015,6 +1069,7 @@ def reasons(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
         raise ArgumentError(f"{NAME}: the output would be {p} x {q}: the dilated filter is "
                             f"larger than the padded input")
     if (is_gemm(weight, pad, pad_hi, groups, stride, (c, weight.shape[0]))
+            or runs_patches(kind, c, weight, pad, pad_hi, groups, stride)
             or depthwise.is_depthwise(c, weight.shape, groups)
             or (x.dtype is torch.float32 and kind != "fprop")):
         return []  # vitrail's GEMM, the depthwise kernels and fp32's torch backward run all
@@ -1049,4 +1104,4 @@ def reasons(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
 
 
 __all__ = ["conv2d", "kernel", "kernel_channels", "kernel_problem", "operation", "reasons",
-           "reference", "wgrad_chunks"]
+           "reference", "runs_patches", "wgrad_chunks"]

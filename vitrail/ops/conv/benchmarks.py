@@ -25,9 +25,9 @@ count).
 
 ``build()`` compiles the conv kernels the rows run (``operations()``: fprop, dgrad, wgrad, wgrad
 in batch chunks, fprop+bias+relu, fprop+bias+silu, in bf16, at the tiles the layers' channels
-take) and the GEMM kernels of the 1x1 unpadded layers
-(which the op runs as GEMMs over pixels), in parallel: what ``vitrail bench conv`` builds on a
-machine with no GPU.
+take) and the GEMM kernels of the 1x1 unpadded layers (which the op runs as GEMMs over pixels)
+and of the 3-channel stems' fprop and wgrad (GEMMs over x's patches), in parallel: what
+``vitrail bench conv`` builds on a machine with no GPU.
 """
 from __future__ import annotations
 
@@ -332,7 +332,7 @@ def operations(sms: int = 132) -> list:
     ops = []
     for case in cases():
         lay = case.layer
-        if runs_gemm(lay) or lay.groups > 1 or refusal(case):
+        if runs_gemm(lay) or runs_patches(case) or lay.groups > 1 or refusal(case):
             continue
         chunks = case.chunks(sms)
         two, pad = (lay.stride,) * 2, (lay.padding,) * 2
@@ -352,11 +352,20 @@ def runs_gemm(lay: Layer) -> bool:
     return is_gemm((lay.R, lay.S), pad, pad, lay.groups, (lay.stride,) * 2, (lay.C, lay.K))
 
 
+def runs_patches(case: Case) -> bool:
+    """Whether vitrail.ops.conv runs the case's kind as a GEMM over x's patches (a stem's)."""
+    from vitrail.ops import conv
+    lay, pad = case.layer, (case.layer.padding,) * 2
+    return conv.runs_patches(case.kernel, lay.C, (lay.R, lay.S), pad, pad, lay.groups,
+                             (lay.stride,) * 2)
+
+
 def gemm_kernels(lim) -> list:
     """(Op, config) of each GEMM kernel the layers run as GEMMs over pixels (1x1 unpadded at
-    unit stride: vitrail.ops.conv's GEMM route, fprop x W^T, dgrad dy W, wgrad dy^T x), as the
-    GEMM's selection chooses them for their shapes (torch's matmul, where chosen, compiles
-    nothing and is left out)."""
+    unit stride: vitrail.ops.conv's GEMM route, fprop x W^T, dgrad dy W, wgrad dy^T x) or over
+    x's patches (the stems' fprop X W^T and wgrad dy^T X: runs_patches), as the GEMM's selection
+    chooses them for their shapes (torch's matmul, where chosen, compiles nothing and is left
+    out)."""
     from vitrail.gemm import LinearCombination
     from vitrail.gemm.ops.configs import Kind, Problem
     from vitrail.gemm.ops.launch import op_for
@@ -364,16 +373,17 @@ def gemm_kernels(lim) -> list:
     found = []
     for case in cases():
         lay = case.layer
-        if not runs_gemm(lay):
+        if not runs_gemm(lay) and not runs_patches(case):
             continue
         p, q = lay.out_hw()
         pixels = case.batch * p * q
         epilogue = LinearCombination("bf16", bias="col" if case.activation else None,
                                      activation=case.activation)
+        c = lay.C * lay.R * lay.S  # the patches' columns (a 1x1's: its channels)
         layout_a, layout_b, problem = {
-            "fprop": ("row", "col", Problem(pixels, lay.K, lay.C)),
-            "dgrad": ("row", "row", Problem(pixels, lay.C, lay.K)),
-            "wgrad": ("col", "row", Problem(lay.K, lay.C, pixels))}[case.kernel]
+            "fprop": ("row", "col", Problem(pixels, lay.K, c)),
+            "dgrad": ("row", "row", Problem(pixels, c, lay.K)),
+            "wgrad": ("col", "row", Problem(lay.K, c, pixels))}[case.kernel]
         op = op_for(Kind("bf16", "bf16", layout_a, layout_b, epilogue))
         config = op.space.default(problem, lim)
         if config["backend"] != TORCH and (op, config) not in found:
@@ -382,7 +392,7 @@ def gemm_kernels(lim) -> list:
 
 
 def build() -> None:
-    """Compile the conv kernels the rows run and the 1x1 layers' GEMM kernels in parallel for
+    """Compile the conv kernels the rows run and the GEMM kernels (gemm_kernels) in parallel for
     the build target (the kernels are sm_90a: for another target, say so and build nothing)."""
     from vitrail.tune import compile_all, limits
     lim = limits()
