@@ -132,6 +132,29 @@ def prepared_reasons(kind, problem, tensors):
     return op.can_implement(args)
 
 
+def test_the_epilogue_benchmark_times_every_epilogue_on_the_plain_ones_config():
+    """`vitrail bench gemm-epilogues` (issue 28, item 4): per shape, every activation, a bias,
+    a clamp and beta * C, each a kernel of its own, all on the one config of the plain kernel
+    they are measured against; run only when named."""
+    from vitrail import bench, ops
+    from vitrail.gemm.epilogue import ACTIVATIONS
+    from vitrail.gemm.ops import benchmarks
+    epis = benchmarks.epilogues()
+    assert next(iter(epis)) == "plain" and epis["plain"].tag == "lincomb"
+    assert set(ACTIVATIONS) <= set(epis) and {"bias", "clamp", "beta*C"} <= set(epis)
+    assert epis["beta*C"].has_source and epis["clamp"].clamp and epis["bias"].bias == "col"
+    jobs = list(benchmarks._epilogue_jobs())
+    assert len(jobs) == len(benchmarks.EPILOGUE_SHAPES) * len(epis)
+    for shape in benchmarks.EPILOGUE_SHAPES:
+        mine = [(op, config) for s, op, config in jobs if s == shape]
+        assert len({op.name for op, _ in mine}) == len(epis)  # a kernel per epilogue
+        assert len({tuple(sorted(c.items())) for _, c in mine}) == 1  # on one config
+        assert mine[0][1]["backend"] == "vitrail"
+    registry = ops.load_benchmarks()
+    assert registry["gemm-epilogues"].by_name
+    assert "gemm-epilogues" not in {b.name for b in bench.select(registry, [])}
+
+
 def test_a_config_not_built_runs_torchs_ops_while_it_builds_behind(monkeypatch):
     """settings(build_behind=True): a call whose config is not ready asks for its build in the
     background and computes D by torch's ops (one matmul when plain, else the reference's

@@ -1,5 +1,6 @@
 """`vitrail bench gemm`: mm/bmm (bf16, fp16), fused bias+gelu, FP8 scaled_mm and grouped_mm,
-TFLOP/s beside torch (cuBLAS) measured in the same run; the issue's shapes.
+TFLOP/s beside torch (cuBLAS) measured in the same run; the issue's shapes. `vitrail bench
+gemm-sweep`: the selection's sweep. `vitrail bench gemm-epilogues`: what each epilogue costs.
 
 ``build()`` precompiles every kernel the benchmark uses, in parallel (vitrail.tune.compile_all),
 so the timed run compiles nothing.
@@ -175,4 +176,92 @@ def run_sweep() -> list[Row]:
             eager[rec["name"]] = rec["eager"]["torch"] / rec["eager"]["vitrail"]
         print(f"{dn} CUDA graph, torch time / vitrail time: {sweep.summary(graph)}")
         print(f"{dn} eager, torch time / vitrail time: {sweep.summary(eager)}")
+    return rows
+
+
+# ---------------------------------------------------------------- what each epilogue costs
+EPILOGUE_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (8192, 8192, 1024)]
+
+
+def epilogues(el: str = "bf16") -> dict:
+    """{name: LinearCombination} of the epilogues timed against the plain one ('plain' first):
+    a bias, each activation alone, a clamp, beta * C, and nn.Linear's bias + gelu."""
+    from vitrail.gemm import LinearCombination
+    from vitrail.gemm.epilogue import ACTIVATIONS
+    out = {"plain": LinearCombination(el), "bias": LinearCombination(el, bias="col")}
+    out.update((act, LinearCombination(el, activation=act)) for act in ACTIVATIONS)
+    out["clamp"] = LinearCombination(el, clamp=True)
+    out["beta*C"] = LinearCombination(el, element_source=el)
+    out["bias+gelu"] = LinearCombination(el, bias="col", activation="gelu")
+    return out
+
+
+def _epilogue_jobs():
+    """(shape, Op, config) of every kernel gemm-epilogues runs: per shape, the config the
+    selection takes among vitrail's kernels, the same for every epilogue."""
+    from vitrail.gemm.ops import model
+    from vitrail.gemm.ops.configs import Kind
+    from vitrail.gemm.ops.launch import op_for
+    for m, n, k in EPILOGUE_SHAPES:
+        config = model.choose(m, n, k, 1, torch_ok=False)
+        for lc in epilogues().values():
+            yield (m, n, k), op_for(Kind("bf16", "bf16", "row", "row", lc)), config
+
+
+def build_epilogues() -> None:
+    from vitrail.tune import compile_all, limits
+    lim = limits()
+    kwargs = []
+    for _, op, config in _epilogue_jobs():
+        kw = dict(op.render(config), arch=lim.arch.name)
+        if kw not in kwargs:
+            kwargs.append(kw)
+    for i, error in compile_all(list(enumerate(kwargs)), verbose=True,
+                                label="gemm epilogues").items():
+        print(f"  build failed: {error[:2000]}")
+
+
+@register("gemm-epilogues", "each fused epilogue of vitrail's GEMM (bias, the activations, "
+          "clamp, beta*C) against the plain GEMM of the same config, bf16, CUDA graphs",
+          build_epilogues, by_name=True)
+def run_epilogues() -> list[Row]:
+    import math
+
+    import torch
+
+    from vitrail.gemm.ops import model
+    from vitrail.gemm.ops.sweep import Graph, fair_ms
+    rows = []
+    names = list(epilogues())  # 'plain' first: every other one's baseline
+    jobs = list(_epilogue_jobs())
+    for (m, n, k), config in dict.fromkeys((s, c) for s, _, c in jobs):
+        ops = [op for s, op, c in jobs if s == (m, n, k)]
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+        c = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        sets = [(a, b, torch.empty(m, n, device="cuda", dtype=torch.bfloat16))]
+        flops = 2.0 * m * n * k
+        launches = max(4, math.ceil(10e-3 * 700e12 / flops))  # a replay of ~10 ms
+
+        def graph(op, lc):
+            cc = c if lc.has_source else None
+            bb = bias if lc.bias else None
+
+            def launch(a, b, d, module=op.module(config)):
+                op.launch(module, config, a, b, cc, d, bb, None, None, 1.0, 0.5, 0.01, -1.0,
+                          1.0, 1)
+            return Graph(launch, sets, launches)
+        graphs = {name: graph(op, lc) for (name, lc), op in zip(epilogues().items(), ops)}
+        ms = fair_ms(graphs, rounds=7)
+        shape = f"{m}x{n}x{k}"
+        for name in names[1:]:
+            case = f"bf16 {shape} {name}"
+            for impl, t, base in ((name, ms[name], False), ("plain", ms["plain"], True)):
+                rows.append(Row(case=case, impl=f"vitrail {impl}", value=flops / t / 1e9,
+                                unit="TFLOP/s", lower_is_better=False, baseline=base, ms=t,
+                                flops=flops, math="bf16", group=f"bf16 {shape}, "
+                                f"{model.label(config)}"))
+            print(f"{case:<32} {ms[name] * 1e3:8.1f} us against plain {ms['plain'] * 1e3:8.1f}"
+                  f" us: {ms[name] / ms['plain'] - 1:+6.1%}", flush=True)
     return rows
