@@ -506,6 +506,24 @@ def test_gemm_epilogue_stream_k(epi, poison):
 
 
 @requires_gpu
+def test_relu_and_clamp_keep_nan_and_clamp_as_torch_does(poison):
+    """relu and clamp as torch's: a NaN stays NaN (the epilogue's max and min propagate it),
+    and a clamp whose min exceeds its max gives the max everywhere (min(max(x, lo), hi))."""
+    ops = family()
+    a, b = rand(128, 256), rand(256, 136)
+    a[5] = float("nan")
+    z = a.float() @ b.float()
+    silu = torch.nn.functional.silu(z)
+    for kw, ref in ((dict(activation="relu"), torch.relu(z)),
+                    (dict(clamp_min=-0.25, clamp_max=0.5), torch.clamp(z, -0.25, 0.5)),
+                    (dict(clamp_min=0.5, clamp_max=-0.25), torch.clamp(z, 0.5, -0.25)),
+                    (dict(activation="silu", clamp_max=0.0), torch.clamp(silu, max=0.0))):
+        out = ops.gemm(a, b, out_dtype=torch.float32, **kw)
+        assert torch.isnan(out[5]).all() and not torch.isnan(out[torch.arange(128) != 5]).any()
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4, equal_nan=True)
+
+
+@requires_gpu
 @pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "silu", "sigmoid", "tanh"])
 def test_activation_math_in_fp32(act, poison):
     """Each activation's formula in the epilogue, element by element: I @ X passes X's bf16

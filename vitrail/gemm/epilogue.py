@@ -25,9 +25,35 @@ ACT_IDS = {name: i + 1 for i, name in enumerate(ACTIVATIONS)}
 # outside CUTLASS (the depthwise convolution's) compute exactly what the GEMM epilogues do.
 ACTIVATION_MATH = r"""
 namespace vitrail_act {
+// max and min that return NaN where either operand is NaN (torch's relu and clamp keep NaN),
+// one instruction each on sm_80+; a ternary chain compiles to two branches per element,
+// which kept ptxas from interleaving the epilogue's elements
+__device__ __forceinline__ float max_nan(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  return a != a ? a : fmaxf(a, b);
+#endif
+}
+__device__ __forceinline__ float min_nan(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  return a != a ? a : fminf(a, b);
+#endif
+}
+// torch.clamp's: min(max(x, lo), hi), so hi wins where lo > hi
+__device__ __forceinline__ float clamp(float x, float lo, float hi) {
+  return min_nan(max_nan(x, lo), hi);
+}
+
 template <int Act>
 __device__ __forceinline__ float apply(float x, float slope) {
-  if constexpr (Act == 1) return x > 0.f ? x : 0.f;
+  if constexpr (Act == 1) return max_nan(x, 0.f);
   else if constexpr (Act == 2) return x > 0.f ? x : x * slope;
   else if constexpr (Act == 3) return 0.5f * x * (1.f + erff(x * 0.70710678118654752f));
   // gelu_tanh: 0.5 x (1 + tanh(u)) = x / (1 + e^(-2u)), u = sqrt(2 / pi) (x + 0.044715 x^3),
@@ -64,7 +90,7 @@ struct ActClamp {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < int(T::kElements); ++i) {
         float v = vitrail_act::apply<Act>(float(x[i]), a.slope);
-        if constexpr (Clamp) v = v < a.lo ? a.lo : (v > a.hi ? a.hi : v);  // NaN stays NaN
+        if constexpr (Clamp) v = vitrail_act::clamp(v, a.lo, a.hi);
         y[i] = v;
       }
       return y;

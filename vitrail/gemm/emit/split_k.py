@@ -156,7 +156,7 @@ def emit(op) -> str:
         act_id = ACT_IDS.get(epi.activation, 0) if epi.activation else 0
         activate = "    x = vitrail_act::apply<Act>(x, slope);\n" if act_id else ""
         if epi.clamp:
-            activate += "    x = x < lo ? lo : (x > hi ? hi : x);  // NaN stays NaN\n"
+            activate += "    x = vitrail_act::clamp(x, lo, hi);\n"
     subs = {
         "ELEMENT_D": cpp_type(epi.element_output),
         "ELEMENT_SRC": cpp_type(epi.element_source) if epi.has_source else "float",
