@@ -1,6 +1,7 @@
 """Compile-only builds of the convolutions for sm_90a (CI has no GPU): two of the kernels
 vitrail.ops.conv2d runs for bf16, fprop with its bias and relu fused, and the chunked wgrad
-(the batch in chunks in one launch, fp32 partials), and the fp32 fprop as TF32: each on TMA
+(the batch in chunks in one launch, fp32 partials), the fp32 fprop as TF32, and the bf16
+fprop on the persistent cooperative kernel (sm90_conv_cooperative.cuh): each on TMA
 (im2col for the activation) and wgmma, without spills, and the entry point's checks. Two
 builds at a time, about 60 s each on one core (CI's budget: no more conv builds than these;
 dgrad and the one-pass wgrad build on the GPU machine, in tests/ops/test_conv.py, and in
@@ -26,11 +27,15 @@ def test_compile_representative_convolutions(monkeypatch):
     from vitrail.ops.conv import operation
 
     f32, tf32 = TensorDescription("f32"), TensorDescription("tf32")
+    bf16 = TensorDescription("bf16")
     ops = [operation("fprop", torch.bfloat16, bias=True, activation="relu"),
            operation("wgrad", torch.bfloat16, partials=True),
            ConvOperation("fprop", tf32, tf32, f32, MathInstruction("tf32", "tf32"),
                          TileDescription((128, 128, 32), kernel_schedule="warpspecialized"),
-                         LinearCombination("f32", bias="col", activation="relu"))]
+                         LinearCombination("f32", bias="col", activation="relu")),
+           ConvOperation("fprop", bf16, bf16, bf16, MathInstruction("bf16", "bf16"),
+                         TileDescription((128, 128, 64), kernel_schedule="cooperative"),
+                         LinearCombination("bf16", bias="col", activation="relu"))]
     failures = compile_many(ops, arch="90a", max_workers=2)
     assert not failures, failures
     for op in ops:
@@ -45,8 +50,8 @@ def test_compile_representative_convolutions(monkeypatch):
         # the activation (A of fprop, B of wgrad) comes through TMA's im2col mode
         assert re.search(r"cp\.async\.bulk\.tensor\.4d\.shared::cluster\.global\.im2col", mod.ptx)
         res = mod.resources()
-        kernel = [r for name, r in res.items()
-                  if "ConvUniversal" in name or "vitrail_conv_chunks" in name]
+        kernel = [r for name, r in res.items() if "ConvUniversal" in name
+                  or "vitrail_conv_chunks" in name or "vitrail4conv8Mainloop" in name]
         assert kernel and not any(r.spills or r.stack for r in kernel), res
         # the chunked wgrad's middle chunks: chunk 0's parameters with their TMA descriptors'
         # addresses replaced (the driver's entry point looked up by name)

@@ -19,7 +19,7 @@ def _op(kind="fprop", el="bf16", tile=None, chunked=False, out=None, phased=Fals
 
 @pytest.mark.parametrize("change, says", [
     (dict(kind="conv"), "kind"),
-    (dict(tile=TileDescription((128, 128, 64))), "'warpspecialized'"),
+    (dict(tile=TileDescription((128, 128, 64), kernel_schedule="pingpong")), "'cooperative'"),
     (dict(bias="row"), "bias='col'"),
     (dict(kind="wgrad", bias="col"), "wgrad takes no bias"),
     (dict(kind="fprop", chunked=True), "wgrad only"),
@@ -52,6 +52,28 @@ def test_16_bit_operands_or_tf32_for_fprop():
     with pytest.raises(ValueError, match="bf16 or fp16 operands"):
         ConvOperation("fprop", e, e, TensorDescription("bf16"), MathInstruction("e4m3", "e4m3"),
                       default_tile(), LinearCombination("bf16"))
+
+
+def test_the_cooperative_schedule():
+    """kernel_schedule='cooperative': the conv mainloop under the GEMM's persistent cooperative
+    kernel (two consumer warpgroups on a 128- or 256-row tile); refused where a launch picks
+    its problem by blockIdx.z (chunked wgrad, phased dgrad)."""
+    coop = TileDescription((128, 128, 64), kernel_schedule="cooperative")
+    for kind in ("fprop", "dgrad", "wgrad"):
+        op = _op(kind, tile=coop)
+        source = op.emit()
+        assert op.name.endswith("_coop_lincomb") and op.name != _op(kind).name
+        assert "#include <vitrail/sm90_conv_cooperative.cuh>" in source
+        assert "vitrail::conv::CooperativeKernel<ProblemShape" in source
+        assert "cutlass::epilogue::TmaWarpSpecializedCooperative" in source
+        assert "ConvUniversal" not in source
+        assert "GemmUniversalMode::kGemm" in source
+    assert "ConvUniversal" in _op("fprop").emit()
+    with pytest.raises(ValueError, match="tile M must be 128 or 256"):
+        TileDescription((64, 128, 64), kernel_schedule="cooperative")
+    for change in (dict(kind="wgrad", chunked=True), dict(kind="dgrad", phased=True)):
+        with pytest.raises(ValueError, match="persistent kernel cannot"):
+            _op(tile=coop, **change)
 
 
 def test_one_warpgroup_tiles():

@@ -83,22 +83,30 @@ def test_fprop_dgrad_wgrad_against_fp64(dtype, H, W, R, S, stride, padding, dila
     _close(w.grad, w64.grad, dtype, "dw")
 
 
-@pytest.mark.parametrize("config", ["wide", "narrow", "narrow, 3 stages"])
+@pytest.mark.parametrize("config", ["wide", "narrow", "narrow, 3 stages", "wide, cooperative",
+                                    "narrow, cooperative"])
 @pytest.mark.parametrize("C, K", [(16, 24), (72, 136), (136, 64), (64, 200)])
 def test_every_tile_and_stage_count(C, K, config, monkeypatch):
     """Each config of the space (configs.space: the wide tile, the narrow one with a deep and with
-    a short pipeline), whatever the heuristic would take, runs every kernel of conv2d's forward
-    and backward (fprop with bias and relu, dgrad, wgrad) against fp64 through autograd."""
+    a short pipeline, the persistent cooperative kernel on tiles of 128 rows), whatever the
+    heuristic would take, runs every kernel of conv2d's forward and backward (fprop with bias
+    and relu, dgrad, wgrad) against fp64 through autograd."""
     from vitrail.op import Op
     from vitrail.ops import conv2d
     from vitrail.ops.conv import configs
     bf = torch.bfloat16
-    tile, _, stages = config.partition(", ")
+    tile, _, rest = config.partition(", ")
 
     def forced(self, problem_key, problem, args=()):
         kind = self.name.split(".")[1]
-        return self.space.config(tile=configs.WIDE if tile == "wide" else configs.NARROW[kind],
-                                 stages=max(configs.STAGES) if stages else 0)
+        narrow = configs.NARROW[kind]
+        # wgrad's narrow tile has 64 rows, and chunked or phased launches are not persistent:
+        # those keep the non-persistent kernel
+        coop = rest == "cooperative" and (tile == "wide" or narrow.startswith("128")) and \
+            not any(p in self.name for p in ("partials", "phased"))
+        return self.space.config(tile=configs.WIDE if tile == "wide" else narrow,
+                                 stages=max(configs.STAGES) if rest == "3 stages" else 0,
+                                 schedule="cooperative" if coop else "warpspecialized")
     monkeypatch.setattr(Op, "config", forced)
     x, w = _tensors(3, C, 33, 7, K, 3, 3, bf, seed=9)
     b = torch.randn(K, device="cuda").to(bf)
@@ -183,6 +191,50 @@ def test_gemm_level_arguments_fprop_with_residual():
     want = torch.nn.functional.conv2d(x.double(), w.double(), padding=1).permute(0, 2, 3, 1) \
         + 0.5 * c.double()
     _close(args.output, want, torch.bfloat16, "y + 0.5 c")
+
+
+@pytest.mark.parametrize("kind", ["fprop", "dgrad", "wgrad"])
+def test_cooperative_kernels(kind):
+    """TileDescription(kernel_schedule='cooperative'): the conv mainloop under the GEMM's
+    persistent cooperative kernel (include/vitrail/sm90_conv_cooperative.cuh), on problems of
+    more tiles than SMs (each CTA loops) with partial tiles at both edges: every element of a
+    NaN-filled output written, each against fp64. fprop with its bias and relu and a strided,
+    dilated, padded geometry; dgrad at unit stride; wgrad's long K (N P Q)."""
+    from vitrail.gemm import (ConvArguments, ConvOperation, LinearCombination, MathInstruction,
+                              TensorDescription, TileDescription)
+    t = TensorDescription("bf16")
+    tile = TileDescription((128, 128, 64), kernel_schedule="cooperative")
+    fprop = kind == "fprop"
+    op = ConvOperation(kind, t, t, t, MathInstruction("bf16", "bf16"), tile,
+                       LinearCombination("bf16", bias="col" if fprop else None,
+                                         activation="relu" if fprop else None))
+    assert "_coop" in op.name
+    N, C, H, W, K = 9, 40, 37, 29, 200
+    stride, dilation = (2, 2) if fprop else (1, 1)
+    x, w = _tensors(N, C, H, W, K, 3, 3, torch.bfloat16, seed=11)
+    b = torch.randn(K, device="cuda").to(torch.bfloat16)
+    nhwc = (lambda v: v.permute(0, 2, 3, 1))
+    x64, w64 = x.double(), w.double()
+    y64 = torch.nn.functional.conv2d(x64, w64, padding=2, stride=stride, dilation=dilation)
+    dy = torch.randn(y64.shape, device="cuda").to(torch.bfloat16).contiguous(
+        memory_format=torch.channels_last)
+    if fprop:
+        d = torch.full(nhwc(y64).shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+        args = ConvArguments.from_tensors(op, nhwc(x), nhwc(w), d, bias=b, padding=2,
+                                          stride=stride, dilation=dilation)
+        want = torch.relu(y64 + b.double()[None, :, None, None])
+    elif kind == "dgrad":
+        d = torch.full(nhwc(x).shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+        args = ConvArguments.from_tensors(op, nhwc(dy), nhwc(w), d, padding=2)
+        want = torch.nn.grad.conv2d_input(x.shape, w64, dy.double(), padding=2)
+    else:
+        d = torch.full(nhwc(w).shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+        args = ConvArguments.from_tensors(op, nhwc(dy), nhwc(x), d, padding=2)
+        want = torch.nn.grad.conv2d_weight(x64, w.shape, dy.double(), padding=2)
+    assert op.can_implement(args) == [], op.can_implement(args)
+    op.run(args)
+    assert not d.isnan().any(), f"{kind}: {int(d.isnan().sum())} elements not written"
+    _close(d, nhwc(want), torch.bfloat16, f"cooperative {kind}")
 
 
 @pytest.mark.parametrize("stride", [1, 2])

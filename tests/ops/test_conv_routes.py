@@ -413,16 +413,22 @@ def test_the_space_offers_the_narrow_tile_two_ctas_an_sm():
     narrow tile with configs.STAGES' few, whose shared memory (the operation's estimate, and
     the 1 KiB the SM keeps a CTA) lets two CTAs share an SM; the wide tile takes no stage count
     (one CTA an SM). A stage count is part of the kernel's name (its own build); none leaves
-    the kernels as they were."""
+    the kernels as they were. Tiles of 128 rows may also run the persistent cooperative
+    kernel, at deep stages."""
     from vitrail.device import target_limits
     from vitrail.ops.conv import configs
     lim = target_limits("90a")
+    ws, coop = configs.SCHEDULES
     for kind in ("fprop", "dgrad", "wgrad"):
         space = configs.space(kind)
-        valid = {(c["tile"], c["stages"]) for c in space.valid(lim)}
+        valid = {(c["tile"], c["stages"], c["schedule"]) for c in space.valid(lim)}
         few = max(configs.STAGES)
-        assert valid == {(configs.WIDE, 0), (configs.NARROW[kind], 0),
-                         (configs.NARROW[kind], few)}, kind
+        # the cooperative kernel: tiles of 128 rows (wgrad's narrow tile has 64), deep stages
+        narrow_coop = {(configs.NARROW[kind], 0, coop)} if kind != "wgrad" else set()
+        assert valid == {(configs.WIDE, 0, ws), (configs.NARROW[kind], 0, ws),
+                         (configs.NARROW[kind], few, ws), (configs.WIDE, 0, coop)} | narrow_coop
+        # wgrad's chunks and dgrad's phases in one launch: the non-persistent kernel only
+        assert {c["schedule"] for c in configs.space(kind, False).valid(lim)} == {ws}
         narrow = configs.tile({"tile": configs.NARROW[kind]})
         op = C2D.operation(kind, torch.bfloat16, tile=narrow, stages=few)
         assert 2 * (op.smem_bytes(few) + 1024) <= lim.shared_per_sm, (kind, op.smem_bytes(few))
@@ -450,7 +456,8 @@ def test_the_heuristics_tile(kind, k, c, taps, pixels, tile, stages):
     """configs.heuristic on 132 SMs (the arch's default count where no GPU gives one)."""
     from vitrail.device import target_limits
     from vitrail.ops.conv import configs
-    want = {"tile": configs.WIDE if tile == "wide" else configs.NARROW[kind], "stages": stages}
+    want = {"tile": configs.WIDE if tile == "wide" else configs.NARROW[kind], "stages": stages,
+            "schedule": "warpspecialized"}
     problem = configs.Problem(kind, k, c, taps, pixels)
     for lim in (target_limits("90a"), None):
         assert dict(configs.space(kind).default(problem, lim)) == want

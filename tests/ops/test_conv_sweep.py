@@ -43,8 +43,9 @@ def test_the_report_is_the_heuristics_loss_against_the_fastest_config():
     mean and worst, judged with the heuristic as it is (a config it would not take costs what
     it measured; a problem whose chosen config has no time counts as infinitely worse)."""
     from vitrail.ops.conv.configs import NARROW, WIDE, Problem
-    wide, narrow, short = (f"tile={WIDE},stages=0", f"tile={NARROW['fprop']},stages=0",
-                           f"tile={NARROW['fprop']},stages=3")
+    ws = ",schedule=warpspecialized"
+    wide, narrow, short = (f"tile={WIDE},stages=0{ws}", f"tile={NARROW['fprop']},stages=0{ws}",
+                           f"tile={NARROW['fprop']},stages=3{ws}")
     c64 = Problem("fprop", 64, 64, 9, 1 << 19)  # the heuristic: narrow, 3 stages
     c512 = Problem("fprop", 512, 512, 9, 1 << 15)  # the heuristic: wide
     rows = [_row("resnet50", "fprop", c64, {wide: 2.0, narrow: 1.5, short: 1.0}),

@@ -18,8 +18,10 @@ descriptors on the host from the problem shape at each launch (the mainloop coll
 
 What CUTLASS's sm90 kernels take, and so ``ConvOperation`` emits: the non-persistent
 warp-specialized schedule (one producer warpgroup, one consumer warpgroup, one CTA per output
-tile: ``TileDescription(kernel_schedule='warpspecialized')``; CUTLASS refuses its persistent
-schedules for conv), bf16/fp16 operands with fp32 accumulation, and fp32 operands as TF32 for
+tile: ``TileDescription(kernel_schedule='warpspecialized')``), or the same mainloop under the
+GEMM's persistent cooperative kernel (``kernel_schedule='cooperative'``: two consumer
+warpgroups on a tile of 128 or 256 rows, one CTA an SM; CUTLASS refuses its own persistent
+schedules for conv, include/vitrail/sm90_conv_cooperative.cuh bridges them), bf16/fp16 operands with fp32 accumulation, and fp32 operands as TF32 for
 fprop (TF32's wgmma reads both operands K-major: fprop's x and w are, dgrad's w and wgrad's
 operands are not; FP8 and int8 exist in CUTLASS and are not emitted here yet), no groups, 2-D
 only. The runtime checks
@@ -132,16 +134,25 @@ class ConvOperation(Buildable):
             raise ValueError("ConvOperation: phased is a strided dx's stride phases in one "
                              "launch: dgrad only, without a source C, cluster 1x1x1 (a CTA "
                              "outside its phase's tiles returns at once)")
-        if t.kernel_schedule != "warpspecialized":
-            raise ValueError(f"ConvOperation: kernel_schedule={t.kernel_schedule!r}: CUTLASS's "
-                             f"sm90 implicit-GEMM convolutions run the non-persistent "
-                             f"'warpspecialized' schedule only (its persistent ones are refused "
-                             f"for conv); use TileDescription(..., "
-                             f"kernel_schedule='warpspecialized')")
+        if t.kernel_schedule not in ("warpspecialized", "cooperative"):
+            raise ValueError(f"ConvOperation: kernel_schedule={t.kernel_schedule!r}: expected "
+                             f"'warpspecialized' (CUTLASS's sm90 implicit-GEMM kernel: one "
+                             f"consumer warpgroup, one CTA a tile) or 'cooperative' (the "
+                             f"GEMM's persistent cooperative kernel on the same mainloop)")
+        if t.kernel_schedule == "cooperative":
+            if t.tile_shape[0] % 128:
+                raise ValueError(f"ConvOperation: a cooperative tile splits its rows between "
+                                 f"two warpgroups of 64-row wgmmas: tile M {t.tile_shape[0]} "
+                                 f"must be a multiple of 128")
+            if self.chunked or self.phased:
+                raise ValueError("ConvOperation: chunked and phased launches pick their "
+                                 "problem by blockIdx.z and return CTAs outside it, which a "
+                                 "persistent kernel cannot: use kernel_schedule="
+                                 "'warpspecialized' with them")
         if t.tile_scheduler != "persistent":
-            raise ValueError("ConvOperation: the 'warpspecialized' kernel has no stream-K "
-                             "scheduler; leave TileDescription.tile_scheduler='persistent' (one "
-                             "CTA per tile); split-K wgrad is not implemented yet")
+            raise ValueError("ConvOperation: the convolution kernels have no stream-K "
+                             "scheduler; leave TileDescription.tile_scheduler='persistent'; "
+                             "split-K wgrad is not implemented yet")
         check_tile_k(t, a)
         check_stages(t, self.smem_bytes)
 
@@ -169,6 +180,7 @@ class ConvOperation(Buildable):
         cm, cn, _ = self.tile.cluster_shape
         return (f"conv2d_{self.kind}_{self.math.element_a}_{self.D.element}_{tm}x{tn}x{tk}_"
                 f"c{cm}x{cn}" + (f"_s{self.tile.stages}" if self.tile.stages else "")
+                + ("_coop" if self.tile.kernel_schedule == "cooperative" else "")
                 + f"_{self.epilogue.tag}" + ("_chunked" if self.chunked else "")
                 + ("_phased" if self.phased else ""))
 
@@ -237,19 +249,10 @@ using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBui
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
     cutlass::epilogue::collective::EpilogueTileAuto, float, float,
     ElementC, LayoutOut, AlignmentC, ElementD, LayoutOut, AlignmentD,
-    cutlass::epilogue::TmaWarpSpecialized, Callbacks>::CollectiveOp;
-
-using CollectiveMainloop = typename cutlass::conv::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Op,
-    ElementA, LayoutAct, Alignment, ElementB, LayoutAct, Alignment, float,
-    TileShape, ClusterShape, @STAGES@,
-    cutlass::conv::KernelImplicitTmaWarpSpecializedSm90>::CollectiveOp;
+    @EPILOGUE_SCHEDULE@, Callbacks>::CollectiveOp;
 
 using ProblemShape = cutlass::conv::ConvProblemShape<Op, 2>;
-// GemmKernel: the name the launch code shared with the GEMMs uses (emitter.LAUNCH)
-using GemmKernel = cutlass::conv::kernel::ConvUniversal<
-    ProblemShape, CollectiveMainloop, CollectiveEpilogue, cutlass::gemm::PersistentScheduler>;
-
+@KERNEL@
 // act: x (fprop, wgrad) or dx (dgrad), N x H x W x C; flt: w or dw, K x R x S x C;
 // out: y (fprop) or dy (dgrad, wgrad), N x P x Q x K. Strides in elements, channels' is 1.
 ProblemShape make_problem(int n, int h, int w, int c, int k, int r, int s, int pad_h, int pad_w,
@@ -296,8 +299,7 @@ typename GemmKernel::Arguments make_arguments(
   using StrideC = typename GemmKernel::StrideC;
   using StrideD = typename GemmKernel::StrideD;
   typename GemmKernel::Arguments args{
-      problem,
-      {static_cast<ElementA const*>(A), static_cast<ElementB const*>(B)},
+@ARGUMENTS_HEAD@
       {@CALLBACK_ARGS@,
        @C_POINTER@, output_stride<StrideC>(@C_STRIDES@),
        static_cast<ElementD*>(D), output_stride<StrideD>(d_strides)},
@@ -336,6 +338,34 @@ extern "C" int @ENTRY@(
 @RUN@
 }
 """
+
+# The kernel of each schedule; GemmKernel is the name the launch code shared with the GEMMs uses
+# (emitter.LAUNCH). 'warpspecialized': CUTLASS's own (non-persistent, one consumer warpgroup);
+# 'cooperative': the GEMM's persistent cooperative kernel
+# (include/vitrail/sm90_conv_cooperative.cuh)
+_KERNELS = {
+    "warpspecialized": (
+        "cutlass::epilogue::TmaWarpSpecialized", r"""using CollectiveMainloop =
+    typename cutlass::conv::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Op,
+    ElementA, LayoutAct, Alignment, ElementB, LayoutAct, Alignment, float,
+    TileShape, ClusterShape, @STAGES@,
+    cutlass::conv::KernelImplicitTmaWarpSpecializedSm90>::CollectiveOp;
+using GemmKernel = cutlass::conv::kernel::ConvUniversal<
+    ProblemShape, CollectiveMainloop, CollectiveEpilogue, cutlass::gemm::PersistentScheduler>;
+""", r"""      problem,
+      {static_cast<ElementA const*>(A), static_cast<ElementB const*>(B)},"""),
+    "cooperative": (
+        "cutlass::epilogue::TmaWarpSpecializedCooperative", r"""using CollectiveMainloop =
+    typename vitrail::conv::CooperativeCollective<
+    Op, ElementA, LayoutAct, Alignment, ElementB, LayoutAct, Alignment, float,
+    TileShape, ClusterShape, @STAGES@>::type;
+using GemmKernel = vitrail::conv::CooperativeKernel<ProblemShape, CollectiveMainloop,
+                                                    CollectiveEpilogue>;
+""", r"""      cutlass::gemm::GemmUniversalMode::kGemm,
+      cutlass::conv::detail::get_transformed_problem_shape_MNKL(problem),
+      {problem, {static_cast<ElementA const*>(A), static_cast<ElementB const*>(B)}},"""),
+}
 
 # fprop and dgrad: one problem, one launch (the GEMMs' LAUNCH)
 _RUN = r"""  if (splits != 1 || phases != nullptr) return -9;
@@ -491,7 +521,8 @@ _RUN_PHASES = r"""  if (splits < 1 || splits > kMaxPhases || phases == nullptr) 
 """ + cluster_launch("vitrail_conv_phases", "params", "config.gridDim = grid;")
 
 # the template's text, all its parts: what keys the tuning records of conv2d's kernels
-KERNEL_SOURCE = _TEMPLATE + _RUN + _CHUNKS + _RUN_CHUNKS + _PHASES + _RUN_PHASES
+KERNEL_SOURCE = (_TEMPLATE + "".join("".join(k) for k in _KERNELS.values()) + _RUN + _CHUNKS
+                 + _RUN_CHUNKS + _PHASES + _RUN_PHASES)
 _OPERATORS = {"fprop": "kFprop", "dgrad": "kDgrad", "wgrad": "kWgrad"}
 # the strides of D's tensor among the entry's: y (fprop), dx (dgrad), dw (wgrad)
 _D_STRIDES = {"fprop": "out", "dgrad": "act", "wgrad": "flt"}
@@ -543,7 +574,12 @@ def emit(op: ConvOperation) -> str:
         "D_STRIDES": _D_STRIDES[op.kind], "KIND_CHECKS": kind_checks,
         "MAX_CHUNKS": str(MAX_CHUNKS),
     }
+    epilogue_schedule, kernel, arguments_head = _KERNELS[tile.kernel_schedule]
+    subs.update(EPILOGUE_SCHEDULE=epilogue_schedule, ARGUMENTS_HEAD=arguments_head)
+    if tile.kernel_schedule == "cooperative":
+        subs["PREAMBLE"] = "#include <vitrail/sm90_conv_cooperative.cuh>\n" + subs["PREAMBLE"]
     run, extra = ((_RUN_CHUNKS, _CHUNKS) if op.chunked else
                   (_RUN_PHASES, _PHASES) if op.phased else (_RUN, ""))
-    template = _TEMPLATE.replace("@RUN@", run).replace("@CHUNKS@", extra)
+    template = (_TEMPLATE.replace("@KERNEL@", kernel).replace("@RUN@", run)
+                .replace("@CHUNKS@", extra))
     return fill(template, subs, op.wgmma_n)

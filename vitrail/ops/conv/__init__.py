@@ -59,10 +59,11 @@ functorch transforms and double backward go through the custom ops.
 
 Kernel choice: the implicit-GEMM kernels are an op family (``FAMILY``, vitrail.op.OpFamily),
 a variant (configs.Variant: kind, dtype, epilogue, wgrad's partials, dgrad's phases) an Op whose
-space is its CTA tile and pipeline stages (configs.space): the heuristic's 128x128x64, or a
-64-wide side where the GEMM's side is at most 64 channels, each with as many stages as fit;
-PickBest also times the narrow tile with few stages, two CTAs an SM (but not for the phased
-dgrad, whose phase table a scratch copy cannot hold: the heuristic's).
+space is its CTA tile, pipeline stages and kernel (configs.space): the heuristic's 128x128x64,
+or a 64-wide side where the GEMM's side is at most 64 channels, each with as many stages as
+fit, on CUTLASS's non-persistent kernel; PickBest also times the narrow tile with few stages,
+two CTAs an SM, and tiles of 128 rows on the persistent cooperative kernel (but not for the
+phased dgrad, whose phase table a scratch copy cannot hold: the heuristic's).
 """
 from __future__ import annotations
 
@@ -107,12 +108,13 @@ _OPS: dict[tuple, ConvOperation] = {}
 def operation(kind: str, dtype: torch.dtype, bias: bool = False,
               activation: Optional[str] = None, partials: bool = False,
               tile: tuple[int, int, int] = (128, 128, 64), phased: bool = False,
-              stages: int = 0) -> ConvOperation:
+              stages: int = 0, schedule: str = "warpspecialized") -> ConvOperation:
     """The ConvOperation of ``kind`` on ``dtype`` tensors with this epilogue, tile and pipeline
-    stages (0: as many as fit; built once); partials: wgrad's chunked kernel, writing fp32
-    partial sums (wgrad_chunks); phased: dgrad's stride phases in one launch. The tile's K is
-    in 16-bit elements (128 bytes at 64): fp32's (TF32) takes half as many."""
-    key = (kind, dtype, bias, activation, partials, tile, phased, stages)
+    stages (0: as many as fit; built once) and kernel (configs.SCHEDULES); partials: wgrad's
+    chunked kernel, writing fp32 partial sums (wgrad_chunks); phased: dgrad's stride phases in
+    one launch. The tile's K is in 16-bit elements (128 bytes at 64): fp32's (TF32) takes half
+    as many."""
+    key = (kind, dtype, bias, activation, partials, tile, phased, stages, schedule)
     op = _OPS.get(key)
     if op is None:
         el = ELEMENTS[dtype]
@@ -121,7 +123,7 @@ def operation(kind: str, dtype: torch.dtype, bias: bool = False,
         op = _OPS[key] = ConvOperation(
             kind, TensorDescription(el), TensorDescription(el), TensorDescription(out),
             MathInstruction(el, el),
-            TileDescription(shape, stages=stages, kernel_schedule="warpspecialized"),
+            TileDescription(shape, stages=stages, kernel_schedule=schedule),
             LinearCombination(out, bias="col" if bias else None, activation=activation),
             chunked=partials, phased=phased)
     return op
@@ -163,7 +165,8 @@ def _operation(variant: Variant, config) -> ConvOperation:
     """The ConvOperation of a variant of the family at a config (its tile and stages)."""
     kind, dtype, bias, activation, partials, phased = variant
     return operation(kind, dtype, bias, activation, partials=partials,
-                     tile=configs.tile(config), phased=phased, stages=config["stages"])
+                     tile=configs.tile(config), phased=phased, stages=config["stages"],
+                     schedule=config["schedule"])
 
 
 def prepared_operation(variant: Variant, config, a, b, d, bias, padding, stride, dilation, pad_hi,
@@ -188,7 +191,8 @@ def _variant(key: Variant) -> dict:
         if why:
             raise LaunchError(_refused(key.kind, why))
         launch(op, module, args)
-    return dict(name=key.name, space=configs.space(key.kind), kernel_source=KERNEL_SOURCE,
+    return dict(name=key.name, space=configs.space(key.kind, not (key.partials or key.phased)),
+                kernel_source=KERNEL_SOURCE,
                 render=render, launch=run, examples=configs.examples(key.kind),
                 shape=configs.SHAPE)  # make_problem: problems.py's (vitrail.ops.load_all)
 

@@ -31,6 +31,11 @@ WIDE, NARROW = "128x128x64", {"wgrad": "64x128x64", "fprop": "128x64x64", "dgrad
 # narrow tile leave room for a second CTA on the SM (its registers allow two), whose mainloop
 # runs beside the other's prologue and epilogue. The wide tile's registers allow one CTA an SM.
 STAGES = (0, 3)
+# Kernels: CUTLASS's non-persistent one (one consumer warpgroup, one CTA a tile) and the GEMM's
+# persistent cooperative kernel on the same mainloop (two consumer warpgroups on a tile of 128
+# rows, a CTA an SM looping over tiles: include/vitrail/sm90_conv_cooperative.cuh). The heuristic
+# takes the first until a sweep says where the second wins; PickBest times both.
+SCHEDULES = ("warpspecialized", "cooperative")
 # the dims of `vitrail tune conv2d.<kind>.<dtype> --shape` (problems.py makes the problem)
 SHAPE = "NxCxHxWxKxR"
 
@@ -77,26 +82,42 @@ def tile(config) -> tuple[int, int, int]:
 
 def heuristic(kind: str):
     def choose(problem: Optional[Problem], lim) -> dict:
+        ws = SCHEDULES[0]
         if problem is None:  # precompile: the wide tile
-            return {"tile": WIDE, "stages": 0}
+            return {"tile": WIDE, "stages": 0, "schedule": ws}
         side = problem.c if kind == "dgrad" else problem.k
         if side <= 64:
-            return {"tile": NARROW[kind], "stages": 0 if kind == "wgrad" else max(STAGES)}
+            return {"tile": NARROW[kind], "stages": 0 if kind == "wgrad" else max(STAGES),
+                    "schedule": ws}
         sms = (lim.sm_count if lim is not None else None) or DEFAULT_SM_COUNT
         wide_tiles = -(-problem.pixels // 128) * -(-side // 128)
         if kind != "wgrad" and 2 * wide_tiles <= sms:
-            return {"tile": NARROW[kind], "stages": 0}
-        return {"tile": WIDE, "stages": 0}
+            return {"tile": NARROW[kind], "stages": 0, "schedule": ws}
+        return {"tile": WIDE, "stages": 0, "schedule": ws}
     return choose
 
 
-def space(kind: str) -> Space:
-    """A kind's tiles, the wide one and the one with a 64-wide channel side, and their pipeline
-    stages (STAGES; the wide tile's as many as fit)."""
-    return Space({"tile": [WIDE, NARROW[kind]], "stages": list(STAGES)},
+def space(kind: str, persistent: bool = True) -> Space:
+    """A kind's tiles, the wide one and the one with a 64-wide channel side, their pipeline
+    stages (STAGES; the wide tile's as many as fit) and kernels (SCHEDULES; persistent: the
+    variant's launch may take the persistent one, which wgrad's chunks and dgrad's phases in one
+    launch may not)."""
+    def coop(c) -> bool:
+        return c["schedule"] == "cooperative"
+    return Space({"tile": [WIDE, NARROW[kind]], "stages": list(STAGES),
+                  "schedule": list(SCHEDULES)},
                  constraints=[require(lambda c, lim: c["tile"] != WIDE or not c["stages"],
                                       "the wide tile runs one CTA an SM: its stages fill "
-                                      "shared memory")],
+                                      "shared memory"),
+                              require(lambda c, lim: not coop(c) or tile(c)[0] == 128,
+                                      "the cooperative kernel splits a tile's 128 rows between "
+                                      "two warpgroups"),
+                              require(lambda c, lim: not coop(c) or not c["stages"],
+                                      "the cooperative kernel runs one CTA an SM: its stages "
+                                      "fill shared memory"),
+                              require(lambda c, lim: not coop(c) or persistent,
+                                      "wgrad's chunks and dgrad's phases pick their problem by "
+                                      "blockIdx.z: the non-persistent kernel only")],
                  heuristic=heuristic(kind))
 
 
