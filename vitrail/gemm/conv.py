@@ -21,10 +21,10 @@ warp-specialized schedule (one producer warpgroup, one consumer warpgroup, one C
 tile: ``TileDescription(kernel_schedule='warpspecialized')``), or the same mainloop under the
 GEMM's persistent cooperative kernel (``kernel_schedule='cooperative'``: two consumer
 warpgroups on a tile of 128 or 256 rows, one CTA an SM; CUTLASS refuses its own persistent
-schedules for conv, include/vitrail/sm90_conv_cooperative.cuh bridges them), bf16/fp16 operands with fp32 accumulation, and fp32 operands as TF32 for
-fprop (TF32's wgmma reads both operands K-major: fprop's x and w are, dgrad's w and wgrad's
-operands are not; FP8 and int8 exist in CUTLASS and are not emitted here yet), no groups, 2-D
-only. The runtime checks
+schedules for conv, include/vitrail/sm90_conv_cooperative.cuh bridges them); bf16/fp16
+operands with fp32 accumulation, and fp32 operands as TF32 for fprop (TF32's wgmma reads both
+operands K-major: fprop's x and w are, dgrad's w and wgrad's operands are not; FP8 and int8
+exist in CUTLASS and are not emitted here yet), no groups, 2-D only. The runtime checks
 (``can_implement``) follow the collective's own: 16-byte aligned channels and strides, padding
 and filter extents within the TMA im2col limits, dgrad at unit stride (CUTLASS's tests run its
 sm90 dgrad at stride 1 only), wgrad on packed dy and dw.
