@@ -38,6 +38,22 @@ def _row(network, kind, problem, ms):
             "problem": problem._asdict(), "sms": 132, "ms": ms, "errors": {}}
 
 
+def test_the_report_compares_the_cooperative_kernel():
+    """The report's last lines: per kind, the fastest cooperative config's speed over the fastest
+    non-persistent config's, on the problems where both ran."""
+    from vitrail.ops.conv.configs import WIDE, Problem
+    ws, coop = (f"tile={WIDE},stages=0,schedule={s}" for s in ("warpspecialized", "cooperative"))
+    p = Problem("fprop", 512, 512, 9, 1 << 15)
+    rows = [_row("resnet50", "fprop", p, {ws: 2.0, coop: 1.0}),
+            _row("unet", "fprop", p, {ws: 1.0, coop: 2.0}),
+            _row("unet", "dgrad", p._replace(kind="dgrad"), {ws: 1.0, coop: None})]
+    lines = sweep.report(rows)
+    fprop = next(line for line in lines if line.split()[:2] == ["fprop", "2"]).split()
+    assert float(fprop[2]) == pytest.approx(1.0) and fprop[3:5] == ["0.50", "2.00"]
+    assert "resnet50 " in lines[-1]  # where it is fastest
+    assert not any(line.split()[:1] == ["dgrad"] for line in lines)  # no cooperative time
+
+
 def test_the_report_is_the_heuristics_loss_against_the_fastest_config():
     """Each part and kind: the heuristic's config's time over the fastest config's, geometric
     mean and worst, judged with the heuristic as it is (a config it would not take costs what

@@ -178,6 +178,31 @@ def report(rows: list[dict]) -> list[str]:
         worst, name = max(losses)
         lines.append(f"  {where:<10}{kind:<7}{len(losses):>9}{geo:>9.3f}{worst:>7.2f}  {name}")
     lines.append("  loss: the heuristic's config's time over the problem's fastest config's")
+    return lines + _schedules(rows)
+
+
+def _schedules(rows: list[dict]) -> list[str]:
+    """Per kind, the fastest cooperative config's speed over the fastest non-persistent one's
+    (configs.SCHEDULES), on the problems where both ran: what the heuristic would gain taking
+    the persistent kernel, and where."""
+    speedups: dict[str, list[tuple[float, str]]] = {}
+    for row in rows:
+        best: dict[str, float] = {}
+        for label, ms in row["ms"].items():
+            if ms:
+                coop = "schedule=cooperative" in label
+                key = "coop" if coop else "ws"
+                best[key] = min(best.get(key, math.inf), ms)
+        if len(best) == 2:
+            speedups.setdefault(row["kind"], []).append((best["ws"] / best["coop"], row["case"]))
+    if not speedups:
+        return []
+    lines = [f"  {'kind':<7}{'problems':>9}{'geomean':>9}{'worst':>7}{'best':>7}  "
+             f"(cooperative: its fastest config over the non-persistent kernel's; > 1 faster)"]
+    for kind, values in sorted(speedups.items()):
+        geo = math.exp(sum(math.log(v) for v, _ in values) / len(values))
+        lines.append(f"  {kind:<7}{len(values):>9}{geo:>9.3f}{min(values)[0]:>7.2f}"
+                     f"{max(values)[0]:>7.2f}  best on {max(values)[1]}")
     return lines
 
 
