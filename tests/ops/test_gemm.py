@@ -132,6 +132,25 @@ def prepared_reasons(kind, problem, tensors):
     return op.can_implement(args)
 
 
+def test_a_kinds_name_tells_its_output_type():
+    """Kinds that differ in their output's type only have names of their own (the name keys
+    their tuning records); the usual output (the 16-bit inputs' own, fp32 for TF32, bf16 for
+    FP8) keeps the short name."""
+    from vitrail.gemm import LinearCombination
+    from vitrail.gemm.ops.configs import Kind
+
+    def kind(el, out, **kw):
+        return Kind(el, el, "row", "row", LinearCombination(out, **kw))
+    assert kind("bf16", "bf16").name == "gemm.bf16.rrr.lincomb"
+    assert kind("bf16", "f32").name == "gemm.bf16.rrr.lincomb.out_f32"
+    assert kind("tf32", "f32").name == "gemm.tf32.rrr.lincomb"
+    scales = dict(scale_a="tensor", scale_b="tensor")
+    assert kind("e4m3", "bf16", **scales).name == "gemm.e4m3.rrr.lincomb_stt"
+    assert kind("e4m3", "f16", **scales).name == "gemm.e4m3.rrr.lincomb_stt.out_f16"
+    names = {kind(el, out).name for el in ("bf16", "f16") for out in ("bf16", "f16", "f32")}
+    assert len(names) == 6
+
+
 def test_the_epilogue_benchmark_times_every_epilogue_on_the_plain_ones_config():
     """`vitrail bench gemm-epilogues` (issue 28, item 4): per shape, every activation, a bias,
     a clamp and beta * C, each a kernel of its own, all on the one config of the plain kernel

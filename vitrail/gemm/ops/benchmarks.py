@@ -216,7 +216,7 @@ def build_epilogues() -> None:
         kw = dict(op.render(config), arch=lim.arch.name)
         if kw not in kwargs:
             kwargs.append(kw)
-    for i, error in compile_all(list(enumerate(kwargs)), verbose=True,
+    for _, error in compile_all(list(enumerate(kwargs)), verbose=True,
                                 label="gemm epilogues").items():
         print(f"  build failed: {error[:2000]}")
 

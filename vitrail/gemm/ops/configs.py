@@ -50,9 +50,14 @@ class Kind:
 
     @property
     def name(self) -> str:
-        return (f"gemm.{self.element}{'' if self.element_b == self.element else '_' + self.element_b}"
-                f".{self.layout_a[0]}{self.layout_b[0]}r.{self.epilogue.tag}"
-                + (".fast" if self.fast_accum else ""))
+        """gemm.bf16.rcr.lincomb_biascol_gelu, gemm.e4m3.rcr.lincomb_stt.fast, ...; an output
+        type other than the inputs' usual one (their own for 16-bit inputs, fp32 for TF32, bf16
+        for FP8) is named too (gemm.bf16.rrr.lincomb.out_f32): the name keys tuning records."""
+        usual = {"bf16": "bf16", "f16": "f16", "tf32": "f32"}.get(self.element, "bf16")
+        out = self.epilogue.element_output
+        b = "" if self.element_b == self.element else "_" + self.element_b
+        return (f"gemm.{self.element}{b}.{self.layout_a[0]}{self.layout_b[0]}r.{self.epilogue.tag}"
+                + (".fast" if self.fast_accum else "") + ("" if out == usual else f".out_{out}"))
 
 
 @dataclass(frozen=True)
