@@ -251,7 +251,6 @@ using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBui
     ElementC, LayoutOut, AlignmentC, ElementD, LayoutOut, AlignmentD,
     @EPILOGUE_SCHEDULE@, Callbacks>::CollectiveOp;
 
-using ProblemShape = cutlass::conv::ConvProblemShape<Op, 2>;
 @KERNEL@
 // act: x (fprop, wgrad) or dx (dgrad), N x H x W x C; flt: w or dw, K x R x S x C;
 // out: y (fprop) or dy (dgrad, wgrad), N x P x Q x K. Strides in elements, channels' is 1.
@@ -339,32 +338,41 @@ extern "C" int @ENTRY@(
 }
 """
 
-# The kernel of each schedule; GemmKernel is the name the launch code shared with the GEMMs uses
-# (emitter.LAUNCH). 'warpspecialized': CUTLASS's own (non-persistent, one consumer warpgroup);
-# 'cooperative': the GEMM's persistent cooperative kernel
-# (include/vitrail/sm90_conv_cooperative.cuh)
-_KERNELS = {
-    "warpspecialized": (
-        "cutlass::epilogue::TmaWarpSpecialized", r"""using CollectiveMainloop =
-    typename cutlass::conv::collective::CollectiveBuilder<
+_WARPSPECIALIZED = r"""
+using CollectiveMainloop = typename cutlass::conv::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Op,
     ElementA, LayoutAct, Alignment, ElementB, LayoutAct, Alignment, float,
     TileShape, ClusterShape, @STAGES@,
     cutlass::conv::KernelImplicitTmaWarpSpecializedSm90>::CollectiveOp;
+
+using ProblemShape = cutlass::conv::ConvProblemShape<Op, 2>;
+// GemmKernel: the name the launch code shared with the GEMMs uses (emitter.LAUNCH)
 using GemmKernel = cutlass::conv::kernel::ConvUniversal<
     ProblemShape, CollectiveMainloop, CollectiveEpilogue, cutlass::gemm::PersistentScheduler>;
-""", r"""      problem,
-      {static_cast<ElementA const*>(A), static_cast<ElementB const*>(B)},"""),
-    "cooperative": (
-        "cutlass::epilogue::TmaWarpSpecializedCooperative", r"""using CollectiveMainloop =
-    typename vitrail::conv::CooperativeCollective<
+"""[1:]
+_COOPERATIVE = r"""
+using CollectiveMainloop = typename vitrail::conv::CooperativeCollective<
     Op, ElementA, LayoutAct, Alignment, ElementB, LayoutAct, Alignment, float,
     TileShape, ClusterShape, @STAGES@>::type;
+
+using ProblemShape = cutlass::conv::ConvProblemShape<Op, 2>;
+// GemmKernel: the name the launch code shared with the GEMMs uses (emitter.LAUNCH)
 using GemmKernel = vitrail::conv::CooperativeKernel<ProblemShape, CollectiveMainloop,
                                                     CollectiveEpilogue>;
-""", r"""      cutlass::gemm::GemmUniversalMode::kGemm,
-      cutlass::conv::detail::get_transformed_problem_shape_MNKL(problem),
-      {problem, {static_cast<ElementA const*>(A), static_cast<ElementB const*>(B)}},"""),
+"""[1:]
+# Each schedule's epilogue, kernel and the head of its arguments: 'warpspecialized' CUTLASS's
+# own (non-persistent, one consumer warpgroup), 'cooperative' the GEMM's persistent cooperative
+# kernel (include/vitrail/sm90_conv_cooperative.cuh)
+_KERNELS = {
+    "warpspecialized": ("cutlass::epilogue::TmaWarpSpecialized", _WARPSPECIALIZED,
+                        "      problem,\n"
+                        "      {static_cast<ElementA const*>(A), "
+                        "static_cast<ElementB const*>(B)},"),
+    "cooperative": ("cutlass::epilogue::TmaWarpSpecializedCooperative", _COOPERATIVE,
+                    "      cutlass::gemm::GemmUniversalMode::kGemm,\n"
+                    "      cutlass::conv::detail::get_transformed_problem_shape_MNKL(problem),\n"
+                    "      {problem, {static_cast<ElementA const*>(A), "
+                    "static_cast<ElementB const*>(B)}},"),
 }
 
 # fprop and dgrad: one problem, one launch (the GEMMs' LAUNCH)
