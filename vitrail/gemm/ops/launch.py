@@ -228,6 +228,9 @@ def _torch_plan(a, b, *rest) -> tuple[torch.Tensor]:
 _torch_plan.native = {"kind": "matmul", "used": (0, 1)}  # the C++ hit path calls at::matmul
 
 
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def _torch_sequence(d, a, b, c, bias, alpha, beta, activation, slope, clamp_min, clamp_max,
                     scale_a, scale_b, matmul: bool = True) -> None:
     """d = what the kernel computes, by torch's ops: the reference's sequence (fp32 products of
@@ -244,9 +247,6 @@ def _torch_sequence(d, a, b, c, bias, alpha, beta, activation, slope, clamp_min,
                            slope=slope, clamp_min=clamp_min, clamp_max=clamp_max,
                            scale_a=scale_a, scale_b=scale_b, out_dtype=d.dtype,
                            compute_dtype=compute))
-
-
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def native_ok(a, *_) -> bool:

@@ -17,8 +17,9 @@ together do that work).
 
 A layer the op refuses is a row of value 0 whose ``extra["refused"]`` says why, decided by
 vitrail.ops.conv.reasons on meta tensors, beside cuDNN's row; it enters no speedup (none is: the
-3-channel stems of ResNet-50 and ConvNeXt-T and the U-Net's 4-channel conv_in and conv_out run
-on channels zero-padded to 8, as TMA reads 16-byte channel vectors). The run ends with a table
+3-channel stems of ResNet-50 and ConvNeXt-T and the U-Net's 4-channel conv_in run fprop and
+wgrad as GEMMs over x's patches and dgrad, like the 4-channel conv_out, on channels
+zero-padded to 8, as TMA reads 16-byte channel vectors). The run ends with a table
 per network and kind: the geometric mean of vitrail's speedups over cuDNN, the worst and best
 layer, and the speedup of the network's convolutions taken together (each layer's time times its
 count).
@@ -71,7 +72,7 @@ L = Layer
 # convolutions, 23 geometries; the name is the first convolution of each geometry (a stage's
 # first conv3 has the geometry of its downsample in layer1, of its blocks' conv3 after that).
 RESNET50 = [
-    L("conv1", 3, 224, 224, 64, 7, 7, 2, 3),  # C=3: zero-padded to 8
+    L("conv1", 3, 224, 224, 64, 7, 7, 2, 3),  # C=3: patches (dgrad zero-padded)
     L("layer1.0.conv1", 64, 56, 56, 64, 1, 1, 1, 0),
     L("layer1.0.conv2", 64, 56, 56, 64, 3, 3, 1, 1, count=3),
     L("layer1.0.conv3", 64, 56, 56, 256, 1, 1, 1, 0, count=4),  # and layer1.0.downsample
@@ -101,11 +102,12 @@ RESNET50 = [
 # at a 64x64 latent: its 66 convolutions, 31 geometries. Included: conv_in (4 channels in),
 # each ResNet block's two 3x3 convs and its 1x1 shortcut where its channels change, the three
 # stride-2 downsamplers, the three upsamplers' 3x3 convs (after the nearest 2x upsampling),
-# conv_out (4 channels out). conv_in (C=4) and conv_out (K=4) run on channels zero-padded to 8
-# (TMA's 16-byte vectors). Not included: the transformer blocks' proj_in / proj_out
-# (1x1 convs in SD 1.x, linear layers in SD 2.x: GEMMs, `vitrail bench gemm`'s subject).
+# conv_out (4 channels out). conv_in (C=4) runs fprop and wgrad as GEMMs over its patches,
+# conv_out (K=4) on channels zero-padded to 8 (TMA's 16-byte vectors). Not included: the
+# transformer blocks' proj_in / proj_out (1x1 convs in SD 1.x, linear layers in SD 2.x: GEMMs,
+# `vitrail bench gemm`'s subject).
 UNET = [
-    L("conv_in", 4, 64, 64, 320, 3, 3, 1, 1),  # C=4: zero-padded to 8
+    L("conv_in", 4, 64, 64, 320, 3, 3, 1, 1),  # C=4: patches (dgrad zero-padded)
     L("down0.res0.conv1", 320, 64, 64, 320, 3, 3, 1, 1, count=7),  # and up3's conv2s
     L("down0.downsample", 320, 64, 64, 320, 3, 3, 2, 1),
     L("down1.res0.conv1", 320, 32, 32, 640, 3, 3, 1, 1),
@@ -139,10 +141,10 @@ UNET = [
 ]
 
 # torchvision's ConvNeXt-T at 224x224: its 22 convolutions, 8 geometries: the 4x4/4 stem (3
-# channels in: zero-padded to 8), each stage's depthwise 7x7s (3, 3, 9, 3 blocks) and the 2x2/2
-# downsamplers between stages. (Each block's two pointwise layers are linear layers: GEMMs.)
+# channels in: GEMMs over its patches), each stage's depthwise 7x7s (3, 3, 9, 3 blocks) and the
+# 2x2/2 downsamplers between stages. (Each block's two pointwise layers are linear layers: GEMMs.)
 CONVNEXT_T = [
-    L("stem", 3, 224, 224, 96, 4, 4, 4, 0),  # C=3: zero-padded to 8
+    L("stem", 3, 224, 224, 96, 4, 4, 4, 0),  # C=3: patches (dgrad zero-padded)
     L("stage0.dwconv", 96, 56, 56, 96, 7, 7, 1, 3, count=3, groups=96),
     L("down1", 96, 56, 56, 192, 2, 2, 2, 0),
     L("stage1.dwconv", 192, 28, 28, 192, 7, 7, 1, 3, count=3, groups=192),
