@@ -149,29 +149,34 @@ def test_the_benchmark_registers_as_conv():
 
 
 def test_the_no_gpu_build_list_is_what_the_rows_run():
-    """operations(): each kind's kernel once; narrow tiles with a short pipeline for ResNet's
-    64-channel layers (the chunked wgrad's a deep one), the chunked wgrad where a layer's dw is
-    small against its batch, the one-pass wgrad where it fills the GPU, the phased dgrad of the
-    strided layers, each network's fused activation, narrow tiles with a deep pipeline for the
-    U-Net's 8x8 maps (whose wide tiles would fill half the GPU; its strided dgrad's four phases
-    in one launch fill more); ConvNeXt's 2x2/2 downsamplers take kernels of these, and the
-    depthwise layers none (their kernels are NVRTC ones). The 3- and 4-channel layers, zero-padded
-    to 8 channels, take the narrow tiles: ResNet's 7x7/2 stem its phased dgrad with few stages,
-    the U-Net's conv_out (K 4) its silu forward with few stages."""
+    """operations(): each kind's kernel once. The persistent cooperative kernel for the fprop
+    and dgrad of short GEMM K (ResNet's and ConvNeXt's layers of few channels: narrow tiles for
+    their 64-channel sides, wide ones else, ResNet's fused relu); the non-persistent one for
+    the rest: narrow tiles with a short pipeline where a 64-channel side meets a long K, the
+    chunked wgrad (a deep pipeline) where a layer's dw is small against its batch, the one-pass
+    wgrad where it fills the GPU, the phased dgrad of the strided layers, the U-Net's silu,
+    narrow tiles with a deep pipeline for its 8x8 maps (whose wide tiles would fill half the
+    GPU). The depthwise layers take none (their kernels are NVRTC ones); the 3- and 4-channel
+    layers take kernels of these (ResNet's 7x7/2 stem's dgrad the phased one with few stages,
+    the U-Net's conv_out (K 4) the silu forward with few stages)."""
     ops = bm.operations()
     names = [op.name for op in ops]
-    assert len(set(names)) == len(names) == 16
+    assert len(set(names)) == len(names) == 21
+    ws, coop = "warpspecialized", "cooperative"
     assert {(op.kind, op.tile.tile_shape[:2], op.tile.stages, op.chunked or op.phased,
-             op.epilogue.activation) for op in ops} == {
-        ("fprop", (128, 64), 3, False, None), ("fprop", (128, 64), 3, False, "relu"),
-        ("dgrad", (128, 64), 3, False, None), ("wgrad", (64, 128), 0, True, None),
-        ("fprop", (128, 128), 0, False, None), ("fprop", (128, 128), 0, False, "relu"),
-        ("fprop", (128, 128), 0, False, "silu"), ("dgrad", (128, 128), 0, False, None),
-        ("dgrad", (128, 128), 0, True, None),
-        ("wgrad", (128, 128), 0, True, None), ("wgrad", (128, 128), 0, False, None),
-        ("fprop", (128, 64), 0, False, None), ("fprop", (128, 64), 0, False, "silu"),
-        ("dgrad", (128, 64), 0, False, None),
-        ("dgrad", (128, 64), 3, True, None), ("fprop", (128, 64), 3, False, "silu")}
+             op.epilogue.activation, op.tile.kernel_schedule) for op in ops} == {
+        ("fprop", (128, 64), 0, False, None, coop), ("fprop", (128, 64), 0, False, "relu", coop),
+        ("dgrad", (128, 64), 0, False, None, coop), ("fprop", (128, 128), 0, False, None, coop),
+        ("fprop", (128, 128), 0, False, "relu", coop), ("dgrad", (128, 128), 0, False, None, coop),
+        ("fprop", (128, 64), 3, False, None, ws), ("fprop", (128, 64), 3, False, "silu", ws),
+        ("dgrad", (128, 64), 3, False, None, ws), ("dgrad", (128, 64), 3, True, None, ws),
+        ("fprop", (128, 64), 0, False, None, ws), ("fprop", (128, 64), 0, False, "silu", ws),
+        ("dgrad", (128, 64), 0, False, None, ws),
+        ("fprop", (128, 128), 0, False, None, ws), ("fprop", (128, 128), 0, False, "relu", ws),
+        ("fprop", (128, 128), 0, False, "silu", ws), ("dgrad", (128, 128), 0, False, None, ws),
+        ("dgrad", (128, 128), 0, True, None, ws),
+        ("wgrad", (64, 128), 0, True, None, ws), ("wgrad", (128, 128), 0, True, None, ws),
+        ("wgrad", (128, 128), 0, False, None, ws)}
     assert all(op.math.element_a == "bf16" for op in ops)
 
 
@@ -320,11 +325,14 @@ def test_precompile_builds_conv2d_defaults_and_a_variant_tunes_from_a_shape():
     assert {op.name for op in chosen} >= {v.name for v in configs.DEFAULTS}
     assert all(op.name.startswith("conv2d.") for op in chosen)
     lim = target_limits("90a")  # each default variant: the heuristic's every branch
+    ws, coop = configs.SCHEDULES
     for v in configs.DEFAULTS:
         narrow = configs.NARROW[v.kind]
-        want = [(configs.WIDE, 0), (narrow, 0)] if v.kind == "wgrad" else \
-            [(configs.WIDE, 0), (narrow, 3), (narrow, 0)]
-        got = [(c["tile"], c["stages"]) for c in registry[v.name].default_configs(lim)]
+        want = [(configs.WIDE, 0, ws), (narrow, 0, ws)] if v.kind == "wgrad" else \
+            [(configs.WIDE, 0, ws), (narrow, 0, coop), (narrow, 3, ws), (configs.WIDE, 0, coop),
+             (narrow, 0, ws)]
+        got = [(c["tile"], c["stages"], c["schedule"])
+               for c in registry[v.name].default_configs(lim)]
         assert got == want, v.name
     with pytest.raises(_Usage, match="needs a variant.*PickBest.*precompile conv2d"):
         resolve_tune("conv2d", "8x8", None, False, registry)

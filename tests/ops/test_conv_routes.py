@@ -437,30 +437,42 @@ def test_the_space_offers_the_narrow_tile_two_ctas_an_sm():
         assert "_s" not in C2D.operation(kind, torch.bfloat16, tile=narrow).name.split("c1x1")[1]
 
 
-@pytest.mark.parametrize("kind, k, c, taps, pixels, tile, stages", [
+@pytest.mark.parametrize("kind, k, c, taps, pixels, tile, stages, coop", [
     # a channel side (fprop's K, dgrad's C, wgrad's K) of at most 64: the narrow tile, with few
-    # stages (two CTAs an SM) but for wgrad
-    ("fprop", 64, 256, 9, 128 * 56 * 56, "narrow", 3),
-    ("dgrad", 256, 64, 1, 128 * 56 * 56, "narrow", 3),
-    ("wgrad", 64, 64, 9, 128 * 56 * 56, "narrow", 0),
-    ("fprop", 256, 64, 9, 128 * 56 * 56, "wide", 0),
-    ("dgrad", 64, 256, 9, 128 * 56 * 56, "wide", 0),
+    # stages (two CTAs an SM) but for wgrad, and but where the GEMM K is short enough for the
+    # persistent cooperative kernel (deep stages)
+    ("fprop", 64, 512, 9, 128 * 56 * 56, "narrow", 3, False),  # GEMM K 4608
+    ("fprop", 64, 256, 9, 128 * 56 * 56, "narrow", 0, True),  # 2304: COOPERATIVE_K
+    ("dgrad", 256, 64, 1, 128 * 56 * 56, "narrow", 0, True),
+    ("dgrad", 512, 64, 9, 128 * 56 * 56, "narrow", 3, False),
+    ("wgrad", 64, 64, 9, 128 * 56 * 56, "narrow", 0, False),
+    ("fprop", 256, 64, 9, 128 * 56 * 56, "wide", 0, True),
+    ("dgrad", 64, 256, 9, 128 * 56 * 56, "wide", 0, True),
+    ("fprop", 256, 320, 9, 128 * 56 * 56, "wide", 0, False),  # 2880
     # wide tiles that fill at most half of 132 SMs in one wave: the narrow tile, twice the CTAs
-    ("fprop", 2048, 2048, 9, 8 * 8 * 8, "narrow", 0),  # 4 x 16 wide tiles
-    ("dgrad", 2048, 2048, 9, 8 * 8 * 8, "narrow", 0),
-    ("fprop", 2048, 2048, 9, 8 * 8 * 9, "wide", 0),  # 5 x 16 = 80 wide tiles
-    ("dgrad", 2048, 4096, 9, 8 * 8 * 8, "wide", 0),  # 4 x 32
-    ("wgrad", 2048, 2048, 9, 8 * 8 * 8, "wide", 0),  # wgrad's chunks fill the SMs
-    ("fprop", 128, 128, 9, 128 * 28 * 28, "wide", 0)])
-def test_the_heuristics_tile(kind, k, c, taps, pixels, tile, stages):
-    """configs.heuristic on 132 SMs (the arch's default count where no GPU gives one)."""
+    ("fprop", 2048, 2048, 9, 8 * 8 * 8, "narrow", 0, False),  # 4 x 16 wide tiles
+    ("dgrad", 2048, 2048, 9, 8 * 8 * 8, "narrow", 0, False),
+    ("fprop", 2048, 256, 1, 8 * 8 * 8, "narrow", 0, True),
+    ("fprop", 2048, 2048, 9, 8 * 8 * 9, "wide", 0, False),  # 5 x 16 = 80 wide tiles
+    ("dgrad", 2048, 4096, 9, 8 * 8 * 8, "wide", 0, False),  # 4 x 32
+    ("wgrad", 2048, 2048, 9, 8 * 8 * 8, "wide", 0, False),  # wgrad's chunks fill the SMs
+    ("wgrad", 128, 128, 1, 128 * 28 * 28, "wide", 0, False),
+    ("fprop", 128, 128, 9, 128 * 28 * 28, "wide", 0, True)])
+def test_the_heuristics_tile(kind, k, c, taps, pixels, tile, stages, coop):
+    """configs.heuristic on 132 SMs (the arch's default count where no GPU gives one); where
+    the launch may not take the persistent kernel (wgrad's chunks, dgrad's phases), the
+    non-persistent one on the same tile, at the stages it would take."""
     from vitrail.device import target_limits
     from vitrail.ops.conv import configs
     want = {"tile": configs.WIDE if tile == "wide" else configs.NARROW[kind], "stages": stages,
-            "schedule": "warpspecialized"}
+            "schedule": "cooperative" if coop else "warpspecialized"}
     problem = configs.Problem(kind, k, c, taps, pixels)
     for lim in (target_limits("90a"), None):
         assert dict(configs.space(kind).default(problem, lim)) == want
+        ws = dict(configs.space(kind, False).default(problem, lim))
+        assert ws["schedule"] == "warpspecialized" and ws["tile"] == want["tile"]
+        if not coop:
+            assert ws == want
 
 
 def test_fp32_runs_as_tf32_with_tiles_of_the_same_bytes():

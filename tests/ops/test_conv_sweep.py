@@ -62,7 +62,7 @@ def test_the_report_is_the_heuristics_loss_against_the_fastest_config():
     ws = ",schedule=warpspecialized"
     wide, narrow, short = (f"tile={WIDE},stages=0{ws}", f"tile={NARROW['fprop']},stages=0{ws}",
                            f"tile={NARROW['fprop']},stages=3{ws}")
-    c64 = Problem("fprop", 64, 64, 9, 1 << 19)  # the heuristic: narrow, 3 stages
+    c64 = Problem("fprop", 64, 512, 9, 1 << 19)  # the heuristic: narrow, 3 stages
     c512 = Problem("fprop", 512, 512, 9, 1 << 15)  # the heuristic: wide
     rows = [_row("resnet50", "fprop", c64, {wide: 2.0, narrow: 1.5, short: 1.0}),
             _row("resnet50", "fprop", c512, {wide: 1.2, narrow: 1.0, short: None}),

@@ -9,13 +9,19 @@ chosen on a sweep of every config on the dense layers of `vitrail bench conv`, w
 small-channel layers held out (vitrail.ops.conv.sweep, on the H200):
 
 - a channel side of at most 64: the narrow tile, not half a wide one of padding; for fprop and
-  dgrad with few stages, two CTAs an SM. wgrad keeps the deep pipeline: its batch chunks put
+  dgrad with few stages, two CTAs an SM (but where the last rule takes the persistent kernel,
+  which runs one CTA an SM at deep stages). wgrad keeps the deep pipeline: its batch chunks put
   about one CTA on each SM, where few stages gained little on some layers and lost much on
   others (a 1x1's);
 - fprop or dgrad whose wide tiles would fill at most half the SMs in one wave (few pixels,
   e.g. 8x8 maps of a batch of 8; a strided dgrad's pixels are all its phases', one launch):
   the narrow tile, twice the CTAs in that one wave;
-- else the wide tile.
+- else the wide tile;
+- fprop or dgrad whose GEMM K (C R S, or K R S) is at most COOPERATIVE_K, where the launch may
+  take a persistent kernel (not dgrad's stride phases in one launch): the cooperative kernel
+  on that tile, at deep stages; a CTA's next tile's loads then overlap this tile's epilogue,
+  which weighs most where the mainloop is short. With a longer K the non-persistent kernel
+  was faster. wgrad keeps the non-persistent kernel.
 """
 from __future__ import annotations
 
@@ -33,9 +39,10 @@ WIDE, NARROW = "128x128x64", {"wgrad": "64x128x64", "fprop": "128x64x64", "dgrad
 STAGES = (0, 3)
 # Kernels: CUTLASS's non-persistent one (one consumer warpgroup, one CTA a tile) and the GEMM's
 # persistent cooperative kernel on the same mainloop (two consumer warpgroups on a tile of 128
-# rows, a CTA an SM looping over tiles: include/vitrail/sm90_conv_cooperative.cuh). The heuristic
-# takes the first until a sweep says where the second wins; PickBest times both.
+# rows, a CTA an SM looping over tiles: include/vitrail/sm90_conv_cooperative.cuh). PickBest
+# times both; the heuristic takes the second for a GEMM K of at most COOPERATIVE_K.
 SCHEDULES = ("warpspecialized", "cooperative")
+COOPERATIVE_K = 2304  # 36 K blocks of 64: the longest K of the sweep where the second won
 # the dims of `vitrail tune conv2d.<kind>.<dtype> --shape` (problems.py makes the problem)
 SHAPE = "NxCxHxWxKxR"
 
@@ -80,20 +87,25 @@ def tile(config) -> tuple[int, int, int]:
     return m, n, k
 
 
-def heuristic(kind: str):
+def heuristic(kind: str, persistent: bool = True):
     def choose(problem: Optional[Problem], lim) -> dict:
-        ws = SCHEDULES[0]
+        ws, coop = SCHEDULES
         if problem is None:  # precompile: the wide tile
             return {"tile": WIDE, "stages": 0, "schedule": ws}
+        gemm_k = (problem.k if kind == "dgrad" else problem.c) * problem.taps
+        if persistent and kind != "wgrad" and gemm_k <= COOPERATIVE_K:
+            schedule = coop
+        else:
+            schedule = ws
         side = problem.c if kind == "dgrad" else problem.k
         if side <= 64:
-            return {"tile": NARROW[kind], "stages": 0 if kind == "wgrad" else max(STAGES),
-                    "schedule": ws}
+            stages = 0 if kind == "wgrad" or schedule == coop else max(STAGES)
+            return {"tile": NARROW[kind], "stages": stages, "schedule": schedule}
         sms = (lim.sm_count if lim is not None else None) or DEFAULT_SM_COUNT
         wide_tiles = -(-problem.pixels // 128) * -(-side // 128)
         if kind != "wgrad" and 2 * wide_tiles <= sms:
-            return {"tile": NARROW[kind], "stages": 0, "schedule": ws}
-        return {"tile": WIDE, "stages": 0, "schedule": ws}
+            return {"tile": NARROW[kind], "stages": 0, "schedule": schedule}
+        return {"tile": WIDE, "stages": 0, "schedule": schedule}
     return choose
 
 
@@ -118,13 +130,18 @@ def space(kind: str, persistent: bool = True) -> Space:
                               require(lambda c, lim: not coop(c) or persistent,
                                       "wgrad's chunks and dgrad's phases pick their problem by "
                                       "blockIdx.z: the non-persistent kernel only")],
-                 heuristic=heuristic(kind))
+                 heuristic=heuristic(kind, persistent))
 
 
 def examples(kind: str) -> list[Optional[Problem]]:
     """The problems `vitrail precompile conv2d` builds a variant's kernels for: one a branch of
-    the heuristic (no problem: the wide tile; a 64-channel side; wide channels on few pixels)."""
-    return [None, Problem(kind, 64, 64, 9, 128 * 56 * 56), Problem(kind, 1024, 1024, 9, 8 * 8 * 8)]
+    the heuristic (no problem: the wide tile; a 64-channel side, with a short and a long GEMM K;
+    wide channels with a short K; wide channels on few pixels)."""
+    pixels = 128 * 56 * 56
+    long_k = Problem(kind, 512, 64, 9, pixels) if kind == "dgrad" else \
+        Problem(kind, 64, 512, 9, pixels)
+    return [None, Problem(kind, 64, 64, 9, pixels), long_k, Problem(kind, 256, 256, 9, pixels),
+            Problem(kind, 1024, 1024, 9, 8 * 8 * 8)]
 
 
 # the variants `vitrail precompile conv2d` builds (their examples' kernels): the plain bf16
