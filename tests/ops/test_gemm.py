@@ -103,6 +103,41 @@ def test_selection_generalizes():
     assert min(vs_torch) > 0.85 and sum(v < 0.97 for v in vs_torch) <= len(rows) // 60
 
 
+def test_unaligned_problems_take_the_nearest_kernel_or_torch_where_copies_do_not_pay():
+    """N or K not a multiple of 8 (few measured shapes of that class): the kernel from the
+    nearest shapes of either class; torch, where it may, where its time is too short for the
+    kernel to win back the host time of its aligned copies, or where unaligned shapes near it
+    measured it faster; never because nothing unaligned was measured near it (torch cannot use
+    TMA there). Its problem key is its own: 4095^3 does not share 4096^3's choice."""
+    from vitrail.gemm.ops import model
+    from vitrail.gemm.ops.launch import problem_key
+    for m, n, k in [(4095, 4095, 4095), (3000, 3000, 3001), (2048, 50257, 4096),
+                    (16, 50257, 4096), (8191, 8191, 4096)]:
+        assert model.torch_unaligned_s(m, n, k) >= model.UNALIGNED_KERNEL_FROM
+        chosen = model.choose(m, n, k, torch_ok=True)
+        assert chosen.backend == "vitrail" and chosen == model.choose(m, n, k, torch_ok=False)
+    for m, n, k in [(1, 50257, 768), (1000, 999, 1000), (17, 33, 65), (32, 11007, 4096)]:
+        assert model.torch_unaligned_s(m, n, k) < model.UNALIGNED_KERNEL_FROM
+        assert model.choose(m, n, k, torch_ok=True) == model.TORCH_CONFIG
+        assert model.choose(m, n, k, torch_ok=False).backend == "vitrail"
+    # a long K, its own measured row left out: the aligned long-K shapes' stream-K kernel
+    rows = [r for r in model.table() if (r[0][0], r[0][2]) != (math.log2(333), 16.0)]
+    assert len(rows) == len(model.table()) - 1
+    assert model.choose(333, 333, 65536, torch_ok=False, rows=rows).scheduler == "stream_k"
+    # an unaligned shape measured near, where torch was the faster: torch
+    kernel = model.label(model.CANDIDATES[0])
+    aligned = {"M": 4096, "N": 4096, "K": 4096, "L": 1, "torch": 2.0, "configs": {kernel: 1.0}}
+    unaligned = dict(aligned, N=4095, K=4095, torch=0.5)
+    near = model.table_rows(model.make_table([aligned, unaligned]))
+    assert model.choose(4000, 4001, 4003, torch_ok=True, rows=near) == model.TORCH_CONFIG
+    assert model.choose(4000, 4000, 4000, torch_ok=True, rows=near).backend == "vitrail"
+    unaligned["torch"] = 2.0
+    near = model.table_rows(model.make_table([aligned, unaligned]))
+    assert model.choose(4000, 4001, 4003, torch_ok=True, rows=near).backend == "vitrail"
+    assert problem_key(4095, 4095, 4095, 1) != problem_key(4096, 4096, 4096, 1)
+    assert problem_key(4093, 4095, 4095, 1) == problem_key(4095, 4095, 4095, 1)
+
+
 @pytest.fixture
 def record(monkeypatch):
     """launch.run on CPU tensors, recording (kind, problem, prepared operands) instead of

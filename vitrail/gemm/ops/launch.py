@@ -114,8 +114,11 @@ SHAPE = "MxNxK[xL]"
 
 
 def problem_key(M: int, N: int, K: int, L: int) -> str:
-    """The tuning store's key of a GEMM problem (its sizes bucketed)."""
-    return f"M{bucket(M)}N{bucket(N)}K{bucket(K)}L{bucket(L)}"
+    """The tuning store's key of a GEMM problem: its sizes bucketed, and ";unaligned" where N or
+    K is not a multiple of 8 (the selection's other class: torch is far slower there, and the
+    kernels run on aligned copies), so that 4095^3 and 4096^3 do not share a choice."""
+    unaligned = ";unaligned" if N % 8 or K % 8 else ""
+    return f"M{bucket(M)}N{bucket(N)}K{bucket(K)}L{bucket(L)}{unaligned}"
 
 
 def make_problem(kind: Kind, shape: tuple) -> Shaped:

@@ -4,7 +4,14 @@ The choice is empirical, from a sweep measured on the H100 (vitrail.gemm.ops.swe
 every candidate and torch replayed from CUDA graphs side by side, operands from DRAM): each problem
 takes the option with the least total slowdown over its ``NEIGHBOURS`` nearest measured shapes in
 log2 (M, N, K, batch) of its size class (N and K multiples of 8, or not); one farther than ``FAR``
-octaves from all of them runs torch's matmul where it may. The table ships as
+octaves from all of them runs torch's matmul where it may.
+
+An unaligned problem (N or K not a multiple of 8), of a class with few measured shapes, takes
+its kernel from the nearest shapes of either class (the kernels run on aligned copies: the class
+changes torch's speed, not theirs). Torch runs it, where it may, when the unaligned shapes near
+it say torch is faster, or when torch's time there (``torch_unaligned_s``: its kernels cannot use
+TMA) is too short for the kernel to win back the host time of its aligned copies, which no plan
+skips (``UNALIGNED_KERNEL_FROM``): docs/ops/gemm.md#unaligned-n-or-k. The table ships as
 ``selection_h100.json``; ``python -m vitrail.gemm.ops.sweep table SWEEP.json... >
 selection_h100.json`` rebuilds it and ``... check SWEEP.json...`` reports the choice on the sweep's
 held-out quarter when fitted on the rest.
@@ -31,6 +38,9 @@ from vitrail.tune.space import Config
 TORCH = "torch"
 NEIGHBOURS = 3
 FAR = 1.5  # octaves: a problem this far from every measured shape runs torch where it may
+# torch's matmul on unaligned 16-bit operands, at about its best rates measured on the H200
+TORCH_UNALIGNED_FLOPS, TORCH_UNALIGNED_BYTES = 130e12, 0.9e12
+UNALIGNED_KERNEL_FROM = 250e-6  # s of torch's time: below, the copies' host time outweighs
 TABLE = Path(__file__).with_name("selection_h100.json")
 torch_allowed = True  # False: always a vitrail kernel (only inside testing.kernels_only)
 
@@ -96,17 +106,47 @@ def choose(m: int, n: int, k: int, batch: int = 1, *, torch_ok: bool, rows=None)
     slowdown over the nearest measured shapes (torch among them when torch_ok)."""
     p = _point(m, n, k, batch)
     rows = table() if rows is None else rows
-    distance = [(sum((a - b) ** 2 for a, b in zip(r[0], p)), i) for i, r in enumerate(rows)]
-    near = [rows[i] for _, i in sorted(distance)[:NEIGHBOURS]]
-    if torch_ok and min(distance)[0] > FAR ** 2:  # nothing measured near it
-        return TORCH_CONFIG
-    score: dict[str, float] = {}
-    for _, slowdown in near:
-        for option in BY_LABEL:
-            if option == TORCH and not torch_ok:
-                continue
-            score[option] = score.get(option, 0.0) + math.log(slowdown.get(option, 1e3))
-    return BY_LABEL[min(score, key=lambda o: (score[o], o))]
+    options = [o for o in BY_LABEL if torch_ok or o != TORCH]
+    if not p[-1]:
+        far, near = _nearest(p, rows)
+        if torch_ok and far > FAR ** 2:  # nothing measured near it
+            return TORCH_CONFIG
+        return BY_LABEL[_least_slow(near, options)]
+    sizes = p[:-1] + (0.0,)
+    _, near = _nearest(sizes, [(r[:-1] + (0.0,), s) for r, s in rows])
+    kernel = _least_slow(near, [o for o in options if o != TORCH])
+    if torch_ok:
+        if torch_unaligned_s(m, n, k, batch) < UNALIGNED_KERNEL_FROM:
+            return TORCH_CONFIG
+        _, near = _nearest(p, [row for row in rows if row[0][-1]])
+        near = [row for row in near if _distance(row[0], p) <= FAR ** 2]
+        if near and _least_slow(near, [kernel, TORCH]) == TORCH:
+            return TORCH_CONFIG
+    return BY_LABEL[kernel]
+
+
+def torch_unaligned_s(m: int, n: int, k: int, batch: int = 1) -> float:
+    """A floor of torch's matmul's time on an unaligned 16-bit problem: its FLOPs and bytes
+    at the rates TORCH_UNALIGNED_* (its measured best there)."""
+    flops = 2.0 * m * n * k * batch
+    moved = 2.0 * (m * k + k * n + m * n) * batch
+    return max(flops / TORCH_UNALIGNED_FLOPS, moved / TORCH_UNALIGNED_BYTES)
+
+
+def _distance(a: tuple[float, ...], b: tuple[float, ...]) -> float:
+    return sum((x - y) ** 2 for x, y in zip(a, b))
+
+
+def _nearest(p: tuple[float, ...], rows) -> tuple[float, list]:
+    """The squared distance to the nearest row and the NEIGHBOURS nearest rows."""
+    ranked = sorted((_distance(r[0], p), i) for i, r in enumerate(rows))[:NEIGHBOURS]
+    return (ranked[0][0] if ranked else math.inf), [rows[i] for _, i in ranked]
+
+
+def _least_slow(near: list, options: list[str]) -> str:
+    """The option of least total log slowdown over the rows (ties: the first by name)."""
+    score = {o: sum(math.log(slowdown.get(o, 1e3)) for _, slowdown in near) for o in options}
+    return min(score, key=lambda o: (score[o], o))
 
 
 # ------------------------------------------------------------ the table, from sweep records
