@@ -47,6 +47,20 @@ def test_the_page_holds_the_runs_rows_and_their_speedups(tmp_path):
                 assert float(cell.rstrip("x")) == round(x, 2), (row["case"], base)
 
 
+def test_a_row_not_run_says_why_not_a_value_of_0():
+    """A benchmark's row for a case it did not run (value 0, no time, its ``refused`` or
+    ``error`` saying why) shows why, cut to 120 characters; a row that ran shows its value."""
+    from vitrail.bench import Row
+    refused = Row("conv1", "vitrail fprop", 0.0, "TFLOP/s",
+                  extra={"refused": "C=3 is not a multiple of 8: pad it; more | detail"})
+    failed = Row("conv2", "vitrail fprop", 0.0, "TFLOP/s", extra={"error": "x" * 300})
+    ran = Row("conv3", "vitrail fprop", 12.345, "TFLOP/s", ms=1.0)
+    lines = pages.rows_table([(refused, {}, None), (failed, {}, None), (ran, {}, None)])
+    assert "| not run: C=3 is not a multiple of 8: pad it; more \\| detail |" in lines[2]
+    assert f"| not run: {'x' * 117}... |" in lines[3]
+    assert "| 12.35 |" in lines[4]
+
+
 def test_the_summary_is_the_reports(tmp_path):
     from vitrail.bench.report import summarize
     from vitrail.bench.rows import Row

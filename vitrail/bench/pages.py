@@ -93,7 +93,7 @@ def rows_table(rows: list[tuple[Row, dict, dict | None]]) -> list[str]:
              "| " + " | ".join("---" if i < 2 or h == "unit" else "---:"
                                for i, h in enumerate(head)) + " |"]
     for r, vs, roof in rows:
-        cells = [_cell(r.case), _cell(r.impl), f"{r.value:.2f}", _cell(r.unit)]
+        cells = [_cell(r.case), _cell(r.impl), _value(r), _cell(r.unit)]
         if on_roof:
             roof = roof or {}
             cells += [_num(roof.get("tflops")) if r.flops else "-",
@@ -103,6 +103,16 @@ def rows_table(rows: list[tuple[Row, dict, dict | None]]) -> list[str]:
                   for b in baselines]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def _value(r: Row) -> str:
+    """A row's value, or for one that was not run (no time; the benchmark's ``refused`` or
+    ``error`` saying why) why, cut to 120 characters, not a value of 0."""
+    why = r.extra.get("refused") or r.extra.get("error") if r.ms is None else None
+    if not why:
+        return f"{r.value:.2f}"
+    why = str(why)
+    return _cell(f"not run: {why[:117] + '...' if len(why) > 120 else why}")
 
 
 def _plots(json_path: Path, names: list[str], doc: dict) -> dict[str, Path]:
