@@ -154,14 +154,14 @@ def test_the_no_gpu_build_list_is_what_the_rows_run():
     their 64-channel sides, wide ones else, ResNet's fused relu); the non-persistent one for
     the rest: narrow tiles with a short pipeline where a 64-channel side meets a long K, the
     chunked wgrad (a deep pipeline) where a layer's dw is small against its batch, the one-pass
-    wgrad where it fills the GPU, the phased dgrad of the strided layers, the U-Net's silu,
-    narrow tiles with a deep pipeline for its 8x8 maps (whose wide tiles would fill half the
-    GPU). The depthwise layers take none (their kernels are NVRTC ones); the 3- and 4-channel
+    wgrad where it fills the GPU (the cooperative one on the U-Net's 8x8 maps, of few pixels),
+    the phased dgrad of the strided layers, the U-Net's silu, narrow tiles with a deep
+    pipeline for its 8x8 maps (whose wide tiles would fill half the GPU). The depthwise layers take none (their kernels are NVRTC ones); the 3- and 4-channel
     layers take kernels of these (ResNet's 7x7/2 stem's dgrad the phased one with few stages,
     the U-Net's conv_out (K 4) the silu forward with few stages)."""
     ops = bm.operations()
     names = [op.name for op in ops]
-    assert len(set(names)) == len(names) == 21
+    assert len(set(names)) == len(names) == 22
     ws, coop = "warpspecialized", "cooperative"
     assert {(op.kind, op.tile.tile_shape[:2], op.tile.stages, op.chunked or op.phased,
              op.epilogue.activation, op.tile.kernel_schedule) for op in ops} == {
@@ -176,7 +176,7 @@ def test_the_no_gpu_build_list_is_what_the_rows_run():
         ("fprop", (128, 128), 0, False, "silu", ws), ("dgrad", (128, 128), 0, False, None, ws),
         ("dgrad", (128, 128), 0, True, None, ws),
         ("wgrad", (64, 128), 0, True, None, ws), ("wgrad", (128, 128), 0, True, None, ws),
-        ("wgrad", (128, 128), 0, False, None, ws)}
+        ("wgrad", (128, 128), 0, False, None, ws), ("wgrad", (128, 128), 0, False, None, coop)}
     assert all(op.math.element_a == "bf16" for op in ops)
 
 
@@ -328,7 +328,9 @@ def test_precompile_builds_conv2d_defaults_and_a_variant_tunes_from_a_shape():
     ws, coop = configs.SCHEDULES
     for v in configs.DEFAULTS:
         narrow = configs.NARROW[v.kind]
-        want = [(configs.WIDE, 0, ws), (narrow, 0, ws)] if v.kind == "wgrad" else \
+        # wgrad's chunks (partials) pick their problem by blockIdx.z: not the persistent kernel
+        want = [(configs.WIDE, 0, ws), (narrow, 0, ws)] + \
+            ([] if v.partials else [(configs.WIDE, 0, coop)]) if v.kind == "wgrad" else \
             [(configs.WIDE, 0, ws), (narrow, 0, coop), (narrow, 3, ws), (configs.WIDE, 0, coop),
              (narrow, 0, ws)]
         got = [(c["tile"], c["stages"], c["schedule"])

@@ -455,7 +455,10 @@ def test_the_space_offers_the_narrow_tile_two_ctas_an_sm():
     ("fprop", 2048, 256, 1, 8 * 8 * 8, "narrow", 0, True),
     ("fprop", 2048, 2048, 9, 8 * 8 * 9, "wide", 0, False),  # 5 x 16 = 80 wide tiles
     ("dgrad", 2048, 4096, 9, 8 * 8 * 8, "wide", 0, False),  # 4 x 32
-    ("wgrad", 2048, 2048, 9, 8 * 8 * 8, "wide", 0, False),  # wgrad's chunks fill the SMs
+    # wgrad's chunks fill the SMs; its GEMM K is the pixels: the cooperative kernel up to
+    # COOPERATIVE_K_WGRAD of them
+    ("wgrad", 2048, 2048, 9, 8 * 8 * 8, "wide", 0, True),
+    ("wgrad", 2048, 2048, 9, 8 * 16 * 16, "wide", 0, False),
     ("wgrad", 128, 128, 1, 128 * 28 * 28, "wide", 0, False),
     ("fprop", 128, 128, 9, 128 * 28 * 28, "wide", 0, True)])
 def test_the_heuristics_tile(kind, k, c, taps, pixels, tile, stages, coop):

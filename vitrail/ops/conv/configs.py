@@ -21,7 +21,8 @@ small-channel layers held out (vitrail.ops.conv.sweep, on the H200):
   take a persistent kernel (not dgrad's stride phases in one launch): the cooperative kernel
   on that tile, at deep stages; a CTA's next tile's loads then overlap this tile's epilogue,
   which weighs most where the mainloop is short. With a longer K the non-persistent kernel
-  was faster. wgrad keeps the non-persistent kernel.
+  was faster. Likewise wgrad's wide tile where its GEMM K, the pixels N P Q, is at most
+  COOPERATIVE_K_WGRAD (the U-Net's 8x8 maps at batch 8).
 """
 from __future__ import annotations
 
@@ -43,6 +44,9 @@ STAGES = (0, 3)
 # times both; the heuristic takes the second for a GEMM K of at most COOPERATIVE_K.
 SCHEDULES = ("warpspecialized", "cooperative")
 COOPERATIVE_K = 2304  # 36 K blocks of 64: the longest K of the sweep where the second won
+# wgrad's (its K the pixels N P Q): between the sweep's 512, where the cooperative kernel won on
+# every layer, and 2048, where it won on some and lost on others
+COOPERATIVE_K_WGRAD = 1024
 # the dims of `vitrail tune conv2d.<kind>.<dtype> --shape` (problems.py makes the problem)
 SHAPE = "NxCxHxWxKxR"
 
@@ -92,14 +96,17 @@ def heuristic(kind: str, persistent: bool = True):
         ws, coop = SCHEDULES
         if problem is None:  # precompile: the wide tile
             return {"tile": WIDE, "stages": 0, "schedule": ws}
-        gemm_k = (problem.k if kind == "dgrad" else problem.c) * problem.taps
-        if persistent and kind != "wgrad" and gemm_k <= COOPERATIVE_K:
-            schedule = coop
+        if kind == "wgrad":  # its GEMM K: the pixels; the cooperative kernel: the wide tile
+            gemm_k, longest = problem.pixels, COOPERATIVE_K_WGRAD
         else:
-            schedule = ws
+            gemm_k, longest = (problem.k if kind == "dgrad" else problem.c) * problem.taps, \
+                COOPERATIVE_K
+        schedule = coop if persistent and gemm_k <= longest else ws
         side = problem.c if kind == "dgrad" else problem.k
         if side <= 64:
-            stages = 0 if kind == "wgrad" or schedule == coop else max(STAGES)
+            if kind == "wgrad":  # a tile of 64 rows: the non-persistent kernel
+                return {"tile": NARROW[kind], "stages": 0, "schedule": ws}
+            stages = 0 if schedule == coop else max(STAGES)
             return {"tile": NARROW[kind], "stages": stages, "schedule": schedule}
         sms = (lim.sm_count if lim is not None else None) or DEFAULT_SM_COUNT
         wide_tiles = -(-problem.pixels // 128) * -(-side // 128)
