@@ -111,18 +111,16 @@ def choose(m: int, n: int, k: int, batch: int = 1, *, torch_ok: bool, rows=None)
     rows = table() if rows is None else rows
     options = [o for o in BY_LABEL if torch_ok or o != TORCH]
     if not p[-1]:
-        far, near = _nearest(p, rows)
-        if torch_ok and far > FAR ** 2:  # nothing measured near it
+        near = _nearest(p, rows)
+        if torch_ok and _distance(near[0][0], p) > FAR ** 2:  # nothing measured near it
             return TORCH_CONFIG
         return BY_LABEL[_least_slow(near, options)]
-    sizes = p[:-1] + (0.0,)
-    _, near = _nearest(sizes, [(r[:-1] + (0.0,), s) for r, s in rows])
+    near = _nearest(p[:-1] + (0.0,), [(r[:-1] + (0.0,), s) for r, s in rows])
     kernel = _least_slow(near, [o for o in options if o != TORCH])
     if torch_ok:
         if torch_unaligned_s(m, n, k, batch) < UNALIGNED_KERNEL_FROM["n" if n % 8 else "k"]:
             return TORCH_CONFIG
-        _, near = _nearest(p, [row for row in rows if row[0][-1]])
-        near = [row for row in near if _distance(row[0], p) <= FAR ** 2]
+        near = _nearest(p, [row for row in rows if row[0][-1]], within=FAR ** 2)
         if near and _least_slow(near, [kernel, TORCH]) == TORCH:
             return TORCH_CONFIG
     return BY_LABEL[kernel]
@@ -140,10 +138,10 @@ def _distance(a: tuple[float, ...], b: tuple[float, ...]) -> float:
     return sum((x - y) ** 2 for x, y in zip(a, b))
 
 
-def _nearest(p: tuple[float, ...], rows) -> tuple[float, list]:
-    """The squared distance to the nearest row and the NEIGHBOURS nearest rows."""
+def _nearest(p: tuple[float, ...], rows, within: float = math.inf) -> list:
+    """The NEIGHBOURS rows nearest to p, but those farther than `within` (squared)."""
     ranked = sorted((_distance(r[0], p), i) for i, r in enumerate(rows))[:NEIGHBOURS]
-    return (ranked[0][0] if ranked else math.inf), [rows[i] for _, i in ranked]
+    return [rows[i] for d, i in ranked if d <= within]
 
 
 def _least_slow(near: list, options: list[str]) -> str:

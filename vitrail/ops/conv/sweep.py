@@ -190,8 +190,7 @@ def _schedules(rows: list[dict]) -> list[str]:
         best: dict[str, float] = {}
         for label, ms in row["ms"].items():
             if ms:
-                coop = "schedule=cooperative" in label
-                key = "coop" if coop else "ws"
+                key = "coop" if "schedule=cooperative" in label else "ws"
                 best[key] = min(best.get(key, math.inf), ms)
         if len(best) == 2:
             speedups.setdefault(row["kind"], []).append((best["ws"] / best["coop"], row["case"]))
