@@ -65,9 +65,10 @@ def test_heuristic_and_space():
         valid = space.valid(lim)
         assert 0 < len(valid) < space.size  # the descriptions refuse some combinations
         assert kind.plain == (kind is not fused)
+        assert kind.torch_passes == (kind is fused)  # silu after addmm's bias: one pass
         chosen = {space.default(p, lim) for p in grid}  # default() refuses an invalid choice
         assert chosen <= set(model.CANDIDATES) | {model.TORCH_CONFIG}
-        assert (model.TORCH_CONFIG in chosen) == kind.plain  # torch only where it is exact
+        assert model.TORCH_CONFIG in chosen  # torch's ops where cuBLAS is the faster
         kernels = {c.tile for c in chosen if c.backend == "vitrail"}
         assert len(kernels) >= (2 if kind.plain else 3)  # the choice follows the shape
         big = space.default(configs.Problem(8192, 8192, 8192), lim)
@@ -76,7 +77,9 @@ def test_heuristic_and_space():
                                             schedule="cooperative", scheduler="persistent",
                                             backend="vitrail"), lim)
         assert reason and "cooperative schedule" in reason[0]
-    assert "torch's matmul does not compute" in configs.space(fused).reasons(
+    out_f32 = configs.Kind("bf16", "bf16", "row", "col", LinearCombination("f32"))
+    assert out_f32.torch_passes is None
+    assert "torch's ops do not compute" in configs.space(out_f32).reasons(
         model.TORCH_CONFIG, lim)[0]
     assert configs.space(configs.default_kinds()[0]).reasons(
         big, limits(arch="80"))[0].startswith("the GEMM kernels are sm_90a")
@@ -139,6 +142,74 @@ def test_unaligned_problems_take_the_nearest_kernel_or_torch_where_copies_do_not
     assert model.choose(4000, 4001, 4003, torch_ok=True, rows=near).backend == "vitrail"
     assert problem_key(4095, 4095, 4095, 1) != problem_key(4096, 4096, 4096, 1)
     assert problem_key(4093, 4095, 4095, 1) == problem_key(4095, 4095, 4095, 1)
+
+
+def test_a_fused_kind_runs_torchs_ops_only_where_its_matmul_gains_more_than_they_cost():
+    """Torch's route for a fused epilogue adds its passes over D (Kind.torch_passes) to the
+    matmul: taken where the selection measured cuBLAS much the faster (few rows, long K), not
+    where the two are near (squares), and ever less as the passes grow."""
+    from vitrail.gemm import LinearCombination
+    from vitrail.gemm.ops import configs, model
+    from vitrail.gemm.ops.sweep import shapes
+
+    def passes(**epilogue):
+        return configs.Kind("bf16", "bf16", "row", "col",
+                            LinearCombination("bf16", **epilogue)).torch_passes
+    assert passes(bias="col") == 0 and passes(bias="row") == 1
+    assert passes(bias="col", activation="gelu", clamp=True) == 2
+    assert passes(element_source="bf16", bias="col", activation="silu") == 3
+    assert model.choose(16, 4096, 14336, torch_ok=True, passes=1) == model.TORCH_CONFIG
+    assert model.choose(128, 128, 131072, torch_ok=True, passes=3) == model.TORCH_CONFIG
+    for m, n, k in [(4096, 4096, 4096), (8192, 8192, 8192), (128, 28672, 4096)]:
+        assert model.choose(m, n, k, torch_ok=True, passes=1).backend == "vitrail"
+    kernels = [model.choose(s.M, s.N, s.K, s.L, torch_ok=False) for s in shapes()]
+    counts = []
+    for p in range(4):
+        routes = [model.choose(s.M, s.N, s.K, s.L, torch_ok=True, passes=p) for s in shapes()]
+        counts.append(sum(c == model.TORCH_CONFIG for c in routes))
+        assert all(c in (model.TORCH_CONFIG, k) for c, k in zip(routes, kernels))
+    assert counts[0] > counts[1] > counts[2] > counts[3] > 0, counts
+
+
+@pytest.mark.parametrize("case", ["plain", "alpha", "bias-col-silu", "bias-row-gelu",
+                                  "c-bias-relu-clamp", "c-broadcast-tanh", "batched-fold",
+                                  "batched-c-bias-row", "every-activation"])
+def test_torchs_ops_compute_the_fused_epilogue(case):
+    """launch.torch_fused (torch's route of a fused kind) against the fp64 reference, on the
+    CPU: every addend, the batched forms and every activation."""
+    from vitrail.gemm.epilogue import ACTIVATIONS
+    from vitrail.gemm.ops.launch import torch_fused
+    from vitrail.gemm.ops.reference import gemm_reference
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g).to(torch.bfloat16)
+    M, N, K = 33, 40, 24
+    a, b = r(M, K), r(K, N)
+    kws = {"plain": [{}], "alpha": [dict(alpha=0.5)],
+           "bias-col-silu": [dict(bias=r(N), activation="silu")],
+           "bias-row-gelu": [dict(bias=r(M, 1), activation="gelu")],
+           "c-bias-relu-clamp": [dict(c=r(M, N), beta=-0.5, bias=r(N), activation="relu",
+                                      clamp_min=0.1, clamp_max=1.5)],
+           "c-broadcast-tanh": [dict(c=r(N), beta=2.0, activation="tanh")],
+           "batched-fold": [dict(bias=r(N), activation="silu")],
+           "batched-c-bias-row": [dict(c=r(3, M, N), beta=1.0, bias=r(M, 1), alpha=2.0)],
+           "every-activation": [dict(activation=act, slope=0.2) for act in ACTIVATIONS]}[case]
+    if case.startswith("batched"):
+        a = r(3, M, K)
+        b = b if case == "batched-fold" else r(3, K, N)
+    for kw in kws:
+        d = torch.empty(*a.shape[:-2], M, N, dtype=torch.bfloat16)
+        torch_fused(d, a, b, kw.get("c"), kw.get("bias"), kw.get("alpha", 1.0),
+                    kw.get("beta", 0.0), kw.get("activation"), kw.get("slope", 0.01),
+                    kw.get("clamp_min"), kw.get("clamp_max"))
+        ref = gemm_reference(a, b, kw.get("c"), alpha=kw.get("alpha", 1.0),
+                             beta=kw.get("beta", 0.0), bias=kw.get("bias"),
+                             activation_name=kw.get("activation"), slope=kw.get("slope", 0.01),
+                             clamp_min=kw.get("clamp_min"), clamp_max=kw.get("clamp_max"),
+                             out_dtype=torch.float64)
+        err = (d.double() - ref).abs().max().item()
+        assert err <= 2 ** -6 * (ref.abs().max().item() + 1), (kw.get("activation"), err)
 
 
 @pytest.fixture
@@ -359,6 +430,41 @@ def test_selection_routes():
     assert routes == {"vitrail", "torch"}
     # a torch-route signature calls torch directly from its plan
     assert any(plan is launch._torch_plan for plan in launch.PLANS._plans.values())
+
+
+@requires_gpu
+def test_fused_epilogues_on_torchs_route():
+    """Fused epilogues where the selection runs torch's ops (16 rows against K = 14336: cuBLAS
+    much the faster): every addend and activation against fp64, through the general path and
+    then the signature's plan (torch's ops called directly); a batch against one matrix; the
+    gradients."""
+    ops = family()
+    from vitrail.gemm.ops import launch, model
+    from vitrail.gemm.ops.reference import gemm_reference
+    M, N, K = 16, 4096, 14336
+    assert model.choose(M, N, K, torch_ok=True, passes=3) == model.TORCH_CONFIG
+    launch.forget_choices()
+    for epi in EPILOGUES:
+        for _ in range(2):  # a miss (the general path), then the plan
+            check_epilogue(epi, M, N, K)
+    plans = list(launch.PLANS._plans.values())
+    assert len(plans) == len(EPILOGUES)
+    assert all(isinstance(p, launch._FusedPlan) for p in plans), plans
+    a, b, bias = rand(2, 8, K), rand(K, N), rand(N)
+    for _ in range(2):
+        ref = gemm_reference(a.double(), b.double(), bias=bias.double(), activation_name="silu")
+        torch_out = gemm_reference(a, b, bias=bias, activation_name="silu",
+                                   compute_dtype=torch.float32)
+        assert_matches(ops.gemm(a, b, bias=bias, activation="silu"), ref, torch_out,
+                       torch.bfloat16)
+    a, b, bias = (t.requires_grad_() for t in (rand(M, K), rand(K, N), rand(N)))
+    g = rand(M, N)
+    grads = torch.autograd.grad(ops.gemm(a, b, bias=bias, activation="gelu"), (a, b, bias), g)
+    a2, b2, bias2 = (t.detach().double().requires_grad_() for t in (a, b, bias))
+    refs = torch.autograd.grad(torch.nn.functional.gelu(a2 @ b2 + bias2), (a2, b2, bias2),
+                               g.double())
+    for ours, r in zip(grads, refs):
+        assert (ours.double() - r).abs().max().item() <= 0.03 * r.abs().max().item()
 
 
 @requires_gpu

@@ -2,13 +2,14 @@
 
 A *kind* is what the tensors fix (dtypes, layouts, epilogue); a *config* is what we choose
 (tile, cluster, kernel schedule, tile scheduler, and the backend: vitrail's kernel or torch's
-matmul); one Op per kind (built on first use) holds the space over configs, so PickBest tunes
-tiles, never dtypes, and times torch's matmul beside the kernels where torch computes the same
-thing (Kind.plain). Constraints are the descriptions' own validation: a config that cannot
-become a kernel is refused with the description's reason.
+ops); one Op per kind (built on first use) holds the space over configs, so PickBest tunes
+tiles, never dtypes, and times torch's matmul (and its epilogue's ops, launch.torch_fused)
+beside the kernels where torch computes the same thing (Kind.torch_passes). Constraints are the
+descriptions' own validation: a config that cannot become a kernel is refused with the
+description's reason.
 
 Heuristic: 16-bit kinds take vitrail.gemm.ops.model's choice (measured neighbours, torch among the
-options for plain kinds). TF32 uses 128x128x32 tiles, FP8 128x256x128, with a 2x1 cluster; with too
+options, its epilogue's passes counted). TF32 uses 128x128x32 tiles, FP8 128x256x128, with a 2x1 cluster; with too
 few tiles to fill the GPU and a long K, 128x128 tiles on the stream-K scheduler. FP8 with exact
 accumulation takes 128x256 tiles too: the overlapped-promotion mainloop keeps two 64-column
 temporaries beside the accumulators, 192 registers (CUTLASS's collective needs a second full
@@ -42,11 +43,23 @@ class Kind:
     def plain(self) -> bool:
         """torch's matmul computes this kind's result as is (alpha aside): 16-bit inputs, the
         output in their dtype, no epilogue (C, bias, activation, clamp, scales)."""
+        return self.torch_passes == 0 and not self.epilogue.bias
+
+    @property
+    def torch_passes(self) -> Optional[int]:
+        """The passes over D that torch's ops add to one cuBLAS matmul to compute this kind
+        (launch.torch_fused: addmm or baddbmm taking C or a per-column bias as its addend, then
+        the activation and the clamp in place): C, a per-row bias (an expanded copy before the
+        product), a bias beside C, the activation and the clamp count one each. None: torch's
+        ops do not compute it at cuBLAS speed (8-bit or fp32 inputs, another output type,
+        scales)."""
         e = self.epilogue
-        return (self.element in ("bf16", "f16") and self.element_b == self.element
-                and e.element_output == self.element and not e.has_source and not e.bias
-                and e.activation is None and not e.clamp and e.scale_a is None
-                and e.scale_b is None)
+        if not (self.element in ("bf16", "f16") and self.element_b == self.element
+                and e.element_output == self.element and e.scale_a is None
+                and e.scale_b is None):
+            return None
+        return (int(e.has_source) + int(e.bias == "row" or bool(e.bias and e.has_source))
+                + int(e.activation is not None) + int(e.clamp))
 
     @property
     def name(self) -> str:
@@ -95,9 +108,9 @@ def operation(kind: Kind, config: Config) -> GemmOperation:
 def _valid(kind: Kind):
     def check(c: Config, lim: Limits) -> Optional[str]:
         if c["backend"] == "torch":
-            if not kind.plain:
-                return (f"torch's matmul does not compute {kind.name} in one call (only 16-bit "
-                        f"inputs, output in their dtype, no epilogue)")
+            if kind.torch_passes is None:
+                return (f"torch's ops do not compute {kind.name} at cuBLAS speed (only 16-bit "
+                        f"inputs, output in their dtype, no scales)")
             if c != model.TORCH_CONFIG:
                 return "the torch backend is one config: " + model.label(model.TORCH_CONFIG)
             return None
@@ -117,8 +130,10 @@ def heuristic(kind: Kind):
         if bits == 16:
             if problem is None:
                 return model.CANDIDATES[0]
+            passes = kind.torch_passes
             return model.choose(problem.M, problem.N, problem.K, problem.L,
-                                torch_ok=kind.plain and model.torch_allowed)
+                                torch_ok=passes is not None and model.torch_allowed,
+                                passes=passes or 0)
         tk = 32 if bits == 32 else 128  # TF32, FP8
         big = model.make_config(f"128x{128 if bits == 32 else 256}x{tk}", "2x1", "cooperative",
                             "persistent")

@@ -69,8 +69,11 @@ def _variant(kind: Kind) -> dict:
 
     def launch(module, config, a, b, c, d, bias, scale_a, scale_b, alpha, beta, slope, lo,
                hi, splits):
-        if config["backend"] == model.TORCH:  # a plain kind: D = alpha * a @ b
-            torch_matmul(a, b, alpha, d)
+        if config["backend"] == model.TORCH:  # torch's matmul, and its epilogue's ops
+            e = kind.epilogue
+            row_bias = bias is not None and e.bias == "row"  # launched flat: (M, 1) again
+            torch_fused(d, a, b, c, bias.view(-1, 1) if row_bias else bias, alpha, beta,
+                        e.activation, slope, lo if e.clamp else None, hi if e.clamp else None)
             return
         g = gemm_operation(config)
         args = gargs.GemmArguments.from_tensors(
@@ -98,12 +101,47 @@ def op_for(kind: Kind) -> Op:
     return FAMILY[kind]
 
 
-def torch_matmul(a: torch.Tensor, b: torch.Tensor, alpha: float, d: torch.Tensor) -> None:
-    """d = alpha * a @ b in one torch (cuBLAS) call; a and b 2-D, or 3-D with one batch."""
-    if a.dim() == 2:
-        torch.addmm(d, a, b, beta=0, alpha=alpha, out=d)  # beta 0: d's contents not read
+_INPLACE = {"relu": lambda d, slope: d.relu_(),
+            "leaky_relu": lambda d, slope: torch.nn.functional.leaky_relu_(d, slope),
+            "gelu": lambda d, slope: torch.ops.aten.gelu_(d),
+            "gelu_tanh": lambda d, slope: torch.ops.aten.gelu_(d, approximate="tanh"),
+            "silu": lambda d, slope: torch.nn.functional.silu(d, inplace=True),
+            "sigmoid": lambda d, slope: d.sigmoid_(),
+            "tanh": lambda d, slope: d.tanh_(),
+            "hardswish": lambda d, slope: torch.nn.functional.hardswish(d, inplace=True)}
+
+
+def torch_fused(d: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor],
+                bias: Optional[torch.Tensor], alpha: float, beta: float,
+                activation: Optional[str], slope: float, lo: Optional[float],
+                hi: Optional[float]) -> None:
+    """d = clamp(act(alpha * a @ b + beta * c + bias)) by torch's ops, as a user writes it: one
+    cuBLAS addmm (baddbmm for a batched d) taking C, or else the bias, as its addend; the bias
+    beside C, the activation and the clamp in place on d (configs.Kind.torch_passes counts
+    them). 16-bit a, b and d of one dtype; c (read when given) broadcastable to d; bias (N,) or
+    (M, 1)."""
+    if d.dim() == 3:
+        if a.dim() == 3 and b.dim() == 2 and c is None and (bias is None or bias.dim() == 1):
+            L, M, K = a.shape  # a batch of rows against one b: one addmm over all of them
+            torch_fused(d.view(L * M, -1), a.reshape(L * M, K), b, None, bias, alpha, beta,
+                        activation, slope, lo, hi)
+            return
+        a, b = a.expand(d.shape[0], *a.shape[-2:]), b.expand(d.shape[0], *b.shape[-2:])
+        product = torch.baddbmm
     else:
-        torch.baddbmm(d, a, b, beta=0, alpha=alpha, out=d)
+        product = torch.addmm
+    if c is not None:
+        product(c.to(d.dtype), a, b, beta=beta, alpha=alpha, out=d)
+        if bias is not None:
+            d.add_(bias)
+    elif bias is not None:
+        product(bias.to(d.dtype), a, b, alpha=alpha, out=d)
+    else:  # beta 0: d's contents not read
+        product(d, a, b, beta=0, alpha=alpha, out=d)
+    if activation is not None:
+        _INPLACE[activation](d, slope)
+    if lo is not None or hi is not None:
+        d.clamp_(lo, hi)
 
 
 _TORCH = {"bf16": torch.bfloat16, "f16": torch.float16, "tf32": torch.float32,
@@ -179,7 +217,7 @@ def run(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], bias: Optio
 # call; a call that needs aligned copies, a padded output, a conversion or torch's fallback
 # takes the general path every time (the plan would skip that work).
 PLANS = Plans("gemm")
-_ROUTE = threading.local()  # .torch: the last run_into of this thread called torch's matmul
+_ROUTE = threading.local()  # .torch: the last run_into of this thread ran torch's ops
 
 
 def _sig(t: Optional[torch.Tensor]):
@@ -216,9 +254,28 @@ def eager(a, b, c, bias, alpha, beta, activation, slope, clamp_min, clamp_max, o
     d = PLANS.run(key, (a, b, c, bias, scale_a, scale_b), _new_output, _general,
                   (out_shape(a, b), out_dtype, alpha, beta, activation, slope, clamp_min,
                    clamp_max, fast_accum))[0]
-    if _ROUTE.torch and alpha == 1.0:  # torch's matmul runs this signature: call it directly
-        PLANS.put(key, _torch_plan)
+    if _ROUTE.torch:  # torch's ops run this signature: call them directly
+        plain = (c is None or beta == 0) and bias is None and activation is None and \
+            clamp_min is None and clamp_max is None and out_dtype == a.dtype
+        PLANS.put(key, _torch_plan if plain and alpha == 1.0 else _FusedPlan(
+            out_dtype, alpha, beta, activation, slope, clamp_min, clamp_max))
     return d
+
+
+class _FusedPlan:
+    """The plan of a signature that runs on torch's ops (torch_fused): the output allocated,
+    the ops called, nothing else (a Python plan: the C++ hit path leaves its key to Python)."""
+    __slots__ = ("out_dtype", "params")
+
+    def __init__(self, out_dtype, alpha, beta, activation, slope, lo, hi):
+        self.out_dtype, self.params = out_dtype, (alpha, beta, activation, slope, lo, hi)
+
+    def __call__(self, a, b, c, bias, *_) -> tuple[torch.Tensor]:
+        d = a.new_empty(out_shape(a, b), dtype=self.out_dtype)
+        alpha, beta, activation, slope, lo, hi = self.params
+        torch_fused(d, a, b, c if beta != 0 else None, bias, alpha, beta, activation, slope,
+                    lo, hi)
+        return (d,)
 
 
 def _torch_plan(a, b, *rest) -> tuple[torch.Tensor]:
@@ -243,7 +300,7 @@ def _torch_sequence(d, a, b, c, bias, alpha, beta, activation, slope, clamp_min,
              and clamp_max is None and scale_a is None and scale_b is None
              and a.dtype == b.dtype == d.dtype and a.dtype not in _FP8)
     if plain:
-        torch_matmul(a, b, alpha, d)
+        torch_fused(d, a, b, None, None, alpha, 0.0, None, 0.0, None, None)
         return
     compute = torch.float32 if a.dtype in (*_FP8, torch.float16, torch.bfloat16) else a.dtype
     d.copy_(gemm_reference(a, b, c, alpha=alpha, beta=beta, bias=bias, activation_name=activation,
@@ -347,9 +404,10 @@ def run_into(d: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: Optional[torc
     args = (a_t, b_t, c_t, d, bias_t, sa, sb, float(alpha), float(beta), float(slope), lo, hi,
             splits)
     config = op.config(key, problem, args)
-    if config["backend"] == model.TORCH:  # measured faster: cuBLAS
+    if config["backend"] == model.TORCH:  # measured faster: cuBLAS, and the epilogue's ops
         _ROUTE.torch = True
-        torch_matmul(a, b, alpha, out)
+        torch_fused(out, a, b, c if use_c else None, bias, alpha, beta, activation, slope,
+                    clamp_min, clamp_max)
         return
     if current().build_behind and not op.ready(config):  # torch's ops while it compiles
         op.build_behind(config)

@@ -22,9 +22,11 @@ fitted on the same sweep chose slower configs on held-out shapes than the neighb
 because neighbouring configs differ by less than its error and by effects it does not model
 (cluster multicast, stream-K's fixup): docs/ops/gemm.md#the-selection-neighbours-not-a-model.
 
-``torch`` is an option only where torch computes exactly the kernel's result (Kind.plain:
-16-bit inputs, output in the same dtype, no epilogue beyond alpha): fused epilogues always run
-vitrail's kernels.
+``torch`` is an option only where torch's ops compute the kernel's result (configs.Kind.
+torch_passes: 16-bit inputs, output in the same dtype, no scales). A fused epilogue adds passes
+over D to torch's matmul (the activation, the clamp, C), so torch runs a fused kind only where
+the table says its matmul beats the kernel by more than those passes take (``pass_s``, against
+the ratios' scale ``best_s``): where cuBLAS is much the faster (few rows against a long K).
 """
 from __future__ import annotations
 
@@ -44,6 +46,11 @@ TORCH_UNALIGNED_FLOPS, TORCH_UNALIGNED_BYTES = 130e12, 0.9e12
 # adds there, eagerly (no plan skips its copies), measured: 0.2-0.3 ms where N is unaligned (the
 # output through a padded buffer), tens of us where only K is (copies of A or B)
 UNALIGNED_KERNEL_FROM = {"n": 250e-6, "k": 40e-6}
+# a fused kind on torch's ops: each pass over D (an elementwise kernel) costs about a launch's
+# gap in a stream, and D read and written at about the copy bandwidth
+PASS_S, PASS_BYTES = 2e-6, 2.6e12
+# the scale of the table's ratios: about the best rates and the least time of a GEMM
+BEST_FLOPS, BEST_BYTES, BEST_FLOOR_S = 700e12, 3.0e12, 4e-6
 TABLE = Path(__file__).with_name("selection_h100.json")
 torch_allowed = True  # False: always a vitrail kernel (only inside testing.kernels_only)
 
@@ -104,11 +111,43 @@ def table() -> list[tuple[tuple[float, ...], dict[str, float]]]:
     return table_rows(json.loads(TABLE.read_text()))
 
 
-def choose(m: int, n: int, k: int, batch: int = 1, *, torch_ok: bool, rows=None) -> Config:
+def choose(m: int, n: int, k: int, batch: int = 1, *, torch_ok: bool, passes: int = 0,
+           rows=None) -> Config:
     """The config for an (M, N, K, batch) problem: the option with the least total log
-    slowdown over the nearest measured shapes (torch among them when torch_ok)."""
-    p = _point(m, n, k, batch)
+    slowdown over the nearest measured shapes (torch among them when torch_ok). passes: those
+    over D that torch's ops add to its matmul for the kind's epilogue (configs.Kind.torch_passes);
+    torch runs a fused kind only where its matmul is faster than the kernel by more than they
+    cost."""
     rows = table() if rows is None else rows
+    chosen = _choose(m, n, k, batch, torch_ok, rows)
+    if not passes or chosen != TORCH_CONFIG:
+        return chosen
+    p = _point(m, n, k, batch)
+    near = [] if p[-1] else _nearest(p, rows, within=FAR ** 2)
+    if not near:  # unaligned (the kernel's copies), or nothing measured near: as the matmul
+        return TORCH_CONFIG
+    kernel = _choose(m, n, k, batch, False, rows)
+    ratio = {o: geomean(s.get(o, 1e3) for _, s in near) for o in (label(kernel), TORCH)}
+    gain = (ratio[label(kernel)] - ratio[TORCH]) * best_s(m, n, k, batch)
+    return TORCH_CONFIG if gain > passes * pass_s(m, n, batch) else kernel
+
+
+def best_s(m: int, n: int, k: int, batch: int = 1) -> float:
+    """About the best option's time on a 16-bit problem (the scale of the table's ratios):
+    its FLOPs and bytes at the H100's best rates, or a short kernel's least time."""
+    flops = 2.0 * m * n * k * batch
+    moved = 2.0 * (m * k + k * n + m * n) * batch
+    return max(flops / BEST_FLOPS, moved / BEST_BYTES, BEST_FLOOR_S)
+
+
+def pass_s(m: int, n: int, batch: int = 1) -> float:
+    """The time of one elementwise pass of torch's over a 16-bit D, in place."""
+    return PASS_S + 4.0 * m * n * batch / PASS_BYTES
+
+
+def _choose(m: int, n: int, k: int, batch: int, torch_ok: bool, rows) -> Config:
+    """``choose`` for a kind whose result torch's matmul gives alone (no passes)."""
+    p = _point(m, n, k, batch)
     options = [o for o in BY_LABEL if torch_ok or o != TORCH]
     if not p[-1]:
         near = _nearest(p, rows)

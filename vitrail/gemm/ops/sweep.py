@@ -246,6 +246,105 @@ def time_calls(dtype, *, only=None, log=sys.stderr) -> Iterator[dict]:
         yield rec
 
 
+def _fused_kind(s: Shape):
+    from vitrail.gemm import LinearCombination
+    from vitrail.gemm.ops.configs import Kind
+    return Kind("bf16", "bf16", "row", s.layout_b,
+                LinearCombination("bf16", bias="col", activation="silu"))
+
+
+def build_fused(shapes_: list[Shape], log=sys.stderr) -> None:
+    """Compile the kernels ``time_fused`` runs, in parallel (one process per config)."""
+    from vitrail.gemm.ops.launch import op_for
+    from vitrail.tune import limits
+    from vitrail.tune.tuner import compile_all
+    arch = limits().arch.name
+    jobs = {}
+    for s in shapes_:
+        op = op_for(_fused_kind(s))
+        config = model.choose(s.M, s.N, s.K, s.L, torch_ok=False)
+        jobs[(op.name, config)] = (config, dict(op.render(config), arch=arch))
+    failed = compile_all(list(jobs.values()), label="fused gemm")
+    print(f"built {len(jobs)} fused configs, {len(failed)} failed", file=log, flush=True)
+
+
+def time_fused(dtype, *, only=None, log=sys.stderr) -> Iterator[dict]:
+    """A fused epilogue (bias, then silu: one pass over D on torch's ops) on each shape, in CUDA
+    graphs: vitrail's kernel (the selection's config without torch) and torch's route for it
+    (launch.torch_fused: addmm taking the bias, silu in place), the two options the selection
+    chooses between; and what a user gets, vitrail.ops.gemm (the library's choice) against
+    torch's ops as written (silu(addmm)), in a graph and eagerly."""
+    import torch
+    import torch.nn.functional as F
+
+    from vitrail.gemm.ops import launch, testing
+    from vitrail.gemm.ops.dense import gemm
+    for s in shapes() if only is None else only:
+        sets = _operands(s, dtype, _copies(s, torch.finfo(dtype).bits // 8))
+        bias = torch.randn(s.N, device="cuda", dtype=dtype)
+        product = torch.baddbmm if s.L > 1 else torch.addmm
+        kind = _fused_kind(s)
+        chosen = configs_heuristic(kind, s)
+        rec = dict(asdict(s), name=s.name, held_out=s.held_out, passes=kind.torch_passes,
+                   chosen=model.label(chosen))
+        n = _launches(s)
+
+        def ours(a, b, d=None):
+            return gemm(a, b, bias=bias, activation="silu")
+
+        def theirs(a, b, d=None):
+            return F.silu(product(bias, a, b))
+        with testing.kernels_only():
+            kernel = Graph(ours, sets, n)
+        graphs = {"kernel": kernel, "route": Graph(
+            lambda a, b, d: launch.torch_fused(d, a, b, None, bias, 1.0, 0.0, "silu", 0.01,
+                                               None, None), sets, n),
+            "vitrail": Graph(ours, sets, n), "torch": Graph(theirs, sets, n)}
+        rec["graph"] = fair_ms(graphs)
+        rec["eager"] = {"vitrail": float("inf"), "torch": float("inf")}
+        for _ in range(3):
+            for name, fn in (("vitrail", ours), ("torch", theirs)):
+                rec["eager"][name] = min(rec["eager"][name], eager_ms(fn, sets))
+        g = rec["graph"]
+        print(f"{s.name:<28} {rec['chosen']:<30} kernel/route {g['kernel'] / g['route']:5.2f}  "
+              f"graph {g['torch'] / g['vitrail']:5.2f}x  eager "
+              f"{rec['eager']['torch'] / rec['eager']['vitrail']:5.2f}x", file=log, flush=True)
+        del sets, graphs, kernel
+        yield rec
+
+
+def configs_heuristic(kind, s: Shape):
+    """The config the library's heuristic gives kind on shape s."""
+    from vitrail.gemm.ops import configs
+    from vitrail.tune import limits
+    return configs.space(kind).default(s, limits())
+
+
+def fused_report(records: list[dict]) -> str:
+    """The fused choice on ``time_fused``'s records: its time over the faster of the two
+    options (kernel, torch's route) against always taking the kernel; what users get against
+    torch's ops as written."""
+    lines = []
+    for part, rs in (("all", records), ("held out", [r for r in records if r["held_out"]])):
+        if not rs:
+            continue
+        g = [r["graph"] for r in rs]
+        chosen = [x["route"] if r["chosen"] == model.TORCH else x["kernel"]
+                  for r, x in zip(rs, g)]
+        best = [min(x["kernel"], x["route"]) for x in g]
+        regret = [c / b for c, b in zip(chosen, best)]
+        always = [x["kernel"] / b for x, b in zip(g, best)]
+        lines.append(f"{part}, {len(rs)} shapes, {sum(r['chosen'] == model.TORCH for r in rs)} "
+                     f"on torch's route: chosen / faster option geomean {model.geomean(regret):.3f}"
+                     f" max {max(regret):.2f} ({sum(x > 1.05 for x in regret)} above 1.05); "
+                     f"always the kernel: geomean {model.geomean(always):.3f} max {max(always):.2f}"
+                     f" ({sum(x > 1.05 for x in always)} above 1.05)")
+    for how in ("graph", "eager"):
+        lines.append(f"vitrail.ops.gemm(bias, silu) / silu(addmm), {how}: " + summary(
+            {r["name"]: r[how]["torch"] / r[how]["vitrail"] for r in records}))
+    return "\n".join(lines)
+
+
 def summary(ratios: dict[str, float], worst: int = 10) -> str:
     """Geometric mean, minimum and the worst shapes of {shape: torch time / vitrail time}."""
     if not ratios:
@@ -260,18 +359,26 @@ USAGE = """usage: python -m vitrail.gemm.ops.sweep COMMAND ...
   configs OUT.json [i/n]  time every candidate config and torch on the sweep (i/n: only the
                           i-th of n interleaved parts)
   calls OUT.json [i/n]    time vitrail.ops.mm/bmm (the library's choice) against torch
+  fused OUT.json [i/n]    time a fused epilogue (bias, silu): the kernel, torch's route, the
+                          library's choice and torch's ops as written, on the shapes where the
+                          plain product's choice is torch's matmul (elsewhere the kernel runs)
   table SWEEP.json...     print the selection table (vitrail/gemm/ops/selection_h100.json)
-  check SWEEP.json...     the selection on the held-out shapes, from a table of the others"""
+  check SWEEP.json...     the selection on the held-out shapes, from a table of the others
+  fused-report FUSED.json...  the fused choice against its two options and torch's ops"""
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) < 2 or argv[0] not in ("configs", "calls", "table", "check"):
+    if len(argv) < 2 or argv[0] not in ("configs", "calls", "fused", "table", "check",
+                                        "fused-report"):
         print(USAGE, file=sys.stderr)
         return 2
-    if argv[0] in ("table", "check"):
+    if argv[0] in ("table", "check", "fused-report"):
         records = [r for path in argv[1:] for r in json.load(open(path))["records"]]
         if argv[0] == "check":
             print(model.check(records))
+            return 0
+        if argv[0] == "fused-report":
+            print(fused_report(records))
             return 0
         data = model.make_table(records)
         rows = ",\n  ".join(json.dumps(r, separators=(",", ":")) for r in data.pop("shapes"))
@@ -279,12 +386,19 @@ def main(argv: list[str]) -> int:
         return 0
     import torch
     part = shapes()
+    if argv[0] == "fused":
+        part = [s for s in part if model.choose(s.M, s.N, s.K, s.L, torch_ok=True)
+                == model.TORCH_CONFIG]
     if len(argv) == 3:
         i, n = (int(x) for x in argv[2].split("/"))
         part = part[i::n]
     records = []
-    for rec in (time_configs("bf16", only=part) if argv[0] == "configs"
-                else time_calls(torch.bfloat16, only=part)):
+    if argv[0] == "fused":
+        build_fused(part)
+    timings = {"configs": lambda: time_configs("bf16", only=part),
+               "calls": lambda: time_calls(torch.bfloat16, only=part),
+               "fused": lambda: time_fused(torch.bfloat16, only=part)}[argv[0]]
+    for rec in timings():
         records.append(rec)  # written after each shape: a run cut short keeps what it timed
         with open(argv[1], "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
