@@ -246,14 +246,22 @@ def time_calls(dtype, *, only=None, log=sys.stderr) -> Iterator[dict]:
         yield rec
 
 
-def _fused_kind(s: Shape):
+# the fused epilogues ``time_fused`` times: gemm's keyword arguments (c: C is given)
+FUSED = {"bias-silu": dict(bias=True, activation="silu"),
+         "c-bias-gelu-clamp": dict(c=True, beta=0.5, bias=True, activation="gelu",
+                                   clamp_max=1.0)}
+
+
+def _fused_kind(s: Shape, epilogue: str):
     from vitrail.gemm import LinearCombination
     from vitrail.gemm.ops.configs import Kind
-    return Kind("bf16", "bf16", "row", s.layout_b,
-                LinearCombination("bf16", bias="col", activation="silu"))
+    e = FUSED[epilogue]
+    return Kind("bf16", "bf16", "row", s.layout_b, LinearCombination(
+        "bf16", element_source="bf16" if e.get("c") else None, bias="col",
+        activation=e["activation"], clamp="clamp_max" in e))
 
 
-def build_fused(shapes_: list[Shape], log=sys.stderr) -> None:
+def build_fused(shapes_: list[Shape], epilogue: str, log=sys.stderr) -> None:
     """Compile the kernels ``time_fused`` runs, in parallel (one process per config)."""
     from vitrail.gemm.ops.launch import op_for
     from vitrail.tune import limits
@@ -261,45 +269,55 @@ def build_fused(shapes_: list[Shape], log=sys.stderr) -> None:
     arch = limits().arch.name
     jobs = {}
     for s in shapes_:
-        op = op_for(_fused_kind(s))
+        op = op_for(_fused_kind(s, epilogue))
         config = model.choose(s.M, s.N, s.K, s.L, torch_ok=False)
         jobs[(op.name, config)] = (config, dict(op.render(config), arch=arch))
     failed = compile_all(list(jobs.values()), label="fused gemm")
     print(f"built {len(jobs)} fused configs, {len(failed)} failed", file=log, flush=True)
 
 
-def time_fused(dtype, *, only=None, log=sys.stderr) -> Iterator[dict]:
-    """A fused epilogue (bias, then silu: one pass over D on torch's ops) on each shape, in CUDA
-    graphs: vitrail's kernel (the selection's config without torch) and torch's route for it
-    (launch.torch_fused: addmm taking the bias, silu in place), the two options the selection
-    chooses between; and what a user gets, vitrail.ops.gemm (the library's choice) against
-    torch's ops as written (silu(addmm)), in a graph and eagerly."""
+def time_fused(dtype, epilogue: str = "bias-silu", *, only=None,
+               log=sys.stderr) -> Iterator[dict]:
+    """A fused epilogue (``FUSED``) on each shape, in CUDA graphs: vitrail's kernel (the
+    selection's config without torch) and torch's route for it (launch.torch_fused: addmm
+    taking C or the bias, the rest in place), the two options the selection chooses between;
+    and what a user gets, vitrail.ops.gemm (the library's choice) against torch's ops as a
+    user writes them (silu(addmm(bias, a, b)), ...), in a graph and eagerly."""
     import torch
     import torch.nn.functional as F
 
     from vitrail.gemm.ops import launch, testing
     from vitrail.gemm.ops.dense import gemm
+    from vitrail.plan import native
+    native.load(wait=True)  # eager calls through the C++ hit path, as a user's soon are
+    e = FUSED[epilogue]
+    act = {"silu": F.silu, "gelu": F.gelu}[e["activation"]]
+    beta, hi = e.get("beta", 0.0), e.get("clamp_max")
     for s in shapes() if only is None else only:
         sets = _operands(s, dtype, _copies(s, torch.finfo(dtype).bits // 8))
         bias = torch.randn(s.N, device="cuda", dtype=dtype)
+        c = torch.randn(*((s.L,) if s.L > 1 else ()), s.M, s.N, device="cuda",
+                        dtype=dtype) if e.get("c") else None
         product = torch.baddbmm if s.L > 1 else torch.addmm
-        kind = _fused_kind(s)
+        kind = _fused_kind(s, epilogue)
         chosen = configs_heuristic(kind, s)
-        rec = dict(asdict(s), name=s.name, held_out=s.held_out, passes=kind.torch_passes,
-                   chosen=model.label(chosen))
+        rec = dict(asdict(s), name=s.name, held_out=s.held_out, epilogue=epilogue,
+                   passes=kind.torch_passes, chosen=model.label(chosen))
         n = _launches(s)
 
         def ours(a, b, d=None):
-            return gemm(a, b, bias=bias, activation="silu")
+            return gemm(a, b, c, beta=beta, bias=bias, activation=e["activation"], clamp_max=hi)
 
         def theirs(a, b, d=None):
-            return F.silu(product(bias, a, b))
+            y = act(product(c, a, b, beta=beta) + bias if c is not None else product(bias, a, b))
+            return y if hi is None else torch.clamp(y, max=hi)
+
+        def route(a, b, d):
+            launch.torch_fused(d, a, b, c, bias, 1.0, beta, e["activation"], 0.01, None, hi)
         with testing.kernels_only():
             kernel = Graph(ours, sets, n)
-        graphs = {"kernel": kernel, "route": Graph(
-            lambda a, b, d: launch.torch_fused(d, a, b, None, bias, 1.0, 0.0, "silu", 0.01,
-                                               None, None), sets, n),
-            "vitrail": Graph(ours, sets, n), "torch": Graph(theirs, sets, n)}
+        graphs = {"kernel": kernel, "route": Graph(route, sets, n),
+                  "vitrail": Graph(ours, sets, n), "torch": Graph(theirs, sets, n)}
         rec["graph"] = fair_ms(graphs)
         rec["eager"] = {"vitrail": float("inf"), "torch": float("inf")}
         for _ in range(3):
@@ -340,8 +358,10 @@ def fused_report(records: list[dict]) -> str:
                      f"always the kernel: geomean {model.geomean(always):.3f} max {max(always):.2f}"
                      f" ({sum(x > 1.05 for x in always)} above 1.05)")
     for how in ("graph", "eager"):
-        lines.append(f"vitrail.ops.gemm(bias, silu) / silu(addmm), {how}: " + summary(
-            {r["name"]: r[how]["torch"] / r[how]["vitrail"] for r in records}))
+        for epilogue in sorted({r["epilogue"] for r in records}):
+            lines.append(f"vitrail.ops.gemm / torch's ops, {epilogue}, {how}: " + summary(
+                {r["name"]: r[how]["torch"] / r[how]["vitrail"] for r in records
+                 if r["epilogue"] == epilogue}))
     return "\n".join(lines)
 
 
@@ -359,9 +379,10 @@ USAGE = """usage: python -m vitrail.gemm.ops.sweep COMMAND ...
   configs OUT.json [i/n]  time every candidate config and torch on the sweep (i/n: only the
                           i-th of n interleaved parts)
   calls OUT.json [i/n]    time vitrail.ops.mm/bmm (the library's choice) against torch
-  fused OUT.json [i/n]    time a fused epilogue (bias, silu): the kernel, torch's route, the
-                          library's choice and torch's ops as written, on the shapes where the
-                          plain product's choice is torch's matmul (elsewhere the kernel runs)
+  fused OUT.json [i/n [EPILOGUE]]  time a fused epilogue (FUSED; bias-silu by default): the
+                          kernel, torch's route, the library's choice and torch's ops as
+                          written, on the shapes where the plain product's choice is torch's
+                          matmul (elsewhere the kernel runs)
   table SWEEP.json...     print the selection table (vitrail/gemm/ops/selection_h100.json)
   check SWEEP.json...     the selection on the held-out shapes, from a table of the others
   fused-report FUSED.json...  the fused choice against its two options and torch's ops"""
@@ -389,15 +410,16 @@ def main(argv: list[str]) -> int:
     if argv[0] == "fused":
         part = [s for s in part if model.choose(s.M, s.N, s.K, s.L, torch_ok=True)
                 == model.TORCH_CONFIG]
-    if len(argv) == 3:
+    if len(argv) >= 3:
         i, n = (int(x) for x in argv[2].split("/"))
         part = part[i::n]
+    epilogue = argv[3] if len(argv) == 4 else "bias-silu"
     records = []
     if argv[0] == "fused":
-        build_fused(part)
+        build_fused(part, epilogue)
     timings = {"configs": lambda: time_configs("bf16", only=part),
                "calls": lambda: time_calls(torch.bfloat16, only=part),
-               "fused": lambda: time_fused(torch.bfloat16, only=part)}[argv[0]]
+               "fused": lambda: time_fused(torch.bfloat16, epilogue, only=part)}[argv[0]]
     for rec in timings():
         records.append(rec)  # written after each shape: a run cut short keeps what it timed
         with open(argv[1], "w") as f:
