@@ -189,6 +189,46 @@ def test_the_cpp_hit_path_keeps_aliasing_strides_and_the_torch_route_right(nativ
         assert ops.mm.front.call(x, w, None) is not native.MISS
 
 
+def test_the_cpp_hit_path_runs_torchs_ops_for_a_fused_epilogue(native):
+    """A fused epilogue on torch's route (16 rows against K = 14336) is a C++ plan after its
+    first call (at::addmm and the ops in place), equal to the reference on fresh data; one
+    with C beside the bias too; a batched one keeps its Python plan."""
+    ops = _ops()
+    from vitrail.gemm.ops import model, testing
+    from vitrail.gemm.ops.reference import gemm_reference
+    M, N, K = 16, 4096, 14336
+    assert model.choose(M, N, K, torch_ok=True, passes=3) == model.TORCH_CONFIG
+
+    def make():
+        return (torch.randn(M, K, device="cuda", dtype=BF),
+                torch.randn(K, N, device="cuda", dtype=BF) / 64,
+                torch.randn(M, N, device="cuda", dtype=BF), torch.randn(N, device="cuda"))
+    with testing.kernels_only(False):
+        for kw in (dict(activation="silu", clamp_max=1.0), dict(beta=0.5, activation="gelu"),
+                   dict(alpha=2.0, activation="leaky_relu", slope=0.2, clamp_min=-0.5)):
+            c_beta = kw.get("beta", 0.0)
+            for _ in range(3):
+                a, b, c, bias = make()
+                ref = gemm_reference(a, b, c, bias=bias, out_dtype=torch.float32,
+                                     activation_name=kw.get("activation"),
+                                     **{k: v for k, v in kw.items() if k != "activation"})
+                _close(ops.gemm(a, b, c, bias=bias, **kw), ref, 3e-2)
+            a, b, c, bias = make()
+            got = ops.gemm.front.call(a, b, c, kw.get("alpha", 1.0), c_beta, bias,
+                                      kw["activation"], None, kw.get("slope", 0.01),
+                                      kw.get("clamp_min"), kw.get("clamp_max"))
+            assert got is not native.MISS, kw
+            ref = gemm_reference(a, b, c, bias=bias, out_dtype=torch.float32,
+                                 activation_name=kw.get("activation"),
+                                 **{k: v for k, v in kw.items() if k != "activation"})
+            _close(got, ref, 3e-2)
+        x = torch.randn(2, 8, K, device="cuda", dtype=BF)
+        for _ in range(3):
+            _close(ops.gemm(x, b, bias=bias, activation="silu"),
+                   gemm_reference(x, b, bias=bias, activation_name="silu",
+                                  out_dtype=torch.float32), 3e-2)
+
+
 def test_the_split_path_is_planned_per_stream(native):
     """Long rows take the split path (cooperative grids, counters in a workspace kept per
     stream): a C++ plan, whose workspace is its stream's; calls on two streams at once, each

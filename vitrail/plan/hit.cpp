@@ -8,7 +8,8 @@
 // per stream). table.call(*args) builds that key, finds the plan and runs it: allocates the
 // outputs (and scratch buffers) through ATen, then calls the recorded entry points (through
 // their prototype's packed caller) and launches the recorded kernels (cuLaunchKernel) with this
-// call's pointers on the current stream, or calls at::matmul where torch's matmul is the route.
+// call's pointers on the current stream, or calls at::matmul where torch's matmul is the route
+// (at::addmm and the epilogue's in-place ops where torch's ops run a fused GEMM epilogue).
 // No Python object is built but the result.
 //
 // A table given a gradient rule (set_grad) also answers calls that record gradients: the key
@@ -38,10 +39,19 @@
 
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty_strided.h>
+#include <ATen/ops/addmm.h>
 #include <ATen/ops/bmm.h>
+#include <ATen/ops/clamp.h>
+#include <ATen/ops/empty_strided.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/hardswish.h>
+#include <ATen/ops/leaky_relu.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/mm.h>
+#include <ATen/ops/relu.h>
+#include <ATen/ops/sigmoid.h>
+#include <ATen/ops/silu.h>
+#include <ATen/ops/tanh.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Exceptions.h>
@@ -156,8 +166,13 @@ struct GradRule {
 };
 
 struct Plan {
-  enum Kind { LAUNCHES, MATMUL, GENERAL } kind = GENERAL;
+  enum Kind { LAUNCHES, MATMUL, ADDMM, GENERAL } kind = GENERAL;
   std::vector<int> args;           // the argument position of each tensor the plan reads
+  // ADDMM (vitrail.gemm.ops.launch.torch_fused on 2-D operands): args a, b, c, bias (-1: none);
+  // clamp(act(alpha * a @ b + beta * c + bias)), act numbered as vitrail.gemm.epilogue.ACT_IDS
+  double alpha = 1.0, beta = 0.0, slope = 0.0;
+  int activation = 0;
+  std::optional<double> lo, hi;
   std::vector<Alloc> outputs, scratch;
   std::vector<Launch> launches;
   std::vector<TensorMap> maps;
@@ -318,7 +333,48 @@ bool make_key(PyObject* const* args, Py_ssize_t n, std::string& key, bool grad_o
   return true;
 }
 
+// torch's ops for a fused GEMM epilogue, as vitrail.gemm.ops.launch.torch_fused calls them
+at::Tensor addmm_epilogue(const Plan& plan, PyObject* const* args) {
+  const at::Tensor& a = THPVariable_Unpack(args[plan.args[0]]);
+  const at::Tensor& b = THPVariable_Unpack(args[plan.args[1]]);
+  at::Tensor d;
+  if (plan.args[2] >= 0) {
+    d = at::addmm(THPVariable_Unpack(args[plan.args[2]]).to(a.scalar_type()), a, b, plan.beta,
+                  plan.alpha);
+    if (plan.args[3] >= 0) d.add_(THPVariable_Unpack(args[plan.args[3]]));
+  } else if (plan.args[3] >= 0) {
+    d = at::addmm(THPVariable_Unpack(args[plan.args[3]]).to(a.scalar_type()), a, b, 1.0,
+                  plan.alpha);
+  } else {
+    d = at::mm(a, b);
+    if (plan.alpha != 1.0) d.mul_(plan.alpha);
+  }
+  switch (plan.activation) {
+    case 0: break;
+    case 1: at::relu_(d); break;
+    case 2: at::leaky_relu_(d, plan.slope); break;
+    case 3: at::gelu_(d, "none"); break;
+    case 4: at::gelu_(d, "tanh"); break;
+    case 5: at::silu_(d); break;
+    case 6: at::sigmoid_(d); break;
+    case 7: at::tanh_(d); break;
+    case 8: at::hardswish_(d); break;
+  }
+  if (plan.lo || plan.hi) {
+    at::clamp_(d, plan.lo ? std::optional<at::Scalar>(*plan.lo) : std::nullopt,
+               plan.hi ? std::optional<at::Scalar>(*plan.hi) : std::nullopt);
+  }
+  return d;
+}
+
 PyObject* run(const Plan& plan, PyObject* const* args) {
+  if (plan.kind == Plan::ADDMM) {  // as MATMUL: a call that records no gradient goes below
+    std::optional<at::AutoDispatchBelowADInplaceOrView> below;
+    bool grad = false;
+    for (int j : plan.args) grad |= j >= 0 && THPVariable_Unpack(args[j]).requires_grad();
+    if (!c10::GradMode::is_enabled() || !grad) below.emplace();
+    return THPVariable_Wrap(addmm_epilogue(plan, args));
+  }
   if (plan.kind == Plan::MATMUL) {  // what torch.mm, torch.bmm or torch.matmul would call
     const at::Tensor& a = THPVariable_Unpack(args[plan.args[0]]);
     const at::Tensor& b = THPVariable_Unpack(args[plan.args[1]]);
@@ -819,7 +875,8 @@ bool read_grad(PyObject* o, Plan& plan) {
 
 // table.add(description, grad=None) -> bool: the pending miss's key gets this plan (False: no
 // pending miss of this table in this thread). description: ("general",), ("matmul", (a, b)),
-// or ("launches", args, outputs, scratch, launches, maps, result, keep, failed); grad (where
+// ("addmm", (a, b, c, bias), (alpha, beta, activation, slope, lo, hi)) (-1, None: absent), or
+// ("launches", args, outputs, scratch, launches, maps, result, keep, failed); grad (where
 // the miss recorded gradients): read_grad's. A call that records gradients gets a plan only
 // with its rule, and only one whose results are new outputs; else "general".
 PyObject* table_add(Table* self, PyObject* const* argv, Py_ssize_t argc) {
@@ -846,6 +903,22 @@ PyObject* table_add(Table* self, PyObject* const* argv, Py_ssize_t argc) {
       if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "matmul takes (a, b)");
       return nullptr;
     }
+  } else if (std::strcmp(kind, "addmm") == 0) {
+    plan->kind = Plan::ADDMM;
+    PyObject *args, *lo, *hi;
+    if (!PyArg_ParseTuple(desc, "sO(ddidOO)", &kind, &args, &plan->alpha, &plan->beta,
+                          &plan->activation, &plan->slope, &lo, &hi) ||
+        !read_ints(args, plan->args)) {
+      return nullptr;
+    }
+    if (plan->args.size() != 4 || plan->args[0] < 0 || plan->args[1] < 0 ||
+        plan->activation < 0 || plan->activation > 8) {
+      PyErr_SetString(PyExc_ValueError, "addmm takes (a, b, c, bias) and an activation 0-8");
+      return nullptr;
+    }
+    if (lo != Py_None) plan->lo = PyFloat_AsDouble(lo);
+    if (hi != Py_None) plan->hi = PyFloat_AsDouble(hi);
+    if (PyErr_Occurred()) return nullptr;
   } else if (std::strcmp(kind, "launches") == 0) {
     plan->kind = Plan::LAUNCHES;
     PyObject *args, *outputs, *scratch, *launches, *maps, *keep, *failed;

@@ -149,6 +149,11 @@ def describe(template: dict, inputs: tuple, outputs: tuple, result, args: tuple)
         positions.append(found)
     if template["kind"] == "matmul":
         return None if result is not outputs[0] else ("matmul", tuple(positions))
+    if template["kind"] == "addmm":  # used: which of (a, b, c, bias) the call passed
+        slots = [-1] * 4
+        for k, position in zip(template["used"], positions):
+            slots[k] = position
+        return None if result is not outputs[0] else ("addmm", tuple(slots), template["params"])
     used = len(positions)
     if len(outputs) == 1 and result is outputs[0]:
         which = used

@@ -24,7 +24,7 @@ from vitrail.gemm import LinearCombination
 from vitrail.gemm.emit import plain as plain_kernel
 from vitrail.gemm import arguments as gargs
 from vitrail.gemm.arguments import round_up as _round_up
-from vitrail.gemm.epilogue import ACTIVATION_FUNCTOR
+from vitrail.gemm.epilogue import ACT_IDS, ACTIVATION_FUNCTOR
 from vitrail.op import Op, OpFamily, Shaped
 from vitrail.plan import GENERAL, Plans, native, provisional, signature
 from vitrail.gemm.ops import configs, model
@@ -258,24 +258,33 @@ def eager(a, b, c, bias, alpha, beta, activation, slope, clamp_min, clamp_max, o
         plain = (c is None or beta == 0) and bias is None and activation is None and \
             clamp_min is None and clamp_max is None and out_dtype == a.dtype
         PLANS.put(key, _torch_plan if plain and alpha == 1.0 else _FusedPlan(
-            out_dtype, alpha, beta, activation, slope, clamp_min, clamp_max))
+            a, b, c if beta != 0 else None, bias, out_dtype, alpha, beta, activation, slope,
+            clamp_min, clamp_max))
     return d
 
 
 class _FusedPlan:
     """The plan of a signature that runs on torch's ops (torch_fused): the output allocated,
-    the ops called, nothing else (a Python plan: the C++ hit path leaves its key to Python)."""
-    __slots__ = ("out_dtype", "params")
+    the ops called, nothing else; from C++ too where a and b are 2-D (hit.cpp's ADDMM)."""
+    __slots__ = ("out_dtype", "params", "native")
 
-    def __init__(self, out_dtype, alpha, beta, activation, slope, lo, hi):
+    def __init__(self, a, b, c, bias, out_dtype, alpha, beta, activation, slope, lo, hi):
         self.out_dtype, self.params = out_dtype, (alpha, beta, activation, slope, lo, hi)
+        self.native = None if a.dim() != 2 or b.dim() != 2 else {
+            "kind": "addmm", "used": tuple(i for i, t in enumerate((a, b, c, bias))
+                                           if t is not None),
+            "params": (float(alpha), float(beta), ACT_IDS.get(activation, 0), float(slope),
+                       lo, hi)}
 
-    def __call__(self, a, b, c, bias, *_) -> tuple[torch.Tensor]:
+    def __call__(self, a, b, c, bias, *rest) -> tuple[torch.Tensor]:
         d = a.new_empty(out_shape(a, b), dtype=self.out_dtype)
         alpha, beta, activation, slope, lo, hi = self.params
         torch_fused(d, a, b, c if beta != 0 else None, bias, alpha, beta, activation, slope,
                     lo, hi)
-        return (d,)
+        out = (d,)
+        if native.LEARNING[0]:
+            native.saw(self, (a, b, c, bias, *rest), out)
+        return out
 
 
 def _torch_plan(a, b, *rest) -> tuple[torch.Tensor]:
