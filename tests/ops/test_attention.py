@@ -912,7 +912,7 @@ def test_split_keys_combine_the_chunks_like_one_pass(monkeypatch, b, sq, h, hk, 
     assert o.shape == ro.shape and o.dtype == q.dtype and lse.shape == (b, h, sq)
     torch.testing.assert_close(o.detach().double(), ro, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(lse.detach().double(), rlse, rtol=1e-5, atol=1e-5)
-    pack = h > hk and sq * h // hk <= A.BM and sk >= A.DECODE_MIN_KEYS
+    pack = h > hk and sq * h // hk <= A.block_m(d, dv) and sk >= A.DECODE_MIN_KEYS
     split = splits > 1 if splits else True  # the default, by splits_for: 1 to 4 tiles
     assert [c[4] for c in calls] == ([pack] if pack or split else [])
 
@@ -1037,7 +1037,8 @@ def test_num_splits_is_checked_and_a_masked_call_takes_one_pass(monkeypatch):
     few = torch.randn(2, A.DECODE_MIN_KEYS - 1, 2, 16, dtype=torch.bfloat16)
     A.attention(torch.randn(2, 1, 8, 16, dtype=torch.bfloat16), few, few)
     many = torch.randn(1, A.DECODE_MIN_KEYS, 4, 16, dtype=torch.bfloat16)
-    A.attention(torch.randn(1, A.BM + 1, 4, 16, dtype=torch.bfloat16), many, many)
+    A.attention(torch.randn(1, A.block_m(16, paged=True) + 1, 4, 16, dtype=torch.bfloat16),
+                many, many)
     assert len(passes) == 6
 
 
