@@ -66,7 +66,8 @@ constexpr int kThreads = 128 + QK::kThreads;
 // at launch (65536 / kThreads rounded down to a multiple of 8: 168 at WG 2, 128 at WG 3).
 // PERSISTENT's producer loop over tiles spills at 40 (ptxas moves a TMA coordinate to the stack
 // around each load), so it keeps 48. The consumers get the rest (WG 2: 232, or 224 PERSISTENT;
-// WG 3: 152), the producer its floor.
+// WG 3: 152); the producer keeps its floor (it spills at none, and what the consumers' multiple
+// of 8 leaves over would only reallocate its code).
 constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
 constexpr int kProducerRegisters = PERSISTENT ? 48 : 40;
 constexpr int kConsumerRegisters =
