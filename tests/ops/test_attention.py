@@ -30,6 +30,9 @@ pytestmark = pytest.mark.warm_cache  # --kernel-cache: one build per kernel acro
     # representatives (CI's two cores build each in about 40 s): TMA boxes 16 wide with P V's
     # wgmma 80 wide (one of CuTe's extended shapes), boxes 32 wide, v's head dim of its own
     ("fwd", 80, True, {}), ("fwd", 96, False, {}), ("fwd", 192, True, {"dv": 128}),
+    # three consumer warpgroups (D 64 above too): D 32, the producer's 40 registers (a CTA per
+    # tile), the softcap
+    ("fwd", 32, False, {"softcap": True, "persistent": False}),
     # the backward: the fast one (dQ by atomics: dS K's tiles, bulk reduce-adds) at both head
     # dims, with a window and the softcap; the deterministic one (its two kernels) with varlen
     ("bwd", 128, True, {}), ("bwd", 64, False, {}),
@@ -43,6 +46,59 @@ def test_compiles_for_sm90a(which, d, causal, options):
              list(A.bwd_kernel_names(options.get("deterministic", False))))
     assert_builds_clean(source, f"attention_{which}", names, include_dirs=[A.HERE],
                         flags=["-default-device"])
+
+
+def test_three_consumer_warpgroups_at_small_head_dims():
+    """bf16 and fp16 at D and Dv up to 64 take three consumer warpgroups (192 rows a tile), in
+    the kernel's config too; PAGED, FP8 and larger head dims two (128 rows), as before."""
+    for dtype in A.DTYPES:
+        for d, dv in ((16, 16), (32, 32), (64, 64), (64, 32), (48, 64)):
+            assert A.warpgroups(d, dv, dtype) == 3 and A.block_m(d, dv, dtype) == 192, (d, dv)
+            assert A.warpgroups(d, dv, dtype, paged=True) == 2, (d, dv)
+        for d, dv in ((64, 128), (128, 64), (80, 80), (128, 128), (256, 256)):
+            assert A.warpgroups(d, dv, dtype) == 2 and A.block_m(d, dv, dtype) == 128, (d, dv)
+    assert A.warpgroups(64, 64, torch.float8_e4m3fn) == 2
+    assert A.block_m(64) == A.block_m(64, 64, torch.bfloat16) == 192
+    assert all(A.block_m(d, dtype=dtype, paged=True) == 128  # decode_route's tile of rows
+               for d in A.HEAD_DIMS for dtype in A.DTYPES)
+    source = A.source(torch.float16, 64, True)
+    assert "constexpr int WG = 3;\nconstexpr int BM = 192;" in source
+    for source in (A.source(torch.bfloat16, 128, True), A.source(torch.bfloat16, 64, False,
+                                                                  paged=True)):
+        assert "constexpr int WG = 2;\nconstexpr int BM = 128;" in source
+    # Q's 192 rows: 24 KB at D 64 beside two stages of 128 keys
+    assert A.smem_bytes(64) == 1024 + 192 * 64 * 2 + 2 * 128 * 128 * 2 + 16 * 2 + 24
+    assert A.smem_bytes(64, paged=True) == A.smem_bytes(64) - 64 * 64 * 2
+
+
+@pytest.mark.parametrize("d,dtype,paged,threads,rows", [
+    (64, torch.bfloat16, False, 512, 192), (32, torch.float16, False, 512, 192),
+    (64, torch.bfloat16, True, 384, 128), (128, torch.bfloat16, False, 384, 128)])
+def test_the_forward_launches_its_tile_of_rows(monkeypatch, d, dtype, paged, threads, rows):
+    """launch with a recording kernel: the grid's row blocks, the CTA's threads, Q's TMA box and
+    the shared memory follow the kernel's warpgroups (a CTA per tile; persistent: the grid a CTA
+    per SM up to the tiles)."""
+    import contextlib
+    monkeypatch.setattr(A, "_map", lambda t, rows, width=None: ("map", t.shape, rows))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(A, "tile_counters", lambda device: "counters")
+    monkeypatch.setattr(A, "sm_count", lambda index: 132)
+    log = []
+    fwd = _Recorder("attention_fwd", log)
+    b, sq, sk, h, hk = 2, 1000, 700, 6, 2
+    q4 = torch.empty(b, sq, h, d, dtype=dtype)
+    k4, v4 = torch.empty(b, sk, hk, d, dtype=dtype), torch.empty(b, sk, hk, d, dtype=dtype)
+    o, lse = torch.empty(b, sq, h, d, dtype=dtype), torch.empty(b, h, sq)
+    blocks = -(-sq // rows)
+    paged_args = (torch.full((b,), sk, dtype=torch.int32), None, 0, sk, 1, sk) if paged else None
+    for persistent in (False, True):
+        A.launch(fwd, o, lse, q4, k4, v4, sq, sk, b, 0.125, 0, 0, 0.0, persistent=persistent,
+                 paged=paged_args)
+        _, grid, block, args, shared = log[-1]
+        assert grid == ((min(blocks * h * b, 132), 1, 1) if persistent else (blocks, h, b))
+        assert block == threads and args[2] == ("map", q4.shape, rows)
+        assert args[24:26] == (blocks, blocks * h * b)  # row_blocks, tiles
+        assert shared == A.smem_bytes(d, dtype, d, paged)
 
 
 def test_every_head_dim_fits_shared_memory():
@@ -607,6 +663,57 @@ def test_the_benchmark_registers_its_grid():
     assert (32, 65536, 32, 8, 128) in b.DECODE_CASES  # a serving batch at long context
 
 
+def _sdpa(q, k, v, causal):
+    """o (B, Sq, H, Dv) by torch's SDPA in fp32 (causal: top-left), k and v repeated over each
+    GQA group."""
+    g = q.shape[2] // k.shape[2]
+    qt, kt, vt = (x.float().transpose(1, 2) for x in (q, k, v))
+    kt, vt = (x.repeat_interleave(g, dim=1) for x in (kt, vt))
+    o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+    return o.transpose(1, 2)
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [32, 64])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("b,sq,sk,h,hk", [
+    (2, 1, 1, 6, 2), (2, 190, 190, 6, 2), (2, 193, 193, 6, 2), (2, 1000, 1000, 6, 2),
+    (2, 193, 1000, 6, 6), (2, 1000, 190, 6, 1), (4, 1000, 1000, 16, 4)])  # the last: persistent
+def test_three_warpgroups_against_sdpa(dtype, d, causal, b, sq, sk, h, hk):
+    """The kernel of three consumer warpgroups (192 rows a tile; D 32 and 64): o against torch's
+    SDPA in fp32 and the lse against the fp64 reference, lengths not multiples of 192 (a last
+    tile of 1 row and of 190), causal and not, GQA and MQA, the grid a CTA per tile and one a
+    CTA per SM."""
+    assert A.warpgroups(d, d, dtype) == 3
+    q, k, v = _qkv(b, sq, sk, h, hk, d, dtype, seed=sq + sk + d)
+    o, lse = A.attention(q, k, v, causal=causal, return_lse=True)
+    tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
+    torch.testing.assert_close(o.float(), _sdpa(q, k, v, causal), rtol=tol, atol=tol)
+    _, rlse = A.reference(q.double(), k.double(), v.double(), causal=causal)
+    torch.testing.assert_close(lse.double(), rlse, rtol=1e-3, atol=1e-3)
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [32, 64])
+@pytest.mark.parametrize("causal", [False, True])
+def test_three_warpgroups_varlen_against_sdpa(dtype, d, causal):
+    """attention_varlen on the kernel of three consumer warpgroups: each sequence's o against
+    SDPA in fp32 (GQA 3), lengths of 1, 190, 193, 1000, 0 and 385 rows and keys."""
+    lq, lk = [1, 190, 193, 1000, 0, 385], [1, 193, 190, 1000, 5, 385]
+    q, k, v, cq, ck = _varlen_inputs(lq, lk, 6, 2, d, dtype, seed=d + 40)
+    o = A.attention_varlen(q, k, v, cq, ck, max(lq), max(lk), causal=causal)
+    tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
+    for i, (n, m) in enumerate(zip(lq, lk)):
+        if n == 0:
+            continue
+        a, c = cq[i].item(), ck[i].item()
+        want = _sdpa(q[None, a:a + n], k[None, c:c + m], v[None, c:c + m], causal)[0]
+        torch.testing.assert_close(o[a:a + n].float(), want, rtol=tol, atol=tol,
+                                   msg=lambda msg, i=i: f"sequence {i}: {msg}")
+
+
 @needs_hopper
 @pytest.mark.parametrize("d,causal", [(64, True), (128, False), (256, True)])
 def test_the_ping_pong_changes_no_bit(d, causal):
@@ -912,7 +1019,7 @@ def test_split_keys_combine_the_chunks_like_one_pass(monkeypatch, b, sq, h, hk, 
     assert o.shape == ro.shape and o.dtype == q.dtype and lse.shape == (b, h, sq)
     torch.testing.assert_close(o.detach().double(), ro, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(lse.detach().double(), rlse, rtol=1e-5, atol=1e-5)
-    pack = h > hk and sq * h // hk <= A.BM and sk >= A.DECODE_MIN_KEYS
+    pack = h > hk and sq * h // hk <= A.block_m(d, dv) and sk >= A.DECODE_MIN_KEYS
     split = splits > 1 if splits else True  # the default, by splits_for: 1 to 4 tiles
     assert [c[4] for c in calls] == ([pack] if pack or split else [])
 
@@ -1037,7 +1144,8 @@ def test_num_splits_is_checked_and_a_masked_call_takes_one_pass(monkeypatch):
     few = torch.randn(2, A.DECODE_MIN_KEYS - 1, 2, 16, dtype=torch.bfloat16)
     A.attention(torch.randn(2, 1, 8, 16, dtype=torch.bfloat16), few, few)
     many = torch.randn(1, A.DECODE_MIN_KEYS, 4, 16, dtype=torch.bfloat16)
-    A.attention(torch.randn(1, A.BM + 1, 4, 16, dtype=torch.bfloat16), many, many)
+    A.attention(torch.randn(1, A.block_m(16, paged=True) + 1, 4, 16, dtype=torch.bfloat16),
+                many, many)
     assert len(passes) == 6
 
 

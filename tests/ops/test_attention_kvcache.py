@@ -30,7 +30,7 @@ pytestmark = pytest.mark.warm_cache
 def test_the_paged_forward_compiles_for_sm90a(d, causal, options):
     source = A.source(torch.bfloat16, d, causal, paged=True, **options)
     assert "constexpr bool PAGED = true;" in source and "constexpr bool VARLEN = true;" in source
-    source += smem_check(A.smem_bytes(d))
+    source += smem_check(A.smem_bytes(d, paged=True))
     assert_builds_clean(source, "attention_fwd", ["attention_fwd"], include_dirs=[A.HERE],
                         flags=["-default-device"])
 

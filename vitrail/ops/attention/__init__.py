@@ -56,7 +56,7 @@ NAME = "vitrail.ops.attention"
 DTYPES = (torch.bfloat16, torch.float16)
 HEAD_DIMS = tuple(range(16, 257, 16))
 ALIGNMENTS = ("top_left", "bottom_right")
-BM, STAGES, THREADS = 128, 2, 384
+STAGES = 2
 # The forward's grid: a CTA per SM taking tiles from a counter up to this many keys a sequence,
 # a CTA per tile beyond (chosen on the attention benchmark's grid: the persistent grid gains most
 # where a tile has few blocks of keys; past this its consumers' 8 fewer registers cost more than
@@ -75,11 +75,27 @@ SMEM_LIMIT = 227 * 1024  # dynamic shared memory a CTA may take on Hopper
 KERNELS: dict[tuple, object] = {}
 
 
+def warpgroups(d: int, dv: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
+               paged: bool = False) -> int:
+    """The forward's consumer warpgroups (64 query rows each): 3 for bf16 and fp16 at D and Dv
+    of 64 or less (each one's products are short there, the softmax long: a third keeps the
+    tensor cores busy; FlashAttention-3's choice), else 2 (also PAGED and FP8, an 8-bit
+    dtype)."""
+    dv = d if dv is None else dv
+    return 3 if dtype in DTYPES and d <= 64 and dv <= 64 and not paged else 2
+
+
+def block_m(d: int, dv: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
+            paged: bool = False) -> int:
+    """Query rows a CTA's tile: 64 a consumer warpgroup (warpgroups)."""
+    return 64 * warpgroups(d, dv, dtype, paged)
+
+
 def block_n(d: int, dv: Optional[int] = None) -> int:
     """Keys per block: 128 where S's and O's (Dv wide) fragments fit the consumers' registers
     with it and two stages of K and V fit shared memory, else 64."""
     dv = d if dv is None else dv
-    return 128 if dv <= 128 and _smem(d, dv, 128, 2) <= SMEM_LIMIT else 64
+    return 128 if dv <= 128 and _smem(d, dv, 128, 2, block_m(d, dv)) <= SMEM_LIMIT else 64
 
 
 def chunk(d: int, size: int = 2) -> int:
@@ -93,15 +109,17 @@ def chunk(d: int, size: int = 2) -> int:
 STOCK_MMA_N = (8, 16, 32, 64, 96, 128, 192, 256)
 
 
-def _smem(d: int, dv: int, bn: int, e: int) -> int:
-    """The forward's shared memory (the .cuh's kSmemBytes): Q, STAGES blocks of K and V, the
-    barriers and the scheduled tiles, 1024 bytes to align."""
-    return 1024 + BM * d * e + STAGES * bn * (d + dv) * e + 16 * STAGES + 24
+def _smem(d: int, dv: int, bn: int, e: int, bm: int) -> int:
+    """The forward's shared memory (the .cuh's kSmemBytes): Q (bm rows), STAGES blocks of K and
+    V, the barriers and the scheduled tiles, 1024 bytes to align."""
+    return 1024 + bm * d * e + STAGES * bn * (d + dv) * e + 16 * STAGES + 24
 
 
-def smem_bytes(d: int, dtype: torch.dtype = torch.bfloat16, dv: Optional[int] = None) -> int:
+def smem_bytes(d: int, dtype: torch.dtype = torch.bfloat16, dv: Optional[int] = None,
+               paged: bool = False) -> int:
     dv = d if dv is None else dv
-    return _smem(d, dv, block_n(d, dv), torch.finfo(dtype).bits // 8)
+    return _smem(d, dv, block_n(d, dv), torch.finfo(dtype).bits // 8,
+                 block_m(d, dv, dtype, paged))
 
 
 def source(dtype: torch.dtype, d: int, causal: bool, pingpong: bool = True, local: bool = False,
@@ -112,7 +130,8 @@ def source(dtype: torch.dtype, d: int, causal: bool, pingpong: bool = True, loca
     out_dtype (bf16 or fp16; else o is q's dtype)."""
     dv = d if dv is None else dv
     fp8 = dtype.itemsize == 1
-    config = {"D": d, "DV": dv, "BM": BM, "BN": block_n(d, dv), "STAGES": STAGES}
+    wg = warpgroups(d, dv, dtype, paged)
+    config = {"D": d, "DV": dv, "WG": wg, "BM": 64 * wg, "BN": block_n(d, dv), "STAGES": STAGES}
     flags = {"CAUSAL": causal, "LOCAL": local, "SOFTCAP": softcap, "VARLEN": varlen or paged,
              "PAGED": paged, "PINGPONG": pingpong, "PERSISTENT": persistent, "FP8": fp8}
     # P V is one wgmma Dv wide per 16 keys; Dv of 80, 112, 160... is among CuTe's extended
@@ -200,7 +219,9 @@ def launch(fwd, o: Tensor, lse: Tensor, q4: Tensor, k4: Tensor, v4: Tensor, seql
     (batch, DV, heads, keys) with the keys contiguous (fp8.transposed_v)."""
     h, hk, d = q4.shape[2], k4.shape[2], q4.shape[3]
     dv = v4.shape[3] if descale is None else v4.shape[1]
-    row_blocks = -(-seqlen_q // BM)
+    wg = warpgroups(d, dv, q4.dtype, paged is not None)  # the kernel's (source's WG)
+    bm = 64 * wg
+    row_blocks = -(-seqlen_q // bm)
     if persistent:
         counter = tile_counters(q4.device)
         grid = (min(row_blocks * h * batch, sm_count(q4.device.index)), 1, 1)
@@ -212,13 +233,13 @@ def launch(fwd, o: Tensor, lse: Tensor, q4: Tensor, k4: Tensor, v4: Tensor, seql
     box = min(page, bn) if table is not None else bn  # a box of keys in one page
     map_v = _map(v4, box) if descale is None else _map(v4, dv, width=bn)
     with torch.cuda.device(q4.device):
-        fwd[grid, THREADS](
-            o, lse, _map(q4, BM), _map(k4, box), map_v, seqlen_q, seqlen_k, h, hk,
+        fwd[grid, 128 * (1 + wg)](
+            o, lse, _map(q4, bm), _map(k4, box), map_v, seqlen_q, seqlen_k, h, hk,
             (1.0 if softcap > 0 else scale) * math.log2(math.e), causal_offset, local_offset,
             softcap, scale / softcap if softcap > 0 else 0.0, cu_q, cu_k,
             o.shape[0] if varlen else 0, int(bottom_right), kv_lens, table, table_stride,
             page, splits, chunk_keys, row_blocks, row_blocks * h * batch, counter, descale,
-            shared_mem=smem_bytes(d, q4.dtype, dv))
+            shared_mem=smem_bytes(d, q4.dtype, dv, paged is not None))
 
 
 # The backward's kernels (sm90_attention_bwd.cuh): dQ over the keys, dK and dV over the rows.
@@ -545,7 +566,8 @@ def fwd_into(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: flo
                                   f"torch.nn.functional.scaled_dot_product_attention there")
     q, k = _tma_ready(q), _tma_ready(k)
     v = _tma_ready(v) if descale is None else v
-    persistent = persistent_for(sk, -(-sq // BM) * h * b, sm_count(q.device.index))
+    tiles = -(-sq // block_m(d, dv, q.dtype)) * h * b
+    persistent = persistent_for(sk, tiles, sm_count(q.device.index))
     launch(kernel(q.dtype, d, causal, local=local, softcap=softcap > 0, dv=dv,
                   persistent=persistent, out_dtype=o.dtype), o, lse, q, k, v, sq, sk, b, scale,
            causal_offset, local_offset, softcap, persistent=persistent, descale=descale)
@@ -721,14 +743,17 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     route = None  # one pass
     if b * sq > 0 and sk > 0 and not local and (not upper or hi >= sk - 1):  # no key masked
         long = sk >= DECODE_MIN_KEYS
-        pack = long and h > hk and sq * (h // hk) <= BM
+        # the packed rows a tile: the PAGED kernel's without gradients, else the varlen one's
+        bm = block_m(d, dv, q.dtype, paged=not grad)
+        pack = long and h > hk and sq * (h // hk) <= bm
         if not grad:  # the PAGED forward over k and v, their rows where they are
             g, n, size = decode_route(b, sq, h, hk, sk, block_n(d, dv), pack, True, num_splits,
                                       q.device)
             route = (g, n, size) if g > 1 or n > 1 else None
         elif _rows_of_one_stride(k) and _rows_of_one_stride(v):
             heads, rows = (hk, sq * (h // hk)) if pack else (h, sq)
-            splits = decode_splits(num_splits, b * heads, rows, sk, block_n(d, dv), q.device)
+            splits = decode_splits(num_splits, b * heads, rows, sk, block_n(d, dv), q.device,
+                                   bm)
             splits = min(splits, sk, MAX_GRID_YZ // b)
             if pack or splits > 1:
                 o, lse = _split_keys(q, k, v, splits, pack, scale, softcap, deterministic)
@@ -778,14 +803,14 @@ SPLIT_MIN_BLOCKS = 2  # blocks of keys a chunk holds at least
 
 
 def decode_splits(num_splits: Optional[int], tiles: int, rows: int, keys: int, bn: int,
-                  device: torch.device) -> int:
+                  device: torch.device, bm: int) -> int:
     """The chunks a pass of `tiles` CTAs of `rows` query rows each over `keys` keys is cut into:
-    num_splits where given; where decoding (one tile of rows a head, DECODE_MIN_KEYS keys or
-    more) splits_for's choice for this GPU; else 1 (a copy of many rows a chunk and their
-    combination would cost more than it gains)."""
+    num_splits where given; where decoding (one tile of rows a head, bm the kernel's, and
+    DECODE_MIN_KEYS keys or more) splits_for's choice for this GPU; else 1 (a copy of many rows
+    a chunk and their combination would cost more than it gains)."""
     if num_splits is not None:
         return num_splits
-    if keys >= DECODE_MIN_KEYS and rows <= BM:
+    if keys >= DECODE_MIN_KEYS and rows <= bm:
         sms = sm_count(device.index) if device.type == "cuda" else target_limits().sm_count
         return splits_for(tiles, keys, bn, sms)
     return 1
@@ -871,7 +896,8 @@ def decode_route(b: int, sq: int, h: int, hk: int, capacity: int, bn: int, pack:
     is masked, each entry's keys in chunks of whole blocks of bn keys (decode_splits' count, at
     most one a block and MAX_GRID_YZ sequences), else one chunk."""
     g = h // hk if pack else 1
-    splits = decode_splits(num_splits, b * (h // g), sq * g, capacity, bn, device) \
+    bm = 128  # the PAGED kernel's rows a tile (block_m's at every head dim)
+    splits = decode_splits(num_splits, b * (h // g), sq * g, capacity, bn, device, bm) \
         if unmasked else 1
     splits = max(1, min(splits, -(-capacity // bn), MAX_GRID_YZ // max(b, 1)))
     size = -(-(-(-capacity // splits)) // bn) * bn  # keys a chunk: whole blocks
@@ -1001,8 +1027,8 @@ def _paged_run(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tenso
     q4, k4, v4 = _tma_ready(q), _tma_ready(k_cache), _tma_ready(v_cache)
     page = k_cache.shape[1]
     table_stride = 0 if block_table is None else block_table.stride(0)
-    persistent = persistent_for(chunk_keys, -(-rows // BM) * heads * sequences,
-                                sm_count(q.device.index))
+    tiles = -(-rows // block_m(d, dv, q.dtype, paged=True)) * heads * sequences
+    persistent = persistent_for(chunk_keys, tiles, sm_count(q.device.index))
     launch(kernel(q.dtype, d, causal, local=local, softcap=softcap > 0, dv=dv,
                   persistent=persistent, paged=True), o, lse, q4, k4, v4, rows, 0, sequences,
            scale, causal_offset, local_offset, softcap, cu_q, None, True, persistent,
@@ -1175,8 +1201,8 @@ def _attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
         raise NotImplementedError(f"{NAME}: the kernel is sm_90a (Hopper); "
                                   f"{torch.cuda.get_device_name(q.device)} is not one")
     q4, k4, v4 = (_tma_ready(t.unsqueeze(0)) for t in (q, k, v))  # one "batch" of all rows
-    persistent = persistent_for(max_seqlen_k, -(-max_seqlen_q // BM) * h * batch,
-                                sm_count(q.device.index))
+    tiles = -(-max_seqlen_q // block_m(d, dv, q.dtype)) * h * batch
+    persistent = persistent_for(max_seqlen_k, tiles, sm_count(q.device.index))
     launch(kernel(q.dtype, d, causal, local=local, softcap=softcap > 0, varlen=True, dv=dv,
                   persistent=persistent), o, lse, q4, k4, v4, max_seqlen_q, 0, batch, scale,
            causal_offset, local_offset, softcap, cu_seqlens_q, cu_seqlens_k, bottom_right,

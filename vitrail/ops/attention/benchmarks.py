@@ -33,10 +33,11 @@ def build() -> None:
 
     import torch
 
-    from vitrail.ops.attention import BM, BWD_HEAD_DIMS, bwd_kernels, kernel, persistent_for
+    from vitrail.ops.attention import (BWD_HEAD_DIMS, block_m, bwd_kernels, kernel,
+                                       persistent_for)
     from vitrail.device import target_limits
     sms = target_limits().sm_count
-    variants = sorted({(d, dv, causal, persistent_for(s, -(-s // BM) * h * b, sms))
+    variants = sorted({(d, dv, causal, persistent_for(s, -(-s // block_m(d, dv)) * h * b, sms))
                        for b, s, h, d, dv, causal in CASES})
     jobs = [lambda d=d, dv=dv, c=c, p=p: kernel(torch.bfloat16, d, c, dv=dv, persistent=p)
             for d, dv, c, p in variants]
@@ -110,15 +111,16 @@ def build_fp8() -> None:
 
     import torch
 
-    from vitrail.ops.attention import BM, fp8, kernel, persistent_for
+    from vitrail.ops.attention import block_m, fp8, kernel, persistent_for
     from vitrail.device import target_limits
     sms = target_limits().sm_count
-    variants = sorted({(d, dv, causal, persistent_for(s, -(-s // BM) * h * b, sms))
-                       for b, s, h, d, dv, causal in CASES})
-    jobs = [lambda d=d, dv=dv, c=c, p=p, dt=dt: kernel(dt, d, c, dv=dv, persistent=p,
-                                                      out_dtype=torch.bfloat16)
-            for d, dv, c, p in variants for dt in (torch.float8_e4m3fn, torch.bfloat16)]
-    jobs += [lambda dv=dv: fp8.vt_kernel(dv) for dv in sorted({dv for _, dv, _, _ in variants})]
+    dtypes = (torch.float8_e4m3fn, torch.bfloat16)
+    variants = sorted({(d, dv, causal, persistent_for(s, -(-s // block_m(d, dv, dt)) * h * b, sms),
+                        i) for b, s, h, d, dv, causal in CASES for i, dt in enumerate(dtypes)})
+    jobs = [lambda d=d, dv=dv, c=c, p=p, dt=dtypes[i]: kernel(dt, d, c, dv=dv, persistent=p,
+                                                             out_dtype=torch.bfloat16)
+            for d, dv, c, p, i in variants]
+    jobs += [lambda dv=dv: fp8.vt_kernel(dv) for dv in sorted({v[1] for v in variants})]
     with ThreadPoolExecutor(max(1, min(8, len(jobs)))) as pool:
         list(pool.map(lambda job: job(), jobs))
 

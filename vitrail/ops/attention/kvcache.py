@@ -21,9 +21,10 @@ import torch
 from torch import Tensor
 
 from vitrail.jit.errors import ArgumentError
-from vitrail.ops.attention import (BM, MAX_GRID_YZ, PLAN_OUTPUTS, PLANS, block_n, check_options,
-                                   check_qkv, decode_route, frozen, generals, kernel_mask,
-                                   new_outputs, on_device, paged_dispatch, paged_into, planned)
+from vitrail.ops.attention import (MAX_GRID_YZ, PLAN_OUTPUTS, PLANS, block_m, block_n,
+                                   check_options, check_qkv, decode_route, frozen, generals,
+                                   kernel_mask, new_outputs, on_device, paged_dispatch,
+                                   paged_into, planned)
 from vitrail.ops.common import EAGER, call_mode, check_same_device, check_tensor
 from vitrail.plan import GENERAL, signature
 from vitrail.plan.native import front
@@ -80,7 +81,7 @@ def attention_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens
     unmasked = not local and (not upper or hi >= sq - 1)  # every row sees every cached key
     if unmasked:
         upper = local = False
-    pack = unmasked and h > hk and sq * (h // hk) <= BM
+    pack = unmasked and h > hk and sq * (h // hk) <= block_m(d, dv, q.dtype, paged=True)
     route = decode_route(b, sq, h, hk, capacity, block_n(d, dv), pack, unmasked, num_splits,
                          q.device)
     mask = (upper, hi, local, lo)

@@ -3,11 +3,12 @@
 //
 // Slab -> tile: a producer warpgroup, in which one thread loads the CTA's BM query rows once and
 // each block of BN keys and values into a ring of STAGES stages by TMA (Tma on a Pipeline).
-// Tile -> fragment: two consumer warpgroups, 64 query rows each: S = Q K^T by wgmma from shared
-// memory (TileMMA, SS), the online softmax on S's fragments in registers (exp2, running max and
-// sum per row across a quad), then O += P V with P taken from registers (TileMMA, RS, as_a).
-// PINGPONG: the two take turns to issue Q K^T (two named barriers), so one's softmax runs while
-// the other's product is on the tensor cores (FlashAttention-3's ping-pong).
+// Tile -> fragment: WG consumer warpgroups (2, or 3 at small head dims), 64 query rows each
+// (BM = 64 WG): S = Q K^T by wgmma from shared memory (TileMMA, SS), the online softmax on S's
+// fragments in registers (exp2, running max and sum per row across a quad), then O += P V with
+// P taken from registers (TileMMA, RS, as_a).
+// PINGPONG: the warpgroups take turns to issue Q K^T, in a ring (a named barrier each), so one's
+// softmax runs while another's product is on the tensor cores (FlashAttention-3's ping-pong).
 // Causal CTAs take blocks of query rows from the last (the most keys) to the first, so the
 // grid's tail is the lightest work. LOCAL (a sliding window): key j is visible to row i only
 // where j >= i + local_offset, and the blocks wholly left of every row's window are not loaded.
@@ -38,8 +39,9 @@
 // epilogue overlap the neighbouring tiles' work (else one CTA per tile).
 //
 // Config (constexpr before the include): T (q's, k's and v's type), TO (o's), D (q's and k's
-// head dim), DV (v's and o's), BM (query rows), BN (keys per block), STAGES, CAUSAL, LOCAL,
-// SOFTCAP, VARLEN, PAGED, PINGPONG, PERSISTENT, FP8 (bool).
+// head dim), DV (v's and o's), WG (consumer warpgroups, 2 or 3), BM (query rows, 64 WG), BN
+// (keys per block), STAGES, CAUSAL, LOCAL, SOFTCAP, VARLEN, PAGED, PINGPONG, PERSISTENT, FP8
+// (bool).
 // Layouts: q, k (batch, seqlen, heads, D), v, o (batch, seqlen, heads, DV), the head dim
 // contiguous; TMA maps over (head dim, seqlen, heads, batch) made by the Python side
 // (vitrail.ops.attention); lse (batch, heads, seqlen_q) fp32.
@@ -54,18 +56,26 @@
 
 namespace attention {
 
-using QK = vitrail::TileMMA<T, BM, BN, D, 2>;                                    // S = Q K^T
+static_assert((WG == 2 || WG == 3) && BM == 64 * WG, "attention: BM is 64 rows a consumer");
+using QK = vitrail::TileMMA<T, BM, BN, D, WG>;                                   // S = Q K^T
 // O += P V: V's tile (keys, DV) with DV contiguous, or FP8 V^T's (DV, keys) with keys contiguous
-using PV = vitrail::TileMMA<T, BM, DV, BN, 2, vitrail::Major::K,
+using PV = vitrail::TileMMA<T, BM, DV, BN, WG, vitrail::Major::K,
                             FP8 ? vitrail::Major::K : vitrail::Major::MN>;
 constexpr int kThreads = 128 + QK::kThreads;
-// setmaxnreg: the producer's registers go to the consumers, within the 168 a thread of the CTA
-// has at launch (65536 / 384, rounded down to a multiple of 8). PERSISTENT's producer loop over
-// tiles spills at 40 (ptxas moves a TMA coordinate to the stack around each load), so it keeps
-// 48 and the consumers get 224.
+// setmaxnreg: the producer's registers go to the consumers, within what a thread of the CTA has
+// at launch (65536 / kThreads rounded down to a multiple of 8: 168 at WG 2, 128 at WG 3).
+// PERSISTENT's producer loop over tiles spills at 40 (ptxas moves a TMA coordinate to the stack
+// around each load), so it keeps 48. The consumers get the rest (WG 2: 232, or 224 PERSISTENT;
+// WG 3: 152); the producer keeps its floor (it spills at none, and what the consumers' multiple
+// of 8 leaves over would only reallocate its code).
+constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
 constexpr int kProducerRegisters = PERSISTENT ? 48 : 40;
-constexpr int kConsumerRegisters = PERSISTENT ? 224 : 232;
-static_assert(128 * kProducerRegisters + QK::kThreads * kConsumerRegisters <= 168 * kThreads);
+constexpr int kConsumerRegisters =
+    cute::min(256, (kLaunchRegisters * kThreads - 128 * kProducerRegisters) / QK::kThreads / 8 * 8);
+static_assert(128 * kProducerRegisters + QK::kThreads * kConsumerRegisters <=
+              kLaunchRegisters * kThreads);
+static_assert(kProducerRegisters % 8 == 0 && kConsumerRegisters % 8 == 0 &&
+              kProducerRegisters >= 24 && kConsumerRegisters <= 256);
 static_assert(VARLEN || !PAGED, "attention: PAGED takes VARLEN's packed outputs");
 static_assert(!FP8 || (!VARLEN && D % 32 == 0 && BN % 32 == 0),
               "attention: FP8 takes dense batches, D a multiple of 32 and blocks of 32 keys");
@@ -354,13 +364,15 @@ __device__ void forward(const Params& base, int row_blocks, int total, int* coun
   constexpr int kRows = decltype(cute::size<0>(s_rows))::value;
   float row_max[kRows], row_sum[kRows];
 
-  // Ping-pong: warpgroup w issues its Q K^T after the other has issued its own (barrier kTurn
-  // + w), then lets the other go; warpgroup 0 goes first. Both run every block of every tile,
-  // so the turns carry across tiles. The last arrival is never waited on.
-  constexpr int kTurn = 1;
-  constexpr int kZeroed = 3;  // PAGED: a warpgroup's zeros in a block of V are written
+  // Ping-pong, a ring: warpgroup w issues its Q K^T after warpgroup w - 1 (mod WG) has issued
+  // its own (barrier kTurn + w: w's 128 threads wait, w - 1's arrive, 256 in all), then lets
+  // w + 1 go; warpgroup 0 goes first (the last one's arrival on kTurn up front). All run every
+  // block of every tile, so the turns carry across tiles. The last arrival is never waited on.
+  constexpr int kTurn = 1, kTurnThreads = 256;
+  constexpr int kZeroed = kTurn + WG;  // PAGED: a warpgroup's zeros in a block of V are written
+  static_assert(kZeroed + WG <= 16, "attention: the CTA has 16 named barriers");
   const int wg = t / 128;
-  if (PINGPONG && wg == 1) vitrail::named_barrier_arrive(kTurn, QK::kThreads);
+  if (PINGPONG && wg == WG - 1) vitrail::named_barrier_arrive(kTurn, kTurnThreads);
 
   vitrail::PipeState<STAGES> rd;
   for (int i = 0;; ++i) {
@@ -407,10 +419,12 @@ __device__ void forward(const Params& base, int row_blocks, int total, int* coun
           vitrail::named_barrier_sync(kZeroed + wg, 128);
         }
       }
-      if (PINGPONG) vitrail::named_barrier_sync(kTurn + wg, QK::kThreads);
+      if (PINGPONG) vitrail::named_barrier_sync(kTurn + wg, kTurnThreads);
       QK::zero(s);
       qk.mma(sQ(cute::_, cute::_, 0), sK(rd.index)(cute::_, cute::_, 0), s);
-      if (PINGPONG) vitrail::named_barrier_arrive(kTurn + 1 - wg, QK::kThreads);
+      // the next warpgroup's turn (WG 2 written 1 - wg: the two-way kernel's instructions)
+      if (PINGPONG)
+        vitrail::named_barrier_arrive(kTurn + (WG == 2 ? 1 - wg : (wg + 1) % WG), kTurnThreads);
       QK::wait<0>(s);
       if (j == blocks - 1) release_q();
       CUTE_UNROLL
