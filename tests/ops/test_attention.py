@@ -49,11 +49,15 @@ def test_compiles_for_sm90a(which, d, causal, options):
 
 
 def test_three_consumer_warpgroups_at_small_head_dims():
-    """bf16 and fp16 at D and Dv up to 64 take three consumer warpgroups (192 rows a tile), in
-    the kernel's config too; PAGED, FP8 and larger head dims two (128 rows), as before."""
+    """bf16 and fp16 at D and Dv up to 64 take three consumer warpgroups (192 rows a tile) for
+    sequences of WG3_MIN_ROWS query rows or more (and where the rows are not given: the largest
+    tile), in the kernel's config too; shorter ones, PAGED, FP8 and larger head dims two (128
+    rows), as before."""
     for dtype in A.DTYPES:
         for d, dv in ((16, 16), (32, 32), (64, 64), (64, 32), (48, 64)):
             assert A.warpgroups(d, dv, dtype) == 3 and A.block_m(d, dv, dtype) == 192, (d, dv)
+            assert A.warpgroups(d, dv, dtype, rows=A.WG3_MIN_ROWS) == 3, (d, dv)
+            assert A.block_m(d, dv, dtype, rows=A.WG3_MIN_ROWS - 1) == 128, (d, dv)
             assert A.warpgroups(d, dv, dtype, paged=True) == 2, (d, dv)
         for d, dv in ((64, 128), (128, 64), (80, 80), (128, 128), (256, 256)):
             assert A.warpgroups(d, dv, dtype) == 2 and A.block_m(d, dv, dtype) == 128, (d, dv)
@@ -63,12 +67,14 @@ def test_three_consumer_warpgroups_at_small_head_dims():
                for d in A.HEAD_DIMS for dtype in A.DTYPES)
     source = A.source(torch.float16, 64, True)
     assert "constexpr int WG = 3;\nconstexpr int BM = 192;" in source
+    assert "constexpr int WG = 2;\nconstexpr int BM = 128;" in A.source(torch.float16, 64, True,
+                                                                       wg=2)
     for source in (A.source(torch.bfloat16, 128, True), A.source(torch.bfloat16, 64, False,
                                                                   paged=True)):
         assert "constexpr int WG = 2;\nconstexpr int BM = 128;" in source
     # Q's 192 rows: 24 KB at D 64 beside two stages of 128 keys
     assert A.smem_bytes(64) == 1024 + 192 * 64 * 2 + 2 * 128 * 128 * 2 + 16 * 2 + 24
-    assert A.smem_bytes(64, paged=True) == A.smem_bytes(64) - 64 * 64 * 2
+    assert A.smem_bytes(64, paged=True) == A.smem_bytes(64, wg=2) == A.smem_bytes(64) - 64 * 64 * 2
 
 
 @pytest.mark.parametrize("d,dtype,paged,threads,rows", [
@@ -673,6 +679,17 @@ def _sdpa(q, k, v, causal):
     return o.transpose(1, 2)
 
 
+@pytest.fixture
+def three_warpgroups(monkeypatch):
+    """D <= 64 on three consumer warpgroups at every length (the default takes them from
+    WG3_MIN_ROWS rows), the plans of earlier calls forgotten before and after."""
+    from vitrail.plan import clear_all
+    monkeypatch.setattr(A, "WG3_MIN_ROWS", 1)
+    clear_all()
+    yield
+    clear_all()
+
+
 @needs_hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d", [32, 64])
@@ -680,12 +697,12 @@ def _sdpa(q, k, v, causal):
 @pytest.mark.parametrize("b,sq,sk,h,hk", [
     (2, 1, 1, 6, 2), (2, 190, 190, 6, 2), (2, 193, 193, 6, 2), (2, 1000, 1000, 6, 2),
     (2, 193, 1000, 6, 6), (2, 1000, 190, 6, 1), (4, 1000, 1000, 16, 4)])  # the last: persistent
-def test_three_warpgroups_against_sdpa(dtype, d, causal, b, sq, sk, h, hk):
+def test_three_warpgroups_against_sdpa(dtype, d, causal, b, sq, sk, h, hk, three_warpgroups):
     """The kernel of three consumer warpgroups (192 rows a tile; D 32 and 64): o against torch's
     SDPA in fp32 and the lse against the fp64 reference, lengths not multiples of 192 (a last
     tile of 1 row and of 190), causal and not, GQA and MQA, the grid a CTA per tile and one a
     CTA per SM."""
-    assert A.warpgroups(d, d, dtype) == 3
+    assert A.warpgroups(d, d, dtype, rows=sq) == 3
     q, k, v = _qkv(b, sq, sk, h, hk, d, dtype, seed=sq + sk + d)
     o, lse = A.attention(q, k, v, causal=causal, return_lse=True)
     tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
@@ -698,7 +715,7 @@ def test_three_warpgroups_against_sdpa(dtype, d, causal, b, sq, sk, h, hk):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d", [32, 64])
 @pytest.mark.parametrize("causal", [False, True])
-def test_three_warpgroups_varlen_against_sdpa(dtype, d, causal):
+def test_three_warpgroups_varlen_against_sdpa(dtype, d, causal, three_warpgroups):
     """attention_varlen on the kernel of three consumer warpgroups: each sequence's o against
     SDPA in fp32 (GQA 3), lengths of 1, 190, 193, 1000, 0 and 385 rows and keys."""
     lq, lk = [1, 190, 193, 1000, 0, 385], [1, 193, 190, 1000, 5, 385]
@@ -715,15 +732,24 @@ def test_three_warpgroups_varlen_against_sdpa(dtype, d, causal):
 
 
 @needs_hopper
-@pytest.mark.parametrize("d,causal", [(64, True), (128, False), (256, True)])
-def test_the_ping_pong_changes_no_bit(d, causal):
-    """The warpgroups taking turns reorders when each issues its products, not what they
-    compute: the op (ping-pong) and the lockstep kernel give the same bits."""
+@pytest.mark.parametrize("d,causal,wg3", [(64, True, False), (64, True, True), (128, False, False),
+                                         (256, True, False)])
+def test_the_ping_pong_changes_no_bit(d, causal, wg3, monkeypatch):
+    """The warpgroups taking turns (a ring of three at D 64 where wg3) reorders when each issues
+    its products, not what they compute: the op (ping-pong) and the lockstep kernel give the
+    same bits."""
+    from vitrail.plan import clear_all
+    if wg3:
+        monkeypatch.setattr(A, "WG3_MIN_ROWS", 1000)
+    clear_all()
     q, k, v = _qkv(2, 1000, 1000, 4, 2, d, torch.bfloat16, seed=4)
     o, lse = A.attention(q, k, v, causal=causal, return_lse=True, num_splits=1)  # one pass
     o2, lse2 = torch.empty_like(o), torch.empty_like(lse)
-    A.launch(A.kernel(q.dtype, d, causal, pingpong=False), o2, lse2, q, k, v, 1000, 1000, 2,
-             d ** -0.5, 0, 0, 0.0)
+    wg = A.warpgroups(d, rows=1000)
+    assert wg == (3 if wg3 else 2)
+    A.launch(A.kernel(q.dtype, d, causal, pingpong=False, wg=wg), o2, lse2, q, k, v, 1000, 1000,
+             2, d ** -0.5, 0, 0, 0.0, wg=wg)
+    clear_all()
     assert torch.equal(o, o2) and torch.equal(lse, lse2)
 
 
@@ -762,20 +788,23 @@ def test_the_persistent_grid_changes_no_bit(d, causal, extra):
     o, lse = A.attention(q, k, v, return_lse=True, **kw)
     upper, hi, local, lo = A.kernel_mask(1500, 1700, causal, "bottom_right", extra.get("window"))
     softcap = float(extra.get("softcap", 0.0))
-    lockstep = A.kernel(q.dtype, d, upper, local=local, softcap=softcap > 0, persistent=False)
+    wg = A.warpgroups(d, rows=1500)  # the op's
+    lockstep = A.kernel(q.dtype, d, upper, local=local, softcap=softcap > 0, persistent=False,
+                        wg=wg)
     o2, lse2 = torch.empty_like(o), torch.empty_like(lse)
     A.launch(lockstep, o2, lse2, q, k, v, 1500, 1700, 3, d ** -0.5, hi, lo, softcap,
-             persistent=False)
+             persistent=False, wg=wg)
     assert torch.equal(o, o2) and torch.equal(lse, lse2)
     lq, lk = [700, 0, 1, 1500, 129], [900, 3, 0, 1700, 128]
     q, k, v, cq, ck = _varlen_inputs(lq, lk, 8, 2, d, torch.bfloat16, seed=7)
     o, lse = A.attention_varlen(q, k, v, cq, ck, max(lq), max(lk), return_lse=True, **kw)
     upper, hi, local, lo = A.kernel_mask(0, 0, causal, "top_left", extra.get("window"))
+    wg = A.warpgroups(d, rows=max(lq))
     lockstep = A.kernel(q.dtype, d, upper, local=local, softcap=softcap > 0, varlen=True,
-                        persistent=False)
+                        persistent=False, wg=wg)
     o2, lse2 = torch.empty_like(o), torch.empty_like(lse)
     A.launch(lockstep, o2, lse2, q[None], k[None], v[None], max(lq), 0, len(lq), d ** -0.5, hi,
-             lo, softcap, cq, ck, bottom_right=True, persistent=False)
+             lo, softcap, cq, ck, bottom_right=True, persistent=False, wg=wg)
     assert torch.equal(o, o2) and torch.equal(lse, lse2)
 
 
@@ -1019,7 +1048,8 @@ def test_split_keys_combine_the_chunks_like_one_pass(monkeypatch, b, sq, h, hk, 
     assert o.shape == ro.shape and o.dtype == q.dtype and lse.shape == (b, h, sq)
     torch.testing.assert_close(o.detach().double(), ro, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(lse.detach().double(), rlse, rtol=1e-5, atol=1e-5)
-    pack = h > hk and sq * h // hk <= A.block_m(d, dv) and sk >= A.DECODE_MIN_KEYS
+    pack = h > hk and sq * h // hk <= A.block_m(d, dv, rows=sq * h // hk) and \
+        sk >= A.DECODE_MIN_KEYS
     split = splits > 1 if splits else True  # the default, by splits_for: 1 to 4 tiles
     assert [c[4] for c in calls] == ([pack] if pack or split else [])
 

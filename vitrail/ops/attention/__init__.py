@@ -75,20 +75,28 @@ SMEM_LIMIT = 227 * 1024  # dynamic shared memory a CTA may take on Hopper
 KERNELS: dict[tuple, object] = {}
 
 
+# query rows of a sequence from which D <= 64 takes three consumer warpgroups (measured: docs/
+# perf-notes.md#three-consumer-warpgroups-at-small-head-dims)
+WG3_MIN_ROWS = 4096
+
+
 def warpgroups(d: int, dv: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
-               paged: bool = False) -> int:
+               paged: bool = False, rows: Optional[int] = None) -> int:
     """The forward's consumer warpgroups (64 query rows each): 3 for bf16 and fp16 at D and Dv
     of 64 or less (each one's products are short there, the softmax long: a third keeps the
-    tensor cores busy; FlashAttention-3's choice), else 2 (also PAGED and FP8, an 8-bit
-    dtype)."""
+    tensor cores busy; FlashAttention-3's choice) where a sequence has at least WG3_MIN_ROWS
+    query rows (rows; None: the largest tile a call may take), else 2 (shorter sequences lose
+    more to 192-row tiles' partial last tile and causal diagonal than they gain; PAGED; FP8, an
+    8-bit dtype)."""
     dv = d if dv is None else dv
-    return 3 if dtype in DTYPES and d <= 64 and dv <= 64 and not paged else 2
+    small = dtype in DTYPES and d <= 64 and dv <= 64 and not paged
+    return 3 if small and (rows is None or rows >= WG3_MIN_ROWS) else 2
 
 
 def block_m(d: int, dv: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
-            paged: bool = False) -> int:
+            paged: bool = False, rows: Optional[int] = None) -> int:
     """Query rows a CTA's tile: 64 a consumer warpgroup (warpgroups)."""
-    return 64 * warpgroups(d, dv, dtype, paged)
+    return 64 * warpgroups(d, dv, dtype, paged, rows)
 
 
 def block_n(d: int, dv: Optional[int] = None) -> int:
@@ -116,21 +124,23 @@ def _smem(d: int, dv: int, bn: int, e: int, bm: int) -> int:
 
 
 def smem_bytes(d: int, dtype: torch.dtype = torch.bfloat16, dv: Optional[int] = None,
-               paged: bool = False) -> int:
+               paged: bool = False, wg: Optional[int] = None) -> int:
+    """The forward's shared memory (wg: its consumer warpgroups; None: warpgroups')."""
     dv = d if dv is None else dv
     return _smem(d, dv, block_n(d, dv), torch.finfo(dtype).bits // 8,
-                 block_m(d, dv, dtype, paged))
+                 64 * wg if wg else block_m(d, dv, dtype, paged))
 
 
 def source(dtype: torch.dtype, d: int, causal: bool, pingpong: bool = True, local: bool = False,
            softcap: bool = False, varlen: bool = False, dv: Optional[int] = None,
            persistent: bool = True, paged: bool = False,
-           out_dtype: Optional[torch.dtype] = None) -> str:
+           out_dtype: Optional[torch.dtype] = None, wg: Optional[int] = None) -> str:
     """The forward's instantiation; an 8-bit dtype (e4m3) is the FP8 forward, its output
-    out_dtype (bf16 or fp16; else o is q's dtype)."""
+    out_dtype (bf16 or fp16; else o is q's dtype); wg: its consumer warpgroups (None:
+    warpgroups' for any length)."""
     dv = d if dv is None else dv
     fp8 = dtype.itemsize == 1
-    wg = warpgroups(d, dv, dtype, paged)
+    wg = wg or warpgroups(d, dv, dtype, paged)
     config = {"D": d, "DV": dv, "WG": wg, "BM": 64 * wg, "BN": block_n(d, dv), "STAGES": STAGES}
     flags = {"CAUSAL": causal, "LOCAL": local, "SOFTCAP": softcap, "VARLEN": varlen or paged,
              "PAGED": paged, "PINGPONG": pingpong, "PERSISTENT": persistent, "FP8": fp8}
@@ -159,24 +169,26 @@ SIGNATURE = ("void* o, float* lse, const vitrail::TensorMap mapQ, const vitrail:
 def kernel(dtype: torch.dtype, d: int, causal: bool, pingpong: bool = True, local: bool = False,
            softcap: bool = False, varlen: bool = False, dv: Optional[int] = None,
            persistent: bool = True, paged: bool = False,
-           out_dtype: Optional[torch.dtype] = None):
+           out_dtype: Optional[torch.dtype] = None, wg: Optional[int] = None):
     """The compiled forward (pingpong=False: the warpgroups in lockstep; persistent=False: a CTA
     per tile; both kept to measure the defaults against, which the op always runs). causal:
     keys right of the diagonal (shifted by a window's right size) masked; local: keys left of a
     window masked; softcap: the scores capped with tanh; varlen: sequences packed along the
     rows; paged: varlen's query rows over a KV cache (kvcache.py); dv: v's head dim (default
-    d); an 8-bit dtype: the FP8 forward (fp8.py), o of out_dtype. Launch it with
-    :func:`launch`."""
+    d); an 8-bit dtype: the FP8 forward (fp8.py), o of out_dtype; wg: the consumer warpgroups
+    (warpgroups' for the call's rows; None: for any length). Launch it with :func:`launch`,
+    given the same wg."""
     dv = d if dv is None else dv
     out_dtype = out_dtype or dtype
+    wg = wg or warpgroups(d, dv, dtype, paged)
     key = (dtype, d, dv, causal, pingpong, local, softcap, varlen or paged, persistent, paged,
-           out_dtype)
+           out_dtype, wg)
     k = KERNELS.get(key)
     if k is None:
         from vitrail import jit
         # CuTe's constexpr helpers carry no __device__: NVRTC needs -default-device
         module = jit.compile(source(dtype, d, causal, pingpong, local, softcap, varlen, dv,
-                                    persistent, paged, out_dtype),
+                                    persistent, paged, out_dtype, wg),
                              name="attention_fwd",
                              backend="nvrtc", include_dirs=[HERE], flags=["-default-device"])
         k = KERNELS[key] = module.kernel("attention_fwd", SIGNATURE)
@@ -208,7 +220,8 @@ def launch(fwd, o: Tensor, lse: Tensor, q4: Tensor, k4: Tensor, v4: Tensor, seql
            seqlen_k: int, batch: int, scale: float, causal_offset: int, local_offset: int,
            softcap: float, cu_q: Optional[Tensor] = None, cu_k: Optional[Tensor] = None,
            bottom_right: bool = False, persistent: bool = True,
-           paged: Optional[tuple] = None, descale: Optional[Tensor] = None) -> None:
+           paged: Optional[tuple] = None, descale: Optional[Tensor] = None,
+           wg: Optional[int] = None) -> None:
     """Run a forward kernel (:func:`kernel`'s, built with the same persistent) over q4, k4 and v4
     as (batch, seqlen, heads, head dim) tensors TMA can read (varlen: one batch of every row,
     seqlen_q the longest sequence's rows, cu_q and cu_k the offsets, o packed; paged: q4 (batch,
@@ -219,7 +232,7 @@ def launch(fwd, o: Tensor, lse: Tensor, q4: Tensor, k4: Tensor, v4: Tensor, seql
     (batch, DV, heads, keys) with the keys contiguous (fp8.transposed_v)."""
     h, hk, d = q4.shape[2], k4.shape[2], q4.shape[3]
     dv = v4.shape[3] if descale is None else v4.shape[1]
-    wg = warpgroups(d, dv, q4.dtype, paged is not None)  # the kernel's (source's WG)
+    wg = wg or warpgroups(d, dv, q4.dtype, paged is not None)  # the kernel's (its source's WG)
     bm = 64 * wg
     row_blocks = -(-seqlen_q // bm)
     if persistent:
@@ -239,7 +252,7 @@ def launch(fwd, o: Tensor, lse: Tensor, q4: Tensor, k4: Tensor, v4: Tensor, seql
             softcap, scale / softcap if softcap > 0 else 0.0, cu_q, cu_k,
             o.shape[0] if varlen else 0, int(bottom_right), kv_lens, table, table_stride,
             page, splits, chunk_keys, row_blocks, row_blocks * h * batch, counter, descale,
-            shared_mem=smem_bytes(d, q4.dtype, dv, paged is not None))
+            shared_mem=smem_bytes(d, q4.dtype, dv, paged is not None, wg))
 
 
 # The backward's kernels (sm90_attention_bwd.cuh): dQ over the keys, dK and dV over the rows.
@@ -566,11 +579,13 @@ def fwd_into(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, scale: flo
                                   f"torch.nn.functional.scaled_dot_product_attention there")
     q, k = _tma_ready(q), _tma_ready(k)
     v = _tma_ready(v) if descale is None else v
-    tiles = -(-sq // block_m(d, dv, q.dtype)) * h * b
+    wg = warpgroups(d, dv, q.dtype, rows=sq)
+    tiles = -(-sq // (64 * wg)) * h * b
     persistent = persistent_for(sk, tiles, sm_count(q.device.index))
     launch(kernel(q.dtype, d, causal, local=local, softcap=softcap > 0, dv=dv,
-                  persistent=persistent, out_dtype=o.dtype), o, lse, q, k, v, sq, sk, b, scale,
-           causal_offset, local_offset, softcap, persistent=persistent, descale=descale)
+                  persistent=persistent, out_dtype=o.dtype, wg=wg), o, lse, q, k, v, sq, sk, b,
+           scale, causal_offset, local_offset, softcap, persistent=persistent, descale=descale,
+           wg=wg)
 
 
 @_attention_fwd.register_fake
@@ -744,7 +759,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     if b * sq > 0 and sk > 0 and not local and (not upper or hi >= sk - 1):  # no key masked
         long = sk >= DECODE_MIN_KEYS
         # the packed rows a tile: the PAGED kernel's without gradients, else the varlen one's
-        bm = block_m(d, dv, q.dtype, paged=not grad)
+        bm = block_m(d, dv, q.dtype, paged=not grad, rows=sq * (h // hk))
         pack = long and h > hk and sq * (h // hk) <= bm
         if not grad:  # the PAGED forward over k and v, their rows where they are
             g, n, size = decode_route(b, sq, h, hk, sk, block_n(d, dv), pack, True, num_splits,
@@ -1201,12 +1216,13 @@ def _attention_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
         raise NotImplementedError(f"{NAME}: the kernel is sm_90a (Hopper); "
                                   f"{torch.cuda.get_device_name(q.device)} is not one")
     q4, k4, v4 = (_tma_ready(t.unsqueeze(0)) for t in (q, k, v))  # one "batch" of all rows
-    tiles = -(-max_seqlen_q // block_m(d, dv, q.dtype)) * h * batch
+    wg = warpgroups(d, dv, q.dtype, rows=max_seqlen_q)
+    tiles = -(-max_seqlen_q // (64 * wg)) * h * batch
     persistent = persistent_for(max_seqlen_k, tiles, sm_count(q.device.index))
     launch(kernel(q.dtype, d, causal, local=local, softcap=softcap > 0, varlen=True, dv=dv,
-                  persistent=persistent), o, lse, q4, k4, v4, max_seqlen_q, 0, batch, scale,
-           causal_offset, local_offset, softcap, cu_seqlens_q, cu_seqlens_k, bottom_right,
-           persistent)
+                  persistent=persistent, wg=wg), o, lse, q4, k4, v4, max_seqlen_q, 0, batch,
+           scale, causal_offset, local_offset, softcap, cu_seqlens_q, cu_seqlens_k,
+           bottom_right, persistent, wg=wg)
     return o, lse
 
 

@@ -33,16 +33,18 @@ def build() -> None:
 
     import torch
 
-    from vitrail.ops.attention import (BWD_HEAD_DIMS, block_m, bwd_kernels, kernel,
-                                       persistent_for)
+    from vitrail.ops.attention import (BWD_HEAD_DIMS, bwd_kernels, kernel, persistent_for,
+                                       warpgroups)
     from vitrail.device import target_limits
     sms = target_limits().sm_count
-    variants = sorted({(d, dv, causal, persistent_for(s, -(-s // block_m(d, dv)) * h * b, sms))
-                       for b, s, h, d, dv, causal in CASES})
-    jobs = [lambda d=d, dv=dv, c=c, p=p: kernel(torch.bfloat16, d, c, dv=dv, persistent=p)
-            for d, dv, c, p in variants]
+    variants = sorted({(d, dv, causal, persistent_for(s, -(-s // (64 * wg)) * h * b, sms), wg)
+                       for b, s, h, d, dv, causal in CASES
+                       for wg in (warpgroups(d, dv, rows=s),)})
+    jobs = [lambda d=d, dv=dv, c=c, p=p, wg=wg: kernel(torch.bfloat16, d, c, dv=dv, persistent=p,
+                                                      wg=wg)
+            for d, dv, c, p, wg in variants]
     jobs += [lambda d=d, c=c, det=det: bwd_kernels(torch.bfloat16, d, c, deterministic=det)
-             for d, c in sorted({(d, c) for d, dv, c, _ in variants if d == dv})
+             for d, c in sorted({(d, c) for d, dv, c, _, _ in variants if d == dv})
              if d in BWD_HEAD_DIMS for det in (False, True)]
     with ThreadPoolExecutor(max(1, min(8, len(jobs)))) as pool:
         list(pool.map(lambda job: job(), jobs))
@@ -111,15 +113,16 @@ def build_fp8() -> None:
 
     import torch
 
-    from vitrail.ops.attention import block_m, fp8, kernel, persistent_for
+    from vitrail.ops.attention import fp8, kernel, persistent_for, warpgroups
     from vitrail.device import target_limits
     sms = target_limits().sm_count
     dtypes = (torch.float8_e4m3fn, torch.bfloat16)
-    variants = sorted({(d, dv, causal, persistent_for(s, -(-s // block_m(d, dv, dt)) * h * b, sms),
-                        i) for b, s, h, d, dv, causal in CASES for i, dt in enumerate(dtypes)})
-    jobs = [lambda d=d, dv=dv, c=c, p=p, dt=dtypes[i]: kernel(dt, d, c, dv=dv, persistent=p,
-                                                             out_dtype=torch.bfloat16)
-            for d, dv, c, p, i in variants]
+    variants = sorted({(d, dv, causal, persistent_for(s, -(-s // (64 * wg)) * h * b, sms), i, wg)
+                       for b, s, h, d, dv, causal in CASES for i, dt in enumerate(dtypes)
+                       for wg in (warpgroups(d, dv, dt, rows=s),)})
+    jobs = [lambda d=d, dv=dv, c=c, p=p, dt=dtypes[i], wg=wg: kernel(
+                dt, d, c, dv=dv, persistent=p, out_dtype=torch.bfloat16, wg=wg)
+            for d, dv, c, p, i, wg in variants]
     jobs += [lambda dv=dv: fp8.vt_kernel(dv) for dv in sorted({v[1] for v in variants})]
     with ThreadPoolExecutor(max(1, min(8, len(jobs)))) as pool:
         list(pool.map(lambda job: job(), jobs))
@@ -204,10 +207,11 @@ def build_decode() -> None:
 
     import torch
 
-    from vitrail.ops.attention import combine_kernel, kernel
+    from vitrail.ops.attention import combine_kernel, kernel, warpgroups
     variants = {(d, var, p) for _, _, _, _, d in DECODE_CASES for var in (False, True)
                 for p in (False, True)}
-    jobs = [lambda d=d, var=var, p=p: kernel(torch.bfloat16, d, False, varlen=var, persistent=p)
+    jobs = [lambda d=d, var=var, p=p: kernel(torch.bfloat16, d, False, varlen=var, persistent=p,
+                                             wg=warpgroups(d, rows=1))  # a few rows a head
             for d, var, p in sorted(variants)]
     jobs += [lambda d=d, p=p: kernel(torch.bfloat16, d, False, persistent=p, paged=True)
              for d, p in sorted({(d, p) for d, _, p in variants})]
