@@ -77,7 +77,7 @@ KERNELS: dict[tuple, object] = {}
 
 # query rows of a sequence from which D <= 64 takes three consumer warpgroups (measured: docs/
 # perf-notes.md#three-consumer-warpgroups-at-small-head-dims)
-WG3_MIN_ROWS = 4096
+WG3_MIN_ROWS = 2048
 
 
 def warpgroups(d: int, dv: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
