@@ -42,6 +42,7 @@
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/bmm.h>
 #include <ATen/ops/clamp.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_strided.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/hardswish.h>
@@ -345,9 +346,11 @@ at::Tensor addmm_epilogue(const Plan& plan, PyObject* const* args) {
   } else if (plan.args[3] >= 0) {
     d = at::addmm(THPVariable_Unpack(args[plan.args[3]]).to(a.scalar_type()), a, b, 1.0,
                   plan.alpha);
-  } else {
+  } else if (plan.alpha == 1.0) {
     d = at::mm(a, b);
-    if (plan.alpha != 1.0) d.mul_(plan.alpha);
+  } else {  // alpha applied inside the product, as torch_fused's addmm(beta=0) does
+    d = at::empty({a.size(0), b.size(1)}, a.options());
+    at::addmm_out(d, d, a, b, 0.0, plan.alpha);
   }
   switch (plan.activation) {
     case 0: break;
