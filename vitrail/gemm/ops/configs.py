@@ -9,12 +9,12 @@ descriptions' own validation: a config that cannot become a kernel is refused wi
 description's reason.
 
 Heuristic: 16-bit kinds take vitrail.gemm.ops.model's choice (measured neighbours, torch among the
-options, its epilogue's passes counted). TF32 uses 128x128x32 tiles, FP8 128x256x128, with a 2x1 cluster; with too
-few tiles to fill the GPU and a long K, 128x128 tiles on the stream-K scheduler. FP8 with exact
-accumulation takes 128x256 tiles too: the overlapped-promotion mainloop keeps two 64-column
-temporaries beside the accumulators, 192 registers (CUTLASS's collective needs a second full
-accumulator, which spills at 128x256); the other tiles, clusters and schedulers tried were
-slower (docs/ops/gemm.md#fp8-exact-tiles).
+options, its epilogue's passes counted). TF32 uses 128x128x32 tiles, FP8 128x256x128, with a 2x1
+cluster; with too few tiles to fill the GPU and a long K, 128x128 tiles on the stream-K
+scheduler. FP8 with exact accumulation takes 128x256 tiles too: the overlapped-promotion mainloop
+keeps two 64-column temporaries beside the accumulators, 192 registers (CUTLASS's collective
+needs a second full accumulator, which spills at 128x256); the other tiles, clusters and
+schedulers tried were slower (docs/ops/gemm.md#fp8-exact-tiles).
 """
 from __future__ import annotations
 

@@ -300,7 +300,7 @@ def time_fused(dtype, epilogue: str = "bias-silu", *, only=None,
                         dtype=dtype) if e.get("c") else None
         product = torch.baddbmm if s.L > 1 else torch.addmm
         kind = _fused_kind(s, epilogue)
-        chosen = configs_heuristic(kind, s)
+        chosen = _heuristic_config(kind, s)
         rec = dict(asdict(s), name=s.name, held_out=s.held_out, epilogue=epilogue,
                    passes=kind.torch_passes, chosen=model.label(chosen))
         n = _launches(s)
@@ -331,7 +331,7 @@ def time_fused(dtype, epilogue: str = "bias-silu", *, only=None,
         yield rec
 
 
-def configs_heuristic(kind, s: Shape):
+def _heuristic_config(kind, s: Shape):
     """The config the library's heuristic gives kind on shape s."""
     from vitrail.gemm.ops import configs
     from vitrail.tune import limits
