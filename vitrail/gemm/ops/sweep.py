@@ -174,6 +174,16 @@ def eager_ms(call, sets: list[tuple], *, calls: int = 30) -> float:
     return start.elapsed_time(end) / n
 
 
+def fair_eager_ms(calls: dict, sets: list[tuple], rounds: int = 3) -> dict:
+    """{name: ms per call} of eager_ms for each call, alternating, each one's fastest of
+    ``rounds`` kept (as fair_ms)."""
+    best = {name: float("inf") for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            best[name] = min(best[name], eager_ms(call, sets))
+    return best
+
+
 def _torch_launch(a, b, d):
     import torch
     (torch.bmm if a.dim() == 3 else torch.mm)(a, b)  # its own contiguous output, as users call it
@@ -235,10 +245,7 @@ def time_calls(dtype, *, only=None, log=sys.stderr) -> Iterator[dict]:
         n = _launches(s)
         rec["graph"] = fair_ms({"vitrail": Graph(lambda a, b, d: ours(a, b), sets, n),
                                 "torch": Graph(lambda a, b, d: theirs(a, b), sets, n)})
-        rec["eager"] = {"vitrail": float("inf"), "torch": float("inf")}
-        for _ in range(3):  # alternating, the fastest of three kept (as fair_ms)
-            for name, fn in (("vitrail", ours), ("torch", theirs)):
-                rec["eager"][name] = min(rec["eager"][name], eager_ms(fn, sets))
+        rec["eager"] = fair_eager_ms({"vitrail": ours, "torch": theirs}, sets)
         print(f"{s.name:<28} graph {rec['graph']['torch'] / rec['graph']['vitrail']:5.2f}x  "
               f"eager {rec['eager']['torch'] / rec['eager']['vitrail']:5.2f}x", file=log,
               flush=True)
@@ -319,10 +326,7 @@ def time_fused(dtype, epilogue: str = "bias-silu", *, only=None,
         graphs = {"kernel": kernel, "route": Graph(route, sets, n),
                   "vitrail": Graph(ours, sets, n), "torch": Graph(theirs, sets, n)}
         rec["graph"] = fair_ms(graphs)
-        rec["eager"] = {"vitrail": float("inf"), "torch": float("inf")}
-        for _ in range(3):
-            for name, fn in (("vitrail", ours), ("torch", theirs)):
-                rec["eager"][name] = min(rec["eager"][name], eager_ms(fn, sets))
+        rec["eager"] = fair_eager_ms({"vitrail": ours, "torch": theirs}, sets)
         g = rec["graph"]
         print(f"{s.name:<28} {rec['chosen']:<30} kernel/route {g['kernel'] / g['route']:5.2f}  "
               f"graph {g['torch'] / g['vitrail']:5.2f}x  eager "
