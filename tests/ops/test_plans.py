@@ -222,6 +222,13 @@ def test_the_cpp_hit_path_runs_torchs_ops_for_a_fused_epilogue(native):
                                  activation_name=kw.get("activation"),
                                  **{k: v for k, v in kw.items() if k != "activation"})
             _close(got, ref, 3e-2)
+        for _ in range(3):  # alpha alone: inside the product (addmm with beta 0)
+            a, b, _, _ = make()
+            _close(ops.gemm(a, b, alpha=0.5), 0.5 * (a.float() @ b.float()), 3e-2)
+        a, b, _, _ = make()
+        got = ops.gemm.front.call(a, b, None, 0.5, 0.0, None, None, None, 0.01, None, None)
+        assert got is not native.MISS
+        _close(got, 0.5 * (a.float() @ b.float()), 3e-2)
         x = torch.randn(2, 8, K, device="cuda", dtype=BF)
         for _ in range(3):
             _close(ops.gemm(x, b, bias=bias, activation="silu"),
